@@ -1,0 +1,78 @@
+/*
+ * Internal: tunables read once from KVF_* environment variables.
+ *
+ * Every integer parameter is declared once, in KVF_PARAM_LIST below, which
+ * yields both its accessor (int64_t kvf_param_<name>(void), the value cached
+ * on first use) and its row in kvf_param_table() (the README's parameter
+ * table is that list). A value that is not a decimal integer logs one
+ * warning naming the variable and the default is used.
+ *
+ * Threading: accessors are safe from any thread; the first call reads the
+ * environment, later calls return the cached value. Setting the variable
+ * after the first call has no effect.
+ */
+#ifndef KVF_HOST_PARAM_H
+#define KVF_HOST_PARAM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* X(name, ENV_NAME, default, description) for every integer parameter. */
+#define KVF_PARAM_LIST(X)                                                                \
+  X(cuda_disable, "KVF_CUDA_DISABLE", 0,                                                 \
+    "1: never load the CUDA driver; GPU calls return KVF_ERR_NO_DRIVER (host backend only)")
+
+/* A value no parameter may take: marks "not read yet" in the caches. */
+#define KVF_PARAM_UNSET INT64_MIN
+
+/* Read `env` now: its decimal value, or `deflt` when it is unset, empty, or
+ * not an integer (the last logs a warning naming the variable). */
+int64_t kvf_param_read(const char *env, int64_t deflt);
+
+/* Fill *cache from `env` unless another thread already did (used by
+ * KVF_PARAM; *cache starts as KVF_PARAM_UNSET). */
+void kvf_param_load(const char *env, int64_t deflt, int64_t *cache);
+
+/* Parse a decimal integer with optional sign and surrounding spaces.
+ * Returns 0 and sets *out, or -1 (empty, junk, out of range). */
+int kvf_param_parse_int(const char *text, int64_t *out);
+
+/* KVF_PARAM(name, "KVF_ENV", default): defines int64_t kvf_param_name(void).
+ * Use it in one .c file; declare it elsewhere with KVF_PARAM_DECLARE. */
+#define KVF_PARAM(name, env, deflt)                                                       \
+  int64_t kvf_param_##name(void) {                                                        \
+    static int64_t kvf_cache_ = KVF_PARAM_UNSET;                                          \
+    int64_t v_ = __atomic_load_n(&kvf_cache_, __ATOMIC_ACQUIRE);                          \
+    if (v_ == KVF_PARAM_UNSET) {                                                          \
+      kvf_param_load((env), (deflt), &kvf_cache_);                                        \
+      v_ = __atomic_load_n(&kvf_cache_, __ATOMIC_ACQUIRE);                                \
+    }                                                                                     \
+    return v_;                                                                            \
+  }
+#define KVF_PARAM_DECLARE(name) int64_t kvf_param_##name(void)
+
+#define KVF_PARAM_DECLARE_X(name, env, deflt, desc) KVF_PARAM_DECLARE(name);
+KVF_PARAM_LIST(KVF_PARAM_DECLARE_X)
+#undef KVF_PARAM_DECLARE_X
+
+/* One row of the parameter table. */
+typedef struct kvf_param_info {
+  const char *env;         /* "KVF_DEBUG" */
+  const char *kind;        /* "int" or "string" */
+  const char *default_text; /* "WARN", "0" */
+  const char *description;
+} kvf_param_info;
+
+/* Every KVF_* variable the library reads (logging's string ones included),
+ * in a static array; *count receives its length. */
+const kvf_param_info *kvf_param_table(size_t *count);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVF_HOST_PARAM_H */
