@@ -1,0 +1,617 @@
+// Geometry: every validation rule (status, and a message naming the group,
+// layer and field), window and DCP math, object layout, fingerprints and
+// object headers.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <functional>
+#include <string>
+
+#include <kvferry/copy.h>
+
+namespace {
+
+// A valid baseline: two FlashAttention NHD layers (2, NB, BS, H, D) in one
+// region each, bf16, 4 heads of 64, block 16, 8 blocks.
+struct Spec {
+  std::vector<kvf_region_desc> regions;
+  std::vector<kvf_group_desc> groups;
+  std::vector<std::pair<uint32_t, kvf_view_desc>> views;
+  kvf_object_policy policy = KVF_OBJECT_POLICY_INIT;
+  uint32_t dcp_world = 1, dcp_rank = 0;
+
+  static kvf_view_desc nhd(uint32_t region) {
+    kvf_view_desc v = KVF_VIEW_DESC_INIT;
+    v.region = region;
+    v.elem_bytes = 2;
+    v.planes = 2;
+    v.heads = 4;
+    v.head_bytes[0] = v.head_bytes[1] = 128;
+    v.head_stride = 128;
+    v.token_stride = 512;
+    v.block_stride = 16 * 512;
+    v.plane_stride = 8 * 16 * 512;
+    return v;
+  }
+  static Spec baseline() {
+    Spec s;
+    kvf_region_desc r = KVF_REGION_DESC_INIT;
+    r.name = "layer0";
+    s.regions.push_back(r);
+    r.name = "layer1";
+    s.regions.push_back(r);
+    kvf_group_desc gd = KVF_GROUP_DESC_INIT;
+    gd.name = "full";
+    gd.num_blocks = 8;
+    s.groups.push_back(gd);
+    s.views.push_back({0, nhd(0)});
+    s.views.push_back({0, nhd(1)});
+    return s;
+  }
+};
+
+struct Built {
+  kvf_geometry *g = nullptr;
+  kvf_status status = KVF_SUCCESS;
+  kvf_geometry_error err{};
+  std::string message;
+  ~Built() { kvf_geometry_destroy(g); }
+};
+
+std::unique_ptr<Built> build(const Spec &s) {
+  auto b = std::make_unique<Built>();
+  EXPECT_EQ(kvf_geometry_create(&b->g), KVF_SUCCESS);
+  for (const auto &r : s.regions) EXPECT_EQ(kvf_geometry_add_region(b->g, &r, nullptr), KVF_SUCCESS);
+  for (const auto &gd : s.groups) EXPECT_EQ(kvf_geometry_add_group(b->g, &gd, nullptr), KVF_SUCCESS);
+  for (const auto &v : s.views) EXPECT_EQ(kvf_geometry_add_view(b->g, v.first, &v.second, nullptr), KVF_SUCCESS);
+  EXPECT_EQ(kvf_geometry_set_policy(b->g, &s.policy), KVF_SUCCESS);
+  EXPECT_EQ(kvf_geometry_set_dcp(b->g, s.dcp_world, s.dcp_rank), KVF_SUCCESS);
+  b->status = kvf_geometry_finalize(b->g, &b->err);
+  b->message = b->status ? kvf_last_error() : "";
+  return b;
+}
+
+// Expect `mutate` to break exactly one rule, reported with `status`, naming
+// `field` (in err.field and the message) and the group/layer given.
+void expect_rule(const char *field, std::function<void(Spec &)> mutate, int32_t group = 0, int32_t layer = -1,
+                 kvf_status status = KVF_ERR_INVALID_GEOMETRY) {
+  Spec s = Spec::baseline();
+  mutate(s);
+  auto b = build(s);
+  ASSERT_EQ(b->status, status) << "rule on '" << field << "' not enforced; message: " << b->message;
+  EXPECT_NE(b->message.find(field), std::string::npos) << "message does not name '" << field << "': " << b->message;
+  EXPECT_NE(std::string(b->err.field).find(field), std::string::npos) << "err.field = " << b->err.field;
+  EXPECT_EQ(b->err.group, group) << b->message;
+  EXPECT_EQ(b->err.layer, layer) << b->message;
+  EXPECT_STREQ(b->err.message, b->message.c_str());
+  if (group >= 0) {
+    EXPECT_NE(b->message.find("group"), std::string::npos) << b->message;
+  }
+  if (layer >= 0) {
+    EXPECT_NE(b->message.find("layer " + std::to_string(layer)), std::string::npos) << b->message;
+  }
+}
+
+TEST(GeometryValidation, BaselineIsValid) {
+  auto b = build(Spec::baseline());
+  ASSERT_EQ(b->status, KVF_SUCCESS) << b->message;
+  kvf_region_info ri;
+  ASSERT_EQ(kvf_geometry_region(b->g, 0, &ri), KVF_SUCCESS);
+  EXPECT_EQ(ri.size, 2u * 8 * 16 * 512);  // computed: both planes of 8 blocks
+}
+
+TEST(GeometryValidation, GeometryLevelRules) {
+  expect_rule("regions", [](Spec &s) { s.regions.clear(); s.views.clear(); }, -1);
+  expect_rule("groups", [](Spec &s) { s.groups.clear(); s.views.clear(); }, -1);
+  expect_rule("chunk_tokens", [](Spec &s) { s.policy.chunk_tokens = 0; }, -1);
+  expect_rule("format", [](Spec &s) { s.policy.format = (kvf_object_format)7; }, -1);
+  expect_rule("separate_windowed", [](Spec &s) { s.policy.separate_windowed = 2; }, -1);
+  expect_rule("regions", [](Spec &s) { s.views.pop_back(); }, -1);  // region 1 holds no view
+}
+
+TEST(GeometryValidation, RegionRules) {
+  expect_rule("align", [](Spec &s) { s.regions[1].align = 48; }, -1);
+  expect_rule("size", [](Spec &s) { s.regions[0].size = (1ull << 62) + 1; }, -1);
+  expect_rule("name", [](Spec &s) { s.regions[1].name = "layer0"; }, -1);
+}
+
+TEST(GeometryValidation, GroupRules) {
+  expect_rule("kind", [](Spec &s) { s.groups[0].kind = (kvf_group_kind)9; });
+  expect_rule("num_blocks", [](Spec &s) { s.groups[0].num_blocks = 0; });
+  expect_rule("block_size", [](Spec &s) { s.groups[0].block_size = 0; });
+  expect_rule("block_size", [](Spec &s) { s.groups[0].block_size = KVF_MAX_BLOCK_SIZE + 1; });
+  expect_rule("window", [](Spec &s) { s.groups[0].kind = KVF_GROUP_SLIDING_WINDOW; });
+  expect_rule("window", [](Spec &s) { s.groups[0].window = 128; });
+  expect_rule("chunk", [](Spec &s) { s.groups[0].kind = KVF_GROUP_CHUNKED_LOCAL; });
+  expect_rule("chunk", [](Spec &s) { s.groups[0].chunk = 64; });
+  expect_rule("chunk_tokens", [](Spec &s) { s.policy.chunk_tokens = 200; });  // not a multiple of 16
+  expect_rule("chunk_tokens", [](Spec &s) { s.dcp_world = 32; });            // 256 % (16*32) != 0
+  expect_rule("layers", [](Spec &s) {
+    kvf_group_desc gd = KVF_GROUP_DESC_INIT;
+    gd.name = "empty";
+    gd.num_blocks = 4;
+    s.groups.push_back(gd);
+  }, 1);
+  expect_rule("name", [](Spec &s) {
+    kvf_group_desc gd = s.groups[0];
+    s.groups.push_back(gd);
+    s.views[1].first = 1;
+  }, 1);
+}
+
+TEST(GeometryValidation, ViewFieldRules) {
+  expect_rule("region", [](Spec &s) { s.views[1].second.region = 5; }, 0, 1);
+  expect_rule("elem_bytes", [](Spec &s) { s.views[0].second.elem_bytes = 3; }, 0, 0);
+  expect_rule("elem_bytes", [](Spec &s) { s.views[0].second.elem_bytes = 0; }, 0, 0);
+  expect_rule("offset", [](Spec &s) { s.views[0].second.offset = 3; }, 0, 0);
+  expect_rule("block_stride", [](Spec &s) { s.views[1].second.block_stride += 1; }, 0, 1);
+  expect_rule("block_stride", [](Spec &s) { s.views[1].second.block_stride = 0; }, 0, 1);
+  expect_rule("plane_stride", [](Spec &s) { s.views[0].second.plane_stride += 1; }, 0, 0);
+  expect_rule("token_stride", [](Spec &s) { s.views[0].second.token_stride += 1; }, 0, 0);
+  expect_rule("head_stride", [](Spec &s) { s.views[0].second.head_stride += 1; }, 0, 0);
+  expect_rule("planes", [](Spec &s) { s.views[0].second.planes = 3; }, 0, 0);
+  expect_rule("planes", [](Spec &s) { s.views[0].second.planes = 0; }, 0, 0);
+  expect_rule("heads", [](Spec &s) { s.views[0].second.heads = 0; }, 0, 0);
+  expect_rule("heads", [](Spec &s) { s.views[0].second.heads = KVF_MAX_HEADS + 1; }, 0, 0);
+  expect_rule("head_bytes", [](Spec &s) { s.views[0].second.head_bytes[1] = 0; }, 0, 0);
+  expect_rule("head_bytes", [](Spec &s) { s.views[0].second.head_bytes[0] = KVF_MAX_HEAD_BYTES + 2; }, 0, 0);
+  expect_rule("head_bytes", [](Spec &s) { s.views[0].second.head_bytes[0] = 127; }, 0, 0);  // not elem-aligned
+  expect_rule("head_bytes", [](Spec &s) {
+    s.views[0].second.planes = 1;  // a single plane must not carry V's bytes
+  }, 0, 0);
+  expect_rule("num_states", [](Spec &s) { s.views[0].second.num_states = 1; }, 0, 0);
+  expect_rule("heads", [](Spec &s) {
+    // planes x block_size x heads: absurd run count per block.
+    s.groups[0].block_size = 4096;
+    s.policy.chunk_tokens = 4096;
+    s.views[0].second.heads = 2048;
+    s.views[0].second.head_bytes[0] = s.views[0].second.head_bytes[1] = 2;
+  }, 0, 0);
+}
+
+TEST(GeometryValidation, RunsOfOneViewMustNotOverlap) {
+  // Each stride must step over everything the smaller dimensions span.
+  expect_rule("token_stride", [](Spec &s) { s.views[0].second.token_stride = 256; }, 0, 0);  // 4 heads x 128 > 256
+  expect_rule("head_stride", [](Spec &s) { s.views[0].second.head_stride = 64; }, 0, 0);    // head bytes 128 > 64
+  expect_rule("block_stride", [](Spec &s) { s.views[1].second.block_stride = 4096; }, 0, 1);  // payload 8192 > 4096
+  expect_rule("plane_stride", [](Spec &s) { s.views[0].second.plane_stride = 8 * 16 * 512 - 512; }, 0, 0);
+  // A padded block stride (vLLM page_size_padded) is fine.
+  Spec ok = Spec::baseline();
+  for (auto &v : ok.views) {
+    v.second.block_stride = 16 * 512 + 1024;
+    v.second.plane_stride = 8 * v.second.block_stride;
+  }
+  auto b = build(ok);
+  EXPECT_EQ(b->status, KVF_SUCCESS) << b->message;
+}
+
+TEST(GeometryValidation, ViewsMustFitTheirRegionForTheLargestBlock) {
+  expect_rule("block_stride", [](Spec &s) { s.regions[0].size = 2 * 8 * 16 * 512 - 1; }, 0, 0);
+  Spec s = Spec::baseline();
+  s.regions[0].size = 2 * 8 * 16 * 512;
+  auto b = build(s);
+  ASSERT_EQ(b->status, KVF_SUCCESS) << b->message;
+  // Message says which block ends where.
+  Spec t = Spec::baseline();
+  t.regions[0].size = 100000;
+  auto c = build(t);
+  ASSERT_EQ(c->status, KVF_ERR_INVALID_GEOMETRY);
+  EXPECT_NE(c->message.find("block 7"), std::string::npos) << c->message;
+  EXPECT_NE(c->message.find("past the end of region 0"), std::string::npos) << c->message;
+}
+
+TEST(GeometryValidation, IntegerOverflowIsReported) {
+  expect_rule("block_stride", [](Spec &s) {
+    s.groups[0].num_blocks = KVF_MAX_BLOCKS;
+    s.views[0].second.block_stride = 1ull << 40;
+    s.views[0].second.plane_stride = 1ull << 36;
+  }, 0, 0, KVF_ERR_OVERFLOW);
+  expect_rule("offset", [](Spec &s) { s.views[0].second.offset = UINT64_MAX - 1; }, 0, 0, KVF_ERR_OVERFLOW);
+}
+
+TEST(GeometryValidation, OverlappingViewsMustBeDeclaredAliases) {
+  auto same_region = [](Spec &s) { s.views[1].second.region = 0; s.regions.pop_back(); };
+  expect_rule("offset", same_region, 0, 1);
+  // The message names both views.
+  Spec s = Spec::baseline();
+  same_region(s);
+  auto b = build(s);
+  EXPECT_NE(b->message.find("layer 0"), std::string::npos) << b->message;
+  EXPECT_NE(b->message.find("alias_of"), std::string::npos) << b->message;
+  // Declared: accepted and counted.
+  s.views[1].second.alias_group = 0;
+  s.views[1].second.alias_layer = 0;
+  auto ok = build(s);
+  ASSERT_EQ(ok->status, KVF_SUCCESS) << ok->message;
+  EXPECT_EQ(kvf_geometry_num_aliases(ok->g), 1u);
+}
+
+TEST(GeometryValidation, InterleavedViewsOfOneRegionAreNotOverlaps) {
+  // Cross-layer NHD (NB, L, 2, BS, H, D): layers interleave block by block.
+  Spec s = Spec::baseline();
+  s.regions.pop_back();
+  for (uint32_t l = 0; l < 2; l++) {
+    kvf_view_desc &v = s.views[l].second;
+    v.region = 0;
+    v.plane_stride = 16 * 512;
+    v.block_stride = 2 * 2 * 16 * 512;
+    v.offset = l * 2 * 16 * 512;
+  }
+  auto b = build(s);
+  EXPECT_EQ(b->status, KVF_SUCCESS) << b->message;
+  // Shift layer 1 by one token row: now it meets layer 0's V plane.
+  s.views[1].second.offset -= 512;
+  auto c = build(s);
+  EXPECT_EQ(c->status, KVF_ERR_INVALID_GEOMETRY);
+  EXPECT_STREQ(c->err.field, "offset");
+}
+
+TEST(GeometryValidation, TooManyMutuallyOverlappingViewsAreRefusedQuickly) {
+  // 3 x 1024 views of one tensor, all declared aliases: over 4M pairs whose
+  // extents meet. Finalize refuses instead of spending minutes on them.
+  Spec s = Spec::baseline();
+  s.regions.pop_back();
+  s.views.clear();
+  for (int gi = 0; gi < 3; gi++) {
+    kvf_group_desc gd = KVF_GROUP_DESC_INIT;
+    gd.name = gi == 0 ? "g0" : gi == 1 ? "g1" : "g2";
+    gd.num_blocks = 8;
+    s.groups.push_back(gd);
+    for (int l = 0; l < 1024; l++) {
+      kvf_view_desc v = Spec::nhd(0);
+      if (gi || l) {
+        v.alias_group = 0;
+        v.alias_layer = 0;
+      }
+      s.views.push_back({(uint32_t)gi, v});
+    }
+  }
+  s.groups.erase(s.groups.begin());  // drop the baseline's own group: g0..g2 are groups 0..2
+  auto b = build(s);
+  ASSERT_EQ(b->status, KVF_ERR_INVALID_GEOMETRY) << b->message;
+  EXPECT_STREQ(b->err.field, "regions[0]");
+  EXPECT_NE(b->message.find("pairs of views"), std::string::npos) << b->message;
+}
+
+TEST(GeometryValidation, AliasRules) {
+  expect_rule("alias_of", [](Spec &s) { s.views[1].second.alias_group = 3; s.views[1].second.alias_layer = 0; }, 0, 1);
+  expect_rule("alias_of", [](Spec &s) { s.views[0].second.alias_group = 0; s.views[0].second.alias_layer = 1; }, 0, 0);
+  expect_rule("alias_of", [](Spec &s) { s.views[1].second.alias_group = 0; s.views[1].second.alias_layer = 0; }, 0, 1);
+}
+
+TEST(GeometryValidation, RecurrentRules) {
+  auto recurrent = [](Spec &s) {
+    kvf_group_desc gd = KVF_GROUP_DESC_INIT;
+    gd.name = "mamba";
+    gd.kind = KVF_GROUP_RECURRENT;
+    gd.num_blocks = 4;
+    s.groups.push_back(gd);
+    kvf_region_desc r = KVF_REGION_DESC_INIT;
+    r.name = "state";
+    s.regions.push_back(r);
+    kvf_view_desc v = KVF_VIEW_DESC_INIT;
+    v.region = 2;
+    v.elem_bytes = 2;
+    v.block_stride = 4096;
+    v.num_states = 2;
+    v.states[0] = {0, 1024};
+    v.states[1] = {1024, 2048};
+    s.views.push_back({1, v});
+  };
+  Spec s = Spec::baseline();
+  recurrent(s);
+  auto b = build(s);
+  ASSERT_EQ(b->status, KVF_SUCCESS) << b->message;
+  expect_rule("planes", [&](Spec &x) { recurrent(x); x.views[2].second.heads = 2; }, 1, 0);
+  expect_rule("num_states", [&](Spec &x) { recurrent(x); x.views[2].second.num_states = 0; }, 1, 0);
+  expect_rule("num_states", [&](Spec &x) { recurrent(x); x.views[2].second.num_states = KVF_MAX_STATES + 1; }, 1, 0);
+  expect_rule("states[1]", [&](Spec &x) { recurrent(x); x.views[2].second.states[1].bytes = 0; }, 1, 0);
+  expect_rule("states[1]", [&](Spec &x) { recurrent(x); x.views[2].second.states[1].bytes = 4000; }, 1, 0);
+  expect_rule("states[1]", [&](Spec &x) { recurrent(x); x.views[2].second.states[1].offset = 512; }, 1, 0);
+  expect_rule("states.offset", [&](Spec &x) { recurrent(x); x.views[2].second.states[1].offset = 1025; }, 1, 0);
+}
+
+TEST(GeometryValidation, BuildingRulesAndStates) {
+  kvf_geometry *g = nullptr;
+  EXPECT_EQ(kvf_geometry_create(nullptr), KVF_ERR_INVALID_ARGUMENT);
+  ASSERT_EQ(kvf_geometry_create(&g), KVF_SUCCESS);
+  EXPECT_EQ(kvf_geometry_set_dcp(g, 4, 4), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvf_last_error()).find("rank"), std::string::npos);
+  EXPECT_EQ(kvf_geometry_set_dcp(g, 0, 0), KVF_ERR_INVALID_ARGUMENT);
+  kvf_view_desc v = KVF_VIEW_DESC_INIT;
+  EXPECT_EQ(kvf_geometry_add_view(g, 0, &v, nullptr), KVF_ERR_INVALID_ARGUMENT);  // no group 0 yet
+  kvf_region_desc bad = KVF_REGION_DESC_INIT;
+  bad.version = 99;
+  EXPECT_EQ(kvf_geometry_add_region(g, &bad, nullptr), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvf_last_error()).find("version"), std::string::npos);
+  kvf_geometry_destroy(g);
+  kvf_geometry_destroy(nullptr);  // a no-op
+
+  auto b = build(Spec::baseline());
+  ASSERT_EQ(b->status, KVF_SUCCESS);
+  EXPECT_EQ(kvf_geometry_finalize(b->g, nullptr), KVF_ERR_STATE);
+  kvf_region_desc r = KVF_REGION_DESC_INIT;
+  EXPECT_EQ(kvf_geometry_add_region(b->g, &r, nullptr), KVF_ERR_STATE);
+}
+
+// ---- windows, DCP, layouts -------------------------------------------------
+
+std::unique_ptr<Built> windowed(kvf_group_kind kind, uint32_t param, uint32_t world = 1, uint32_t rank = 0) {
+  Spec s = Spec::baseline();
+  s.groups[0].kind = kind;
+  if (kind == KVF_GROUP_SLIDING_WINDOW) s.groups[0].window = param;
+  if (kind == KVF_GROUP_CHUNKED_LOCAL) s.groups[0].chunk = param;
+  s.groups[0].num_blocks = 64;
+  for (auto &v : s.views) v.second.plane_stride = 64 * 16 * 512;
+  s.dcp_world = world;
+  s.dcp_rank = rank;
+  s.policy.chunk_tokens = 256;
+  return build(s);
+}
+
+TEST(GeometryWindows, SlidingWindowRetainsTheLastWMinusOneTokens) {
+  auto b = windowed(KVF_GROUP_SLIDING_WINDOW, 128);
+  ASSERT_EQ(b->status, KVF_SUCCESS) << b->message;
+  uint64_t begin, first, end;
+  ASSERT_EQ(kvf_geometry_retained_tokens(b->g, 0, 1000, &begin), KVF_SUCCESS);
+  EXPECT_EQ(begin, 1000u - 128 + 1);  // vLLM: max(0, N - W + 1) tokens skipped
+  ASSERT_EQ(kvf_geometry_retained_blocks(b->g, 0, 1000, &first, &end), KVF_SUCCESS);
+  EXPECT_EQ(first, 873u / 16);
+  EXPECT_EQ(end, (1000u + 15) / 16);
+  ASSERT_EQ(kvf_geometry_retained_tokens(b->g, 0, 100, &begin), KVF_SUCCESS);
+  EXPECT_EQ(begin, 0u);  // shorter than the window: everything
+  ASSERT_EQ(kvf_geometry_retained_blocks(b->g, 0, 0, &first, &end), KVF_SUCCESS);
+  EXPECT_EQ(first, end);
+}
+
+TEST(GeometryWindows, ChunkedLocalRetainsTheCurrentChunk) {
+  auto b = windowed(KVF_GROUP_CHUNKED_LOCAL, 512);
+  ASSERT_EQ(b->status, KVF_SUCCESS) << b->message;
+  uint64_t begin, first, end;
+  ASSERT_EQ(kvf_geometry_retained_tokens(b->g, 0, 1300, &begin), KVF_SUCCESS);
+  EXPECT_EQ(begin, 1024u);
+  ASSERT_EQ(kvf_geometry_retained_blocks(b->g, 0, 1300, &first, &end), KVF_SUCCESS);
+  EXPECT_EQ(first, 64u);
+  EXPECT_EQ(end, 82u);
+  ASSERT_EQ(kvf_geometry_retained_tokens(b->g, 0, 1024, &begin), KVF_SUCCESS);
+  EXPECT_EQ(begin, 1024u);  // at a chunk boundary the next token starts a fresh chunk
+}
+
+TEST(GeometryWindows, FullGroupsRetainEverythingAndRecurrentStateNeedsABoundary) {
+  auto b = build(Spec::baseline());
+  ASSERT_EQ(b->status, KVF_SUCCESS);
+  uint64_t begin, chunk;
+  ASSERT_EQ(kvf_geometry_retained_tokens(b->g, 0, 777, &begin), KVF_SUCCESS);
+  EXPECT_EQ(begin, 0u);
+  ASSERT_EQ(kvf_geometry_recurrent_state(b->g, 512, &chunk), KVF_SUCCESS);
+  EXPECT_EQ(chunk, 1u);
+  EXPECT_EQ(kvf_geometry_recurrent_state(b->g, 500, &chunk), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvf_last_error()).find("prefix_tokens"), std::string::npos);
+  EXPECT_EQ(kvf_geometry_recurrent_state(b->g, 0, &chunk), KVF_ERR_INVALID_ARGUMENT);
+}
+
+TEST(GeometryDcp, RankHoldsEveryWorldthToken) {
+  auto b = windowed(KVF_GROUP_FULL, 0, 4, 1);
+  ASSERT_EQ(b->status, KVF_SUCCESS) << b->message;
+  // Rank 1 of 4 holds 1, 5, 9, ...: tokens [0, 10) hold 1, 5, 9 -> 3 local tokens.
+  EXPECT_EQ(kvf_geometry_local_tokens(b->g, 10), 3u);
+  EXPECT_EQ(kvf_geometry_local_tokens(b->g, 1), 0u);
+  EXPECT_EQ(kvf_geometry_local_tokens(b->g, 2), 1u);
+  uint64_t first, end;
+  // Global [256, 512) -> local [64, 128) -> blocks [4, 8).
+  ASSERT_EQ(kvf_geometry_local_blocks(b->g, 0, 256, 512, &first, &end), KVF_SUCCESS);
+  EXPECT_EQ(first, 4u);
+  EXPECT_EQ(end, 8u);
+  // Brute force against the definition for many ranges.
+  for (uint64_t t0 = 0; t0 < 80; t0 += 7)
+    for (uint64_t t1 = t0; t1 < 200; t1 += 13) {
+      uint64_t lo = UINT64_MAX, hi = 0, before = 0;
+      for (uint64_t t = 0; t < t1; t++) {
+        if (t % 4 != 1) continue;
+        if (t >= t0) {
+          lo = std::min(lo, before / 16);
+          hi = std::max(hi, before / 16 + 1);
+        }
+        before++;
+      }
+      ASSERT_EQ(kvf_geometry_local_blocks(b->g, 0, t0, t1, &first, &end), KVF_SUCCESS);
+      if (lo == UINT64_MAX) {
+        EXPECT_EQ(first, end);
+      } else {
+        EXPECT_EQ(first, lo) << t0 << ".." << t1;
+        EXPECT_EQ(end, hi) << t0 << ".." << t1;
+      }
+    }
+}
+
+TEST(GeometryLayout, ObjectSizesAndCanonicalSegments) {
+  auto b = build(Spec::baseline());
+  ASSERT_EQ(b->status, KVF_SUCCESS);
+  ASSERT_EQ(kvf_geometry_num_object_groups(b->g), 1u);
+  uint64_t size;
+  // 256 tokens x 2 layers x 2 planes x 4 heads x 128 bytes.
+  ASSERT_EQ(kvf_geometry_object_size(b->g, 0, 0, 1000, &size), KVF_SUCCESS);
+  EXPECT_EQ(size, 256u * 2 * 2 * 4 * 128);
+  ASSERT_EQ(kvf_geometry_object_size(b->g, 0, 3, 1000, &size), KVF_SUCCESS);  // last chunk: 232 tokens
+  EXPECT_EQ(size, 232u * 2 * 2 * 4 * 128);
+  EXPECT_EQ(kvf_geometry_object_size(b->g, 0, 4, 1000, &size), KVF_ERR_INVALID_ARGUMENT);
+  // [P][L][T][H][bytes]: plane 1 of layer 0 comes after plane 0 of both layers.
+  uint64_t off, len;
+  ASSERT_EQ(kvf_geometry_object_segment(b->g, KVF_FORMAT_CANONICAL, 0, 0, 1, 256, &off, &len), KVF_SUCCESS);
+  EXPECT_EQ(off, 2u * 256 * 512);
+  EXPECT_EQ(len, 256u * 512);
+  ASSERT_EQ(kvf_geometry_object_segment(b->g, KVF_FORMAT_CANONICAL, 0, 1, 0, 256, &off, &len), KVF_SUCCESS);
+  EXPECT_EQ(off, 256u * 512);
+  // Native: each layer's block payloads back to back.
+  ASSERT_EQ(kvf_geometry_object_segment(b->g, KVF_FORMAT_NATIVE, 0, 1, 0, 256, &off, &len), KVF_SUCCESS);
+  EXPECT_EQ(off, 256u * 1024);
+  EXPECT_EQ(len, 256u * 1024);
+}
+
+TEST(GeometryLayout, ObjectGroupsFollowThePolicy) {
+  auto make = [](int separate_windowed, int separate_recurrent) {
+    Spec s = Spec::baseline();
+    s.groups[0].num_blocks = 8;
+    kvf_group_desc sw = KVF_GROUP_DESC_INIT;
+    sw.name = "swa";
+    sw.kind = KVF_GROUP_SLIDING_WINDOW;
+    sw.window = 64;
+    sw.num_blocks = 8;
+    s.groups.push_back(sw);
+    s.views[1].first = 1;
+    kvf_group_desc rec = KVF_GROUP_DESC_INIT;
+    rec.name = "mamba";
+    rec.kind = KVF_GROUP_RECURRENT;
+    rec.num_blocks = 8;
+    s.groups.push_back(rec);
+    kvf_region_desc r = KVF_REGION_DESC_INIT;
+    r.name = "state";
+    s.regions.push_back(r);
+    kvf_view_desc v = KVF_VIEW_DESC_INIT;
+    v.region = 2;
+    v.block_stride = 4096;
+    v.num_states = 1;
+    v.states[0] = {0, 3000};
+    s.views.push_back({2, v});
+    s.policy.separate_windowed = separate_windowed;
+    s.policy.separate_recurrent = separate_recurrent;
+    return build(s);
+  };
+  auto all = make(0, 0);
+  ASSERT_EQ(all->status, KVF_SUCCESS) << all->message;
+  EXPECT_EQ(kvf_geometry_num_object_groups(all->g), 1u);
+  uint64_t size;
+  ASSERT_EQ(kvf_geometry_object_size(all->g, 0, 0, 256, &size), KVF_SUCCESS);
+  EXPECT_EQ(size, 2u * 256 * 1024 + 3000);
+  auto apart = make(1, 1);
+  ASSERT_EQ(apart->status, KVF_SUCCESS) << apart->message;
+  ASSERT_EQ(kvf_geometry_num_object_groups(apart->g), 3u);
+  kvf_group_info gi;
+  kvf_geometry_group(apart->g, 2, &gi);
+  EXPECT_EQ(gi.object_group, 2u);
+  kvf_object_group_info oi;
+  ASSERT_EQ(kvf_geometry_object_group(apart->g, 2, &oi), KVF_SUCCESS);
+  EXPECT_TRUE(oi.has_recurrent);
+  EXPECT_FALSE(oi.has_attention);
+  EXPECT_EQ(oi.recurrent_bytes, 3000u);
+}
+
+TEST(GeometryFingerprint, ChangesWithTheObjectShapeNotWithNames) {
+  auto a = build(Spec::baseline());
+  Spec s = Spec::baseline();
+  s.regions[0].name = "renamed";
+  s.groups[0].name = "renamed";
+  auto b = build(s);
+  ASSERT_EQ(a->status, KVF_SUCCESS);
+  ASSERT_EQ(b->status, KVF_SUCCESS);
+  EXPECT_EQ(kvf_geometry_fingerprint(a->g, KVF_FORMAT_CANONICAL), kvf_geometry_fingerprint(b->g, KVF_FORMAT_CANONICAL));
+  EXPECT_NE(kvf_geometry_fingerprint(a->g, KVF_FORMAT_CANONICAL), kvf_geometry_fingerprint(a->g, KVF_FORMAT_NATIVE));
+  // HND order (heads outside tokens) keeps the canonical fingerprint but not the native one.
+  Spec h = Spec::baseline();
+  for (auto &v : h.views) {
+    v.second.head_stride = 16 * 128;
+    v.second.token_stride = 128;
+  }
+  auto c = build(h);
+  ASSERT_EQ(c->status, KVF_SUCCESS) << c->message;
+  EXPECT_EQ(kvf_geometry_fingerprint(a->g, KVF_FORMAT_CANONICAL), kvf_geometry_fingerprint(c->g, KVF_FORMAT_CANONICAL));
+  EXPECT_NE(kvf_geometry_fingerprint(a->g, KVF_FORMAT_NATIVE), kvf_geometry_fingerprint(c->g, KVF_FORMAT_NATIVE));
+  // More heads: a different object.
+  Spec m = Spec::baseline();
+  m.policy.chunk_tokens = 512;
+  auto d = build(m);
+  EXPECT_NE(kvf_geometry_fingerprint(a->g, KVF_FORMAT_CANONICAL), kvf_geometry_fingerprint(d->g, KVF_FORMAT_CANONICAL));
+}
+
+TEST(GeometryObjectHeader, MismatchesFailClearly) {
+  auto a = build(Spec::baseline());
+  Spec s = Spec::baseline();
+  s.policy.chunk_tokens = 512;
+  auto other = build(s);
+  ASSERT_EQ(a->status, KVF_SUCCESS);
+  kvf_object_header h;
+  ASSERT_EQ(kvf_object_header_init(a->g, KVF_FORMAT_CANONICAL, 0, 1, 700, &h), KVF_SUCCESS);
+  EXPECT_EQ(h.token_begin, 256u);
+  EXPECT_EQ(h.token_end, 512u);
+  EXPECT_EQ(kvf_object_header_check(a->g, &h, 0), KVF_SUCCESS);
+  EXPECT_EQ(kvf_object_header_check(other->g, &h, 0), KVF_ERR_GEOMETRY_MISMATCH);
+  EXPECT_NE(std::string(kvf_last_error()).find("fingerprint"), std::string::npos) << kvf_last_error();
+  kvf_object_header bad = h;
+  bad.payload_bytes++;
+  EXPECT_EQ(kvf_object_header_check(a->g, &bad, 0), KVF_ERR_GEOMETRY_MISMATCH);
+  EXPECT_NE(std::string(kvf_last_error()).find("payload_bytes"), std::string::npos);
+  bad = h;
+  bad.format = KVF_FORMAT_NATIVE;
+  EXPECT_EQ(kvf_object_header_check(a->g, &bad, 0), KVF_ERR_GEOMETRY_MISMATCH);
+  bad = h;
+  bad.magic = 0;
+  EXPECT_EQ(kvf_object_header_check(a->g, &bad, 0), KVF_ERR_GEOMETRY_MISMATCH);
+  EXPECT_NE(std::string(kvf_last_error()).find("magic"), std::string::npos);
+  bad = h;
+  bad.dcp_rank = 3;
+  EXPECT_EQ(kvf_object_header_check(a->g, &bad, 0), KVF_ERR_GEOMETRY_MISMATCH);
+  EXPECT_NE(std::string(kvf_last_error()).find("dcp_rank"), std::string::npos);
+}
+
+// ---- copy requests -----------------------------------------------------------
+
+TEST(CopyRequest, BadRequestsNameTheField) {
+  auto b = build(Spec::baseline());
+  ASSERT_EQ(b->status, KVF_SUCCESS);
+  std::vector<uint8_t> r0(1 << 20), r1(1 << 20), obj(1 << 20);
+  // Region bases must honour the region's 256-byte alignment.
+  auto align = [](std::vector<uint8_t> &v) { return (void *)(((uintptr_t)v.data() + 255) & ~(uintptr_t)255); };
+  void *bases[2] = {align(r0), align(r1)};
+  uint32_t ids[4] = {1, 2, KVF_BLOCK_SKIP, 3};
+  kvf_group_blocks groups[1] = {{ids, 0, 4}};
+  void *objects[1] = {obj.data()};
+  kvf_copy_request req = KVF_COPY_REQUEST_INIT;
+  req.region_bases = bases;
+  req.token_end = 64;
+  req.groups = groups;
+  req.objects = objects;
+  ASSERT_EQ(kvf_copy_request_check(b->g, &req), KVF_SUCCESS) << kvf_last_error();
+  auto expect = [&](const char *field, std::function<void(kvf_copy_request &)> mutate) {
+    kvf_copy_request r = req;
+    kvf_group_blocks gcopy[1] = {groups[0]};
+    uint32_t idcopy[4];
+    std::memcpy(idcopy, ids, sizeof ids);
+    gcopy[0].block_ids = idcopy;
+    r.groups = gcopy;
+    mutate(r);
+    EXPECT_EQ(kvf_reference_gather(b->g, &r), KVF_ERR_INVALID_ARGUMENT) << field;
+    EXPECT_NE(std::string(kvf_last_error()).find(field), std::string::npos) << kvf_last_error();
+  };
+  expect("token_begin", [](kvf_copy_request &r) { r.token_begin = 16; r.token_end = 300; });
+  expect("token_end", [](kvf_copy_request &r) { r.token_end = 0; });
+  expect("groups[0].block_ids[1]", [](kvf_copy_request &r) { ((uint32_t *)r.groups[0].block_ids)[1] = 8; });
+  expect("region_bases[1]", [&](kvf_copy_request &r) {
+    static void *partial[2];
+    partial[0] = bases[0];
+    partial[1] = nullptr;
+    r.region_bases = partial;
+  });
+  expect("region_bases[0]", [&](kvf_copy_request &r) {
+    static void *misaligned[2];
+    misaligned[0] = (char *)bases[0] + 16;
+    misaligned[1] = bases[1];
+    r.region_bases = misaligned;
+  });
+  expect("objects[0]", [](kvf_copy_request &r) {
+    static void *none[1] = {nullptr};
+    r.objects = none;
+  });
+  expect("token_end", [](kvf_copy_request &r) { r.format = KVF_FORMAT_NATIVE; r.token_end = 40; });
+  expect("format", [](kvf_copy_request &r) { r.format = (kvf_object_format)5; });
+  expect("version", [](kvf_copy_request &r) { r.version = 0; });
+  // A block table that skips everything needs no object.
+  kvf_copy_request r = req;
+  uint32_t skip[1] = {KVF_BLOCK_SKIP};
+  kvf_group_blocks g1[1] = {{skip, 0, 1}};
+  void *none[1] = {nullptr};
+  r.groups = g1;
+  r.objects = none;
+  EXPECT_EQ(kvf_reference_gather(b->g, &r), KVF_SUCCESS) << kvf_last_error();
+}
+
+}  // namespace
