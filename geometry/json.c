@@ -1,0 +1,913 @@
+/*
+ * Geometry files: JSON (docs/geometry.md) -> the public builder API.
+ *
+ * The loader is strict: every key is known, every number has the right type
+ * and range, and every name a layer refers to exists. Failures name the JSON
+ * path ("groups[1].layers[0].token_stride: ..."). The loader only translates;
+ * every geometric rule (strides, overlaps, limits on sizes) is left to
+ * kvf_geometry_finalize(), whose status and message pass through unchanged.
+ */
+#define _POSIX_C_SOURCE 200809L
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <jansson.h>
+
+#include <kvferry/geometry.h>
+
+#include "geometry/error.h"
+
+/* Geometry files are a few KiB; anything this large is not one, and a cap
+ * keeps a stray path (a model checkpoint, /dev/zero) from eating memory. */
+#define KVF_JSON_MAX_BYTES ((size_t)16 << 20)
+
+/* JSON paths we build: "groups[g]", "groups[g].layers[e]" and one more
+ * level below a layer ("....alias_of", "....states[s]"); each buffer holds
+ * the one above it plus its own suffix. */
+#define KVF_JSON_GROUP_PATH_MAX 48
+#define KVF_JSON_LAYER_PATH_MAX 96
+#define KVF_JSON_PATH_MAX 160
+
+/* One expanded region ("kv[3]") and the entry of "regions" it came from. */
+typedef struct kvf_json_region {
+  char name[KVF_NAME_MAX];
+  uint32_t entry; /* index into the loader's entries */
+} kvf_json_region;
+
+/* One entry of "regions" (its plain name resolves to its first region). */
+typedef struct kvf_json_region_entry {
+  char name[KVF_NAME_MAX];
+  uint32_t first;
+  uint32_t count;
+} kvf_json_region_entry;
+
+typedef struct kvf_json_loader {
+  kvf_geometry *geometry;
+  uint32_t num_blocks_override;
+  json_t *groups_json; /* the "groups" array, for messages about later groups */
+
+  kvf_json_region *regions;
+  uint32_t num_regions;
+  kvf_json_region_entry *entries;
+  uint32_t num_entries;
+
+  uint32_t num_groups;
+  char group_names[KVF_MAX_GROUPS][KVF_NAME_MAX];
+  uint32_t group_layers[KVF_MAX_GROUPS]; /* views added so far */
+  uint32_t group_blocks[KVF_MAX_GROUPS]; /* num_blocks in effect (after any override) */
+
+  /* Where the first failure happened, for kvf_geometry_error. */
+  int32_t error_group;
+  int32_t error_layer;
+  char error_field[32];
+} kvf_json_loader;
+
+/* Copy a string that came from the file into buf for a message: control
+ * bytes become '?', and long strings are cut with "...". */
+static const char *kvf_json_printable(const char *s, char *buf, size_t size) {
+  size_t i = 0;
+  for (; s[i] != '\0' && i + 1 < size; ++i) {
+    unsigned char c = (unsigned char)s[i];
+    buf[i] = (c < 0x20 || c == 0x7f) ? '?' : (char)c;
+  }
+  buf[i] = '\0';
+  if (s[i] != '\0' && size > 4) memcpy(buf + size - 4, "...", 4);
+  return buf;
+}
+
+/* Report a failure at JSON path `where` + "." + `key` (either may be empty
+ * or NULL) and remember the key as the failing field. */
+static kvf_status kvf_json_fail(kvf_json_loader *l, kvf_status status, const char *where,
+                                const char *key, const char *fmt, ...) KVF_PRINTF(5, 6);
+static kvf_status kvf_json_fail(kvf_json_loader *l, kvf_status status, const char *where,
+                                const char *key, const char *fmt, ...) {
+  char detail[512];
+  char shown_key[72];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(detail, sizeof detail, fmt, ap);
+  va_end(ap);
+  if (where == NULL) where = "";
+  if (key == NULL) key = "";
+  kvf_json_printable(key, shown_key, sizeof shown_key);
+  snprintf(l->error_field, sizeof l->error_field, "%.31s", shown_key);
+  if (where[0] == '\0' && shown_key[0] == '\0')
+    return kvf_fail(status, "top level: %s", detail);
+  return kvf_fail(status, "%s%s%s: %s", where, (where[0] != '\0' && shown_key[0] != '\0') ? "." : "",
+                  shown_key, detail);
+}
+
+/* Reject any key of obj that is not in allowed[0..n). */
+static kvf_status kvf_json_check_keys(kvf_json_loader *l, json_t *obj, const char *where,
+                                      const char *const *allowed, size_t n) {
+  const char *key;
+  json_t *value;
+  json_object_foreach(obj, key, value) {
+    size_t i = 0;
+    (void)value;
+    while (i < n && strcmp(key, allowed[i]) != 0) ++i;
+    if (i == n) return kvf_json_fail(l, KVF_ERR_PARSE, where, key, "unknown key");
+  }
+  return KVF_SUCCESS;
+}
+
+/* ---- typed getters: absent keys leave *out at its default ------------- */
+
+static kvf_status kvf_json_missing(kvf_json_loader *l, const char *where, const char *key) {
+  return kvf_json_fail(l, KVF_ERR_PARSE, where, key, "required key is missing");
+}
+
+/* A non-negative integer. *present (may be NULL) says whether the key was there. */
+static kvf_status kvf_json_get_u64(kvf_json_loader *l, json_t *obj, const char *where, const char *key,
+                                   int required, uint64_t *out, int *present) {
+  json_t *v = json_object_get(obj, key);
+  if (present != NULL) *present = v != NULL;
+  if (v == NULL) return required ? kvf_json_missing(l, where, key) : KVF_SUCCESS;
+  /* jansson keeps integers as long long: larger literals are syntax errors. */
+  if (!json_is_integer(v) || json_integer_value(v) < 0)
+    return kvf_json_fail(l, KVF_ERR_PARSE, where, key, "expected a non-negative integer");
+  *out = (uint64_t)json_integer_value(v);
+  return KVF_SUCCESS;
+}
+
+static kvf_status kvf_json_get_u32(kvf_json_loader *l, json_t *obj, const char *where, const char *key,
+                                   int required, uint32_t *out, int *present) {
+  uint64_t v = *out;
+  kvf_status st = kvf_json_get_u64(l, obj, where, key, required, &v, present);
+  if (st != KVF_SUCCESS) return st;
+  if (v > UINT32_MAX)
+    return kvf_json_fail(l, KVF_ERR_PARSE, where, key,
+                         "expected a non-negative integer no larger than 4294967295, got %llu",
+                         (unsigned long long)v);
+  *out = (uint32_t)v;
+  return KVF_SUCCESS;
+}
+
+/* A count: an integer >= 1 (default 1). */
+static kvf_status kvf_json_get_count(kvf_json_loader *l, json_t *obj, const char *where, uint32_t *out) {
+  kvf_status st;
+  *out = 1;
+  st = kvf_json_get_u32(l, obj, where, "count", 0, out, NULL);
+  if (st != KVF_SUCCESS) return st;
+  if (*out == 0) return kvf_json_fail(l, KVF_ERR_PARSE, where, "count", "expected a positive integer");
+  return KVF_SUCCESS;
+}
+
+static kvf_status kvf_json_get_string(kvf_json_loader *l, json_t *obj, const char *where,
+                                      const char *key, int required, const char **out) {
+  json_t *v = json_object_get(obj, key);
+  if (v == NULL) return required ? kvf_json_missing(l, where, key) : KVF_SUCCESS;
+  if (!json_is_string(v)) return kvf_json_fail(l, KVF_ERR_PARSE, where, key, "expected a string");
+  *out = json_string_value(v);
+  return KVF_SUCCESS;
+}
+
+/* A name that the loader stores: 1 .. KVF_NAME_MAX-1 bytes (after `suffix`
+ * bytes of "[k]" are added for counted entries). */
+static kvf_status kvf_json_get_name(kvf_json_loader *l, json_t *obj, const char *where, int required,
+                                    size_t suffix, const char **out) {
+  kvf_status st = kvf_json_get_string(l, obj, where, "name", required, out);
+  if (st != KVF_SUCCESS || *out == NULL) return st;
+  if ((*out)[0] == '\0') return kvf_json_fail(l, KVF_ERR_PARSE, where, "name", "must not be empty");
+  if (strlen(*out) + suffix > KVF_NAME_MAX - 1)
+    return kvf_json_fail(l, KVF_ERR_PARSE, where, "name", "longer than %u bytes%s", KVF_NAME_MAX - 1,
+                         suffix != 0 ? " with its [index] suffix" : "");
+  return KVF_SUCCESS;
+}
+
+static kvf_status kvf_json_get_bool(kvf_json_loader *l, json_t *obj, const char *where, const char *key,
+                                    int *out) {
+  json_t *v = json_object_get(obj, key);
+  if (v == NULL) return KVF_SUCCESS;
+  if (!json_is_boolean(v)) return kvf_json_fail(l, KVF_ERR_PARSE, where, key, "expected true or false");
+  *out = json_is_true(v) ? 1 : 0;
+  return KVF_SUCCESS;
+}
+
+/* An object or array member (absent -> *out NULL unless required). */
+static kvf_status kvf_json_get_typed(kvf_json_loader *l, json_t *obj, const char *where, const char *key,
+                                     int required, json_type type, json_t **out) {
+  json_t *v = json_object_get(obj, key);
+  *out = NULL;
+  if (v == NULL) return required ? kvf_json_missing(l, where, key) : KVF_SUCCESS;
+  if (json_typeof(v) != type)
+    return kvf_json_fail(l, KVF_ERR_PARSE, where, key, "expected %s",
+                         type == JSON_OBJECT ? "an object" : "an array");
+  *out = v;
+  return KVF_SUCCESS;
+}
+
+/* Decimal digits of "[k]" for k < count. */
+static size_t kvf_json_suffix_len(uint32_t count) {
+  size_t digits = 1;
+  if (count <= 1) return 0;
+  for (uint32_t k = count - 1; k >= 10; k /= 10) ++digits;
+  return digits + 2;
+}
+
+/* ---- regions ------------------------------------------------------------ */
+
+static int kvf_json_region_name_taken(const kvf_json_loader *l, const char *name) {
+  for (uint32_t i = 0; i < l->num_regions; ++i)
+    if (strcmp(l->regions[i].name, name) == 0) return 1;
+  for (uint32_t i = 0; i < l->num_entries; ++i)
+    if (strcmp(l->entries[i].name, name) == 0) return 1;
+  return 0;
+}
+
+static kvf_status kvf_json_parse_regions(kvf_json_loader *l, json_t *root) {
+  static const char *const keys[] = {"name", "count", "size", "align"};
+  json_t *arr;
+  size_t n;
+  kvf_status st = kvf_json_get_typed(l, root, "", "regions", 1, JSON_ARRAY, &arr);
+  if (st != KVF_SUCCESS) return st;
+  n = json_array_size(arr);
+  if (n == 0) return kvf_json_fail(l, KVF_ERR_PARSE, "", "regions", "expected at least one region");
+  if (n > KVF_MAX_REGIONS)
+    return kvf_json_fail(l, KVF_ERR_INVALID_GEOMETRY, "", "regions", "%zu entries, at most %u regions",
+                         n, KVF_MAX_REGIONS);
+  l->entries = calloc(n, sizeof *l->entries);
+  if (l->entries == NULL) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "loading geometry: out of memory");
+
+  for (size_t e = 0; e < n; ++e) {
+    char where[KVF_JSON_PATH_MAX];
+    json_t *obj = json_array_get(arr, e);
+    const char *name = NULL;
+    uint32_t count;
+    kvf_region_desc desc = KVF_REGION_DESC_INIT;
+    snprintf(where, sizeof where, "regions[%zu]", e);
+    if (!json_is_object(obj)) return kvf_json_fail(l, KVF_ERR_PARSE, where, NULL, "expected an object");
+    if ((st = kvf_json_check_keys(l, obj, where, keys, sizeof keys / sizeof keys[0])) != KVF_SUCCESS ||
+        (st = kvf_json_get_count(l, obj, where, &count)) != KVF_SUCCESS ||
+        (st = kvf_json_get_name(l, obj, where, 1, kvf_json_suffix_len(count), &name)) != KVF_SUCCESS ||
+        (st = kvf_json_get_u64(l, obj, where, "size", 0, &desc.size, NULL)) != KVF_SUCCESS ||
+        (st = kvf_json_get_u64(l, obj, where, "align", 0, &desc.align, NULL)) != KVF_SUCCESS)
+      return st;
+    if (count > KVF_MAX_REGIONS - l->num_regions)
+      return kvf_json_fail(l, KVF_ERR_INVALID_GEOMETRY, where, "count",
+                           "%u more regions would exceed the limit of %u", count, KVF_MAX_REGIONS);
+    if (l->regions == NULL) {
+      /* Allocated once at the limit: 4096 small records. */
+      l->regions = calloc(KVF_MAX_REGIONS, sizeof *l->regions);
+      if (l->regions == NULL) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "loading geometry: out of memory");
+    }
+
+    kvf_json_region_entry *entry = &l->entries[l->num_entries];
+    char shown[72];
+    if (kvf_json_region_name_taken(l, name))
+      return kvf_json_fail(l, KVF_ERR_PARSE, where, "name", "duplicate region name '%s'",
+                           kvf_json_printable(name, shown, sizeof shown));
+    for (uint32_t k = 0; k < count; ++k) {
+      kvf_json_region *r = &l->regions[l->num_regions + k];
+      if (count == 1)
+        snprintf(r->name, sizeof r->name, "%s", name);
+      else
+        snprintf(r->name, sizeof r->name, "%s[%u]", name, k);
+      /* An expanded name may collide with an earlier plain one ("kv[1]"). */
+      if (kvf_json_region_name_taken(l, r->name))
+        return kvf_json_fail(l, KVF_ERR_PARSE, where, "name", "region name '%s' is already taken",
+                             kvf_json_printable(r->name, shown, sizeof shown));
+      r->entry = l->num_entries;
+    }
+    snprintf(entry->name, sizeof entry->name, "%s", name);
+    entry->first = l->num_regions;
+    entry->count = count;
+    ++l->num_entries;
+    for (uint32_t k = 0; k < count; ++k) {
+      uint32_t index;
+      desc.name = l->regions[l->num_regions].name;
+      st = kvf_geometry_add_region(l->geometry, &desc, &index);
+      if (st != KVF_SUCCESS) {
+        kvf_error_prefix("%s: ", where);
+        return st;
+      }
+      ++l->num_regions;
+    }
+  }
+  return KVF_SUCCESS;
+}
+
+/* Resolve a region reference: an expanded name ("kv[5]", or a plain name of
+ * an uncounted entry) or the plain name of a counted entry (its first region). */
+static int kvf_json_find_region(const kvf_json_loader *l, const char *name, uint32_t *index) {
+  for (uint32_t i = 0; i < l->num_regions; ++i)
+    if (strcmp(l->regions[i].name, name) == 0) {
+      *index = i;
+      return 1;
+    }
+  for (uint32_t i = 0; i < l->num_entries; ++i)
+    if (strcmp(l->entries[i].name, name) == 0) {
+      *index = l->entries[i].first;
+      return 1;
+    }
+  return 0;
+}
+
+/* ---- groups and layers -------------------------------------------------- */
+
+static const char *const kvf_json_kind_names[] = {"full", "sliding_window", "chunked_local", "recurrent"};
+
+/* Keys of a layer entry, and the ones that belong to one kind of group. */
+static const char *const kvf_json_layer_keys[] = {
+    "count",       "name",   "region",     "region_step",  "offset",     "offset_step",
+    "elem_bytes",  "block_stride", "planes", "heads",      "head_bytes", "plane_stride",
+    "token_stride", "head_stride", "states", "alias_of"};
+static const char *const kvf_json_attention_keys[] = {"planes",       "heads",        "head_bytes",
+                                                      "plane_stride", "token_stride", "head_stride"};
+
+static kvf_status kvf_json_parse_states(kvf_json_loader *l, json_t *obj, const char *where,
+                                        kvf_view_desc *view) {
+  static const char *const keys[] = {"offset", "bytes"};
+  json_t *arr;
+  kvf_status st = kvf_json_get_typed(l, obj, where, "states", 1, JSON_ARRAY, &arr);
+  if (st != KVF_SUCCESS) return st;
+  if (json_array_size(arr) > KVF_MAX_STATES)
+    return kvf_json_fail(l, KVF_ERR_INVALID_GEOMETRY, where, "states", "%zu states, at most %u",
+                         json_array_size(arr), KVF_MAX_STATES);
+  view->num_states = (uint32_t)json_array_size(arr);
+  for (uint32_t s = 0; s < view->num_states; ++s) {
+    char swhere[KVF_JSON_PATH_MAX];
+    json_t *so = json_array_get(arr, s);
+    snprintf(swhere, sizeof swhere, "%s.states[%u]", where, s);
+    if (!json_is_object(so)) return kvf_json_fail(l, KVF_ERR_PARSE, swhere, NULL, "expected an object");
+    if ((st = kvf_json_check_keys(l, so, swhere, keys, 2)) != KVF_SUCCESS ||
+        (st = kvf_json_get_u64(l, so, swhere, "offset", 1, &view->states[s].offset, NULL)) != KVF_SUCCESS ||
+        (st = kvf_json_get_u64(l, so, swhere, "bytes", 1, &view->states[s].bytes, NULL)) != KVF_SUCCESS)
+      return st;
+  }
+  return KVF_SUCCESS;
+}
+
+/* Is `text` the expression "num_blocks * block_stride" (spaces optional)? */
+static int kvf_json_is_blocks_expr(const char *text) {
+  const char *want = "num_blocks*block_stride";
+  for (; *text; ++text) {
+    if (*text == ' ') continue;
+    if (*text != *want) return 0;
+    ++want;
+  }
+  return *want == '\0';
+}
+
+static kvf_status kvf_json_parse_attention(kvf_json_loader *l, json_t *obj, const char *where, uint32_t group,
+                                           kvf_view_desc *view) {
+  json_t *hb, *ps;
+  int present;
+  kvf_status st;
+  if ((st = kvf_json_get_u32(l, obj, where, "planes", 1, &view->planes, NULL)) != KVF_SUCCESS ||
+      (st = kvf_json_get_u32(l, obj, where, "heads", 1, &view->heads, NULL)) != KVF_SUCCESS ||
+      (st = kvf_json_get_u64(l, obj, where, "token_stride", 1, &view->token_stride, NULL)) != KVF_SUCCESS)
+    return st;
+  /* Layouts with K and V outermost ((2, num_blocks, ...)) space the planes
+   * by the block count, which the engine picks at run time: the file may say
+   * so, and the stride then follows num_blocks (and any override). */
+  ps = json_object_get(obj, "plane_stride");
+  if (ps != NULL && json_is_string(ps)) {
+    if (!kvf_json_is_blocks_expr(json_string_value(ps)))
+      return kvf_json_fail(l, KVF_ERR_PARSE, where, "plane_stride",
+                           "expected a non-negative integer or the string \"num_blocks * block_stride\"");
+    if (!kvf_mul_u64(l->group_blocks[group], view->block_stride, &view->plane_stride))
+      return kvf_json_fail(l, KVF_ERR_OVERFLOW, where, "plane_stride", "num_blocks * block_stride overflows 64 bits");
+    present = 1;
+  } else if ((st = kvf_json_get_u64(l, obj, where, "plane_stride", 0, &view->plane_stride, &present)) !=
+             KVF_SUCCESS) {
+    return st;
+  }
+  if (!present && view->planes > 1)
+    return kvf_json_fail(l, KVF_ERR_PARSE, where, "plane_stride", "required when planes is %u",
+                         view->planes);
+  if ((st = kvf_json_get_u64(l, obj, where, "head_stride", 0, &view->head_stride, &present)) != KVF_SUCCESS)
+    return st;
+  if (!present && view->heads > 1)
+    return kvf_json_fail(l, KVF_ERR_PARSE, where, "head_stride", "required when heads is %u", view->heads);
+
+  hb = json_object_get(obj, "head_bytes");
+  if (hb == NULL) return kvf_json_missing(l, where, "head_bytes");
+  if (json_is_array(hb)) {
+    size_t n = json_array_size(hb);
+    /* One entry per plane; a plane count finalize will reject still gets
+     * its entries stored (up to two) so that its message is the one shown. */
+    int planes_ok = view->planes >= 1 && view->planes <= KVF_MAX_PLANES;
+    if ((planes_ok && n != view->planes) || n < 1 || n > KVF_MAX_PLANES)
+      return kvf_json_fail(l, KVF_ERR_PARSE, where, "head_bytes",
+                           "expected one integer per plane (%u), got an array of %zu", view->planes, n);
+    for (size_t p = 0; p < n; ++p) {
+      json_t *v = json_array_get(hb, p);
+      const char *key = p == 0 ? "head_bytes[0]" : "head_bytes[1]";
+      if (!json_is_integer(v) || json_integer_value(v) < 0)
+        return kvf_json_fail(l, KVF_ERR_PARSE, where, key, "expected a non-negative integer");
+      if (json_integer_value(v) > (json_int_t)UINT32_MAX)
+        return kvf_json_fail(l, KVF_ERR_PARSE, where, key,
+                             "expected a non-negative integer no larger than 4294967295");
+      view->head_bytes[p] = (uint32_t)json_integer_value(v);
+    }
+  } else {
+    uint32_t v = 0;
+    if ((st = kvf_json_get_u32(l, obj, where, "head_bytes", 1, &v, NULL)) != KVF_SUCCESS) {
+      /* Name both accepted shapes. */
+      if (!json_is_integer(hb))
+        return kvf_json_fail(l, KVF_ERR_PARSE, where, "head_bytes",
+                             "expected a non-negative integer or an array of one per plane");
+      return st;
+    }
+    view->head_bytes[0] = v;
+    view->head_bytes[1] = view->planes >= 2 ? v : 0;
+  }
+  return KVF_SUCCESS;
+}
+
+/* Find a group by name among those added so far. */
+static int kvf_json_find_group(const kvf_json_loader *l, const char *name, uint32_t *index) {
+  for (uint32_t g = 0; g < l->num_groups; ++g)
+    if (strcmp(l->group_names[g], name) == 0) {
+      *index = g;
+      return 1;
+    }
+  return 0;
+}
+
+/* Whether a later entry of "groups" carries this name (for a clearer message). */
+static int kvf_json_group_declared_later(const kvf_json_loader *l, const char *name) {
+  for (size_t g = l->num_groups; g < json_array_size(l->groups_json); ++g) {
+    json_t *gn = json_object_get(json_array_get(l->groups_json, g), "name");
+    if (json_is_string(gn) && strcmp(json_string_value(gn), name) == 0) return 1;
+  }
+  return 0;
+}
+
+typedef struct kvf_json_alias {
+  int present;
+  uint32_t group;
+  uint32_t layer;
+  uint32_t layer_step;
+} kvf_json_alias;
+
+static kvf_status kvf_json_parse_alias(kvf_json_loader *l, json_t *obj, const char *where,
+                                       kvf_json_alias *alias) {
+  static const char *const keys[] = {"group", "layer", "layer_step"};
+  char awhere[KVF_JSON_PATH_MAX];
+  char shown[72];
+  const char *group = NULL;
+  json_t *ao;
+  kvf_status st = kvf_json_get_typed(l, obj, where, "alias_of", 0, JSON_OBJECT, &ao);
+  if (st != KVF_SUCCESS || ao == NULL) return st;
+  snprintf(awhere, sizeof awhere, "%s.alias_of", where);
+  alias->present = 1;
+  alias->layer_step = 1;
+  if ((st = kvf_json_check_keys(l, ao, awhere, keys, 3)) != KVF_SUCCESS ||
+      (st = kvf_json_get_string(l, ao, awhere, "group", 1, &group)) != KVF_SUCCESS ||
+      (st = kvf_json_get_u32(l, ao, awhere, "layer", 1, &alias->layer, NULL)) != KVF_SUCCESS ||
+      (st = kvf_json_get_u32(l, ao, awhere, "layer_step", 0, &alias->layer_step, NULL)) != KVF_SUCCESS)
+    return st;
+  /* The current group counts as found: a view may alias an earlier layer of its own group. */
+  if (!kvf_json_find_group(l, group, &alias->group)) {
+    if (kvf_json_group_declared_later(l, group))
+      return kvf_json_fail(l, KVF_ERR_PARSE, awhere, "group",
+                           "group '%s' is declared later; an alias must point to an earlier view",
+                           kvf_json_printable(group, shown, sizeof shown));
+    return kvf_json_fail(l, KVF_ERR_PARSE, awhere, "group", "unknown group '%s'",
+                         kvf_json_printable(group, shown, sizeof shown));
+  }
+  return KVF_SUCCESS;
+}
+
+static kvf_status kvf_json_parse_layer(kvf_json_loader *l, json_t *obj, const char *where, uint32_t group,
+                                       kvf_group_kind kind) {
+  char shown[72];
+  const char *name = NULL;
+  const char *region = NULL;
+  uint32_t count;
+  uint32_t region_index;
+  uint32_t region_step = 0;
+  uint64_t offset_step = 0;
+  kvf_json_alias alias = {0, 0, 0, 0};
+  kvf_view_desc view = KVF_VIEW_DESC_INIT;
+  const kvf_json_region_entry *entry;
+  kvf_status st;
+
+  if (!json_is_object(obj)) return kvf_json_fail(l, KVF_ERR_PARSE, where, NULL, "expected an object");
+  st = kvf_json_check_keys(l, obj, where, kvf_json_layer_keys,
+                           sizeof kvf_json_layer_keys / sizeof kvf_json_layer_keys[0]);
+  if (st != KVF_SUCCESS) return st;
+  /* Keys of the other kind of group are known but out of place. */
+  if (kind == KVF_GROUP_RECURRENT) {
+    for (size_t i = 0; i < sizeof kvf_json_attention_keys / sizeof kvf_json_attention_keys[0]; ++i)
+      if (json_object_get(obj, kvf_json_attention_keys[i]) != NULL)
+        return kvf_json_fail(l, KVF_ERR_PARSE, where, kvf_json_attention_keys[i],
+                             "not allowed in a recurrent group (its layers have states)");
+  } else if (json_object_get(obj, "states") != NULL) {
+    return kvf_json_fail(l, KVF_ERR_PARSE, where, "states", "only recurrent groups have states");
+  }
+
+  if ((st = kvf_json_get_count(l, obj, where, &count)) != KVF_SUCCESS ||
+      (st = kvf_json_get_name(l, obj, where, 0, kvf_json_suffix_len(count), &name)) != KVF_SUCCESS ||
+      (st = kvf_json_get_string(l, obj, where, "region", 1, &region)) != KVF_SUCCESS ||
+      (st = kvf_json_get_u32(l, obj, where, "region_step", 0, &region_step, NULL)) != KVF_SUCCESS ||
+      (st = kvf_json_get_u64(l, obj, where, "offset", 0, &view.offset, NULL)) != KVF_SUCCESS ||
+      (st = kvf_json_get_u64(l, obj, where, "offset_step", 0, &offset_step, NULL)) != KVF_SUCCESS ||
+      (st = kvf_json_get_u32(l, obj, where, "elem_bytes", 0, &view.elem_bytes, NULL)) != KVF_SUCCESS ||
+      (st = kvf_json_get_u64(l, obj, where, "block_stride", 1, &view.block_stride, NULL)) != KVF_SUCCESS)
+    return st;
+  if (kind == KVF_GROUP_RECURRENT)
+    st = kvf_json_parse_states(l, obj, where, &view);
+  else
+    st = kvf_json_parse_attention(l, obj, where, group, &view);
+  if (st != KVF_SUCCESS) return st;
+  if ((st = kvf_json_parse_alias(l, obj, where, &alias)) != KVF_SUCCESS) return st;
+
+  if (count > KVF_MAX_LAYERS_PER_GROUP - l->group_layers[group])
+    return kvf_json_fail(l, KVF_ERR_INVALID_GEOMETRY, where, "count",
+                         "%u more layers would exceed the limit of %u per group", count,
+                         KVF_MAX_LAYERS_PER_GROUP);
+  if (!kvf_json_find_region(l, region, &region_index))
+    return kvf_json_fail(l, KVF_ERR_PARSE, where, "region", "unknown region '%s'",
+                         kvf_json_printable(region, shown, sizeof shown));
+  entry = &l->entries[l->regions[region_index].entry];
+  if (count > 1 && region_step != 0) {
+    /* The last layer must still land inside the region's own entry. */
+    uint64_t last = (uint64_t)region_index + (uint64_t)(count - 1) * region_step;
+    if (last >= (uint64_t)entry->first + entry->count)
+      return kvf_json_fail(l, KVF_ERR_PARSE, where, "region_step",
+                           "layer %u of this entry would use region %llu of '%s', which has %u region%s",
+                           count - 1, (unsigned long long)(last - entry->first),
+                           kvf_json_printable(entry->name, shown, sizeof shown), entry->count,
+                           entry->count == 1 ? "" : "s");
+  }
+
+  for (uint32_t k = 0; k < count; ++k) {
+    char layer_name[KVF_NAME_MAX];
+    uint64_t step_offset;
+    kvf_view_desc v = view;
+    l->error_layer = (int32_t)l->group_layers[group];
+    v.region = region_index + k * region_step;
+    if (!kvf_mul_u64(offset_step, k, &step_offset) || !kvf_add_u64(view.offset, step_offset, &v.offset))
+      return kvf_json_fail(l, KVF_ERR_OVERFLOW, where, "offset_step",
+                           "offset + %u * offset_step overflows 64 bits", k);
+    if (name != NULL) {
+      if (count == 1)
+        snprintf(layer_name, sizeof layer_name, "%s", name);
+      else
+        snprintf(layer_name, sizeof layer_name, "%s[%u]", name, k);
+      v.name = layer_name;
+    }
+    if (alias.present) {
+      uint64_t target = (uint64_t)alias.layer + (uint64_t)k * alias.layer_step;
+      /* Aliases point back: the target view must exist already. */
+      uint32_t have = l->group_layers[alias.group];
+      if (target >= have)
+        return kvf_json_fail(l, KVF_ERR_PARSE, where, k == 0 ? "alias_of.layer" : "alias_of.layer_step",
+                             "layer %u of this entry would alias layer %llu of group '%s', which has "
+                             "%u layer%s so far; an alias must point to an earlier view",
+                             k, (unsigned long long)target, l->group_names[alias.group], have,
+                             have == 1 ? "" : "s");
+      v.alias_group = (int32_t)alias.group;
+      v.alias_layer = (int32_t)target;
+    }
+    st = kvf_geometry_add_view(l->geometry, group, &v, NULL);
+    if (st != KVF_SUCCESS) {
+      kvf_error_prefix("%s: ", where);
+      return st;
+    }
+    ++l->group_layers[group];
+  }
+  return KVF_SUCCESS;
+}
+
+static kvf_status kvf_json_parse_group(kvf_json_loader *l, json_t *obj, uint32_t gi) {
+  static const char *const keys[] = {"name", "kind", "block_size", "num_blocks", "window", "chunk", "layers"};
+  char where[KVF_JSON_GROUP_PATH_MAX];
+  char shown[72];
+  const char *name = NULL;
+  const char *kind_name = NULL;
+  kvf_group_desc desc = KVF_GROUP_DESC_INIT;
+  uint32_t index;
+  uint32_t k;
+  int present;
+  json_t *layers;
+  kvf_status st;
+
+  snprintf(where, sizeof where, "groups[%u]", gi);
+  if (!json_is_object(obj)) return kvf_json_fail(l, KVF_ERR_PARSE, where, NULL, "expected an object");
+  if ((st = kvf_json_check_keys(l, obj, where, keys, sizeof keys / sizeof keys[0])) != KVF_SUCCESS ||
+      (st = kvf_json_get_name(l, obj, where, 1, 0, &name)) != KVF_SUCCESS ||
+      (st = kvf_json_get_string(l, obj, where, "kind", 1, &kind_name)) != KVF_SUCCESS)
+    return st;
+  if (kvf_json_find_group(l, name, &index))
+    return kvf_json_fail(l, KVF_ERR_PARSE, where, "name", "duplicate group name '%s'",
+                         kvf_json_printable(name, shown, sizeof shown));
+  for (k = 0; k < sizeof kvf_json_kind_names / sizeof kvf_json_kind_names[0]; ++k)
+    if (strcmp(kind_name, kvf_json_kind_names[k]) == 0) break;
+  if (k == sizeof kvf_json_kind_names / sizeof kvf_json_kind_names[0])
+    return kvf_json_fail(l, KVF_ERR_PARSE, where, "kind",
+                         "unknown kind '%s' (full, sliding_window, chunked_local or recurrent)",
+                         kvf_json_printable(kind_name, shown, sizeof shown));
+  desc.kind = (kvf_group_kind)k;
+  desc.name = name;
+
+  /* Recurrent groups have one state per slot: block_size defaults to 1. */
+  desc.block_size = 1;
+  if ((st = kvf_json_get_u32(l, obj, where, "block_size", desc.kind != KVF_GROUP_RECURRENT, &desc.block_size,
+                             NULL)) != KVF_SUCCESS ||
+      (st = kvf_json_get_u32(l, obj, where, "num_blocks", 1, &desc.num_blocks, NULL)) != KVF_SUCCESS ||
+      (st = kvf_json_get_u32(l, obj, where, "window", 0, &desc.window, &present)) != KVF_SUCCESS)
+    return st;
+  if (present != (desc.kind == KVF_GROUP_SLIDING_WINDOW))
+    return present ? kvf_json_fail(l, KVF_ERR_PARSE, where, "window", "only sliding_window groups have a window")
+                   : kvf_json_missing(l, where, "window");
+  if ((st = kvf_json_get_u32(l, obj, where, "chunk", 0, &desc.chunk, &present)) != KVF_SUCCESS) return st;
+  if (present != (desc.kind == KVF_GROUP_CHUNKED_LOCAL))
+    return present ? kvf_json_fail(l, KVF_ERR_PARSE, where, "chunk", "only chunked_local groups have a chunk")
+                   : kvf_json_missing(l, where, "chunk");
+  if ((st = kvf_json_get_typed(l, obj, where, "layers", 1, JSON_ARRAY, &layers)) != KVF_SUCCESS) return st;
+  if (json_array_size(layers) == 0)
+    return kvf_json_fail(l, KVF_ERR_PARSE, where, "layers", "expected at least one layer entry");
+  if (l->num_blocks_override != 0) desc.num_blocks = l->num_blocks_override;
+
+  st = kvf_geometry_add_group(l->geometry, &desc, &index);
+  if (st != KVF_SUCCESS) {
+    kvf_error_prefix("%s: ", where);
+    return st;
+  }
+  /* Registered before its layers, so a layer may alias an earlier one of its own group. */
+  snprintf(l->group_names[gi], sizeof l->group_names[gi], "%s", name);
+  l->group_blocks[gi] = desc.num_blocks;
+  l->num_groups = gi + 1;
+
+  for (size_t e = 0; e < json_array_size(layers); ++e) {
+    char lwhere[KVF_JSON_LAYER_PATH_MAX];
+    snprintf(lwhere, sizeof lwhere, "%s.layers[%zu]", where, e);
+    l->error_layer = (int32_t)l->group_layers[gi];
+    st = kvf_json_parse_layer(l, json_array_get(layers, e), lwhere, gi, desc.kind);
+    if (st != KVF_SUCCESS) return st;
+  }
+  l->error_layer = -1;
+  return KVF_SUCCESS;
+}
+
+static kvf_status kvf_json_parse_groups(kvf_json_loader *l, json_t *root) {
+  json_t *arr;
+  kvf_status st = kvf_json_get_typed(l, root, "", "groups", 1, JSON_ARRAY, &arr);
+  if (st != KVF_SUCCESS) return st;
+  if (json_array_size(arr) == 0) return kvf_json_fail(l, KVF_ERR_PARSE, "", "groups", "expected at least one group");
+  if (json_array_size(arr) > KVF_MAX_GROUPS)
+    return kvf_json_fail(l, KVF_ERR_INVALID_GEOMETRY, "", "groups", "%zu groups, at most %u",
+                         json_array_size(arr), KVF_MAX_GROUPS);
+  l->groups_json = arr;
+  for (uint32_t g = 0; g < json_array_size(arr); ++g) {
+    l->error_group = (int32_t)g;
+    if ((st = kvf_json_parse_group(l, json_array_get(arr, g), g)) != KVF_SUCCESS) return st;
+  }
+  l->error_group = -1;
+  return KVF_SUCCESS;
+}
+
+/* ---- policy, dcp and the top level --------------------------------------- */
+
+static kvf_status kvf_json_parse_objects(kvf_json_loader *l, json_t *root) {
+  static const char *const keys[] = {"chunk_tokens", "format", "separate_windowed", "separate_recurrent"};
+  kvf_object_policy policy = KVF_OBJECT_POLICY_INIT;
+  const char *format = NULL;
+  char shown[72];
+  json_t *obj;
+  kvf_status st = kvf_json_get_typed(l, root, "", "objects", 0, JSON_OBJECT, &obj);
+  if (st != KVF_SUCCESS || obj == NULL) return st;
+  if ((st = kvf_json_check_keys(l, obj, "objects", keys, sizeof keys / sizeof keys[0])) != KVF_SUCCESS ||
+      (st = kvf_json_get_u32(l, obj, "objects", "chunk_tokens", 0, &policy.chunk_tokens, NULL)) != KVF_SUCCESS ||
+      (st = kvf_json_get_string(l, obj, "objects", "format", 0, &format)) != KVF_SUCCESS ||
+      (st = kvf_json_get_bool(l, obj, "objects", "separate_windowed", &policy.separate_windowed)) != KVF_SUCCESS ||
+      (st = kvf_json_get_bool(l, obj, "objects", "separate_recurrent", &policy.separate_recurrent)) != KVF_SUCCESS)
+    return st;
+  if (format != NULL) {
+    if (strcmp(format, "canonical") == 0)
+      policy.format = KVF_FORMAT_CANONICAL;
+    else if (strcmp(format, "native") == 0)
+      policy.format = KVF_FORMAT_NATIVE;
+    else
+      return kvf_json_fail(l, KVF_ERR_PARSE, "objects", "format", "unknown format '%s' (canonical or native)",
+                           kvf_json_printable(format, shown, sizeof shown));
+  }
+  st = kvf_geometry_set_policy(l->geometry, &policy);
+  if (st != KVF_SUCCESS) kvf_error_prefix("objects: ");
+  return st;
+}
+
+static kvf_status kvf_json_parse_dcp(kvf_json_loader *l, json_t *root) {
+  static const char *const keys[] = {"world", "rank"};
+  uint32_t world = 1;
+  uint32_t rank = 0;
+  json_t *obj;
+  kvf_status st = kvf_json_get_typed(l, root, "", "dcp", 0, JSON_OBJECT, &obj);
+  if (st != KVF_SUCCESS || obj == NULL) return st;
+  if ((st = kvf_json_check_keys(l, obj, "dcp", keys, 2)) != KVF_SUCCESS ||
+      (st = kvf_json_get_u32(l, obj, "dcp", "world", 1, &world, NULL)) != KVF_SUCCESS ||
+      (st = kvf_json_get_u32(l, obj, "dcp", "rank", 1, &rank, NULL)) != KVF_SUCCESS)
+    return st;
+  /* Checked here too so that the message names the JSON path. */
+  if (world == 0 || world > KVF_MAX_DCP_WORLD)
+    return kvf_json_fail(l, KVF_ERR_INVALID_GEOMETRY, "dcp", "world", "must be 1..%u, got %u", KVF_MAX_DCP_WORLD, world);
+  if (rank >= world)
+    return kvf_json_fail(l, KVF_ERR_INVALID_GEOMETRY, "dcp", "rank", "must be below world %u, got %u", world, rank);
+  st = kvf_geometry_set_dcp(l->geometry, world, rank);
+  if (st != KVF_SUCCESS) kvf_error_prefix("dcp: ");
+  return st;
+}
+
+static kvf_status kvf_json_build(kvf_json_loader *l, json_t *root) {
+  static const char *const keys[] = {"format", "version", "name", "description",
+                                     "regions", "groups", "objects", "dcp"};
+  const char *format = NULL;
+  const char *name = NULL;
+  const char *description = "";
+  json_t *version;
+  kvf_status st;
+
+  if (!json_is_object(root)) return kvf_json_fail(l, KVF_ERR_PARSE, "", NULL, "expected an object");
+  /* format and version first: a file of another kind or version should say
+   * so rather than list the keys it does not share with this one. */
+  if ((st = kvf_json_get_string(l, root, "", "format", 1, &format)) != KVF_SUCCESS) return st;
+  if (strcmp(format, "kvferry-geometry") != 0)
+    return kvf_json_fail(l, KVF_ERR_PARSE, "", "format", "expected \"kvferry-geometry\"");
+  version = json_object_get(root, "version");
+  if (version == NULL) return kvf_json_missing(l, "", "version");
+  if (!json_is_integer(version) || json_integer_value(version) != 1)
+    return kvf_json_fail(l, KVF_ERR_PARSE, "", "version", "unsupported version (this library reads version 1)");
+  if ((st = kvf_json_check_keys(l, root, "", keys, sizeof keys / sizeof keys[0])) != KVF_SUCCESS ||
+      (st = kvf_json_get_name(l, root, "", 1, 0, &name)) != KVF_SUCCESS ||
+      (st = kvf_json_get_string(l, root, "", "description", 0, &description)) != KVF_SUCCESS ||
+      (st = kvf_json_parse_regions(l, root)) != KVF_SUCCESS ||
+      (st = kvf_json_parse_groups(l, root)) != KVF_SUCCESS ||
+      (st = kvf_json_parse_objects(l, root)) != KVF_SUCCESS || (st = kvf_json_parse_dcp(l, root)) != KVF_SUCCESS)
+    return st;
+  return kvf_geometry_set_name(l->geometry, name, description);
+}
+
+/* Parse, build and finalize. `source` names the file in messages (NULL for buffers). */
+static kvf_status kvf_json_load(const char *json, size_t len, const kvf_geometry_load_options *options,
+                                kvf_geometry **out, kvf_geometry_error *error, const char *source) {
+  kvf_json_loader l;
+  json_error_t jerr;
+  json_t *root = NULL;
+  int validation = 0;
+  kvf_status st;
+
+  memset(&l, 0, sizeof l);
+  l.error_group = -1;
+  l.error_layer = -1;
+  if (out == NULL || (json == NULL && len != 0)) {
+    st = kvf_fail(KVF_ERR_INVALID_ARGUMENT, "loading geometry: %s is NULL", out == NULL ? "out" : "json");
+    goto out;
+  }
+  if (options != NULL) {
+    if (options->version != KVF_DESC_VERSION || options->struct_size < sizeof(kvf_geometry_load_options)) {
+      st = kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                    "loading geometry: options has struct_size %u, version %u (expected %zu, %u: "
+                    "fill it from KVF_GEOMETRY_LOAD_OPTIONS_INIT)",
+                    options->struct_size, options->version, sizeof(kvf_geometry_load_options),
+                    KVF_DESC_VERSION);
+      goto out;
+    }
+    l.num_blocks_override = options->num_blocks_override;
+  }
+  if (len > KVF_JSON_MAX_BYTES) {
+    st = kvf_fail(KVF_ERR_PARSE, "input is %zu bytes, more than the %zu MiB a geometry file may have", len,
+                  KVF_JSON_MAX_BYTES >> 20);
+    goto out;
+  }
+  /* Duplicate keys would let a typo'd second copy silently win. */
+  root = json_loadb(json != NULL ? json : "", len, JSON_REJECT_DUPLICATES, &jerr);
+  if (root == NULL) {
+    char text[sizeof jerr.text];
+    /* jansson quotes the offending bytes, which may be control characters. */
+    st = kvf_fail(KVF_ERR_PARSE, "line %d, column %d: %s", jerr.line, jerr.column,
+                  kvf_json_printable(jerr.text, text, sizeof text));
+    goto out;
+  }
+  st = kvf_geometry_create(&l.geometry);
+  if (st != KVF_SUCCESS) goto out;
+  st = kvf_json_build(&l, root);
+  if (st != KVF_SUCCESS) goto out;
+  validation = 1; /* finalize fills *error and the message itself */
+  st = kvf_geometry_finalize(l.geometry, error);
+  if (st != KVF_SUCCESS) goto out;
+  *out = l.geometry;
+  l.geometry = NULL;
+
+out:
+  if (st != KVF_SUCCESS && !validation) {
+    if (source != NULL) kvf_error_prefix("%s: ", source);
+    if (error != NULL) {
+      memset(error, 0, sizeof *error);
+      error->status = st;
+      error->group = l.error_group;
+      error->layer = l.error_layer;
+      snprintf(error->field, sizeof error->field, "%s", l.error_field);
+      snprintf(error->message, sizeof error->message, "%s", kvf_last_error());
+    }
+  }
+  kvf_geometry_destroy(l.geometry);
+  json_decref(root);
+  free(l.regions);
+  free(l.entries);
+  return st;
+}
+
+kvf_status kvf_geometry_load_buffer(const char *json, size_t len, const kvf_geometry_load_options *options,
+                                    kvf_geometry **out, kvf_geometry_error *error) {
+  return kvf_json_load(json, len, options, out, error, NULL);
+}
+
+/* Read a whole file, refusing more than KVF_JSON_MAX_BYTES. */
+static kvf_status kvf_json_read_file(const char *path, char **data, size_t *len) {
+  char reason[128];
+  size_t cap = 64 << 10;
+  size_t used = 0;
+  char *buf = NULL;
+  kvf_status st = KVF_SUCCESS;
+  int fd;
+
+  do {
+    fd = open(path, O_RDONLY | O_CLOEXEC);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) {
+    int err = errno;
+    if (strerror_r(err, reason, sizeof reason) != 0) snprintf(reason, sizeof reason, "errno %d", err);
+    return kvf_fail(err == ENOENT ? KVF_ERR_NOT_FOUND : KVF_ERR_IO, "geometry file '%s': %s", path, reason);
+  }
+  for (;;) {
+    ssize_t got;
+    if (used == cap) {
+      char *grown;
+      if (cap > KVF_JSON_MAX_BYTES) {
+        st = kvf_fail(KVF_ERR_PARSE, "geometry file '%s': larger than %zu MiB, not a geometry file", path,
+                      KVF_JSON_MAX_BYTES >> 20);
+        goto out;
+      }
+      /* One byte past the cap tells "exactly at the cap" from "beyond it". */
+      cap = cap * 2 > KVF_JSON_MAX_BYTES ? KVF_JSON_MAX_BYTES + 1 : cap * 2;
+      grown = realloc(buf, cap);
+      if (grown == NULL) {
+        st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "geometry file '%s': out of memory", path);
+        goto out;
+      }
+      buf = grown;
+    }
+    if (buf == NULL) {
+      buf = malloc(cap);
+      if (buf == NULL) {
+        st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "geometry file '%s': out of memory", path);
+        goto out;
+      }
+    }
+    got = read(fd, buf + used, cap - used);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) {
+      int err = errno;
+      if (strerror_r(err, reason, sizeof reason) != 0) snprintf(reason, sizeof reason, "errno %d", err);
+      st = kvf_fail(KVF_ERR_IO, "geometry file '%s': %s", path, reason);
+      goto out;
+    }
+    if (got == 0) break;
+    used += (size_t)got;
+  }
+  if (used > KVF_JSON_MAX_BYTES) {
+    st = kvf_fail(KVF_ERR_PARSE, "geometry file '%s': larger than %zu MiB, not a geometry file", path,
+                  KVF_JSON_MAX_BYTES >> 20);
+    goto out;
+  }
+  *data = buf;
+  *len = used;
+  buf = NULL;
+out:
+  free(buf);
+  close(fd);
+  return st;
+}
+
+kvf_status kvf_geometry_load_file(const char *path, const kvf_geometry_load_options *options,
+                                  kvf_geometry **out, kvf_geometry_error *error) {
+  char *data = NULL;
+  size_t len = 0;
+  kvf_status st;
+  if (path == NULL || out == NULL)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "loading geometry: %s is NULL", path == NULL ? "path" : "out");
+  st = kvf_json_read_file(path, &data, &len);
+  if (st != KVF_SUCCESS) {
+    if (error != NULL) {
+      memset(error, 0, sizeof *error);
+      error->status = st;
+      error->group = -1;
+      error->layer = -1;
+      snprintf(error->message, sizeof error->message, "%s", kvf_last_error());
+    }
+    return st;
+  }
+  st = kvf_json_load(data, len, options, out, error, path);
+  free(data);
+  return st;
+}

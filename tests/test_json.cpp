@@ -1,0 +1,775 @@
+// Geometry files: the JSON loader (geometry/json.c) against docs/geometry.md.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include <kvferry/geometry.h>
+
+namespace {
+
+struct GeometryDeleter {
+  void operator()(kvf_geometry *g) const { kvf_geometry_destroy(g); }
+};
+using GeometryPtr = std::unique_ptr<kvf_geometry, GeometryDeleter>;
+
+kvf_status Load(const std::string &json, GeometryPtr *out, kvf_geometry_error *error = nullptr,
+                const kvf_geometry_load_options *options = nullptr) {
+  kvf_geometry *g = nullptr;
+  kvf_status st = kvf_geometry_load_buffer(json.data(), json.size(), options, &g, error);
+  if (st == KVF_SUCCESS) {
+    EXPECT_NE(g, nullptr);
+  } else {
+    EXPECT_EQ(g, nullptr) << "the out-parameter must stay untouched on failure";
+  }
+  out->reset(g);
+  return st;
+}
+
+// Replace the single occurrence of `from` (the test fails if it is not there exactly once).
+std::string Edit(const std::string &json, const std::string &from, const std::string &to) {
+  size_t at = json.find(from);
+  EXPECT_NE(at, std::string::npos) << "edit target not found: " << from;
+  if (at == std::string::npos) return json;
+  EXPECT_EQ(json.find(from, at + 1), std::string::npos) << "edit target not unique: " << from;
+  return json.substr(0, at) + to + json.substr(at + from.size());
+}
+
+// One full-attention group, two layers in a counted region.
+const std::string kSmall = R"json({
+  "format": "kvferry-geometry",
+  "version": 1,
+  "name": "tiny-full",
+  "description": "two layers, bf16, K and V planes 64 KiB apart",
+  "regions": [ { "name": "kv", "count": 2 } ],
+  "groups": [
+    { "name": "full", "kind": "full", "block_size": 16, "num_blocks": 8,
+      "layers": [
+        { "count": 2, "name": "layer", "region": "kv", "region_step": 1, "elem_bytes": 2,
+          "block_stride": 8192, "planes": 2, "heads": 2, "head_bytes": 128,
+          "plane_stride": 65536, "token_stride": 256, "head_stride": 128 }
+      ] }
+  ],
+  "objects": { "chunk_tokens": 32 }
+})json";
+
+// A hybrid: full attention in kv[0..3]; a sliding-window group whose two
+// layers share kv[0] and kv[2] with full layers 0 and 2 (region_step 2,
+// layer_step 2); a recurrent group whose two layers sit one after the other
+// in one region (offset_step); separate object groups; dcp rank 1 of 2.
+const std::string kHybrid = R"json({
+  "format": "kvferry-geometry",
+  "version": 1,
+  "name": "tiny-hybrid",
+  "description": "hybrid test geometry",
+  "regions": [
+    { "name": "kv", "count": 4, "align": 4096 },
+    { "name": "ssm", "size": 131072 }
+  ],
+  "groups": [
+    { "name": "full", "kind": "full", "block_size": 16, "num_blocks": 8,
+      "layers": [
+        { "count": 4, "name": "attn", "region": "kv", "region_step": 1, "elem_bytes": 2,
+          "block_stride": 16384, "planes": 2, "heads": 2, "head_bytes": [128, 128],
+          "plane_stride": 4096, "token_stride": 256, "head_stride": 128 }
+      ] },
+    { "name": "swa", "kind": "sliding_window", "block_size": 16, "num_blocks": 8, "window": 64,
+      "layers": [
+        { "count": 2, "name": "swa", "region": "kv", "region_step": 2, "elem_bytes": 2,
+          "block_stride": 16384, "planes": 2, "heads": 2, "head_bytes": 128,
+          "plane_stride": 4096, "token_stride": 256, "head_stride": 128,
+          "alias_of": { "group": "full", "layer": 0, "layer_step": 2 } }
+      ] },
+    { "name": "mamba", "kind": "recurrent", "num_blocks": 4,
+      "layers": [
+        { "count": 2, "name": "mamba", "region": "ssm", "offset": 0, "offset_step": 65536,
+          "block_stride": 16384,
+          "states": [ { "offset": 0, "bytes": 1024 }, { "offset": 1024, "bytes": 8192 } ] }
+      ] }
+  ],
+  "objects": { "chunk_tokens": 64, "format": "native", "separate_windowed": true,
+               "separate_recurrent": true },
+  "dcp": { "world": 2, "rank": 1 }
+})json";
+
+TEST(Json, LoadsSmallGeometry) {
+  GeometryPtr g;
+  ASSERT_EQ(Load(kSmall, &g), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_STREQ(kvf_geometry_name(g.get()), "tiny-full");
+  EXPECT_STREQ(kvf_geometry_description(g.get()), "two layers, bf16, K and V planes 64 KiB apart");
+  ASSERT_EQ(kvf_geometry_num_regions(g.get()), 2u);
+  ASSERT_EQ(kvf_geometry_num_groups(g.get()), 1u);
+  kvf_region_info r;
+  ASSERT_EQ(kvf_geometry_region(g.get(), 1, &r), KVF_SUCCESS);
+  EXPECT_STREQ(r.name, "kv[1]");
+  EXPECT_EQ(r.align, 256u);
+  // Computed: plane 1 of block 7 ends at 65536 + 7*8192 + 16*256.
+  EXPECT_EQ(r.size, 65536u + 7 * 8192u + 4096u);
+  kvf_group_info gi;
+  ASSERT_EQ(kvf_geometry_group(g.get(), 0, &gi), KVF_SUCCESS);
+  EXPECT_EQ(gi.kind, KVF_GROUP_FULL);
+  EXPECT_EQ(gi.block_size, 16u);
+  EXPECT_EQ(gi.num_blocks, 8u);
+  EXPECT_EQ(gi.num_layers, 2u);
+  kvf_view_desc v = KVF_VIEW_DESC_INIT;
+  ASSERT_EQ(kvf_geometry_view(g.get(), 0, 1, &v), KVF_SUCCESS);
+  EXPECT_STREQ(v.name, "layer[1]");
+  EXPECT_EQ(v.region, 1u);
+  EXPECT_EQ(v.offset, 0u);
+  EXPECT_EQ(v.elem_bytes, 2u);
+  EXPECT_EQ(v.block_stride, 8192u);
+  EXPECT_EQ(v.planes, 2u);
+  EXPECT_EQ(v.heads, 2u);
+  EXPECT_EQ(v.head_bytes[0], 128u);
+  EXPECT_EQ(v.head_bytes[1], 128u);
+  EXPECT_EQ(v.plane_stride, 65536u);
+  EXPECT_EQ(v.token_stride, 256u);
+  EXPECT_EQ(v.head_stride, 128u);
+  EXPECT_EQ(v.alias_group, -1);
+  kvf_object_policy p;
+  ASSERT_EQ(kvf_geometry_policy(g.get(), &p), KVF_SUCCESS);
+  EXPECT_EQ(p.chunk_tokens, 32u);
+  EXPECT_EQ(p.format, KVF_FORMAT_CANONICAL);
+  EXPECT_EQ(p.separate_windowed, 1);
+  EXPECT_EQ(p.separate_recurrent, 0);
+  uint32_t world = 0, rank = 9;
+  ASSERT_EQ(kvf_geometry_dcp(g.get(), &world, &rank), KVF_SUCCESS);
+  EXPECT_EQ(world, 1u);
+  EXPECT_EQ(rank, 0u);
+}
+
+TEST(Json, LoadsHybridGeometry) {
+  GeometryPtr g;
+  ASSERT_EQ(Load(kHybrid, &g), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_STREQ(kvf_geometry_name(g.get()), "tiny-hybrid");
+  ASSERT_EQ(kvf_geometry_num_regions(g.get()), 5u);
+  ASSERT_EQ(kvf_geometry_num_groups(g.get()), 3u);
+  EXPECT_EQ(kvf_geometry_num_aliases(g.get()), 2u);
+
+  kvf_region_info r;
+  ASSERT_EQ(kvf_geometry_region(g.get(), 3, &r), KVF_SUCCESS);
+  EXPECT_STREQ(r.name, "kv[3]");
+  EXPECT_EQ(r.align, 4096u);
+  ASSERT_EQ(kvf_geometry_region(g.get(), 4, &r), KVF_SUCCESS);
+  EXPECT_STREQ(r.name, "ssm");
+  EXPECT_EQ(r.size, 131072u);
+  EXPECT_EQ(r.num_views, 2u);
+  ASSERT_EQ(kvf_geometry_region(g.get(), 2, &r), KVF_SUCCESS);
+  EXPECT_EQ(r.num_views, 2u) << "kv[2] holds full layer 2 and its alias, swa layer 1";
+
+  kvf_group_info gi;
+  ASSERT_EQ(kvf_geometry_group(g.get(), 1, &gi), KVF_SUCCESS);
+  EXPECT_STREQ(gi.name, "swa");
+  EXPECT_EQ(gi.kind, KVF_GROUP_SLIDING_WINDOW);
+  EXPECT_EQ(gi.window, 64u);
+  EXPECT_EQ(gi.num_layers, 2u);
+  ASSERT_EQ(kvf_geometry_group(g.get(), 2, &gi), KVF_SUCCESS);
+  EXPECT_EQ(gi.kind, KVF_GROUP_RECURRENT);
+  EXPECT_EQ(gi.block_size, 1u) << "recurrent groups default to one state per slot";
+  EXPECT_EQ(gi.num_blocks, 4u);
+
+  kvf_view_desc v = KVF_VIEW_DESC_INIT;
+  ASSERT_EQ(kvf_geometry_view(g.get(), 0, 3, &v), KVF_SUCCESS);
+  EXPECT_STREQ(v.name, "attn[3]");
+  EXPECT_EQ(v.region, 3u);
+  EXPECT_EQ(v.head_bytes[0], 128u);
+  EXPECT_EQ(v.head_bytes[1], 128u);
+  ASSERT_EQ(kvf_geometry_view(g.get(), 1, 1, &v), KVF_SUCCESS);
+  EXPECT_STREQ(v.name, "swa[1]");
+  EXPECT_EQ(v.region, 2u) << "region_step 2: kv[0] + 1*2";
+  EXPECT_EQ(v.alias_group, 0);
+  EXPECT_EQ(v.alias_layer, 2) << "layer_step 2: layer 0 + 1*2";
+  ASSERT_EQ(kvf_geometry_view(g.get(), 1, 0, &v), KVF_SUCCESS);
+  EXPECT_EQ(v.region, 0u);
+  EXPECT_EQ(v.alias_layer, 0);
+  ASSERT_EQ(kvf_geometry_view(g.get(), 2, 1, &v), KVF_SUCCESS);
+  EXPECT_STREQ(v.name, "mamba[1]");
+  EXPECT_EQ(v.region, 4u);
+  EXPECT_EQ(v.offset, 65536u) << "offset_step";
+  EXPECT_EQ(v.elem_bytes, 1u);
+  EXPECT_EQ(v.block_stride, 16384u);
+  EXPECT_EQ(v.planes, 0u);
+  EXPECT_EQ(v.heads, 0u);
+  ASSERT_EQ(v.num_states, 2u);
+  EXPECT_EQ(v.states[0].offset, 0u);
+  EXPECT_EQ(v.states[0].bytes, 1024u);
+  EXPECT_EQ(v.states[1].offset, 1024u);
+  EXPECT_EQ(v.states[1].bytes, 8192u);
+  EXPECT_EQ(v.alias_group, -1);
+
+  kvf_object_policy p;
+  ASSERT_EQ(kvf_geometry_policy(g.get(), &p), KVF_SUCCESS);
+  EXPECT_EQ(p.chunk_tokens, 64u);
+  EXPECT_EQ(p.format, KVF_FORMAT_NATIVE);
+  EXPECT_EQ(p.separate_windowed, 1);
+  EXPECT_EQ(p.separate_recurrent, 1);
+  EXPECT_EQ(kvf_geometry_num_object_groups(g.get()), 3u);
+  uint32_t world = 0, rank = 0;
+  ASSERT_EQ(kvf_geometry_dcp(g.get(), &world, &rank), KVF_SUCCESS);
+  EXPECT_EQ(world, 2u);
+  EXPECT_EQ(rank, 1u);
+}
+
+TEST(Json, BufferNeedNotBeTerminated) {
+  // Trailing bytes past len are not read: a parse would reject them.
+  std::string padded = kSmall + "} garbage";
+  GeometryPtr g;
+  kvf_geometry *raw = nullptr;
+  ASSERT_EQ(kvf_geometry_load_buffer(padded.data(), kSmall.size(), nullptr, &raw, nullptr), KVF_SUCCESS)
+      << kvf_last_error();
+  g.reset(raw);
+  EXPECT_EQ(Load(padded, &g), KVF_ERR_PARSE);
+}
+
+TEST(Json, NamesAreExpandedAndResolved) {
+  // "kv[1]" names one region of a counted entry, the plain "kv" its first;
+  // an unnamed layer entry leaves its views unnamed.
+  std::string json = Edit(kSmall, R"({ "count": 2, "name": "layer", "region": "kv", "region_step": 1, "elem_bytes": 2,)",
+                          R"({ "region": "kv[1]", "name": "second", "elem_bytes": 2,
+          "block_stride": 8192, "planes": 2, "heads": 2, "head_bytes": 128,
+          "plane_stride": 65536, "token_stride": 256, "head_stride": 128 },
+        { "region": "kv", "elem_bytes": 2,)");
+  GeometryPtr g;
+  ASSERT_EQ(Load(json, &g), KVF_SUCCESS) << kvf_last_error();
+  kvf_view_desc v = KVF_VIEW_DESC_INIT;
+  ASSERT_EQ(kvf_geometry_view(g.get(), 0, 0, &v), KVF_SUCCESS);
+  EXPECT_EQ(v.region, 1u);
+  EXPECT_STREQ(v.name, "second") << "a single layer keeps its name without an index";
+  ASSERT_EQ(kvf_geometry_view(g.get(), 0, 1, &v), KVF_SUCCESS);
+  EXPECT_EQ(v.region, 0u);
+  EXPECT_STREQ(v.name, "");
+}
+
+// Names returned by kvf_geometry_view must stay valid for the geometry's
+// lifetime, however many views were added (and storage grown) after them.
+TEST(Json, ViewNamesSurviveManyLayers) {
+  std::string json = Edit(kSmall, R"({ "name": "kv", "count": 2 })", R"({ "name": "kv", "count": 40 })");
+  json = Edit(json, R"({ "count": 2, "name": "layer")", R"({ "count": 40, "name": "layer")");
+  GeometryPtr g;
+  ASSERT_EQ(Load(json, &g), KVF_SUCCESS) << kvf_last_error();
+  for (uint32_t l = 0; l < 40; ++l) {
+    kvf_view_desc v = KVF_VIEW_DESC_INIT;
+    ASSERT_EQ(kvf_geometry_view(g.get(), 0, l, &v), KVF_SUCCESS);
+    EXPECT_EQ(std::string(v.name), "layer[" + std::to_string(l) + "]");
+    EXPECT_EQ(v.region, l);
+  }
+}
+
+TEST(Json, LayerStepDefaultsToOne) {
+  std::string json = Edit(kHybrid, R"("region": "kv", "region_step": 2,)", R"("region": "kv[1]", "region_step": 1,)");
+  json = Edit(json, R"("layer": 0, "layer_step": 2 })", R"("layer": 1 })");
+  GeometryPtr g;
+  ASSERT_EQ(Load(json, &g), KVF_SUCCESS) << kvf_last_error();
+  kvf_view_desc v = KVF_VIEW_DESC_INIT;
+  ASSERT_EQ(kvf_geometry_view(g.get(), 1, 1, &v), KVF_SUCCESS);
+  EXPECT_EQ(v.region, 2u);
+  EXPECT_EQ(v.alias_group, 0);
+  EXPECT_EQ(v.alias_layer, 2);
+}
+
+// ---- schema errors: KVF_ERR_PARSE (or a limit: INVALID_GEOMETRY), naming the JSON path ----
+
+struct SchemaCase {
+  const char *what;
+  const char *from;   // edit applied to kHybrid
+  const char *to;
+  kvf_status status;
+  const char *path;   // must appear in kvf_last_error()
+  const char *detail; // and so must this
+};
+
+const SchemaCase kSchemaCases[] = {
+    {"unknown key", R"("token_stride": 256, "head_stride": 128,
+          "alias_of")",
+     R"("tokn_stride": 256, "head_stride": 128,
+          "alias_of")", KVF_ERR_PARSE, "groups[1].layers[0].tokn_stride", "unknown key"},
+    {"unknown top-level key", R"("dcp":)", R"("dpc":)", KVF_ERR_PARSE, "dpc", "unknown key"},
+    {"unknown key in a state", R"({ "offset": 1024, "bytes": 8192 })", R"({ "offset": 1024, "byte": 8192 })",
+     KVF_ERR_PARSE, "groups[2].layers[0].states[1].byte", "unknown key"},
+    {"wrong type", R"("window": 64)", R"("window": "64")", KVF_ERR_PARSE, "groups[1].window",
+     "expected a non-negative integer"},
+    {"negative number", R"("offset_step": 65536)", R"("offset_step": -65536)", KVF_ERR_PARSE,
+     "groups[2].layers[0].offset_step", "expected a non-negative integer"},
+    {"fractional number", R"("num_blocks": 4,)", R"("num_blocks": 4.5,)", KVF_ERR_PARSE, "groups[2].num_blocks",
+     "expected a non-negative integer"},
+    {"uint32 out of range", R"("num_blocks": 4,)", R"("num_blocks": 4294967296,)", KVF_ERR_PARSE,
+     "groups[2].num_blocks", "4294967295"},
+    {"head_bytes entry out of range", R"([128, 128])", R"([128, 4294967296])", KVF_ERR_PARSE,
+     "groups[0].layers[0].head_bytes[1]", "4294967295"},
+    {"missing required key", R"(, "token_stride": 256, "head_stride": 128 }
+      ] },
+    { "name": "swa")",
+     R"(, "head_stride": 128 }
+      ] },
+    { "name": "swa")", KVF_ERR_PARSE, "groups[0].layers[0].token_stride", "required key is missing"},
+    {"missing plane_stride with two planes", R"("plane_stride": 4096, "token_stride": 256, "head_stride": 128 }
+      ] },
+    { "name": "swa")",
+     R"("token_stride": 256, "head_stride": 128 }
+      ] },
+    { "name": "swa")", KVF_ERR_PARSE, "groups[0].layers[0].plane_stride", "required when planes is 2"},
+    {"missing top-level key", R"("name": "tiny-hybrid",)", "", KVF_ERR_PARSE, "name", "required key is missing"},
+    {"unknown region", R"("region": "ssm")", R"("region": "ssn")", KVF_ERR_PARSE, "groups[2].layers[0].region",
+     "unknown region 'ssn'"},
+    {"region index past the count", R"("region": "ssm")", R"("region": "kv[4]")", KVF_ERR_PARSE,
+     "groups[2].layers[0].region", "unknown region 'kv[4]'"},
+    {"region_step out of the counted region", R"("region_step": 2,)", R"("region_step": 4,)", KVF_ERR_PARSE,
+     "groups[1].layers[0].region_step", "'kv', which has 4 regions"},
+    {"unknown alias group", R"("group": "full", "layer": 0, "layer_step": 2)",
+     R"("group": "fulll", "layer": 0, "layer_step": 2)", KVF_ERR_PARSE, "groups[1].layers[0].alias_of.group",
+     "unknown group 'fulll'"},
+    {"alias of a layer that does not exist", R"("layer": 0, "layer_step": 2)", R"("layer": 4, "layer_step": 2)",
+     KVF_ERR_PARSE, "groups[1].layers[0].alias_of.layer", "earlier view"},
+    {"alias stepping past the target group", R"("layer": 0, "layer_step": 2)", R"("layer": 0, "layer_step": 4)",
+     KVF_ERR_PARSE, "groups[1].layers[0].alias_of.layer_step", "earlier view"},
+    {"unknown kind", R"("kind": "sliding_window")", R"("kind": "sliding")", KVF_ERR_PARSE, "groups[1].kind",
+     "unknown kind 'sliding'"},
+    {"window on a full group", R"("name": "full", "kind": "full",)",
+     R"("name": "full", "kind": "full", "window": 64,)", KVF_ERR_PARSE, "groups[0].window",
+     "only sliding_window"},
+    {"window missing", R"(, "window": 64,)", ",", KVF_ERR_PARSE, "groups[1].window", "required key is missing"},
+    {"chunk missing", R"("kind": "sliding_window", "block_size": 16, "num_blocks": 8, "window": 64,)",
+     R"("kind": "chunked_local", "block_size": 16, "num_blocks": 8,)", KVF_ERR_PARSE, "groups[1].chunk",
+     "required key is missing"},
+    {"states on an attention layer", R"("head_bytes": [128, 128],)",
+     R"("head_bytes": [128, 128], "states": [],)", KVF_ERR_PARSE, "groups[0].layers[0].states",
+     "only recurrent groups"},
+    {"attention key on a recurrent layer", R"("block_stride": 16384,
+          "states")",
+     R"("block_stride": 16384, "heads": 1,
+          "states")", KVF_ERR_PARSE, "groups[2].layers[0].heads", "not allowed in a recurrent group"},
+    {"head_bytes array of the wrong length", R"([128, 128])", R"([128])", KVF_ERR_PARSE,
+     "groups[0].layers[0].head_bytes", "one integer per plane"},
+    {"head_bytes of the wrong type", R"([128, 128])", R"("128")", KVF_ERR_PARSE, "groups[0].layers[0].head_bytes",
+     "expected a non-negative integer or an array"},
+    {"boolean of the wrong type", R"("separate_windowed": true)", R"("separate_windowed": 1)", KVF_ERR_PARSE,
+     "objects.separate_windowed", "expected true or false"},
+    {"unknown object format", R"("format": "native")", R"("format": "fancy")", KVF_ERR_PARSE, "objects.format",
+     "unknown format 'fancy'"},
+    {"wrong file format", R"("format": "kvferry-geometry")", R"("format": "kvferry-plan")", KVF_ERR_PARSE,
+     "format", "kvferry-geometry"},
+    {"future version", R"("version": 1)", R"("version": 2)", KVF_ERR_PARSE, "version", "version 1"},
+    {"regions not an array", R"("regions": [
+    { "name": "kv", "count": 4, "align": 4096 },
+    { "name": "ssm", "size": 131072 }
+  ])",
+     R"("regions": { "name": "kv" })", KVF_ERR_PARSE, "regions", "expected an array"},
+    {"empty regions", R"("regions": [
+    { "name": "kv", "count": 4, "align": 4096 },
+    { "name": "ssm", "size": 131072 }
+  ])",
+     R"("regions": [])", KVF_ERR_PARSE, "regions", "at least one region"},
+    {"zero count", R"("count": 4, "name": "attn")", R"("count": 0, "name": "attn")", KVF_ERR_PARSE,
+     "groups[0].layers[0].count", "positive integer"},
+    {"duplicate group name", R"("name": "swa", "kind")", R"("name": "full", "kind")", KVF_ERR_PARSE,
+     "groups[1].name", "duplicate group name 'full'"},
+    {"region name collides with an expanded one", R"({ "name": "ssm", "size": 131072 })",
+     R"({ "name": "kv[2]", "size": 131072 })", KVF_ERR_PARSE, "regions[1].name", "'kv[2]'"},
+    {"empty name", R"("name": "tiny-hybrid")", R"("name": "")", KVF_ERR_PARSE, "name", "must not be empty"},
+    {"name too long", R"("name": "tiny-hybrid")",
+     R"("name": "a-name-that-is-much-longer-than-sixty-three-bytes-which-is-the-limit")", KVF_ERR_PARSE, "name",
+     "longer than 63 bytes"},
+    {"alias to a later group", R"("count": 4, "name": "attn", "region": "kv", "region_step": 1,)",
+     R"("count": 4, "name": "attn", "region": "kv", "region_step": 1, "alias_of": { "group": "swa", "layer": 0 },)",
+     KVF_ERR_PARSE, "groups[0].layers[0].alias_of.group", "declared later"},
+    {"too many states", R"({ "offset": 0, "bytes": 1024 },)",
+     R"({ "offset": 0, "bytes": 1 }, { "offset": 1, "bytes": 1 }, { "offset": 2, "bytes": 1 },
+        { "offset": 3, "bytes": 1 }, { "offset": 4, "bytes": 1 }, { "offset": 5, "bytes": 1 },
+        { "offset": 6, "bytes": 1 }, { "offset": 7, "bytes": 1 },)",
+     KVF_ERR_INVALID_GEOMETRY, "groups[2].layers[0].states", "at most 8"},
+    {"too many layers", R"("count": 4, "name": "attn")", R"("count": 1025, "name": "attn")",
+     KVF_ERR_INVALID_GEOMETRY, "groups[0].layers[0].count", "limit of 1024"},
+    {"dcp rank not below world", R"("rank": 1)", R"("rank": 2)", KVF_ERR_INVALID_GEOMETRY, "dcp.rank",
+     "below world 2"},
+    {"dcp rank missing", R"(, "rank": 1)", "", KVF_ERR_PARSE, "dcp.rank", "required key is missing"},
+    {"offset_step overflow", R"("count": 2, "name": "mamba", "region": "ssm", "offset": 0, "offset_step": 65536)",
+     R"("count": 3, "name": "mamba", "region": "ssm", "offset": 9223372036854775807,
+        "offset_step": 9223372036854775807)",
+     KVF_ERR_OVERFLOW, "groups[2].layers[0].offset_step", "overflows"},
+};
+
+TEST(Json, SchemaErrorsNameTheJsonPath) {
+  for (const SchemaCase &c : kSchemaCases) {
+    SCOPED_TRACE(c.what);
+    std::string json = Edit(kHybrid, c.from, c.to);
+    GeometryPtr g;
+    kvf_geometry_error err;
+    memset(&err, 0x5a, sizeof err);
+    EXPECT_EQ(Load(json, &g, &err), c.status) << kvf_last_error();
+    std::string msg = kvf_last_error();
+    EXPECT_NE(msg.find(std::string(c.path) + ":"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(c.detail), std::string::npos) << msg;
+    EXPECT_EQ(err.status, c.status);
+    EXPECT_STREQ(err.message, kvf_last_error());
+  }
+}
+
+TEST(Json, SchemaErrorFillsGroupLayerAndField) {
+  std::string json = Edit(kHybrid, R"("offset_step": 65536)", R"("offset_step": "x")");
+  GeometryPtr g;
+  kvf_geometry_error err;
+  ASSERT_EQ(Load(json, &g, &err), KVF_ERR_PARSE);
+  EXPECT_EQ(err.group, 2);
+  EXPECT_EQ(err.layer, 0);
+  EXPECT_STREQ(err.field, "offset_step");
+  // A layer error in the second entry of a group points at its first expanded layer.
+  json = Edit(kSmall, R"("head_stride": 128 }
+      ] })",
+              R"("head_stride": 128 },
+        { "count": 1, "region": "kv", "block_stride": -1 }
+      ] })");
+  ASSERT_EQ(Load(json, &g, &err), KVF_ERR_PARSE);
+  EXPECT_EQ(err.group, 0);
+  EXPECT_EQ(err.layer, 2);
+  EXPECT_STREQ(err.field, "block_stride");
+  EXPECT_NE(std::string(kvf_last_error()).find("groups[0].layers[1].block_stride:"), std::string::npos);
+}
+
+TEST(Json, UnprintableKeysAreSanitized) {
+  std::string json = Edit(kSmall, R"("name": "tiny-full",)", "\"na\\u0001me\": 1, \"name\": \"x\",");
+  GeometryPtr g;
+  ASSERT_EQ(Load(json, &g), KVF_ERR_PARSE);
+  EXPECT_NE(std::string(kvf_last_error()).find("na?me: unknown key"), std::string::npos) << kvf_last_error();
+}
+
+TEST(Json, SyntaxErrorReportsLineAndColumn) {
+  const std::string json = "{\n  \"format\": \"kvferry-geometry\",\n  \"version\": 1\n  \"name\": \"x\"\n}\n";
+  GeometryPtr g;
+  kvf_geometry_error err;
+  ASSERT_EQ(Load(json, &g, &err), KVF_ERR_PARSE);
+  std::string msg = kvf_last_error();
+  EXPECT_NE(msg.find("line 4, column"), std::string::npos) << msg;
+  EXPECT_EQ(err.status, KVF_ERR_PARSE);
+}
+
+TEST(Json, DuplicateKeysAreRejected) {
+  std::string json = Edit(kSmall, R"("version": 1,)", R"("version": 1, "version": 1,)");
+  GeometryPtr g;
+  ASSERT_EQ(Load(json, &g), KVF_ERR_PARSE);
+  EXPECT_NE(std::string(kvf_last_error()).find("duplicate"), std::string::npos) << kvf_last_error();
+  EXPECT_NE(std::string(kvf_last_error()).find("line 3"), std::string::npos) << kvf_last_error();
+}
+
+TEST(Json, RejectsNonObjectsAndEmptyInput) {
+  GeometryPtr g;
+  EXPECT_EQ(Load("[]", &g), KVF_ERR_PARSE);
+  EXPECT_NE(std::string(kvf_last_error()).find("top level: expected an object"), std::string::npos)
+      << kvf_last_error();
+  EXPECT_EQ(Load("", &g), KVF_ERR_PARSE);
+  EXPECT_NE(std::string(kvf_last_error()).find("line 1"), std::string::npos) << kvf_last_error();
+  kvf_geometry *raw = nullptr;
+  EXPECT_EQ(kvf_geometry_load_buffer(nullptr, 0, nullptr, &raw, nullptr), KVF_ERR_PARSE);
+  EXPECT_EQ(kvf_geometry_load_buffer(nullptr, 5, nullptr, &raw, nullptr), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvf_geometry_load_buffer(kSmall.data(), kSmall.size(), nullptr, nullptr, nullptr),
+            KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(raw, nullptr);
+}
+
+TEST(Json, RejectsOversizedInput) {
+  std::string big(((size_t)16 << 20) + 1, ' ');
+  GeometryPtr g;
+  EXPECT_EQ(Load(big, &g), KVF_ERR_PARSE);
+  EXPECT_NE(std::string(kvf_last_error()).find("16 MiB"), std::string::npos) << kvf_last_error();
+}
+
+// ---- validation errors pass through from kvf_geometry_finalize ---------------
+
+TEST(Json, ValidationErrorPassesThrough) {
+  // A block stride smaller than a block's payload in one plane (16 tokens x 256 B = 4096).
+  std::string json = Edit(kSmall, R"("block_stride": 8192)", R"("block_stride": 2048)");
+  GeometryPtr g;
+  kvf_geometry_error err;
+  ASSERT_EQ(Load(json, &g, &err), KVF_ERR_INVALID_GEOMETRY);
+  EXPECT_EQ(err.status, KVF_ERR_INVALID_GEOMETRY);
+  EXPECT_EQ(err.group, 0);
+  EXPECT_EQ(err.layer, 0);
+  EXPECT_NE(err.field[0], '\0');
+  EXPECT_STREQ(err.message, kvf_last_error());
+
+  // The same through the builder gives the same status and message: the loader adds nothing.
+  std::string from_file = kvf_last_error();
+  kvf_geometry *raw = nullptr;
+  ASSERT_EQ(kvf_geometry_create(&raw), KVF_SUCCESS);
+  GeometryPtr built(raw);
+  kvf_region_desc rd = KVF_REGION_DESC_INIT;
+  rd.name = "kv[0]";
+  ASSERT_EQ(kvf_geometry_add_region(raw, &rd, nullptr), KVF_SUCCESS);
+  rd.name = "kv[1]";
+  ASSERT_EQ(kvf_geometry_add_region(raw, &rd, nullptr), KVF_SUCCESS);
+  kvf_group_desc gd = KVF_GROUP_DESC_INIT;
+  gd.name = "full";
+  gd.num_blocks = 8;
+  ASSERT_EQ(kvf_geometry_add_group(raw, &gd, nullptr), KVF_SUCCESS);
+  for (uint32_t l = 0; l < 2; ++l) {
+    kvf_view_desc vd = KVF_VIEW_DESC_INIT;
+    vd.name = l == 0 ? "layer[0]" : "layer[1]";
+    vd.region = l;
+    vd.elem_bytes = 2;
+    vd.block_stride = 2048;
+    vd.planes = 2;
+    vd.heads = 2;
+    vd.head_bytes[0] = vd.head_bytes[1] = 128;
+    vd.plane_stride = 65536;
+    vd.token_stride = 256;
+    vd.head_stride = 128;
+    ASSERT_EQ(kvf_geometry_add_view(raw, 0, &vd, nullptr), KVF_SUCCESS);
+  }
+  kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
+  pol.chunk_tokens = 32;
+  ASSERT_EQ(kvf_geometry_set_policy(raw, &pol), KVF_SUCCESS);
+  ASSERT_EQ(kvf_geometry_finalize(raw, nullptr), KVF_ERR_INVALID_GEOMETRY);
+  EXPECT_EQ(from_file, kvf_last_error());
+}
+
+TEST(Json, ValidationErrorsFromOtherRules) {
+  GeometryPtr g;
+  // chunk_tokens must be a multiple of block_size x dcp world (16 x 2).
+  EXPECT_EQ(Load(Edit(kHybrid, R"("chunk_tokens": 64)", R"("chunk_tokens": 48)"), &g), KVF_ERR_INVALID_GEOMETRY);
+  // Without alias_of the sliding-window views overlap the full ones.
+  EXPECT_EQ(Load(Edit(kHybrid, R"(,
+          "alias_of": { "group": "full", "layer": 0, "layer_step": 2 })",
+                      ""),
+                 &g),
+            KVF_ERR_INVALID_GEOMETRY);
+  EXPECT_NE(std::string(kvf_last_error()).find("alias_of"), std::string::npos) << kvf_last_error();
+  // A fixed region size too small for the largest block id.
+  EXPECT_EQ(Load(Edit(kHybrid, R"("size": 131072)", R"("size": 65536)"), &g), KVF_ERR_INVALID_GEOMETRY);
+}
+
+// ---- options ---------------------------------------------------------------
+
+TEST(Json, NumBlocksOverrideReplacesEveryGroup) {
+  kvf_geometry_load_options opt = KVF_GEOMETRY_LOAD_OPTIONS_INIT;
+  opt.num_blocks_override = 2;
+  GeometryPtr g;
+  ASSERT_EQ(Load(kHybrid, &g, nullptr, &opt), KVF_SUCCESS) << kvf_last_error();
+  for (uint32_t i = 0; i < kvf_geometry_num_groups(g.get()); ++i) {
+    kvf_group_info gi;
+    ASSERT_EQ(kvf_geometry_group(g.get(), i, &gi), KVF_SUCCESS);
+    EXPECT_EQ(gi.num_blocks, 2u) << "group " << i;
+  }
+  kvf_region_info r;
+  ASSERT_EQ(kvf_geometry_region(g.get(), 0, &r), KVF_SUCCESS);
+  EXPECT_EQ(r.size, 16384u + 8192u) << "computed region sizes follow the override";
+  ASSERT_EQ(kvf_geometry_region(g.get(), 4, &r), KVF_SUCCESS);
+  EXPECT_EQ(r.size, 131072u) << "a size given in the file stays";
+
+  // Zero means "as in the file".
+  opt.num_blocks_override = 0;
+  ASSERT_EQ(Load(kHybrid, &g, nullptr, &opt), KVF_SUCCESS) << kvf_last_error();
+  kvf_group_info gi;
+  ASSERT_EQ(kvf_geometry_group(g.get(), 2, &gi), KVF_SUCCESS);
+  EXPECT_EQ(gi.num_blocks, 4u);
+
+  // The override is validated like the file: 32 slots of 16 KiB no longer
+  // fit between the recurrent layers placed 64 KiB apart.
+  opt.num_blocks_override = 32;
+  EXPECT_EQ(Load(kHybrid, &g, nullptr, &opt), KVF_ERR_INVALID_GEOMETRY);
+}
+
+// ---- plane_stride as "num_blocks * block_stride" ----------------------------
+
+// kSmall's plane_stride, 65536, is its num_blocks (8) times block_stride (8192).
+const std::string kSmallPlaneStride = R"("plane_stride": 65536)";
+
+kvf_view_desc FirstView(const GeometryPtr &g) {
+  kvf_view_desc v = KVF_VIEW_DESC_INIT;
+  EXPECT_EQ(kvf_geometry_view(g.get(), 0, 0, &v), KVF_SUCCESS) << kvf_last_error();
+  return v;
+}
+
+TEST(Json, PlaneStrideStringFollowsNumBlocks) {
+  GeometryPtr fixed;
+  ASSERT_EQ(Load(kSmall, &fixed), KVF_SUCCESS) << kvf_last_error();
+  for (const char *spelling : {"num_blocks * block_stride", "num_blocks*block_stride", "  num_blocks  *block_stride "}) {
+    SCOPED_TRACE(spelling);
+    std::string json = Edit(kSmall, kSmallPlaneStride, std::string("\"plane_stride\": \"") + spelling + "\"");
+    GeometryPtr g;
+    ASSERT_EQ(Load(json, &g), KVF_SUCCESS) << kvf_last_error();
+    EXPECT_EQ(FirstView(g).plane_stride, 8u * 8192u) << "computed from the file's num_blocks";
+    EXPECT_EQ(kvf_geometry_fingerprint(g.get(), KVF_FORMAT_NATIVE),
+              kvf_geometry_fingerprint(fixed.get(), KVF_FORMAT_NATIVE))
+        << "the same layout as the integer it stands for";
+  }
+}
+
+TEST(Json, PlaneStrideStringFollowsTheOverride) {
+  std::string json = Edit(kSmall, kSmallPlaneStride, R"("plane_stride": "num_blocks * block_stride")");
+  kvf_geometry_load_options opt = KVF_GEOMETRY_LOAD_OPTIONS_INIT;
+  for (uint32_t nb : {3u, 100u}) {
+    SCOPED_TRACE(nb);
+    opt.num_blocks_override = nb;
+    GeometryPtr g;
+    ASSERT_EQ(Load(json, &g, nullptr, &opt), KVF_SUCCESS) << kvf_last_error();
+    kvf_view_desc v = FirstView(g);
+    EXPECT_EQ(v.plane_stride, (uint64_t)nb * 8192u);
+    kvf_region_info r;
+    ASSERT_EQ(kvf_geometry_region(g.get(), 0, &r), KVF_SUCCESS);
+    // V of the last block ends a pool past its K: a block's 16 tokens fill
+    // 4096 of its 8192 bytes.
+    EXPECT_EQ(r.size, nb * 8192u + (nb - 1) * 8192u + 16u * 256u) << "K and V of every block, a pool apart";
+  }
+  // The integer form stays fixed: 100 blocks of K run into V.
+  opt.num_blocks_override = 100;
+  GeometryPtr g;
+  kvf_geometry_error err;
+  EXPECT_EQ(Load(kSmall, &g, &err, &opt), KVF_ERR_INVALID_GEOMETRY);
+}
+
+TEST(Json, PlaneStrideRejectsOtherStrings) {
+  for (const char *text : {"num_blocks * 2", "block_stride * num_blocks", "num_blocks * block_stride * 2",
+                           "num_blocks", "65536", ""}) {
+    SCOPED_TRACE(text);
+    std::string json = Edit(kSmall, kSmallPlaneStride, std::string("\"plane_stride\": \"") + text + "\"");
+    GeometryPtr g;
+    kvf_geometry_error err;
+    ASSERT_EQ(Load(json, &g, &err), KVF_ERR_PARSE);
+    EXPECT_EQ(err.status, KVF_ERR_PARSE);
+    EXPECT_STREQ(err.field, "plane_stride");
+    EXPECT_EQ(err.group, 0);
+    EXPECT_EQ(err.layer, 0);
+    std::string msg = kvf_last_error();
+    EXPECT_NE(msg.find("groups[0].layers[0].plane_stride:"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("num_blocks * block_stride"), std::string::npos) << "say what is accepted: " << msg;
+  }
+}
+
+TEST(Json, RejectsUnknownOptionsVersion) {
+  kvf_geometry_load_options opt = KVF_GEOMETRY_LOAD_OPTIONS_INIT;
+  opt.version = 99;
+  GeometryPtr g;
+  EXPECT_EQ(Load(kSmall, &g, nullptr, &opt), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvf_last_error()).find("KVF_GEOMETRY_LOAD_OPTIONS_INIT"), std::string::npos);
+  opt = KVF_GEOMETRY_LOAD_OPTIONS_INIT;
+  opt.struct_size = 4;
+  EXPECT_EQ(Load(kSmall, &g, nullptr, &opt), KVF_ERR_INVALID_ARGUMENT);
+}
+
+// ---- files -----------------------------------------------------------------
+
+class JsonFile : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("kvf_test_json_" + std::to_string(getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string Write(const std::string &name, const std::string &text) {
+    std::string path = (dir_ / name).string();
+    std::ofstream(path, std::ios::binary) << text;
+    return path;
+  }
+  std::filesystem::path dir_;
+};
+
+TEST_F(JsonFile, LoadsAFile) {
+  std::string path = Write("small.json", kSmall);
+  kvf_geometry *raw = nullptr;
+  ASSERT_EQ(kvf_geometry_load_file(path.c_str(), nullptr, &raw, nullptr), KVF_SUCCESS) << kvf_last_error();
+  GeometryPtr g(raw);
+  EXPECT_STREQ(kvf_geometry_name(g.get()), "tiny-full");
+}
+
+TEST_F(JsonFile, MissingFileIsNotFound) {
+  std::string path = (dir_ / "no-such-geometry.json").string();
+  kvf_geometry *raw = nullptr;
+  kvf_geometry_error err;
+  EXPECT_EQ(kvf_geometry_load_file(path.c_str(), nullptr, &raw, &err), KVF_ERR_NOT_FOUND);
+  EXPECT_EQ(raw, nullptr);
+  std::string msg = kvf_last_error();
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find(strerror(ENOENT)), std::string::npos) << msg;
+  EXPECT_EQ(err.status, KVF_ERR_NOT_FOUND);
+}
+
+TEST_F(JsonFile, DirectoryIsAnIoError) {
+  kvf_geometry *raw = nullptr;
+  EXPECT_EQ(kvf_geometry_load_file(dir_.string().c_str(), nullptr, &raw, nullptr), KVF_ERR_IO);
+  EXPECT_NE(std::string(kvf_last_error()).find(dir_.string()), std::string::npos) << kvf_last_error();
+  EXPECT_EQ(raw, nullptr);
+}
+
+TEST_F(JsonFile, ErrorsInAFileNameTheFile) {
+  std::string path = Write("bad.json", Edit(kSmall, R"("token_stride": 256)", R"("token_stride": true)"));
+  kvf_geometry *raw = nullptr;
+  ASSERT_EQ(kvf_geometry_load_file(path.c_str(), nullptr, &raw, nullptr), KVF_ERR_PARSE);
+  std::string msg = kvf_last_error();
+  EXPECT_EQ(msg.rfind(path + ": groups[0].layers[0].token_stride:", 0), 0u) << msg;
+
+  path = Write("syntax.json", "{\n\n  \"format\": ,\n}");
+  ASSERT_EQ(kvf_geometry_load_file(path.c_str(), nullptr, &raw, nullptr), KVF_ERR_PARSE);
+  msg = kvf_last_error();
+  EXPECT_NE(msg.find(path + ": line 3, column"), std::string::npos) << msg;
+}
+
+TEST_F(JsonFile, OversizedFileIsRejected) {
+  std::string path = Write("big.json", std::string(((size_t)16 << 20) + 1, ' '));
+  kvf_geometry *raw = nullptr;
+  EXPECT_EQ(kvf_geometry_load_file(path.c_str(), nullptr, &raw, nullptr), KVF_ERR_PARSE);
+  EXPECT_NE(std::string(kvf_last_error()).find("16 MiB"), std::string::npos) << kvf_last_error();
+  EXPECT_EQ(raw, nullptr);
+}
+
+// docs/geometry.md's worked example loads and expands as its table says.
+TEST(Json, DocumentedExampleLoads) {
+  std::ifstream in(KVF_SOURCE_DIR "/docs/geometry.md");
+  ASSERT_TRUE(in) << "cannot read docs/geometry.md";
+  std::string doc((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  size_t begin = doc.find("```json\n");
+  ASSERT_NE(begin, std::string::npos);
+  begin += 8;
+  size_t end = doc.find("```", begin);
+  ASSERT_NE(end, std::string::npos);
+  GeometryPtr g;
+  ASSERT_EQ(Load(doc.substr(begin, end - begin), &g), KVF_SUCCESS) << kvf_last_error();
+  kvf_view_desc v = KVF_VIEW_DESC_INIT;
+  ASSERT_EQ(kvf_geometry_view(g.get(), 1, 1, &v), KVF_SUCCESS);
+  EXPECT_STREQ(v.name, "swa[1]");
+  EXPECT_EQ(v.region, 2u);
+  EXPECT_EQ(v.alias_group, 0);
+  EXPECT_EQ(v.alias_layer, 2);
+  ASSERT_EQ(kvf_geometry_view(g.get(), 2, 1, &v), KVF_SUCCESS);
+  EXPECT_EQ(v.offset, 65536u);
+  kvf_region_info r;
+  ASSERT_EQ(kvf_geometry_region(g.get(), 0, &r), KVF_SUCCESS);
+  EXPECT_EQ(r.size, 122880u);
+  ASSERT_EQ(kvf_geometry_region(g.get(), 4, &r), KVF_SUCCESS);
+  EXPECT_EQ(r.size, 123904u);
+  ASSERT_EQ(kvf_geometry_num_object_groups(g.get()), 2u);
+  kvf_object_group_info og;
+  ASSERT_EQ(kvf_geometry_object_group(g.get(), 0, &og), KVF_SUCCESS);
+  ASSERT_EQ(og.num_groups, 2u);
+  EXPECT_EQ(og.groups[0], 0u);
+  EXPECT_EQ(og.groups[1], 2u);
+}
+
+TEST(Json, EveryPresetLoads) {
+  std::vector<std::string> presets;
+  std::error_code ec;
+  for (const auto &entry : std::filesystem::directory_iterator(KVF_PRESET_DIR, ec))
+    if (entry.path().extension() == ".json") presets.push_back(entry.path().string());
+  if (presets.empty()) GTEST_SKIP() << "no presets in " KVF_PRESET_DIR " yet (tools/gen_presets.py writes them)";
+  for (const std::string &path : presets) {
+    SCOPED_TRACE(path);
+    kvf_geometry *raw = nullptr;
+    kvf_geometry_error err;
+    ASSERT_EQ(kvf_geometry_load_file(path.c_str(), nullptr, &raw, &err), KVF_SUCCESS) << kvf_last_error();
+    GeometryPtr g(raw);
+    std::string stem = std::filesystem::path(path).stem().string();
+    EXPECT_STREQ(kvf_geometry_name(g.get()), stem.c_str()) << "a preset is named after its file";
+    EXPECT_GT(kvf_geometry_num_groups(g.get()), 0u);
+    EXPECT_NE(kvf_geometry_fingerprint(g.get(), KVF_FORMAT_CANONICAL), 0u);
+  }
+}
+
+}  // namespace
