@@ -1,0 +1,646 @@
+/* kvferry: the command-line tool.
+ *
+ *   kvferry geometry check FILE...   validate geometry files and summarize them
+ *   kvferry demo [options]           a store/retrieve round trip that verifies every byte
+ *   kvferry version
+ *
+ * Uses the public API only. */
+#define _POSIX_C_SOURCE 200809L
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <kvferry/kvferry.h>
+
+#ifndef KVF_PRESET_DIR_BUILD
+#define KVF_PRESET_DIR_BUILD ""
+#endif
+#ifndef KVF_PRESET_DIR_INSTALL
+#define KVF_PRESET_DIR_INSTALL ""
+#endif
+
+static void usage(FILE *out) {
+  fprintf(out,
+          "usage: kvferry <command> [options]\n"
+          "\n"
+          "commands:\n"
+          "  geometry check FILE...   validate geometry files (JSON, see docs/geometry.md) and print a\n"
+          "                           summary of each: groups, layers, payload per block against the\n"
+          "                           block stride, object sizes per object group, aliases. Exits 1 if\n"
+          "                           any file is invalid.\n"
+          "  demo [--preset NAME|FILE] [--tokens N] [--seed S]\n"
+          "                           store a prefix of N tokens (default 32768) of a preset geometry\n"
+          "                           (default glm-like-hybrid) from a KV cache into cache objects,\n"
+          "                           restore it into a fresh cache with new block ids (as after an\n"
+          "                           engine restart: the sliding-window group restores only its retained\n"
+          "                           window, the recurrent group the state at the prefix's end), verify\n"
+          "                           every byte and report. This build's demo runs on the host backend.\n"
+          "  presets                  list the preset geometries\n"
+          "  version                  print the library version\n"
+          "\n"
+          "Presets are looked up in $KVF_PRESET_DIR, then next to the build, then in the install prefix.\n");
+}
+
+/* ---- presets ------------------------------------------------------------- */
+
+static int is_dir(const char *p) {
+  struct stat st;
+  return p && *p && stat(p, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+static const char *preset_dir(void) {
+  const char *env = getenv("KVF_PRESET_DIR");
+  if (is_dir(env)) return env;
+  if (is_dir(KVF_PRESET_DIR_BUILD)) return KVF_PRESET_DIR_BUILD;
+  if (is_dir(KVF_PRESET_DIR_INSTALL)) return KVF_PRESET_DIR_INSTALL;
+  return NULL;
+}
+
+/* NAME (a preset) or a path to a file. */
+static int resolve_geometry(const char *arg, char *path, size_t len) {
+  struct stat st;
+  if (strchr(arg, '/') || stat(arg, &st) == 0) {
+    snprintf(path, len, "%s", arg);
+    return 0;
+  }
+  const char *dir = preset_dir();
+  if (!dir) {
+    fprintf(stderr, "kvferry: preset '%s': no preset directory found (set KVF_PRESET_DIR)\n", arg);
+    return -1;
+  }
+  snprintf(path, len, "%s/%s.json", dir, arg);
+  return 0;
+}
+
+static int cmd_presets(void) {
+  const char *dir = preset_dir();
+  if (!dir) {
+    fprintf(stderr, "kvferry: no preset directory found (set KVF_PRESET_DIR)\n");
+    return 1;
+  }
+  char cmd[4200];
+  snprintf(cmd, sizeof cmd, "ls -1 '%s' | sed -n 's/\\.json$//p'", dir);
+  return system(cmd) == 0 ? 0 : 1;
+}
+
+/* ---- geometry check --------------------------------------------------------- */
+
+static void human(uint64_t bytes, char *buf, size_t len) {
+  const char *unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = (double)bytes;
+  int u = 0;
+  while (v >= 1024 && u < 4) v /= 1024, u++;
+  if (u == 0)
+    snprintf(buf, len, "%" PRIu64 " B", bytes);
+  else
+    snprintf(buf, len, "%.2f %s", v, unit[u]);
+}
+
+static void print_summary(const char *path, const kvf_geometry *g) {
+  kvf_object_policy pol;
+  uint32_t world, rank;
+  char a[32], b[32];
+  kvf_geometry_policy(g, &pol);
+  kvf_geometry_dcp(g, &world, &rank);
+  printf("%s: ok\n", path);
+  printf("  name: %s\n", kvf_geometry_name(g));
+  uint32_t ng = kvf_geometry_num_groups(g), nr = kvf_geometry_num_regions(g);
+  uint64_t region_bytes = 0;
+  for (uint32_t r = 0; r < nr; r++) {
+    kvf_region_info ri;
+    kvf_geometry_region(g, r, &ri);
+    region_bytes += ri.size;
+  }
+  human(region_bytes, a, sizeof a);
+  printf("  regions: %u (%s in all)   aliases: %u declared\n", nr, a, kvf_geometry_num_aliases(g));
+  if (world > 1) printf("  decode-context parallel: rank %u of %u (tokens t with t mod %u == %u)\n", rank, world, world, rank);
+  printf("  groups: %u\n", ng);
+  for (uint32_t i = 0; i < ng; i++) {
+    kvf_group_info gi;
+    kvf_geometry_group(g, i, &gi);
+    char extra[48] = "";
+    if (gi.kind == KVF_GROUP_SLIDING_WINDOW) snprintf(extra, sizeof extra, " window %u", gi.window);
+    if (gi.kind == KVF_GROUP_CHUNKED_LOCAL) snprintf(extra, sizeof extra, " chunk %u", gi.chunk);
+    human(gi.payload_per_block, a, sizeof a);
+    kvf_view_desc v;
+    kvf_geometry_view(g, i, 0, &v);
+    if (gi.kind == KVF_GROUP_RECURRENT) {
+      printf("    [%u] %-12s %-14s %3u layers, %u slots; state payload %s per slot (all layers), "
+             "slot stride %" PRIu64 " B per layer -> object group %u\n",
+             i, gi.name, "recurrent", gi.num_layers, gi.num_blocks, a, v.block_stride, gi.object_group);
+    } else {
+      uint64_t per_layer = gi.payload_per_block / gi.num_layers;
+      printf("    [%u] %-12s %-14s %3u layers, block %u tokens, %u blocks%s; payload %s per block "
+             "(all layers), %" PRIu64 " of %" PRIu64 " B per layer's block stride (%.1f%%) -> object group %u\n",
+             i, gi.name, kvf_group_kind_name(gi.kind), gi.num_layers, gi.block_size, gi.num_blocks, extra, a,
+             per_layer, v.block_stride, 100.0 * (double)per_layer / (double)(v.block_stride ? v.block_stride : 1),
+             gi.object_group);
+    }
+  }
+  printf("  objects: %u tokens per chunk, %s format, fingerprint canonical %016" PRIx64 " native %016" PRIx64 "\n",
+         pol.chunk_tokens, kvf_object_format_name(pol.format), kvf_geometry_fingerprint(g, KVF_FORMAT_CANONICAL),
+         kvf_geometry_fingerprint(g, KVF_FORMAT_NATIVE));
+  for (uint32_t o = 0; o < kvf_geometry_num_object_groups(g); o++) {
+    kvf_object_group_info oi;
+    kvf_geometry_object_group(g, o, &oi);
+    uint64_t size = 0;
+    kvf_geometry_object_size(g, o, 0, pol.chunk_tokens, &size);
+    human(size, a, sizeof a);
+    human(oi.bytes_per_token, b, sizeof b);
+    printf("    object group %u: groups", o);
+    for (uint32_t k = 0; k < oi.num_groups; k++) printf(" %u", oi.groups[k]);
+    printf("; %s per full chunk (%s per token", a, b);
+    if (oi.has_recurrent) printf(" + %" PRIu64 " B of recurrent state", oi.recurrent_bytes);
+    printf(")\n");
+  }
+}
+
+static int cmd_geometry_check(int argc, char **argv) {
+  if (argc < 1) {
+    fprintf(stderr, "kvferry geometry check: name at least one FILE\n");
+    return 2;
+  }
+  int bad = 0;
+  for (int i = 0; i < argc; i++) {
+    char path[4096];
+    if (resolve_geometry(argv[i], path, sizeof path)) {
+      bad = 1;
+      continue;
+    }
+    kvf_geometry *g = NULL;
+    kvf_geometry_error err;
+    kvf_status st = kvf_geometry_load_file(path, NULL, &g, &err);
+    if (st) {
+      printf("%s: error: %s: %s\n", path, kvf_status_string(st), kvf_last_error());
+      bad = 1;
+      continue;
+    }
+    print_summary(path, g);
+    kvf_geometry_destroy(g);
+  }
+  return bad;
+}
+
+/* ---- demo -------------------------------------------------------------------- */
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static uint64_t splitmix(uint64_t *s) {
+  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+typedef struct demo_cache {
+  uint32_t num_regions;
+  void **bases;
+  uint64_t *sizes;
+} demo_cache;
+
+static void cache_free(demo_cache *c) {
+  for (uint32_t r = 0; c->bases && r < c->num_regions; r++) free(c->bases[r]);
+  free(c->bases);
+  free(c->sizes);
+  memset(c, 0, sizeof *c);
+}
+
+static int cache_alloc(const kvf_geometry *g, demo_cache *c, uint64_t *seed) {
+  c->num_regions = kvf_geometry_num_regions(g);
+  c->bases = calloc(c->num_regions, sizeof *c->bases);
+  c->sizes = calloc(c->num_regions, sizeof *c->sizes);
+  if (!c->bases || !c->sizes) return -1;
+  for (uint32_t r = 0; r < c->num_regions; r++) {
+    kvf_region_info ri;
+    kvf_geometry_region(g, r, &ri);
+    uint64_t align = ri.align < 64 ? 64 : ri.align;
+    c->sizes[r] = ri.size;
+    c->bases[r] = aligned_alloc(align, (ri.size + align - 1) / align * align);
+    if (!c->bases[r]) return -1;
+    uint64_t *p = c->bases[r];
+    for (uint64_t i = 0; i < ri.size / 8; i++) p[i] = splitmix(seed);
+    for (uint64_t i = ri.size / 8 * 8; i < ri.size; i++) ((uint8_t *)c->bases[r])[i] = (uint8_t)splitmix(seed);
+  }
+  return 0;
+}
+
+/* A block table per group covering the blocks a request needs; ids drawn
+ * from one shuffled pool, so groups that alias one tensor never share a block. */
+typedef struct demo_tables {
+  uint32_t num_groups;
+  uint32_t **ids;
+  uint64_t *first;
+  uint32_t *count;
+} demo_tables;
+
+static void tables_free(demo_tables *t) {
+  for (uint32_t i = 0; t->ids && i < t->num_groups; i++) free(t->ids[i]);
+  free(t->ids);
+  free(t->first);
+  free(t->count);
+  memset(t, 0, sizeof *t);
+}
+
+/* Blocks each group keeps after `tokens`: everything for full groups, the
+ * retained window for windowed ones, the final state for recurrent ones. */
+static int tables_make(const kvf_geometry *g, uint64_t tokens, uint32_t *pool, uint32_t pool_size, demo_tables *t) {
+  kvf_object_policy pol;
+  kvf_geometry_policy(g, &pol);
+  t->num_groups = kvf_geometry_num_groups(g);
+  t->ids = calloc(t->num_groups, sizeof *t->ids);
+  t->first = calloc(t->num_groups, sizeof *t->first);
+  t->count = calloc(t->num_groups, sizeof *t->count);
+  if (!t->ids || !t->first || !t->count) return -1;
+  uint32_t next = 0;
+  for (uint32_t i = 0; i < t->num_groups; i++) {
+    kvf_group_info gi;
+    kvf_geometry_group(g, i, &gi);
+    uint64_t first, end;
+    if (gi.kind == KVF_GROUP_RECURRENT) {
+      if (kvf_geometry_recurrent_state(g, tokens, &first)) continue; /* no state off a boundary */
+      end = first + 1;
+    } else if (kvf_geometry_retained_blocks(g, i, tokens, &first, &end)) {
+      return -1;
+    }
+    t->first[i] = first;
+    t->count[i] = (uint32_t)(end - first);
+    t->ids[i] = malloc(sizeof(uint32_t) * (t->count[i] ? t->count[i] : 1));
+    if (!t->ids[i]) return -1;
+    for (uint32_t k = 0; k < t->count[i]; k++) {
+      if (next >= pool_size) return -1;
+      t->ids[i][k] = pool[next++];
+    }
+  }
+  return 0;
+}
+
+static uint64_t tables_blocks(const demo_tables *t) {
+  uint64_t n = 0;
+  for (uint32_t i = 0; i < t->num_groups; i++) n += t->count[i];
+  return n;
+}
+
+/* Verify: every run the retrieve selected holds, at its new block, the bytes
+ * the engine had at the old block; every other byte kept its poison. */
+static int demo_verify(const kvf_geometry *g, uint64_t tokens, const demo_cache *src, const demo_tables *old,
+                       const demo_cache *dst, const demo_cache *poison, const demo_tables *neu, uint64_t *checked,
+                       uint64_t *untouched) {
+  kvf_object_policy pol;
+  kvf_geometry_policy(g, &pol);
+  uint8_t **mask = calloc(dst->num_regions, sizeof *mask);
+  int bad = 0;
+  if (!mask) return -1;
+  for (uint32_t r = 0; r < dst->num_regions; r++)
+    if (!(mask[r] = calloc(1, dst->sizes[r]))) bad = -1;
+  *checked = *untouched = 0;
+  for (uint32_t gi = 0; !bad && gi < kvf_geometry_num_groups(g); gi++) {
+    kvf_group_info info;
+    kvf_geometry_group(g, gi, &info);
+    for (uint32_t l = 0; l < info.num_layers && !bad; l++) {
+      kvf_view_desc v;
+      kvf_geometry_view(g, gi, l, &v);
+      for (uint32_t k = 0; k < neu->count[gi] && !bad; k++) {
+        uint64_t lblock = neu->first[gi] + k;
+        /* The same logical block in the old table. */
+        if (lblock < old->first[gi] || lblock - old->first[gi] >= old->count[gi]) {
+          bad = 1;
+          break;
+        }
+        uint64_t from = (uint64_t)old->ids[gi][lblock - old->first[gi]] * v.block_stride + v.offset;
+        uint64_t to = (uint64_t)neu->ids[gi][k] * v.block_stride + v.offset;
+        const uint8_t *s = src->bases[v.region], *d = dst->bases[v.region];
+        if (info.kind == KVF_GROUP_RECURRENT) {
+          for (uint32_t st = 0; st < v.num_states; st++) {
+            uint64_t o = v.states[st].offset, n = v.states[st].bytes;
+            if (memcmp(s + from + o, d + to + o, n)) bad = 1;
+            memset(mask[v.region] + to + o, 1, n);
+            *checked += n;
+          }
+          continue;
+        }
+        /* Whole blocks of the window move, tokens before its start included. */
+        uint64_t lt_end = kvf_geometry_local_tokens(g, tokens);
+        for (uint64_t t = 0; t < info.block_size; t++) {
+          if (lblock * info.block_size + t >= lt_end) break;
+          for (uint32_t p = 0; p < v.planes; p++)
+            for (uint32_t h = 0; h < v.heads; h++) {
+              uint64_t o = p * v.plane_stride + t * v.token_stride + h * v.head_stride, n = v.head_bytes[p];
+              if (memcmp(s + from + o, d + to + o, n)) bad = 1;
+              memset(mask[v.region] + to + o, 1, n);
+              *checked += n;
+            }
+        }
+      }
+    }
+  }
+  for (uint32_t r = 0; !bad && r < dst->num_regions; r++) {
+    const uint8_t *d = dst->bases[r], *p = poison->bases[r];
+    for (uint64_t i = 0; i < dst->sizes[r]; i++) {
+      if (mask[r][i]) continue;
+      if (d[i] != p[i]) {
+        bad = 1;
+        break;
+      }
+      (*untouched)++;
+    }
+  }
+  for (uint32_t r = 0; r < dst->num_regions; r++) free(mask[r]);
+  free(mask);
+  return bad;
+}
+
+typedef struct demo_objects {
+  uint64_t count; /* slots: chunks x object groups */
+  uint64_t used;  /* objects allocated */
+  void **ptr;
+  uint64_t bytes;
+} demo_objects;
+
+static void objects_free(demo_objects *o) {
+  for (uint64_t i = 0; o->ptr && i < o->count; i++) free(o->ptr[i]);
+  free(o->ptr);
+  memset(o, 0, sizeof *o);
+}
+
+/* Does chunk k move a block of any group of object group og? */
+static int chunk_needs_object(const kvf_geometry *g, const demo_tables *t, uint64_t k, uint32_t og, uint64_t tokens) {
+  kvf_object_policy pol;
+  kvf_geometry_policy(g, &pol);
+  uint64_t cb = k * pol.chunk_tokens, ce = cb + pol.chunk_tokens < tokens ? cb + pol.chunk_tokens : tokens;
+  for (uint32_t gi = 0; gi < t->num_groups; gi++) {
+    kvf_group_info info;
+    kvf_geometry_group(g, gi, &info);
+    if (info.object_group != og || t->count[gi] == 0) continue;
+    uint64_t first = t->first[gi], end = first + t->count[gi], lo, hi;
+    if (info.kind == KVF_GROUP_RECURRENT) {
+      lo = k;
+      hi = k + 1;
+    } else {
+      kvf_geometry_local_blocks(g, gi, cb, ce, &lo, &hi);
+    }
+    if (lo < end && first < hi) return 1;
+  }
+  return 0;
+}
+
+/* Objects for the (chunk, object group) pairs the store's tables touch. */
+static int objects_make(const kvf_geometry *g, uint64_t tokens, const demo_tables *t, demo_objects *o) {
+  kvf_object_policy pol;
+  kvf_geometry_policy(g, &pol);
+  uint64_t chunks = (tokens + pol.chunk_tokens - 1) / pol.chunk_tokens;
+  uint32_t nog = kvf_geometry_num_object_groups(g);
+  o->count = chunks * nog;
+  o->ptr = calloc(o->count, sizeof *o->ptr);
+  if (!o->ptr) return -1;
+  for (uint64_t k = 0; k < chunks; k++)
+    for (uint32_t og = 0; og < nog; og++) {
+      uint64_t size;
+      if (!chunk_needs_object(g, t, k, og, tokens)) continue;
+      if (kvf_geometry_object_size(g, og, k, tokens, &size)) return -1;
+      if (!(o->ptr[k * nog + og] = malloc(size ? size : 1))) return -1;
+      memset(o->ptr[k * nog + og], 0xA5, size);
+      o->bytes += size;
+      o->used++;
+    }
+  return 0;
+}
+
+static uint64_t moved_bytes(const kvf_geometry *g, const demo_tables *t, uint64_t tokens) {
+  uint64_t n = 0;
+  for (uint32_t gi = 0; gi < t->num_groups; gi++) {
+    kvf_group_info info;
+    kvf_geometry_group(g, gi, &info);
+    if (info.kind == KVF_GROUP_RECURRENT) {
+      n += (uint64_t)t->count[gi] * info.payload_per_block;
+      continue;
+    }
+    /* Tokens of the moved blocks that lie inside the prefix. */
+    uint64_t lt_end = kvf_geometry_local_tokens(g, tokens), lt0 = t->first[gi] * info.block_size;
+    uint64_t lt1 = (t->first[gi] + t->count[gi]) * info.block_size;
+    if (lt1 > lt_end) lt1 = lt_end;
+    n += (lt1 - lt0) * (info.payload_per_block / info.block_size);
+  }
+  return n;
+}
+
+/* Copy chunk by chunk so progress can be shown. */
+static kvf_status run_chunks(const kvf_geometry *g, int scatter, uint64_t tokens, demo_cache *cache,
+                             const demo_tables *t, demo_objects *o, const char *what) {
+  kvf_object_policy pol;
+  kvf_geometry_policy(g, &pol);
+  uint64_t chunks = (tokens + pol.chunk_tokens - 1) / pol.chunk_tokens;
+  uint32_t nog = kvf_geometry_num_object_groups(g);
+  kvf_group_blocks *gb = calloc(t->num_groups, sizeof *gb);
+  if (!gb) return KVF_ERR_OUT_OF_MEMORY;
+  for (uint32_t i = 0; i < t->num_groups; i++) gb[i] = (kvf_group_blocks){t->ids[i], t->first[i], t->count[i]};
+  int shown = -1, tty = isatty(STDERR_FILENO);
+  kvf_status st = KVF_SUCCESS;
+  for (uint64_t k = 0; k < chunks && !st; k++) {
+    kvf_copy_request req = KVF_COPY_REQUEST_INIT;
+    req.region_bases = cache->bases;
+    req.token_begin = k * pol.chunk_tokens;
+    req.token_end = req.token_begin + pol.chunk_tokens < tokens ? req.token_begin + pol.chunk_tokens : tokens;
+    req.format = pol.format;
+    req.groups = gb;
+    req.objects = o->ptr + k * nog;
+    st = scatter ? kvf_reference_scatter(g, &req) : kvf_reference_gather(g, &req);
+    int pct = (int)(100 * (k + 1) / chunks);
+    if (pct / 10 != shown / 10 || k + 1 == chunks) {
+      /* One line rewritten on a terminal, one line per step in a log. */
+      fprintf(stderr, "%s  %s: chunk %" PRIu64 "/%" PRIu64 " (%d%%)%s", tty ? "\r" : "", what, k + 1, chunks, pct,
+              tty ? "" : "\n");
+      shown = pct;
+    }
+  }
+  if (tty) fprintf(stderr, "\n");
+  free(gb);
+  return st;
+}
+
+static int cmd_demo(int argc, char **argv) {
+  const char *preset = "glm-like-hybrid";
+  uint64_t tokens = 32768, seed = 20261129;
+  for (int i = 0; i < argc; i++) {
+    if (!strcmp(argv[i], "--preset") && i + 1 < argc) {
+      preset = argv[++i];
+    } else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
+      tokens = strtoull(argv[++i], NULL, 10);
+    } else if (!strcmp(argv[i], "--seed") && i + 1 < argc) {
+      seed = strtoull(argv[++i], NULL, 10);
+    } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+      usage(stdout);
+      return 0;
+    } else {
+      fprintf(stderr, "kvferry demo: unknown option '%s' (see kvferry --help)\n", argv[i]);
+      return 2;
+    }
+  }
+  if (tokens == 0 || tokens > (1u << 24)) {
+    fprintf(stderr, "kvferry demo: --tokens must be 1..16777216\n");
+    return 2;
+  }
+  char path[4096];
+  if (resolve_geometry(preset, path, sizeof path)) return 1;
+
+  kvf_cuda_info cuda = KVF_CUDA_INFO_INIT;
+  kvf_status cst = kvf_cuda_probe(&cuda);
+  printf("kvferry %s demo: %s, %" PRIu64 " tokens\n", kvf_version_string(), preset, tokens);
+  if (cst == KVF_SUCCESS)
+    printf("  backend: host (this build's demo copies on the CPU; %d GPU(s) seen, used from the kernels issue on)\n",
+           cuda.device_count);
+  else
+    printf("  backend: host (%s: %s)\n", kvf_status_string(cst), kvf_last_error());
+  fflush(stdout);
+
+  /* Load once to size the block pool, then with enough blocks for the prefix. */
+  kvf_geometry *g = NULL;
+  kvf_geometry_error err;
+  kvf_geometry_load_options opt = KVF_GEOMETRY_LOAD_OPTIONS_INIT;
+  opt.num_blocks_override = 4;
+  kvf_status st = kvf_geometry_load_file(path, &opt, &g, &err);
+  int rc = 1;
+  demo_cache src = {0}, dst = {0}, poison = {0};
+  demo_tables stored = {0}, restored = {0};
+  demo_objects objs = {0};
+  uint32_t *pool = NULL;
+  if (st) {
+    fprintf(stderr, "kvferry demo: %s: %s\n", path, kvf_last_error());
+    goto out;
+  }
+  uint64_t need = 0;
+  for (uint32_t i = 0; i < kvf_geometry_num_groups(g); i++) {
+    kvf_group_info gi;
+    kvf_geometry_group(g, i, &gi);
+    uint64_t first, end;
+    if (gi.kind == KVF_GROUP_RECURRENT)
+      need += 1;
+    else if (!kvf_geometry_retained_blocks(g, i, tokens, &first, &end))
+      need += end - first;
+  }
+  uint32_t num_blocks = (uint32_t)(need + need / 8 + 8);
+  kvf_geometry_destroy(g);
+  g = NULL;
+  opt.num_blocks_override = num_blocks;
+  if ((st = kvf_geometry_load_file(path, &opt, &g, &err))) {
+    fprintf(stderr, "kvferry demo: %s with %u blocks: %s\n", path, num_blocks, kvf_last_error());
+    goto out;
+  }
+  if (!(pool = malloc(sizeof *pool * num_blocks))) goto out;
+  for (uint32_t i = 0; i < num_blocks; i++) pool[i] = i;
+  uint64_t rng = seed;
+  for (uint32_t i = num_blocks - 1; i > 0; i--) {
+    uint32_t j = (uint32_t)(splitmix(&rng) % (i + 1)), x = pool[i];
+    pool[i] = pool[j];
+    pool[j] = x;
+  }
+
+  fprintf(stderr, "  preparing the engine's KV cache (%u blocks per group)...\n", num_blocks);
+  if (cache_alloc(g, &src, &rng) || tables_make(g, tokens, pool, num_blocks, &stored) ||
+      objects_make(g, tokens, &stored, &objs)) {
+    fprintf(stderr, "kvferry demo: out of memory\n");
+    goto out;
+  }
+  uint64_t store_bytes = moved_bytes(g, &stored, tokens);
+  double t0 = now_s();
+  if ((st = run_chunks(g, 0, tokens, &src, &stored, &objs, "store (gather)"))) {
+    fprintf(stderr, "kvferry demo: store: %s\n", kvf_last_error());
+    goto out;
+  }
+  double t_store = now_s() - t0;
+
+  /* The engine restarts: a fresh cache full of garbage, new block ids. */
+  for (uint32_t i = 0; i < num_blocks / 2; i++) {
+    uint32_t x = pool[i];
+    pool[i] = pool[num_blocks - 1 - i];
+    pool[num_blocks - 1 - i] = x;
+  }
+  if (cache_alloc(g, &dst, &rng) || tables_make(g, tokens, pool, num_blocks, &restored)) {
+    fprintf(stderr, "kvferry demo: out of memory\n");
+    goto out;
+  }
+  poison.num_regions = dst.num_regions;
+  poison.bases = calloc(dst.num_regions, sizeof *poison.bases);
+  poison.sizes = calloc(dst.num_regions, sizeof *poison.sizes);
+  if (!poison.bases || !poison.sizes) goto out;
+  for (uint32_t r = 0; r < dst.num_regions; r++) {
+    poison.sizes[r] = dst.sizes[r];
+    if (!(poison.bases[r] = malloc(dst.sizes[r] ? dst.sizes[r] : 1))) goto out;
+    memcpy(poison.bases[r], dst.bases[r], dst.sizes[r]);
+  }
+  uint64_t retrieve_bytes = moved_bytes(g, &restored, tokens);
+  t0 = now_s();
+  if ((st = run_chunks(g, 1, tokens, &dst, &restored, &objs, "retrieve (scatter)"))) {
+    fprintf(stderr, "kvferry demo: retrieve: %s\n", kvf_last_error());
+    goto out;
+  }
+  double t_retrieve = now_s() - t0;
+  fprintf(stderr, "  verifying every byte of the restored cache...\n");
+  uint64_t checked = 0, untouched = 0;
+  int bad = demo_verify(g, tokens, &src, &stored, &dst, &poison, &restored, &checked, &untouched);
+
+  char a[32], b[32], c[32];
+  printf("  geometry: %u groups, %u object groups, %u aliases, fingerprint %016" PRIx64 "\n",
+         kvf_geometry_num_groups(g), kvf_geometry_num_object_groups(g), kvf_geometry_num_aliases(g),
+         kvf_geometry_fingerprint(g, KVF_FORMAT_CANONICAL));
+  for (uint32_t i = 0; i < kvf_geometry_num_groups(g); i++) {
+    kvf_group_info gi;
+    kvf_geometry_group(g, i, &gi);
+    printf("    %-10s %-14s stored %5u blocks, restored %5u blocks (from block %" PRIu64 ")\n", gi.name,
+           kvf_group_kind_name(gi.kind), stored.count[i], restored.count[i], restored.first[i]);
+  }
+  human(objs.bytes, a, sizeof a);
+  printf("  objects: %" PRIu64 " (%s)\n", objs.used, a);
+  human(store_bytes, a, sizeof a);
+  human(retrieve_bytes, b, sizeof b);
+  printf("  store:    %s of payload in %.3f s (%.2f GB/s, CPU reference copy)\n", a, t_store,
+         (double)store_bytes / t_store / 1e9);
+  printf("  retrieve: %s of payload in %.3f s (%.2f GB/s, CPU reference copy)\n", b, t_retrieve,
+         (double)retrieve_bytes / t_retrieve / 1e9);
+  human(checked, a, sizeof a);
+  human(untouched, c, sizeof c);
+  printf("  verified: %s restored byte for byte, %s of padding and other blocks untouched\n", a, c);
+  if (bad || checked != retrieve_bytes) {
+    printf("  verdict: FAILED (%s)\n", bad ? "bytes differ" : "restored byte count differs from the request");
+    goto out;
+  }
+  printf("  verdict: OK (%" PRIu64 " blocks stored, %" PRIu64 " restored)\n", tables_blocks(&stored),
+         tables_blocks(&restored));
+  rc = 0;
+out:
+  objects_free(&objs);
+  tables_free(&stored);
+  tables_free(&restored);
+  cache_free(&src);
+  cache_free(&dst);
+  cache_free(&poison);
+  free(pool);
+  kvf_geometry_destroy(g);
+  return rc;
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+    usage(argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  if (!strcmp(argv[1], "version") || !strcmp(argv[1], "--version")) {
+    printf("kvferry %s\n", kvf_version_string());
+    return 0;
+  }
+  if (!strcmp(argv[1], "geometry") && argc >= 3 && !strcmp(argv[2], "check"))
+    return cmd_geometry_check(argc - 3, argv + 3);
+  if (!strcmp(argv[1], "demo")) return cmd_demo(argc - 2, argv + 2);
+  if (!strcmp(argv[1], "presets")) return cmd_presets();
+  fprintf(stderr, "kvferry: unknown command '%s'\n\n", argv[1]);
+  usage(stderr);
+  return 2;
+}
