@@ -24,7 +24,11 @@ extern "C" {
 /* X(name, ENV_NAME, default, description) for every integer parameter. */
 #define KVF_PARAM_LIST(X)                                                                \
   X(cuda_disable, "KVF_CUDA_DISABLE", 0,                                                 \
-    "1: never load the CUDA driver; GPU calls return KVF_ERR_NO_DRIVER (host backend only)")
+    "1: never load the CUDA driver; GPU calls return KVF_ERR_NO_DRIVER (host backend only)") \
+  X(xfer_pcie_sms, "KVF_XFER_PCIE_SMS", 4,                                               \
+    "default SM cap for transfers between a GPU and host memory (measured: the fewest that reach the link)") \
+  X(xfer_host_threads, "KVF_XFER_HOST_THREADS", 8,                                       \
+    "most CPU threads one host-backend transfer uses")
 
 /* A value no parameter may take: marks "not read yet" in the caches. */
 #define KVF_PARAM_UNSET INT64_MIN

@@ -18,6 +18,7 @@
  *   kvferry/geometry.h  where the KV cache's bytes live and how they map to objects
  *   kvferry/copy.h      copy requests and the CPU reference gather/scatter
  *   kvferry/device.h    probing the CUDA driver and devices
+ *   kvferry/transfer.h  gather/scatter on a GPU (one kernel launch) or on the host
  */
 #ifndef KVFERRY_KVFERRY_H
 #define KVFERRY_KVFERRY_H
@@ -27,5 +28,6 @@
 #include <kvferry/geometry.h>
 #include <kvferry/copy.h>
 #include <kvferry/device.h>
+#include <kvferry/transfer.h>
 
 #endif /* KVFERRY_KVFERRY_H */

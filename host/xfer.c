@@ -1,0 +1,458 @@
+/* Transfer contexts: a geometry bound to a CUDA device or to the host
+ * backend. A call checks the request, builds its launch blob (kernels/plan.h)
+ * and either launches the kernel on the caller's stream or copies on CPU
+ * threads. */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <kvferry/transfer.h>
+
+#include "geometry/error.h"
+#include "geometry/geometry_internal.h"
+#include "host/cudawrap.h"
+#include "host/log.h"
+#include "host/param.h"
+#include "kernels/plan.h"
+
+#ifdef KVF_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+int kvf_kernel_launch(const void *device_blob, uint64_t total_tasks, uint32_t *ctas, cudaStream_t stream);
+
+/* Calls in flight at once before a call waits for the oldest one's tables. */
+#define KVF_STAGING_SLOTS 8
+
+/* Tables of one call: built in pinned memory, copied to the device in
+ * stream order, read by the kernel. Reused once `done` has fired. */
+typedef struct staging {
+  void *pinned;
+  void *device;
+  size_t cap;
+  cudaEvent_t done;
+  int in_use;
+} staging;
+
+/* Buffers that must outlive the context's calls: outgrown staging, and the
+ * tables of calls captured into graphs (replayed later). Freed at destroy. */
+typedef struct retired {
+  void *pinned;
+  void *device;
+  struct retired *next;
+} retired;
+#endif
+
+struct kvf_xfer {
+  const kvf_geometry *geometry;
+  int device;
+  uint32_t max_sms;
+  uint32_t host_threads;
+  kvf_plan plan[2];
+  pthread_mutex_t lock; /* guards everything below */
+  kvf_xfer_stats last;
+  void *host_blob;
+  size_t host_blob_cap;
+#ifdef KVF_WITH_CUDA
+  int sm_count;
+  cudaStream_t private_stream; /* orders the device allocations of staging */
+  staging slots[KVF_STAGING_SLOTS];
+  uint32_t next_slot;
+  retired *retired;
+#endif
+};
+
+const char *kvf_xfer_route_name(kvf_xfer_route route) {
+  switch (route) {
+  case KVF_ROUTE_HOST: return "host";
+  case KVF_ROUTE_D2D: return "d2d";
+  case KVF_ROUTE_D2H: return "d2h";
+  case KVF_ROUTE_H2D: return "h2d";
+  case KVF_ROUTE_PEER: return "peer";
+  case KVF_ROUTE_HOST_TO_HOST: return "h2h";
+  }
+  return "unknown";
+}
+
+/* ---- the host backend ------------------------------------------------------ */
+
+typedef struct cpu_work {
+  const void *blob;
+  uint64_t first, end;
+} cpu_work;
+
+static void *cpu_worker(void *arg) {
+  cpu_work *w = arg;
+  kvf_blob_run_cpu(w->blob, w->first, w->end);
+  return NULL;
+}
+
+/* Threads pay off only for large copies: one thread per 4 MiB, capped. */
+static void run_on_cpu(const kvf_xfer *x, const void *blob) {
+  const kvf_blob_header *h = blob;
+  uint64_t cap = x->host_threads ? x->host_threads : (uint64_t)kvf_param_xfer_host_threads();
+  uint64_t n = h->payload_bytes / (4u << 20) + 1;
+  if (n > cap) n = cap;
+  if (n > 64) n = 64;
+  if (n > h->total_tasks) n = h->total_tasks;
+  if (n <= 1) {
+    kvf_blob_run_cpu(blob, 0, h->total_tasks);
+    return;
+  }
+  pthread_t tid[64];
+  cpu_work work[64];
+  int joined[64] = {0};
+  for (uint64_t i = 0; i < n; i++) {
+    work[i] = (cpu_work){blob, h->total_tasks * i / n, h->total_tasks * (i + 1) / n};
+    /* The calling thread takes share 0; a share whose thread cannot start
+     * is done here too. */
+    if (i > 0 && pthread_create(&tid[i], NULL, cpu_worker, &work[i]) == 0) joined[i] = 1;
+  }
+  for (uint64_t i = 0; i < n; i++)
+    if (!joined[i]) kvf_blob_run_cpu(blob, work[i].first, work[i].end);
+  for (uint64_t i = 1; i < n; i++)
+    if (joined[i]) pthread_join(tid[i], NULL);
+}
+
+/* ---- creation ------------------------------------------------------------ */
+
+kvf_status kvf_xfer_create(const kvf_geometry *g, const kvf_xfer_options *opt, kvf_xfer **out) {
+  kvf_xfer_options defaults = KVF_XFER_OPTIONS_INIT;
+  if (!g || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_create: geometry or out is NULL");
+  if (!g->finalized) return kvf_fail(KVF_ERR_STATE, "kvf_xfer_create: the geometry is not finalized");
+  if (!opt) opt = &defaults;
+  if (opt->version != KVF_DESC_VERSION || opt->struct_size < sizeof *opt)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_create: options version %u / struct_size %u not supported",
+                    opt->version, opt->struct_size);
+  if (opt->device < KVF_DEVICE_HOST)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "device %d: a CUDA device ordinal or KVF_DEVICE_HOST (-1)",
+                    opt->device);
+  if (opt->host_threads > 64)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "host_threads %u: at most 64", opt->host_threads);
+  kvf_xfer *x = calloc(1, sizeof *x);
+  if (!x) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_xfer_create: out of memory");
+  x->geometry = g;
+  x->device = opt->device;
+  x->max_sms = opt->max_sms;
+  x->host_threads = opt->host_threads;
+  pthread_mutex_init(&x->lock, NULL);
+  kvf_xfer_stats stats = KVF_XFER_STATS_INIT;
+  x->last = stats;
+  kvf_status st;
+  if ((st = kvf_plan_build(g, KVF_FORMAT_CANONICAL, &x->plan[0])) ||
+      (st = kvf_plan_build(g, KVF_FORMAT_NATIVE, &x->plan[1])))
+    goto fail;
+  if (x->device == KVF_DEVICE_HOST) {
+    *out = x;
+    return KVF_SUCCESS;
+  }
+#ifdef KVF_WITH_CUDA
+  if ((st = kvf_cuda_load())) goto fail;
+  int count = 0, prev = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || opt->device >= count) {
+    cudaGetLastError();
+    st = kvf_fail(KVF_ERR_INVALID_ARGUMENT, "device %d: no such CUDA device (%d visible)", opt->device, count);
+    goto fail;
+  }
+  cudaGetDevice(&prev);
+  cudaError_t e = cudaSetDevice(x->device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&x->sm_count, cudaDevAttrMultiProcessorCount, x->device);
+  if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&x->private_stream, cudaStreamNonBlocking);
+  for (int i = 0; e == cudaSuccess && i < KVF_STAGING_SLOTS; i++)
+    e = cudaEventCreateWithFlags(&x->slots[i].done, cudaEventDisableTiming);
+  cudaSetDevice(prev);
+  if (e != cudaSuccess) {
+    st = kvf_fail(KVF_ERR_CUDA, "kvf_xfer_create: device %d: %s", x->device, cudaGetErrorString(e));
+    cudaGetLastError();
+    goto fail;
+  }
+  KVF_INFO(XFER, "transfer context on device %d: %d SMs, %u + %u segments", x->device, x->sm_count,
+           x->plan[0].num_segments, x->plan[1].num_segments);
+  *out = x;
+  return KVF_SUCCESS;
+#else
+  st = kvf_fail(KVF_ERR_NO_DRIVER, "device %d: this build of kvferry has no CUDA (use KVF_DEVICE_HOST)", opt->device);
+#endif
+fail:
+  kvf_xfer_destroy(x);
+  return st;
+}
+
+void kvf_xfer_destroy(kvf_xfer *x) {
+  if (!x) return;
+#ifdef KVF_WITH_CUDA
+  if (x->device != KVF_DEVICE_HOST) {
+    int prev = 0;
+    cudaGetDevice(&prev);
+    cudaSetDevice(x->device);
+    /* Wait for this context's own calls only, then free what they read. */
+    for (int i = 0; i < KVF_STAGING_SLOTS; i++) {
+      staging *s = &x->slots[i];
+      if (s->in_use && s->done) cudaEventSynchronize(s->done);
+      if (s->device) cudaFreeAsync(s->device, x->private_stream);
+      if (s->pinned) cudaFreeHost(s->pinned);
+      if (s->done) cudaEventDestroy(s->done);
+    }
+    while (x->retired) {
+      retired *r = x->retired;
+      x->retired = r->next;
+      if (r->device) cudaFreeAsync(r->device, x->private_stream);
+      if (r->pinned) cudaFreeHost(r->pinned);
+      free(r);
+    }
+    if (x->private_stream) {
+      cudaStreamSynchronize(x->private_stream);
+      cudaStreamDestroy(x->private_stream);
+    }
+    cudaGetLastError();
+    cudaSetDevice(prev);
+  }
+#endif
+  kvf_plan_free(&x->plan[0]);
+  kvf_plan_free(&x->plan[1]);
+  free(x->host_blob);
+  pthread_mutex_destroy(&x->lock);
+  free(x);
+}
+
+kvf_status kvf_xfer_last_stats(const kvf_xfer *x, kvf_xfer_stats *out) {
+  if (!x || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_last_stats: NULL argument");
+  pthread_mutex_lock((pthread_mutex_t *)&x->lock);
+  *out = x->last;
+  pthread_mutex_unlock((pthread_mutex_t *)&x->lock);
+  return KVF_SUCCESS;
+}
+
+/* ---- the CUDA backend -------------------------------------------------------- */
+
+#ifdef KVF_WITH_CUDA
+typedef enum mem_kind { MEM_LOCAL, MEM_HOST, MEM_PEER } mem_kind;
+
+/* Where a pointer lives, as the kernel will reach it. Pageable memory and
+ * GPUs without peer access are refused, naming the field. */
+static kvf_status classify(kvf_xfer *x, const void *ptr, const char *field, uint64_t index, mem_kind *kind) {
+  struct cudaPointerAttributes a;
+  cudaError_t e = cudaPointerGetAttributes(&a, ptr);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    a.type = cudaMemoryTypeUnregistered;
+  }
+  switch (a.type) {
+  case cudaMemoryTypeHost:
+    *kind = MEM_HOST;
+    return KVF_SUCCESS;
+  case cudaMemoryTypeManaged:
+  case cudaMemoryTypeDevice:
+    if (a.device == x->device) {
+      *kind = MEM_LOCAL;
+      return KVF_SUCCESS;
+    }
+    {
+      int can = 0;
+      cudaDeviceCanAccessPeer(&can, x->device, a.device);
+      if (!can)
+        return kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                        "%s[%llu] %p: memory of device %d, which device %d cannot reach (no peer access)", field,
+                        (unsigned long long)index, ptr, a.device, x->device);
+      e = cudaDeviceEnablePeerAccess(a.device, 0);
+      if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();
+        return kvf_fail(KVF_ERR_CUDA, "%s[%llu]: enabling peer access from device %d to %d: %s", field,
+                        (unsigned long long)index, x->device, a.device, cudaGetErrorString(e));
+      }
+      cudaGetLastError();
+      *kind = MEM_PEER;
+      return KVF_SUCCESS;
+    }
+  default:
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                    "%s[%llu] %p: pageable host memory, which a kernel cannot reach; allocate it with "
+                    "cudaHostAlloc/cudaMallocHost or register it with cudaHostRegister",
+                    field, (unsigned long long)index, ptr);
+  }
+}
+
+/* The route of a request: where its source and destination live. */
+static kvf_status route_of(kvf_xfer *x, const kvf_copy_request *r, int gather, kvf_xfer_route *route) {
+  const kvf_geometry *g = x->geometry;
+  int cache_seen[3] = {0, 0, 0}, obj_seen[3] = {0, 0, 0};
+  kvf_status st;
+  mem_kind k;
+  for (uint32_t gi = 0; gi < g->num_groups; gi++) {
+    if (!r->groups[gi].block_ids || !r->groups[gi].count) continue;
+    const kvf_group *gr = &g->groups[gi];
+    for (uint32_t l = 0; l < gr->num_views; l++) {
+      uint32_t reg = g->views[gr->views[l]].desc.region;
+      if ((st = classify(x, r->region_bases[reg], "region_bases", reg, &k))) return st;
+      cache_seen[k] = 1;
+    }
+  }
+  uint64_t n = kvf_copy_request_chunks(g, r) * g->num_object_groups;
+  for (uint64_t i = 0; i < n; i++) {
+    if (!r->objects[i]) continue;
+    /* One attribute query per object: a single pageable one would fault. */
+    if ((st = classify(x, r->objects[i], "objects", i, &k))) return st;
+    obj_seen[k] = 1;
+  }
+  int src_host = gather ? cache_seen[MEM_HOST] : obj_seen[MEM_HOST];
+  int dst_host = gather ? obj_seen[MEM_HOST] : cache_seen[MEM_HOST];
+  if (cache_seen[MEM_PEER] || obj_seen[MEM_PEER])
+    *route = KVF_ROUTE_PEER;
+  else if (src_host && dst_host)
+    *route = KVF_ROUTE_HOST_TO_HOST;
+  else if (dst_host)
+    *route = KVF_ROUTE_D2H;
+  else if (src_host)
+    *route = KVF_ROUTE_H2D;
+  else
+    *route = KVF_ROUTE_D2D;
+  return KVF_SUCCESS;
+}
+
+static kvf_status grow_staging(kvf_xfer *x, staging *s, size_t size) {
+  if (s->cap >= size) return KVF_SUCCESS;
+  size_t cap = s->cap ? s->cap : 64 << 10;
+  while (cap < size) cap *= 2;
+  /* Outgrown buffers may still be read by a captured graph: retire them. */
+  if (s->pinned || s->device) {
+    retired *r = malloc(sizeof *r);
+    if (!r) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer staging: out of memory");
+    *r = (retired){s->pinned, s->device, x->retired};
+    x->retired = r;
+    s->pinned = s->device = NULL;
+    s->cap = 0;
+  }
+  cudaError_t e = cudaHostAlloc(&s->pinned, cap, cudaHostAllocDefault);
+  if (e == cudaSuccess) e = cudaMallocAsync(&s->device, cap, x->private_stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(x->private_stream); /* ready before another stream uses it */
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return kvf_fail(KVF_ERR_CUDA, "transfer staging of %zu bytes: %s", cap, cudaGetErrorString(e));
+  }
+  s->cap = cap;
+  return KVF_SUCCESS;
+}
+
+static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream) {
+  const kvf_geometry *g = x->geometry;
+  const kvf_plan *plan = &x->plan[r->format];
+  kvf_xfer_route route;
+  kvf_status st = route_of(x, r, gather, &route);
+  if (st) return st;
+  size_t size = (size_t)kvf_blob_size(g, plan, r);
+  enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t e = cudaStreamIsCapturing(stream, &capture);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return kvf_fail(KVF_ERR_CUDA, "stream: %s", cudaGetErrorString(e));
+  }
+  staging captured = {0}, *s;
+  if (capture == cudaStreamCaptureStatusActive) {
+    /* A graph replays this call later: its tables must never be reused. The
+     * allocation is not stream work; relaxed mode lets it happen while the
+     * caller's thread captures in global mode. */
+    enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    s = &captured;
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    st = grow_staging(x, s, size);
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    if (st) return st;
+  } else {
+    s = &x->slots[x->next_slot];
+    if (s->in_use && cudaEventSynchronize(s->done) != cudaSuccess) { /* the call 8 calls ago */
+      e = cudaGetLastError();
+      return kvf_fail(KVF_ERR_CUDA, "waiting for an earlier transfer: %s", cudaGetErrorString(e));
+    }
+    s->in_use = 0;
+    if ((st = grow_staging(x, s, size))) return st;
+  }
+  uint64_t tasks = kvf_blob_build(g, plan, r, gather, s->pinned);
+  const kvf_blob_header *h = s->pinned;
+  uint32_t ctas = (uint32_t)x->sm_count;
+  if (route == KVF_ROUTE_D2H || route == KVF_ROUTE_H2D || route == KVF_ROUTE_HOST_TO_HOST) {
+    int64_t pcie = kvf_param_xfer_pcie_sms();
+    if (pcie > 0 && (uint64_t)pcie < ctas) ctas = (uint32_t)pcie;
+  }
+  if (x->max_sms && x->max_sms < ctas) ctas = x->max_sms;
+  if (tasks) {
+    e = cudaMemcpyAsync(s->device, s->pinned, h->size, cudaMemcpyHostToDevice, stream);
+    if (e == cudaSuccess) e = (cudaError_t)kvf_kernel_launch(s->device, tasks, &ctas, stream);
+    if (e == cudaSuccess && s != &captured) {
+      e = cudaEventRecord(s->done, stream);
+      s->in_use = 1;
+      x->next_slot = (x->next_slot + 1) % KVF_STAGING_SLOTS;
+    }
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return kvf_fail(KVF_ERR_CUDA, "launching the %s transfer: %s", gather ? "gather" : "scatter",
+                      cudaGetErrorString(e));
+    }
+  } else {
+    ctas = 0;
+  }
+  if (s == &captured) {
+    retired *keep = malloc(sizeof *keep);
+    if (!keep) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer staging: out of memory");
+    *keep = (retired){captured.pinned, captured.device, x->retired};
+    x->retired = keep;
+  }
+  x->last.route = route;
+  x->last.sms = ctas;
+  x->last.tasks = (uint32_t)tasks;
+  x->last.payload_bytes = h->payload_bytes;
+  return KVF_SUCCESS;
+}
+#endif
+
+/* ---- calls ------------------------------------------------------------------- */
+
+static kvf_status run_host(kvf_xfer *x, const kvf_copy_request *r, int gather) {
+  const kvf_plan *plan = &x->plan[r->format];
+  size_t size = (size_t)kvf_blob_size(x->geometry, plan, r);
+  if (size > x->host_blob_cap) {
+    void *p = aligned_alloc(64, (size + 63) & ~(size_t)63);
+    if (!p) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "host transfer: out of memory for %zu bytes of tables", size);
+    free(x->host_blob);
+    x->host_blob = p;
+    x->host_blob_cap = size;
+  }
+  uint64_t tasks = kvf_blob_build(x->geometry, plan, r, gather, x->host_blob);
+  run_on_cpu(x, x->host_blob);
+  const kvf_blob_header *h = x->host_blob;
+  x->last.route = KVF_ROUTE_HOST;
+  x->last.sms = 0;
+  x->last.tasks = (uint32_t)tasks;
+  x->last.payload_bytes = h->payload_bytes;
+  return KVF_SUCCESS;
+}
+
+static kvf_status transfer(kvf_xfer *x, const kvf_copy_request *r, kvf_stream stream, int gather) {
+  if (!x) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "transfer context is NULL");
+  kvf_status st = kvf_copy_request_check(x->geometry, r);
+  if (st) return st;
+  pthread_mutex_lock(&x->lock);
+  if (x->device == KVF_DEVICE_HOST) {
+    st = run_host(x, r, gather);
+  } else {
+#ifdef KVF_WITH_CUDA
+    int prev = 0;
+    cudaGetDevice(&prev);
+    if (prev != x->device) cudaSetDevice(x->device);
+    st = launch_cuda(x, r, gather, (cudaStream_t)stream);
+    if (prev != x->device) cudaSetDevice(prev);
+#else
+    (void)stream;
+    st = kvf_fail(KVF_ERR_NO_DRIVER, "this build of kvferry has no CUDA");
+#endif
+  }
+  pthread_mutex_unlock(&x->lock);
+  return st;
+}
+
+kvf_status kvf_xfer_gather(kvf_xfer *x, const kvf_copy_request *r, kvf_stream stream) {
+  return transfer(x, r, stream, 1);
+}
+
+kvf_status kvf_xfer_scatter(kvf_xfer *x, const kvf_copy_request *r, kvf_stream stream) {
+  return transfer(x, r, stream, 0);
+}

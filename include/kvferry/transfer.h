@@ -1,0 +1,118 @@
+/*
+ * kvferry/transfer.h - gather (cache -> objects) and scatter (objects ->
+ * cache) of a copy request (kvferry/copy.h), on a GPU or on the host.
+ *
+ * A transfer context binds a finalized geometry to a backend:
+ *   - a CUDA device: one kernel launch per call moves every layer, plane and
+ *     group of the request. Caches and objects may be device memory of that
+ *     GPU, a peer GPU's memory (peer access enabled by the caller), pinned
+ *     host memory (cudaHostAlloc / cudaHostRegister; reached through UVA), or
+ *     memory imported from another process and mapped on this device. Pageable
+ *     host memory is refused with a clear error.
+ *   - the host backend: the same request copied by CPU threads.
+ *
+ * Stream rules (CUDA backend): work is enqueued on the caller's stream, which
+ * is the last argument; nothing synchronizes the device or the stream. The
+ * call reads the request's host arrays (block ids, object pointers) before it
+ * returns: the caller may reuse them at once. Block ids are validated on the
+ * host before anything is enqueued, so a bad id is a clear error and never an
+ * out-of-bounds access. Calls may be captured into a CUDA graph; a captured
+ * call keeps its own copy of the request's tables until the context is
+ * destroyed. The legacy default stream (NULL) is accepted.
+ *
+ * Aliasing: objects must not overlap each other, or the cache views the
+ * request moves. Destinations must not be read or written by other work until
+ * the call's stream work completes.
+ *
+ * Threading: one context may be used from several threads at once; calls are
+ * serialized on an internal lock (which covers the staging of tables, not the
+ * GPU work). kvf_xfer_destroy must not race other calls on the context.
+ */
+#ifndef KVFERRY_TRANSFER_H
+#define KVFERRY_TRANSFER_H
+
+#include <kvferry/copy.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* cudaStream_t without including CUDA headers (the same type). */
+typedef struct CUstream_st *kvf_stream;
+
+typedef struct kvf_xfer kvf_xfer;
+
+/* Run transfers on the CPU (device field of kvf_xfer_options). */
+#define KVF_DEVICE_HOST (-1)
+
+typedef struct kvf_xfer_options {
+  uint32_t struct_size;
+  uint32_t version;
+  int device;            /* CUDA device ordinal, or KVF_DEVICE_HOST */
+  uint32_t max_sms;      /* cap on the SMs a launch uses; 0: the planner's default for the direction
+                            (the fewest SMs that reach the link's limit for host<->device, all for
+                            device<->device and peer) */
+  uint32_t host_threads; /* host backend threads; 0: up to 8, fewer for small requests */
+} kvf_xfer_options;
+#define KVF_XFER_OPTIONS_INIT {sizeof(kvf_xfer_options), KVF_DESC_VERSION, KVF_DEVICE_HOST, 0, 0}
+
+/* Where a transfer's bytes travel, as the planner classified them. */
+typedef enum kvf_xfer_route {
+  KVF_ROUTE_HOST = 0,        /* host backend: CPU copies */
+  KVF_ROUTE_D2D = 1,         /* cache and objects in this GPU's memory */
+  KVF_ROUTE_D2H = 2,         /* gather from this GPU into host memory */
+  KVF_ROUTE_H2D = 3,         /* scatter from host memory into this GPU */
+  KVF_ROUTE_PEER = 4,        /* one side in a peer GPU's memory */
+  KVF_ROUTE_HOST_TO_HOST = 5 /* both sides in (pinned) host memory, copied by the GPU */
+} kvf_xfer_route;
+
+/* What the last call on this context did (for benchmarks and logs). */
+typedef struct kvf_xfer_stats {
+  uint32_t struct_size;
+  uint32_t version;
+  kvf_xfer_route route;
+  uint32_t sms;          /* CTAs launched (one per SM at most) */
+  uint32_t tasks;        /* (layer, plane, block, slice) work items */
+  uint64_t payload_bytes;/* bytes moved (padding excluded) */
+} kvf_xfer_stats;
+#define KVF_XFER_STATS_INIT {sizeof(kvf_xfer_stats), KVF_DESC_VERSION, KVF_ROUTE_HOST, 0, 0, 0}
+
+/* Create a transfer context for a finalized geometry. For a CUDA device this
+ * uploads the layer table to that device (the current device is restored
+ * before returning). options may be NULL (host backend).
+ * Returns KVF_ERR_INVALID_ARGUMENT (NULL pointers, unknown device, bad
+ * options, unfinalized geometry: KVF_ERR_STATE), KVF_ERR_NO_DRIVER /
+ * KVF_ERR_NO_DEVICE / KVF_ERR_UNSUPPORTED (a CUDA device asked for where there
+ * is none or the build has no CUDA), KVF_ERR_CUDA, KVF_ERR_OUT_OF_MEMORY.
+ * The geometry must outlive the context. */
+KVF_API kvf_status kvf_xfer_create(const kvf_geometry *geometry, const kvf_xfer_options *options,
+                                   kvf_xfer **out);
+
+/* Destroy a context. Waits for the GPU work of calls made on it to finish
+ * (those calls' events only, never a device synchronize) before freeing the
+ * tables they read. NULL is a no-op. */
+KVF_API void kvf_xfer_destroy(kvf_xfer *xfer);
+
+/* Gather: copy the request's blocks from the cache into the objects.
+ * stream is a cudaStream_t of the context's device (ignored, and may be
+ * NULL, on the host backend, where the call returns when the copy is done).
+ * Returns what kvf_copy_request_check returns for a bad request (naming the
+ * field), KVF_ERR_INVALID_ARGUMENT for memory a kernel cannot reach
+ * (pageable host memory, another device without peer access), KVF_ERR_CUDA
+ * for a failed launch. Nothing is enqueued on failure. */
+KVF_API kvf_status kvf_xfer_gather(kvf_xfer *xfer, const kvf_copy_request *request, kvf_stream stream);
+
+/* Scatter: copy the request's objects into the cache blocks. Same rules. */
+KVF_API kvf_status kvf_xfer_scatter(kvf_xfer *xfer, const kvf_copy_request *request, kvf_stream stream);
+
+/* What the most recent successful call on this context did. */
+KVF_API kvf_status kvf_xfer_last_stats(const kvf_xfer *xfer, kvf_xfer_stats *out);
+
+/* Human-readable name of a route ("d2h"). */
+KVF_API const char *kvf_xfer_route_name(kvf_xfer_route route);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVFERRY_TRANSFER_H */

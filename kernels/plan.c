@@ -1,0 +1,385 @@
+/* Launch planning: segments from a geometry, blobs from a request, and the
+ * CPU copy of a blob's tasks. See plan.h for the formulas. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "geometry/error.h"
+#include "geometry/geometry_internal.h"
+#include "kernels/plan.h"
+
+/* Largest power of two <= 16 dividing x (16 for 0). */
+static uint32_t align_of(uint64_t x) {
+  uint32_t a = 16;
+  while (a > 1 && x % a) a >>= 1;
+  return a;
+}
+
+static uint32_t min_u32(uint32_t a, uint32_t b) { return a < b ? a : b; }
+
+/* Native format: where run (p, t, h) lands inside a block's payload, which
+ * holds the block's runs in address order. Validation guarantees the
+ * dimensions nest (sorted by stride, each steps over the smaller ones), so
+ * address order is lexicographic in the dimensions by descending stride and
+ * the offset is affine per plane: plane_off[p] + t*tok[p] + h*head[p]. */
+typedef struct native_dim {
+  int which; /* 0 plane, 1 token, 2 head */
+  uint64_t count, stride;
+} native_dim;
+
+static void native_strides(const kvf_geometry *g, const kvf_view *v, uint64_t plane_off[2], uint64_t tok[2],
+                           uint64_t head[2]) {
+  const kvf_view_desc *d = &v->desc;
+  native_dim dims[3] = {{0, d->planes, d->plane_stride},
+                        {1, g->groups[v->group].desc.block_size, d->token_stride},
+                        {2, d->heads, d->head_stride}};
+  /* Ascending by stride; count-1 dimensions do not matter. */
+  for (int i = 1; i < 3; i++)
+    for (int j = i; j > 0 && dims[j - 1].stride > dims[j].stride; j--) {
+      native_dim x = dims[j];
+      dims[j] = dims[j - 1];
+      dims[j - 1] = x;
+    }
+  uint64_t size[2] = {d->head_bytes[0], d->head_bytes[1]}, combined = 0;
+  int above_planes = 0;
+  plane_off[0] = plane_off[1] = 0;
+  tok[0] = tok[1] = head[0] = head[1] = 0;
+  for (int i = 0; i < 3; i++) {
+    if (dims[i].count <= 1) continue;
+    if (dims[i].which == 0) {
+      plane_off[1] = size[0];
+      combined = size[0] + size[1];
+      above_planes = 1;
+      continue;
+    }
+    uint64_t *out = dims[i].which == 1 ? tok : head;
+    if (above_planes) {
+      out[0] = out[1] = combined;
+      combined *= dims[i].count;
+    } else {
+      out[0] = size[0];
+      out[1] = size[1];
+      size[0] *= dims[i].count;
+      size[1] *= dims[i].count;
+    }
+  }
+}
+
+kvf_status kvf_plan_build(const kvf_geometry *g, kvf_object_format format, kvf_plan *out) {
+  memset(out, 0, sizeof *out);
+  uint32_t n = 0;
+  for (uint32_t i = 0; i < g->num_views; i++)
+    n += g->views[i].is_recurrent ? g->views[i].desc.num_states : g->views[i].desc.planes;
+  out->segments = calloc(n ? n : 1, sizeof *out->segments);
+  out->group_first = calloc(g->num_groups + 1, sizeof *out->group_first);
+  if (!out->segments || !out->group_first) {
+    kvf_plan_free(out);
+    return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer plan: out of memory");
+  }
+  out->num_groups = g->num_groups;
+  uint32_t at = 0;
+  for (uint32_t gi = 0; gi < g->num_groups; gi++) {
+    const kvf_group *gr = &g->groups[gi];
+    const kvf_object_group *og = &g->object_groups[gr->object_group];
+    out->group_first[gi] = at;
+    for (uint32_t l = 0; l < gr->num_views; l++) {
+      const kvf_view *v = &g->views[gr->views[l]];
+      const kvf_view_desc *d = &v->desc;
+      if (v->is_recurrent) {
+        uint64_t before = 0;
+        for (uint32_t s = 0; s < d->num_states; s++) {
+          kvf_segment *seg = &out->segments[at++];
+          *seg = (kvf_segment){.src_offset = d->offset + d->states[s].offset,
+                               .src_block = d->block_stride,
+                               .dst_per_token = og->bytes_per_token,
+                               .dst_const = v->recurrent_prefix + before,
+                               .run = (uint32_t)d->states[s].bytes,
+                               .heads = 1,
+                               .tokens = 1,
+                               .region = d->region,
+                               .group = gi,
+                               .object_group = gr->object_group,
+                               .recurrent = 1};
+          before += d->states[s].bytes;
+        }
+        continue;
+      }
+      uint64_t plane_off[2], ntok[2], nhead[2];
+      if (format == KVF_FORMAT_NATIVE) native_strides(g, v, plane_off, ntok, nhead);
+      for (uint32_t p = 0; p < d->planes; p++) {
+        kvf_segment *seg = &out->segments[at++];
+        uint64_t hb = d->head_bytes[p];
+        *seg = (kvf_segment){.src_offset = d->offset + p * d->plane_stride,
+                             .src_block = d->block_stride,
+                             .src_token = d->token_stride,
+                             .src_head = d->head_stride,
+                             .run = (uint32_t)hb,
+                             .heads = d->heads,
+                             .tokens = gr->desc.block_size,
+                             .region = d->region,
+                             .group = gi,
+                             .object_group = gr->object_group};
+        if (format == KVF_FORMAT_CANONICAL) {
+          uint64_t before = 0;
+          for (uint32_t q = 0; q < p; q++) before += og->plane_bytes_per_token[q];
+          seg->dst_per_token = before + v->canonical_prefix[p];
+          seg->dst_block = (uint64_t)gr->desc.block_size * d->heads * hb;
+          seg->dst_token = (uint64_t)d->heads * hb;
+          seg->dst_head = hb;
+        } else {
+          seg->dst_per_token = v->native_prefix;
+          seg->dst_const = plane_off[p];
+          seg->dst_block = v->block_payload;
+          seg->dst_token = ntok[p];
+          seg->dst_head = nhead[p];
+        }
+        /* Heads contiguous on both sides: one run per token. */
+        if (seg->heads > 1 && seg->src_head == hb && seg->dst_head == hb && hb * seg->heads < (1u << 31)) {
+          seg->run = (uint32_t)(hb * seg->heads);
+          seg->heads = 1;
+          seg->src_head = seg->dst_head = 0;
+        }
+      }
+    }
+  }
+  out->group_first[g->num_groups] = at;
+  out->num_segments = at;
+  for (uint32_t i = 0; i < at; i++) {
+    kvf_segment *s = &out->segments[i];
+    uint64_t bits = s->run | s->src_offset | s->src_block | s->dst_per_token | s->dst_const | s->dst_block;
+    if (s->tokens > 1) bits |= s->src_token | s->dst_token;
+    if (s->heads > 1) bits |= s->src_head | s->dst_head;
+    s->align = align_of(bits);
+  }
+  return KVF_SUCCESS;
+}
+
+void kvf_plan_free(kvf_plan *plan) {
+  free(plan->segments);
+  free(plan->group_first);
+  memset(plan, 0, sizeof *plan);
+}
+
+/* ---- blobs --------------------------------------------------------------- */
+
+/* The block range of group gi a request moves: local blocks (chunks for a
+ * recurrent group) [*b0, *b1), clipped to the group's table. */
+static void moved_range(const kvf_geometry *g, const kvf_copy_request *r, uint32_t gi, uint64_t *b0, uint64_t *b1) {
+  const kvf_group *gr = &g->groups[gi];
+  const kvf_group_blocks *t = &r->groups[gi];
+  *b0 = *b1 = 0;
+  if (!t->block_ids || t->count == 0) return;
+  uint64_t c = g->policy.chunk_tokens, lo, hi;
+  if (gr->desc.kind == KVF_GROUP_RECURRENT) {
+    lo = r->token_begin / c;
+    hi = r->token_end / c; /* chunks that end inside the request */
+  } else {
+    uint64_t bs = gr->desc.block_size;
+    lo = kvf_local_token(g, r->token_begin) / bs;
+    hi = (kvf_local_token(g, r->token_end) + bs - 1) / bs;
+  }
+  if (t->first_block > lo) lo = t->first_block;
+  if (t->first_block + t->count < hi) hi = t->first_block + t->count;
+  if (lo < hi) {
+    *b0 = lo;
+    *b1 = hi;
+  }
+}
+
+static uint64_t round16(uint64_t x) { return (x + 15) & ~(uint64_t)15; }
+
+uint64_t kvf_blob_size(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r) {
+  uint64_t entries = 0, ids = 0;
+  for (uint32_t gi = 0; gi < g->num_groups; gi++) {
+    uint64_t b0, b1;
+    moved_range(g, r, gi, &b0, &b1);
+    if (b0 == b1) continue;
+    entries += plan->group_first[gi + 1] - plan->group_first[gi];
+    ids += b1 - b0;
+  }
+  uint64_t objects = kvf_copy_request_chunks(g, r) * g->num_object_groups;
+  return round16(sizeof(kvf_blob_header)) + round16(entries * sizeof(kvf_blob_entry)) +
+         round16(g->num_regions * sizeof(uint64_t)) + round16(ids * sizeof(uint32_t)) + objects * sizeof(uint64_t);
+}
+
+uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r, int gather,
+                        void *out) {
+  kvf_blob_header *h = out;
+  memset(h, 0, sizeof *h);
+  uint64_t c = g->policy.chunk_tokens;
+  h->lt_begin = kvf_local_token(g, r->token_begin);
+  h->lt_end = kvf_local_token(g, r->token_end);
+  h->chunk_local = c / g->dcp_world;
+  h->chunk_begin = r->token_begin / c;
+  h->num_chunks = (uint32_t)kvf_copy_request_chunks(g, r);
+  h->full_chunks = r->token_end / c - r->token_begin / c;
+  h->num_object_groups = g->num_object_groups;
+  h->num_regions = g->num_regions;
+  h->gather = gather ? 1 : 0;
+  for (uint32_t gi = 0; gi < g->num_groups; gi++)
+    if (g->groups[gi].desc.num_blocks > h->num_blocks_max) h->num_blocks_max = g->groups[gi].desc.num_blocks;
+
+  /* Count first, to place the arrays. */
+  uint64_t entries = 0, ids = 0;
+  for (uint32_t gi = 0; gi < g->num_groups; gi++) {
+    uint64_t b0, b1;
+    moved_range(g, r, gi, &b0, &b1);
+    if (b0 == b1) continue;
+    entries += plan->group_first[gi + 1] - plan->group_first[gi];
+    ids += b1 - b0;
+  }
+  h->off_entries = round16(sizeof *h);
+  h->off_regions = h->off_entries + round16(entries * sizeof(kvf_blob_entry));
+  h->off_ids = h->off_regions + round16(g->num_regions * sizeof(uint64_t));
+  h->off_objects = h->off_ids + round16(ids * sizeof(uint32_t));
+  h->size = h->off_objects + (uint64_t)h->num_chunks * g->num_object_groups * sizeof(uint64_t);
+
+  char *base = out;
+  kvf_blob_entry *e = (kvf_blob_entry *)(base + h->off_entries);
+  uint64_t *regions = (uint64_t *)(base + h->off_regions);
+  uint32_t *id_out = (uint32_t *)(base + h->off_ids);
+  uint64_t *objects = (uint64_t *)(base + h->off_objects);
+  for (uint32_t i = 0; i < g->num_regions; i++) regions[i] = r->region_bases ? (uint64_t)(uintptr_t)r->region_bases[i] : 0;
+  uint64_t nobj = (uint64_t)h->num_chunks * g->num_object_groups;
+  /* Pointer alignment per object group lowers vector widths where needed. */
+  uint64_t og_bits[KVF_MAX_GROUPS] = {0};
+  for (uint64_t i = 0; i < nobj; i++) {
+    objects[i] = (uint64_t)(uintptr_t)r->objects[i];
+    og_bits[i % g->num_object_groups] |= objects[i];
+  }
+
+  uint64_t tasks = 0, at_ids = 0;
+  uint32_t ne = 0;
+  for (uint32_t gi = 0; gi < g->num_groups; gi++) {
+    uint64_t b0, b1;
+    moved_range(g, r, gi, &b0, &b1);
+    if (b0 == b1) continue;
+    const kvf_group_blocks *t = &r->groups[gi];
+    memcpy(id_out + at_ids, t->block_ids + (b0 - t->first_block), (b1 - b0) * sizeof(uint32_t));
+    /* Payload: moving blocks x block payload, less the missing tokens of a
+     * partial last block. */
+    uint64_t moving = 0;
+    for (uint64_t b = b0; b < b1; b++) moving += id_out[at_ids + b - b0] != KVF_BLOCK_SKIP;
+    const kvf_group *gr = &g->groups[gi];
+    uint64_t group_payload = 0;
+    for (uint32_t l = 0; l < gr->num_views; l++) group_payload += g->views[gr->views[l]].block_payload;
+    h->payload_bytes += moving * group_payload;
+    if (gr->desc.kind != KVF_GROUP_RECURRENT && id_out[at_ids + b1 - 1 - b0] != KVF_BLOCK_SKIP) {
+      uint64_t end_tokens = (b1) * gr->desc.block_size;
+      if (end_tokens > h->lt_end) h->payload_bytes -= (end_tokens - h->lt_end) * (group_payload / gr->desc.block_size);
+    }
+    for (uint32_t s = plan->group_first[gi]; s < plan->group_first[gi + 1]; s++) {
+      const kvf_segment *seg = &plan->segments[s];
+      kvf_blob_entry *x = &e[ne++];
+      memset(x, 0, sizeof *x);
+      x->seg = *seg;
+      x->first_task = tasks;
+      x->lb_begin = b0;
+      x->ids_offset = at_ids;
+      x->vec = min_u32(seg->align, min_u32(align_of(regions[seg->region]), align_of(og_bits[seg->object_group])));
+      x->units_per_run = seg->run / x->vec;
+      x->units_per_token = (uint64_t)x->units_per_run * seg->heads;
+      uint64_t block_bytes = (uint64_t)seg->run * seg->heads * seg->tokens;
+      x->slices = (uint32_t)((block_bytes + KVF_SLICE_BYTES - 1) / KVF_SLICE_BYTES);
+      tasks += (b1 - b0) * x->slices;
+    }
+    at_ids += b1 - b0;
+  }
+  h->num_entries = ne;
+  h->total_tasks = tasks;
+  return tasks;
+}
+
+/* ---- the CPU path -------------------------------------------------------- */
+
+/* Everything a task needs, decoded from the blob: shared in spirit with the
+ * kernel's decode in xfer_kernel.cu (same formulas). */
+typedef struct task_view {
+  const kvf_blob_entry *e;
+  char *cache;       /* run (t=0, h=0) of the block */
+  char *object;      /* its place in the object */
+  uint64_t unit_begin, unit_end;
+} task_view;
+
+static uint32_t find_entry(const kvf_blob_header *h, const kvf_blob_entry *e, uint64_t task) {
+  uint32_t lo = 0, hi = h->num_entries;
+  while (hi - lo > 1) {
+    uint32_t mid = (lo + hi) / 2;
+    if (e[mid].first_task <= task)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+static int decode(const kvf_blob_header *h, uint64_t task, task_view *tv) {
+  const char *blob = (const char *)h;
+  const kvf_blob_entry *entries = (const kvf_blob_entry *)(blob + h->off_entries);
+  const kvf_blob_entry *e = &entries[find_entry(h, entries, task)];
+  const uint64_t *regions = (const uint64_t *)(blob + h->off_regions);
+  const uint32_t *ids = (const uint32_t *)(blob + h->off_ids);
+  const uint64_t *objects = (const uint64_t *)(blob + h->off_objects);
+  const kvf_segment *s = &e->seg;
+  uint64_t local = task - e->first_task, j = local / e->slices, slice = local % e->slices;
+  uint32_t id = ids[e->ids_offset + j];
+  if (id == KVF_BLOCK_SKIP || id >= h->num_blocks_max) return 0;
+  uint64_t lb = e->lb_begin + j, k, n, units, obj_off;
+  if (s->recurrent) {
+    k = lb - h->chunk_begin;
+    n = h->chunk_local;
+    units = e->units_per_run;
+    obj_off = n * s->dst_per_token + s->dst_const;
+  } else {
+    uint64_t rel = lb * s->tokens - h->lt_begin, chunk_start;
+    k = rel / h->chunk_local;
+    chunk_start = h->lt_begin + k * h->chunk_local;
+    n = h->lt_end - chunk_start < h->chunk_local ? h->lt_end - chunk_start : h->chunk_local;
+    uint64_t valid = h->lt_end - lb * s->tokens;
+    if (valid > s->tokens) valid = s->tokens;
+    units = valid * e->units_per_token;
+    obj_off = n * s->dst_per_token + s->dst_const + ((rel % h->chunk_local) / s->tokens) * s->dst_block;
+  }
+  uint64_t slice_units = KVF_SLICE_BYTES / e->vec;
+  tv->unit_begin = slice * slice_units;
+  tv->unit_end = tv->unit_begin + slice_units < units ? tv->unit_begin + slice_units : units;
+  if (tv->unit_begin >= tv->unit_end) return 0;
+  tv->e = e;
+  tv->cache = (char *)(uintptr_t)regions[s->region] + s->src_offset + (uint64_t)id * s->src_block;
+  tv->object = (char *)(uintptr_t)objects[k * h->num_object_groups + s->object_group] + obj_off;
+  return 1;
+}
+
+void kvf_blob_run_cpu(const void *blob, uint64_t first, uint64_t end) {
+  const kvf_blob_header *h = blob;
+  for (uint64_t task = first; task < end; task++) {
+    task_view tv;
+    if (!decode(h, task, &tv)) continue;
+    const kvf_blob_entry *e = tv.e;
+    const kvf_segment *s = &e->seg;
+    uint64_t u = tv.unit_begin, vec = e->vec;
+    /* One memcpy per piece of run inside the slice. */
+    while (u < tv.unit_end) {
+      uint64_t t = u / e->units_per_token, r = u % e->units_per_token;
+      uint64_t hh = r / e->units_per_run, c = r % e->units_per_run;
+      uint64_t len = e->units_per_run - c;
+      if (len > tv.unit_end - u) len = tv.unit_end - u;
+      char *cache = tv.cache + t * s->src_token + hh * s->src_head + c * vec;
+      char *obj = tv.object + t * s->dst_token + hh * s->dst_head + c * vec;
+      if (h->gather)
+        memcpy(obj, cache, len * vec);
+      else
+        memcpy(cache, obj, len * vec);
+      u += len;
+    }
+  }
+}
+
+uint64_t kvf_blob_payload(const void *blob) {
+  const kvf_blob_header *h = blob;
+  uint64_t bytes = 0;
+  for (uint64_t task = 0; task < h->total_tasks; task++) {
+    task_view tv;
+    if (decode(h, task, &tv)) bytes += (tv.unit_end - tv.unit_begin) * tv.e->vec;
+  }
+  return bytes;
+}

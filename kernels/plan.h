@@ -1,0 +1,127 @@
+/* Internal: the launch plan shared by the CUDA kernel and the host backend.
+ *
+ * A geometry is flattened once per object format into "segments": one per
+ * (attention layer, plane) or (recurrent layer, state). A segment says where
+ * its runs are in a cache block and where they go in an object:
+ *
+ *   cache  = base[region] + src_offset + id*src_block + t*src_token + h*src_head
+ *   object = objects[k] + n_k*dst_per_token + dst_const + bi*dst_block
+ *                       + t*dst_token + h*dst_head
+ *
+ * with run bytes per (token, head), n_k the object's local token count and
+ * bi the block's index inside the object. Heads contiguous on both sides are
+ * fused into one run at plan time.
+ *
+ * A request becomes a "launch blob": a header, the region bases, one entry
+ * per moving segment (the segment plus its group's block range and its first
+ * task), the block ids and the object pointers. A task is (entry, block,
+ * slice of at most KVF_SLICE_BYTES); one warp (GPU) or one loop (CPU) copies
+ * a task. The blob is plain data: the host builds it, the kernel reads it
+ * from device memory, the CPU path from host memory.
+ *
+ * Nothing here includes a CUDA header: plan.c is C, xfer_kernel.cu includes
+ * this file too. */
+#ifndef KVF_KERNELS_PLAN_H
+#define KVF_KERNELS_PLAN_H
+
+#include <stdint.h>
+
+#include <kvferry/copy.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Bytes one task moves at most: small enough to spread a one-chunk request
+ * over every SM, large enough that a task's setup is a small share. */
+#define KVF_SLICE_BYTES 8192u
+
+typedef struct kvf_segment {
+  uint64_t src_offset;    /* from the region base, block 0 */
+  uint64_t src_block;     /* block (slot) stride */
+  uint64_t src_token;
+  uint64_t src_head;
+  uint64_t dst_per_token; /* object position = n_k*dst_per_token + dst_const */
+  uint64_t dst_const;
+  uint64_t dst_block;     /* per block inside the object */
+  uint64_t dst_token;
+  uint64_t dst_head;
+  uint32_t run;           /* contiguous bytes per (token, head) */
+  uint32_t heads;         /* runs per token after fusion (1 for states) */
+  uint32_t tokens;        /* block_size (1 for states) */
+  uint32_t region;
+  uint32_t group;
+  uint32_t object_group;
+  uint32_t recurrent;
+  uint32_t align;         /* largest power of two <= 16 dividing run, offsets and strides */
+} kvf_segment;
+
+/* Segments of a geometry for one format, in group, layer, plane/state order. */
+typedef struct kvf_plan {
+  kvf_segment *segments;
+  uint32_t num_segments;
+  uint32_t *group_first;  /* [num_groups + 1]: segments of group g are [group_first[g], group_first[g+1]) */
+  uint32_t num_groups;
+} kvf_plan;
+
+kvf_status kvf_plan_build(const kvf_geometry *geometry, kvf_object_format format, kvf_plan *out);
+void kvf_plan_free(kvf_plan *plan);
+
+/* ---- the launch blob ---------------------------------------------------- */
+
+typedef struct kvf_blob_entry {
+  kvf_segment seg;
+  uint64_t first_task;   /* tasks of this entry: [first_task, next entry's first_task) */
+  uint64_t lb_begin;     /* local block (chunk for recurrent segments) of ids[ids_offset] */
+  uint64_t ids_offset;   /* into the blob's ids */
+  uint64_t units_per_token; /* run*heads / vec */
+  uint32_t units_per_run;   /* run / vec */
+  uint32_t slices;       /* tasks per block */
+  uint32_t vec;          /* bytes per access: 16, 8, 4, 2 or 1 */
+  uint32_t pad_;
+} kvf_blob_entry;
+
+typedef struct kvf_blob_header {
+  uint64_t size;          /* bytes of the whole blob */
+  uint64_t total_tasks;
+  uint64_t lt_begin;      /* local tokens of token_begin and token_end */
+  uint64_t lt_end;
+  uint64_t chunk_local;   /* local tokens per full chunk (chunk_tokens / dcp world) */
+  uint64_t chunk_begin;   /* global chunk index of token_begin */
+  uint64_t full_chunks;   /* chunks of the request that are full (carry recurrent state) */
+  uint32_t num_chunks;
+  uint32_t num_object_groups;
+  uint32_t num_entries;
+  uint32_t num_regions;
+  uint32_t gather;        /* 1: cache -> objects, 0: objects -> cache */
+  uint32_t num_blocks_max;/* largest group block count: the kernel's own bound check */
+  uint64_t payload_bytes; /* bytes the blob moves (padding and skipped blocks excluded) */
+  /* Byte offsets of the arrays inside the blob. */
+  uint64_t off_entries;   /* kvf_blob_entry[num_entries] */
+  uint64_t off_regions;   /* uint64_t[num_regions] (base addresses) */
+  uint64_t off_ids;       /* uint32_t[] */
+  uint64_t off_objects;   /* uint64_t[num_chunks * num_object_groups] */
+} kvf_blob_header;
+
+/* Size of the blob a request needs (0 with a status on a bad request is
+ * not possible: the request is checked first by the caller). */
+uint64_t kvf_blob_size(const kvf_geometry *geometry, const kvf_plan *plan, const kvf_copy_request *request);
+
+/* Build the blob for a checked request into `out` (at least kvf_blob_size
+ * bytes, 16-byte aligned). base_align is the OR of every region base and
+ * object address the request uses (it lowers vector widths when needed).
+ * Returns the number of tasks, 0 when nothing moves. */
+uint64_t kvf_blob_build(const kvf_geometry *geometry, const kvf_plan *plan, const kvf_copy_request *request,
+                        int gather, void *out);
+
+/* Copy the tasks [first, end) of a blob on the CPU (the host backend). */
+void kvf_blob_run_cpu(const void *blob, uint64_t first, uint64_t end);
+
+/* Payload bytes a blob moves (sum over its non-skipped tasks). */
+uint64_t kvf_blob_payload(const void *blob);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

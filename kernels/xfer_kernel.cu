@@ -1,0 +1,164 @@
+// The gather/scatter kernel: one launch moves a whole request.
+//
+// Work is a flat list of tasks (entry, block, slice), described by the launch
+// blob (kernels/plan.h) in device memory. Each warp takes tasks in a
+// grid-stride loop; a task is at most KVF_SLICE_BYTES of one block of one
+// segment (layer x plane, or layer x state). Lanes copy consecutive units of
+// `vec` bytes (16 where the run, strides and pointers allow, narrower for
+// rows like 132 or 561 bytes), several loads in flight before the stores, so
+// a few SMs keep a PCIe or NVLink link busy. The same formulas as the CPU
+// path in plan.c; the CPU reference in geometry/copy.c is the oracle.
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "kernels/plan.h"
+
+namespace {
+
+constexpr int kThreads = 512;  // one CTA per SM (its registers fill one): the SM cap is the CTA count
+constexpr int kWarps = kThreads / 32;
+constexpr int kUnroll = 8;      // loads in flight per lane before its stores: 64 KiB per SM
+
+template <int V> struct Unit;
+template <> struct Unit<16> { using T = uint4; };
+template <> struct Unit<8> { using T = uint2; };
+template <> struct Unit<4> { using T = uint32_t; };
+template <> struct Unit<2> { using T = uint16_t; };
+template <> struct Unit<1> { using T = uint8_t; };
+
+struct Task {
+  const kvf_blob_entry *e;
+  char *cache;   // run (t=0, h=0) of the block
+  char *object;  // its place in the object
+  uint64_t unit_begin, unit_end;
+};
+
+__device__ __forceinline__ uint32_t find_entry(const kvf_blob_entry *entries, uint32_t n, uint64_t task) {
+  uint32_t lo = 0, hi = n;
+  while (hi - lo > 1) {
+    uint32_t mid = (lo + hi) / 2;
+    if (__ldg(&entries[mid].first_task) <= task)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+// Decode a task; false when it moves nothing (skipped block, empty slice).
+__device__ __forceinline__ bool decode(const kvf_blob_header *h, const char *blob, uint64_t task, Task *t) {
+  const kvf_blob_entry *entries = reinterpret_cast<const kvf_blob_entry *>(blob + h->off_entries);
+  const kvf_blob_entry *e = &entries[find_entry(entries, h->num_entries, task)];
+  const kvf_segment &s = e->seg;
+  const uint64_t *regions = reinterpret_cast<const uint64_t *>(blob + h->off_regions);
+  const uint32_t *ids = reinterpret_cast<const uint32_t *>(blob + h->off_ids);
+  const uint64_t *objects = reinterpret_cast<const uint64_t *>(blob + h->off_objects);
+  uint64_t local = task - e->first_task, j = local / e->slices, slice = local - j * e->slices;
+  uint32_t id = __ldg(&ids[e->ids_offset + j]);
+  // The host checked every id; this bound keeps a corrupted table harmless.
+  if (id == KVF_BLOCK_SKIP || id >= h->num_blocks_max) return false;
+  uint64_t lb = e->lb_begin + j, k, units, obj_off;
+  if (s.recurrent) {
+    k = lb - h->chunk_begin;
+    units = e->units_per_run;
+    obj_off = h->chunk_local * s.dst_per_token + s.dst_const;
+  } else {
+    uint64_t rel = lb * s.tokens - h->lt_begin;
+    k = rel / h->chunk_local;
+    uint64_t chunk_start = h->lt_begin + k * h->chunk_local;
+    uint64_t n = min(h->lt_end - chunk_start, h->chunk_local);
+    uint64_t valid = min(h->lt_end - lb * s.tokens, (uint64_t)s.tokens);
+    units = valid * e->units_per_token;
+    obj_off = n * s.dst_per_token + s.dst_const + ((rel - k * h->chunk_local) / s.tokens) * s.dst_block;
+  }
+  uint64_t slice_units = KVF_SLICE_BYTES / e->vec;
+  t->unit_begin = slice * slice_units;
+  t->unit_end = min(t->unit_begin + slice_units, units);
+  if (t->unit_begin >= t->unit_end) return false;
+  t->e = e;
+  t->cache = reinterpret_cast<char *>(regions[s.region]) + s.src_offset + (uint64_t)id * s.src_block;
+  t->object = reinterpret_cast<char *>(objects[k * h->num_object_groups + s.object_group]) + obj_off;
+  return true;
+}
+
+// Byte offsets of unit u on the cache side (*co) and the object side (*oo).
+__device__ __forceinline__ void unit_offsets(const Task &t, bool linear, uint64_t u, uint32_t v, uint64_t *co,
+                                             uint64_t *oo) {
+  if (linear) {
+    *co = *oo = u * v;
+    return;
+  }
+  const kvf_segment &s = t.e->seg;
+  const uint64_t upt = t.e->units_per_token, upr = t.e->units_per_run;
+  uint64_t tok = u / upt, r = u - tok * upt, hd = r / upr, c = r - hd * upr;
+  *co = tok * s.src_token + hd * s.src_head + c * v;
+  *oo = tok * s.dst_token + hd * s.dst_head + c * v;
+}
+
+// Each lane loads kUnroll units (32 apart, so the warp's accesses stay
+// coalesced) before storing them. Store addresses are computed again rather
+// than kept: registers, not arithmetic, limit how many loads a lane keeps in flight.
+template <int V>
+__device__ __forceinline__ void copy_task(const Task &t, bool gather, int lane) {
+  using T = typename Unit<V>::T;
+  const kvf_segment &s = t.e->seg;
+  // Runs contiguous across tokens on both sides: unit u is at u*V on both.
+  const bool linear = s.heads == 1 && (s.tokens == 1 || (s.src_token == s.run && s.dst_token == s.run));
+  const char *src = gather ? t.cache : t.object;
+  char *dst = gather ? t.object : t.cache;
+  for (uint64_t base = t.unit_begin + lane; base < t.unit_end; base += 32 * kUnroll) {
+    T v[kUnroll];
+#pragma unroll
+    for (int i = 0; i < kUnroll; i++) {
+      uint64_t u = base + (uint64_t)i * 32, co, oo;
+      if (u >= t.unit_end) break;
+      unit_offsets(t, linear, u, V, &co, &oo);
+      v[i] = *reinterpret_cast<const T *>(src + (gather ? co : oo));
+    }
+#pragma unroll
+    for (int i = 0; i < kUnroll; i++) {
+      uint64_t u = base + (uint64_t)i * 32, co, oo;
+      if (u >= t.unit_end) break;
+      unit_offsets(t, linear, u, V, &co, &oo);
+      *reinterpret_cast<T *>(dst + (gather ? oo : co)) = v[i];
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) kvf_xfer_kernel(const char *blob) {
+  const kvf_blob_header *h = reinterpret_cast<const kvf_blob_header *>(blob);
+  const int lane = threadIdx.x & 31;
+  const uint64_t warp = (uint64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const uint64_t stride = (uint64_t)gridDim.x * kWarps;
+  const uint64_t total = h->total_tasks;
+  const bool gather = h->gather != 0;
+  for (uint64_t task = warp; task < total; task += stride) {
+    Task t;
+    if (!decode(h, blob, task, &t)) continue;  // uniform across the warp
+    switch (t.e->vec) {
+      case 16: copy_task<16>(t, gather, lane); break;
+      case 8: copy_task<8>(t, gather, lane); break;
+      case 4: copy_task<4>(t, gather, lane); break;
+      case 2: copy_task<2>(t, gather, lane); break;
+      default: copy_task<1>(t, gather, lane); break;
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" int kvf_kernel_threads(void) { return kThreads; }
+
+// Launch on `stream` with at most *ctas CTAs (one per SM at most); *ctas is
+// lowered to what the request can use and returned. Returns the launch's
+// cudaError_t.
+extern "C" int kvf_kernel_launch(const void *device_blob, uint64_t total_tasks, uint32_t *ctas, cudaStream_t stream) {
+  uint64_t useful = (total_tasks + kWarps - 1) / kWarps;  // more CTAs than that would idle
+  if (useful < *ctas) *ctas = (uint32_t)(useful ? useful : 1);
+  kvf_xfer_kernel<<<*ctas, kThreads, 0, stream>>>(static_cast<const char *>(device_blob));
+  cudaError_t err = cudaGetLastError();
+#ifdef KVF_DEBUG_SYNC
+  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+#endif
+  return (int)err;
+}
