@@ -1,0 +1,1452 @@
+// kvf_xfer (kvferry/transfer.h) against the CPU reference (kvferry/copy.h).
+//
+// Every case builds the same inputs twice: the reference gather/scatter runs
+// on one host copy, kvf_xfer on the other (on the host backend, or on a GPU
+// after the inputs are uploaded and before the results are downloaded), and
+// the two results must be identical byte for byte over every buffer: whole
+// cache regions and whole objects, each with guard bytes around it. Outputs
+// start poisoned (random cache bytes, 0x5A/0xA5 objects), so padding,
+// unselected blocks, skipped blocks and the guards must keep their poison.
+//
+// Requests start at chunk 1 (token_begin = chunk_tokens) and end one
+// attention unit into the next chunk, so they span a full object and a
+// partial last one. Block ids are distinct across groups (aliasing groups
+// share memory), about one in eight skipped; canonical cases pass a table
+// padded with blocks before and after the range (which must not move), native
+// cases a table cut to the range (first_block > 0).
+//
+// Host backend cases (XferHost*) run everywhere. GPU cases (XferGpu*) skip
+// with the reason when kvf_cuda_probe finds no driver or device.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <kvferry/copy.h>
+#include <kvferry/device.h>
+#include <kvferry/transfer.h>
+
+#include "conformance_util.h"
+
+#if KVF_WITH_CUDA
+#include <cuda_runtime_api.h>
+extern "C" cudaError_t kvf_test_spin(cudaStream_t stream, double milliseconds);  // xfer_spin.cu
+#endif
+
+namespace {
+
+using kvf_test::GeometryPtr;
+
+// The presets come from KVF_PRESET_DIR (compiled in), or from
+// $KVF_TEST_PRESET_DIR when set: the GPU machine runs binaries built
+// elsewhere, from a checkout at another path (tests/gpu/run_gpu_tests.sh).
+const char *preset_dir_override() {
+  const char *e = std::getenv("KVF_TEST_PRESET_DIR");
+  return e && *e ? e : nullptr;
+}
+
+std::vector<std::string> preset_names() {
+  const char *dir = preset_dir_override();
+  if (!dir) return kvf_test::preset_names();
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (const auto &e : std::filesystem::directory_iterator(dir, ec))
+    if (e.path().extension() == ".json") names.push_back(e.path().stem().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+GeometryPtr load_preset(const std::string &name, uint32_t num_blocks) {
+  const char *dir = preset_dir_override();
+  if (!dir) return kvf_test::load_preset(name, num_blocks);
+  kvf_geometry_load_options opt = KVF_GEOMETRY_LOAD_OPTIONS_INIT;
+  opt.num_blocks_override = num_blocks;
+  kvf_geometry *g = nullptr;
+  kvf_geometry_error err;
+  std::string path = std::string(dir) + "/" + name + ".json";
+  if (kvf_geometry_load_file(path.c_str(), &opt, &g, &err) != KVF_SUCCESS) return nullptr;
+  return GeometryPtr(g);
+}
+
+enum class Dir { Gather, Scatter };
+
+const char *dir_name(Dir d) { return d == Dir::Gather ? "gather" : "scatter"; }
+const char *format_name(kvf_object_format f) { return f == KVF_FORMAT_CANONICAL ? "canonical" : "native"; }
+
+std::string sanitize(std::string n) {
+  for (char &ch : n)
+    if (!isalnum((unsigned char)ch)) ch = '_';
+  return n;
+}
+
+// ---- plans -------------------------------------------------------------------
+
+struct Plan {
+  uint64_t token_begin = 0, token_end = 0;
+  std::vector<std::vector<uint32_t>> ids;  // per group: the block table
+  std::vector<uint64_t> first_block;      // per group
+};
+
+uint32_t chunk_tokens(const kvf_geometry *g) {
+  kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
+  kvf_geometry_policy(g, &pol);
+  return pol.chunk_tokens;
+}
+
+bool is_recurrent(const kvf_geometry *g, uint32_t gi) {
+  kvf_group_info info;
+  kvf_geometry_group(g, gi, &info);
+  return info.kind == KVF_GROUP_RECURRENT;
+}
+
+bool is_windowed(const kvf_geometry *g, uint32_t gi) {
+  kvf_group_info info;
+  kvf_geometry_group(g, gi, &info);
+  return info.kind == KVF_GROUP_SLIDING_WINDOW || info.kind == KVF_GROUP_CHUNKED_LOCAL;
+}
+
+// The least common multiple of block_size * dcp world over attention groups:
+// a request ending on it ends on whole blocks (valid for native objects).
+uint64_t attention_unit(const kvf_geometry *g) {
+  uint32_t world = 1;
+  kvf_geometry_dcp(g, &world, nullptr);
+  uint64_t unit = 1;
+  for (uint32_t i = 0; i < kvf_geometry_num_groups(g); i++) {
+    kvf_group_info gi;
+    kvf_geometry_group(g, i, &gi);
+    if (gi.kind != KVF_GROUP_RECURRENT) unit = std::lcm(unit, (uint64_t)gi.block_size * world);
+  }
+  return unit;
+}
+
+// Local block range [first, end) of group gi that [tb, te) touches; for a
+// recurrent group the chunks (slots) the range spans.
+void needed_blocks(const kvf_geometry *g, uint32_t gi, uint64_t tb, uint64_t te, uint64_t *first, uint64_t *end) {
+  uint64_t c = chunk_tokens(g);
+  if (is_recurrent(g, gi)) {
+    *first = tb / c;
+    *end = (te + c - 1) / c;
+    return;
+  }
+  EXPECT_EQ(kvf_geometry_local_blocks(g, gi, tb, te, first, end), KVF_SUCCESS) << kvf_last_error();
+}
+
+// A padded table covers more than the range, as an engine's table does: up to
+// kPadBlocks entries before it (first_block = first - kPadBlocks, or 0) and
+// kPadBlocks after; none of those may move.
+constexpr uint64_t kPadBlocks = 1;
+
+void table_range(const kvf_geometry *g, uint32_t gi, uint64_t tb, uint64_t te, bool padded, uint64_t *start,
+                 uint64_t *first, uint64_t *end) {
+  uint64_t e = 0;
+  needed_blocks(g, gi, tb, te, first, &e);
+  *start = padded ? (*first > kPadBlocks ? *first - kPadBlocks : 0) : *first;
+  *end = padded ? e + kPadBlocks : e;
+}
+
+uint64_t ids_needed(const kvf_geometry *g, uint64_t tb, uint64_t te, bool padded) {
+  uint64_t n = 0;
+  for (uint32_t gi = 0; gi < kvf_geometry_num_groups(g); gi++) {
+    uint64_t start = 0, first = 0, end = 0;
+    table_range(g, gi, tb, te, padded, &start, &first, &end);
+    n += end - start;
+  }
+  return n;
+}
+
+// Distinct random block ids; the first entry inside the range never skipped,
+// so every group moves.
+Plan make_plan(const kvf_geometry *g, uint64_t tb, uint64_t te, uint32_t num_blocks, std::mt19937_64 &rng,
+               bool padded, bool skips) {
+  Plan plan;
+  plan.token_begin = tb;
+  plan.token_end = te;
+  std::vector<uint32_t> pool(num_blocks);
+  std::iota(pool.begin(), pool.end(), 0u);
+  std::shuffle(pool.begin(), pool.end(), rng);
+  size_t next = 0;
+  for (uint32_t gi = 0; gi < kvf_geometry_num_groups(g); gi++) {
+    uint64_t start = 0, first = 0, end = 0;
+    table_range(g, gi, tb, te, padded, &start, &first, &end);
+    std::vector<uint32_t> ids;
+    for (uint64_t b = start; b < end; b++) {
+      uint32_t id = pool.at(next++);
+      ids.push_back(skips && b != first && rng() % 8 == 0 ? KVF_BLOCK_SKIP : id);
+    }
+    plan.ids.push_back(ids);
+    plan.first_block.push_back(start);
+  }
+  return plan;
+}
+
+// A loaded preset with a plan for it.
+struct Prepared {
+  GeometryPtr geo;
+  Plan plan;
+  const kvf_geometry *g() const { return geo.get(); }
+};
+
+bool has_recurrent(const kvf_geometry *g) {
+  for (uint32_t i = 0; i < kvf_geometry_num_groups(g); i++)
+    if (is_recurrent(g, i)) return true;
+  return false;
+}
+
+// The standard request: [C, 2C + unit) (or [C, 2C) when the unit is a whole
+// chunk), a full object and a partial one. The small request (GPU cases, to
+// keep data and sanitizer time down): [C, C + unit), one partial object,
+// or [C, 2C) where a recurrent group needs a full chunk to carry state.
+// The pool of blocks is a quarter larger than the request needs.
+void setup_standard(const std::string &preset, bool padded, uint64_t seed, Prepared *out, bool small = false) {
+  GeometryPtr probe = load_preset(preset, 4);
+  ASSERT_TRUE(probe) << preset << ": " << kvf_last_error();
+  uint64_t c = chunk_tokens(probe.get()), unit = attention_unit(probe.get());
+  uint64_t tb = c, te = 2 * c + (unit < c ? unit : 0);
+  if (small) te = has_recurrent(probe.get()) || unit >= c ? 2 * c : c + unit;
+  uint64_t n = ids_needed(probe.get(), tb, te, padded);
+  uint32_t num_blocks = (uint32_t)(n + n / 4 + 2);
+  out->geo = load_preset(preset, num_blocks);
+  ASSERT_TRUE(out->geo) << preset << ": " << kvf_last_error();
+  std::mt19937_64 rng(seed);
+  out->plan = make_plan(out->g(), tb, te, num_blocks, rng, padded, true);
+}
+
+// Window-only retrieval: a prefix long enough that every windowed group
+// drops blocks, each windowed group's table cut to its retained window (the
+// engine holds null blocks before it), the other groups' tables whole.
+void setup_window(const std::string &preset, uint64_t seed, Prepared *out) {
+  GeometryPtr probe = load_preset(preset, 4);
+  ASSERT_TRUE(probe) << preset << ": " << kvf_last_error();
+  uint64_t c = chunk_tokens(probe.get()), unit = attention_unit(probe.get());
+  uint64_t tokens = c + (unit < c ? unit : 0);
+  for (int grow = 0; grow < 64; grow++, tokens += c) {
+    bool all_trim = true;
+    for (uint32_t i = 0; i < kvf_geometry_num_groups(probe.get()); i++) {
+      uint64_t first = 0, end = 0;
+      if (is_windowed(probe.get(), i) &&
+          kvf_geometry_retained_blocks(probe.get(), i, tokens, &first, &end) == KVF_SUCCESS && first == 0)
+        all_trim = false;
+    }
+    if (all_trim) break;
+  }
+  uint64_t n = ids_needed(probe.get(), 0, tokens, false);
+  uint32_t num_blocks = (uint32_t)(n + 2);
+  out->geo = load_preset(preset, num_blocks);
+  ASSERT_TRUE(out->geo) << preset << ": " << kvf_last_error();
+  const kvf_geometry *g = out->g();
+  std::mt19937_64 rng(seed);
+  Plan plan = make_plan(g, 0, tokens, num_blocks, rng, false, false);
+  bool any_window = false;
+  for (uint32_t i = 0; i < kvf_geometry_num_groups(g); i++) {
+    if (!is_windowed(g, i)) continue;
+    uint64_t first = 0, end = 0;
+    ASSERT_EQ(kvf_geometry_retained_blocks(g, i, tokens, &first, &end), KVF_SUCCESS) << kvf_last_error();
+    auto &ids = plan.ids[i];
+    ASSERT_LE(end, ids.size());
+    ids.erase(ids.begin(), ids.begin() + (long)first);
+    plan.first_block[i] = first;
+    any_window = any_window || first > 0;
+  }
+  ASSERT_TRUE(any_window) << preset << ": no windowed group trims blocks: the case would prove nothing";
+  out->plan = plan;
+}
+
+uint64_t plan_payload(const kvf_geometry *g, const Plan &p) {
+  return kvf_test::payload_bytes(g, p.token_begin, p.token_end, p.ids, p.first_block);
+}
+
+// ---- buffers with guards -----------------------------------------------------
+
+// One host buffer: [lead guard][payload][tail guard], the whole of it compared.
+struct GBuf {
+  kvf_test::Buffer buf;
+  size_t lead = 0, size = 0, align = 64;
+  uint8_t *bytes() const { return buf.data.get(); }
+  size_t total() const { return buf.size; }
+  uint8_t *payload() const { return size ? bytes() + lead : nullptr; }
+};
+using Set = std::vector<GBuf>;
+
+GBuf make_gbuf(size_t size, size_t lead, size_t tail, size_t align) {
+  GBuf b;
+  b.lead = lead;
+  b.size = size;
+  b.align = std::max<size_t>(align, 4096);
+  b.buf = kvf_test::Buffer::make(size ? lead + size + tail : 0, b.align);
+  return b;
+}
+
+constexpr size_t kObjectGuard = 64;
+
+// Cache regions keep their alignment: the lead guard is a multiple of it.
+Set make_cache_set(const kvf_geometry *g) {
+  Set s;
+  for (uint32_t r = 0; r < kvf_geometry_num_regions(g); r++) {
+    kvf_region_info ri;
+    kvf_geometry_region(g, r, &ri);
+    size_t lead = std::max<uint64_t>(ri.align, 256);
+    s.push_back(make_gbuf(ri.size, lead, 256, ri.align));
+  }
+  return s;
+}
+
+// Objects, chunk-major then object group; `misalign` shifts every object off
+// 64-byte alignment.
+Set make_object_set(const kvf_geometry *g, uint64_t tb, uint64_t te, size_t misalign) {
+  Set s;
+  uint64_t c = chunk_tokens(g);
+  for (uint64_t b = tb; b < te; b += c)
+    for (uint32_t og = 0; og < kvf_geometry_num_object_groups(g); og++) {
+      uint64_t size = 0;
+      EXPECT_EQ(kvf_geometry_object_size(g, og, b / c, te, &size), KVF_SUCCESS) << kvf_last_error();
+      s.push_back(make_gbuf(size, kObjectGuard + misalign, kObjectGuard, 64));
+    }
+  return s;
+}
+
+void fill_random(Set &s, std::mt19937_64 &rng) {
+  for (GBuf &b : s) {
+    uint64_t x = rng();
+    size_t i = 0;
+    for (; i + 8 <= b.total(); i += 8) {
+      x += 0x9E3779B97F4A7C15ull;  // splitmix64: fast enough for tens of MB per case
+      uint64_t z = x;
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+      z ^= z >> 31;
+      std::memcpy(b.bytes() + i, &z, 8);
+    }
+    for (; i < b.total(); i++) b.bytes()[i] = (uint8_t)rng();
+  }
+}
+
+void fill(Set &s, uint8_t v) {
+  for (GBuf &b : s) std::memset(b.bytes(), v, b.total());
+}
+
+Set clone(const Set &s) {
+  Set c;
+  for (const GBuf &b : s) {
+    GBuf n = b;
+    n.buf = kvf_test::Buffer::make(b.total(), b.align);
+    std::memcpy(n.bytes(), b.bytes(), b.total());
+    c.push_back(n);
+  }
+  return c;
+}
+
+std::vector<void *> payloads(const Set &s) {
+  std::vector<void *> v;
+  for (const GBuf &b : s) v.push_back(b.payload());
+  return v;
+}
+
+// "" when equal; else which buffer, how many bytes, and where the first one is
+// (relative to the payload: negative is the lead guard).
+std::string diff(const char *what, const Set &got, const Set &want) {
+  std::ostringstream os;
+  for (size_t i = 0; i < want.size(); i++) {
+    const uint8_t *a = got.at(i).bytes(), *b = want[i].bytes();
+    size_t n = want[i].total();
+    if (n == 0 || std::memcmp(a, b, n) == 0) continue;
+    size_t count = 0, first = SIZE_MAX;
+    for (size_t j = 0; j < n; j++)
+      if (a[j] != b[j]) {
+        count++;
+        first = std::min(first, j);
+      }
+    long long at = (long long)first - (long long)want[i].lead;
+    os << what << "[" << i << "]: " << count << " bytes differ, first at " << at
+       << (at < 0 ? " (lead guard)" : (size_t)at >= want[i].size ? " (tail guard)" : "") << " (payload "
+       << want[i].size << " bytes, got 0x" << std::hex << (int)a[first] << " want 0x" << (int)b[first] << std::dec
+       << ")\n";
+  }
+  return os.str();
+}
+
+// A case's buffers: the cache regions and the objects.
+struct Data {
+  Set cache, objs;
+};
+
+Data clone(const Data &d) { return {clone(d.cache), clone(d.objs)}; }
+
+// Gather: a random cache, objects (and guards) poisoned. Scatter: random
+// objects, a cache of different random bytes (the poison).
+Data make_inputs(const kvf_geometry *g, const Plan &p, Dir dir, size_t misalign, std::mt19937_64 &rng,
+                 uint8_t poison = 0x5A) {
+  Data d{make_cache_set(g), make_object_set(g, p.token_begin, p.token_end, misalign)};
+  fill_random(d.cache, rng);
+  if (dir == Dir::Gather)
+    fill(d.objs, poison);
+  else
+    fill_random(d.objs, rng);
+  return d;
+}
+
+// Owns everything a kvf_copy_request points at.
+struct Req {
+  std::vector<void *> bases, objects;
+  std::vector<std::vector<uint32_t>> ids;
+  std::vector<kvf_group_blocks> groups;
+  kvf_copy_request req = KVF_COPY_REQUEST_INIT;
+  Req(const Plan &p, kvf_object_format format, std::vector<void *> region_bases, std::vector<void *> objs)
+      : bases(std::move(region_bases)), objects(std::move(objs)), ids(p.ids) {
+    for (size_t i = 0; i < ids.size(); i++) groups.push_back({nullptr, p.first_block[i], (uint32_t)ids[i].size()});
+    req.token_begin = p.token_begin;
+    req.token_end = p.token_end;
+    req.format = format;
+    rebind();
+  }
+  Req(const Req &) = delete;
+  void rebind() {
+    for (size_t i = 0; i < ids.size(); i++) groups[i].block_ids = ids[i].empty() ? nullptr : ids[i].data();
+    req.region_bases = bases.data();
+    req.groups = groups.data();
+    req.objects = objects.data();
+  }
+  const kvf_copy_request *get() const { return &req; }
+  // Overwrite every array the request points at (the call must have copied
+  // what it needs before returning).
+  void scrub() {
+    for (auto &v : ids) std::fill(v.begin(), v.end(), 0xEEEEEEEEu);
+    for (auto &b : bases) b = reinterpret_cast<void *>(uintptr_t{0xDEAD0000});
+    for (auto &o : objects) o = reinterpret_cast<void *>(uintptr_t{0xDEAD1000});
+    for (auto &gb : groups) gb = {nullptr, ~0ull, 0xEEEEEEEEu};
+  }
+};
+
+kvf_status reference(const kvf_geometry *g, const Plan &p, kvf_object_format fmt, Dir dir, Data &d) {
+  Req r(p, fmt, payloads(d.cache), payloads(d.objs));
+  return dir == Dir::Gather ? kvf_reference_gather(g, r.get()) : kvf_reference_scatter(g, r.get());
+}
+
+struct XferDeleter {
+  void operator()(kvf_xfer *x) const { kvf_xfer_destroy(x); }
+};
+using XferPtr = std::unique_ptr<kvf_xfer, XferDeleter>;
+
+XferPtr make_xfer(const kvf_geometry *g, int device, uint32_t host_threads = 0, uint32_t max_sms = 0) {
+  kvf_xfer_options opt = KVF_XFER_OPTIONS_INIT;
+  opt.device = device;
+  opt.host_threads = host_threads;
+  opt.max_sms = max_sms;
+  kvf_xfer *x = nullptr;
+  kvf_status st = kvf_xfer_create(g, &opt, &x);
+  EXPECT_EQ(st, KVF_SUCCESS) << "kvf_xfer_create(device " << device << "): " << kvf_last_error();
+  return XferPtr(st == KVF_SUCCESS ? x : nullptr);
+}
+
+kvf_status call(kvf_xfer *x, Dir dir, const kvf_copy_request *r, kvf_stream s) {
+  return dir == Dir::Gather ? kvf_xfer_gather(x, r, s) : kvf_xfer_scatter(x, r, s);
+}
+
+kvf_xfer_stats stats_of(const kvf_xfer *x) {
+  kvf_xfer_stats st = KVF_XFER_STATS_INIT;
+  EXPECT_EQ(kvf_xfer_last_stats(x, &st), KVF_SUCCESS) << kvf_last_error();
+  return st;
+}
+
+// ---- host backend ------------------------------------------------------------
+
+// Runs one host-backend case and compares it with the reference.
+void run_host_case(const kvf_geometry *g, const Plan &p, kvf_object_format fmt, Dir dir, uint32_t threads,
+                   size_t misalign, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Data in = make_inputs(g, p, dir, misalign, rng);
+  Data want = clone(in);
+  ASSERT_EQ(reference(g, p, fmt, dir, want), KVF_SUCCESS) << kvf_last_error();
+  uint64_t payload = plan_payload(g, p);
+  ASSERT_GT(payload, 0u) << "the request moves nothing: the case would prove nothing";
+
+  XferPtr x = make_xfer(g, KVF_DEVICE_HOST, threads);
+  ASSERT_TRUE(x);
+  Data got = clone(in);
+  Req r(p, fmt, payloads(got.cache), payloads(got.objs));
+  ASSERT_EQ(call(x.get(), dir, r.get(), nullptr), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(diff("cache region", got.cache, want.cache), "");
+  EXPECT_EQ(diff("object", got.objs, want.objs), "");
+  kvf_xfer_stats st = stats_of(x.get());
+  EXPECT_EQ(st.route, KVF_ROUTE_HOST);
+  EXPECT_EQ(st.payload_bytes, payload);
+}
+
+struct HostCase {
+  std::string preset;
+  kvf_object_format format;
+  Dir dir;
+};
+
+void PrintTo(const HostCase &c, std::ostream *os) {
+  *os << c.preset << "/" << format_name(c.format) << "/" << dir_name(c.dir);
+}
+
+// Threads rotate with format and direction, so every preset and direction
+// runs with 1 and with 4 threads.
+uint32_t host_threads_for(const HostCase &c) {
+  return (c.format == KVF_FORMAT_CANONICAL) == (c.dir == Dir::Gather) ? 1 : 4;
+}
+
+uint64_t seed_of(const std::string &s, uint64_t salt) { return std::hash<std::string>{}(s) * 1000003u + salt; }
+
+class XferHostConformance : public ::testing::TestWithParam<HostCase> {};
+class XferHostWindow : public ::testing::TestWithParam<HostCase> {};
+class XferHostMisaligned : public ::testing::TestWithParam<HostCase> {};
+
+TEST_P(XferHostConformance, MatchesTheReferenceByteForByte) {
+  const HostCase &c = GetParam();
+  uint64_t seed = seed_of(c.preset, (uint64_t)c.format * 2 + (uint64_t)c.dir);
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_standard(c.preset, c.format == KVF_FORMAT_CANONICAL, seed, &s));
+  run_host_case(s.g(), s.plan, c.format, c.dir, host_threads_for(c), 0, seed + 1);
+}
+
+TEST_P(XferHostWindow, WindowOnlyTablesMatchTheReference) {
+  const HostCase &c = GetParam();
+  uint64_t seed = seed_of(c.preset, 77 + (uint64_t)c.format * 2 + (uint64_t)c.dir);
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_window(c.preset, seed, &s));
+  run_host_case(s.g(), s.plan, c.format, c.dir, 0, 0, seed + 1);
+}
+
+TEST_P(XferHostMisaligned, UnalignedObjectsMatchTheReference) {
+  const HostCase &c = GetParam();
+  uint64_t seed = seed_of(c.preset, 99 + (uint64_t)c.format * 2 + (uint64_t)c.dir);
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_standard(c.preset, false, seed, &s));
+  for (size_t misalign : {1, 6}) {
+    SCOPED_TRACE("objects misaligned by " + std::to_string(misalign));
+    run_host_case(s.g(), s.plan, c.format, c.dir, 4, misalign, seed + misalign);
+  }
+}
+
+bool preset_has_window(const std::string &preset) {
+  GeometryPtr g = load_preset(preset, 4);
+  if (!g) return false;  // the main suite reports it
+  for (uint32_t i = 0; i < kvf_geometry_num_groups(g.get()); i++)
+    if (is_windowed(g.get(), i)) return true;
+  return false;
+}
+
+std::vector<HostCase> host_cases(bool windowed_only) {
+  std::vector<HostCase> v;
+  for (const std::string &p : preset_names()) {
+    if (windowed_only && !preset_has_window(p)) continue;
+    for (kvf_object_format f : {KVF_FORMAT_CANONICAL, KVF_FORMAT_NATIVE})
+      for (Dir d : {Dir::Gather, Dir::Scatter}) v.push_back({p, f, d});
+  }
+  return v;
+}
+
+// Presets with rows that are not a multiple of 16 bytes (656, 132) and the
+// hybrids (every group kind, recurrent states): also the GPU cases that run
+// the standard two-object request.
+const char *const kOddPresets[] = {"deepseek-v3-mla-fp8-656", "llama-3.1-8b-fp8-inline-scales", "glm-like-hybrid",
+                                   "qwen3-next-like-hybrid"};
+
+std::vector<HostCase> odd_cases() {
+  std::vector<HostCase> v;
+  for (const char *p : kOddPresets)
+    for (kvf_object_format f : {KVF_FORMAT_CANONICAL, KVF_FORMAT_NATIVE})
+      for (Dir d : {Dir::Gather, Dir::Scatter}) v.push_back({p, f, d});
+  return v;
+}
+
+std::string host_case_name(const ::testing::TestParamInfo<HostCase> &info) {
+  return sanitize(info.param.preset + "_" + format_name(info.param.format) + "_" + dir_name(info.param.dir));
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, XferHostConformance, ::testing::ValuesIn(host_cases(false)), host_case_name);
+INSTANTIATE_TEST_SUITE_P(Presets, XferHostWindow, ::testing::ValuesIn(host_cases(true)), host_case_name);
+INSTANTIATE_TEST_SUITE_P(Presets, XferHostMisaligned, ::testing::ValuesIn(odd_cases()), host_case_name);
+
+TEST(XferHost, EveryPresetIsCovered) {
+  EXPECT_GE(preset_names().size(), 14u);
+  EXPECT_GE(host_cases(true).size(), 8u) << "expected at least two presets with windowed groups";
+}
+
+// One bad request per rule kvf_copy_request_check enforces.
+struct Mutation {
+  const char *name;
+  void (*apply)(Req &r, const kvf_geometry *g);
+};
+
+uint32_t group_blocks(const kvf_geometry *g, uint32_t gi) {
+  kvf_group_info info;
+  kvf_geometry_group(g, gi, &info);
+  return info.num_blocks;
+}
+
+// A region a moving view lives in: group 0 layer 0's.
+uint32_t first_region(const kvf_geometry *g) {
+  kvf_view_desc v;
+  kvf_geometry_view(g, 0, 0, &v);
+  return v.region;
+}
+
+const Mutation kMutations[] = {
+    {"block id == num_blocks (first entry)", [](Req &r, const kvf_geometry *g) { r.ids[0][0] = group_blocks(g, 0); }},
+    {"block id far out of range (last entry of the last group)",
+     [](Req &r, const kvf_geometry *) { r.ids.back().back() = 0xFFFFFFFEu; }},
+    {"token_begin not a multiple of chunk_tokens", [](Req &r, const kvf_geometry *) { r.req.token_begin += 1; }},
+    {"token_end == token_begin", [](Req &r, const kvf_geometry *) { r.req.token_end = r.req.token_begin; }},
+    {"unknown format", [](Req &r, const kvf_geometry *) { r.req.format = (kvf_object_format)7; }},
+    {"groups NULL", [](Req &r, const kvf_geometry *) { r.req.groups = nullptr; }},
+    {"region base NULL", [](Req &r, const kvf_geometry *g) { r.bases[first_region(g)] = nullptr; }},
+    {"region base misaligned",
+     [](Req &r, const kvf_geometry *g) {
+       uint32_t reg = first_region(g);
+       r.bases[reg] = static_cast<uint8_t *>(r.bases[reg]) + 64;
+     }},
+    {"object NULL", [](Req &r, const kvf_geometry *) { r.objects[0] = nullptr; }},
+    {"native request ending mid-block",
+     [](Req &r, const kvf_geometry *g) {
+       uint32_t world = 1;  // one local token fewer on every dcp rank
+       kvf_geometry_dcp(g, &world, nullptr);
+       r.req.format = KVF_FORMAT_NATIVE;
+       r.req.token_end -= world;
+     }},
+    {"struct_size 0", [](Req &r, const kvf_geometry *) { r.req.struct_size = 0; }},
+    {"version 99", [](Req &r, const kvf_geometry *) { r.req.version = 99; }},
+};
+
+// Runs every mutation in both directions: the call returns the status (and
+// the message) kvf_copy_request_check gives, and no buffer changes.
+// `live`: the buffers' contents before any call; `pointers()`: the region
+// bases and objects to put in the request (host or device memory);
+// `sync_and_download()`: the buffers as they are now, after the stream's work.
+template <typename Pointers, typename Sync>
+void expect_bad_requests_rejected(const kvf_geometry *g, const Plan &p, kvf_xfer *x, const Data &live,
+                                  Pointers &&pointers, Sync &&sync_and_download, kvf_stream stream) {
+  for (Dir dir : {Dir::Gather, Dir::Scatter})
+    for (const Mutation &m : kMutations) {
+      SCOPED_TRACE(std::string(dir_name(dir)) + ": " + m.name);
+      auto [bases, objs] = pointers();
+      Req r(p, KVF_FORMAT_CANONICAL, bases, objs);
+      m.apply(r, g);
+      kvf_status want = kvf_copy_request_check(g, r.get());
+      std::string want_msg = kvf_last_error();
+      ASSERT_NE(want, KVF_SUCCESS) << "the mutation should make the request invalid";
+      kvf_xfer_stats before = stats_of(x);
+      EXPECT_EQ(call(x, dir, r.get(), stream), want);
+      std::string msg = kvf_last_error();
+      EXPECT_NE(msg.find(want_msg), std::string::npos)
+          << "message '" << msg << "' should carry the check's '" << want_msg << "'";
+      const Data &after = sync_and_download();
+      EXPECT_EQ(diff("cache region", after.cache, live.cache), "");
+      EXPECT_EQ(diff("object", after.objs, live.objs), "");
+      kvf_xfer_stats now = stats_of(x);
+      EXPECT_EQ(now.payload_bytes, before.payload_bytes) << "a failed call changed the stats";
+      EXPECT_EQ(now.route, before.route);
+    }
+  // NULL request and NULL context.
+  EXPECT_EQ(kvf_xfer_gather(x, nullptr, stream), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvf_xfer_scatter(x, nullptr, stream), KVF_ERR_INVALID_ARGUMENT);
+  auto [bases, objs] = pointers();
+  Req ok(p, KVF_FORMAT_CANONICAL, bases, objs);
+  EXPECT_EQ(kvf_xfer_gather(nullptr, ok.get(), stream), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvf_xfer_scatter(nullptr, ok.get(), stream), KVF_ERR_INVALID_ARGUMENT);
+}
+
+TEST(XferHost, BadRequestsReturnTheCheckStatusAndWriteNothing) {
+  for (const char *preset : {"glm-like-hybrid", "deepseek-v3-mla-dcp4-rank1"}) {
+    SCOPED_TRACE(preset);
+    Prepared s;
+    ASSERT_NO_FATAL_FAILURE(setup_standard(preset, true, 5, &s));
+    std::mt19937_64 rng(6);
+    Data live = make_inputs(s.g(), s.plan, Dir::Gather, 0, rng);
+    XferPtr x = make_xfer(s.g(), KVF_DEVICE_HOST, 2);
+    ASSERT_TRUE(x);
+    // A successful call first, so the stats have something to keep.
+    Data scratch = clone(live);
+    Req good(s.plan, KVF_FORMAT_CANONICAL, payloads(scratch.cache), payloads(scratch.objs));
+    ASSERT_EQ(kvf_xfer_gather(x.get(), good.get(), nullptr), KVF_SUCCESS) << kvf_last_error();
+    Data work = clone(live);
+    expect_bad_requests_rejected(
+        s.g(), s.plan, x.get(), live,
+        [&] { return std::make_pair(payloads(work.cache), payloads(work.objs)); },
+        [&]() -> const Data & { return work; }, nullptr);
+  }
+}
+
+TEST(XferHost, CreateRejectsBadArguments) {
+  GeometryPtr g = load_preset("glm-like-hybrid", 8);
+  ASSERT_TRUE(g);
+  kvf_xfer *x = nullptr;
+  EXPECT_EQ(kvf_xfer_create(nullptr, nullptr, &x), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(x, nullptr);
+  EXPECT_EQ(kvf_xfer_create(g.get(), nullptr, nullptr), KVF_ERR_INVALID_ARGUMENT);
+
+  kvf_xfer_options opt = KVF_XFER_OPTIONS_INIT;
+  opt.struct_size = 0;
+  EXPECT_EQ(kvf_xfer_create(g.get(), &opt, &x), KVF_ERR_INVALID_ARGUMENT);
+  opt = KVF_XFER_OPTIONS_INIT;
+  opt.version = 99;
+  EXPECT_EQ(kvf_xfer_create(g.get(), &opt, &x), KVF_ERR_INVALID_ARGUMENT);
+  opt = KVF_XFER_OPTIONS_INIT;
+  opt.device = -2;
+  EXPECT_EQ(kvf_xfer_create(g.get(), &opt, &x), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(x, nullptr);
+
+  kvf_geometry *raw = nullptr;
+  ASSERT_EQ(kvf_geometry_create(&raw), KVF_SUCCESS);
+  GeometryPtr unfinalized(raw);
+  EXPECT_EQ(kvf_xfer_create(unfinalized.get(), nullptr, &x), KVF_ERR_STATE);
+  EXPECT_EQ(x, nullptr);
+
+  // NULL options: the host backend.
+  ASSERT_EQ(kvf_xfer_create(g.get(), nullptr, &x), KVF_SUCCESS) << kvf_last_error();
+  XferPtr owned(x);
+  kvf_xfer_destroy(nullptr);  // a no-op
+  EXPECT_EQ(kvf_xfer_last_stats(owned.get(), nullptr), KVF_ERR_INVALID_ARGUMENT);
+  kvf_xfer_stats st = KVF_XFER_STATS_INIT;
+  EXPECT_EQ(kvf_xfer_last_stats(nullptr, &st), KVF_ERR_INVALID_ARGUMENT);
+}
+
+TEST(XferHost, CudaDeviceWithoutACudaDeviceFails) {
+  kvf_cuda_info info = KVF_CUDA_INFO_INIT;
+  if (kvf_cuda_probe(&info) == KVF_SUCCESS) GTEST_SKIP() << "a CUDA device is present: " << info.message;
+  GeometryPtr g = load_preset("glm-like-hybrid", 8);
+  ASSERT_TRUE(g);
+  kvf_xfer_options opt = KVF_XFER_OPTIONS_INIT;
+  opt.device = 0;
+  kvf_xfer *x = nullptr;
+  kvf_status st = kvf_xfer_create(g.get(), &opt, &x);
+  EXPECT_TRUE(st == KVF_ERR_NO_DRIVER || st == KVF_ERR_NO_DEVICE || st == KVF_ERR_UNSUPPORTED)
+      << kvf_status_string(st) << ": " << kvf_last_error();
+  EXPECT_EQ(x, nullptr);
+  EXPECT_STRNE(kvf_last_error(), "");
+}
+
+TEST(XferHost, RouteNames) {
+  EXPECT_STREQ(kvf_xfer_route_name(KVF_ROUTE_D2H), "d2h");
+  std::vector<std::string> names;
+  for (kvf_xfer_route r : {KVF_ROUTE_HOST, KVF_ROUTE_D2D, KVF_ROUTE_D2H, KVF_ROUTE_H2D, KVF_ROUTE_PEER,
+                           KVF_ROUTE_HOST_TO_HOST}) {
+    const char *n = kvf_xfer_route_name(r);
+    ASSERT_NE(n, nullptr);
+    EXPECT_STRNE(n, "");
+    names.push_back(n);
+  }
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(std::unique(names.begin(), names.end()), names.end()) << "route names must be distinct";
+  EXPECT_NE(kvf_xfer_route_name((kvf_xfer_route)99), nullptr);
+}
+
+TEST(XferHost, MoreThreadsThanWork) {
+  // One block of one group moves; 64 threads must not trip over each other.
+  GeometryPtr g = load_preset("llama-3.1-8b-fa-nhd", 8);
+  ASSERT_TRUE(g);
+  Plan p;
+  p.token_begin = 0;
+  p.token_end = 16;
+  p.ids = {{5}};
+  p.first_block = {0};
+  for (Dir d : {Dir::Gather, Dir::Scatter}) {
+    SCOPED_TRACE(dir_name(d));
+    run_host_case(g.get(), p, KVF_FORMAT_CANONICAL, d, 64, 0, 11 + (uint64_t)d);
+  }
+}
+
+TEST(XferHost, ConcurrentCallsOnOneContext) {
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_standard("glm-like-hybrid", true, 21, &s));
+  std::mt19937_64 rng(22);
+  Data in = make_inputs(s.g(), s.plan, Dir::Gather, 0, rng);
+  Data want = clone(in);
+  ASSERT_EQ(reference(s.g(), s.plan, KVF_FORMAT_CANONICAL, Dir::Gather, want), KVF_SUCCESS);
+  XferPtr x = make_xfer(s.g(), KVF_DEVICE_HOST, 2);
+  ASSERT_TRUE(x);
+  constexpr int kThreads = 4, kRounds = 3;
+  std::vector<Set> outs;
+  for (int t = 0; t < kThreads; t++) outs.push_back(clone(in.objs));
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; t++)
+    threads.emplace_back([&, t] {
+      for (int k = 0; k < kRounds; k++) {
+        Req r(s.plan, KVF_FORMAT_CANONICAL, payloads(in.cache), payloads(outs[t]));
+        if (kvf_xfer_gather(x.get(), r.get(), nullptr) != KVF_SUCCESS) failures++;
+      }
+    });
+  for (auto &t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  for (int t = 0; t < kThreads; t++) EXPECT_EQ(diff("object", outs[t], want.objs), "") << "thread " << t;
+}
+
+// ---- GPU -----------------------------------------------------------------------
+
+#if KVF_WITH_CUDA
+
+#define CUDA_OK(expr)                                                                         \
+  do {                                                                                        \
+    cudaError_t e_ = (expr);                                                                  \
+    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorName(e_) << " " << cudaGetErrorString(e_); \
+  } while (0)
+
+// Why the GPU cases cannot run here, or "" when they can.
+const std::string &gpu_unavailable() {
+  static const std::string why = [] {
+    kvf_cuda_info info = KVF_CUDA_INFO_INIT;
+    kvf_status st = kvf_cuda_probe(&info);
+    if (st != KVF_SUCCESS) return std::string("no usable GPU (kvf_cuda_probe: ") + kvf_status_string(st) + ": " + info.message + ")";
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0) return std::string("no usable GPU (cudaGetDeviceCount: ") + cudaGetErrorString(e) + ")";
+    return std::string();
+  }();
+  return why;
+}
+
+#define REQUIRE_GPU()                                        \
+  do {                                                       \
+    if (!gpu_unavailable().empty()) GTEST_SKIP() << gpu_unavailable(); \
+  } while (0)
+
+// Why peer cases cannot run, or "" once device 0 can reach device 1's memory.
+const std::string &peer_unavailable() {
+  static const std::string why = [] {
+    if (!gpu_unavailable().empty()) return gpu_unavailable();
+    int n = 0;
+    cudaGetDeviceCount(&n);
+    if (n < 2) return std::string("peer cases need two GPUs; this machine has ") + std::to_string(n);
+    int can = 0;
+    cudaDeviceCanAccessPeer(&can, 0, 1);
+    if (!can) return std::string("device 0 cannot access device 1's memory (no P2P between them)");
+    int prev = 0;
+    cudaGetDevice(&prev);
+    cudaSetDevice(0);
+    cudaError_t e = cudaDeviceEnablePeerAccess(1, 0);
+    cudaSetDevice(prev);
+    if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled)
+      return std::string("cudaDeviceEnablePeerAccess(1): ") + cudaGetErrorString(e);
+    cudaGetLastError();
+    return std::string();
+  }();
+  return why;
+}
+
+#define REQUIRE_PEER()                                          \
+  do {                                                          \
+    if (!peer_unavailable().empty()) GTEST_SKIP() << peer_unavailable(); \
+  } while (0)
+
+enum class Mem { Device, Pinned, Peer, Registered, Pageable };
+
+const char *mem_name(Mem m) {
+  switch (m) {
+    case Mem::Device: return "device";
+    case Mem::Pinned: return "pinned";
+    case Mem::Peer: return "peer";
+    case Mem::Registered: return "registered";
+    case Mem::Pageable: return "pageable";
+  }
+  return "?";
+}
+
+// A mirror of one GBuf in memory of some kind: the same total size, the
+// payload at the same offset, the base aligned like the host copy.
+struct DevBuf {
+  Mem kind = Mem::Device;
+  void *raw = nullptr;
+  uint8_t *base = nullptr;
+  size_t total = 0, lead = 0, size = 0, raw_size = 0;
+  DevBuf() = default;
+  DevBuf(const DevBuf &) = delete;
+  DevBuf &operator=(const DevBuf &) = delete;
+  ~DevBuf() {
+    if (!raw) return;
+    switch (kind) {
+      case Mem::Device:
+      case Mem::Peer: cudaFree(raw); break;
+      case Mem::Pinned: cudaFreeHost(raw); break;
+      case Mem::Registered:
+        cudaHostUnregister(raw);
+        std::free(raw);
+        break;
+      case Mem::Pageable: std::free(raw); break;
+    }
+  }
+  uint8_t *payload() const { return size ? base + lead : nullptr; }
+};
+
+struct DevSet {
+  std::vector<std::unique_ptr<DevBuf>> bufs;
+  std::vector<void *> payloads() const {
+    std::vector<void *> v;
+    for (const auto &b : bufs) v.push_back(b->payload());
+    return v;
+  }
+};
+
+// Allocate a mirror of `s` in memory of kind `kind` (on `device` for device
+// kinds) and copy `s` into it.
+void upload_new(const Set &s, Mem kind, int device, DevSet *out) {
+  out->bufs.clear();
+  for (const GBuf &h : s) {
+    auto b = std::make_unique<DevBuf>();
+    b->kind = kind;
+    b->total = h.total();
+    b->lead = h.lead;
+    b->size = h.size;
+    if (b->total) {
+      size_t align = h.align;
+      b->raw_size = (b->total + align - 1) / align * align + align;
+      switch (kind) {
+        case Mem::Device:
+        case Mem::Peer: {
+          int prev = 0;
+          CUDA_OK(cudaGetDevice(&prev));
+          CUDA_OK(cudaSetDevice(device));
+          cudaError_t e = cudaMalloc(&b->raw, b->raw_size);
+          CUDA_OK(cudaSetDevice(prev));
+          CUDA_OK(e);
+          break;
+        }
+        case Mem::Pinned: CUDA_OK(cudaHostAlloc(&b->raw, b->raw_size, cudaHostAllocMapped | cudaHostAllocPortable)); break;
+        case Mem::Registered:
+          b->raw = std::aligned_alloc(4096, (b->raw_size + 4095) / 4096 * 4096);
+          ASSERT_NE(b->raw, nullptr);
+          CUDA_OK(cudaHostRegister(b->raw, (b->raw_size + 4095) / 4096 * 4096, cudaHostRegisterPortable));
+          break;
+        case Mem::Pageable:
+          b->raw = std::aligned_alloc(4096, (b->raw_size + 4095) / 4096 * 4096);
+          ASSERT_NE(b->raw, nullptr);
+          break;
+      }
+      uintptr_t p = reinterpret_cast<uintptr_t>(b->raw);
+      b->base = reinterpret_cast<uint8_t *>((p + align - 1) / align * align);
+      CUDA_OK(cudaMemcpy(b->base, h.bytes(), b->total, cudaMemcpyDefault));
+    }
+    out->bufs.push_back(std::move(b));
+  }
+}
+
+void upload(const Set &s, const DevSet &d) {
+  for (size_t i = 0; i < s.size(); i++)
+    if (s[i].total()) CUDA_OK(cudaMemcpy(d.bufs.at(i)->base, s[i].bytes(), s[i].total(), cudaMemcpyDefault));
+}
+
+void download(const DevSet &d, Set &s) {
+  for (size_t i = 0; i < s.size(); i++)
+    if (s[i].total()) CUDA_OK(cudaMemcpy(s[i].bytes(), d.bufs.at(i)->base, s[i].total(), cudaMemcpyDefault));
+}
+
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() {
+    cudaSetDevice(0);
+    EXPECT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  }
+  ~Stream() {
+    if (s) cudaStreamDestroy(s);
+  }
+  Stream(const Stream &) = delete;
+  Stream &operator=(const Stream &) = delete;
+};
+
+// Where a GPU case's buffers live and what the call should report.
+struct GpuConfig {
+  Mem cache_kind = Mem::Device;
+  Mem obj_kind = Mem::Device;
+  int cache_device = 0, obj_device = 0;
+  uint32_t max_sms = 0;
+  bool legacy_stream = false;  // pass NULL (the legacy default stream)
+  bool check_route = true;
+  kvf_xfer_route route = KVF_ROUTE_D2D;
+};
+
+kvf_xfer_route expected_route(Mem obj, Dir dir) {
+  switch (obj) {
+    case Mem::Device: return KVF_ROUTE_D2D;
+    case Mem::Peer: return KVF_ROUTE_PEER;
+    default: return dir == Dir::Gather ? KVF_ROUTE_D2H : KVF_ROUTE_H2D;
+  }
+}
+
+int device_of(Mem m, int requested) { return m == Mem::Peer ? 1 : requested; }
+
+// Runs one GPU case: inputs uploaded, one kvf_xfer call on device 0, the
+// request's arrays scrubbed right after it returns, one stream sync, whole
+// buffers downloaded and compared with the reference run on the host copy.
+void run_gpu_case(const kvf_geometry *g, const Plan &p, kvf_object_format fmt, Dir dir, size_t misalign,
+                  uint64_t seed, const GpuConfig &cfg, kvf_xfer_stats *stats_out = nullptr) {
+  std::mt19937_64 rng(seed);
+  Data in = make_inputs(g, p, dir, misalign, rng);
+  Data want = clone(in);
+  ASSERT_EQ(reference(g, p, fmt, dir, want), KVF_SUCCESS) << kvf_last_error();
+  uint64_t payload = plan_payload(g, p);
+  ASSERT_GT(payload, 0u);
+
+  CUDA_OK(cudaSetDevice(0));
+  DevSet dcache, dobjs;
+  ASSERT_NO_FATAL_FAILURE(upload_new(in.cache, cfg.cache_kind, device_of(cfg.cache_kind, cfg.cache_device), &dcache));
+  ASSERT_NO_FATAL_FAILURE(upload_new(in.objs, cfg.obj_kind, device_of(cfg.obj_kind, cfg.obj_device), &dobjs));
+  XferPtr x = make_xfer(g, 0, 0, cfg.max_sms);
+  ASSERT_TRUE(x);
+  Stream stream;
+  cudaStream_t s = cfg.legacy_stream ? nullptr : stream.s;
+
+  auto r = std::make_unique<Req>(p, fmt, dcache.payloads(), dobjs.payloads());
+  kvf_status st = call(x.get(), dir, r->get(), s);
+  r->scrub();
+  r.reset();
+  ASSERT_EQ(st, KVF_SUCCESS) << kvf_last_error();
+  CUDA_OK(cudaStreamSynchronize(s));
+  CUDA_OK(cudaGetLastError());
+
+  Data got = clone(in);
+  ASSERT_NO_FATAL_FAILURE(download(dcache, got.cache));
+  ASSERT_NO_FATAL_FAILURE(download(dobjs, got.objs));
+  EXPECT_EQ(diff("cache region", got.cache, want.cache), "");
+  EXPECT_EQ(diff("object", got.objs, want.objs), "");
+
+  kvf_xfer_stats st_out = stats_of(x.get());
+  if (cfg.check_route) {
+    EXPECT_EQ(st_out.route, cfg.route) << "got " << kvf_xfer_route_name(st_out.route) << ", want "
+                                       << kvf_xfer_route_name(cfg.route);
+  }
+  EXPECT_EQ(st_out.payload_bytes, payload);
+  EXPECT_GE(st_out.sms, 1u);
+  EXPECT_GE(st_out.tasks, 1u);
+  if (stats_out) *stats_out = st_out;
+}
+
+struct GpuCase {
+  std::string preset;
+  kvf_object_format format;
+  Dir dir;
+  Mem obj_kind;
+  size_t misalign;
+};
+
+void PrintTo(const GpuCase &c, std::ostream *os) {
+  *os << c.preset << "/" << format_name(c.format) << "/" << dir_name(c.dir) << "/" << mem_name(c.obj_kind)
+      << "/misalign " << c.misalign;
+}
+
+std::string gpu_case_name(const ::testing::TestParamInfo<GpuCase> &info) {
+  const GpuCase &c = info.param;
+  std::string n = c.preset + "_" + format_name(c.format) + "_" + dir_name(c.dir) + "_" + mem_name(c.obj_kind);
+  if (c.misalign) n += "_off" + std::to_string(c.misalign);
+  return sanitize(n);
+}
+
+class XferGpuConformance : public ::testing::TestWithParam<GpuCase> {};
+class XferGpuMisaligned : public ::testing::TestWithParam<GpuCase> {};
+class XferGpuWindow : public ::testing::TestWithParam<GpuCase> {};
+
+void run_param_case(const GpuCase &c, bool window, bool small) {
+  REQUIRE_GPU();
+  if (c.obj_kind == Mem::Peer) REQUIRE_PEER();
+  uint64_t seed = seed_of(c.preset, 1000 + (uint64_t)c.format * 64 + (uint64_t)c.dir * 16 + (uint64_t)c.obj_kind * 4 +
+                                        c.misalign + (window ? 7 : 0));
+  Prepared s;
+  if (window) {
+    ASSERT_NO_FATAL_FAILURE(setup_window(c.preset, seed, &s));
+  } else {
+    ASSERT_NO_FATAL_FAILURE(setup_standard(c.preset, c.format == KVF_FORMAT_CANONICAL, seed, &s, small));
+  }
+  GpuConfig cfg;
+  cfg.obj_kind = c.obj_kind;
+  cfg.route = expected_route(c.obj_kind, c.dir);
+  run_gpu_case(s.g(), s.plan, c.format, c.dir, c.misalign, seed + 1, cfg);
+}
+
+TEST_P(XferGpuConformance, MatchesTheReferenceByteForByte) { run_param_case(GetParam(), false, true); }
+TEST_P(XferGpuMisaligned, UnalignedObjectsMatchTheReference) { run_param_case(GetParam(), false, false); }
+TEST_P(XferGpuWindow, WindowOnlyTablesMatchTheReference) { run_param_case(GetParam(), true, false); }
+
+std::vector<GpuCase> gpu_cases() {
+  std::vector<GpuCase> v;
+  for (const std::string &p : preset_names())
+    for (kvf_object_format f : {KVF_FORMAT_CANONICAL, KVF_FORMAT_NATIVE})
+      for (Dir d : {Dir::Gather, Dir::Scatter})
+        for (Mem m : {Mem::Device, Mem::Pinned, Mem::Peer}) v.push_back({p, f, d, m, 0});
+  return v;
+}
+
+std::vector<GpuCase> gpu_misaligned_cases() {
+  std::vector<GpuCase> v;
+  for (const char *p : kOddPresets)
+    for (kvf_object_format f : {KVF_FORMAT_CANONICAL, KVF_FORMAT_NATIVE})
+      for (Dir d : {Dir::Gather, Dir::Scatter}) {
+        v.push_back({p, f, d, Mem::Device, 1});
+        v.push_back({p, f, d, Mem::Pinned, 8});
+      }
+  return v;
+}
+
+std::vector<GpuCase> gpu_window_cases() {
+  std::vector<GpuCase> v;
+  for (const HostCase &c : host_cases(true)) v.push_back({c.preset, c.format, c.dir, Mem::Device, 0});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, XferGpuConformance, ::testing::ValuesIn(gpu_cases()), gpu_case_name);
+INSTANTIATE_TEST_SUITE_P(Presets, XferGpuMisaligned, ::testing::ValuesIn(gpu_misaligned_cases()), gpu_case_name);
+INSTANTIATE_TEST_SUITE_P(Presets, XferGpuWindow, ::testing::ValuesIn(gpu_window_cases()), gpu_case_name);
+
+TEST(XferGpu, HostRegisteredObjects) {
+  REQUIRE_GPU();
+  for (Dir d : {Dir::Gather, Dir::Scatter}) {
+    SCOPED_TRACE(dir_name(d));
+    Prepared s;
+    ASSERT_NO_FATAL_FAILURE(setup_standard("glm-like-hybrid", true, 31, &s, true));
+    GpuConfig cfg;
+    cfg.obj_kind = Mem::Registered;
+    cfg.route = expected_route(Mem::Registered, d);
+    run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 32 + (uint64_t)d, cfg);
+  }
+}
+
+TEST(XferGpu, PinnedCacheAndPinnedObjectsGoHostToHost) {
+  REQUIRE_GPU();
+  for (Dir d : {Dir::Gather, Dir::Scatter}) {
+    SCOPED_TRACE(dir_name(d));
+    Prepared s;
+    ASSERT_NO_FATAL_FAILURE(setup_standard("gpt-oss-20b-like", false, 33, &s, true));
+    GpuConfig cfg;
+    cfg.cache_kind = Mem::Pinned;
+    cfg.obj_kind = Mem::Pinned;
+    cfg.route = KVF_ROUTE_HOST_TO_HOST;
+    run_gpu_case(s.g(), s.plan, KVF_FORMAT_NATIVE, d, 0, 34 + (uint64_t)d, cfg);
+  }
+}
+
+TEST(XferGpu, CacheOnAPeerGpu) {
+  REQUIRE_GPU();
+  REQUIRE_PEER();
+  for (Dir d : {Dir::Gather, Dir::Scatter}) {
+    SCOPED_TRACE(dir_name(d));
+    Prepared s;
+    ASSERT_NO_FATAL_FAILURE(setup_standard("glm-like-hybrid", true, 35, &s, true));
+    GpuConfig cfg;
+    cfg.cache_kind = Mem::Peer;
+    cfg.obj_kind = Mem::Device;
+    cfg.route = KVF_ROUTE_PEER;
+    run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 36 + (uint64_t)d, cfg);
+  }
+}
+
+TEST(XferGpu, LegacyDefaultStreamIsAccepted) {
+  REQUIRE_GPU();
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_standard("llama-3.1-8b-fp8-inline-scales", false, 37, &s, true));
+  GpuConfig cfg;
+  cfg.legacy_stream = true;
+  for (Dir d : {Dir::Gather, Dir::Scatter}) {
+    SCOPED_TRACE(dir_name(d));
+    run_gpu_case(s.g(), s.plan, KVF_FORMAT_NATIVE, d, 0, 38 + (uint64_t)d, cfg);
+  }
+}
+
+TEST(XferGpu, MaxSmsCapsTheLaunch) {
+  REQUIRE_GPU();
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_standard("llama-3.1-8b-fa-nhd", true, 41, &s, true));
+  GpuConfig cfg;
+  kvf_xfer_stats def = KVF_XFER_STATS_INIT;
+  ASSERT_NO_FATAL_FAILURE(run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, Dir::Gather, 0, 42, cfg, &def));
+  EXPECT_GT(def.sms, 3u) << "a default device-to-device launch of " << def.tasks
+                         << " tasks should use more SMs than the caps below (else they prove nothing)";
+  for (uint32_t cap : {1u, 3u}) {
+    for (Dir d : {Dir::Gather, Dir::Scatter}) {
+      SCOPED_TRACE("max_sms " + std::to_string(cap) + ", " + dir_name(d));
+      cfg.max_sms = cap;
+      kvf_xfer_stats st = KVF_XFER_STATS_INIT;
+      ASSERT_NO_FATAL_FAILURE(run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 43 + cap, cfg, &st));
+      EXPECT_LE(st.sms, cap);
+      EXPECT_GE(st.sms, 1u);
+    }
+  }
+}
+
+TEST(XferGpu, CreateOnAnUnknownDeviceFails) {
+  REQUIRE_GPU();
+  GeometryPtr g = load_preset("glm-like-hybrid", 8);
+  ASSERT_TRUE(g);
+  int n = 0;
+  CUDA_OK(cudaGetDeviceCount(&n));
+  kvf_xfer_options opt = KVF_XFER_OPTIONS_INIT;
+  opt.device = n;
+  kvf_xfer *x = nullptr;
+  EXPECT_EQ(kvf_xfer_create(g.get(), &opt, &x), KVF_ERR_INVALID_ARGUMENT) << kvf_last_error();
+  EXPECT_EQ(x, nullptr);
+}
+
+TEST(XferGpu, BadRequestsAreRejectedBeforeAnythingIsEnqueued) {
+  REQUIRE_GPU();
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_standard("glm-like-hybrid", true, 51, &s, true));
+  std::mt19937_64 rng(52);
+  Data live = make_inputs(s.g(), s.plan, Dir::Gather, 0, rng);
+  DevSet dcache, dobjs;
+  ASSERT_NO_FATAL_FAILURE(upload_new(live.cache, Mem::Device, 0, &dcache));
+  ASSERT_NO_FATAL_FAILURE(upload_new(live.objs, Mem::Device, 0, &dobjs));
+  XferPtr x = make_xfer(s.g(), 0);
+  ASSERT_TRUE(x);
+  Stream stream;
+  // A good call first (into scratch objects), so the stats have something to keep.
+  Data scratch = clone(live);
+  DevSet sobjs;
+  ASSERT_NO_FATAL_FAILURE(upload_new(scratch.objs, Mem::Device, 0, &sobjs));
+  {
+    Req good(s.plan, KVF_FORMAT_CANONICAL, dcache.payloads(), sobjs.payloads());
+    ASSERT_EQ(kvf_xfer_gather(x.get(), good.get(), stream.s), KVF_SUCCESS) << kvf_last_error();
+    CUDA_OK(cudaStreamSynchronize(stream.s));
+  }
+  bool sync_failed = false;
+  Data got = clone(live);
+  expect_bad_requests_rejected(
+      s.g(), s.plan, x.get(), live, [&] { return std::make_pair(dcache.payloads(), dobjs.payloads()); },
+      [&]() -> const Data & {
+        if (cudaStreamSynchronize(stream.s) != cudaSuccess) sync_failed = true;
+        download(dcache, got.cache);
+        download(dobjs, got.objs);
+        return got;
+      },
+      stream.s);
+  EXPECT_FALSE(sync_failed);
+  CUDA_OK(cudaGetLastError());
+}
+
+TEST(XferGpu, PageableHostMemoryIsRefused) {
+  REQUIRE_GPU();
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_standard("glm-like-hybrid", true, 61, &s, true));
+  std::mt19937_64 rng(62);
+  XferPtr x = make_xfer(s.g(), 0);
+  ASSERT_TRUE(x);
+  Stream stream;
+  struct Variant {
+    Mem cache, objs;
+    const char *field;
+  };
+  for (Variant v : {Variant{Mem::Device, Mem::Pageable, "objects"}, Variant{Mem::Pageable, Mem::Device, "region_bases"}})
+    for (Dir d : {Dir::Gather, Dir::Scatter}) {
+      SCOPED_TRACE(std::string(dir_name(d)) + ", pageable " + v.field);
+      Data live = make_inputs(s.g(), s.plan, d, 0, rng);
+      DevSet dcache, dobjs;
+      ASSERT_NO_FATAL_FAILURE(upload_new(live.cache, v.cache, 0, &dcache));
+      ASSERT_NO_FATAL_FAILURE(upload_new(live.objs, v.objs, 0, &dobjs));
+      Req r(s.plan, KVF_FORMAT_CANONICAL, dcache.payloads(), dobjs.payloads());
+      ASSERT_EQ(kvf_copy_request_check(s.g(), r.get()), KVF_SUCCESS) << "the request is otherwise valid";
+      EXPECT_EQ(call(x.get(), d, r.get(), stream.s), KVF_ERR_INVALID_ARGUMENT);
+      std::string msg = kvf_last_error();
+      EXPECT_NE(msg.find(v.field), std::string::npos) << "the message should name " << v.field << ": " << msg;
+      CUDA_OK(cudaStreamSynchronize(stream.s));
+      Data got = clone(live);
+      ASSERT_NO_FATAL_FAILURE(download(dcache, got.cache));
+      ASSERT_NO_FATAL_FAILURE(download(dobjs, got.objs));
+      EXPECT_EQ(diff("cache region", got.cache, live.cache), "");
+      EXPECT_EQ(diff("object", got.objs, live.objs), "");
+    }
+}
+
+// RAII for a captured graph.
+struct Graph {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ~Graph() {
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+  }
+};
+
+void graph_case(Dir dir) {
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_standard("glm-like-hybrid", true, 71 + (uint64_t)dir, &s, true));
+  const kvf_geometry *g = s.g();
+  std::mt19937_64 rng(72 + (uint64_t)dir);
+  Data in1 = make_inputs(g, s.plan, dir, 0, rng, 0x5A), want1 = clone(in1);
+  Data in2 = make_inputs(g, s.plan, dir, 0, rng, 0xA5), want2 = clone(in2);
+  ASSERT_EQ(reference(g, s.plan, KVF_FORMAT_CANONICAL, dir, want1), KVF_SUCCESS);
+  ASSERT_EQ(reference(g, s.plan, KVF_FORMAT_CANONICAL, dir, want2), KVF_SUCCESS);
+
+  DevSet dcache, dobjs;
+  ASSERT_NO_FATAL_FAILURE(upload_new(in1.cache, Mem::Device, 0, &dcache));
+  ASSERT_NO_FATAL_FAILURE(upload_new(in1.objs, Mem::Device, 0, &dobjs));
+  XferPtr x = make_xfer(g, 0);
+  ASSERT_TRUE(x);
+  Stream stream;
+  Graph graph;
+
+  CUDA_OK(cudaStreamBeginCapture(stream.s, cudaStreamCaptureModeGlobal));
+  auto r = std::make_unique<Req>(s.plan, KVF_FORMAT_CANONICAL, dcache.payloads(), dobjs.payloads());
+  kvf_status st = call(x.get(), dir, r->get(), stream.s);
+  std::string msg = kvf_last_error();
+  r->scrub();  // the captured work must not read these host arrays
+  r.reset();
+  cudaError_t end = cudaStreamEndCapture(stream.s, &graph.graph);  // end it before any assertion
+  ASSERT_EQ(st, KVF_SUCCESS) << msg;
+  CUDA_OK(end);
+  CUDA_OK(cudaGraphInstantiate(&graph.exec, graph.graph, 0));
+
+  // Nothing ran at capture time.
+  Data got = clone(in1);
+  CUDA_OK(cudaStreamSynchronize(stream.s));
+  ASSERT_NO_FATAL_FAILURE(download(dcache, got.cache));
+  ASSERT_NO_FATAL_FAILURE(download(dobjs, got.objs));
+  EXPECT_EQ(diff("cache region (before replay)", got.cache, in1.cache), "");
+  EXPECT_EQ(diff("object (before replay)", got.objs, in1.objs), "");
+
+  int replay = 0;
+  for (const auto &[in, want] : {std::make_pair(&in1, &want1), std::make_pair(&in2, &want2)}) {
+    SCOPED_TRACE("replay " + std::to_string(++replay));
+    ASSERT_NO_FATAL_FAILURE(upload(in->cache, dcache));
+    ASSERT_NO_FATAL_FAILURE(upload(in->objs, dobjs));
+    CUDA_OK(cudaGraphLaunch(graph.exec, stream.s));
+    CUDA_OK(cudaStreamSynchronize(stream.s));
+    Data out = clone(*in);
+    ASSERT_NO_FATAL_FAILURE(download(dcache, out.cache));
+    ASSERT_NO_FATAL_FAILURE(download(dobjs, out.objs));
+    EXPECT_EQ(diff("cache region", out.cache, want->cache), "");
+    EXPECT_EQ(diff("object", out.objs, want->objs), "");
+  }
+}
+
+TEST(XferGpu, GatherCapturedInAGraphReplaysTwice) {
+  REQUIRE_GPU();
+  graph_case(Dir::Gather);
+}
+
+TEST(XferGpu, ScatterCapturedInAGraphReplaysTwice) {
+  REQUIRE_GPU();
+  graph_case(Dir::Scatter);
+}
+
+// Behind a ~200 ms kernel on the same stream, the call must return at once,
+// and its work must run after that kernel and the copies queued behind it.
+TEST(XferGpu, CallDoesNotSynchronize) {
+  REQUIRE_GPU();
+  using clock = std::chrono::steady_clock;
+  constexpr double kSpinMs = 200;
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_standard("gpt-oss-20b-like", true, 81, &s, true));
+  const kvf_geometry *g = s.g();
+  for (Dir dir : {Dir::Gather, Dir::Scatter}) {
+    SCOPED_TRACE(dir_name(dir));
+    std::mt19937_64 rng(82 + (uint64_t)dir);
+    Data old_in = make_inputs(g, s.plan, dir, 0, rng);
+    Data in = make_inputs(g, s.plan, dir, 0, rng), want = clone(in);
+    ASSERT_EQ(reference(g, s.plan, KVF_FORMAT_CANONICAL, dir, want), KVF_SUCCESS);
+    DevSet dcache, dobjs, staged_cache, staged_objs;
+    ASSERT_NO_FATAL_FAILURE(upload_new(old_in.cache, Mem::Device, 0, &dcache));
+    ASSERT_NO_FATAL_FAILURE(upload_new(old_in.objs, Mem::Device, 0, &dobjs));
+    ASSERT_NO_FATAL_FAILURE(upload_new(in.cache, Mem::Device, 0, &staged_cache));
+    ASSERT_NO_FATAL_FAILURE(upload_new(in.objs, Mem::Device, 0, &staged_objs));
+    XferPtr x = make_xfer(g, 0);
+    ASSERT_TRUE(x);
+    Stream stream;
+    // Warm up (module loading, first-call allocations), then start from old_in.
+    {
+      Req warm(s.plan, KVF_FORMAT_CANONICAL, dcache.payloads(), dobjs.payloads());
+      ASSERT_EQ(call(x.get(), dir, warm.get(), stream.s), KVF_SUCCESS) << kvf_last_error();
+      CUDA_OK(cudaStreamSynchronize(stream.s));
+      ASSERT_NO_FATAL_FAILURE(upload(old_in.cache, dcache));
+      ASSERT_NO_FATAL_FAILURE(upload(old_in.objs, dobjs));
+    }
+    auto t_spin = clock::now();
+    CUDA_OK(kvf_test_spin(stream.s, kSpinMs));
+    // The real inputs arrive only after the spin: a transfer that ran early
+    // would move old_in's bytes.
+    for (auto [from, to] : {std::make_pair(&staged_cache, &dcache), std::make_pair(&staged_objs, &dobjs)})
+      for (size_t i = 0; i < from->bufs.size(); i++)
+        if (from->bufs[i]->total)
+          CUDA_OK(cudaMemcpyAsync(to->bufs[i]->base, from->bufs[i]->base, from->bufs[i]->total,
+                                  cudaMemcpyDeviceToDevice, stream.s));
+    auto r = std::make_unique<Req>(s.plan, KVF_FORMAT_CANONICAL, dcache.payloads(), dobjs.payloads());
+    auto t0 = clock::now();
+    kvf_status st = call(x.get(), dir, r->get(), stream.s);
+    auto t1 = clock::now();
+    r->scrub();
+    r.reset();
+    cudaError_t q = cudaStreamQuery(stream.s);
+    ASSERT_EQ(st, KVF_SUCCESS) << kvf_last_error();
+    double call_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
+    EXPECT_EQ(q, cudaErrorNotReady) << "the stream finished before the call returned: the call waited for it";
+    EXPECT_LT(call_ms, kSpinMs / 4) << "the call took " << call_ms << " ms behind a " << kSpinMs << " ms kernel";
+    CUDA_OK(cudaStreamSynchronize(stream.s));
+    double total_ms = std::chrono::duration<double, std::milli>(clock::now() - t_spin).count();
+    EXPECT_GT(total_ms, kSpinMs * 0.75) << "the spin kernel ran only " << total_ms << " ms: the check proves nothing";
+    cudaGetLastError();  // cudaStreamQuery's cudaErrorNotReady
+    Data got = clone(in);
+    ASSERT_NO_FATAL_FAILURE(download(dcache, got.cache));
+    ASSERT_NO_FATAL_FAILURE(download(dobjs, got.objs));
+    EXPECT_EQ(diff("cache region", got.cache, want.cache), "");
+    EXPECT_EQ(diff("object", got.objs, want.objs), "");
+  }
+}
+
+TEST(XferGpu, ConcurrentCallsFromThreadsOnOneContext) {
+  REQUIRE_GPU();
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_standard("glm-like-hybrid", true, 91, &s, true));
+  std::mt19937_64 rng(92);
+  Data in = make_inputs(s.g(), s.plan, Dir::Gather, 0, rng);
+  Data want = clone(in);
+  ASSERT_EQ(reference(s.g(), s.plan, KVF_FORMAT_CANONICAL, Dir::Gather, want), KVF_SUCCESS);
+  DevSet dcache;
+  ASSERT_NO_FATAL_FAILURE(upload_new(in.cache, Mem::Device, 0, &dcache));
+  constexpr int kThreads = 4;
+  std::vector<DevSet> dobjs(kThreads);
+  for (auto &d : dobjs) ASSERT_NO_FATAL_FAILURE(upload_new(in.objs, Mem::Device, 0, &d));
+  XferPtr x = make_xfer(s.g(), 0);
+  ASSERT_TRUE(x);
+  std::vector<std::unique_ptr<Stream>> streams;
+  for (int t = 0; t < kThreads; t++) streams.push_back(std::make_unique<Stream>());
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; t++)
+    threads.emplace_back([&, t] {
+      cudaSetDevice(0);
+      Req r(s.plan, KVF_FORMAT_CANONICAL, dcache.payloads(), dobjs[t].payloads());
+      if (kvf_xfer_gather(x.get(), r.get(), streams[t]->s) != KVF_SUCCESS) failures++;
+    });
+  for (auto &t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  for (int t = 0; t < kThreads; t++) {
+    CUDA_OK(cudaStreamSynchronize(streams[t]->s));
+    Set got = clone(in.objs);
+    ASSERT_NO_FATAL_FAILURE(download(dobjs[t], got));
+    EXPECT_EQ(diff("object", got, want.objs), "") << "thread " << t;
+  }
+}
+
+TEST(XferGpu, CurrentDeviceIsRestored) {
+  REQUIRE_GPU();
+  REQUIRE_PEER();
+  GeometryPtr g = load_preset("glm-like-hybrid", 8);
+  ASSERT_TRUE(g);
+  CUDA_OK(cudaSetDevice(1));
+  XferPtr x = make_xfer(g.get(), 0);
+  ASSERT_TRUE(x);
+  int cur = -1;
+  CUDA_OK(cudaGetDevice(&cur));
+  EXPECT_EQ(cur, 1) << "kvf_xfer_create changed the current device";
+  x.reset();
+  CUDA_OK(cudaGetDevice(&cur));
+  EXPECT_EQ(cur, 1) << "kvf_xfer_destroy changed the current device";
+  CUDA_OK(cudaSetDevice(0));
+}
+
+#else  // !KVF_WITH_CUDA
+
+TEST(XferGpu, NotBuilt) { GTEST_SKIP() << "built without CUDA (KVF_WITH_CUDA off): the GPU cases are not compiled"; }
+
+#endif
+
+}  // namespace
