@@ -2,6 +2,7 @@
  *
  *   kvferry geometry check FILE...   validate geometry files and summarize them
  *   kvferry demo [options]           a store/retrieve round trip that verifies every byte
+ *   kvferry bench [ARGS...]          the transfer benchmark (execs perf/kvf_bench)
  *   kvferry version
  *
  * Uses the public API only. */
@@ -16,6 +17,10 @@
 #include <unistd.h>
 
 #include <kvferry/kvferry.h>
+
+#ifdef KVF_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 #ifndef KVF_PRESET_DIR_BUILD
 #define KVF_PRESET_DIR_BUILD ""
@@ -33,14 +38,18 @@ static void usage(FILE *out) {
           "                           summary of each: groups, layers, payload per block against the\n"
           "                           block stride, object sizes per object group, aliases. Exits 1 if\n"
           "                           any file is invalid.\n"
-          "  demo [--preset NAME|FILE] [--tokens N] [--seed S]\n"
+          "  demo [--preset NAME|FILE] [--tokens N] [--seed S] [--host]\n"
           "                           store a prefix of N tokens (default 32768) of a preset geometry\n"
           "                           (default glm-like-hybrid) from a KV cache into cache objects,\n"
           "                           restore it into a fresh cache with new block ids (as after an\n"
           "                           engine restart: the sliding-window group restores only its retained\n"
           "                           window, the recurrent group the state at the prefix's end), verify\n"
-          "                           every byte and report. This build's demo runs on the host backend.\n"
+          "                           every byte and report. Runs on GPU 0 when there is one (cache in\n"
+          "                           device memory, objects in pinned host memory), else (or with --host)\n"
+          "                           on the host backend.\n"
           "  presets                  list the preset geometries\n"
+          "  bench [ARGS...]          run the transfer benchmark (kvf_bench from perf/, built with\n"
+          "                           -DKVF_BUILD_PERF=ON) with ARGS; 'kvferry bench --help' lists them\n"
           "  version                  print the library version\n"
           "\n"
           "Presets are looked up in $KVF_PRESET_DIR, then next to the build, then in the install prefix.\n");
@@ -201,24 +210,32 @@ static uint64_t splitmix(uint64_t *s) {
   return z ^ (z >> 31);
 }
 
+/* A KV cache: host copies of every region (the bytes the demo checks) and,
+ * on a GPU, the device regions the transfers use. */
 typedef struct demo_cache {
   uint32_t num_regions;
-  void **bases;
+  void **bases;   /* host copies */
+  void **device;  /* device regions, NULL on the host backend */
   uint64_t *sizes;
 } demo_cache;
 
 static void cache_free(demo_cache *c) {
   for (uint32_t r = 0; c->bases && r < c->num_regions; r++) free(c->bases[r]);
+#ifdef KVF_WITH_CUDA
+  for (uint32_t r = 0; c->device && r < c->num_regions; r++) cudaFree(c->device[r]);
+#endif
   free(c->bases);
+  free(c->device);
   free(c->sizes);
   memset(c, 0, sizeof *c);
 }
 
-static int cache_alloc(const kvf_geometry *g, demo_cache *c, uint64_t *seed) {
+static int cache_alloc(const kvf_geometry *g, demo_cache *c, uint64_t *seed, int on_gpu) {
   c->num_regions = kvf_geometry_num_regions(g);
   c->bases = calloc(c->num_regions, sizeof *c->bases);
   c->sizes = calloc(c->num_regions, sizeof *c->sizes);
-  if (!c->bases || !c->sizes) return -1;
+  c->device = on_gpu ? calloc(c->num_regions, sizeof *c->device) : NULL;
+  if (!c->bases || !c->sizes || (on_gpu && !c->device)) return -1;
   for (uint32_t r = 0; r < c->num_regions; r++) {
     kvf_region_info ri;
     kvf_geometry_region(g, r, &ri);
@@ -229,7 +246,23 @@ static int cache_alloc(const kvf_geometry *g, demo_cache *c, uint64_t *seed) {
     uint64_t *p = c->bases[r];
     for (uint64_t i = 0; i < ri.size / 8; i++) p[i] = splitmix(seed);
     for (uint64_t i = ri.size / 8 * 8; i < ri.size; i++) ((uint8_t *)c->bases[r])[i] = (uint8_t)splitmix(seed);
+#ifdef KVF_WITH_CUDA
+    if (on_gpu && (cudaMalloc(&c->device[r], ri.size) != cudaSuccess ||
+                   cudaMemcpy(c->device[r], c->bases[r], ri.size, cudaMemcpyHostToDevice) != cudaSuccess))
+      return -1;
+#endif
   }
+  return 0;
+}
+
+/* Bring the device regions back into the host copies (GPU only). */
+static int cache_download(demo_cache *c) {
+#ifdef KVF_WITH_CUDA
+  for (uint32_t r = 0; c->device && r < c->num_regions; r++)
+    if (cudaMemcpy(c->bases[r], c->device[r], c->sizes[r], cudaMemcpyDeviceToHost) != cudaSuccess) return -1;
+#else
+  (void)c;
+#endif
   return 0;
 }
 
@@ -361,12 +394,21 @@ static int demo_verify(const kvf_geometry *g, uint64_t tokens, const demo_cache 
 typedef struct demo_objects {
   uint64_t count; /* slots: chunks x object groups */
   uint64_t used;  /* objects allocated */
+  int pinned;     /* cudaHostAlloc'd (GPU runs), else malloc'd */
   void **ptr;
   uint64_t bytes;
 } demo_objects;
 
 static void objects_free(demo_objects *o) {
-  for (uint64_t i = 0; o->ptr && i < o->count; i++) free(o->ptr[i]);
+  for (uint64_t i = 0; o->ptr && i < o->count; i++) {
+#ifdef KVF_WITH_CUDA
+    if (o->pinned) {
+      cudaFreeHost(o->ptr[i]);
+      continue;
+    }
+#endif
+    free(o->ptr[i]);
+  }
   free(o->ptr);
   memset(o, 0, sizeof *o);
 }
@@ -406,6 +448,11 @@ static int objects_make(const kvf_geometry *g, uint64_t tokens, const demo_table
       uint64_t size;
       if (!chunk_needs_object(g, t, k, og, tokens)) continue;
       if (kvf_geometry_object_size(g, og, k, tokens, &size)) return -1;
+#ifdef KVF_WITH_CUDA
+      if (o->pinned) {
+        if (cudaHostAlloc(&o->ptr[k * nog + og], size ? size : 1, cudaHostAllocDefault) != cudaSuccess) return -1;
+      } else
+#endif
       if (!(o->ptr[k * nog + og] = malloc(size ? size : 1))) return -1;
       memset(o->ptr[k * nog + og], 0xA5, size);
       o->bytes += size;
@@ -432,31 +479,41 @@ static uint64_t moved_bytes(const kvf_geometry *g, const demo_tables *t, uint64_
   return n;
 }
 
-/* Copy chunk by chunk so progress can be shown. */
-static kvf_status run_chunks(const kvf_geometry *g, int scatter, uint64_t tokens, demo_cache *cache,
-                             const demo_tables *t, demo_objects *o, const char *what) {
+/* Move the prefix a few chunks per call so progress can be shown; on a GPU
+ * each call is one kernel launch on `stream`, timed with the wall clock
+ * around the synchronizations. Returns the seconds spent in the transfers. */
+static kvf_status run_chunks(const kvf_geometry *g, kvf_xfer *x, void *stream, int scatter, uint64_t tokens,
+                             demo_cache *cache, const demo_tables *t, demo_objects *o, const char *what,
+                             double *seconds) {
   kvf_object_policy pol;
   kvf_geometry_policy(g, &pol);
-  uint64_t chunks = (tokens + pol.chunk_tokens - 1) / pol.chunk_tokens;
+  uint64_t chunks = (tokens + pol.chunk_tokens - 1) / pol.chunk_tokens, per_call = chunks / 16 ? chunks / 16 : 1;
   uint32_t nog = kvf_geometry_num_object_groups(g);
   kvf_group_blocks *gb = calloc(t->num_groups, sizeof *gb);
   if (!gb) return KVF_ERR_OUT_OF_MEMORY;
   for (uint32_t i = 0; i < t->num_groups; i++) gb[i] = (kvf_group_blocks){t->ids[i], t->first[i], t->count[i]};
   int shown = -1, tty = isatty(STDERR_FILENO);
   kvf_status st = KVF_SUCCESS;
-  for (uint64_t k = 0; k < chunks && !st; k++) {
+  *seconds = 0;
+  for (uint64_t k = 0; k < chunks && !st; k += per_call) {
     kvf_copy_request req = KVF_COPY_REQUEST_INIT;
-    req.region_bases = cache->bases;
+    req.region_bases = cache->device ? cache->device : cache->bases;
     req.token_begin = k * pol.chunk_tokens;
-    req.token_end = req.token_begin + pol.chunk_tokens < tokens ? req.token_begin + pol.chunk_tokens : tokens;
+    req.token_end = (k + per_call) * pol.chunk_tokens < tokens ? (k + per_call) * pol.chunk_tokens : tokens;
     req.format = pol.format;
     req.groups = gb;
     req.objects = o->ptr + k * nog;
-    st = scatter ? kvf_reference_scatter(g, &req) : kvf_reference_gather(g, &req);
-    int pct = (int)(100 * (k + 1) / chunks);
-    if (pct / 10 != shown / 10 || k + 1 == chunks) {
+    double t0 = now_s();
+    st = scatter ? kvf_xfer_scatter(x, &req, stream) : kvf_xfer_gather(x, &req, stream);
+#ifdef KVF_WITH_CUDA
+    if (!st && cache->device && cudaStreamSynchronize(stream) != cudaSuccess) st = KVF_ERR_CUDA;
+#endif
+    *seconds += now_s() - t0;
+    uint64_t done = k + per_call < chunks ? k + per_call : chunks;
+    int pct = (int)(100 * done / chunks);
+    if (pct / 10 != shown / 10 || done == chunks) {
       /* One line rewritten on a terminal, one line per step in a log. */
-      fprintf(stderr, "%s  %s: chunk %" PRIu64 "/%" PRIu64 " (%d%%)%s", tty ? "\r" : "", what, k + 1, chunks, pct,
+      fprintf(stderr, "%s  %s: chunk %" PRIu64 "/%" PRIu64 " (%d%%)%s", tty ? "\r" : "", what, done, chunks, pct,
               tty ? "" : "\n");
       shown = pct;
     }
@@ -469,11 +526,14 @@ static kvf_status run_chunks(const kvf_geometry *g, int scatter, uint64_t tokens
 static int cmd_demo(int argc, char **argv) {
   const char *preset = "glm-like-hybrid";
   uint64_t tokens = 32768, seed = 20261129;
+  int force_host = 0;
   for (int i = 0; i < argc; i++) {
     if (!strcmp(argv[i], "--preset") && i + 1 < argc) {
       preset = argv[++i];
     } else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
       tokens = strtoull(argv[++i], NULL, 10);
+    } else if (!strcmp(argv[i], "--host")) {
+      force_host = 1;
     } else if (!strcmp(argv[i], "--seed") && i + 1 < argc) {
       seed = strtoull(argv[++i], NULL, 10);
     } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
@@ -492,15 +552,18 @@ static int cmd_demo(int argc, char **argv) {
   if (resolve_geometry(preset, path, sizeof path)) return 1;
 
   kvf_cuda_info cuda = KVF_CUDA_INFO_INIT;
-  kvf_status cst = kvf_cuda_probe(&cuda);
+  kvf_status cst = force_host ? KVF_ERR_NO_DRIVER : kvf_cuda_probe(&cuda);
+  int on_gpu = cst == KVF_SUCCESS && cuda.device_count > 0;
   printf("kvferry %s demo: %s, %" PRIu64 " tokens\n", kvf_version_string(), preset, tokens);
-  if (cst == KVF_SUCCESS)
-    printf("  backend: host (this build's demo copies on the CPU; %d GPU(s) seen, used from the kernels issue on)\n",
-           cuda.device_count);
+  if (on_gpu)
+    printf("  backend: GPU 0 (%s): KV cache in device memory, objects in pinned host memory\n", cuda.message);
+  else if (force_host)
+    printf("  backend: host (--host): KV cache and objects in host memory, copied by CPU threads\n");
   else
     printf("  backend: host (%s: %s)\n", kvf_status_string(cst), kvf_last_error());
   fflush(stdout);
-
+  void *stream = NULL;
+  kvf_xfer *xfer = NULL;
   /* Load once to size the block pool, then with enough blocks for the prefix. */
   kvf_geometry *g = NULL;
   kvf_geometry_error err;
@@ -544,18 +607,30 @@ static int cmd_demo(int argc, char **argv) {
   }
 
   fprintf(stderr, "  preparing the engine's KV cache (%u blocks per group)...\n", num_blocks);
-  if (cache_alloc(g, &src, &rng) || tables_make(g, tokens, pool, num_blocks, &stored) ||
+  kvf_xfer_options xo = KVF_XFER_OPTIONS_INIT;
+  xo.device = on_gpu ? 0 : KVF_DEVICE_HOST;
+  if ((st = kvf_xfer_create(g, &xo, &xfer))) {
+    fprintf(stderr, "kvferry demo: transfer context: %s\n", kvf_last_error());
+    goto out;
+  }
+#ifdef KVF_WITH_CUDA
+  if (on_gpu && cudaStreamCreateWithFlags((cudaStream_t *)&stream, cudaStreamNonBlocking) != cudaSuccess) {
+    fprintf(stderr, "kvferry demo: cudaStreamCreate failed\n");
+    goto out;
+  }
+#endif
+  objs.pinned = on_gpu;
+  if (cache_alloc(g, &src, &rng, on_gpu) || tables_make(g, tokens, pool, num_blocks, &stored) ||
       objects_make(g, tokens, &stored, &objs)) {
     fprintf(stderr, "kvferry demo: out of memory\n");
     goto out;
   }
   uint64_t store_bytes = moved_bytes(g, &stored, tokens);
-  double t0 = now_s();
-  if ((st = run_chunks(g, 0, tokens, &src, &stored, &objs, "store (gather)"))) {
+  double t_store = 0, t_retrieve = 0;
+  if ((st = run_chunks(g, xfer, stream, 0, tokens, &src, &stored, &objs, "store (gather)", &t_store))) {
     fprintf(stderr, "kvferry demo: store: %s\n", kvf_last_error());
     goto out;
   }
-  double t_store = now_s() - t0;
 
   /* The engine restarts: a fresh cache full of garbage, new block ids. */
   for (uint32_t i = 0; i < num_blocks / 2; i++) {
@@ -563,7 +638,7 @@ static int cmd_demo(int argc, char **argv) {
     pool[i] = pool[num_blocks - 1 - i];
     pool[num_blocks - 1 - i] = x;
   }
-  if (cache_alloc(g, &dst, &rng) || tables_make(g, tokens, pool, num_blocks, &restored)) {
+  if (cache_alloc(g, &dst, &rng, on_gpu) || tables_make(g, tokens, pool, num_blocks, &restored)) {
     fprintf(stderr, "kvferry demo: out of memory\n");
     goto out;
   }
@@ -577,13 +652,15 @@ static int cmd_demo(int argc, char **argv) {
     memcpy(poison.bases[r], dst.bases[r], dst.sizes[r]);
   }
   uint64_t retrieve_bytes = moved_bytes(g, &restored, tokens);
-  t0 = now_s();
-  if ((st = run_chunks(g, 1, tokens, &dst, &restored, &objs, "retrieve (scatter)"))) {
+  if ((st = run_chunks(g, xfer, stream, 1, tokens, &dst, &restored, &objs, "retrieve (scatter)", &t_retrieve))) {
     fprintf(stderr, "kvferry demo: retrieve: %s\n", kvf_last_error());
     goto out;
   }
-  double t_retrieve = now_s() - t0;
   fprintf(stderr, "  verifying every byte of the restored cache...\n");
+  if (cache_download(&dst)) {
+    fprintf(stderr, "kvferry demo: copying the restored cache back failed\n");
+    goto out;
+  }
   uint64_t checked = 0, untouched = 0;
   int bad = demo_verify(g, tokens, &src, &stored, &dst, &poison, &restored, &checked, &untouched);
 
@@ -601,10 +678,18 @@ static int cmd_demo(int argc, char **argv) {
   printf("  objects: %" PRIu64 " (%s)\n", objs.used, a);
   human(store_bytes, a, sizeof a);
   human(retrieve_bytes, b, sizeof b);
-  printf("  store:    %s of payload in %.3f s (%.2f GB/s, CPU reference copy)\n", a, t_store,
-         (double)store_bytes / t_store / 1e9);
-  printf("  retrieve: %s of payload in %.3f s (%.2f GB/s, CPU reference copy)\n", b, t_retrieve,
-         (double)retrieve_bytes / t_retrieve / 1e9);
+  kvf_xfer_stats xs = KVF_XFER_STATS_INIT;
+  kvf_xfer_last_stats(xfer, &xs);
+  kvf_object_policy dpol;
+  kvf_geometry_policy(g, &dpol);
+  uint64_t nchunks = (tokens + dpol.chunk_tokens - 1) / dpol.chunk_tokens, per = nchunks / 16 ? nchunks / 16 : 1;
+  char how[64];
+  snprintf(how, sizeof how, "%s, %" PRIu64 " calls", on_gpu ? "one kernel launch per call" : "CPU threads",
+           (nchunks + per - 1) / per);
+  printf("  store:    %s of payload in %.3f s (%.2f GB/s, %s)\n", a, t_store, (double)store_bytes / t_store / 1e9,
+         how);
+  printf("  retrieve: %s of payload in %.3f s (%.2f GB/s, %s; route %s, %u SMs)\n", b, t_retrieve,
+         (double)retrieve_bytes / t_retrieve / 1e9, how, kvf_xfer_route_name(xs.route), xs.sms);
   human(checked, a, sizeof a);
   human(untouched, c, sizeof c);
   printf("  verified: %s restored byte for byte, %s of padding and other blocks untouched\n", a, c);
@@ -623,8 +708,47 @@ out:
   cache_free(&dst);
   cache_free(&poison);
   free(pool);
+  kvf_xfer_destroy(xfer);
+#ifdef KVF_WITH_CUDA
+  if (stream) cudaStreamDestroy((cudaStream_t)stream);
+#endif
   kvf_geometry_destroy(g);
   return rc;
+}
+
+/* ---- bench ------------------------------------------------------------------- */
+
+/* Replace this process with kvf_bench: $KVF_BENCH, else next to this binary
+ * (installed), else ../perf/kvf_bench (the build tree). */
+static int cmd_bench(int argc, char **argv) {
+  char dir[4096] = "", cand[3][4200];
+  int n = 0;
+  const char *env = getenv("KVF_BENCH");
+  if (env && *env) snprintf(cand[n++], sizeof cand[0], "%s", env);
+  ssize_t len = readlink("/proc/self/exe", dir, sizeof dir - 1);
+  if (len > 0) {
+    dir[len] = '\0';
+    char *slash = strrchr(dir, '/');
+    if (slash) *slash = '\0';
+    snprintf(cand[n++], sizeof cand[0], "%s/kvf_bench", dir);
+    snprintf(cand[n++], sizeof cand[0], "%s/../perf/kvf_bench", dir);
+  }
+  for (int i = 0; i < n; i++) {
+    if (access(cand[i], X_OK) != 0) continue;
+    char **args = calloc((size_t)argc + 2, sizeof *args);
+    if (!args) return 1;
+    args[0] = cand[i];
+    for (int k = 0; k < argc; k++) args[k + 1] = argv[k];
+    execv(cand[i], args);
+    fprintf(stderr, "kvferry bench: cannot run %s: %s\n", cand[i], strerror(errno));
+    free(args);
+    return 1;
+  }
+  fprintf(stderr, "kvferry bench: kvf_bench not found (looked at%s%s%s%s%s%s). Build it with "
+          "-DKVF_BUILD_PERF=ON (needs CUDA), install it next to kvferry, or set KVF_BENCH.\n",
+          n > 0 ? " " : "", n > 0 ? cand[0] : "", n > 1 ? ", " : "", n > 1 ? cand[1] : "", n > 2 ? ", " : "",
+          n > 2 ? cand[2] : "");
+  return 1;
 }
 
 int main(int argc, char **argv) {
@@ -640,6 +764,7 @@ int main(int argc, char **argv) {
     return cmd_geometry_check(argc - 3, argv + 3);
   if (!strcmp(argv[1], "demo")) return cmd_demo(argc - 2, argv + 2);
   if (!strcmp(argv[1], "presets")) return cmd_presets();
+  if (!strcmp(argv[1], "bench")) return cmd_bench(argc - 2, argv + 2);
   fprintf(stderr, "kvferry: unknown command '%s'\n\n", argv[1]);
   usage(stderr);
   return 2;
