@@ -54,11 +54,22 @@ struct kvf_xfer {
   void *host_blob;
   size_t host_blob_cap;
 #ifdef KVF_WITH_CUDA
+  int cuda_ready; /* the device was valid and set: destroy has CUDA work to undo */
   int sm_count;
   cudaStream_t private_stream; /* orders the device allocations of staging */
   staging slots[KVF_STAGING_SLOTS];
   uint32_t next_slot;
   retired *retired;
+  /* The copy-engine path between the GPU and host memory: objects are
+   * gathered into (scattered from) device staging buffers by the kernel, and
+   * the PCIe leg is a DMA on ce_stream, which costs no SM. */
+  cudaStream_t ce_stream;
+  void *stage[2];
+  size_t stage_cap;
+  cudaEvent_t stage_free[2];  /* the buffer's last reader is done */
+  cudaEvent_t stage_ready[2]; /* the buffer holds what the next leg reads */
+  cudaEvent_t fork, join;
+  uint32_t next_stage;
 #endif
 };
 
@@ -156,10 +167,18 @@ kvf_status kvf_xfer_create(const kvf_geometry *g, const kvf_xfer_options *opt, k
   }
   cudaGetDevice(&prev);
   cudaError_t e = cudaSetDevice(x->device);
+  x->cuda_ready = e == cudaSuccess;
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&x->sm_count, cudaDevAttrMultiProcessorCount, x->device);
   if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&x->private_stream, cudaStreamNonBlocking);
   for (int i = 0; e == cudaSuccess && i < KVF_STAGING_SLOTS; i++)
     e = cudaEventCreateWithFlags(&x->slots[i].done, cudaEventDisableTiming);
+  if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&x->ce_stream, cudaStreamNonBlocking);
+  for (int i = 0; e == cudaSuccess && i < 2; i++) {
+    e = cudaEventCreateWithFlags(&x->stage_free[i], cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&x->stage_ready[i], cudaEventDisableTiming);
+  }
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&x->fork, cudaEventDisableTiming);
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&x->join, cudaEventDisableTiming);
   cudaSetDevice(prev);
   if (e != cudaSuccess) {
     st = kvf_fail(KVF_ERR_CUDA, "kvf_xfer_create: device %d: %s", x->device, cudaGetErrorString(e));
@@ -181,7 +200,7 @@ fail:
 void kvf_xfer_destroy(kvf_xfer *x) {
   if (!x) return;
 #ifdef KVF_WITH_CUDA
-  if (x->device != KVF_DEVICE_HOST) {
+  if (x->device != KVF_DEVICE_HOST && x->cuda_ready) {
     int prev = 0;
     cudaGetDevice(&prev);
     cudaSetDevice(x->device);
@@ -200,6 +219,18 @@ void kvf_xfer_destroy(kvf_xfer *x) {
       if (r->pinned) cudaFreeHost(r->pinned);
       free(r);
     }
+    for (int i = 0; i < 2; i++) {
+      /* Recorded events only: an event never recorded is complete. */
+      if (x->stage_free[i]) cudaEventSynchronize(x->stage_free[i]);
+      if (x->stage_ready[i]) cudaEventSynchronize(x->stage_ready[i]);
+      if (x->stage[i]) cudaFreeAsync(x->stage[i], x->private_stream);
+      if (x->stage_free[i]) cudaEventDestroy(x->stage_free[i]);
+      if (x->stage_ready[i]) cudaEventDestroy(x->stage_ready[i]);
+    }
+    if (x->join) cudaEventSynchronize(x->join);
+    if (x->fork) cudaEventDestroy(x->fork);
+    if (x->join) cudaEventDestroy(x->join);
+    if (x->ce_stream) cudaStreamDestroy(x->ce_stream);
     if (x->private_stream) {
       cudaStreamSynchronize(x->private_stream);
       cudaStreamDestroy(x->private_stream);
@@ -273,11 +304,12 @@ static kvf_status classify(kvf_xfer *x, const void *ptr, const char *field, uint
 }
 
 /* The route of a request: where its source and destination live. */
-static kvf_status route_of(kvf_xfer *x, const kvf_copy_request *r, int gather, kvf_xfer_route *route) {
+static kvf_status route_of(kvf_xfer *x, const kvf_copy_request *r, int gather, kvf_xfer_route *route,
+                           int *stageable) {
   const kvf_geometry *g = x->geometry;
   int cache_seen[3] = {0, 0, 0}, obj_seen[3] = {0, 0, 0};
   kvf_status st;
-  mem_kind k;
+  mem_kind k = MEM_LOCAL;
   for (uint32_t gi = 0; gi < g->num_groups; gi++) {
     if (!r->groups[gi].block_ids || !r->groups[gi].count) continue;
     const kvf_group *gr = &g->groups[gi];
@@ -306,7 +338,287 @@ static kvf_status route_of(kvf_xfer *x, const kvf_copy_request *r, int gather, k
     *route = KVF_ROUTE_H2D;
   else
     *route = KVF_ROUTE_D2D;
+  /* Cache on this GPU, objects in host memory: the copy engine can do the
+   * PCIe leg from a staging buffer. */
+  *stageable = cache_seen[MEM_LOCAL] && !cache_seen[MEM_HOST] && !cache_seen[MEM_PEER] && obj_seen[MEM_HOST] &&
+               !obj_seen[MEM_LOCAL] && !obj_seen[MEM_PEER];
   return KVF_SUCCESS;
+}
+
+/* ---- the copy-engine path ------------------------------------------------ */
+
+static kvf_status grow_staging(kvf_xfer *x, staging *s, size_t size);
+
+/* How a request moves the blocks of one group in one chunk. */
+typedef enum coverage { COVER_NONE, COVER_PARTIAL, COVER_FULL } coverage;
+
+static coverage group_coverage(const kvf_geometry *g, const kvf_copy_request *r, uint32_t gi, uint64_t cb,
+                               uint64_t ce) {
+  const kvf_group *gr = &g->groups[gi];
+  const kvf_group_blocks *t = &r->groups[gi];
+  uint64_t c = g->policy.chunk_tokens, lo, hi;
+  if (!t->block_ids || !t->count) return COVER_NONE;
+  if (gr->desc.kind == KVF_GROUP_RECURRENT) {
+    if (ce - cb != c) return COVER_NONE; /* a partial chunk carries no state */
+    lo = cb / c;
+    hi = lo + 1;
+  } else {
+    uint64_t bs = gr->desc.block_size;
+    lo = kvf_local_token(g, cb) / bs;
+    hi = (kvf_local_token(g, ce) + bs - 1) / bs;
+  }
+  uint64_t present = 0;
+  for (uint64_t b = lo; b < hi; b++)
+    present += b >= t->first_block && b - t->first_block < t->count &&
+               t->block_ids[b - t->first_block] != KVF_BLOCK_SKIP;
+  return present == 0 ? COVER_NONE : present == hi - lo ? COVER_FULL : COVER_PARTIAL;
+}
+
+/* The bytes of object (chunk k, object group og) that the copy engine moves
+ * between host memory and staging: [*lo, *hi). An object holds its attention
+ * part, then its recurrent part; a part is moved when the request touches
+ * it. A gather may only copy back parts it writes whole: returns 0 when a
+ * part is written in part (the object then goes the direct way). */
+static int object_span(const kvf_geometry *g, const kvf_copy_request *r, uint64_t k, uint32_t og, int gather,
+                       uint64_t *lo, uint64_t *hi) {
+  const kvf_object_group *o = &g->object_groups[og];
+  uint64_t c = g->policy.chunk_tokens, cb = r->token_begin + k * c;
+  uint64_t ce = r->token_end - cb > c ? cb + c : r->token_end;
+  int att[3] = {0, 0, 0}, rec[3] = {0, 0, 0};
+  for (uint32_t i = 0; i < o->num_groups; i++) {
+    uint32_t gi = o->groups[i];
+    coverage cv = group_coverage(g, r, gi, cb, ce);
+    (g->groups[gi].desc.kind == KVF_GROUP_RECURRENT ? rec : att)[cv] = 1;
+  }
+  /* A part is copied when something in it moves; for a gather, only when
+   * every group of it is written whole. */
+  int copy_att = att[COVER_FULL] || att[COVER_PARTIAL];
+  int copy_rec = rec[COVER_FULL] || rec[COVER_PARTIAL];
+  if (gather && ((copy_att && (att[COVER_PARTIAL] || att[COVER_NONE])) ||
+                 (copy_rec && (rec[COVER_PARTIAL] || rec[COVER_NONE]))))
+    return 0;
+  uint64_t a = (kvf_local_token(g, ce) - kvf_local_token(g, cb)) * o->bytes_per_token;
+  uint64_t rb = ce - cb == c ? o->recurrent_bytes : 0;
+  *lo = copy_att ? 0 : a;
+  *hi = copy_rec ? a + rb : a;
+  return 1;
+}
+
+static uint64_t round256(uint64_t x) { return (x + 255) & ~(uint64_t)255; }
+
+/* Make both staging buffers at least `need` bytes (at least the configured
+ * size). Growing waits for the buffers' last users: it is rare. */
+static kvf_status grow_stage(kvf_xfer *x, size_t need) {
+  size_t want = (size_t)kvf_param_xfer_staging_mb() << 20;
+  if (want < need) want = need;
+  if (x->stage_cap >= want) return KVF_SUCCESS;
+  cudaError_t e = cudaSuccess;
+  for (int i = 0; i < 2 && e == cudaSuccess; i++) {
+    if (x->stage[i]) {
+      cudaEventSynchronize(x->stage_free[i]);
+      cudaEventSynchronize(x->stage_ready[i]);
+      cudaFreeAsync(x->stage[i], x->private_stream);
+      x->stage[i] = NULL;
+    }
+    e = cudaMallocAsync(&x->stage[i], want, x->private_stream);
+  }
+  if (e == cudaSuccess) e = cudaStreamSynchronize(x->private_stream);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    x->stage_cap = 0;
+    return kvf_fail(KVF_ERR_CUDA, "staging buffers of %zu bytes: %s", want, cudaGetErrorString(e));
+  }
+  x->stage_cap = want;
+  return KVF_SUCCESS;
+}
+
+typedef struct batch {
+  uint64_t k0, k1;    /* chunks [k0, k1) of the request */
+  uint64_t blob_off;  /* where its blob sits in the call's tables */
+  uint64_t tasks;
+  uint32_t buf;       /* staging buffer */
+} batch;
+
+/* Host<->device through the staging buffers: batches of whole chunks,
+ * alternating between the two buffers so the kernel fills one while the
+ * copy engine drains the other (or the reverse for a scatter). Objects a
+ * gather would write only in part go straight to host memory with the
+ * direct kernel, as do all objects when staging is off. */
+static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream,
+                                uint32_t stage_sms, uint32_t pcie_sms) {
+  const kvf_geometry *g = x->geometry;
+  const kvf_plan *plan = &x->plan[r->format];
+  uint32_t nog = g->num_object_groups;
+  uint64_t chunks = kvf_copy_request_chunks(g, r), n = chunks * nog, c = g->policy.chunk_tokens;
+  uint64_t max_chunk = 0;
+  kvf_status st = KVF_SUCCESS;
+  cudaError_t e = cudaSuccess;
+  /* Per object: staged (its offset in a buffer, and the bytes the copy
+   * engine moves) or direct. */
+  uint64_t *off = malloc(sizeof(uint64_t) * (n ? n : 1));
+  uint64_t *span = malloc(sizeof(uint64_t) * 2 * (n ? n : 1));
+  char *staged = malloc(n ? n : 1);
+  void **sub = malloc(sizeof(void *) * (n ? n : 1));
+  batch *batches = malloc(sizeof(batch) * (chunks ? chunks : 1));
+  if (!off || !span || !staged || !sub || !batches) {
+    st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
+    goto out;
+  }
+  int any_direct = 0;
+  for (uint64_t k = 0; k < chunks; k++) {
+    uint64_t bytes = 0;
+    for (uint32_t og = 0; og < nog; og++) {
+      uint64_t i = k * nog + og, size = 0;
+      staged[i] = r->objects[i] && object_span(g, r, k, og, gather, &span[2 * i], &span[2 * i + 1]);
+      any_direct |= r->objects[i] && !staged[i];
+      if (staged[i]) kvf_geometry_object_size(g, og, r->token_begin / c + k, r->token_end, &size);
+      off[i] = size; /* the size, for now */
+      bytes += round256(size);
+    }
+    if (bytes > max_chunk) max_chunk = bytes;
+  }
+  if ((st = grow_stage(x, max_chunk))) goto out;
+  /* Batches of whole chunks that fit one buffer. */
+  uint64_t nb = 0, blob_bytes = 0;
+  for (uint64_t k = 0; k < chunks;) {
+    batch *b = &batches[nb];
+    uint64_t used = 0;
+    b->k0 = k;
+    while (k < chunks) {
+      uint64_t bytes = 0;
+      for (uint32_t og = 0; og < nog; og++) bytes += staged[k * nog + og] ? round256(off[k * nog + og]) : 0;
+      if (k > b->k0 && used + bytes > x->stage_cap) break;
+      for (uint32_t og = 0; og < nog; og++) {
+        uint64_t i = k * nog + og, size = off[i];
+        off[i] = used;
+        used += staged[i] ? round256(size) : 0;
+      }
+      k++;
+    }
+    b->k1 = k;
+    b->buf = (x->next_stage + (uint32_t)nb) & 1;
+    nb++;
+  }
+  /* Every blob of the call in one staging slot: sizes first. */
+  kvf_copy_request part = *r;
+  for (uint64_t bi = 0; bi < nb; bi++) {
+    batch *b = &batches[bi];
+    part.token_begin = r->token_begin + b->k0 * c;
+    part.token_end = r->token_end - part.token_begin > (b->k1 - b->k0) * c ? part.token_begin + (b->k1 - b->k0) * c
+                                                                           : r->token_end;
+    part.objects = r->objects + b->k0 * nog; /* sizes depend only on counts */
+    b->blob_off = blob_bytes;
+    blob_bytes += round256(kvf_blob_size(g, plan, &part));
+  }
+  uint64_t direct_off = blob_bytes;
+  if (any_direct) blob_bytes += round256(kvf_blob_size(g, plan, r));
+  staging *slot = &x->slots[x->next_slot];
+  if (slot->in_use && cudaEventSynchronize(slot->done) != cudaSuccess) {
+    e = cudaGetLastError();
+    st = kvf_fail(KVF_ERR_CUDA, "waiting for an earlier transfer: %s", cudaGetErrorString(e));
+    goto out;
+  }
+  slot->in_use = 0;
+  if ((st = grow_staging(x, slot, blob_bytes))) goto out;
+  uint64_t payload = 0, tasks = 0;
+  for (uint64_t bi = 0; bi < nb; bi++) {
+    batch *b = &batches[bi];
+    part.token_begin = r->token_begin + b->k0 * c;
+    part.token_end = r->token_end - part.token_begin > (b->k1 - b->k0) * c ? part.token_begin + (b->k1 - b->k0) * c
+                                                                           : r->token_end;
+    for (uint64_t k = b->k0; k < b->k1; k++)
+      for (uint32_t og = 0; og < nog; og++) {
+        uint64_t i = k * nog + og;
+        sub[i] = staged[i] ? (char *)x->stage[b->buf] + off[i] : NULL;
+      }
+    part.objects = sub + b->k0 * nog;
+    b->tasks = kvf_blob_build(g, plan, &part, gather, (char *)slot->pinned + b->blob_off);
+    payload += ((const kvf_blob_header *)((char *)slot->pinned + b->blob_off))->payload_bytes;
+    tasks += b->tasks;
+  }
+  uint64_t direct_tasks = 0;
+  if (any_direct) {
+    for (uint64_t i = 0; i < n; i++) sub[i] = staged[i] ? NULL : r->objects[i];
+    part = *r;
+    part.objects = sub;
+    direct_tasks = kvf_blob_build(g, plan, &part, gather, (char *)slot->pinned + direct_off);
+    tasks += direct_tasks;
+  }
+
+  /* Enqueue. The copy-engine stream forks from the caller's stream (it sees
+   * everything enqueued before this call) and joins it at the end. */
+  uint32_t ctas = stage_sms, used_sms = 0;
+  e = cudaMemcpyAsync(slot->device, slot->pinned, blob_bytes, cudaMemcpyHostToDevice, stream);
+  if (e == cudaSuccess) e = cudaEventRecord(x->fork, stream);
+  if (e == cudaSuccess) e = cudaStreamWaitEvent(x->ce_stream, x->fork, 0);
+  for (uint64_t bi = 0; bi < nb && e == cudaSuccess; bi++) {
+    batch *b = &batches[bi];
+    char *buf = x->stage[b->buf];
+    if (gather) {
+      /* kernel: cache -> buffer, after the buffer's previous copy-out */
+      e = cudaStreamWaitEvent(stream, x->stage_free[b->buf], 0);
+      if (e == cudaSuccess && b->tasks) {
+        ctas = stage_sms;
+        e = (cudaError_t)kvf_kernel_launch((char *)slot->device + b->blob_off, b->tasks, &ctas, stream);
+        if (ctas > used_sms) used_sms = ctas;
+      }
+      if (e == cudaSuccess) e = cudaEventRecord(x->stage_ready[b->buf], stream);
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(x->ce_stream, x->stage_ready[b->buf], 0);
+      for (uint64_t k = b->k0; k < b->k1 && e == cudaSuccess; k++)
+        for (uint32_t og = 0; og < nog && e == cudaSuccess; og++) {
+          uint64_t i = k * nog + og, lo = span[2 * i], hi = span[2 * i + 1];
+          if (!staged[i] || hi == lo) continue;
+          e = cudaMemcpyAsync((char *)r->objects[i] + lo, buf + off[i] + lo, hi - lo, cudaMemcpyDeviceToHost,
+                              x->ce_stream);
+        }
+      if (e == cudaSuccess) e = cudaEventRecord(x->stage_free[b->buf], x->ce_stream);
+    } else {
+      /* copy engine: objects -> buffer, after the buffer's previous reader */
+      e = cudaStreamWaitEvent(x->ce_stream, x->stage_free[b->buf], 0);
+      for (uint64_t k = b->k0; k < b->k1 && e == cudaSuccess; k++)
+        for (uint32_t og = 0; og < nog && e == cudaSuccess; og++) {
+          uint64_t i = k * nog + og, lo = span[2 * i], hi = span[2 * i + 1];
+          if (!staged[i] || hi == lo) continue;
+          e = cudaMemcpyAsync(buf + off[i] + lo, (char *)r->objects[i] + lo, hi - lo, cudaMemcpyHostToDevice,
+                              x->ce_stream);
+        }
+      if (e == cudaSuccess) e = cudaEventRecord(x->stage_ready[b->buf], x->ce_stream);
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, x->stage_ready[b->buf], 0);
+      if (e == cudaSuccess && b->tasks) {
+        ctas = stage_sms;
+        e = (cudaError_t)kvf_kernel_launch((char *)slot->device + b->blob_off, b->tasks, &ctas, stream);
+        if (ctas > used_sms) used_sms = ctas;
+      }
+      if (e == cudaSuccess) e = cudaEventRecord(x->stage_free[b->buf], stream);
+    }
+  }
+  if (e == cudaSuccess && direct_tasks) {
+    ctas = pcie_sms;
+    e = (cudaError_t)kvf_kernel_launch((char *)slot->device + direct_off, direct_tasks, &ctas, stream);
+    if (ctas > used_sms) used_sms = ctas;
+  }
+  if (e == cudaSuccess) e = cudaEventRecord(x->join, x->ce_stream);
+  if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, x->join, 0);
+  if (e == cudaSuccess) e = cudaEventRecord(slot->done, stream);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    st = kvf_fail(KVF_ERR_CUDA, "enqueueing the staged %s: %s", gather ? "gather" : "scatter", cudaGetErrorString(e));
+    goto out;
+  }
+  slot->in_use = 1;
+  x->next_slot = (x->next_slot + 1) % KVF_STAGING_SLOTS;
+  x->next_stage = (x->next_stage + (uint32_t)nb) & 1;
+  x->last.route = gather ? KVF_ROUTE_D2H : KVF_ROUTE_H2D;
+  x->last.sms = used_sms;
+  x->last.tasks = (uint32_t)tasks;
+  x->last.payload_bytes = payload;
+out:
+  free(off);
+  free(span);
+  free(staged);
+  free(sub);
+  free(batches);
+  return st;
 }
 
 static kvf_status grow_staging(kvf_xfer *x, staging *s, size_t size) {
@@ -337,7 +649,8 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
   const kvf_geometry *g = x->geometry;
   const kvf_plan *plan = &x->plan[r->format];
   kvf_xfer_route route;
-  kvf_status st = route_of(x, r, gather, &route);
+  int stageable = 0;
+  kvf_status st = route_of(x, r, gather, &route, &stageable);
   if (st) return st;
   size_t size = (size_t)kvf_blob_size(g, plan, r);
   enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -345,6 +658,19 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
   if (e != cudaSuccess) {
     cudaGetLastError();
     return kvf_fail(KVF_ERR_CUDA, "stream: %s", cudaGetErrorString(e));
+  }
+  uint32_t pcie_sms = (uint32_t)x->sm_count;
+  int64_t param = kvf_param_xfer_pcie_sms();
+  if (param > 0 && (uint64_t)param < pcie_sms) pcie_sms = (uint32_t)param;
+  if (x->max_sms && x->max_sms < pcie_sms) pcie_sms = x->max_sms;
+  /* Host<->device moves through the copy engine unless staging is off or
+   * the call is being captured (a graph gets the direct kernel). */
+  if (stageable && capture == cudaStreamCaptureStatusNone && kvf_param_xfer_staging_mb() > 0) {
+    uint32_t stage_sms = (uint32_t)x->sm_count;
+    int64_t sp = kvf_param_xfer_stage_sms();
+    if (sp > 0 && (uint64_t)sp < stage_sms) stage_sms = (uint32_t)sp;
+    if (x->max_sms && x->max_sms < stage_sms) stage_sms = x->max_sms;
+    return launch_staged(x, r, gather, stream, stage_sms, pcie_sms);
   }
   staging captured = {0}, *s;
   if (capture == cudaStreamCaptureStatusActive) {
@@ -369,10 +695,7 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
   uint64_t tasks = kvf_blob_build(g, plan, r, gather, s->pinned);
   const kvf_blob_header *h = s->pinned;
   uint32_t ctas = (uint32_t)x->sm_count;
-  if (route == KVF_ROUTE_D2H || route == KVF_ROUTE_H2D || route == KVF_ROUTE_HOST_TO_HOST) {
-    int64_t pcie = kvf_param_xfer_pcie_sms();
-    if (pcie > 0 && (uint64_t)pcie < ctas) ctas = (uint32_t)pcie;
-  }
+  if (route == KVF_ROUTE_D2H || route == KVF_ROUTE_H2D || route == KVF_ROUTE_HOST_TO_HOST) ctas = pcie_sms;
   if (x->max_sms && x->max_sms < ctas) ctas = x->max_sms;
   if (tasks) {
     e = cudaMemcpyAsync(s->device, s->pinned, h->size, cudaMemcpyHostToDevice, stream);

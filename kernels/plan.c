@@ -144,6 +144,14 @@ kvf_status kvf_plan_build(const kvf_geometry *g, kvf_object_format format, kvf_p
   out->group_first[g->num_groups] = at;
   out->num_segments = at;
   for (uint32_t i = 0; i < at; i++) {
+    /* The kernel indexes a block's units in 32 bits. */
+    const kvf_segment *s = &out->segments[i];
+    if ((uint64_t)s->run * s->heads * s->tokens > UINT32_MAX) {
+      kvf_plan_free(out);
+      return kvf_fail(KVF_ERR_UNSUPPORTED, "group %u: one block of one layer holds more than 4 GiB", s->group);
+    }
+  }
+  for (uint32_t i = 0; i < at; i++) {
     kvf_segment *s = &out->segments[i];
     uint64_t bits = s->run | s->src_offset | s->src_block | s->dst_per_token | s->dst_const | s->dst_block;
     if (s->tokens > 1) bits |= s->src_token | s->dst_token;
@@ -343,9 +351,12 @@ static int decode(const kvf_blob_header *h, uint64_t task, task_view *tv) {
   tv->unit_begin = slice * slice_units;
   tv->unit_end = tv->unit_begin + slice_units < units ? tv->unit_begin + slice_units : units;
   if (tv->unit_begin >= tv->unit_end) return 0;
+  /* An object left out of this blob (another leg of the call moves it). */
+  uint64_t object = objects[k * h->num_object_groups + s->object_group];
+  if (object == 0) return 0;
   tv->e = e;
   tv->cache = (char *)(uintptr_t)regions[s->region] + s->src_offset + (uint64_t)id * s->src_block;
-  tv->object = (char *)(uintptr_t)objects[k * h->num_object_groups + s->object_group] + obj_off;
+  tv->object = (char *)(uintptr_t)object + obj_off;
   return 1;
 }
 

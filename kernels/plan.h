@@ -108,9 +108,11 @@ typedef struct kvf_blob_header {
 uint64_t kvf_blob_size(const kvf_geometry *geometry, const kvf_plan *plan, const kvf_copy_request *request);
 
 /* Build the blob for a checked request into `out` (at least kvf_blob_size
- * bytes, 16-byte aligned). base_align is the OR of every region base and
- * object address the request uses (it lowers vector widths when needed).
- * Returns the number of tasks, 0 when nothing moves. */
+ * bytes, 16-byte aligned). Vector widths follow the alignment of the region
+ * bases and object pointers. A NULL object pointer in the request is kept as
+ * 0 in the blob and its tasks move nothing: a call may split its objects
+ * between blobs. payload_bytes counts every moving block as if its objects
+ * were present. Returns the number of tasks, 0 when nothing moves. */
 uint64_t kvf_blob_build(const kvf_geometry *geometry, const kvf_plan *plan, const kvf_copy_request *request,
                         int gather, void *out);
 

@@ -75,24 +75,29 @@ __device__ __forceinline__ bool decode(const kvf_blob_header *h, const char *blo
   t->unit_begin = slice * slice_units;
   t->unit_end = min(t->unit_begin + slice_units, units);
   if (t->unit_begin >= t->unit_end) return false;
+  // An object left out of this blob (another leg of the call moves it).
+  uint64_t object = objects[k * h->num_object_groups + s.object_group];
+  if (object == 0) return false;
   t->e = e;
   t->cache = reinterpret_cast<char *>(regions[s.region]) + s.src_offset + (uint64_t)id * s.src_block;
-  t->object = reinterpret_cast<char *>(objects[k * h->num_object_groups + s.object_group]) + obj_off;
+  t->object = reinterpret_cast<char *>(object) + obj_off;
   return true;
 }
 
 // Byte offsets of unit u on the cache side (*co) and the object side (*oo).
-__device__ __forceinline__ void unit_offsets(const Task &t, bool linear, uint64_t u, uint32_t v, uint64_t *co,
+// Unit indices inside one block fit in 32 bits (the planner checks), and
+// 32-bit division is several times cheaper than 64-bit on the GPU.
+__device__ __forceinline__ void unit_offsets(const Task &t, bool linear, uint32_t u, uint32_t v, uint64_t *co,
                                              uint64_t *oo) {
   if (linear) {
-    *co = *oo = u * v;
+    *co = *oo = (uint64_t)u * v;
     return;
   }
   const kvf_segment &s = t.e->seg;
-  const uint64_t upt = t.e->units_per_token, upr = t.e->units_per_run;
-  uint64_t tok = u / upt, r = u - tok * upt, hd = r / upr, c = r - hd * upr;
-  *co = tok * s.src_token + hd * s.src_head + c * v;
-  *oo = tok * s.dst_token + hd * s.dst_head + c * v;
+  const uint32_t upt = (uint32_t)t.e->units_per_token, upr = t.e->units_per_run;
+  uint32_t tok = u / upt, r = u - tok * upt, hd = r / upr, c = r - hd * upr;
+  *co = tok * s.src_token + hd * s.src_head + (uint64_t)c * v;
+  *oo = tok * s.dst_token + hd * s.dst_head + (uint64_t)c * v;
 }
 
 // Each lane loads kUnroll units (32 apart, so the warp's accesses stay
@@ -106,19 +111,22 @@ __device__ __forceinline__ void copy_task(const Task &t, bool gather, int lane) 
   const bool linear = s.heads == 1 && (s.tokens == 1 || (s.src_token == s.run && s.dst_token == s.run));
   const char *src = gather ? t.cache : t.object;
   char *dst = gather ? t.object : t.cache;
-  for (uint64_t base = t.unit_begin + lane; base < t.unit_end; base += 32 * kUnroll) {
+  const uint32_t end = (uint32_t)t.unit_end;
+  for (uint32_t base = (uint32_t)t.unit_begin + lane; base < end; base += 32 * kUnroll) {
     T v[kUnroll];
 #pragma unroll
     for (int i = 0; i < kUnroll; i++) {
-      uint64_t u = base + (uint64_t)i * 32, co, oo;
-      if (u >= t.unit_end) break;
+      uint32_t u = base + i * 32;
+      uint64_t co, oo;
+      if (u >= end) break;
       unit_offsets(t, linear, u, V, &co, &oo);
       v[i] = *reinterpret_cast<const T *>(src + (gather ? co : oo));
     }
 #pragma unroll
     for (int i = 0; i < kUnroll; i++) {
-      uint64_t u = base + (uint64_t)i * 32, co, oo;
-      if (u >= t.unit_end) break;
+      uint32_t u = base + i * 32;
+      uint64_t co, oo;
+      if (u >= end) break;
       unit_offsets(t, linear, u, V, &co, &oo);
       *reinterpret_cast<T *>(dst + (gather ? oo : co)) = v[i];
     }
