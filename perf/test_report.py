@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""perf/test_report.py - checks perf/report.py on synthetic kvf_bench output
+(no GPU): the target verdicts (planted misses are reported as missed, with
+the shortfall), the markdown sections, and the plots when matplotlib is there.
+
+The synthetic records follow kvf_bench.cu's writer field for field; they are
+written to a temporary directory only and are never results."""
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402
+
+LIMIT = {"d2h": 54.0, "h2d": 54.5, "d2d": 2100.0, "d2d-scatter": 2100.0}
+
+
+def timing(gb, payload, **extra):
+    us = payload / (gb * 1e3)
+    t = {"ok": True, "reps": 20, "median_us": us, "p10_us": us * 0.98, "p90_us": us * 1.02, "min_us": us * 0.97,
+         "enqueue_us": 5.0, "primed": True, "gbps": gb}
+    t.update(extra)
+    return t
+
+
+def transfer(preset, direction, tokens, kvf, small=None, avg_run=32768.0, batch=5.0, cub=None):
+    payload = tokens * 131072
+    lim = LIMIT[direction]
+    entries = [dict(sms_cap=0, sms_cap_label="default", sms_used=8 if direction in ("d2h", "h2d") else 132,
+                    route=direction[:3], tasks=100, stats_payload_bytes=payload, **timing(kvf, payload))]
+    if small is not None:
+        entries.append(dict(sms_cap=4, sms_cap_label="4", sms_used=4, route=direction[:3], tasks=100,
+                            stats_payload_bytes=payload, **timing(small, payload)))
+    for e in entries:
+        e["vs_limit"] = e["gbps"] / lim
+    return {
+        "kind": "transfer", "preset": preset, "direction": direction,
+        "op": "scatter" if direction in ("h2d", "d2d-scatter") else "gather",
+        "memory": {"cache": "device", "objects": "pinned_host" if direction in ("d2h", "h2d") else "device"},
+        "format": "canonical", "tokens": tokens, "tokens_requested": tokens, "payload_bytes": payload,
+        "runs": int(payload / avg_run), "runs_unmerged": int(payload / 256), "avg_run_bytes": avg_run, "objects": tokens // 256,
+        "sets": 2, "working_set_bytes": 4 * payload, "cache_bytes": 3 * payload, "num_blocks": 4096,
+        "verify": {"ran": True, "ok": True, "compared_bytes": payload, "seconds": 0.1},
+        "kvferry": entries,
+        "baselines": {
+            "limit": timing(lim, payload),
+            "memcpy_per_run": dict(timed_runs=100, total_runs=1000, timed_fraction=0.1, extrapolated=True,
+                                   **timing(1.5, payload)),
+            "batch": dict(timed_runs=1000, total_runs=1000, timed_fraction=1.0, extrapolated=False,
+                          **timing(batch, payload)),
+            "cub": dict(timed_runs=1000, **timing(cub if cub is not None else lim * 0.85, payload)),
+        },
+    }
+
+
+def synthetic(directory):
+    meta = {"date": "2026-11-29T12:00:00Z", "host": "test", "gpu": "NVIDIA H200", "gpu_pci_bus_id": "0000:00:00.0",
+            "device": 0, "sm_count": 132, "l2_bytes": 62914560, "memory_bytes": 150000000000,
+            "compute_capability": "9.0", "device_count": 1, "peer_device": -1, "peer_access": False,
+            "peer_reason": "needs a second GPU (1 visible)", "driver_version": "580.159.04", "cuda_driver_api": "13.0",
+            "cuda_runtime": "13.0", "kvferry_version": "0.1.0", "git_commit": "synthetic", "host_threads": 16,
+            "command": "synthetic", "label": "SYNTHETIC TEST DATA", "mode": "sweep", "options": {}, "timing": "synthetic"}
+    results = []
+    for p in ("llama-nhd", "llama-hnd"):
+        hnd = p.endswith("hnd")
+        for t in (256, 1024, 4096):
+            results.append(transfer(p, "d2h", t, 52.0, small=52.5))
+            # Planted miss: h2d of llama-hnd at 4 SMs reaches only 45 GB/s (83% of 54.5).
+            results.append(transfer(p, "h2d", t, 53.5, small=45.0 if hnd and t == 4096 else 53.0))
+            # Planted miss: d2d with 256-byte runs at 70% of the limit; and slower than cub there.
+            results.append(transfer(p, "d2d", t, 1470.0 if hnd else 1950.0, avg_run=256.0 if hnd else 32768.0,
+                                    cub=1600.0 if hnd else None))
+    caps = transfer("llama-nhd", "d2h", 8192, 30.0)
+    caps["kvferry"] = [dict(sms_cap=c, sms_cap_label=str(c), sms_used=c, route="d2h", tasks=10,
+                            stats_payload_bytes=caps["payload_bytes"], **timing(g, caps["payload_bytes"]))
+                       for c, g in ((1, 14.0), (2, 27.0), (4, 51.0), (8, 53.0))]
+    caps["baselines"] = {"limit": timing(54.0, caps["payload_bytes"])}
+    results.append(caps)
+    results.append({"kind": "latency", "preset": "deepseek", "direction": "d2h", "op": "gather", "tokens": 256,
+                    "tokens_requested": 256, "payload_bytes": 17989632, "runs": 244, "avg_run_bytes": 73728.0,
+                    "verify": {"ran": True, "ok": True}, "sms_used": 8, "route": "d2h",
+                    "kvferry": {"ok": True, "reps": 200, "gpu_us": 350.0, "gpu_p90_us": 360.0, "enqueue_us": 6.0,
+                                "wall_us": 365.0, "wall_p90_us": 380.0},
+                    "memcpy_same_bytes": {"ok": True, "reps": 200, "gpu_us": 335.0, "gpu_p90_us": 340.0,
+                                          "enqueue_us": 3.0, "wall_us": 345.0, "wall_p90_us": 350.0},
+                    "memcpy_per_run": {"ok": True, "reps": 50, "gpu_us": 900.0, "gpu_p90_us": 950.0,
+                                       "enqueue_us": 500.0, "wall_us": 950.0, "wall_p90_us": 990.0}})
+    rows = [{"direction": "d2h", "transfer": "memcpy", "payload_bytes": 1 << 29, "ok": True, "transfers_per_sample": 5,
+             "transfer_alone_us": 9900.0, "transfer_gbps_alone": 54.0, "transfer_gbps_during": 53.0,
+             "workload_us": 25100.0, "slowdown": 0.004, "covered": 1.0}]
+    for cap, used, slow in ((0, 8, 0.05), (4, 4, 0.02), (132, 132, 0.2)):
+        rows.append({"direction": "d2h", "transfer": "kvferry", "payload_bytes": 1 << 29, "sms_cap": cap,
+                     "sms_cap_label": "default" if cap == 0 else str(cap), "sms_used": used, "ok": True,
+                     "transfers_per_sample": 5, "transfer_alone_us": 9950.0, "transfer_gbps_alone": 53.8,
+                     "transfer_gbps_during": 50.0, "workload_us": 25000.0 * (1 + slow), "slowdown": slow,
+                     "covered": 1.0})
+    results.append({"kind": "interference", "preset": "llama-nhd", "tokens": 4096,
+                    "workload": {"desc": "synthetic GEMM", "cublas": True, "ops_per_sample": 18, "alone_us": 25000.0,
+                                 "alone_after_us": 25050.0, "alone_spread": 0.004, "tflops_alone": 780.0},
+                    "rows": rows})
+    doc = {"schema": "kvferry-bench/1", "complete": True, "seconds": 1.0, "meta": meta, "results": results,
+           "skipped": [{"preset": "llama-nhd", "direction": "p2p", "tokens": 0, "reason": "needs a second GPU (1 visible)"}],
+           "errors": []}
+    with open(os.path.join(directory, "synthetic.json"), "w") as f:
+        json.dump(doc, f)
+
+
+def main():
+    failures = []
+
+    def check(cond, what):
+        if not cond:
+            failures.append(what)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        synthetic(tmp)
+        rc = report.main([tmp])
+        check(rc == 0, f"report.main returned {rc}")
+        md = open(os.path.join(tmp, "results.md")).read()
+        d = report.load(tmp)
+        v = {x.name.split(" ")[0] + str(i): x for i, x in enumerate(report.evaluate(d))}
+        verdicts = list(v.values())
+        check(verdicts[0].met is False, "PCIe target should be missed (llama-hnd h2d at 4 SMs)")
+        check(any("llama-hnd h2d" in line and "short by" in line for line in verdicts[0].lines),
+              "PCIe miss should name the pair and the shortfall")
+        check(verdicts[1].met is False, "interference target should be missed (default cap at +5%)")
+        check(any("MISSED" in line and "default" in line for line in verdicts[1].lines), "interference miss line")
+        check(verdicts[2].met is False, "d2d 90% target should be missed (llama-hnd at 70%)")
+        check(verdicts[3].met is False, "small-run target should be missed (70% < 80%)")
+        check(any("short by 10.0 points" in line for line in verdicts[3].lines), "small-run shortfall of 10 points")
+        check(verdicts[4].met is False, "cub comparison should be missed (1470 < 1600)")
+        check("P2P not measured: needs a second GPU" in md, "p2p skip reason in the summary")
+        for section in ("## Targets", "## Bandwidth", "## SM caps", "## Latency of one request", "## Interference"):
+            check(section in md, f"markdown section {section}")
+        check("†" in md, "extrapolated baselines are marked")
+        check(report.results_name(d.meta) == "2026-11-29-h200", "results directory name")
+        try:
+            import matplotlib  # noqa: F401
+            for png in ("bandwidth.png", "smcaps.png", "presets.png"):
+                p = os.path.join(tmp, png)
+                check(os.path.exists(p) and os.path.getsize(p) > 10000, f"{png} written")
+        except ImportError:
+            print("test_report: matplotlib not installed; plots not checked")
+    # A passing run: no planted misses -> every judged target met.
+    with tempfile.TemporaryDirectory() as tmp:
+        doc = {"schema": "kvferry-bench/1", "complete": True, "meta": {"gpu": "NVIDIA H200", "date": "2026-11-29"},
+               "results": [transfer("x", "d2h", 4096, 53.0, small=52.0), transfer("x", "d2d", 4096, 2000.0)],
+               "skipped": [], "errors": []}
+        with open(os.path.join(tmp, "ok.json"), "w") as f:
+            json.dump(doc, f)
+        vs = report.evaluate(report.load(tmp))
+        check(vs[0].met is True and vs[2].met is True and vs[4].met is True, "clean data should meet the targets")
+        check(vs[1].met is None, "no interference data: not measured")
+    if failures:
+        for f in failures:
+            print("FAIL:", f)
+        return 1
+    print("test_report: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
