@@ -439,6 +439,13 @@ typedef struct batch {
   uint32_t buf;       /* staging buffer */
 } batch;
 
+/* The token range of a batch's chunks inside request r. */
+static void batch_tokens(const kvf_copy_request *r, const batch *b, uint64_t c, kvf_copy_request *part) {
+  part->token_begin = r->token_begin + b->k0 * c;
+  uint64_t span = (b->k1 - b->k0) * c;
+  part->token_end = r->token_end - part->token_begin > span ? part->token_begin + span : r->token_end;
+}
+
 /* Host<->device through the staging buffers: batches of whole chunks,
  * alternating between the two buffers so the kernel fills one while the
  * copy engine drains the other (or the reverse for a scatter). Objects a
@@ -503,9 +510,7 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
   kvf_copy_request part = *r;
   for (uint64_t bi = 0; bi < nb; bi++) {
     batch *b = &batches[bi];
-    part.token_begin = r->token_begin + b->k0 * c;
-    part.token_end = r->token_end - part.token_begin > (b->k1 - b->k0) * c ? part.token_begin + (b->k1 - b->k0) * c
-                                                                           : r->token_end;
+    batch_tokens(r, b, c, &part);
     part.objects = r->objects + b->k0 * nog; /* sizes depend only on counts */
     b->blob_off = blob_bytes;
     blob_bytes += round256(kvf_blob_size(g, plan, &part));
@@ -523,9 +528,7 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
   uint64_t payload = 0, tasks = 0;
   for (uint64_t bi = 0; bi < nb; bi++) {
     batch *b = &batches[bi];
-    part.token_begin = r->token_begin + b->k0 * c;
-    part.token_end = r->token_end - part.token_begin > (b->k1 - b->k0) * c ? part.token_begin + (b->k1 - b->k0) * c
-                                                                           : r->token_end;
+    batch_tokens(r, b, c, &part);
     for (uint64_t k = b->k0; k < b->k1; k++)
       for (uint32_t og = 0; og < nog; og++) {
         uint64_t i = k * nog + og;

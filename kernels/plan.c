@@ -195,7 +195,8 @@ static void moved_range(const kvf_geometry *g, const kvf_copy_request *r, uint32
 
 static uint64_t round16(uint64_t x) { return (x + 15) & ~(uint64_t)15; }
 
-uint64_t kvf_blob_size(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r) {
+/* Where the blob's arrays go: counts its entries and ids first. */
+static void blob_layout(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r, kvf_blob_header *h) {
   uint64_t entries = 0, ids = 0;
   for (uint32_t gi = 0; gi < g->num_groups; gi++) {
     uint64_t b0, b1;
@@ -205,8 +206,17 @@ uint64_t kvf_blob_size(const kvf_geometry *g, const kvf_plan *plan, const kvf_co
     ids += b1 - b0;
   }
   uint64_t objects = kvf_copy_request_chunks(g, r) * g->num_object_groups;
-  return round16(sizeof(kvf_blob_header)) + round16(entries * sizeof(kvf_blob_entry)) +
-         round16(g->num_regions * sizeof(uint64_t)) + round16(ids * sizeof(uint32_t)) + objects * sizeof(uint64_t);
+  h->off_entries = round16(sizeof *h);
+  h->off_regions = h->off_entries + round16(entries * sizeof(kvf_blob_entry));
+  h->off_ids = h->off_regions + round16(g->num_regions * sizeof(uint64_t));
+  h->off_objects = h->off_ids + round16(ids * sizeof(uint32_t));
+  h->size = h->off_objects + objects * sizeof(uint64_t);
+}
+
+uint64_t kvf_blob_size(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r) {
+  kvf_blob_header h;
+  blob_layout(g, plan, r, &h);
+  return h.size;
 }
 
 uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r, int gather,
@@ -225,21 +235,7 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
   h->gather = gather ? 1 : 0;
   for (uint32_t gi = 0; gi < g->num_groups; gi++)
     if (g->groups[gi].desc.num_blocks > h->num_blocks_max) h->num_blocks_max = g->groups[gi].desc.num_blocks;
-
-  /* Count first, to place the arrays. */
-  uint64_t entries = 0, ids = 0;
-  for (uint32_t gi = 0; gi < g->num_groups; gi++) {
-    uint64_t b0, b1;
-    moved_range(g, r, gi, &b0, &b1);
-    if (b0 == b1) continue;
-    entries += plan->group_first[gi + 1] - plan->group_first[gi];
-    ids += b1 - b0;
-  }
-  h->off_entries = round16(sizeof *h);
-  h->off_regions = h->off_entries + round16(entries * sizeof(kvf_blob_entry));
-  h->off_ids = h->off_regions + round16(g->num_regions * sizeof(uint64_t));
-  h->off_objects = h->off_ids + round16(ids * sizeof(uint32_t));
-  h->size = h->off_objects + (uint64_t)h->num_chunks * g->num_object_groups * sizeof(uint64_t);
+  blob_layout(g, plan, r, h);
 
   char *base = out;
   kvf_blob_entry *e = (kvf_blob_entry *)(base + h->off_entries);
