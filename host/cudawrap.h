@@ -66,6 +66,7 @@ int kvf_cuda_driver_version(void);
   X(cuDeviceGetName, "cuDeviceGetName", PFN_cuDeviceGetName_v2000)                      \
   X(cuDeviceGetUuid, "cuDeviceGetUuid", PFN_cuDeviceGetUuid_v11040)                     \
   X(cuCtxGetCurrent, "cuCtxGetCurrent", PFN_cuCtxGetCurrent_v4000)                      \
+  X(cuCtxSetCurrent, "cuCtxSetCurrent", PFN_cuCtxSetCurrent_v4000)                      \
   X(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", PFN_cuDevicePrimaryCtxRetain_v7000) \
   X(cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease", PFN_cuDevicePrimaryCtxRelease_v11000) \
   X(cuMemCreate, "cuMemCreate", PFN_cuMemCreate_v10020)                                 \

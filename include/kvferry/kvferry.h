@@ -19,6 +19,7 @@
  *   kvferry/copy.h      copy requests and the CPU reference gather/scatter
  *   kvferry/device.h    probing the CUDA driver and devices
  *   kvferry/transfer.h  gather/scatter on a GPU (one kernel launch) or on the host
+ *   kvferry/memory.h    exportable allocations, descriptor passing, the import table
  */
 #ifndef KVFERRY_KVFERRY_H
 #define KVFERRY_KVFERRY_H
@@ -29,5 +30,6 @@
 #include <kvferry/copy.h>
 #include <kvferry/device.h>
 #include <kvferry/transfer.h>
+#include <kvferry/memory.h>
 
 #endif /* KVFERRY_KVFERRY_H */

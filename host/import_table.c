@@ -1,0 +1,577 @@
+/* The import table (kvferry/memory.h): one mapping per exporter-assigned
+ * identity, an alias count per mapping, all-or-nothing registration and
+ * step-by-step retryable close. docs/memory.md describes the states.
+ *
+ * Lists (all guarded by table->lock):
+ *   live:    mappings that registrations use, found by identity; a mapping
+ *            is here from the commit of the registration that created it
+ *            until its alias count drops to zero;
+ *   closing: mappings with alias count zero whose close has a step left;
+ *            owner is the registration whose unregister must finish it, or
+ *            NULL for leftovers of a rolled-back registration
+ *            (kvf_import_table_collect).
+ * Sizes here are small (an engine has a few allocations per GPU, a server a
+ * few dozen clients), so lookups are linear scans. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <kvferry/memory.h>
+
+#include "geometry/error.h"
+#include "host/log.h"
+#include "host/provider.h"
+#include "host/syscalls.h"
+
+typedef struct kvf_import_mapping {
+  kvf_mem_identity id;
+  const kvf_provider_ops *ops;
+  kvf_import_res res;
+  uint64_t aliases;             /* views of active registrations using it */
+  struct kvf_import_reg *owner; /* closing list: the registration that closes it, or NULL */
+  uint64_t mark;                /* per-client counting */
+  struct kvf_import_mapping *next;
+} kvf_import_mapping;
+
+typedef struct kvf_reg_view {
+  kvf_import_mapping *m;
+  uint64_t offset;
+  uint64_t size;
+} kvf_reg_view;
+
+struct kvf_import_reg {
+  kvf_import_table *table;
+  uint64_t client;
+  int state;                  /* kvf_import_reg_state; written under the lock, read atomically */
+  uint32_t num_views;
+  kvf_reg_view *views;
+  uint32_t num_maps;          /* distinct mappings of the views */
+  kvf_import_mapping **maps;  /* NULL once this registration has closed it */
+  uint8_t *closer;            /* 1: this registration dropped the last alias and closes maps[i] */
+  struct kvf_import_reg *next;
+};
+
+struct kvf_import_table {
+  pthread_mutex_t lock; /* guards every field below, every mapping and every registration's lists */
+  int *access_devices;
+  uint32_t num_access_devices;
+  kvf_import_mapping *live;
+  kvf_import_mapping *closing;
+  kvf_import_reg *regs;
+  uint64_t mark_seq;
+  uint64_t imports_total;
+  uint64_t dedup_total;
+  uint64_t rollbacks_total;
+};
+
+static int kvf_id_same_key(const kvf_mem_identity *a, const kvf_mem_identity *b) {
+  return a->instance_id == b->instance_id && a->allocation_id == b->allocation_id && a->generation == b->generation;
+}
+
+static kvf_import_mapping *kvf_list_find(kvf_import_mapping *list, const kvf_mem_identity *id) {
+  for (kvf_import_mapping *m = list; m != NULL; m = m->next)
+    if (kvf_id_same_key(&m->id, id)) return m;
+  return NULL;
+}
+
+static void kvf_list_remove(kvf_import_mapping **list, kvf_import_mapping *m) {
+  for (kvf_import_mapping **p = list; *p != NULL; p = &(*p)->next)
+    if (*p == m) {
+      *p = m->next;
+      m->next = NULL;
+      return;
+    }
+}
+
+/* Run the close steps still to do: unmap, address free, release. Each step
+ * clears its bit when done, so calling again retries only what is left.
+ * Returns the first failure (with the mapping named in the message). */
+static kvf_status kvf_mapping_close(kvf_import_mapping *m) {
+  kvf_status first = KVF_SUCCESS, st;
+  char msg[512] = "";
+  kvf_import_res *r = &m->res;
+  if (r->held & KVF_RES_MAPPED) {
+    if ((st = m->ops->unmap(r)) != KVF_SUCCESS) {
+      first = st;
+      snprintf(msg, sizeof msg, "%s", kvf_last_error());
+    }
+  }
+  /* The range cannot be freed while the memory is still mapped into it. */
+  if (!(r->held & KVF_RES_MAPPED) && (r->held & KVF_RES_RESERVED)) {
+    if ((st = m->ops->address_free(r)) != KVF_SUCCESS && first == KVF_SUCCESS) {
+      first = st;
+      snprintf(msg, sizeof msg, "%s", kvf_last_error());
+    }
+  }
+  /* Releasing the handle is independent of the mapping: do it regardless. */
+  if (r->held & KVF_RES_HANDLE) {
+    if ((st = m->ops->release(r)) != KVF_SUCCESS && first == KVF_SUCCESS) {
+      first = st;
+      snprintf(msg, sizeof msg, "%s", kvf_last_error());
+    }
+  }
+  if (first != KVF_SUCCESS) {
+    char idtext[128];
+    kvf_mem_identity_format(&m->id, idtext, sizeof idtext);
+    KVF_WARN(IPC, "closing the mapping of %s: %s (the step is kept for a retry)", idtext, msg);
+    return kvf_fail(first, "closing the mapping of %s: %s", idtext, msg);
+  }
+  return KVF_SUCCESS;
+}
+
+/* Close each distinct descriptor of views that is not consumed yet. */
+static void kvf_views_close_fds(const kvf_import_view *views, uint32_t n, uint8_t *consumed) {
+  for (uint32_t i = 0; i < n; i++) {
+    int fd = views[i].fd;
+    if (fd < 0 || (consumed && consumed[i])) continue;
+    /* Views sharing a number are consumed together, so an earlier view with
+     * this number means it was closed here already. */
+    int seen = 0;
+    for (uint32_t j = 0; j < i && !seen; j++) seen = views[j].fd == fd;
+    if (seen) continue;
+    kvf_sys_close(fd);
+  }
+}
+
+/* Mark every view whose descriptor number is fd as consumed. */
+static void kvf_views_consume(const kvf_import_view *views, uint32_t n, int fd, uint8_t *consumed) {
+  for (uint32_t i = 0; i < n; i++)
+    if (views[i].fd == fd) consumed[i] = 1;
+}
+
+static kvf_status kvf_views_check(const kvf_import_view *views, uint32_t n) {
+  char idtext[128];
+  for (uint32_t i = 0; i < n; i++) {
+    const kvf_import_view *v = &views[i];
+    uint64_t end;
+    if (kvf_provider_get(v->identity.provider) == NULL)
+      return kvf_fail(KVF_ERR_UNSUPPORTED, "views[%u].identity.provider %u is not host (1) or cumem (2)", i,
+                      v->identity.provider);
+    if (v->size == 0) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "views[%u].size is 0", i);
+    if (!kvf_add_u64(v->offset, v->size, &end) || end > v->identity.size)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                      "views[%u]: offset %" PRIu64 " + size %" PRIu64 " is past the end of %s", i, v->offset, v->size,
+                      kvf_mem_identity_format(&v->identity, idtext, sizeof idtext));
+    if (v->fd < -1) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "views[%u].fd %d is not a descriptor or -1", i, v->fd);
+    if (v->fd >= 0)
+      for (uint32_t j = 0; j < i; j++)
+        if (views[j].fd == v->fd && !kvf_id_same_key(&views[j].identity, &v->identity))
+          return kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                          "views[%u].fd %d is also views[%u].fd, which names another allocation", i, v->fd, j);
+  }
+  return KVF_SUCCESS;
+}
+
+/* The identity a view states must agree with the mapping held for its key. */
+static kvf_status kvf_mapping_agrees(const kvf_import_mapping *m, const kvf_mem_identity *id, uint32_t index) {
+  char a[128], b[128];
+  if (m->id.size != id->size || m->id.provider != id->provider ||
+      memcmp(m->id.device_uuid, id->device_uuid, sizeof id->device_uuid) != 0)
+    return kvf_fail(KVF_ERR_PROTOCOL, "views[%u].identity %s disagrees with the mapping held for it (%s)", index,
+                    kvf_mem_identity_format(id, a, sizeof a), kvf_mem_identity_format(&m->id, b, sizeof b));
+  return KVF_SUCCESS;
+}
+
+kvf_status kvf_import_table_create(const kvf_import_table_options *options, kvf_import_table **out) {
+  if (out == NULL) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_import_table_create: out is NULL");
+  if (options != NULL) {
+    if (options->struct_size < sizeof(kvf_import_table_options) || options->version == 0 ||
+        options->version > KVF_MEM_VERSION)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                      "kvf_import_table_create: options struct_size %u / version %u unknown "
+                      "(use KVF_IMPORT_TABLE_OPTIONS_INIT)",
+                      options->struct_size, options->version);
+    if (options->num_access_devices > 0 && options->access_devices == NULL)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_import_table_create: options.access_devices is NULL");
+    if (options->num_access_devices > 64)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_import_table_create: options.num_access_devices %u is over 64",
+                      options->num_access_devices);
+    for (uint32_t i = 0; i < options->num_access_devices; i++)
+      if (options->access_devices[i] < 0)
+        return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_import_table_create: options.access_devices[%u] is %d", i,
+                        options->access_devices[i]);
+  }
+  kvf_import_table *t = calloc(1, sizeof *t);
+  if (t == NULL) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_import_table_create: no memory");
+  if (options != NULL && options->num_access_devices > 0) {
+    t->access_devices = malloc(options->num_access_devices * sizeof(int));
+    if (t->access_devices == NULL) {
+      free(t);
+      return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_import_table_create: no memory");
+    }
+    memcpy(t->access_devices, options->access_devices, options->num_access_devices * sizeof(int));
+    t->num_access_devices = options->num_access_devices;
+  }
+  pthread_mutex_init(&t->lock, NULL);
+  *out = t;
+  return KVF_SUCCESS;
+}
+
+static void kvf_reg_free(kvf_import_reg *reg) {
+  if (reg == NULL) return;
+  free(reg->views);
+  free(reg->maps);
+  free(reg->closer);
+  free(reg);
+}
+
+kvf_status kvf_import_table_register(kvf_import_table *t, uint64_t client, const kvf_import_view *views,
+                                     uint32_t n, kvf_import_reg **out) {
+  kvf_status st = KVF_SUCCESS;
+  kvf_import_reg *reg = NULL;
+  uint8_t *consumed = NULL;
+  kvf_import_mapping **fresh = NULL; /* mappings this attempt created, in order */
+  uint32_t num_fresh = 0, dedup = 0;
+  int locked = 0;
+
+  if (views == NULL) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_import_table_register: views is NULL");
+  if (t == NULL || out == NULL || n == 0) {
+    st = kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_import_table_register: %s",
+                  t == NULL ? "table is NULL" : out == NULL ? "out is NULL" : "num_views is 0");
+    goto fail;
+  }
+  if ((st = kvf_views_check(views, n)) != KVF_SUCCESS) goto fail;
+
+  reg = calloc(1, sizeof *reg);
+  consumed = calloc(n, 1);
+  fresh = calloc(n, sizeof *fresh);
+  if (reg != NULL) {
+    reg->views = calloc(n, sizeof *reg->views);
+    reg->maps = calloc(n, sizeof *reg->maps);
+    reg->closer = calloc(n, 1);
+  }
+  if (reg == NULL || consumed == NULL || fresh == NULL || reg->views == NULL || reg->maps == NULL ||
+      reg->closer == NULL) {
+    st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_import_table_register: no memory for %u views", n);
+    goto fail;
+  }
+  reg->table = t;
+  reg->client = client;
+  reg->num_views = n;
+  reg->state = KVF_IMPORT_REG_REGISTERING;
+
+  pthread_mutex_lock(&t->lock);
+  locked = 1;
+  for (uint32_t i = 0; i < n; i++) {
+    const kvf_mem_identity *id = &views[i].identity;
+    kvf_import_mapping *m = NULL;
+    for (uint32_t k = 0; k < num_fresh && m == NULL; k++)
+      if (kvf_id_same_key(&fresh[k]->id, id)) m = fresh[k];
+    if (m == NULL && (m = kvf_list_find(t->live, id)) != NULL) dedup++;
+    if (m != NULL) {
+      if ((st = kvf_mapping_agrees(m, id, i)) != KVF_SUCCESS) goto fail;
+    } else {
+      /* A new identity: import it from the first view of it carrying a descriptor. */
+      uint32_t j = i;
+      while (j < n && !(views[j].fd >= 0 && kvf_id_same_key(&views[j].identity, id))) j++;
+      if (j == n) {
+        char idtext[128];
+        st = kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                      "views[%u]: no descriptor for %s, which this table does not map yet (send its fd)", i,
+                      kvf_mem_identity_format(id, idtext, sizeof idtext));
+        goto fail;
+      }
+      m = calloc(1, sizeof *m);
+      if (m == NULL) {
+        st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_import_table_register: no memory for a mapping");
+        goto fail;
+      }
+      m->id = *id;
+      m->ops = kvf_provider_get(id->provider);
+      m->res.fd = -1;
+      m->res.device = -1;
+      fresh[num_fresh++] = m;
+      int fd = views[j].fd;
+      kvf_views_consume(views, n, fd, consumed); /* import always takes the descriptor */
+      if ((st = m->ops->import(fd, id, &m->res)) != KVF_SUCCESS) goto fail;
+      if ((st = m->ops->reserve(&m->res)) != KVF_SUCCESS) goto fail;
+      if ((st = m->ops->map(&m->res)) != KVF_SUCCESS) goto fail;
+      if ((st = m->ops->set_access(&m->res, t->access_devices, t->num_access_devices)) != KVF_SUCCESS) goto fail;
+      /* The mapping keeps the memory alive: the handle is not needed any more. */
+      if ((st = m->ops->release(&m->res)) != KVF_SUCCESS) goto fail;
+    }
+    reg->views[i].m = m;
+    reg->views[i].offset = views[i].offset;
+    reg->views[i].size = views[i].size;
+  }
+  /* Descriptors of identities already mapped, and duplicates. */
+  kvf_views_close_fds(views, n, consumed);
+  memset(consumed, 1, n);
+
+  /* Commit: nothing below can fail. */
+  for (uint32_t i = 0; i < n; i++) {
+    kvf_import_mapping *m = reg->views[i].m;
+    m->aliases++;
+    uint32_t k = 0;
+    while (k < reg->num_maps && reg->maps[k] != m) k++;
+    if (k == reg->num_maps) reg->maps[reg->num_maps++] = m;
+  }
+  for (uint32_t k = 0; k < num_fresh; k++) {
+    fresh[k]->next = t->live;
+    t->live = fresh[k];
+  }
+  t->imports_total += num_fresh;
+  t->dedup_total += dedup;
+  __atomic_store_n(&reg->state, KVF_IMPORT_REG_ACTIVE, __ATOMIC_RELEASE);
+  reg->next = t->regs;
+  t->regs = reg;
+  pthread_mutex_unlock(&t->lock);
+  KVF_INFO(IPC, "client %" PRIu64 ": registered %u views over %u mappings (%u imported, %u reused)", client, n,
+           reg->num_maps, num_fresh, reg->num_maps - num_fresh);
+  free(consumed);
+  free(fresh);
+  *out = reg;
+  return KVF_SUCCESS;
+
+fail:
+  if (locked) {
+    /* Undo every step of this attempt, newest first. A close that fails
+     * leaves the mapping for kvf_import_table_collect; the status returned
+     * stays the one that made the attempt fail. */
+    char msg[768];
+    snprintf(msg, sizeof msg, "%s", kvf_last_error());
+    int leftovers = 0;
+    for (uint32_t k = num_fresh; k-- > 0;) {
+      kvf_import_mapping *m = fresh[k];
+      if (m->res.held != 0 && kvf_mapping_close(m) != KVF_SUCCESS) {
+        m->owner = NULL;
+        m->next = t->closing;
+        t->closing = m;
+        leftovers++;
+      } else {
+        free(m);
+      }
+    }
+    t->rollbacks_total++;
+    pthread_mutex_unlock(&t->lock);
+    KVF_INFO(IPC, "client %" PRIu64 ": registration of %u views rolled back: %s", client, n, msg);
+    if (leftovers)
+      kvf_fail(st, "registering %u views for client %" PRIu64 ": %s (%d mapping%s could not be closed yet; "
+               "kvf_import_table_collect retries)", n, client, msg, leftovers, leftovers == 1 ? "" : "s");
+    else
+      kvf_fail(st, "registering %u views for client %" PRIu64 ": %s", n, client, msg);
+  }
+  if (views != NULL && n > 0) kvf_views_close_fds(views, n, consumed);
+  kvf_reg_free(reg);
+  free(consumed);
+  free(fresh);
+  return st;
+}
+
+kvf_status kvf_import_table_unregister(kvf_import_table *t, kvf_import_reg *reg) {
+  if (t == NULL || reg == NULL)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_import_table_unregister: %s is NULL", t ? "reg" : "table");
+  if (reg->table != t)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_import_table_unregister: the registration belongs to another table");
+  pthread_mutex_lock(&t->lock);
+  uint64_t client = reg->client;
+  kvf_status st = KVF_SUCCESS;
+  /* Keep the first close failure's status and message. */
+  kvf_status step = KVF_SUCCESS;
+  char msg[768] = "";
+  if (reg->state == KVF_IMPORT_REG_ACTIVE || reg->state == KVF_IMPORT_REG_CLOSING) {
+    /* Run the steps, capturing the first failure of a close step. */
+    if (reg->state == KVF_IMPORT_REG_ACTIVE) {
+      for (uint32_t i = 0; i < reg->num_views; i++) reg->views[i].m->aliases--;
+      for (uint32_t k = 0; k < reg->num_maps; k++) {
+        kvf_import_mapping *m = reg->maps[k];
+        if (m->aliases != 0) continue;
+        kvf_list_remove(&t->live, m);
+        m->owner = reg;
+        m->next = t->closing;
+        t->closing = m;
+        reg->closer[k] = 1;
+      }
+      __atomic_store_n(&reg->state, KVF_IMPORT_REG_CLOSING, __ATOMIC_RELEASE);
+    }
+    uint32_t left = 0;
+    for (uint32_t k = 0; k < reg->num_maps; k++) {
+      kvf_import_mapping *m = reg->maps[k];
+      if (!reg->closer[k] || m == NULL) continue;
+      kvf_status s = kvf_mapping_close(m);
+      if (s != KVF_SUCCESS) {
+        if (step == KVF_SUCCESS) {
+          step = s;
+          snprintf(msg, sizeof msg, "%s", kvf_last_error());
+        }
+        left++;
+        continue;
+      }
+      kvf_list_remove(&t->closing, m);
+      free(m);
+      reg->maps[k] = NULL;
+    }
+    if (step != KVF_SUCCESS) {
+      st = kvf_fail(step, "unregistering client %" PRIu64 ": %s (%u mapping%s left to close; call again to retry)",
+                    client, msg, left, left == 1 ? "" : "s");
+    } else {
+      for (kvf_import_reg **p = &t->regs; *p != NULL; p = &(*p)->next)
+        if (*p == reg) {
+          *p = reg->next;
+          break;
+        }
+      kvf_reg_free(reg);
+      KVF_INFO(IPC, "client %" PRIu64 ": unregistered", client);
+    }
+  } else {
+    st = kvf_fail(KVF_ERR_STATE, "kvf_import_table_unregister: the registration is in state %d", reg->state);
+  }
+  pthread_mutex_unlock(&t->lock);
+  return st;
+}
+
+kvf_status kvf_import_table_collect(kvf_import_table *t) {
+  if (t == NULL) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_import_table_collect: table is NULL");
+  kvf_status first = KVF_SUCCESS;
+  char msg[768] = "";
+  pthread_mutex_lock(&t->lock);
+  for (kvf_import_mapping **p = &t->closing; *p != NULL;) {
+    kvf_import_mapping *m = *p;
+    if (m->owner != NULL) {
+      p = &m->next;
+      continue;
+    }
+    kvf_status s = kvf_mapping_close(m);
+    if (s != KVF_SUCCESS) {
+      if (first == KVF_SUCCESS) {
+        first = s;
+        snprintf(msg, sizeof msg, "%s", kvf_last_error());
+      }
+      p = &m->next;
+      continue;
+    }
+    *p = m->next;
+    free(m);
+  }
+  pthread_mutex_unlock(&t->lock);
+  if (first != KVF_SUCCESS) return kvf_fail(first, "kvf_import_table_collect: %s", msg);
+  return KVF_SUCCESS;
+}
+
+void kvf_import_table_destroy(kvf_import_table *t) {
+  if (t == NULL) return;
+  while (t->regs != NULL) {
+    kvf_import_reg *reg = t->regs;
+    if (kvf_import_table_unregister(t, reg) != KVF_SUCCESS) {
+      /* Give up on it: its mappings stay on the closing list, logged below. */
+      KVF_WARN(IPC, "destroying the import table: client %" PRIu64 ": %s", reg->client, kvf_last_error());
+      t->regs = reg->next;
+      for (uint32_t k = 0; k < reg->num_maps; k++)
+        if (reg->closer[k] && reg->maps[k] != NULL) reg->maps[k]->owner = NULL;
+      kvf_reg_free(reg);
+    }
+  }
+  if (kvf_import_table_collect(t) != KVF_SUCCESS)
+    KVF_WARN(IPC, "destroying the import table: %s", kvf_last_error());
+  while (t->closing != NULL) {
+    kvf_import_mapping *m = t->closing;
+    char idtext[128];
+    KVF_WARN(IPC, "destroying the import table: the mapping of %s could not be closed and is leaked (held 0x%x)",
+             kvf_mem_identity_format(&m->id, idtext, sizeof idtext), m->res.held);
+    t->closing = m->next;
+    free(m);
+  }
+  while (t->live != NULL) { /* unreachable: every live mapping has a registration */
+    kvf_import_mapping *m = t->live;
+    t->live = m->next;
+    free(m);
+  }
+  pthread_mutex_destroy(&t->lock);
+  free(t->access_devices);
+  free(t);
+}
+
+static kvf_status kvf_stats_check(kvf_import_table *t, kvf_import_stats *out, const char *fn) {
+  if (t == NULL || out == NULL) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, t ? "out" : "table");
+  if (out->struct_size < sizeof(kvf_import_stats) || out->version == 0 || out->version > KVF_MEM_VERSION)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "%s: out struct_size %u / version %u unknown (use KVF_IMPORT_STATS_INIT)",
+                    fn, out->struct_size, out->version);
+  return KVF_SUCCESS;
+}
+
+static void kvf_stats_reset(kvf_import_stats *out) {
+  uint32_t size = out->struct_size, version = out->version;
+  memset(out, 0, sizeof *out);
+  out->struct_size = size;
+  out->version = version;
+}
+
+kvf_status kvf_import_table_stats(kvf_import_table *t, kvf_import_stats *out) {
+  kvf_status st = kvf_stats_check(t, out, "kvf_import_table_stats");
+  if (st != KVF_SUCCESS) return st;
+  kvf_stats_reset(out);
+  pthread_mutex_lock(&t->lock);
+  for (kvf_import_reg *r = t->regs; r != NULL; r = r->next) out->registrations++;
+  for (int pass = 0; pass < 2; pass++)
+    for (kvf_import_mapping *m = pass ? t->closing : t->live; m != NULL; m = m->next) {
+      out->imports++;
+      out->aliases += m->aliases;
+      if (m->res.held & KVF_RES_MAPPED) out->bytes_mapped += m->res.size;
+      if (m->res.held & KVF_RES_HANDLE) out->handles++;
+      if (m->res.held & KVF_RES_RESERVED) out->reservations++;
+      if (pass) out->pending_closes++;
+    }
+  out->imports_total = t->imports_total;
+  out->dedup_total = t->dedup_total;
+  out->rollbacks_total = t->rollbacks_total;
+  pthread_mutex_unlock(&t->lock);
+  return KVF_SUCCESS;
+}
+
+kvf_status kvf_import_table_client_stats(kvf_import_table *t, uint64_t client, kvf_import_stats *out) {
+  kvf_status st = kvf_stats_check(t, out, "kvf_import_table_client_stats");
+  if (st != KVF_SUCCESS) return st;
+  kvf_stats_reset(out);
+  pthread_mutex_lock(&t->lock);
+  uint64_t mark = ++t->mark_seq;
+  for (kvf_import_reg *r = t->regs; r != NULL; r = r->next) {
+    if (r->client != client) continue;
+    out->registrations++;
+    int active = r->state == KVF_IMPORT_REG_ACTIVE;
+    if (active) out->aliases += r->num_views;
+    for (uint32_t k = 0; k < r->num_maps; k++) {
+      kvf_import_mapping *m = r->maps[k];
+      /* A closing registration still holds the mappings it must close. */
+      if (m == NULL || !(active || r->closer[k])) continue;
+      if (!active) out->pending_closes++;
+      if (m->mark == mark) continue;
+      m->mark = mark;
+      out->imports++;
+      if (m->res.held & KVF_RES_MAPPED) out->bytes_mapped += m->res.size;
+    }
+  }
+  pthread_mutex_unlock(&t->lock);
+  return KVF_SUCCESS;
+}
+
+kvf_import_reg_state kvf_import_reg_get_state(const kvf_import_reg *reg) {
+  if (reg == NULL) return KVF_IMPORT_REG_FAILED;
+  return (kvf_import_reg_state)__atomic_load_n(&reg->state, __ATOMIC_ACQUIRE);
+}
+
+uint64_t kvf_import_reg_client(const kvf_import_reg *reg) { return reg ? reg->client : 0; }
+
+uint32_t kvf_import_reg_num_views(const kvf_import_reg *reg) { return reg ? reg->num_views : 0; }
+
+kvf_status kvf_import_reg_view(const kvf_import_reg *reg, uint32_t index, kvf_import_view_info *out) {
+  if (reg == NULL || out == NULL)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_import_reg_view: %s is NULL", reg ? "out" : "reg");
+  if (index >= reg->num_views)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_import_reg_view: index %u is not below num_views %u", index,
+                    reg->num_views);
+  if (__atomic_load_n(&reg->state, __ATOMIC_ACQUIRE) != KVF_IMPORT_REG_ACTIVE)
+    return kvf_fail(KVF_ERR_STATE, "kvf_import_reg_view: the registration is closing");
+  const kvf_reg_view *v = &reg->views[index];
+  out->base = v->m->res.addr;
+  out->ptr = (char *)v->m->res.addr + v->offset;
+  out->offset = v->offset;
+  out->size = v->size;
+  out->mapping_size = v->m->res.size;
+  out->device = v->m->res.device;
+  out->identity = v->m->id;
+  return KVF_SUCCESS;
+}

@@ -1,0 +1,92 @@
+/*
+ * Internal: the memory provider interface (host/provider_host.c,
+ * host/provider_cumem.c). The public kvf_mem_* functions (host/provider.c)
+ * and the import table (host/import_table.c) reach a provider only through
+ * these operations, so everything above them is provider-agnostic.
+ *
+ * Exporter side: create / find / export / destroy an allocation.
+ * Importer side: a mapping moves through import -> reserve -> map ->
+ * set_access -> release (of the import handle), and closes through
+ * unmap -> address_free -> release. Each step sets or clears one bit of
+ * kvf_import_res.held, and each closing step does nothing when its bit is
+ * clear, so closing can be retried step by step.
+ */
+#ifndef KVF_HOST_PROVIDER_H
+#define KVF_HOST_PROVIDER_H
+
+#include <kvferry/memory.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* What a kvf_import_res holds right now. */
+#define KVF_RES_HANDLE 1u   /* an import handle (cumem handle / host memfd) */
+#define KVF_RES_RESERVED 2u /* an address range */
+#define KVF_RES_MAPPED 4u   /* the memory mapped into the range */
+#define KVF_RES_ACCESS 8u   /* access granted (informational; cleared by unmap) */
+
+/* The importer's provider state of one mapping. */
+typedef struct kvf_import_res {
+  uint64_t handle; /* cumem: CUmemGenericAllocationHandle */
+  int fd;          /* host: the memfd, held until released; -1 otherwise */
+  void *addr;      /* reserved range */
+  uint64_t size;   /* identity.size */
+  uint64_t align;  /* cumem: granularity used for the reservation */
+  int device;      /* cumem: ordinal of the device holding the memory; host: -1 */
+  unsigned held;   /* KVF_RES_* bits */
+} kvf_import_res;
+
+/* The exporter's live allocation (one per distinct allocation in this
+ * process; kvf_mem_alloc_find hands out more references to it). */
+struct kvf_mem_alloc {
+  const struct kvf_provider_ops *ops;
+  kvf_mem_identity identity;
+  void *ptr;
+  uint64_t size;
+  int refs;      /* guarded by the registry lock */
+  int owned;     /* 1: kvf_mem_alloc_create made it (destroy frees the memory) */
+  int fd;        /* host: the memfd; -1 otherwise */
+  uint64_t handle; /* cumem: the allocation handle (created or retained) */
+  int device;    /* cumem: device ordinal; host: -1 */
+  struct kvf_mem_alloc *next; /* registry list */
+};
+
+typedef struct kvf_provider_ops {
+  kvf_mem_provider kind;
+  const char *name;
+  kvf_status (*granularity)(int device, uint64_t *out);
+  /* Fill a->ptr, size, fd/handle/device and identity.device_uuid; size is
+   * already rounded. On failure nothing is left allocated. */
+  kvf_status (*create)(const kvf_mem_alloc_options *options, uint64_t size, kvf_mem_alloc *a);
+  /* Find the allocation holding ptr (a->owned = 0); NULL: not supported. */
+  kvf_status (*find)(const void *ptr, kvf_mem_alloc *a);
+  kvf_status (*export_fd)(kvf_mem_alloc *a, int *fd);
+  void (*destroy)(kvf_mem_alloc *a);
+
+  /* Import `fd` (always consumed: closed or kept as the handle) as the
+   * allocation `id` says; fills r->size, device, align; sets HANDLE. */
+  kvf_status (*import)(int fd, const kvf_mem_identity *id, kvf_import_res *r);
+  kvf_status (*reserve)(kvf_import_res *r);
+  kvf_status (*map)(kvf_import_res *r);
+  kvf_status (*set_access)(kvf_import_res *r, const int *devices, uint32_t num_devices);
+  kvf_status (*release)(kvf_import_res *r);
+  kvf_status (*unmap)(kvf_import_res *r);
+  kvf_status (*address_free)(kvf_import_res *r);
+} kvf_provider_ops;
+
+extern const kvf_provider_ops kvf_provider_host;
+extern const kvf_provider_ops kvf_provider_cumem;
+
+/* The provider of a kind, or NULL. */
+const kvf_provider_ops *kvf_provider_get(uint32_t kind);
+
+/* A new allocation id, and the instance id and generation identities carry
+ * now (redrawn after fork). Returns KVF_ERR_SYSTEM without random bytes. */
+kvf_status kvf_mem_next_identity(kvf_mem_identity *id);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVF_HOST_PROVIDER_H */
