@@ -58,6 +58,14 @@ struct Buffer {
   }
 };
 
+// A request's token range and block tables (entry i of ids[g] is local block
+// first_block[g] + i of group g).
+struct Plan {
+  uint64_t token_begin = 0, token_end = 0;
+  std::vector<std::vector<uint32_t>> ids;  // per group: the block table
+  std::vector<uint64_t> first_block;       // per group
+};
+
 // A KV cache: one aligned host buffer per region.
 struct Cache {
   std::vector<Buffer> regions;

@@ -24,11 +24,7 @@ using kvf_test::GeometryPtr;
 using kvf_test::load_preset;
 using kvf_test::preset_names;
 
-struct Plan {
-  uint64_t token_begin = 0, token_end = 0;
-  std::vector<std::vector<uint32_t>> ids;    // per group: the block table
-  std::vector<uint64_t> first_block;         // per group
-};
+using kvf_test::Plan;
 
 // Tokens of a request: one full chunk plus one attention "unit" (the least
 // common multiple of block_size * dcp world), so the last object is partial

@@ -93,11 +93,7 @@ std::string sanitize(std::string n) {
 
 // ---- plans -------------------------------------------------------------------
 
-struct Plan {
-  uint64_t token_begin = 0, token_end = 0;
-  std::vector<std::vector<uint32_t>> ids;  // per group: the block table
-  std::vector<uint64_t> first_block;      // per group
-};
+using kvf_test::Plan;
 
 uint32_t chunk_tokens(const kvf_geometry *g) {
   kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
