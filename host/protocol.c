@@ -1,0 +1,818 @@
+/* The kvferryd wire protocol: frame encode/decode and the incremental reader
+ * (host/protocol.h, docs/protocol.md). */
+#define _POSIX_C_SOURCE 200809L /* strnlen */
+#include "host/protocol.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "geometry/error.h"
+
+/* kvf_status values an ERROR reply may carry: 1 .. the highest pinned one. */
+#define KVF_PROTO_MAX_STATUS 20u
+
+/* Fixed sizes of the array elements, for counting before allocating. */
+#define KVF_PROTO_REGION_WIRE 88u /* 4 x u64, 16-byte uuid, 2 x u32, 3 x u64, 2 x u32 */
+#define KVF_PROTO_COUNTERS_WIRE (KVF_PROTO_REG_NUM_STATES * 4u + 24u)
+
+const char *kvf_proto_type_name(uint16_t type) {
+  switch (type) {
+  case KVF_PROTO_HELLO: return "HELLO";
+  case KVF_PROTO_REGISTER: return "REGISTER";
+  case KVF_PROTO_UNREGISTER: return "UNREGISTER";
+  case KVF_PROTO_HEARTBEAT: return "HEARTBEAT";
+  case KVF_PROTO_STAT: return "STAT";
+  case KVF_PROTO_STORE: return "STORE";
+  case KVF_PROTO_RETRIEVE: return "RETRIEVE";
+  case KVF_PROTO_HELLO_REPLY: return "HELLO_REPLY";
+  case KVF_PROTO_REGISTER_REPLY: return "REGISTER_REPLY";
+  case KVF_PROTO_UNREGISTER_REPLY: return "UNREGISTER_REPLY";
+  case KVF_PROTO_HEARTBEAT_REPLY: return "HEARTBEAT_REPLY";
+  case KVF_PROTO_STAT_REPLY: return "STAT_REPLY";
+  case KVF_PROTO_STORE_REPLY: return "STORE_REPLY";
+  case KVF_PROTO_RETRIEVE_REPLY: return "RETRIEVE_REPLY";
+  case KVF_PROTO_ERROR: return "ERROR";
+  default: return "unknown";
+  }
+}
+
+static int type_known(uint16_t type) { return strcmp(kvf_proto_type_name(type), "unknown") != 0; }
+
+/* ---- writing ------------------------------------------------------------- */
+
+/* A growable byte buffer; `oom` is sticky so callers check once at the end. */
+typedef struct wbuf {
+  uint8_t *p;
+  size_t len, cap;
+  int oom;
+} wbuf;
+
+static uint8_t *w_reserve(wbuf *w, size_t n) {
+  if (w->oom) return NULL;
+  if (n > SIZE_MAX - w->len) {
+    w->oom = 1;
+    return NULL;
+  }
+  if (w->len + n > w->cap) {
+    size_t cap = w->cap ? w->cap : 256;
+    while (cap < w->len + n) cap = cap > SIZE_MAX / 2 ? w->len + n : cap * 2;
+    uint8_t *np = realloc(w->p, cap);
+    if (!np) {
+      w->oom = 1;
+      return NULL;
+    }
+    w->p = np;
+    w->cap = cap;
+  }
+  uint8_t *at = w->p + w->len;
+  w->len += n;
+  return at;
+}
+
+static void put_le(uint8_t *at, uint64_t v, unsigned bytes) {
+  for (unsigned i = 0; i < bytes; i++) at[i] = (uint8_t)(v >> (8 * i));
+}
+static void w_u16(wbuf *w, uint16_t v) {
+  uint8_t *at = w_reserve(w, 2);
+  if (at) put_le(at, v, 2);
+}
+static void w_u32(wbuf *w, uint32_t v) {
+  uint8_t *at = w_reserve(w, 4);
+  if (at) put_le(at, v, 4);
+}
+static void w_u64(wbuf *w, uint64_t v) {
+  uint8_t *at = w_reserve(w, 8);
+  if (at) put_le(at, v, 8);
+}
+static void w_bytes(wbuf *w, const void *src, size_t n) {
+  uint8_t *at = w_reserve(w, n);
+  if (at && n) memcpy(at, src, n);
+}
+static void w_str(wbuf *w, const char *s, size_t len) {
+  w_u32(w, (uint32_t)len);
+  w_bytes(w, s, len);
+}
+
+/* Encode-side checks: the same limits the decoder enforces. */
+static kvf_status e_str(const char *s, size_t cap, const char *field, size_t *len) {
+  size_t n = strnlen(s, cap);
+  if (n >= cap)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "%s: not NUL-terminated within %zu bytes", field, cap);
+  *len = n;
+  return KVF_SUCCESS;
+}
+
+static void w_counters(wbuf *w, const kvf_proto_counters *c) {
+  for (unsigned i = 0; i < KVF_PROTO_REG_NUM_STATES; i++) w_u32(w, c->registrations[i]);
+  w_u64(w, c->imports);
+  w_u64(w, c->aliases);
+  w_u64(w, c->leases);
+}
+
+static kvf_status encode_payload(const kvf_proto_msg *m, wbuf *w) {
+  size_t n = 0, n2 = 0;
+  kvf_status st;
+  switch (m->type) {
+  case KVF_PROTO_HELLO: {
+    const kvf_proto_hello *h = &m->u.hello;
+    if ((st = e_str(h->name, KVF_PROTO_NAME_MAX, "hello.name", &n))) return st;
+    w_u16(w, h->min_version);
+    w_u16(w, h->max_version);
+    w_u32(w, h->pid);
+    w_u64(w, h->instance_id);
+    w_u64(w, h->generation);
+    w_str(w, h->name, n);
+    return KVF_SUCCESS;
+  }
+  case KVF_PROTO_HELLO_REPLY: {
+    const kvf_proto_hello_reply *h = &m->u.hello_reply;
+    w_u16(w, h->version);
+    w_u16(w, 0);
+    w_u32(w, h->server_pid);
+    w_u64(w, h->boot_token);
+    w_u64(w, h->client_id);
+    w_u32(w, h->heartbeat_period_ms);
+    w_u32(w, h->heartbeat_timeout_ms);
+    w_u32(w, h->max_payload);
+    return KVF_SUCCESS;
+  }
+  case KVF_PROTO_REGISTER: {
+    const kvf_proto_register *r = &m->u.reg;
+    if (r->num_regions > KVF_PROTO_MAX_REGIONS)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "register.num_regions: %u exceeds the %u limit", r->num_regions,
+                      KVF_PROTO_MAX_REGIONS);
+    if (r->num_fds > KVF_PROTO_MAX_FDS)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "register.num_fds: %u exceeds the %u limit", r->num_fds,
+                      KVF_PROTO_MAX_FDS);
+    if (r->geometry_json_len > KVF_PROTO_MAX_GEOMETRY_JSON)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "register.geometry_json: %u bytes exceed the %u limit",
+                      r->geometry_json_len, KVF_PROTO_MAX_GEOMETRY_JSON);
+    if ((r->geometry_json_len && !r->geometry_json) || (r->num_regions && !r->regions))
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "register: NULL geometry_json or regions with a nonzero count");
+    w_u32(w, (uint32_t)r->device);
+    w_u32(w, r->num_fds);
+    w_u32(w, r->num_regions);
+    w_str(w, r->geometry_json, r->geometry_json_len);
+    for (uint32_t i = 0; i < r->num_regions; i++) {
+      const kvf_proto_region *g = &r->regions[i];
+      w_u64(w, g->instance_id);
+      w_u64(w, g->allocation_id);
+      w_u64(w, g->generation);
+      w_u64(w, g->size);
+      w_bytes(w, g->device_uuid, 16);
+      w_u32(w, g->provider);
+      w_u32(w, 0); /* reserved0 */
+      w_u64(w, 0); /* reserved1 */
+      w_u64(w, g->offset);
+      w_u64(w, g->length);
+      w_u32(w, g->fd_index);
+      w_u32(w, 0);
+    }
+    return KVF_SUCCESS;
+  }
+  case KVF_PROTO_REGISTER_REPLY:
+    w_u64(w, m->u.register_reply.registration_id);
+    w_u64(w, m->u.register_reply.fingerprint);
+    w_u32(w, m->u.register_reply.imports);
+    w_u32(w, m->u.register_reply.aliases);
+    return KVF_SUCCESS;
+  case KVF_PROTO_UNREGISTER:
+    w_u64(w, m->u.unregister.registration_id);
+    return KVF_SUCCESS;
+  case KVF_PROTO_UNREGISTER_REPLY:
+    w_u64(w, m->u.unregister_reply.registration_id);
+    w_u32(w, m->u.unregister_reply.state);
+    w_u32(w, 0);
+    return KVF_SUCCESS;
+  case KVF_PROTO_HEARTBEAT:
+    w_u64(w, m->u.heartbeat.sequence);
+    return KVF_SUCCESS;
+  case KVF_PROTO_HEARTBEAT_REPLY:
+    w_u64(w, m->u.heartbeat_reply.sequence);
+    w_u64(w, m->u.heartbeat_reply.boot_token);
+    return KVF_SUCCESS;
+  case KVF_PROTO_STAT:
+    w_u32(w, m->u.stat.flags);
+    return KVF_SUCCESS;
+  case KVF_PROTO_STAT_REPLY: {
+    const kvf_proto_stat_reply *s = &m->u.stat_reply;
+    if (s->num_clients > KVF_PROTO_MAX_STAT_CLIENTS)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "stat_reply.num_clients: %u exceeds the %u limit", s->num_clients,
+                      KVF_PROTO_MAX_STAT_CLIENTS);
+    if (s->num_clients && !s->clients)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "stat_reply.clients: NULL with a nonzero count");
+    w_u64(w, s->boot_token);
+    w_counters(w, &s->total);
+    w_u32(w, s->num_clients);
+    for (uint32_t i = 0; i < s->num_clients; i++) {
+      const kvf_proto_stat_client *c = &s->clients[i];
+      if ((st = e_str(c->name, KVF_PROTO_NAME_MAX, "stat_reply.clients[].name", &n))) return st;
+      w_u64(w, c->client_id);
+      w_u32(w, c->pid);
+      w_str(w, c->name, n);
+      w_counters(w, &c->counters);
+    }
+    return KVF_SUCCESS;
+  }
+  case KVF_PROTO_STORE:
+  case KVF_PROTO_RETRIEVE: {
+    const kvf_proto_xfer *x = &m->u.xfer;
+    if ((st = e_str(x->key, KVF_PROTO_KEY_MAX, "xfer.key", &n))) return st;
+    if (x->num_groups > KVF_PROTO_MAX_GROUPS)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.num_groups: %u exceeds the %u limit", x->num_groups,
+                      KVF_PROTO_MAX_GROUPS);
+    if (x->num_groups && !x->groups)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.groups: NULL with a nonzero count");
+    w_u64(w, x->registration_id);
+    w_u64(w, x->token_begin);
+    w_u64(w, x->token_end);
+    w_u32(w, x->format);
+    w_u32(w, x->num_groups);
+    w_str(w, x->key, n);
+    for (uint32_t i = 0; i < x->num_groups; i++) {
+      const kvf_proto_group *g = &x->groups[i];
+      if (g->count > KVF_PROTO_MAX_BLOCKS_PER_GROUP)
+        return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.groups[%u].block_ids: count %u exceeds the %u limit", i,
+                        g->count, KVF_PROTO_MAX_BLOCKS_PER_GROUP);
+      if (g->count && !g->block_ids)
+        return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.groups[%u].block_ids: NULL with a nonzero count", i);
+      w_u64(w, g->first_block);
+      w_u32(w, g->count);
+      for (uint32_t k = 0; k < g->count; k++) w_u32(w, g->block_ids[k]);
+    }
+    return KVF_SUCCESS;
+  }
+  case KVF_PROTO_STORE_REPLY:
+  case KVF_PROTO_RETRIEVE_REPLY:
+    w_u32(w, m->u.xfer_reply.status);
+    w_u32(w, 0);
+    w_u64(w, m->u.xfer_reply.blocks_done);
+    w_u64(w, m->u.xfer_reply.tokens_done);
+    return KVF_SUCCESS;
+  case KVF_PROTO_ERROR: {
+    const kvf_proto_error *e = &m->u.error;
+    if ((st = e_str(e->field, KVF_PROTO_FIELD_MAX, "error.field", &n))) return st;
+    if ((st = e_str(e->message, KVF_PROTO_MESSAGE_MAX, "error.message", &n2))) return st;
+    w_u32(w, e->status);
+    w_u16(w, e->version);
+    w_u16(w, 0);
+    w_str(w, e->field, n);
+    w_str(w, e->message, n2);
+    return KVF_SUCCESS;
+  }
+  default:
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "type: 0x%04x is not a message type", (unsigned)m->type);
+  }
+}
+
+kvf_status kvf_proto_encode(const kvf_proto_msg *msg, uint8_t **out, size_t *out_len) {
+  if (!msg || !out || !out_len) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_proto_encode: NULL argument");
+  wbuf w = {0};
+  kvf_status st = KVF_SUCCESS;
+  w_reserve(&w, KVF_PROTO_HEADER_SIZE); /* filled once the payload's length is known */
+  if ((st = encode_payload(msg, &w))) goto out;
+  if (w.oom) {
+    st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_proto_encode: out of memory for a %s frame",
+                  kvf_proto_type_name(msg->type));
+    goto out;
+  }
+  size_t payload = w.len - KVF_PROTO_HEADER_SIZE;
+  if (payload > KVF_PROTO_MAX_PAYLOAD) {
+    st = kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload: %zu bytes exceed the %u limit", payload,
+                  KVF_PROTO_MAX_PAYLOAD);
+    goto out;
+  }
+  put_le(w.p + 0, KVF_PROTO_MAGIC, 4);
+  put_le(w.p + 4, KVF_PROTO_VERSION, 2);
+  put_le(w.p + 6, msg->type, 2);
+  put_le(w.p + 8, msg->request_id, 8);
+  put_le(w.p + 16, payload, 4);
+  put_le(w.p + 20, 0, 4);
+  *out = w.p;
+  *out_len = w.len;
+  w.p = NULL;
+out:
+  free(w.p);
+  return st;
+}
+
+/* ---- reading ------------------------------------------------------------- */
+
+static uint64_t get_le(const uint8_t *at, unsigned bytes) {
+  uint64_t v = 0;
+  for (unsigned i = 0; i < bytes; i++) v |= (uint64_t)at[i] << (8 * i);
+  return v;
+}
+
+/* A cursor over the payload. Every read names its field for the message. */
+typedef struct rbuf {
+  const uint8_t *p;
+  size_t len, pos;
+} rbuf;
+
+static kvf_status r_need(rbuf *r, size_t n, const char *field) {
+  if (r->len - r->pos < n)
+    return kvf_fail(KVF_ERR_PROTOCOL, "%s: the payload ends at byte %zu, %zu bytes short", field, r->len,
+                    n - (r->len - r->pos));
+  return KVF_SUCCESS;
+}
+static kvf_status r_u16(rbuf *r, uint16_t *v, const char *field) {
+  kvf_status st = r_need(r, 2, field);
+  if (st) return st;
+  *v = (uint16_t)get_le(r->p + r->pos, 2);
+  r->pos += 2;
+  return KVF_SUCCESS;
+}
+static kvf_status r_u32(rbuf *r, uint32_t *v, const char *field) {
+  kvf_status st = r_need(r, 4, field);
+  if (st) return st;
+  *v = (uint32_t)get_le(r->p + r->pos, 4);
+  r->pos += 4;
+  return KVF_SUCCESS;
+}
+static kvf_status r_u64(rbuf *r, uint64_t *v, const char *field) {
+  kvf_status st = r_need(r, 8, field);
+  if (st) return st;
+  *v = get_le(r->p + r->pos, 8);
+  r->pos += 8;
+  return KVF_SUCCESS;
+}
+static kvf_status r_zero16(rbuf *r, const char *field) {
+  uint16_t v = 0;
+  kvf_status st = r_u16(r, &v, field);
+  if (!st && v) st = kvf_fail(KVF_ERR_PROTOCOL, "%s: reserved, must be 0 (got %u)", field, (unsigned)v);
+  return st;
+}
+static kvf_status r_zero32(rbuf *r, const char *field) {
+  uint32_t v = 0;
+  kvf_status st = r_u32(r, &v, field);
+  if (!st && v) st = kvf_fail(KVF_ERR_PROTOCOL, "%s: reserved, must be 0 (got %u)", field, v);
+  return st;
+}
+
+/* A string: u32 length, then that many bytes with no NUL among them. Its
+ * bytes stay in the payload; *s points at them (not terminated). */
+static kvf_status r_str_view(rbuf *r, uint32_t max_len, const char *field, const uint8_t **s, uint32_t *len) {
+  uint32_t n = 0;
+  kvf_status st = r_u32(r, &n, field);
+  if (st) return st;
+  if (n > max_len) return kvf_fail(KVF_ERR_PROTOCOL, "%s: length %u exceeds the %u limit", field, n, max_len);
+  if ((st = r_need(r, n, field))) return st;
+  const uint8_t *at = r->p + r->pos;
+  const uint8_t *nul = n ? memchr(at, 0, n) : NULL;
+  if (nul) return kvf_fail(KVF_ERR_PROTOCOL, "%s: NUL byte at offset %zu", field, (size_t)(nul - at));
+  *s = at;
+  *len = n;
+  r->pos += n;
+  return KVF_SUCCESS;
+}
+
+/* A string into a fixed array of `cap` bytes (at most cap - 1 of text). */
+static kvf_status r_str_fixed(rbuf *r, char *dst, size_t cap, const char *field) {
+  const uint8_t *s = NULL;
+  uint32_t n = 0;
+  kvf_status st = r_str_view(r, (uint32_t)cap - 1, field, &s, &n);
+  if (st) return st;
+  if (n) memcpy(dst, s, n);
+  dst[n] = '\0';
+  return KVF_SUCCESS;
+}
+
+/* A count read from the wire, checked against its limit and against what
+ * the rest of the payload can hold (elem bytes each) before any allocation. */
+static kvf_status r_count(rbuf *r, uint32_t *count, uint32_t limit, size_t elem, const char *field) {
+  kvf_status st = r_u32(r, count, field);
+  if (st) return st;
+  if (*count > limit)
+    return kvf_fail(KVF_ERR_PROTOCOL, "%s: count %u exceeds the %u limit", field, *count, limit);
+  if (elem && (r->len - r->pos) / elem < *count)
+    return kvf_fail(KVF_ERR_PROTOCOL, "%s: count %u needs at least %zu bytes, the payload has %zu left", field,
+                    *count, (size_t)*count * elem, r->len - r->pos);
+  return KVF_SUCCESS;
+}
+
+static kvf_status r_counters(rbuf *r, kvf_proto_counters *c, const char *prefix) {
+  char f[160];
+  kvf_status st;
+  for (unsigned i = 0; i < KVF_PROTO_REG_NUM_STATES; i++) {
+    snprintf(f, sizeof f, "%s.registrations[%u]", prefix, i);
+    if ((st = r_u32(r, &c->registrations[i], f))) return st;
+  }
+  snprintf(f, sizeof f, "%s.imports", prefix);
+  if ((st = r_u64(r, &c->imports, f))) return st;
+  snprintf(f, sizeof f, "%s.aliases", prefix);
+  if ((st = r_u64(r, &c->aliases, f))) return st;
+  snprintf(f, sizeof f, "%s.leases", prefix);
+  return r_u64(r, &c->leases, f);
+}
+
+#define R(call)                        \
+  do {                                 \
+    if ((st = (call)) != KVF_SUCCESS) goto out; \
+  } while (0)
+#define BAD(...)                                  \
+  do {                                            \
+    st = kvf_fail(KVF_ERR_PROTOCOL, __VA_ARGS__); \
+    goto out;                                     \
+  } while (0)
+
+static kvf_status decode_register(rbuf *r, kvf_proto_register *g) {
+  kvf_status st = KVF_SUCCESS;
+  uint32_t dev = 0;
+  const uint8_t *json = NULL;
+  char f[96];
+  R(r_u32(r, &dev, "payload.device"));
+  g->device = (int32_t)dev;
+  if (g->device < -1) BAD("payload.device: %d is neither -1 (host) nor a device ordinal", (int)g->device);
+  R(r_u32(r, &g->num_fds, "payload.num_fds"));
+  if (g->num_fds > KVF_PROTO_MAX_FDS)
+    BAD("payload.num_fds: count %u exceeds the %u limit", g->num_fds, KVF_PROTO_MAX_FDS);
+  /* The regions follow the geometry text, so their count is checked against
+   * the payload only once the text has been read. */
+  R(r_u32(r, &g->num_regions, "payload.num_regions"));
+  if (g->num_regions > KVF_PROTO_MAX_REGIONS)
+    BAD("payload.num_regions: count %u exceeds the %u limit", g->num_regions, KVF_PROTO_MAX_REGIONS);
+  if (g->num_regions == 0) BAD("payload.num_regions: 0, a geometry has at least one region");
+  R(r_str_view(r, KVF_PROTO_MAX_GEOMETRY_JSON, "payload.geometry_json", &json, &g->geometry_json_len));
+  if (g->geometry_json_len == 0) BAD("payload.geometry_json: empty");
+  if ((r->len - r->pos) / KVF_PROTO_REGION_WIRE < g->num_regions)
+    BAD("payload.regions: count %u needs %zu bytes, the payload has %zu left", g->num_regions,
+        (size_t)g->num_regions * KVF_PROTO_REGION_WIRE, r->len - r->pos);
+  g->geometry_json = malloc((size_t)g->geometry_json_len + 1);
+  g->regions = calloc(g->num_regions, sizeof *g->regions);
+  if (!g->geometry_json || !g->regions) {
+    st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "payload: out of memory decoding REGISTER");
+    goto out;
+  }
+  memcpy(g->geometry_json, json, g->geometry_json_len);
+  g->geometry_json[g->geometry_json_len] = '\0';
+  for (uint32_t i = 0; i < g->num_regions; i++) {
+    kvf_proto_region *x = &g->regions[i];
+    uint64_t reserved1 = 0, end = 0;
+#define RF(name) (snprintf(f, sizeof f, "payload.regions[%u]." name, i), f)
+    R(r_u64(r, &x->instance_id, RF("instance_id")));
+    R(r_u64(r, &x->allocation_id, RF("allocation_id")));
+    R(r_u64(r, &x->generation, RF("generation")));
+    R(r_u64(r, &x->size, RF("size")));
+    R(r_need(r, 16, RF("device_uuid")));
+    memcpy(x->device_uuid, r->p + r->pos, 16);
+    r->pos += 16;
+    R(r_u32(r, &x->provider, RF("provider")));
+    R(r_zero32(r, RF("reserved0")));
+    R(r_u64(r, &reserved1, RF("reserved1")));
+    if (reserved1) BAD("%s: reserved, must be 0", f);
+    R(r_u64(r, &x->offset, RF("offset")));
+    R(r_u64(r, &x->length, RF("length")));
+    R(r_u32(r, &x->fd_index, RF("fd_index")));
+    R(r_zero32(r, RF("reserved2")));
+    if (x->instance_id == 0) BAD("%s: 0 is not an instance id", RF("instance_id"));
+    if (x->provider != 1 && x->provider != 2)
+      BAD("%s: %u is neither 1 (host) nor 2 (cumem)", RF("provider"), x->provider);
+    if (x->size == 0) BAD("%s: 0", RF("size"));
+    if (x->length == 0) BAD("%s: 0", RF("length"));
+    if (!kvf_add_u64(x->offset, x->length, &end) || end > x->size)
+      BAD("%s: offset %llu + length %llu runs past the allocation's %llu bytes", RF("length"),
+          (unsigned long long)x->offset, (unsigned long long)x->length, (unsigned long long)x->size);
+    if (x->fd_index >= g->num_fds)
+      BAD("%s: %u, but the frame carries %u descriptors", RF("fd_index"), x->fd_index, g->num_fds);
+#undef RF
+  }
+out:
+  return st;
+}
+
+static kvf_status decode_xfer(rbuf *r, kvf_proto_xfer *x) {
+  kvf_status st = KVF_SUCCESS;
+  char f[96];
+  R(r_u64(r, &x->registration_id, "payload.registration_id"));
+  R(r_u64(r, &x->token_begin, "payload.token_begin"));
+  R(r_u64(r, &x->token_end, "payload.token_end"));
+  if (x->token_end <= x->token_begin)
+    BAD("payload.token_end: %llu is not after token_begin %llu", (unsigned long long)x->token_end,
+        (unsigned long long)x->token_begin);
+  R(r_u32(r, &x->format, "payload.format"));
+  if (x->format > 1) BAD("payload.format: %u is neither 0 (canonical) nor 1 (native)", x->format);
+  /* Each group is at least 12 bytes (first_block, count). */
+  R(r_count(r, &x->num_groups, KVF_PROTO_MAX_GROUPS, 0, "payload.num_groups"));
+  if (x->num_groups == 0) BAD("payload.num_groups: 0, nothing to move");
+  R(r_str_fixed(r, x->key, sizeof x->key, "payload.key"));
+  if (!x->key[0]) BAD("payload.key: empty");
+  if ((r->len - r->pos) / 12 < x->num_groups)
+    BAD("payload.groups: count %u needs at least %zu bytes, the payload has %zu left", x->num_groups,
+        (size_t)x->num_groups * 12, r->len - r->pos);
+  x->groups = calloc(x->num_groups, sizeof *x->groups);
+  if (!x->groups) {
+    st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "payload: out of memory decoding %s", "groups");
+    goto out;
+  }
+  for (uint32_t i = 0; i < x->num_groups; i++) {
+    kvf_proto_group *g = &x->groups[i];
+    snprintf(f, sizeof f, "payload.groups[%u].first_block", i);
+    R(r_u64(r, &g->first_block, f));
+    snprintf(f, sizeof f, "payload.groups[%u].block_ids", i);
+    R(r_count(r, &g->count, KVF_PROTO_MAX_BLOCKS_PER_GROUP, 4, f));
+    if (g->count == 0) continue;
+    g->block_ids = malloc((size_t)g->count * sizeof *g->block_ids);
+    if (!g->block_ids) {
+      st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "payload: out of memory decoding %s", f);
+      goto out;
+    }
+    for (uint32_t k = 0; k < g->count; k++) g->block_ids[k] = (uint32_t)get_le(r->p + r->pos + 4u * k, 4);
+    r->pos += 4u * (size_t)g->count;
+  }
+out:
+  return st;
+}
+
+static kvf_status decode_payload(uint16_t type, rbuf *r, kvf_proto_msg *m) {
+  kvf_status st = KVF_SUCCESS;
+  switch (type) {
+  case KVF_PROTO_HELLO: {
+    kvf_proto_hello *h = &m->u.hello;
+    R(r_u16(r, &h->min_version, "payload.min_version"));
+    R(r_u16(r, &h->max_version, "payload.max_version"));
+    if (h->min_version == 0) BAD("payload.min_version: 0 is not a protocol version");
+    if (h->max_version < h->min_version)
+      BAD("payload.max_version: %u is below min_version %u", h->max_version, h->min_version);
+    R(r_u32(r, &h->pid, "payload.pid"));
+    R(r_u64(r, &h->instance_id, "payload.instance_id"));
+    if (h->instance_id == 0) BAD("payload.instance_id: 0 is not an instance id");
+    R(r_u64(r, &h->generation, "payload.generation"));
+    R(r_str_fixed(r, h->name, sizeof h->name, "payload.name"));
+    break;
+  }
+  case KVF_PROTO_HELLO_REPLY: {
+    kvf_proto_hello_reply *h = &m->u.hello_reply;
+    R(r_u16(r, &h->version, "payload.version"));
+    if (h->version == 0) BAD("payload.version: 0 is not a protocol version");
+    R(r_zero16(r, "payload.reserved"));
+    R(r_u32(r, &h->server_pid, "payload.server_pid"));
+    R(r_u64(r, &h->boot_token, "payload.boot_token"));
+    R(r_u64(r, &h->client_id, "payload.client_id"));
+    R(r_u32(r, &h->heartbeat_period_ms, "payload.heartbeat_period_ms"));
+    R(r_u32(r, &h->heartbeat_timeout_ms, "payload.heartbeat_timeout_ms"));
+    if (h->heartbeat_period_ms == 0) BAD("payload.heartbeat_period_ms: 0");
+    if (h->heartbeat_timeout_ms <= h->heartbeat_period_ms)
+      BAD("payload.heartbeat_timeout_ms: %u is not longer than the period %u", h->heartbeat_timeout_ms,
+          h->heartbeat_period_ms);
+    R(r_u32(r, &h->max_payload, "payload.max_payload"));
+    if (h->max_payload < 4096u) BAD("payload.max_payload: %u is below the 4096-byte minimum", h->max_payload);
+    break;
+  }
+  case KVF_PROTO_REGISTER: R(decode_register(r, &m->u.reg)); break;
+  case KVF_PROTO_REGISTER_REPLY:
+    R(r_u64(r, &m->u.register_reply.registration_id, "payload.registration_id"));
+    if (m->u.register_reply.registration_id == 0) BAD("payload.registration_id: 0");
+    R(r_u64(r, &m->u.register_reply.fingerprint, "payload.fingerprint"));
+    R(r_u32(r, &m->u.register_reply.imports, "payload.imports"));
+    R(r_u32(r, &m->u.register_reply.aliases, "payload.aliases"));
+    break;
+  case KVF_PROTO_UNREGISTER:
+    R(r_u64(r, &m->u.unregister.registration_id, "payload.registration_id"));
+    break;
+  case KVF_PROTO_UNREGISTER_REPLY:
+    R(r_u64(r, &m->u.unregister_reply.registration_id, "payload.registration_id"));
+    R(r_u32(r, &m->u.unregister_reply.state, "payload.state"));
+    if (m->u.unregister_reply.state >= KVF_PROTO_REG_NUM_STATES)
+      BAD("payload.state: %u is not a registration state", m->u.unregister_reply.state);
+    R(r_zero32(r, "payload.reserved"));
+    break;
+  case KVF_PROTO_HEARTBEAT: R(r_u64(r, &m->u.heartbeat.sequence, "payload.sequence")); break;
+  case KVF_PROTO_HEARTBEAT_REPLY:
+    R(r_u64(r, &m->u.heartbeat_reply.sequence, "payload.sequence"));
+    R(r_u64(r, &m->u.heartbeat_reply.boot_token, "payload.boot_token"));
+    break;
+  case KVF_PROTO_STAT:
+    R(r_u32(r, &m->u.stat.flags, "payload.flags"));
+    if (m->u.stat.flags & ~KVF_PROTO_STAT_PER_CLIENT)
+      BAD("payload.flags: unknown bits 0x%x", m->u.stat.flags & ~KVF_PROTO_STAT_PER_CLIENT);
+    break;
+  case KVF_PROTO_STAT_REPLY: {
+    kvf_proto_stat_reply *s = &m->u.stat_reply;
+    char f[96];
+    R(r_u64(r, &s->boot_token, "payload.boot_token"));
+    R(r_counters(r, &s->total, "payload.total"));
+    /* A client record is at least 16 bytes plus its counters. */
+    R(r_count(r, &s->num_clients, KVF_PROTO_MAX_STAT_CLIENTS, 16u + KVF_PROTO_COUNTERS_WIRE,
+              "payload.clients"));
+    if (s->num_clients) {
+      s->clients = calloc(s->num_clients, sizeof *s->clients);
+      if (!s->clients) {
+        st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "payload: out of memory decoding STAT_REPLY");
+        goto out;
+      }
+    }
+    for (uint32_t i = 0; i < s->num_clients; i++) {
+      kvf_proto_stat_client *c = &s->clients[i];
+      snprintf(f, sizeof f, "payload.clients[%u].client_id", i);
+      R(r_u64(r, &c->client_id, f));
+      snprintf(f, sizeof f, "payload.clients[%u].pid", i);
+      R(r_u32(r, &c->pid, f));
+      snprintf(f, sizeof f, "payload.clients[%u].name", i);
+      R(r_str_fixed(r, c->name, sizeof c->name, f));
+      snprintf(f, sizeof f, "payload.clients[%u].counters", i);
+      R(r_counters(r, &c->counters, f));
+    }
+    break;
+  }
+  case KVF_PROTO_STORE:
+  case KVF_PROTO_RETRIEVE: R(decode_xfer(r, &m->u.xfer)); break;
+  case KVF_PROTO_STORE_REPLY:
+  case KVF_PROTO_RETRIEVE_REPLY:
+    R(r_u32(r, &m->u.xfer_reply.status, "payload.status"));
+    if (m->u.xfer_reply.status > KVF_PROTO_MAX_STATUS)
+      BAD("payload.status: %u is not a kvf_status", m->u.xfer_reply.status);
+    R(r_zero32(r, "payload.reserved"));
+    R(r_u64(r, &m->u.xfer_reply.blocks_done, "payload.blocks_done"));
+    R(r_u64(r, &m->u.xfer_reply.tokens_done, "payload.tokens_done"));
+    break;
+  case KVF_PROTO_ERROR: {
+    kvf_proto_error *e = &m->u.error;
+    R(r_u32(r, &e->status, "payload.status"));
+    if (e->status == 0 || e->status > KVF_PROTO_MAX_STATUS)
+      BAD("payload.status: %u is not a failing kvf_status (1..%u)", e->status, KVF_PROTO_MAX_STATUS);
+    R(r_u16(r, &e->version, "payload.version"));
+    if (e->version == 0) BAD("payload.version: 0 is not a protocol version");
+    R(r_zero16(r, "payload.reserved"));
+    R(r_str_fixed(r, e->field, sizeof e->field, "payload.field"));
+    R(r_str_fixed(r, e->message, sizeof e->message, "payload.message"));
+    break;
+  }
+  default: BAD("header.type: 0x%04x is not a message type", (unsigned)type);
+  }
+  if (r->pos != r->len)
+    BAD("payload: %zu bytes left over after the %s message (%zu of %zu used)", r->len - r->pos,
+        kvf_proto_type_name(type), r->pos, r->len);
+out:
+  return st;
+}
+
+kvf_status kvf_proto_header_decode(const uint8_t *bytes, uint32_t max_payload, kvf_proto_header *out) {
+  if (!bytes || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_proto_header_decode: NULL argument");
+  if (max_payload == 0 || max_payload > KVF_PROTO_MAX_PAYLOAD) max_payload = KVF_PROTO_MAX_PAYLOAD;
+  out->magic = (uint32_t)get_le(bytes + 0, 4);
+  out->version = (uint16_t)get_le(bytes + 4, 2);
+  out->type = (uint16_t)get_le(bytes + 6, 2);
+  out->request_id = get_le(bytes + 8, 8);
+  out->payload_len = (uint32_t)get_le(bytes + 16, 4);
+  out->flags = (uint32_t)get_le(bytes + 20, 4);
+  if (out->magic != KVF_PROTO_MAGIC)
+    return kvf_fail(KVF_ERR_PROTOCOL, "header.magic: 0x%08x is not a kvferry frame (expected 0x%08x, \"KVFP\")",
+                    out->magic, KVF_PROTO_MAGIC);
+  if (out->version != KVF_PROTO_VERSION)
+    return kvf_fail(KVF_ERR_PROTOCOL, "header.version: peer speaks protocol version %u, this side speaks %u",
+                    (unsigned)out->version, KVF_PROTO_VERSION);
+  if (!type_known(out->type))
+    return kvf_fail(KVF_ERR_PROTOCOL, "header.type: 0x%04x is not a message type", (unsigned)out->type);
+  if (out->payload_len > max_payload)
+    return kvf_fail(KVF_ERR_PROTOCOL, "header.payload_len: %u bytes exceed the %u-byte limit", out->payload_len,
+                    max_payload);
+  if (out->flags) return kvf_fail(KVF_ERR_PROTOCOL, "header.flags: reserved, must be 0 (got 0x%x)", out->flags);
+  return KVF_SUCCESS;
+}
+
+kvf_status kvf_proto_decode(const kvf_proto_header *h, const uint8_t *payload, kvf_proto_msg *out) {
+  if (!h || !out || (h->payload_len && !payload))
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_proto_decode: NULL argument");
+  kvf_proto_msg m;
+  memset(&m, 0, sizeof m);
+  m.type = h->type;
+  m.request_id = h->request_id;
+  rbuf r = {payload, h->payload_len, 0};
+  kvf_status st = decode_payload(h->type, &r, &m);
+  if (st) {
+    kvf_proto_msg_clear(&m);
+    return st;
+  }
+  *out = m;
+  return KVF_SUCCESS;
+}
+
+kvf_status kvf_proto_frame_decode(const uint8_t *frame, size_t len, kvf_proto_msg *out) {
+  if (!frame || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_proto_frame_decode: NULL argument");
+  if (len < KVF_PROTO_HEADER_SIZE)
+    return kvf_fail(KVF_ERR_PROTOCOL, "header: %zu bytes, a header is %u", len, KVF_PROTO_HEADER_SIZE);
+  kvf_proto_header h;
+  kvf_status st = kvf_proto_header_decode(frame, 0, &h);
+  if (st) return st;
+  if (len - KVF_PROTO_HEADER_SIZE != h.payload_len)
+    return kvf_fail(KVF_ERR_PROTOCOL, "header.payload_len: %u, but the frame has %zu payload bytes", h.payload_len,
+                    len - KVF_PROTO_HEADER_SIZE);
+  return kvf_proto_decode(&h, frame + KVF_PROTO_HEADER_SIZE, out);
+}
+
+void kvf_proto_msg_clear(kvf_proto_msg *msg) {
+  if (!msg) return;
+  switch (msg->type) {
+  case KVF_PROTO_REGISTER:
+    free(msg->u.reg.geometry_json);
+    free(msg->u.reg.regions);
+    break;
+  case KVF_PROTO_STAT_REPLY: free(msg->u.stat_reply.clients); break;
+  case KVF_PROTO_STORE:
+  case KVF_PROTO_RETRIEVE:
+    if (msg->u.xfer.groups)
+      for (uint32_t i = 0; i < msg->u.xfer.num_groups; i++) free(msg->u.xfer.groups[i].block_ids);
+    free(msg->u.xfer.groups);
+    break;
+  default: break;
+  }
+  memset(msg, 0, sizeof *msg);
+}
+
+kvf_status kvf_proto_negotiate(uint16_t min_version, uint16_t max_version, uint16_t *out) {
+  if (!out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_proto_negotiate: NULL out");
+  if (min_version > max_version)
+    return kvf_fail(KVF_ERR_PROTOCOL, "payload.max_version: %u is below min_version %u", max_version, min_version);
+  if (min_version > KVF_PROTO_VERSION || max_version < KVF_PROTO_VERSION)
+    return kvf_fail(KVF_ERR_PROTOCOL,
+                    "payload.max_version: client speaks protocol versions %u..%u, this side speaks %u..%u",
+                    min_version, max_version, KVF_PROTO_VERSION, KVF_PROTO_VERSION);
+  *out = KVF_PROTO_VERSION;
+  return KVF_SUCCESS;
+}
+
+/* ---- the incremental reader ------------------------------------------------ */
+
+void kvf_proto_reader_init(kvf_proto_reader *r, uint32_t max_payload) {
+  memset(r, 0, sizeof *r);
+  r->max_payload = (max_payload == 0 || max_payload > KVF_PROTO_MAX_PAYLOAD) ? KVF_PROTO_MAX_PAYLOAD : max_payload;
+}
+
+void kvf_proto_reader_reset(kvf_proto_reader *r) {
+  if (!r) return;
+  uint32_t max = r->max_payload;
+  free(r->payload);
+  kvf_proto_reader_init(r, max);
+}
+
+size_t kvf_proto_reader_want(const kvf_proto_reader *r) {
+  if (r->failed || r->ready) return 0;
+  if (r->header_have < KVF_PROTO_HEADER_SIZE) return KVF_PROTO_HEADER_SIZE - r->header_have;
+  return r->header.payload_len - r->payload_have;
+}
+
+kvf_status kvf_proto_reader_feed(kvf_proto_reader *r, const uint8_t *data, size_t len, size_t *consumed,
+                                 int *ready) {
+  if (!r || (len && !data) || !consumed || !ready)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_proto_reader_feed: NULL argument");
+  *consumed = 0;
+  *ready = r->ready;
+  if (r->failed) return kvf_fail(r->failed, "reader: the connection already failed; close it");
+  size_t used = 0;
+  while (used < len && !r->ready) {
+    if (r->header_have < KVF_PROTO_HEADER_SIZE) {
+      size_t n = KVF_PROTO_HEADER_SIZE - r->header_have;
+      if (n > len - used) n = len - used;
+      memcpy(r->header_bytes + r->header_have, data + used, n);
+      r->header_have += n;
+      used += n;
+      if (r->header_have < KVF_PROTO_HEADER_SIZE) break;
+      /* Checked here, before the payload buffer exists: an oversize length
+       * costs nothing. */
+      kvf_status st = kvf_proto_header_decode(r->header_bytes, r->max_payload, &r->header);
+      if (st) {
+        r->failed = st;
+        *consumed = used;
+        return st;
+      }
+      if (r->header.payload_len) {
+        r->payload = malloc(r->header.payload_len);
+        if (!r->payload) {
+          r->failed = KVF_ERR_OUT_OF_MEMORY;
+          *consumed = used;
+          return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "reader: out of memory for a %u-byte payload",
+                          r->header.payload_len);
+        }
+      }
+      r->payload_have = 0;
+    } else {
+      size_t n = r->header.payload_len - r->payload_have;
+      if (n > len - used) n = len - used;
+      memcpy(r->payload + r->payload_have, data + used, n);
+      r->payload_have += n;
+      used += n;
+    }
+    if (r->header_have == KVF_PROTO_HEADER_SIZE && r->payload_have == r->header.payload_len) r->ready = 1;
+  }
+  /* A header with an empty payload completes without another byte. */
+  if (!r->ready && r->header_have == KVF_PROTO_HEADER_SIZE && r->payload_have == r->header.payload_len)
+    r->ready = 1;
+  *consumed = used;
+  *ready = r->ready;
+  return KVF_SUCCESS;
+}
+
+kvf_status kvf_proto_reader_take(kvf_proto_reader *r, kvf_proto_header *header, uint8_t **payload) {
+  if (!r || !header || !payload) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_proto_reader_take: NULL argument");
+  if (!r->ready) return kvf_fail(KVF_ERR_STATE, "reader: no whole frame has arrived yet");
+  *header = r->header;
+  *payload = r->payload;
+  r->payload = NULL;
+  r->payload_have = 0;
+  r->header_have = 0;
+  r->ready = 0;
+  memset(&r->header, 0, sizeof r->header);
+  return KVF_SUCCESS;
+}

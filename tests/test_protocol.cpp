@@ -1,0 +1,649 @@
+// The kvferryd wire protocol codec (host/protocol.h): round trips of every
+// message, every rejection naming its field, the incremental reader.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "host/protocol.h"
+
+namespace {
+
+std::vector<uint8_t> Encode(const kvf_proto_msg &m) {
+  uint8_t *buf = nullptr;
+  size_t len = 0;
+  kvf_status st = kvf_proto_encode(&m, &buf, &len);
+  EXPECT_EQ(st, KVF_SUCCESS) << kvf_last_error();
+  std::vector<uint8_t> v(buf, buf + len);
+  free(buf);
+  return v;
+}
+
+kvf_status Decode(const std::vector<uint8_t> &f, kvf_proto_msg *out) {
+  return kvf_proto_frame_decode(f.data(), f.size(), out);
+}
+
+// Decoding must fail with KVF_ERR_PROTOCOL and a message naming `field`.
+void ExpectReject(const std::vector<uint8_t> &f, const std::string &field) {
+  kvf_proto_msg m;
+  memset(&m, 0, sizeof m);
+  kvf_status st = Decode(f, &m);
+  EXPECT_EQ(st, KVF_ERR_PROTOCOL) << "expected a rejection naming " << field;
+  EXPECT_NE(std::string(kvf_last_error()).find(field), std::string::npos)
+      << "message '" << kvf_last_error() << "' does not name " << field;
+  if (st == KVF_SUCCESS) kvf_proto_msg_clear(&m);
+}
+
+void PutLe(std::vector<uint8_t> &f, size_t at, uint64_t v, unsigned n) {
+  for (unsigned i = 0; i < n; i++) f[at + i] = (uint8_t)(v >> (8 * i));
+}
+// Fix the header's payload length after editing a frame's payload.
+void FixLen(std::vector<uint8_t> &f) { PutLe(f, 16, f.size() - KVF_PROTO_HEADER_SIZE, 4); }
+
+kvf_proto_msg Msg(uint16_t type, uint64_t rid = 42) {
+  kvf_proto_msg m;
+  memset(&m, 0, sizeof m);
+  m.type = type;
+  m.request_id = rid;
+  return m;
+}
+
+kvf_proto_msg Hello() {
+  kvf_proto_msg m = Msg(KVF_PROTO_HELLO);
+  m.u.hello.min_version = 1;
+  m.u.hello.max_version = 1;
+  m.u.hello.pid = 1234;
+  m.u.hello.instance_id = 0xABCDEF0123456789ull;
+  m.u.hello.generation = 3;
+  strcpy(m.u.hello.name, "engine-0");
+  return m;
+}
+
+// A STORE with 3 groups; block ids live in `ids`.
+struct Xfer {
+  std::vector<uint32_t> ids[3];
+  kvf_proto_group groups[3];
+  kvf_proto_msg m;
+  explicit Xfer(uint16_t type = KVF_PROTO_STORE) {
+    m = Msg(type, 7);
+    m.u.xfer.registration_id = 9;
+    m.u.xfer.token_begin = 256;
+    m.u.xfer.token_end = 512;
+    m.u.xfer.format = 1;
+    strcpy(m.u.xfer.key, "prefix:0123abcd");
+    for (int g = 0; g < 3; g++) {
+      for (uint32_t k = 0; k < (uint32_t)(g + 1) * 5; k++) ids[g].push_back(k * 7 + (uint32_t)g);
+      if (g == 2) ids[g].push_back(0xFFFFFFFFu);
+      groups[g].first_block = 16u * (uint32_t)g;
+      groups[g].block_ids = ids[g].data();
+      groups[g].count = (uint32_t)ids[g].size();
+    }
+    m.u.xfer.groups = groups;
+    m.u.xfer.num_groups = 3;
+  }
+};
+
+struct Register {
+  std::string json = "{\"format\":\"kvferry-geometry\",\"version\":1}";
+  kvf_proto_region regions[2];
+  kvf_proto_msg m;
+  Register() {
+    m = Msg(KVF_PROTO_REGISTER, 5);
+    memset(regions, 0, sizeof regions);
+    for (int i = 0; i < 2; i++) {
+      regions[i].instance_id = 77;
+      regions[i].allocation_id = 100u + (uint32_t)i;
+      regions[i].generation = 1;
+      regions[i].size = 4u << 20;
+      for (int b = 0; b < 16; b++) regions[i].device_uuid[b] = (uint8_t)(b * 3 + i);
+      regions[i].provider = 2;
+      regions[i].offset = 2u << 20;
+      regions[i].length = 2u << 20;
+      regions[i].fd_index = (uint32_t)i;
+    }
+    m.u.reg.device = 1;
+    m.u.reg.num_fds = 2;
+    m.u.reg.geometry_json = &json[0];
+    m.u.reg.geometry_json_len = (uint32_t)json.size();
+    m.u.reg.regions = regions;
+    m.u.reg.num_regions = 2;
+  }
+};
+
+// Payload offsets used by the edits below (docs/protocol.md tables).
+constexpr size_t H = KVF_PROTO_HEADER_SIZE;
+
+}  // namespace
+
+TEST(Protocol, HeaderLayoutIsLittleEndianAndFixed) {
+  kvf_proto_msg m = Msg(KVF_PROTO_HEARTBEAT, 0x0102030405060708ull);
+  m.u.heartbeat.sequence = 5;
+  std::vector<uint8_t> f = Encode(m);
+  ASSERT_EQ(f.size(), H + 8);
+  const uint8_t want[] = {'K', 'V', 'F', 'P', 1, 0, 4, 0, 8, 7, 6, 5, 4, 3, 2, 1, 8, 0, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0};
+  ASSERT_EQ(sizeof want, f.size());
+  EXPECT_EQ(0, memcmp(want, f.data(), sizeof want));
+}
+
+TEST(Protocol, RoundTripHelloAndReply) {
+  kvf_proto_msg in = Hello(), out;
+  ASSERT_EQ(Decode(Encode(in), &out), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(out.type, KVF_PROTO_HELLO);
+  EXPECT_EQ(out.request_id, 42u);
+  EXPECT_EQ(out.u.hello.pid, 1234u);
+  EXPECT_EQ(out.u.hello.instance_id, in.u.hello.instance_id);
+  EXPECT_EQ(out.u.hello.generation, 3u);
+  EXPECT_STREQ(out.u.hello.name, "engine-0");
+  kvf_proto_msg_clear(&out);
+
+  kvf_proto_msg r = Msg(KVF_PROTO_HELLO_REPLY);
+  r.u.hello_reply = {1, 99, 0x1122334455667788ull, 17, 1000, 5000, KVF_PROTO_MAX_PAYLOAD};
+  ASSERT_EQ(Decode(Encode(r), &out), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(0, memcmp(&out.u.hello_reply, &r.u.hello_reply, sizeof r.u.hello_reply));
+  kvf_proto_msg_clear(&out);
+}
+
+TEST(Protocol, RoundTripRegisterAndReply) {
+  Register in;
+  kvf_proto_msg out;
+  ASSERT_EQ(Decode(Encode(in.m), &out), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(out.u.reg.device, 1);
+  EXPECT_EQ(out.u.reg.num_fds, 2u);
+  EXPECT_EQ(std::string(out.u.reg.geometry_json), in.json);
+  EXPECT_EQ(out.u.reg.geometry_json_len, in.json.size());
+  ASSERT_EQ(out.u.reg.num_regions, 2u);
+  for (int i = 0; i < 2; i++) EXPECT_EQ(0, memcmp(&out.u.reg.regions[i], &in.regions[i], sizeof in.regions[i]));
+  kvf_proto_msg_clear(&out);
+
+  kvf_proto_msg r = Msg(KVF_PROTO_REGISTER_REPLY);
+  r.u.register_reply = {12, 0xFEEDull, 3, 5};
+  ASSERT_EQ(Decode(Encode(r), &out), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(0, memcmp(&out.u.register_reply, &r.u.register_reply, sizeof r.u.register_reply));
+  kvf_proto_msg_clear(&out);
+}
+
+TEST(Protocol, RoundTripSmallMessages) {
+  kvf_proto_msg out;
+  kvf_proto_msg a = Msg(KVF_PROTO_UNREGISTER);
+  a.u.unregister.registration_id = 12;
+  ASSERT_EQ(Decode(Encode(a), &out), KVF_SUCCESS);
+  EXPECT_EQ(out.u.unregister.registration_id, 12u);
+  kvf_proto_msg b = Msg(KVF_PROTO_UNREGISTER_REPLY);
+  b.u.unregister_reply = {12, KVF_PROTO_REG_CLOSED};
+  ASSERT_EQ(Decode(Encode(b), &out), KVF_SUCCESS);
+  EXPECT_EQ(out.u.unregister_reply.state, (uint32_t)KVF_PROTO_REG_CLOSED);
+  kvf_proto_msg c = Msg(KVF_PROTO_HEARTBEAT_REPLY);
+  c.u.heartbeat_reply = {8, 0xB007ull};
+  ASSERT_EQ(Decode(Encode(c), &out), KVF_SUCCESS);
+  EXPECT_EQ(out.u.heartbeat_reply.boot_token, 0xB007ull);
+  EXPECT_EQ(out.u.heartbeat_reply.sequence, 8u);
+  kvf_proto_msg d = Msg(KVF_PROTO_STAT);
+  d.u.stat.flags = KVF_PROTO_STAT_PER_CLIENT;
+  ASSERT_EQ(Decode(Encode(d), &out), KVF_SUCCESS);
+  EXPECT_EQ(out.u.stat.flags, KVF_PROTO_STAT_PER_CLIENT);
+  for (uint16_t t : {KVF_PROTO_STORE_REPLY, KVF_PROTO_RETRIEVE_REPLY}) {
+    kvf_proto_msg e = Msg(t);
+    e.u.xfer_reply = {KVF_ERR_TIMEOUT, 4, 1024};
+    ASSERT_EQ(Decode(Encode(e), &out), KVF_SUCCESS);
+    EXPECT_EQ(out.type, t);
+    EXPECT_EQ(out.u.xfer_reply.status, (uint32_t)KVF_ERR_TIMEOUT);
+    EXPECT_EQ(out.u.xfer_reply.blocks_done, 4u);
+    EXPECT_EQ(out.u.xfer_reply.tokens_done, 1024u);
+  }
+  kvf_proto_msg g = Msg(KVF_PROTO_ERROR);
+  g.u.error.status = KVF_ERR_PROTOCOL;
+  g.u.error.version = 1;
+  strcpy(g.u.error.field, "payload.groups[2].block_ids");
+  strcpy(g.u.error.message, "count 9000 exceeds the 8192 limit");
+  ASSERT_EQ(Decode(Encode(g), &out), KVF_SUCCESS);
+  EXPECT_EQ(out.u.error.status, (uint32_t)KVF_ERR_PROTOCOL);
+  EXPECT_STREQ(out.u.error.field, g.u.error.field);
+  EXPECT_STREQ(out.u.error.message, g.u.error.message);
+}
+
+TEST(Protocol, RoundTripStatReply) {
+  kvf_proto_stat_client clients[2];
+  memset(clients, 0, sizeof clients);
+  clients[0].client_id = 1;
+  clients[0].pid = 10;
+  strcpy(clients[0].name, "a");
+  clients[0].counters = {{0, 1, 0, 0, 0}, 2, 3, 4};
+  clients[1].client_id = 2;
+  clients[1].pid = 20;
+  clients[1].counters = {{0, 0, 1, 0, 1}, 5, 6, 7};
+  kvf_proto_msg in = Msg(KVF_PROTO_STAT_REPLY), out;
+  in.u.stat_reply.boot_token = 0xB0;
+  in.u.stat_reply.total = {{0, 1, 1, 0, 1}, 7, 9, 11};
+  in.u.stat_reply.clients = clients;
+  in.u.stat_reply.num_clients = 2;
+  ASSERT_EQ(Decode(Encode(in), &out), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(out.u.stat_reply.boot_token, 0xB0u);
+  EXPECT_EQ(0, memcmp(&out.u.stat_reply.total, &in.u.stat_reply.total, sizeof in.u.stat_reply.total));
+  ASSERT_EQ(out.u.stat_reply.num_clients, 2u);
+  for (int i = 0; i < 2; i++) EXPECT_EQ(0, memcmp(&out.u.stat_reply.clients[i], &clients[i], sizeof clients[i]));
+  kvf_proto_msg_clear(&out);
+}
+
+TEST(Protocol, RoundTripStoreAndRetrieve) {
+  for (uint16_t t : {KVF_PROTO_STORE, KVF_PROTO_RETRIEVE}) {
+    Xfer in(t);
+    kvf_proto_msg out;
+    ASSERT_EQ(Decode(Encode(in.m), &out), KVF_SUCCESS) << kvf_last_error();
+    EXPECT_EQ(out.type, t);
+    EXPECT_EQ(out.u.xfer.registration_id, 9u);
+    EXPECT_EQ(out.u.xfer.token_begin, 256u);
+    EXPECT_EQ(out.u.xfer.token_end, 512u);
+    EXPECT_EQ(out.u.xfer.format, 1u);
+    EXPECT_STREQ(out.u.xfer.key, "prefix:0123abcd");
+    ASSERT_EQ(out.u.xfer.num_groups, 3u);
+    for (int g = 0; g < 3; g++) {
+      EXPECT_EQ(out.u.xfer.groups[g].first_block, in.groups[g].first_block);
+      ASSERT_EQ(out.u.xfer.groups[g].count, in.ids[g].size());
+      EXPECT_EQ(0, memcmp(out.u.xfer.groups[g].block_ids, in.ids[g].data(), in.ids[g].size() * 4));
+    }
+    kvf_proto_msg_clear(&out);
+  }
+}
+
+TEST(Protocol, HeaderRejectionsNameTheirField) {
+  std::vector<uint8_t> good = Encode(Hello());
+  auto f = good;
+  f[0] = 'X';
+  ExpectReject(f, "header.magic");
+  f = good;
+  PutLe(f, 6, 0x0042, 2);
+  ExpectReject(f, "header.type");
+  f = good;
+  PutLe(f, 20, 1, 4);
+  ExpectReject(f, "header.flags");
+  f = good;
+  PutLe(f, 16, KVF_PROTO_MAX_PAYLOAD + 1, 4);
+  ExpectReject(f, "header.payload_len");
+  f = good;
+  f.pop_back();
+  ExpectReject(f, "header.payload_len");  // truncated: fewer bytes than it says
+  ExpectReject(std::vector<uint8_t>(good.begin(), good.begin() + 10), "header");
+}
+
+TEST(Protocol, VersionMismatchSaysBothVersions) {
+  std::vector<uint8_t> f = Encode(Hello());
+  PutLe(f, 4, 7, 2);
+  kvf_proto_header h;
+  EXPECT_EQ(kvf_proto_header_decode(f.data(), 0, &h), KVF_ERR_PROTOCOL);
+  std::string msg = kvf_last_error();
+  EXPECT_NE(msg.find("header.version"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("version 7"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("speaks 1"), std::string::npos) << msg;
+  EXPECT_EQ(h.request_id, 42u);  // still known, so the ERROR reply can be addressed
+
+  uint16_t v = 0;
+  EXPECT_EQ(kvf_proto_negotiate(1, 3, &v), KVF_SUCCESS);
+  EXPECT_EQ(v, 1);
+  EXPECT_EQ(kvf_proto_negotiate(2, 3, &v), KVF_ERR_PROTOCOL);
+  msg = kvf_last_error();
+  EXPECT_NE(msg.find("2..3"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("1..1"), std::string::npos) << msg;
+}
+
+TEST(Protocol, HelloRejections) {
+  std::vector<uint8_t> good = Encode(Hello());
+  auto f = good;
+  PutLe(f, H + 0, 0, 2);
+  ExpectReject(f, "payload.min_version");
+  f = good;
+  PutLe(f, H + 0, 3, 2);
+  ExpectReject(f, "payload.max_version");
+  f = good;
+  PutLe(f, H + 8, 0, 8);
+  ExpectReject(f, "payload.instance_id");
+  f = good;
+  f[H + 28] = 'x';  // "engine-0" -> NUL inside? no: set a NUL in the name
+  f[H + 28 + 2] = 0;
+  ExpectReject(f, "payload.name");
+  f = good;
+  PutLe(f, H + 24, 64, 4);  // name length over the 63-byte limit
+  ExpectReject(f, "payload.name");
+  f = good;
+  f.push_back(0);
+  FixLen(f);
+  ExpectReject(f, "payload: 1 bytes left over");
+  f = good;
+  f.resize(H + 20);
+  FixLen(f);
+  ExpectReject(f, "payload.generation");
+}
+
+TEST(Protocol, HelloReplyRejections) {
+  kvf_proto_msg r = Msg(KVF_PROTO_HELLO_REPLY);
+  r.u.hello_reply = {1, 99, 1, 17, 1000, 5000, 65536};
+  std::vector<uint8_t> good = Encode(r);
+  auto f = good;
+  PutLe(f, H + 0, 0, 2);
+  ExpectReject(f, "payload.version");
+  f = good;
+  PutLe(f, H + 2, 1, 2);
+  ExpectReject(f, "payload.reserved");
+  f = good;
+  PutLe(f, H + 24, 0, 4);
+  ExpectReject(f, "payload.heartbeat_period_ms");
+  f = good;
+  PutLe(f, H + 28, 1000, 4);
+  ExpectReject(f, "payload.heartbeat_timeout_ms");
+  f = good;
+  PutLe(f, H + 32, 100, 4);
+  ExpectReject(f, "payload.max_payload");
+}
+
+TEST(Protocol, RegisterRejections) {
+  Register in;
+  std::vector<uint8_t> good = Encode(in.m);
+  const size_t json_at = H + 12, regions_at = json_at + 4 + in.json.size();
+  auto f = good;
+  PutLe(f, H + 0, (uint32_t)-2, 4);
+  ExpectReject(f, "payload.device");
+  f = good;
+  PutLe(f, H + 4, 254, 4);
+  ExpectReject(f, "payload.num_fds: count 254 exceeds the 253 limit");
+  f = good;
+  PutLe(f, H + 8, 4097, 4);
+  ExpectReject(f, "payload.num_regions: count 4097 exceeds the 4096 limit");
+  f = good;
+  PutLe(f, H + 8, 0, 4);
+  ExpectReject(f, "payload.num_regions");
+  f = good;
+  PutLe(f, H + 8, 3, 4);  // more regions than the payload holds
+  ExpectReject(f, "payload.regions: count 3");
+  f = good;
+  PutLe(f, json_at, KVF_PROTO_MAX_GEOMETRY_JSON + 1, 4);
+  ExpectReject(f, "payload.geometry_json: length");
+  f = good;
+  PutLe(f, json_at, 0xFFFFFF, 4);
+  ExpectReject(f, "payload.geometry_json");
+  f = good;
+  f[json_at + 5] = 0;
+  ExpectReject(f, "payload.geometry_json: NUL byte at offset 1");
+  const size_t r1 = regions_at + 88;  // regions[1]
+  f = good;
+  PutLe(f, r1 + 0, 0, 8);
+  ExpectReject(f, "payload.regions[1].instance_id");
+  f = good;
+  PutLe(f, r1 + 48, 3, 4);
+  ExpectReject(f, "payload.regions[1].provider");
+  f = good;
+  PutLe(f, r1 + 52, 1, 4);
+  ExpectReject(f, "payload.regions[1].reserved0");
+  f = good;
+  PutLe(f, r1 + 56, 1, 8);
+  ExpectReject(f, "payload.regions[1].reserved1");
+  f = good;
+  PutLe(f, r1 + 24, 0, 8);
+  ExpectReject(f, "payload.regions[1].size");
+  f = good;
+  PutLe(f, r1 + 72, 0, 8);
+  ExpectReject(f, "payload.regions[1].length: 0");
+  f = good;
+  PutLe(f, r1 + 72, (3u << 20), 8);  // offset 2 MiB + 3 MiB > 4 MiB
+  ExpectReject(f, "payload.regions[1].length: offset");
+  f = good;
+  PutLe(f, r1 + 64, UINT64_MAX, 8);  // offset + length overflows
+  ExpectReject(f, "payload.regions[1].length: offset");
+  f = good;
+  PutLe(f, r1 + 80, 2, 4);
+  ExpectReject(f, "payload.regions[1].fd_index: 2, but the frame carries 2");
+  f = good;
+  PutLe(f, r1 + 84, 9, 4);
+  ExpectReject(f, "payload.regions[1].reserved2");
+  f = good;
+  f.resize(f.size() - 30);
+  FixLen(f);
+  ExpectReject(f, "payload.regions: count 2");
+}
+
+TEST(Protocol, XferRejections) {
+  Xfer in;
+  std::vector<uint8_t> good = Encode(in.m);
+  const size_t key_at = H + 32, groups_at = key_at + 4 + strlen(in.m.u.xfer.key);
+  auto f = good;
+  PutLe(f, H + 16, 256, 8);
+  ExpectReject(f, "payload.token_end");
+  f = good;
+  PutLe(f, H + 24, 2, 4);
+  ExpectReject(f, "payload.format");
+  f = good;
+  PutLe(f, H + 28, 65, 4);
+  ExpectReject(f, "payload.num_groups: count 65 exceeds the 64 limit");
+  f = good;
+  PutLe(f, H + 28, 0, 4);
+  ExpectReject(f, "payload.num_groups");
+  f = good;
+  PutLe(f, H + 28, 60, 4);
+  ExpectReject(f, "payload.groups: count 60");
+  f = good;
+  PutLe(f, key_at, 256, 4);
+  ExpectReject(f, "payload.key: length 256 exceeds the 255 limit");
+  f = good;
+  f[key_at + 4] = 0;
+  ExpectReject(f, "payload.key: NUL byte at offset 0");
+  // groups[2].count: after groups[0] (12 + 5*4) and groups[1] (12 + 10*4), skip first_block.
+  const size_t g2_count = groups_at + (12 + 20) + (12 + 40) + 8;
+  f = good;
+  PutLe(f, g2_count, 9000, 4);
+  ExpectReject(f, "payload.groups[2].block_ids: count 9000 exceeds the 8192 limit");
+  f = good;
+  PutLe(f, g2_count, 17, 4);  // the payload holds 16
+  ExpectReject(f, "payload.groups[2].block_ids: count 17 needs at least 68 bytes");
+  f = good;
+  f.resize(f.size() - 1);
+  FixLen(f);
+  ExpectReject(f, "payload.groups[2].block_ids");
+}
+
+TEST(Protocol, OtherRejections) {
+  kvf_proto_msg s = Msg(KVF_PROTO_STAT);
+  s.u.stat.flags = 1;
+  auto f = Encode(s);
+  PutLe(f, H, 6, 4);
+  ExpectReject(f, "payload.flags");
+
+  kvf_proto_msg u = Msg(KVF_PROTO_UNREGISTER_REPLY);
+  u.u.unregister_reply = {3, 1};
+  f = Encode(u);
+  PutLe(f, H + 8, 5, 4);
+  ExpectReject(f, "payload.state");
+  f = Encode(u);
+  PutLe(f, H + 12, 5, 4);
+  ExpectReject(f, "payload.reserved");
+
+  kvf_proto_msg x = Msg(KVF_PROTO_STORE_REPLY);
+  x.u.xfer_reply = {0, 1, 2};
+  f = Encode(x);
+  PutLe(f, H, 99, 4);
+  ExpectReject(f, "payload.status");
+
+  kvf_proto_msg e = Msg(KVF_PROTO_ERROR);
+  e.u.error.status = KVF_ERR_BUSY;
+  e.u.error.version = 1;
+  strcpy(e.u.error.message, "busy");
+  f = Encode(e);
+  PutLe(f, H, 0, 4);
+  ExpectReject(f, "payload.status");
+  f = Encode(e);
+  PutLe(f, H + 4, 0, 2);
+  ExpectReject(f, "payload.version");
+  f = Encode(e);
+  PutLe(f, H + 8, 200, 4);  // field length over the limit
+  ExpectReject(f, "payload.field");
+
+  kvf_proto_msg r = Msg(KVF_PROTO_REGISTER_REPLY);
+  r.u.register_reply = {0, 1, 2, 3};
+  ExpectReject(Encode(r), "payload.registration_id");
+
+  kvf_proto_stat_reply sr;
+  memset(&sr, 0, sizeof sr);
+  kvf_proto_msg st = Msg(KVF_PROTO_STAT_REPLY);
+  st.u.stat_reply = sr;
+  f = Encode(st);
+  PutLe(f, H + 8 + 44, 1025, 4);
+  ExpectReject(f, "payload.clients: count 1025 exceeds the 1024 limit");
+  f = Encode(st);
+  PutLe(f, H + 8 + 44, 2, 4);
+  ExpectReject(f, "payload.clients: count 2 needs");
+}
+
+TEST(Protocol, EncoderRefusesWhatTheDecoderWould) {
+  uint8_t *buf = nullptr;
+  size_t len = 0;
+  Xfer x;
+  x.groups[1].count = KVF_PROTO_MAX_BLOCKS_PER_GROUP + 1;
+  EXPECT_EQ(kvf_proto_encode(&x.m, &buf, &len), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvf_last_error()).find("groups[1].block_ids"), std::string::npos) << kvf_last_error();
+  kvf_proto_msg bad = Msg(0x1234);
+  EXPECT_EQ(kvf_proto_encode(&bad, &buf, &len), KVF_ERR_INVALID_ARGUMENT);
+  kvf_proto_msg h = Hello();
+  memset(h.u.hello.name, 'a', sizeof h.u.hello.name);  // no NUL
+  EXPECT_EQ(kvf_proto_encode(&h, &buf, &len), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvf_last_error()).find("hello.name"), std::string::npos);
+  EXPECT_EQ(buf, nullptr);
+}
+
+TEST(Protocol, ReaderReassemblesByteByByte) {
+  Xfer x;
+  std::vector<uint8_t> stream = Encode(Hello());
+  std::vector<uint8_t> second = Encode(x.m);
+  kvf_proto_msg hb = Msg(KVF_PROTO_UNREGISTER, 99);
+  std::vector<uint8_t> third = Encode(hb);
+  stream.insert(stream.end(), second.begin(), second.end());
+  stream.insert(stream.end(), third.begin(), third.end());
+
+  kvf_proto_reader r;
+  kvf_proto_reader_init(&r, 0);
+  std::vector<uint16_t> types;
+  size_t frame_start = 0, pos = 0;
+  std::vector<size_t> lens = {Encode(Hello()).size(), second.size(), third.size()};
+  while (pos < stream.size()) {
+    size_t want = kvf_proto_reader_want(&r);
+    ASSERT_GT(want, 0u);
+    size_t consumed = 0;
+    int ready = 0;
+    ASSERT_EQ(kvf_proto_reader_feed(&r, &stream[pos], 1, &consumed, &ready), KVF_SUCCESS) << kvf_last_error();
+    ASSERT_EQ(consumed, 1u);
+    pos++;
+    if (!ready) continue;
+    kvf_proto_header h;
+    uint8_t *payload = nullptr;
+    ASSERT_EQ(kvf_proto_reader_take(&r, &h, &payload), KVF_SUCCESS);
+    EXPECT_EQ(pos - frame_start, lens[types.size()]);
+    frame_start = pos;
+    kvf_proto_msg m;
+    ASSERT_EQ(kvf_proto_decode(&h, payload, &m), KVF_SUCCESS) << kvf_last_error();
+    types.push_back(m.type);
+    if (m.type == KVF_PROTO_STORE) {
+      EXPECT_EQ(m.u.xfer.groups[2].block_ids[15], 0xFFFFFFFFu);
+    }
+    kvf_proto_msg_clear(&m);
+    free(payload);
+  }
+  EXPECT_EQ(types, (std::vector<uint16_t>{KVF_PROTO_HELLO, KVF_PROTO_STORE, KVF_PROTO_UNREGISTER}));
+  uint8_t *p = nullptr;
+  kvf_proto_header h;
+  EXPECT_EQ(kvf_proto_reader_take(&r, &h, &p), KVF_ERR_STATE);
+  kvf_proto_reader_reset(&r);
+}
+
+TEST(Protocol, ReaderStopsAtFrameEndAndInPieces) {
+  std::vector<uint8_t> a = Encode(Hello()), b = Encode(Hello());
+  std::vector<uint8_t> s = a;
+  s.insert(s.end(), b.begin(), b.end());
+  kvf_proto_reader r;
+  kvf_proto_reader_init(&r, 0);
+  size_t consumed = 0;
+  int ready = 0;
+  ASSERT_EQ(kvf_proto_reader_feed(&r, s.data(), s.size(), &consumed, &ready), KVF_SUCCESS);
+  EXPECT_EQ(consumed, a.size());  // never past the first frame
+  EXPECT_EQ(ready, 1);
+  EXPECT_EQ(kvf_proto_reader_want(&r), 0u);
+  ASSERT_EQ(kvf_proto_reader_feed(&r, s.data() + consumed, 5, &consumed, &ready), KVF_SUCCESS);
+  EXPECT_EQ(consumed, 0u);  // waits to be taken
+  kvf_proto_header h;
+  uint8_t *p = nullptr;
+  ASSERT_EQ(kvf_proto_reader_take(&r, &h, &p), KVF_SUCCESS);
+  free(p);
+  // The second frame in pieces of 7 bytes.
+  size_t pos = a.size();
+  while (pos < s.size()) {
+    size_t n = std::min<size_t>(7, s.size() - pos);
+    ASSERT_EQ(kvf_proto_reader_feed(&r, &s[pos], n, &consumed, &ready), KVF_SUCCESS);
+    pos += consumed;
+  }
+  EXPECT_EQ(ready, 1);
+  ASSERT_EQ(kvf_proto_reader_take(&r, &h, &p), KVF_SUCCESS);
+  EXPECT_EQ(h.type, KVF_PROTO_HELLO);
+  free(p);
+  kvf_proto_reader_reset(&r);
+}
+
+TEST(Protocol, ReaderRejectsOversizeBeforeAllocating) {
+  kvf_proto_msg m = Hello();
+  std::vector<uint8_t> f = Encode(m);
+  PutLe(f, 16, 4096 + 1, 4);
+  kvf_proto_reader r;
+  kvf_proto_reader_init(&r, 4096);
+  size_t consumed = 0;
+  int ready = 0;
+  EXPECT_EQ(kvf_proto_reader_feed(&r, f.data(), f.size(), &consumed, &ready), KVF_ERR_PROTOCOL);
+  EXPECT_NE(std::string(kvf_last_error()).find("header.payload_len: 4097 bytes exceed the 4096-byte limit"),
+            std::string::npos)
+      << kvf_last_error();
+  EXPECT_EQ(consumed, KVF_PROTO_HEADER_SIZE);
+  EXPECT_EQ(r.payload, nullptr);  // nothing was allocated for it
+  EXPECT_EQ(r.header.request_id, 42u);
+  // Sticky: the stream is out of step.
+  EXPECT_EQ(kvf_proto_reader_feed(&r, f.data(), 1, &consumed, &ready), KVF_ERR_PROTOCOL);
+  EXPECT_EQ(consumed, 0u);
+  kvf_proto_reader_reset(&r);
+  // A 4 GiB length is refused the same way with the default limit.
+  PutLe(f, 16, 0xFFFFFFFFu, 4);
+  kvf_proto_reader_init(&r, 0);
+  EXPECT_EQ(kvf_proto_reader_feed(&r, f.data(), f.size(), &consumed, &ready), KVF_ERR_PROTOCOL);
+  EXPECT_EQ(r.payload, nullptr);
+  kvf_proto_reader_reset(&r);
+}
+
+TEST(Protocol, ReaderRejectsGarbageAndWrongVersion) {
+  std::vector<uint8_t> garbage(64, 0x5A);
+  kvf_proto_reader r;
+  kvf_proto_reader_init(&r, 0);
+  size_t consumed = 0;
+  int ready = 0;
+  EXPECT_EQ(kvf_proto_reader_feed(&r, garbage.data(), garbage.size(), &consumed, &ready), KVF_ERR_PROTOCOL);
+  EXPECT_NE(std::string(kvf_last_error()).find("header.magic"), std::string::npos);
+  kvf_proto_reader_reset(&r);
+  std::vector<uint8_t> f = Encode(Hello());
+  PutLe(f, 4, 2, 2);
+  EXPECT_EQ(kvf_proto_reader_feed(&r, f.data(), f.size(), &consumed, &ready), KVF_ERR_PROTOCOL);
+  EXPECT_NE(std::string(kvf_last_error()).find("peer speaks protocol version 2, this side speaks 1"),
+            std::string::npos)
+      << kvf_last_error();
+  kvf_proto_reader_reset(&r);
+}
+
+TEST(Protocol, EveryTruncationOfEveryMessageIsRejected) {
+  Register reg;
+  Xfer x;
+  kvf_proto_msg hr = Msg(KVF_PROTO_HELLO_REPLY);
+  hr.u.hello_reply = {1, 99, 1, 17, 1000, 5000, 65536};
+  std::vector<std::vector<uint8_t>> frames = {Encode(Hello()), Encode(reg.m), Encode(x.m), Encode(hr)};
+  for (const auto &good : frames) {
+    for (size_t cut = 0; cut < good.size() - H; cut++) {
+      auto f = good;
+      f.resize(H + cut);
+      FixLen(f);
+      kvf_proto_msg m;
+      EXPECT_EQ(Decode(f, &m), KVF_ERR_PROTOCOL) << "cut at " << cut;
+      EXPECT_NE(std::string(kvf_last_error()).find("payload"), std::string::npos) << kvf_last_error();
+    }
+  }
+}
