@@ -3,6 +3,7 @@
  *   kvferry geometry check FILE...   validate geometry files and summarize them
  *   kvferry demo [options]           a store/retrieve round trip that verifies every byte
  *   kvferry bench [ARGS...]          the transfer benchmark (execs perf/kvf_bench)
+ *   kvferry topo                     NUMA nodes, cores and the per-GPU placement
  *   kvferry version
  *
  * Uses the public API only. */
@@ -17,6 +18,7 @@
 #include <unistd.h>
 
 #include <kvferry/kvferry.h>
+#include <kvferry/topology.h>
 
 #ifdef KVF_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -50,6 +52,9 @@ static void usage(FILE *out) {
           "  presets                  list the preset geometries\n"
           "  bench [ARGS...]          run the transfer benchmark (kvf_bench from perf/, built with\n"
           "                           -DKVF_BUILD_PERF=ON) with ARGS; 'kvferry bench --help' lists them\n"
+          "  topo                     print the machine's NUMA nodes and cores, and where the cache\n"
+          "                           server would place each GPU's threads and L1 memory (or that\n"
+          "                           no GPU is visible, and why)\n"
           "  version                  print the library version\n"
           "\n"
           "Presets are looked up in $KVF_PRESET_DIR, then next to the build, then in the install prefix.\n");
@@ -751,6 +756,40 @@ static int cmd_bench(int argc, char **argv) {
   return 1;
 }
 
+/* ---- topo ---------------------------------------------------------------- */
+
+static int cmd_topo(void) {
+  kvf_topology *t = NULL;
+  kvf_status st = kvf_topology_create(&t);
+  if (st) {
+    fprintf(stderr, "kvferry topo: %s: %s\n", kvf_status_string(st), kvf_last_error());
+    return 1;
+  }
+  kvf_topology_info info = KVF_TOPOLOGY_INFO_INIT;
+  kvf_topology_info_get(t, &info);
+  printf("machine: %u NUMA node%s, %u cores, %u cpus (%s)%s\n", info.num_numa_nodes,
+         info.num_numa_nodes == 1 ? "" : "s", info.num_cores, info.num_pus, info.cpus,
+         info.has_pci || info.num_gpus == 0 ? "" : ", no PCI information");
+  for (uint32_t i = 0; i < info.num_numa_nodes; i++) {
+    kvf_numa_node_info n = KVF_NUMA_NODE_INFO_INIT;
+    if (kvf_topology_numa_node(t, i, &n)) continue;
+    printf("  node %u: %u cores, cpus %s", n.os_index, n.num_cores, n.cpus);
+    if (n.memory_bytes) printf(", %.1f GiB", (double)n.memory_bytes / (1024.0 * 1024.0 * 1024.0));
+    printf("\n");
+  }
+  if (info.num_gpus == 0) printf("GPUs: none (%s)\n", info.gpu_note);
+  for (uint32_t g = 0; g < info.num_gpus; g++) {
+    kvf_gpu_placement p = KVF_GPU_PLACEMENT_INIT;
+    if (kvf_topology_gpu(t, g, &p)) continue;
+    printf("GPU %d (%s): NUMA node %d (local %s), cpus %s; worker on cpu %d, completion on cpu %d, "
+           "L1 memory on node %d%s%s\n",
+           p.device, p.pci_bus_id[0] ? p.pci_bus_id : "no PCI id", p.numa_node, p.numa_nodes, p.local_cpus,
+           p.worker_cpu, p.completion_cpu, p.numa_node, p.note[0] ? "\n    note: " : "", p.note);
+  }
+  kvf_topology_destroy(t);
+  return 0;
+}
+
 int main(int argc, char **argv) {
   if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
     usage(argc < 2 ? stderr : stdout);
@@ -765,6 +804,7 @@ int main(int argc, char **argv) {
   if (!strcmp(argv[1], "demo")) return cmd_demo(argc - 2, argv + 2);
   if (!strcmp(argv[1], "presets")) return cmd_presets();
   if (!strcmp(argv[1], "bench")) return cmd_bench(argc - 2, argv + 2);
+  if (!strcmp(argv[1], "topo")) return cmd_topo();
   fprintf(stderr, "kvferry: unknown command '%s'\n\n", argv[1]);
   usage(stderr);
   return 2;

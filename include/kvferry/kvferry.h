@@ -20,6 +20,7 @@
  *   kvferry/device.h    probing the CUDA driver and devices
  *   kvferry/transfer.h  gather/scatter on a GPU (one kernel launch) or on the host
  *   kvferry/memory.h    exportable allocations, descriptor passing, the import table
+ *   kvferry/topology.h  GPUs, NUMA nodes and the cores each GPU's threads are pinned to
  */
 #ifndef KVFERRY_KVFERRY_H
 #define KVFERRY_KVFERRY_H
@@ -31,5 +32,6 @@
 #include <kvferry/device.h>
 #include <kvferry/transfer.h>
 #include <kvferry/memory.h>
+#include <kvferry/topology.h>
 
 #endif /* KVFERRY_KVFERRY_H */
