@@ -27,6 +27,7 @@ static void list_string(char *dst, size_t cap, hwloc_const_bitmap_t set) {
 
 /* The GPUs' PCI ids from the driver, or zero GPUs and the reason. */
 static kvf_status cuda_gpus(kvf_topo_pci_id *ids, uint32_t *num, char *note, size_t note_cap) {
+  (void)ids; /* unused in a build without CUDA */
   *num = 0;
   kvf_cuda_info info = KVF_CUDA_INFO_INIT;
   kvf_status st = kvf_cuda_probe(&info);
