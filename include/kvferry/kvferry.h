@@ -21,6 +21,7 @@
  *   kvferry/transfer.h  gather/scatter on a GPU (one kernel launch) or on the host
  *   kvferry/memory.h    exportable allocations, descriptor passing, the import table
  *   kvferry/topology.h  GPUs, NUMA nodes and the cores each GPU's threads are pinned to
+ *   kvferry/client.h    an engine's connection to kvferryd: register, heartbeat, stat
  */
 #ifndef KVFERRY_KVFERRY_H
 #define KVFERRY_KVFERRY_H
@@ -33,5 +34,6 @@
 #include <kvferry/transfer.h>
 #include <kvferry/memory.h>
 #include <kvferry/topology.h>
+#include <kvferry/client.h>
 
 #endif /* KVFERRY_KVFERRY_H */

@@ -1,0 +1,620 @@
+/* The kvferryd server object: one poll loop over the listener and the
+ * connections (host/server.h). */
+#define _GNU_SOURCE /* pipe2 */
+#include "host/server.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <kvferry/geometry.h>
+#include <kvferry/memory.h>
+
+#include "geometry/error.h"
+#include "host/endpoint.h"
+#include "host/log.h"
+#include "host/protocol.h"
+
+typedef struct kvf_server_conn {
+  kvf_conn conn;
+  uint64_t client_id;   /* the registry's client id; assigned at accept */
+  int hello_done;
+  uint32_t pid;         /* from HELLO (SO_PEERCRED's in conn.peer) */
+  char name[KVF_PROTO_NAME_MAX];
+  uint64_t last_seen_ns; /* any valid frame counts as a heartbeat */
+  kvf_geometry *geometry; /* of the active registration, or NULL */
+} kvf_server_conn;
+
+struct kvf_server {
+  kvf_server_options opt;
+  kvf_import_table *table;
+  kvf_registry *registry;
+  kvf_endpoint *ep;
+  int stop_pipe[2];
+  int stop_flag; /* atomic */
+  int running;   /* atomic */
+  uint64_t boot_token;
+  uint64_t next_client_id;
+  kvf_server_conn **conns; /* [num_conns] */
+  uint32_t num_conns;
+  struct pollfd *pfds; /* [2 + max_clients] */
+  uint64_t last_collect_ns;
+};
+
+/* ---- helpers -------------------------------------------------------------- */
+
+static void server_conn_drop(kvf_server *s, uint32_t index, const char *why) {
+  kvf_server_conn *c = s->conns[index];
+  KVF_INFO(SERVER, "client %llu (pid %u, '%s') disconnected: %s", (unsigned long long)c->client_id,
+           (unsigned)c->conn.peer.pid, c->name, why);
+  kvf_status st = kvf_registry_client_close(s->registry, c->client_id);
+  if (st != KVF_SUCCESS && st != KVF_ERR_BUSY)
+    KVF_WARN(SERVER, "client %llu: close left registrations draining: %s", (unsigned long long)c->client_id,
+             kvf_last_error());
+  kvf_conn_close(&c->conn);
+  kvf_geometry_destroy(c->geometry);
+  free(c);
+  s->conns[index] = s->conns[s->num_conns - 1];
+  s->num_conns--;
+}
+
+/* Send `msg`; a failure to write drops nothing here (the caller sees it). */
+static kvf_status server_send(kvf_server *s, kvf_server_conn *c, const kvf_proto_msg *msg) {
+  return kvf_conn_send(&c->conn, msg, NULL, 0, (int)s->opt.write_timeout_ms);
+}
+
+static void close_fds(int *fds, uint32_t n) {
+  for (uint32_t i = 0; i < n; i++)
+    if (fds[i] >= 0) {
+      close(fds[i]);
+      fds[i] = -1;
+    }
+}
+
+static void fill_counters(const kvf_registry_stats *st, kvf_proto_counters *out) {
+  memset(out, 0, sizeof(*out));
+  out->registrations[KVF_PROTO_REG_REGISTERING] = st->registering > UINT32_MAX ? UINT32_MAX : (uint32_t)st->registering;
+  out->registrations[KVF_PROTO_REG_ACTIVE] = st->active > UINT32_MAX ? UINT32_MAX : (uint32_t)st->active;
+  out->registrations[KVF_PROTO_REG_DRAINING] = st->draining > UINT32_MAX ? UINT32_MAX : (uint32_t)st->draining;
+  out->registrations[KVF_PROTO_REG_CLOSED] = st->closed_total > UINT32_MAX ? UINT32_MAX : (uint32_t)st->closed_total;
+  out->registrations[KVF_PROTO_REG_FAILED] = st->failed_total > UINT32_MAX ? UINT32_MAX : (uint32_t)st->failed_total;
+  out->imports = st->imports;
+  out->aliases = st->aliases;
+  out->leases = st->leases;
+}
+
+/* ---- requests --------------------------------------------------------------
+ * Each handler returns KVF_SUCCESS when it replied (with a result or an
+ * ERROR) and the connection stays; any other status drops the connection
+ * (after an ERROR when one can still be written). */
+
+static kvf_status handle_hello(kvf_server *s, kvf_server_conn *c, const kvf_proto_msg *m) {
+  if (c->hello_done) {
+    kvf_conn_send_error(&c->conn, m->request_id, KVF_ERR_PROTOCOL, "header.type: HELLO sent twice",
+                        (int)s->opt.write_timeout_ms);
+    return KVF_ERR_PROTOCOL;
+  }
+  uint16_t version = 0;
+  kvf_status st = kvf_proto_negotiate(m->u.hello.min_version, m->u.hello.max_version, &version);
+  if (st != KVF_SUCCESS) {
+    kvf_conn_send_error(&c->conn, m->request_id, st, NULL, (int)s->opt.write_timeout_ms);
+    return st;
+  }
+  st = kvf_registry_client_open(s->registry, c->client_id, kvf_registry_now_ns());
+  if (st != KVF_SUCCESS) {
+    kvf_conn_send_error(&c->conn, m->request_id, st, NULL, (int)s->opt.write_timeout_ms);
+    return st;
+  }
+  c->hello_done = 1;
+  c->pid = m->u.hello.pid;
+  snprintf(c->name, sizeof(c->name), "%s", m->u.hello.name);
+  KVF_INFO(SERVER, "client %llu: HELLO from pid %u (peer pid %d) '%s', version %u",
+           (unsigned long long)c->client_id, (unsigned)c->pid, (int)c->conn.peer.pid, c->name, (unsigned)version);
+  kvf_proto_msg r;
+  memset(&r, 0, sizeof(r));
+  r.type = KVF_PROTO_HELLO_REPLY;
+  r.request_id = m->request_id;
+  r.u.hello_reply.version = version;
+  r.u.hello_reply.server_pid = (uint32_t)getpid();
+  r.u.hello_reply.boot_token = s->boot_token;
+  r.u.hello_reply.client_id = c->client_id;
+  r.u.hello_reply.heartbeat_period_ms = s->opt.heartbeat_period_ms;
+  r.u.hello_reply.heartbeat_timeout_ms = s->opt.heartbeat_timeout_ms;
+  r.u.hello_reply.max_payload = KVF_PROTO_MAX_PAYLOAD;
+  return server_send(s, c, &r);
+}
+
+/* Check REGISTER against its geometry and build the views. On failure every
+ * descriptor is closed and kvf_last_error() names the field. On success the
+ * views own the descriptors they name (fds[] entries moved there are -1) and
+ * descriptors no region uses are closed. */
+static kvf_status register_prepare(const kvf_proto_register *rg, int *fds, uint32_t num_fds, kvf_geometry **geom_out,
+                                   kvf_import_view **views_out) {
+  kvf_status st;
+  kvf_geometry *g = NULL;
+  kvf_import_view *views = NULL;
+  int *claimed = NULL; /* per descriptor: 1 + the region that first named it, or 0 */
+  *geom_out = NULL;
+  *views_out = NULL;
+  if (rg->num_fds != num_fds) {
+    st = kvf_fail(KVF_ERR_PROTOCOL, "payload.num_fds: the frame says %u descriptors, %u arrived",
+                  (unsigned)rg->num_fds, (unsigned)num_fds);
+    goto out;
+  }
+  kvf_geometry_error gerr;
+  st = kvf_geometry_load_buffer(rg->geometry_json, rg->geometry_json_len, NULL, &g, &gerr);
+  if (st != KVF_SUCCESS) {
+    st = kvf_fail(st, "payload.geometry_json: %s", kvf_last_error());
+    goto out;
+  }
+  uint32_t nreg = kvf_geometry_num_regions(g);
+  if (rg->num_regions != nreg) {
+    st = kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.num_regions: %u regions sent, the geometry has %u",
+                  (unsigned)rg->num_regions, (unsigned)nreg);
+    goto out;
+  }
+  views = calloc(nreg ? nreg : 1, sizeof(*views));
+  claimed = calloc(num_fds ? num_fds : 1, sizeof(*claimed));
+  if (!views || !claimed) {
+    st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "register: out of memory");
+    goto out;
+  }
+  for (uint32_t i = 0; i < nreg; i++) {
+    const kvf_proto_region *pr = &rg->regions[i];
+    kvf_region_info info;
+    st = kvf_geometry_region(g, i, &info);
+    if (st != KVF_SUCCESS) goto out;
+    if (pr->provider != KVF_MEM_PROVIDER_HOST && pr->provider != KVF_MEM_PROVIDER_CUMEM) {
+      st = kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.regions[%u].provider: %u is not a provider (1 host, 2 cumem)",
+                    (unsigned)i, (unsigned)pr->provider);
+      goto out;
+    }
+    if (pr->fd_index >= num_fds) {
+      st = kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.regions[%u].fd_index: %u, but %u descriptors came",
+                    (unsigned)i, (unsigned)pr->fd_index, (unsigned)num_fds);
+      goto out;
+    }
+    if (pr->length < info.size) {
+      st = kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                    "payload.regions[%u].length: %llu bytes, the geometry's region '%s' needs %llu", (unsigned)i,
+                    (unsigned long long)pr->length, info.name, (unsigned long long)info.size);
+      goto out;
+    }
+    uint64_t end = 0;
+    if (!kvf_add_u64(pr->offset, pr->length, &end) || end > pr->size) {
+      st = kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                    "payload.regions[%u].length: offset %llu + length %llu exceeds the allocation's %llu bytes",
+                    (unsigned)i, (unsigned long long)pr->offset, (unsigned long long)pr->length,
+                    (unsigned long long)pr->size);
+      goto out;
+    }
+    if (info.align > 1 && (pr->offset % info.align) != 0) {
+      st = kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                    "payload.regions[%u].offset: %llu is not a multiple of the region's alignment %llu", (unsigned)i,
+                    (unsigned long long)pr->offset, (unsigned long long)info.align);
+      goto out;
+    }
+    kvf_import_view *v = &views[i];
+    memset(v, 0, sizeof(*v));
+    v->identity.instance_id = pr->instance_id;
+    v->identity.allocation_id = pr->allocation_id;
+    v->identity.generation = pr->generation;
+    v->identity.size = pr->size;
+    memcpy(v->identity.device_uuid, pr->device_uuid, sizeof(v->identity.device_uuid));
+    v->identity.provider = pr->provider;
+    v->offset = pr->offset;
+    v->size = pr->length;
+    v->fd = -1;
+    /* One descriptor goes to the first view that names it; the import table
+     * maps it once per identity (views of one identity may share it). */
+    if (claimed[pr->fd_index] == 0) {
+      claimed[pr->fd_index] = (int)i + 1;
+      v->fd = fds[pr->fd_index];
+    } else {
+      const kvf_proto_region *first = &rg->regions[claimed[pr->fd_index] - 1];
+      if (first->instance_id != pr->instance_id || first->allocation_id != pr->allocation_id ||
+          first->generation != pr->generation) {
+        st = kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                      "payload.regions[%u].fd_index: descriptor %u already names another allocation (region %d)",
+                      (unsigned)i, (unsigned)pr->fd_index, claimed[pr->fd_index] - 1);
+        goto out;
+      }
+    }
+  }
+  /* Ownership moves: descriptors named by a view now belong to the views
+   * (the registry's commit closes them); the others are closed here. */
+  for (uint32_t f = 0; f < num_fds; f++) {
+    if (claimed[f] == 0) close(fds[f]);
+    fds[f] = -1;
+  }
+  *geom_out = g;
+  *views_out = views;
+  g = NULL;
+  views = NULL;
+  st = KVF_SUCCESS;
+out:
+  if (st != KVF_SUCCESS) close_fds(fds, num_fds);
+  free(claimed);
+  free(views);
+  kvf_geometry_destroy(g);
+  return st;
+}
+
+static kvf_status handle_register(kvf_server *s, kvf_server_conn *c, const kvf_proto_msg *m, int *fds,
+                                  uint32_t num_fds) {
+  const kvf_proto_register *rg = &m->u.reg;
+  kvf_geometry *g = NULL;
+  kvf_import_view *views = NULL;
+  kvf_status st = register_prepare(rg, fds, num_fds, &g, &views);
+  if (st != KVF_SUCCESS) goto fail;
+  kvf_registry_reg *attempt = NULL;
+  st = kvf_registry_register_begin(s->registry, c->client_id, kvf_registry_now_ns(), &attempt);
+  if (st != KVF_SUCCESS) {
+    for (uint32_t i = 0; i < rg->num_regions; i++)
+      if (views[i].fd >= 0) close(views[i].fd);
+    goto fail;
+  }
+  uint64_t id = kvf_registry_reg_id(attempt);
+  st = kvf_registry_register_commit(s->registry, attempt, views, rg->num_regions);
+  if (st != KVF_SUCCESS) {
+    st = kvf_fail(st, "payload.regions: registration failed, the previous one stays: %s", kvf_last_error());
+    goto fail;
+  }
+  kvf_geometry_destroy(c->geometry);
+  c->geometry = g;
+  g = NULL;
+  free(views);
+  kvf_registry_stats cs = KVF_REGISTRY_STATS_INIT;
+  (void)kvf_registry_client_stats(s->registry, c->client_id, &cs);
+  KVF_INFO(SERVER, "client %llu: registration %llu active (%u regions, %llu imports, %llu aliases)",
+           (unsigned long long)c->client_id, (unsigned long long)id, (unsigned)rg->num_regions,
+           (unsigned long long)cs.imports, (unsigned long long)cs.aliases);
+  kvf_proto_msg r;
+  memset(&r, 0, sizeof(r));
+  r.type = KVF_PROTO_REGISTER_REPLY;
+  r.request_id = m->request_id;
+  r.u.register_reply.registration_id = id;
+  r.u.register_reply.fingerprint = kvf_geometry_fingerprint(c->geometry, KVF_FORMAT_CANONICAL);
+  r.u.register_reply.imports = cs.imports > UINT32_MAX ? UINT32_MAX : (uint32_t)cs.imports;
+  r.u.register_reply.aliases = cs.aliases > UINT32_MAX ? UINT32_MAX : (uint32_t)cs.aliases;
+  return server_send(s, c, &r);
+fail:
+  KVF_INFO(SERVER, "client %llu: REGISTER refused: %s", (unsigned long long)c->client_id, kvf_last_error());
+  free(views);
+  kvf_geometry_destroy(g);
+  return kvf_conn_send_error(&c->conn, m->request_id, st, NULL, (int)s->opt.write_timeout_ms);
+}
+
+static kvf_status handle_unregister(kvf_server *s, kvf_server_conn *c, const kvf_proto_msg *m) {
+  uint64_t want = m->u.unregister.registration_id;
+  uint64_t active = kvf_registry_active_id(s->registry, c->client_id);
+  kvf_proto_msg r;
+  memset(&r, 0, sizeof(r));
+  r.type = KVF_PROTO_UNREGISTER_REPLY;
+  r.request_id = m->request_id;
+  r.u.unregister_reply.registration_id = want ? want : active;
+  if (want != 0 && want != active) {
+    /* Not the live one: replaced or unregistered already. Idempotent. */
+    r.u.unregister_reply.state = KVF_PROTO_REG_CLOSED;
+    return server_send(s, c, &r);
+  }
+  kvf_status st = kvf_registry_unregister(s->registry, c->client_id);
+  if (st != KVF_SUCCESS && st != KVF_ERR_BUSY)
+    return kvf_conn_send_error(&c->conn, m->request_id, st, NULL, (int)s->opt.write_timeout_ms);
+  if (st == KVF_SUCCESS) {
+    kvf_geometry_destroy(c->geometry);
+    c->geometry = NULL;
+  }
+  r.u.unregister_reply.state = st == KVF_SUCCESS ? KVF_PROTO_REG_CLOSED : KVF_PROTO_REG_DRAINING;
+  return server_send(s, c, &r);
+}
+
+static kvf_status handle_stat(kvf_server *s, kvf_server_conn *c, const kvf_proto_msg *m) {
+  kvf_registry_stats st = KVF_REGISTRY_STATS_INIT;
+  kvf_status rc = kvf_registry_stats_get(s->registry, &st);
+  if (rc != KVF_SUCCESS) return kvf_conn_send_error(&c->conn, m->request_id, rc, NULL, (int)s->opt.write_timeout_ms);
+  kvf_proto_msg r;
+  memset(&r, 0, sizeof(r));
+  r.type = KVF_PROTO_STAT_REPLY;
+  r.request_id = m->request_id;
+  r.u.stat_reply.boot_token = s->boot_token;
+  fill_counters(&st, &r.u.stat_reply.total);
+  kvf_proto_stat_client *clients = NULL;
+  if (m->u.stat.flags & KVF_PROTO_STAT_PER_CLIENT) {
+    uint32_t n = s->num_conns < KVF_PROTO_MAX_STAT_CLIENTS ? s->num_conns : KVF_PROTO_MAX_STAT_CLIENTS;
+    clients = calloc(n ? n : 1, sizeof(*clients));
+    if (!clients)
+      return kvf_conn_send_error(&c->conn, m->request_id, KVF_ERR_OUT_OF_MEMORY, "stat: out of memory",
+                                 (int)s->opt.write_timeout_ms);
+    for (uint32_t i = 0; i < n; i++) {
+      kvf_server_conn *o = s->conns[i];
+      kvf_registry_stats cs = KVF_REGISTRY_STATS_INIT;
+      (void)kvf_registry_client_stats(s->registry, o->client_id, &cs); /* unknown: zeros */
+      clients[i].client_id = o->client_id;
+      clients[i].pid = o->pid;
+      snprintf(clients[i].name, sizeof(clients[i].name), "%s", o->name);
+      fill_counters(&cs, &clients[i].counters);
+    }
+    r.u.stat_reply.clients = clients;
+    r.u.stat_reply.num_clients = n;
+  }
+  rc = server_send(s, c, &r);
+  free(clients);
+  return rc;
+}
+
+/* One whole frame from c. Returns KVF_SUCCESS to keep the connection. */
+static kvf_status server_dispatch(kvf_server *s, kvf_server_conn *c, const kvf_proto_header *h, const uint8_t *payload,
+                                  int *fds, uint32_t num_fds) {
+  kvf_proto_msg m;
+  kvf_status st = kvf_proto_decode(h, payload, &m);
+  if (st != KVF_SUCCESS) {
+    close_fds(fds, num_fds);
+    KVF_INFO(SERVER, "client %llu: bad %s frame: %s", (unsigned long long)c->client_id, kvf_proto_type_name(h->type),
+             kvf_last_error());
+    kvf_conn_send_error(&c->conn, h->request_id, st, NULL, (int)s->opt.write_timeout_ms);
+    return st;
+  }
+  if (h->type != KVF_PROTO_REGISTER) close_fds(fds, num_fds); /* only REGISTER carries descriptors */
+  if (h->type & KVF_PROTO_REPLY) {
+    st = kvf_fail(KVF_ERR_PROTOCOL, "header.type: %s is a reply; a client sends requests",
+                  kvf_proto_type_name(h->type));
+    kvf_conn_send_error(&c->conn, h->request_id, st, NULL, (int)s->opt.write_timeout_ms);
+    goto out;
+  }
+  if (!c->hello_done && h->type != KVF_PROTO_HELLO) {
+    st = kvf_fail(KVF_ERR_PROTOCOL, "header.type: %s before HELLO", kvf_proto_type_name(h->type));
+    kvf_conn_send_error(&c->conn, h->request_id, st, NULL, (int)s->opt.write_timeout_ms);
+    goto out;
+  }
+  c->last_seen_ns = kvf_registry_now_ns(); /* any valid request proves the client alive */
+  if (c->hello_done) (void)kvf_registry_heartbeat(s->registry, c->client_id, c->last_seen_ns);
+  switch (h->type) {
+    case KVF_PROTO_HELLO: st = handle_hello(s, c, &m); break;
+    case KVF_PROTO_REGISTER: st = handle_register(s, c, &m, fds, num_fds); break;
+    case KVF_PROTO_UNREGISTER: st = handle_unregister(s, c, &m); break;
+    case KVF_PROTO_HEARTBEAT: {
+      kvf_proto_msg r;
+      memset(&r, 0, sizeof(r));
+      r.type = KVF_PROTO_HEARTBEAT_REPLY;
+      r.request_id = m.request_id;
+      r.u.heartbeat_reply.sequence = m.u.heartbeat.sequence;
+      r.u.heartbeat_reply.boot_token = s->boot_token;
+      st = server_send(s, c, &r);
+      break;
+    }
+    case KVF_PROTO_STAT: st = handle_stat(s, c, &m); break;
+    default:
+      st = kvf_conn_send_error(&c->conn, h->request_id, KVF_ERR_UNSUPPORTED,
+                               "header.type: this server does not serve STORE or RETRIEVE yet",
+                               (int)s->opt.write_timeout_ms);
+      break;
+  }
+out:
+  kvf_proto_msg_clear(&m);
+  return st;
+}
+
+/* Read every whole frame c has waiting. Returns KVF_SUCCESS to keep it. */
+static kvf_status server_conn_service(kvf_server *s, kvf_server_conn *c, const char **why) {
+  int fds[KVF_PROTO_MAX_FDS];
+  for (;;) {
+    kvf_proto_header h;
+    uint8_t *payload = NULL;
+    uint32_t num_fds = 0;
+    kvf_status st = kvf_conn_read_frame(&c->conn, 0, &h, &payload, fds, KVF_PROTO_MAX_FDS, &num_fds);
+    if (st == KVF_ERR_TIMEOUT) return KVF_SUCCESS;
+    if (st == KVF_ERR_DISCONNECTED) {
+      *why = "peer closed";
+      return st;
+    }
+    if (st != KVF_SUCCESS) {
+      /* A bad header (wrong version or magic, oversize) or truncated frame:
+       * answer if the socket still takes it, then drop the connection. */
+      KVF_INFO(SERVER, "client %llu: %s", (unsigned long long)c->client_id, kvf_last_error());
+      kvf_conn_send_error(&c->conn, h.request_id, st, NULL, (int)s->opt.write_timeout_ms);
+      *why = "bad frame";
+      return st;
+    }
+    st = server_dispatch(s, c, &h, payload, fds, num_fds);
+    free(payload);
+    if (st != KVF_SUCCESS) {
+      *why = "bad request or reply not delivered";
+      return st;
+    }
+  }
+}
+
+/* ---- the object ----------------------------------------------------------- */
+
+kvf_status kvf_server_create(const kvf_server_options *options, kvf_server **out) {
+  if (!options || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_server_create: NULL argument");
+  *out = NULL;
+  if (options->struct_size != sizeof(kvf_server_options) || options->version != KVF_SERVER_VERSION)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "options.struct_size: fill options from KVF_SERVER_OPTIONS_INIT");
+  if (!options->socket_dir || !options->socket_dir[0])
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "options.socket_dir: required");
+  kvf_status st;
+  kvf_server *s = calloc(1, sizeof(*s));
+  if (!s) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_server_create: out of memory");
+  s->opt = *options;
+  s->stop_pipe[0] = s->stop_pipe[1] = -1;
+  if (!s->opt.heartbeat_timeout_ms) s->opt.heartbeat_timeout_ms = 10000;
+  if (!s->opt.heartbeat_period_ms) s->opt.heartbeat_period_ms = s->opt.heartbeat_timeout_ms / 4 ? s->opt.heartbeat_timeout_ms / 4 : 1;
+  if (!s->opt.max_clients) s->opt.max_clients = 256;
+  if (!s->opt.write_timeout_ms) s->opt.write_timeout_ms = 2000;
+  s->opt.socket_dir = NULL; /* not kept: only the endpoint needs it */
+  s->next_client_id = 1;
+  while (s->boot_token == 0) {
+    if (getrandom(&s->boot_token, sizeof(s->boot_token), 0) != (ssize_t)sizeof(s->boot_token)) {
+      st = kvf_fail(KVF_ERR_SYSTEM, "boot token: getrandom failed: %s", strerror(errno));
+      goto fail;
+    }
+  }
+  s->conns = calloc(s->opt.max_clients, sizeof(*s->conns));
+  s->pfds = calloc((size_t)s->opt.max_clients + 2, sizeof(*s->pfds));
+  if (!s->conns || !s->pfds) {
+    st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_server_create: out of memory");
+    goto fail;
+  }
+  if (pipe2(s->stop_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
+    st = kvf_fail(KVF_ERR_SYSTEM, "stop pipe: %s", strerror(errno));
+    goto fail;
+  }
+  st = kvf_import_table_create(NULL, &s->table);
+  if (st != KVF_SUCCESS) goto fail;
+  st = kvf_registry_create(s->table, NULL, &s->registry);
+  if (st != KVF_SUCCESS) goto fail;
+  st = kvf_endpoint_listen(options->socket_dir, 0, &s->ep);
+  if (st != KVF_SUCCESS) goto fail;
+  KVF_INFO(SERVER, "listening on %s (heartbeat timeout %u ms, boot token %016llx)", kvf_endpoint_socket_path(s->ep),
+           (unsigned)s->opt.heartbeat_timeout_ms, (unsigned long long)s->boot_token);
+  *out = s;
+  return KVF_SUCCESS;
+fail:
+  kvf_server_destroy(s);
+  return st;
+}
+
+void kvf_server_stop(kvf_server *s) {
+  if (!s) return;
+  __atomic_store_n(&s->stop_flag, 1, __ATOMIC_SEQ_CST);
+  int saved = errno; /* signal handlers must not change errno */
+  char b = 1;
+  ssize_t n = write(s->stop_pipe[1], &b, 1); /* full pipe: a wake-up is already pending */
+  (void)n;
+  errno = saved;
+}
+
+uint64_t kvf_server_boot_token(const kvf_server *s) { return s ? s->boot_token : 0; }
+
+const char *kvf_server_socket_path(const kvf_server *s) {
+  return s && s->ep ? kvf_endpoint_socket_path(s->ep) : "";
+}
+
+kvf_status kvf_server_stats(kvf_server *s, kvf_registry_stats *out) {
+  if (!s) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_server_stats: NULL server");
+  return kvf_registry_stats_get(s->registry, out);
+}
+
+static void server_accept(kvf_server *s) {
+  for (;;) {
+    kvf_conn conn;
+    kvf_status st = kvf_endpoint_accept(s->ep, 0, 0, &conn);
+    if (st == KVF_ERR_TIMEOUT) return;
+    if (st == KVF_ERR_PERMISSION) continue; /* logged by the endpoint */
+    if (st != KVF_SUCCESS) {
+      KVF_WARN(SERVER, "accept: %s", kvf_last_error());
+      return;
+    }
+    if (s->num_conns >= s->opt.max_clients) {
+      kvf_conn_send_error(&conn, 0, KVF_ERR_BUSY, "server: too many clients", 100);
+      KVF_WARN(SERVER, "refused pid %d: %u clients already (max_clients)", (int)conn.peer.pid,
+               (unsigned)s->num_conns);
+      kvf_conn_close(&conn);
+      continue;
+    }
+    kvf_server_conn *c = calloc(1, sizeof(*c));
+    if (!c) {
+      kvf_conn_close(&conn);
+      return;
+    }
+    c->conn = conn;
+    c->client_id = s->next_client_id++;
+    c->last_seen_ns = kvf_registry_now_ns();
+    s->conns[s->num_conns++] = c;
+    KVF_TRACE(SERVER, "client %llu: accepted pid %d", (unsigned long long)c->client_id, (int)conn.peer.pid);
+  }
+}
+
+/* Reap clients silent past the timeout: their connections are dropped (a
+ * stopped or hung engine), and the registry's reaper catches the rest. */
+static void server_reap(kvf_server *s) {
+  uint64_t now = kvf_registry_now_ns();
+  uint64_t timeout_ns = (uint64_t)s->opt.heartbeat_timeout_ms * 1000000ull;
+  for (uint32_t i = 0; i < s->num_conns;) {
+    kvf_server_conn *c = s->conns[i];
+    if (now > c->last_seen_ns && now - c->last_seen_ns > timeout_ns) {
+      KVF_WARN(SERVER, "client %llu (pid %d): silent for %llu ms, reaped", (unsigned long long)c->client_id,
+               (int)c->conn.peer.pid, (unsigned long long)((now - c->last_seen_ns) / 1000000ull));
+      server_conn_drop(s, i, "heartbeat timeout");
+      continue;
+    }
+    i++;
+  }
+  uint32_t reaped = 0;
+  kvf_status st = kvf_registry_reap(s->registry, now, timeout_ns, &reaped);
+  if (st != KVF_SUCCESS) KVF_WARN(SERVER, "reaper: %s", kvf_last_error());
+  if (now - s->last_collect_ns > 1000000000ull) {
+    s->last_collect_ns = now;
+    (void)kvf_registry_collect(s->registry); /* retries unmaps that failed */
+  }
+}
+
+kvf_status kvf_server_run(kvf_server *s) {
+  if (!s) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_server_run: NULL server");
+  if (__atomic_exchange_n(&s->running, 1, __ATOMIC_SEQ_CST) != 0 || !s->ep)
+    return kvf_fail(KVF_ERR_STATE, "kvf_server_run: already running or already stopped");
+  kvf_status result = KVF_SUCCESS;
+  int tick = (int)(s->opt.heartbeat_timeout_ms / 4);
+  if (tick < 10) tick = 10;
+  if (tick > 250) tick = 250;
+  while (!__atomic_load_n(&s->stop_flag, __ATOMIC_SEQ_CST)) {
+    s->pfds[0] = (struct pollfd){.fd = s->stop_pipe[0], .events = POLLIN};
+    s->pfds[1] = (struct pollfd){.fd = kvf_endpoint_fd(s->ep), .events = POLLIN};
+    uint32_t n = s->num_conns;
+    for (uint32_t i = 0; i < n; i++) s->pfds[2 + i] = (struct pollfd){.fd = s->conns[i]->conn.fd, .events = POLLIN};
+    int rc = poll(s->pfds, 2 + n, tick);
+    if (rc < 0 && errno != EINTR) {
+      result = kvf_fail(KVF_ERR_SYSTEM, "server: poll: %s", strerror(errno));
+      break;
+    }
+    if (rc > 0) {
+      if (s->pfds[0].revents) {
+        char buf[64];
+        while (read(s->stop_pipe[0], buf, sizeof(buf)) > 0) {
+        }
+      }
+      /* Connections first, walking backwards so a drop (which moves the last
+       * connection into the hole) never skips one polled this turn. */
+      for (uint32_t i = n; i-- > 0;) {
+        if (!s->pfds[2 + i].revents) continue;
+        kvf_server_conn *c = s->conns[i];
+        const char *why = "";
+        if (server_conn_service(s, c, &why) != KVF_SUCCESS) server_conn_drop(s, i, why);
+      }
+      if (s->pfds[1].revents) server_accept(s);
+    }
+    server_reap(s);
+  }
+  /* Stop: drain every client and stop listening. */
+  KVF_INFO(SERVER, "stopping: %u clients to drain", (unsigned)s->num_conns);
+  while (s->num_conns > 0) server_conn_drop(s, s->num_conns - 1, "server stopping");
+  (void)kvf_registry_collect(s->registry);
+  kvf_endpoint_close(s->ep);
+  s->ep = NULL;
+  return result;
+}
+
+void kvf_server_destroy(kvf_server *s) {
+  if (!s) return;
+  for (uint32_t i = 0; i < s->num_conns; i++) {
+    kvf_conn_close(&s->conns[i]->conn);
+    kvf_geometry_destroy(s->conns[i]->geometry);
+    free(s->conns[i]);
+  }
+  kvf_endpoint_close(s->ep);
+  kvf_registry_destroy(s->registry);
+  kvf_import_table_destroy(s->table);
+  if (s->stop_pipe[0] >= 0) close(s->stop_pipe[0]);
+  if (s->stop_pipe[1] >= 0) close(s->stop_pipe[1]);
+  free(s->conns);
+  free(s->pfds);
+  free(s);
+}

@@ -1,0 +1,88 @@
+/*
+ * Internal: the kvferryd server object (DESIGN.md §8-9, docs/protocol.md).
+ *
+ * One server listens on a socket directory (host/endpoint.h) and serves
+ * every connection from a single event-loop thread: poll() over a stop pipe,
+ * the listener and the connections. Per connection it answers HELLO,
+ * REGISTER (geometry JSON + regions + descriptors, registered all or nothing
+ * through the registry over the server's import table), UNREGISTER,
+ * HEARTBEAT (carrying the boot token, a random 64-bit value drawn at create)
+ * and STAT. Every field a client sends is checked before use: a frame that
+ * does not decode gets an ERROR naming the field and the connection is
+ * closed; a REGISTER that decodes but does not fit its geometry gets an
+ * ERROR naming the field and the connection stays. Other clients are never
+ * disturbed. A disconnect closes the client in the registry (drain, unmap);
+ * each loop turn a client silent past the heartbeat timeout is reaped.
+ *
+ * Per-GPU worker and completion threads and the data path (STORE/RETRIEVE)
+ * are not here yet: STORE and RETRIEVE are answered KVF_ERR_UNSUPPORTED.
+ *
+ * Threading: kvf_server_run() is the loop and runs on one thread;
+ * kvf_server_stop() may be called from any thread or a signal handler;
+ * kvf_server_stats() from any thread; create/destroy must not race the loop.
+ */
+#ifndef KVF_HOST_SERVER_H
+#define KVF_HOST_SERVER_H
+
+#include <stdint.h>
+
+#include <kvferry/status.h>
+
+#include "host/registry.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVF_SERVER_VERSION 1u
+
+typedef struct kvf_server kvf_server;
+
+typedef struct kvf_server_options {
+  uint32_t struct_size;
+  uint32_t version;
+  const char *socket_dir;        /* required: created 0700 when missing */
+  uint32_t heartbeat_timeout_ms; /* a client silent longer is reaped; 0: 10000 */
+  uint32_t heartbeat_period_ms;  /* the period clients are told to use; 0: timeout / 4 */
+  uint32_t max_clients;          /* connections served at once; more are refused; 0: 256 */
+  uint32_t write_timeout_ms;     /* a reply a client does not read within this drops it; 0: 2000 */
+} kvf_server_options;
+#define KVF_SERVER_OPTIONS_INIT {sizeof(kvf_server_options), KVF_SERVER_VERSION, NULL, 0, 0, 0, 0}
+
+/* Create a server: an import table (no extra access devices), a registry
+ * over it, and the endpoint listening on options->socket_dir. Returns
+ * KVF_SUCCESS and *out; KVF_ERR_BUSY (another server holds the directory:
+ * the message names it); KVF_ERR_INVALID_ARGUMENT (NULL, no socket_dir,
+ * bad options); KVF_ERR_PERMISSION; KVF_ERR_OUT_OF_MEMORY; KVF_ERR_SYSTEM.
+ * Nothing is left behind on failure. */
+kvf_status kvf_server_create(const kvf_server_options *options, kvf_server **out);
+
+/* Serve until kvf_server_stop(): then close every connection (each client
+ * drained and unmapped) and stop listening (the socket is removed). Returns
+ * KVF_SUCCESS after a stop; KVF_ERR_SYSTEM when poll() fails;
+ * KVF_ERR_STATE when called twice or concurrently. */
+kvf_status kvf_server_run(kvf_server *s);
+
+/* Ask the loop to stop. Async-signal-safe (an atomic flag and one write to a
+ * self-pipe). NULL is a no-op. */
+void kvf_server_stop(kvf_server *s);
+
+/* The boot token drawn at create (nonzero). */
+uint64_t kvf_server_boot_token(const kvf_server *s);
+
+/* The socket's path. */
+const char *kvf_server_socket_path(const kvf_server *s);
+
+/* The registry's counters (kvf_registry_stats_get; fill out from
+ * KVF_REGISTRY_STATS_INIT). Thread-safe. */
+kvf_status kvf_server_stats(kvf_server *s, kvf_registry_stats *out);
+
+/* Free the server: connections, endpoint (if run did not already close
+ * them), registry and import table. NULL is a no-op. Must not race run. */
+void kvf_server_destroy(kvf_server *s);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVF_HOST_SERVER_H */

@@ -1,0 +1,507 @@
+// kvferryd's server object and the client API, multi-process on the host
+// provider: the server runs in a forked process (as kvferryd would), engines
+// in forked processes or in the test process itself.
+#include <gtest/gtest.h>
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <string>
+#include <vector>
+
+#include <kvferry/client.h>
+#include <kvferry/geometry.h>
+#include <kvferry/memory.h>
+
+#include "host/endpoint.h"
+#include "host/protocol.h"
+#include "host/server.h"
+
+namespace {
+
+int count_fds() {
+  DIR *d = opendir("/proc/self/fd");
+  if (!d) return -1;
+  int n = 0;
+  while (struct dirent *e = readdir(d))
+    if (e->d_name[0] != '.') n++;
+  closedir(d);
+  return n - 1; /* the directory's own descriptor */
+}
+
+int remove_one(const char *path, const struct stat *, int, struct FTW *) { return remove(path); }
+
+// Two regions of 16 KiB (2 planes x 4 blocks x 2048 bytes), one layer each.
+const char kTinyGeometry[] = R"({
+  "format": "kvferry-geometry", "version": 1, "name": "tiny",
+  "regions": [{"name": "kv", "count": 2, "size": 0}],
+  "groups": [{"name": "full", "kind": "full", "block_size": 16, "num_blocks": 4,
+    "layers": [{"count": 2, "name": "layer", "region": "kv", "region_step": 1, "offset": 0,
+      "elem_bytes": 2, "block_stride": 2048, "planes": 2, "heads": 1, "head_bytes": 128,
+      "plane_stride": "num_blocks * block_stride", "token_stride": 128, "head_stride": 128}]}],
+  "objects": {"chunk_tokens": 16, "format": "canonical"}
+})";
+
+uint64_t region_size() {
+  kvf_geometry *g = nullptr;
+  if (kvf_geometry_load_buffer(kTinyGeometry, strlen(kTinyGeometry), nullptr, &g, nullptr) != KVF_SUCCESS) return 0;
+  kvf_region_info info;
+  uint64_t size = kvf_geometry_region(g, 0, &info) == KVF_SUCCESS ? info.size : 0;
+  kvf_geometry_destroy(g);
+  return size;
+}
+
+kvf_server *g_child_server;
+void child_on_term(int) { kvf_server_stop(g_child_server); }
+
+void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, nullptr);
+}
+
+// An engine: register both regions from one host allocation (1 import, 2
+// aliases), say so on `ready`, then heartbeat every 50 ms until `control`
+// gives a byte ('q': unregister and exit 0) or closes. Exit status: 0 ok,
+// 10+ a step that failed.
+[[noreturn]] void engine_main(const std::string &dir, int ready, int control, uint64_t size) {
+  kvf_client_options o = KVF_CLIENT_OPTIONS_INIT;
+  o.socket_dir = dir.c_str();
+  o.name = "engine";
+  kvf_client *c = nullptr;
+  if (kvf_client_connect(&o, &c, nullptr) != KVF_SUCCESS) _exit(10);
+  kvf_mem_alloc_options ao = KVF_MEM_ALLOC_OPTIONS_INIT;
+  ao.size = 2 * size;
+  kvf_mem_alloc *a = nullptr;
+  if (kvf_mem_alloc_create(&ao, &a) != KVF_SUCCESS) _exit(11);
+  kvf_client_region regs[2] = {{a, 0, size}, {a, size, size}};
+  if (kvf_client_register(c, kTinyGeometry, strlen(kTinyGeometry), -1, regs, 2, nullptr) != KVF_SUCCESS) _exit(12);
+  char b = 'r';
+  if (write(ready, &b, 1) != 1) _exit(13);
+  for (;;) {
+    struct pollfd p = {control, POLLIN, 0};
+    int rc = poll(&p, 1, 50);
+    if (rc > 0) {
+      ssize_t n = read(control, &b, 1);
+      if (n == 1 && b == 'q') {
+        uint32_t state = 0;
+        if (kvf_client_unregister(c, 0, &state) != KVF_SUCCESS || state != KVF_PROTO_REG_CLOSED) _exit(14);
+        kvf_client_disconnect(c);
+        kvf_mem_alloc_destroy(a);
+        _exit(0);
+      }
+      _exit(0); /* control closed: just go (a crash-like exit without unregister) */
+    }
+    if (kvf_client_heartbeat(c, nullptr) != KVF_SUCCESS) _exit(15);
+  }
+}
+
+struct Engine {
+  pid_t pid = -1;
+  int control = -1;
+};
+
+class Server : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/kvf_server_test_XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    base_ = tmpl;
+    dir_ = base_ + "/sock";
+    size_ = region_size();
+    ASSERT_GT(size_, 0u) << kvf_last_error();
+    fds_before_ = count_fds();
+    signal(SIGPIPE, SIG_IGN); /* a dead engine's control pipe must fail the test, not kill it */
+  }
+
+  void TearDown() override {
+    for (Engine &e : engines_) {
+      if (e.pid > 0) {
+        kill(e.pid, SIGKILL);
+        waitpid(e.pid, nullptr, 0);
+      }
+      if (e.control >= 0) close(e.control);
+    }
+    if (server_pid_ > 0) {
+      kill(server_pid_, SIGKILL);
+      waitpid(server_pid_, nullptr, 0);
+    }
+    nftw(base_.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS);
+    EXPECT_EQ(count_fds(), fds_before_) << "descriptors leaked in the test process";
+  }
+
+  // Fork the server; it exits 0 after SIGTERM only if it drained cleanly and
+  // holds no more descriptors than before it started.
+  void start_server(uint32_t heartbeat_timeout_ms) {
+    server_pid_ = fork();
+    ASSERT_GE(server_pid_, 0);
+    if (server_pid_ == 0) {
+      int before = count_fds();
+      kvf_server_options o = KVF_SERVER_OPTIONS_INIT;
+      o.socket_dir = dir_.c_str();
+      o.heartbeat_timeout_ms = heartbeat_timeout_ms;
+      if (kvf_server_create(&o, &g_child_server) != KVF_SUCCESS) _exit(2);
+      signal(SIGTERM, child_on_term);
+      kvf_status st = kvf_server_run(g_child_server);
+      kvf_registry_stats s = KVF_REGISTRY_STATS_INIT;
+      kvf_server_stats(g_child_server, &s);
+      kvf_server_destroy(g_child_server);
+      if (st != KVF_SUCCESS) _exit(3);
+      if (s.imports != 0 || s.aliases != 0 || s.active != 0) _exit(4);
+      if (count_fds() != before) _exit(5);
+      _exit(0);
+    }
+    // Ready once the socket accepts.
+    for (int i = 0; i < 500; i++) {
+      kvf_conn c;
+      if (kvf_endpoint_connect(dir_.c_str(), 0, &c) == KVF_SUCCESS) {
+        kvf_conn_close(&c);
+        return;
+      }
+      sleep_ms(10);
+    }
+    FAIL() << "the server did not start";
+  }
+
+  void stop_server_expect_clean() {
+    ASSERT_GT(server_pid_, 0);
+    ASSERT_EQ(kill(server_pid_, SIGTERM), 0);
+    int status = 0;
+    ASSERT_EQ(waitpid(server_pid_, &status, 0), server_pid_);
+    server_pid_ = -1;
+    ASSERT_TRUE(WIFEXITED(status)) << "the server died of signal " << WTERMSIG(status);
+    EXPECT_EQ(WEXITSTATUS(status), 0) << "2 create, 3 run, 4 still mapped, 5 descriptors leaked";
+  }
+
+  Engine &start_engine() {
+    int ready[2], control[2];
+    EXPECT_EQ(pipe(ready), 0);
+    EXPECT_EQ(pipe(control), 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+      close(ready[0]);
+      close(control[1]);
+      engine_main(dir_, ready[1], control[0], size_);
+    }
+    close(ready[1]);
+    close(control[0]);
+    char b = 0;
+    struct pollfd p = {ready[0], POLLIN, 0};
+    EXPECT_EQ(poll(&p, 1, 10000), 1);
+    EXPECT_EQ(read(ready[0], &b, 1), 1) << "the engine failed before registering";
+    close(ready[0]);
+    engines_.push_back(Engine{pid, control[1]});
+    return engines_.back();
+  }
+
+  // Tell an engine to unregister and exit; its exit status must be 0.
+  void finish_engine(Engine &e) {
+    char q = 'q';
+    ASSERT_EQ(write(e.control, &q, 1), 1);
+    int status = 0;
+    ASSERT_EQ(waitpid(e.pid, &status, 0), e.pid);
+    e.pid = -1;
+    close(e.control);
+    e.control = -1;
+    ASSERT_TRUE(WIFEXITED(status));
+    EXPECT_EQ(WEXITSTATUS(status), 0) << "10+: the engine step that failed";
+  }
+
+  // STAT over a fresh connection (a connection kept silent would be reaped).
+  kvf_client_stats stat_now() {
+    kvf_client_stats s;
+    memset(&s, 0, sizeof(s));
+    kvf_client_options o = KVF_CLIENT_OPTIONS_INIT;
+    o.socket_dir = dir_.c_str();
+    kvf_client *c = nullptr;
+    EXPECT_EQ(kvf_client_connect(&o, &c, nullptr), KVF_SUCCESS) << kvf_last_error();
+    if (!c) return s;
+    EXPECT_EQ(kvf_client_stat(c, &s), KVF_SUCCESS) << kvf_last_error();
+    kvf_client_disconnect(c);
+    return s;
+  }
+
+  // Wait up to ms for imports to reach `imports`; the last STAT.
+  kvf_client_stats wait_imports(uint64_t imports, int ms) {
+    kvf_client_stats s = stat_now();
+    for (int waited = 0; s.imports != imports && waited < ms; waited += 20) {
+      sleep_ms(20);
+      s = stat_now();
+    }
+    return s;
+  }
+
+  // Send raw bytes on a new connection; return the ERROR it gets back.
+  kvf_proto_error raw_error(const uint8_t *bytes, size_t len) {
+    kvf_proto_error e;
+    memset(&e, 0, sizeof(e));
+    kvf_conn c;
+    EXPECT_EQ(kvf_endpoint_connect(dir_.c_str(), 0, &c), KVF_SUCCESS);
+    EXPECT_EQ(write(c.fd, bytes, len), (ssize_t)len);
+    kvf_proto_header h;
+    uint8_t *payload = nullptr;
+    int fds[4];
+    uint32_t nfds = 0;
+    EXPECT_EQ(kvf_conn_read_frame(&c, 5000, &h, &payload, fds, 4, &nfds), KVF_SUCCESS) << kvf_last_error();
+    kvf_proto_msg m;
+    if (kvf_proto_decode(&h, payload, &m) == KVF_SUCCESS) {
+      EXPECT_EQ(m.type, KVF_PROTO_ERROR);
+      if (m.type == KVF_PROTO_ERROR) e = m.u.error;
+      kvf_proto_msg_clear(&m);
+    } else {
+      ADD_FAILURE() << "the reply did not decode: " << kvf_last_error();
+    }
+    free(payload);
+    // Then the server hangs up.
+    EXPECT_EQ(kvf_conn_read_frame(&c, 5000, &h, &payload, fds, 4, &nfds), KVF_ERR_DISCONNECTED);
+    kvf_conn_close(&c);
+    return e;
+  }
+
+  std::string base_, dir_;
+  uint64_t size_ = 0;
+  int fds_before_ = 0;
+  pid_t server_pid_ = -1;
+  std::vector<Engine> engines_;
+};
+
+TEST_F(Server, RegisterUnregisterRoundTrip) {
+  start_server(5000);
+  kvf_client_options o = KVF_CLIENT_OPTIONS_INIT;
+  o.socket_dir = dir_.c_str();
+  kvf_client *c = nullptr;
+  kvf_client_info info;
+  ASSERT_EQ(kvf_client_connect(&o, &c, &info), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_NE(info.boot_token, 0u);
+  EXPECT_EQ(info.heartbeat_timeout_ms, 5000u);
+  EXPECT_EQ(info.server_pid, (uint32_t)server_pid_);
+  uint64_t token = 0;
+  ASSERT_EQ(kvf_client_heartbeat(c, &token), KVF_SUCCESS);
+  EXPECT_EQ(token, info.boot_token);
+
+  kvf_mem_alloc_options ao = KVF_MEM_ALLOC_OPTIONS_INIT;
+  ao.size = 2 * size_;
+  kvf_mem_alloc *a = nullptr;
+  ASSERT_EQ(kvf_mem_alloc_create(&ao, &a), KVF_SUCCESS);
+  kvf_client_region regs[2] = {{a, 0, size_}, {a, size_, size_}};
+  kvf_client_registration r;
+  ASSERT_EQ(kvf_client_register(c, kTinyGeometry, strlen(kTinyGeometry), -1, regs, 2, &r), KVF_SUCCESS)
+      << kvf_last_error();
+  EXPECT_NE(r.registration_id, 0u);
+  EXPECT_NE(r.fingerprint, 0u);
+  EXPECT_EQ(r.imports, 1u);
+  EXPECT_EQ(r.aliases, 2u);
+  kvf_client_stats s = stat_now();
+  EXPECT_EQ(s.active, 1u);
+  EXPECT_EQ(s.imports, 1u);
+  EXPECT_EQ(s.aliases, 2u);
+  EXPECT_EQ(s.boot_token, info.boot_token);
+
+  // A registration that fails its checks leaves the live one serving.
+  kvf_client_region short_regs[2] = {{a, 0, size_ - 1}, {a, size_, size_}};
+  EXPECT_EQ(kvf_client_register(c, kTinyGeometry, strlen(kTinyGeometry), -1, short_regs, 2, nullptr),
+            KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(strstr(kvf_last_error(), "payload.regions[0].length"), nullptr) << kvf_last_error();
+  EXPECT_EQ(kvf_client_register(c, "{", 1, -1, regs, 2, nullptr), KVF_ERR_PARSE);
+  EXPECT_NE(strstr(kvf_last_error(), "payload.geometry_json"), nullptr) << kvf_last_error();
+  EXPECT_EQ(kvf_client_register(c, kTinyGeometry, strlen(kTinyGeometry), -1, regs, 1, nullptr),
+            KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(strstr(kvf_last_error(), "payload.num_regions"), nullptr) << kvf_last_error();
+  s = stat_now();
+  EXPECT_EQ(s.active, 1u);
+  EXPECT_EQ(s.imports, 1u);
+  EXPECT_EQ(s.aliases, 2u);
+
+  // Registering again replaces it; the old one is unmapped (same memory: one import).
+  kvf_client_registration r2;
+  ASSERT_EQ(kvf_client_register(c, kTinyGeometry, strlen(kTinyGeometry), -1, regs, 2, &r2), KVF_SUCCESS);
+  EXPECT_GT(r2.registration_id, r.registration_id);
+  EXPECT_EQ(r2.fingerprint, r.fingerprint);
+  s = stat_now();
+  EXPECT_EQ(s.active, 1u);
+  EXPECT_EQ(s.imports, 1u);
+  EXPECT_EQ(s.aliases, 2u);
+
+  uint32_t state = 0;
+  ASSERT_EQ(kvf_client_unregister(c, 0, &state), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(state, (uint32_t)KVF_PROTO_REG_CLOSED);
+  ASSERT_EQ(kvf_client_unregister(c, r2.registration_id, &state), KVF_SUCCESS) << "idempotent";
+  EXPECT_EQ(state, (uint32_t)KVF_PROTO_REG_CLOSED);
+  s = stat_now();
+  EXPECT_EQ(s.active, 0u);
+  EXPECT_EQ(s.imports, 0u);
+  EXPECT_EQ(s.aliases, 0u);
+  kvf_client_disconnect(c);
+  kvf_mem_alloc_destroy(a);
+  stop_server_expect_clean();
+}
+
+TEST_F(Server, KilledAndSilentEnginesAreReapedOthersKeepServing) {
+  const uint32_t timeout_ms = 400;
+  start_server(timeout_ms);
+  start_engine();
+  start_engine();
+  start_engine();
+  kvf_client_stats s = stat_now();
+  EXPECT_EQ(s.active, 3u);
+  EXPECT_EQ(s.imports, 3u);
+  EXPECT_EQ(s.aliases, 6u);
+
+  // SIGKILL: the connection closes and the client is drained at once.
+  ASSERT_EQ(kill(engines_[1].pid, SIGKILL), 0);
+  waitpid(engines_[1].pid, nullptr, 0);
+  engines_[1].pid = -1;
+  s = wait_imports(2, (int)timeout_ms);
+  EXPECT_EQ(s.imports, 2u);
+  EXPECT_EQ(s.aliases, 4u);
+  EXPECT_EQ(s.active, 2u);
+
+  // SIGSTOP: the connection stays open but silent; reaped after the timeout.
+  ASSERT_EQ(kill(engines_[2].pid, SIGSTOP), 0);
+  s = wait_imports(1, 3 * (int)timeout_ms);
+  EXPECT_EQ(s.imports, 1u);
+  EXPECT_EQ(s.aliases, 2u);
+  EXPECT_EQ(s.active, 1u);
+
+  // The survivor still serves: it unregisters cleanly (heartbeats all along).
+  finish_engine(engines_[0]);
+  s = stat_now();
+  EXPECT_EQ(s.imports, 0u);
+  EXPECT_EQ(s.aliases, 0u);
+  EXPECT_EQ(s.active, 0u);
+  stop_server_expect_clean();
+}
+
+TEST_F(Server, GarbageAndVersionMismatchAreRefusedOthersUnaffected) {
+  start_server(2000);
+  start_engine();
+
+  // A frame with a wrong magic.
+  uint8_t garbage[KVF_PROTO_HEADER_SIZE];
+  memset(garbage, 0xAB, sizeof(garbage));
+  kvf_proto_error e = raw_error(garbage, sizeof(garbage));
+  EXPECT_EQ(e.status, (uint32_t)KVF_ERR_PROTOCOL);
+  EXPECT_STREQ(e.field, "header.magic");
+
+  // A HELLO whose header speaks protocol version 2: both versions named.
+  kvf_proto_msg hello;
+  memset(&hello, 0, sizeof(hello));
+  hello.type = KVF_PROTO_HELLO;
+  hello.request_id = 7;
+  hello.u.hello.min_version = 1;
+  hello.u.hello.max_version = 1;
+  hello.u.hello.instance_id = 1;
+  uint8_t *frame = nullptr;
+  size_t len = 0;
+  ASSERT_EQ(kvf_proto_encode(&hello, &frame, &len), KVF_SUCCESS);
+  frame[4] = 2; /* version, little-endian u16 at offset 4 */
+  e = raw_error(frame, len);
+  EXPECT_EQ(e.status, (uint32_t)KVF_ERR_PROTOCOL);
+  EXPECT_STREQ(e.field, "header.version");
+  EXPECT_NE(strstr(e.message, "2"), nullptr) << e.message;
+  EXPECT_NE(strstr(e.message, "1"), nullptr) << e.message;
+  free(frame);
+
+  // A HELLO that asks for versions 2..3 only.
+  hello.u.hello.min_version = 2;
+  hello.u.hello.max_version = 3;
+  ASSERT_EQ(kvf_proto_encode(&hello, &frame, &len), KVF_SUCCESS);
+  e = raw_error(frame, len);
+  EXPECT_EQ(e.status, (uint32_t)KVF_ERR_PROTOCOL);
+  EXPECT_STREQ(e.field, "payload.max_version");
+  EXPECT_NE(strstr(e.message, "2..3"), nullptr) << e.message;
+  EXPECT_NE(strstr(e.message, "1..1"), nullptr) << e.message;
+  free(frame);
+
+  // A HELLO header with a payload cut short (the payload is garbage).
+  hello.u.hello.min_version = 1;
+  hello.u.hello.max_version = 1;
+  ASSERT_EQ(kvf_proto_encode(&hello, &frame, &len), KVF_SUCCESS);
+  uint8_t bad[KVF_PROTO_HEADER_SIZE + 3];
+  memcpy(bad, frame, KVF_PROTO_HEADER_SIZE);
+  bad[16] = 3; /* payload_len = 3 */
+  bad[17] = bad[18] = bad[19] = 0;
+  memset(bad + KVF_PROTO_HEADER_SIZE, 0xFF, 3);
+  free(frame);
+  e = raw_error(bad, sizeof(bad));
+  EXPECT_EQ(e.status, (uint32_t)KVF_ERR_PROTOCOL);
+  EXPECT_EQ(strncmp(e.field, "payload", 7), 0) << e.field << ": " << e.message;
+
+  // A request before HELLO.
+  kvf_proto_msg hb;
+  memset(&hb, 0, sizeof(hb));
+  hb.type = KVF_PROTO_HEARTBEAT;
+  ASSERT_EQ(kvf_proto_encode(&hb, &frame, &len), KVF_SUCCESS);
+  e = raw_error(frame, len);
+  EXPECT_STREQ(e.field, "header.type");
+  free(frame);
+
+  // The engine kept its registration and its heartbeats worked all along.
+  kvf_client_stats s = stat_now();
+  EXPECT_EQ(s.active, 1u);
+  EXPECT_EQ(s.imports, 1u);
+  finish_engine(engines_[0]);
+  stop_server_expect_clean();
+}
+
+TEST_F(Server, SecondServerOnTheSameDirectoryIsRefused) {
+  start_server(2000);
+  kvf_server_options o = KVF_SERVER_OPTIONS_INIT;
+  o.socket_dir = dir_.c_str();
+  kvf_server *s = nullptr;
+  EXPECT_EQ(kvf_server_create(&o, &s), KVF_ERR_BUSY);
+  EXPECT_EQ(s, nullptr);
+  EXPECT_NE(strstr(kvf_last_error(), std::to_string(server_pid_).c_str()), nullptr) << kvf_last_error();
+  stop_server_expect_clean();
+  // Once it is gone the directory can be served again, in this process.
+  ASSERT_EQ(kvf_server_create(&o, &s), KVF_SUCCESS) << kvf_last_error();
+  kvf_server_destroy(s);
+}
+
+TEST_F(Server, ManyRegisterCyclesLeaveNothingBehind) {
+  start_server(5000);
+  kvf_mem_alloc_options ao = KVF_MEM_ALLOC_OPTIONS_INIT;
+  ao.size = 2 * size_;
+  kvf_mem_alloc *a = nullptr;
+  ASSERT_EQ(kvf_mem_alloc_create(&ao, &a), KVF_SUCCESS);
+  kvf_client_region regs[2] = {{a, 0, size_}, {a, size_, size_}};
+  int fds_start = count_fds();
+  for (int i = 0; i < 200; i++) {
+    kvf_client_options o = KVF_CLIENT_OPTIONS_INIT;
+    o.socket_dir = dir_.c_str();
+    kvf_client *c = nullptr;
+    ASSERT_EQ(kvf_client_connect(&o, &c, nullptr), KVF_SUCCESS) << kvf_last_error();
+    ASSERT_EQ(kvf_client_register(c, kTinyGeometry, strlen(kTinyGeometry), -1, regs, 2, nullptr), KVF_SUCCESS)
+        << kvf_last_error();
+    if (i % 2 == 0) {  // odd cycles: the disconnect drains it
+      ASSERT_EQ(kvf_client_unregister(c, 0, nullptr), KVF_SUCCESS);
+    }
+    kvf_client_disconnect(c);
+  }
+  EXPECT_EQ(count_fds(), fds_start);
+  kvf_client_stats s = wait_imports(0, 2000);
+  EXPECT_EQ(s.imports, 0u);
+  EXPECT_EQ(s.aliases, 0u);
+  EXPECT_EQ(s.active, 0u);
+  EXPECT_EQ(s.closed_total, 200u);
+  kvf_mem_alloc_destroy(a);
+  stop_server_expect_clean();  // the server checks its own descriptor count
+}
+
+TEST_F(Server, ConnectWithoutServerSaysSo) {
+  kvf_client_options o = KVF_CLIENT_OPTIONS_INIT;
+  o.socket_dir = dir_.c_str();
+  kvf_client *c = nullptr;
+  EXPECT_EQ(kvf_client_connect(&o, &c, nullptr), KVF_ERR_NOT_FOUND);
+  EXPECT_EQ(c, nullptr);
+}
+
+}  // namespace

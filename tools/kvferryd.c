@@ -1,0 +1,109 @@
+/* kvferryd: the cache server engine workers share their KV caches with.
+ * Runs in the foreground; SIGTERM or SIGINT drains every client and exits. */
+#define _POSIX_C_SOURCE 200809L /* sigaction */
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <kvferry/status.h>
+
+#include "host/log.h"
+#include "host/param.h"
+#include "host/server.h"
+
+static kvf_server *g_server; /* for the signal handler */
+
+static void on_signal(int sig) {
+  (void)sig;
+  kvf_server_stop(g_server); /* async-signal-safe */
+}
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: kvferryd --socket-dir DIR [options]\n"
+          "\n"
+          "Serve KV-cache registrations from engine workers on DIR/kvferryd.sock, in the\n"
+          "foreground. SIGTERM or SIGINT drains every client and exits with status 0.\n"
+          "\n"
+          "  --socket-dir DIR            the socket directory: created 0700 when missing, or an\n"
+          "                              existing directory owned by this user with no group or\n"
+          "                              other permissions. One server per directory: a second\n"
+          "                              is refused; a stale socket of a crashed one is replaced.\n"
+          "  --heartbeat-timeout-ms N    a client silent for longer is reaped: its registrations\n"
+          "                              drain and are unmapped (default 10000)\n"
+          "  --max-clients N             connections served at once (default 256)\n"
+          "  --log-level LEVEL           none, warn, info or trace (default: KVF_DEBUG, else warn)\n"
+          "  --help                      this text\n"
+          "\n"
+          "Exit status: 0 after a clean stop, 1 when the server could not start or failed,\n"
+          "2 for bad arguments.\n");
+}
+
+static int parse_u32(const char *flag, const char *text, uint32_t *out) {
+  int64_t v = 0;
+  if (!text || kvf_param_parse_int(text, &v) != 0 || v < 0 || v > UINT32_MAX) {
+    fprintf(stderr, "kvferryd: %s: '%s' is not a number from 0 to %u\n", flag, text ? text : "", UINT32_MAX);
+    return -1;
+  }
+  *out = (uint32_t)v;
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  kvf_server_options opt = KVF_SERVER_OPTIONS_INIT;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+      usage(stdout);
+      return 0;
+    } else if (!strcmp(a, "--socket-dir") && v) {
+      opt.socket_dir = v;
+      i++;
+    } else if (!strcmp(a, "--heartbeat-timeout-ms") && v) {
+      if (parse_u32(a, v, &opt.heartbeat_timeout_ms) != 0) return 2;
+      i++;
+    } else if (!strcmp(a, "--max-clients") && v) {
+      if (parse_u32(a, v, &opt.max_clients) != 0) return 2;
+      i++;
+    } else if (!strcmp(a, "--log-level") && v) {
+      kvf_log_level level;
+      if (kvf_log_parse_level(v, &level) != 0) {
+        fprintf(stderr, "kvferryd: --log-level: '%s' is not none, warn, info or trace\n", v);
+        return 2;
+      }
+      kvf_log_override(level, KVF_LOG_ALL);
+      i++;
+    } else {
+      fprintf(stderr, "kvferryd: %s: unknown flag or missing value\n", a);
+      usage(stderr);
+      return 2;
+    }
+  }
+  if (!opt.socket_dir) {
+    fprintf(stderr, "kvferryd: --socket-dir is required\n");
+    usage(stderr);
+    return 2;
+  }
+  kvf_status st = kvf_server_create(&opt, &g_server);
+  if (st != KVF_SUCCESS) {
+    fprintf(stderr, "kvferryd: %s\n", kvf_last_error());
+    return 1;
+  }
+  struct sigaction sa;
+  memset(&sa, 0, sizeof(sa));
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, NULL);
+  sigaction(SIGINT, &sa, NULL);
+  signal(SIGPIPE, SIG_IGN);
+  fprintf(stderr, "kvferryd: serving on %s (pid %ld)\n", kvf_server_socket_path(g_server), (long)getpid());
+  st = kvf_server_run(g_server);
+  if (st != KVF_SUCCESS) fprintf(stderr, "kvferryd: %s\n", kvf_last_error());
+  kvf_server_destroy(g_server);
+  g_server = NULL;
+  return st == KVF_SUCCESS ? 0 : 1;
+}
