@@ -49,6 +49,9 @@ static void usage(FILE *out) {
           "                           every byte and report. Runs on GPU 0 when there is one (cache in\n"
           "                           device memory, objects in pinned host memory), else (or with --host)\n"
           "                           on the host backend.\n"
+          "  stat [--socket-dir DIR] [--json]\n"
+          "                           a running kvferryd's counters: registrations by state,\n"
+          "                           imports, aliases, leases (DIR defaults to $KVF_SOCKET_DIR)\n"
           "  presets                  list the preset geometries\n"
           "  bench [ARGS...]          run the transfer benchmark (kvf_bench from perf/, built with\n"
           "                           -DKVF_BUILD_PERF=ON) with ARGS; 'kvferry bench --help' lists them\n"
@@ -790,6 +793,53 @@ static int cmd_topo(void) {
   return 0;
 }
 
+/* ---- stat ---------------------------------------------------------------- */
+
+static int cmd_stat(int argc, char **argv) {
+  const char *dir = getenv("KVF_SOCKET_DIR");
+  int json = 0;
+  for (int i = 0; i < argc; i++) {
+    if (!strcmp(argv[i], "--json"))
+      json = 1;
+    else if (!strcmp(argv[i], "--socket-dir") && i + 1 < argc)
+      dir = argv[++i];
+    else {
+      fprintf(stderr, "kvferry stat: unknown option '%s' (--socket-dir DIR, --json)\n", argv[i]);
+      return 2;
+    }
+  }
+  if (!dir || !*dir) {
+    fprintf(stderr, "kvferry stat: name the server's socket directory (--socket-dir DIR or KVF_SOCKET_DIR)\n");
+    return 2;
+  }
+  kvf_client_options opt = KVF_CLIENT_OPTIONS_INIT;
+  opt.socket_dir = dir;
+  opt.name = "kvferry stat";
+  kvf_client *c = NULL;
+  kvf_client_info info;
+  kvf_client_stats st;
+  kvf_status s = kvf_client_connect(&opt, &c, &info);
+  if (s == KVF_SUCCESS) s = kvf_client_stat(c, &st);
+  kvf_client_disconnect(c);
+  if (s != KVF_SUCCESS) {
+    fprintf(stderr, "kvferry stat: %s: %s\n", kvf_status_string(s), kvf_last_error());
+    return 1;
+  }
+  if (json) {
+    printf("{\"server_pid\": %u, \"boot_token\": \"%016" PRIx64 "\", \"registrations\": {\"registering\": %u, "
+           "\"active\": %u, \"draining\": %u, \"closed_total\": %u, \"failed_total\": %u}, \"imports\": %" PRIu64
+           ", \"aliases\": %" PRIu64 ", \"leases\": %" PRIu64 "}\n",
+           info.server_pid, st.boot_token, st.registering, st.active, st.draining, st.closed_total, st.failed_total,
+           st.imports, st.aliases, st.leases);
+  } else {
+    printf("kvferryd pid %u, boot token %016" PRIx64 "\n", info.server_pid, st.boot_token);
+    printf("  registrations: %u active, %u registering, %u draining (%u closed, %u failed since start)\n", st.active,
+           st.registering, st.draining, st.closed_total, st.failed_total);
+    printf("  imports %" PRIu64 ", aliases %" PRIu64 ", leases held %" PRIu64 "\n", st.imports, st.aliases, st.leases);
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
   if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
     usage(argc < 2 ? stderr : stdout);
@@ -803,6 +853,7 @@ int main(int argc, char **argv) {
     return cmd_geometry_check(argc - 3, argv + 3);
   if (!strcmp(argv[1], "demo")) return cmd_demo(argc - 2, argv + 2);
   if (!strcmp(argv[1], "presets")) return cmd_presets();
+  if (!strcmp(argv[1], "stat")) return cmd_stat(argc - 2, argv + 2);
   if (!strcmp(argv[1], "bench")) return cmd_bench(argc - 2, argv + 2);
   if (!strcmp(argv[1], "topo")) return cmd_topo();
   fprintf(stderr, "kvferry: unknown command '%s'\n\n", argv[1]);
