@@ -445,24 +445,8 @@ kvf_status kvf_conn_read_frame(kvf_conn *conn, int timeout_ms, kvf_proto_header 
       rc = KVF_SYS_FAIL(sock_errno_status(e), e, "recvmsg(connection)");
       goto fail;
     }
-    /* Take every descriptor that arrived before judging the frame, so none
-     * stays open on an error. */
-    if (msg.msg_controllen > 0) {
-      for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c != NULL; c = CMSG_NXTHDR(&msg, c)) {
-        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-        size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        for (size_t i = 0; i < k; i++) {
-          int fd;
-          memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-          if (conn->num_fds < max_fds) {
-            conn->fds[conn->num_fds++] = fd;
-          } else {
-            overflow = 1;
-            kvf_sys_close(fd);
-          }
-        }
-      }
-    }
+    /* Take every descriptor that arrived before judging the frame. */
+    if (kvf_sys_take_fds(&msg, conn->fds, &conn->num_fds, max_fds)) overflow = 1;
     if (msg.msg_flags & MSG_CTRUNC) {
       rc = kvf_fail(KVF_ERR_PROTOCOL, "frame.fds: descriptors were truncated (MSG_CTRUNC); those that arrived were "
                                       "closed");

@@ -153,24 +153,8 @@ kvf_status kvf_ipc_recv(int sock, void *buf, size_t len, int *fds, uint32_t max_
       st = KVF_SYS_FAIL(kvf_ipc_errno_status(e), e, have ? "recvmsg (in the middle of a message)" : "recvmsg");
       goto fail;
     }
-    /* Take every descriptor that arrived before judging the message, so
-     * none is left open on an error. */
-    if (msg.msg_controllen > 0) {
-      for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c != NULL; c = CMSG_NXTHDR(&msg, c)) {
-        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-        size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        for (size_t i = 0; i < n; i++) {
-          int fd;
-          memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-          if (got < max_fds)
-            fds[got++] = fd;
-          else {
-            overflow = 1;
-            kvf_sys_close(fd);
-          }
-        }
-      }
-    }
+    /* Take every descriptor that arrived before judging the message. */
+    if (kvf_sys_take_fds(&msg, fds, &got, max_fds)) overflow = 1;
     if (msg.msg_flags & MSG_CTRUNC) {
       st = kvf_fail(KVF_ERR_PROTOCOL,
                     "kvf_ipc_recv: descriptors were truncated (MSG_CTRUNC): the peer sent more than max_fds %u; "

@@ -61,6 +61,26 @@ kvf_status kvf_sys_fail(kvf_status st, int err, const char *what, const char *fi
   return kvf_fail(st, "%s: %s", what, msg);
 }
 
+int kvf_sys_take_fds(struct msghdr *msg, int *fds, uint32_t *count, uint32_t max) {
+  int overflow = 0;
+  if (msg->msg_controllen == 0) return 0;
+  for (struct cmsghdr *c = CMSG_FIRSTHDR(msg); c != NULL; c = CMSG_NXTHDR(msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < n; i++) {
+      int fd;
+      memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+      if (*count < max) {
+        fds[(*count)++] = fd;
+      } else {
+        overflow = 1;
+        kvf_sys_close(fd);
+      }
+    }
+  }
+  return overflow;
+}
+
 void kvf_sys_close(int fd) {
   if (fd < 0) return;
   if (KVF_SYS(close)(fd) != 0) {

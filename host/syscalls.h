@@ -18,6 +18,7 @@
 #define KVF_HOST_SYSCALLS_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <sys/types.h>
 
 #include <kvferry/status.h>
@@ -68,6 +69,13 @@ kvf_status kvf_sys_fail(kvf_status st, int err, const char *what, const char *fi
  * close fails (EINTR, EIO), so a failure is only logged (INFO), never
  * retried. Negative fds are ignored. */
 void kvf_sys_close(int fd);
+
+struct msghdr;
+/* Take every descriptor a received message carries (SCM_RIGHTS): append
+ * them to fds[*count] while *count < max, and close the rest. Returns 1
+ * when any had to be closed that way, else 0. Called before the message is
+ * judged, so no descriptor stays open on an error path. */
+int kvf_sys_take_fds(struct msghdr *msg, int *fds, uint32_t *count, uint32_t max);
 
 #ifdef __cplusplus
 }
