@@ -30,17 +30,11 @@
 #include "host/log.h"
 #include "host/syscalls.h"
 
+#include "mem_test_util.h"
+
 namespace {
 
-int count_fds() {
-  DIR *d = opendir("/proc/self/fd");
-  if (!d) return -1;
-  int n = 0;
-  while (struct dirent *e = readdir(d))
-    if (e->d_name[0] != '.') n++;
-  closedir(d);
-  return n;
-}
+using kvf_mem_test::fd_count;
 
 int remove_one(const char *path, const struct stat *, int, struct FTW *) { return remove(path); }
 
@@ -149,10 +143,10 @@ class Endpoint : public ::testing::Test {
     ASSERT_NE(mkdtemp(tmpl), nullptr);
     base_ = tmpl;
     dir_ = base_ + "/sock";
-    fds_before_ = count_fds();
+    fds_before_ = fd_count();
   }
   void TearDown() override {
-    EXPECT_EQ(count_fds(), fds_before_) << "a descriptor was leaked";
+    EXPECT_EQ(fd_count(), fds_before_) << "a descriptor was leaked";
     remove_tree(base_);
   }
   std::string sock_path() const { return dir_ + "/" KVF_ENDPOINT_SOCKET_NAME; }
@@ -493,7 +487,7 @@ TEST_F(Endpoint, TooManyDescriptorsAreAProtocolErrorAndAllAreClosed) {
   kvf_conn tx, rx;
   kvf_conn_init(&tx, sv[1], 0);
   kvf_conn_init(&rx, sv[0], 0);
-  int base = count_fds();
+  int base = fd_count();
   int three[3] = {make_memfd("a"), make_memfd("b"), make_memfd("c")};
   std::vector<uint8_t> f = heartbeat_frame(3);
   ASSERT_EQ(kvf_conn_write_frame(&tx, f.data(), f.size(), three, 3, 1000), KVF_SUCCESS) << kvf_last_error();
@@ -506,7 +500,7 @@ TEST_F(Endpoint, TooManyDescriptorsAreAProtocolErrorAndAllAreClosed) {
   EXPECT_NE(std::string(kvf_last_error()).find("frame.fds"), std::string::npos) << kvf_last_error();
   EXPECT_EQ(n, 0u);
   EXPECT_EQ(payload, nullptr);
-  EXPECT_EQ(count_fds(), base) << "every descriptor that arrived was closed";
+  EXPECT_EQ(fd_count(), base) << "every descriptor that arrived was closed";
   // Sticky: the connection is out of step.
   EXPECT_EQ(kvf_conn_read_frame(&rx, 1000, &h, &payload, fds, 1, &n), KVF_ERR_PROTOCOL);
   kvf_conn_close(&tx);
@@ -560,7 +554,7 @@ TEST_F(Endpoint, TruncatedDescriptorsMsgCtruncAreAProtocolErrorAndClosed) {
   kvf_conn tx, rx;
   kvf_conn_init(&tx, sv[1], 0);
   kvf_conn_init(&rx, sv[0], 0);
-  int base = count_fds();
+  int base = fd_count();
   int two[2] = {make_memfd("a"), make_memfd("b")};
   std::vector<uint8_t> f = heartbeat_frame(4);
   ASSERT_EQ(kvf_conn_write_frame(&tx, f.data(), f.size(), two, 2, 1000), KVF_SUCCESS) << kvf_last_error();
@@ -578,7 +572,7 @@ TEST_F(Endpoint, TruncatedDescriptorsMsgCtruncAreAProtocolErrorAndClosed) {
   EXPECT_EQ(st, KVF_ERR_PROTOCOL);
   EXPECT_NE(std::string(kvf_last_error()).find("MSG_CTRUNC"), std::string::npos) << kvf_last_error();
   EXPECT_EQ(n, 0u);
-  EXPECT_EQ(count_fds(), base);
+  EXPECT_EQ(fd_count(), base);
   kvf_conn_close(&tx);
   kvf_conn_close(&rx);
 }

@@ -26,17 +26,11 @@
 #include "host/protocol.h"
 #include "host/server.h"
 
+#include "mem_test_util.h"
+
 namespace {
 
-int count_fds() {
-  DIR *d = opendir("/proc/self/fd");
-  if (!d) return -1;
-  int n = 0;
-  while (struct dirent *e = readdir(d))
-    if (e->d_name[0] != '.') n++;
-  closedir(d);
-  return n - 1; /* the directory's own descriptor */
-}
+using kvf_mem_test::fd_count;
 
 int remove_one(const char *path, const struct stat *, int, struct FTW *) { return remove(path); }
 
@@ -118,7 +112,7 @@ class Server : public ::testing::Test {
     dir_ = base_ + "/sock";
     size_ = region_size();
     ASSERT_GT(size_, 0u) << kvf_last_error();
-    fds_before_ = count_fds();
+    fds_before_ = fd_count();
     signal(SIGPIPE, SIG_IGN); /* a dead engine's control pipe must fail the test, not kill it */
   }
 
@@ -135,7 +129,7 @@ class Server : public ::testing::Test {
       waitpid(server_pid_, nullptr, 0);
     }
     nftw(base_.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS);
-    EXPECT_EQ(count_fds(), fds_before_) << "descriptors leaked in the test process";
+    EXPECT_EQ(fd_count(), fds_before_) << "descriptors leaked in the test process";
   }
 
   // Fork the server; it exits 0 after SIGTERM only if it drained cleanly and
@@ -144,7 +138,7 @@ class Server : public ::testing::Test {
     server_pid_ = fork();
     ASSERT_GE(server_pid_, 0);
     if (server_pid_ == 0) {
-      int before = count_fds();
+      int before = fd_count();
       kvf_server_options o = KVF_SERVER_OPTIONS_INIT;
       o.socket_dir = dir_.c_str();
       o.heartbeat_timeout_ms = heartbeat_timeout_ms;
@@ -156,7 +150,7 @@ class Server : public ::testing::Test {
       kvf_server_destroy(g_child_server);
       if (st != KVF_SUCCESS) _exit(3);
       if (s.imports != 0 || s.aliases != 0 || s.active != 0) _exit(4);
-      if (count_fds() != before) _exit(5);
+      if (fd_count() != before) _exit(5);
       _exit(0);
     }
     // Ready once the socket accepts.
@@ -473,7 +467,7 @@ TEST_F(Server, ManyRegisterCyclesLeaveNothingBehind) {
   kvf_mem_alloc *a = nullptr;
   ASSERT_EQ(kvf_mem_alloc_create(&ao, &a), KVF_SUCCESS);
   kvf_client_region regs[2] = {{a, 0, size_}, {a, size_, size_}};
-  int fds_start = count_fds();
+  int fds_start = fd_count();
   for (int i = 0; i < 200; i++) {
     kvf_client_options o = KVF_CLIENT_OPTIONS_INIT;
     o.socket_dir = dir_.c_str();
@@ -486,7 +480,7 @@ TEST_F(Server, ManyRegisterCyclesLeaveNothingBehind) {
     }
     kvf_client_disconnect(c);
   }
-  EXPECT_EQ(count_fds(), fds_start);
+  EXPECT_EQ(fd_count(), fds_start);
   kvf_client_stats s = wait_imports(0, 2000);
   EXPECT_EQ(s.imports, 0u);
   EXPECT_EQ(s.aliases, 0u);
