@@ -1,5 +1,6 @@
 /*
- * Geometry files: JSON (docs/geometry.md) -> the public builder API.
+ * Geometry files: JSON (docs/geometry.md) -> the public builder API, and
+ * back (kvf_geometry_to_json, at the end).
  *
  * The loader is strict: every key is known, every number has the right type
  * and range, and every name a layer refers to exists. Failures name the JSON
@@ -12,6 +13,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -909,5 +911,346 @@ kvf_status kvf_geometry_load_file(const char *path, const kvf_geometry_load_opti
   }
   st = kvf_json_load(data, len, options, out, error, path);
   free(data);
+  return st;
+}
+
+/* ---- writing: a finalized geometry -> a geometry file --------------------- */
+
+/* The writer emits the explicit form of the schema (one layer entry per view,
+ * no count or _step keys, every key written even at its default), built
+ * through jansson and dumped compact: the text is meant for REGISTER and for
+ * kvf_geometry_load_buffer, not for people (pipe it through a pretty-printer). */
+
+/* The loader requires region and group names and a geometry name; a geometry
+ * built in code may leave them empty, and those get generated names. */
+#define KVF_JSON_DEFAULT_NAME "geometry"
+
+typedef struct kvf_json_writer {
+  char (*region_names)[KVF_NAME_MAX];
+  char group_names[KVF_MAX_GROUPS][KVF_NAME_MAX];
+  /* The dump, in our own allocation so the caller can free() it whatever
+   * allocator jansson was given (json_set_alloc_funcs). */
+  char *text;
+  size_t len;
+  size_t cap;
+  int too_large;
+} kvf_json_writer;
+
+/* Strict UTF-8 (RFC 3629: no overlong forms, no surrogates, nothing above
+ * U+10FFFF), which is what jansson's parser accepts. */
+static int kvf_json_is_utf8(const char *s) {
+  const unsigned char *p = (const unsigned char *)s;
+  while (*p != 0) {
+    uint32_t cp;
+    int extra;
+    if (*p < 0x80) {
+      ++p;
+      continue;
+    }
+    if (*p >= 0xC2 && *p <= 0xDF) {
+      cp = *p & 0x1Fu;
+      extra = 1;
+    } else if (*p >= 0xE0 && *p <= 0xEF) {
+      cp = *p & 0x0Fu;
+      extra = 2;
+    } else if (*p >= 0xF0 && *p <= 0xF4) {
+      cp = *p & 0x07u;
+      extra = 3;
+    } else {
+      return 0;
+    }
+    ++p;
+    for (int i = 0; i < extra; ++i, ++p) {
+      if ((*p & 0xC0) != 0x80) return 0; /* also stops at the NUL */
+      cp = (cp << 6) | (*p & 0x3Fu);
+    }
+    if ((extra == 2 && cp < 0x800) || (extra == 3 && cp < 0x10000) || cp > 0x10FFFF ||
+        (cp >= 0xD800 && cp <= 0xDFFF))
+      return 0;
+  }
+  return 1;
+}
+
+/* obj[key] = s, refusing text a geometry file cannot carry. `where` names it. */
+static kvf_status kvf_json_put_string(json_t *obj, const char *key, const char *s, const char *where) {
+  if (!kvf_json_is_utf8(s))
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_geometry_to_json: %s%s%s: not valid UTF-8, which JSON requires",
+                    where, where[0] != '\0' ? "." : "", key);
+  if (json_object_set_new_nocheck(obj, key, json_stringn_nocheck(s, strlen(s))) != 0)
+    return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_geometry_to_json: out of memory");
+  return KVF_SUCCESS;
+}
+
+/* obj[key] = v. Geometry files hold integers up to 2^63-1 (jansson's range);
+ * only the stride of a dimension with a single element can exceed it. */
+static kvf_status kvf_json_put_u64(json_t *obj, const char *key, uint64_t v, const char *where) {
+  if (v > (uint64_t)INT64_MAX)
+    return kvf_fail(KVF_ERR_OVERFLOW,
+                    "kvf_geometry_to_json: %s%s%s: %llu is larger than 2^63-1, the largest integer a geometry "
+                    "file holds",
+                    where, where[0] != '\0' ? "." : "", key, (unsigned long long)v);
+  if (json_object_set_new_nocheck(obj, key, json_integer((json_int_t)v)) != 0)
+    return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_geometry_to_json: out of memory");
+  return KVF_SUCCESS;
+}
+
+/* obj[key] = value, taking the reference (also on failure). */
+static kvf_status kvf_json_put(json_t *obj, const char *key, json_t *value) {
+  if (json_object_set_new_nocheck(obj, key, value) != 0)
+    return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_geometry_to_json: out of memory");
+  return KVF_SUCCESS;
+}
+
+/* arr += value, taking the reference (also on failure). */
+static kvf_status kvf_json_append(json_t *arr, json_t *value) {
+  if (json_array_append_new(arr, value) != 0)
+    return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_geometry_to_json: out of memory");
+  return KVF_SUCCESS;
+}
+
+/* Give every unnamed entry of names[0..n) the name "<stem><i>", or
+ * "<stem><i>_<k>" when that is some other entry's name. Generated names
+ * cannot collide with each other: only entry i generates "<stem><i>...". */
+static void kvf_json_name_unnamed(char (*names)[KVF_NAME_MAX], uint32_t n, const char *stem) {
+  for (uint32_t i = 0; i < n; ++i) {
+    if (names[i][0] != '\0') continue;
+    char candidate[KVF_NAME_MAX];
+    for (uint32_t k = 0;; ++k) {
+      int taken = 0;
+      if (k == 0)
+        snprintf(candidate, sizeof candidate, "%s%u", stem, i);
+      else
+        snprintf(candidate, sizeof candidate, "%s%u_%u", stem, i, k);
+      for (uint32_t j = 0; j < n && !taken; ++j) taken = j != i && strcmp(names[j], candidate) == 0;
+      if (!taken) break;
+    }
+    memcpy(names[i], candidate, sizeof candidate);
+  }
+}
+
+static kvf_status kvf_json_write_regions(kvf_json_writer *w, const kvf_geometry *g, json_t *root) {
+  uint32_t n = kvf_geometry_num_regions(g);
+  json_t *arr = json_array();
+  kvf_status st = kvf_json_put(root, "regions", arr);
+  if (st != KVF_SUCCESS) return st;
+  for (uint32_t i = 0; i < n; ++i) {
+    kvf_region_info info;
+    if ((st = kvf_geometry_region(g, i, &info)) != KVF_SUCCESS) return st;
+    snprintf(w->region_names[i], KVF_NAME_MAX, "%s", info.name);
+  }
+  kvf_json_name_unnamed(w->region_names, n, "region");
+  for (uint32_t i = 0; i < n; ++i) {
+    char where[KVF_JSON_PATH_MAX];
+    kvf_region_info info;
+    json_t *obj = json_object();
+    snprintf(where, sizeof where, "regions[%u]", i);
+    if ((st = kvf_json_append(arr, obj)) != KVF_SUCCESS ||
+        (st = kvf_geometry_region(g, i, &info)) != KVF_SUCCESS ||
+        (st = kvf_json_put_string(obj, "name", w->region_names[i], where)) != KVF_SUCCESS ||
+        (st = kvf_json_put_u64(obj, "size", info.size, where)) != KVF_SUCCESS ||
+        (st = kvf_json_put_u64(obj, "align", info.align, where)) != KVF_SUCCESS)
+      return st;
+  }
+  return KVF_SUCCESS;
+}
+
+/* The attention keys of a layer entry: planes, heads, head_bytes (one per
+ * plane), and the three strides, all explicit. */
+static kvf_status kvf_json_write_attention(json_t *obj, const kvf_view_desc *v, const char *where) {
+  json_t *hb = NULL; /* created where obj takes it, so no failure path owns it */
+  kvf_status st;
+  if ((st = kvf_json_put_u64(obj, "planes", v->planes, where)) != KVF_SUCCESS ||
+      (st = kvf_json_put_u64(obj, "heads", v->heads, where)) != KVF_SUCCESS ||
+      (st = kvf_json_put(obj, "head_bytes", hb = json_array())) != KVF_SUCCESS)
+    return st;
+  /* Finalize allows 1 or 2 planes, and head_bytes beyond them are 0. */
+  for (uint32_t p = 0; p < v->planes && p < KVF_MAX_PLANES; ++p)
+    if ((st = kvf_json_append(hb, json_integer((json_int_t)v->head_bytes[p]))) != KVF_SUCCESS) return st;
+  if ((st = kvf_json_put_u64(obj, "plane_stride", v->plane_stride, where)) != KVF_SUCCESS ||
+      (st = kvf_json_put_u64(obj, "token_stride", v->token_stride, where)) != KVF_SUCCESS ||
+      (st = kvf_json_put_u64(obj, "head_stride", v->head_stride, where)) != KVF_SUCCESS)
+    return st;
+  return KVF_SUCCESS;
+}
+
+static kvf_status kvf_json_write_states(json_t *obj, const kvf_view_desc *v, const char *where) {
+  json_t *arr = json_array();
+  kvf_status st = kvf_json_put(obj, "states", arr);
+  if (st != KVF_SUCCESS) return st;
+  for (uint32_t s = 0; s < v->num_states && s < KVF_MAX_STATES; ++s) {
+    char swhere[KVF_JSON_PATH_MAX];
+    json_t *so = json_object();
+    snprintf(swhere, sizeof swhere, "%s.states[%u]", where, s);
+    if ((st = kvf_json_append(arr, so)) != KVF_SUCCESS ||
+        (st = kvf_json_put_u64(so, "offset", v->states[s].offset, swhere)) != KVF_SUCCESS ||
+        (st = kvf_json_put_u64(so, "bytes", v->states[s].bytes, swhere)) != KVF_SUCCESS)
+      return st;
+  }
+  return KVF_SUCCESS;
+}
+
+static kvf_status kvf_json_write_layer(const kvf_json_writer *w, const kvf_geometry *g, json_t *layers,
+                                       uint32_t group, kvf_group_kind kind, uint32_t layer,
+                                       const char *gwhere) {
+  char where[KVF_JSON_LAYER_PATH_MAX];
+  kvf_view_desc v = KVF_VIEW_DESC_INIT;
+  json_t *obj = json_object();
+  kvf_status st;
+  snprintf(where, sizeof where, "%s.layers[%u]", gwhere, layer);
+  if ((st = kvf_json_append(layers, obj)) != KVF_SUCCESS ||
+      (st = kvf_geometry_view(g, group, layer, &v)) != KVF_SUCCESS)
+    return st;
+  /* Layer names are optional in files: an unnamed view stays unnamed. */
+  if (v.name != NULL && v.name[0] != '\0' && (st = kvf_json_put_string(obj, "name", v.name, where)) != KVF_SUCCESS)
+    return st;
+  if ((st = kvf_json_put_string(obj, "region", w->region_names[v.region], where)) != KVF_SUCCESS ||
+      (st = kvf_json_put_u64(obj, "offset", v.offset, where)) != KVF_SUCCESS ||
+      (st = kvf_json_put_u64(obj, "elem_bytes", v.elem_bytes, where)) != KVF_SUCCESS ||
+      (st = kvf_json_put_u64(obj, "block_stride", v.block_stride, where)) != KVF_SUCCESS)
+    return st;
+  st = kind == KVF_GROUP_RECURRENT ? kvf_json_write_states(obj, &v, where) : kvf_json_write_attention(obj, &v, where);
+  if (st != KVF_SUCCESS) return st;
+  if (v.alias_group >= 0) {
+    char awhere[KVF_JSON_PATH_MAX];
+    json_t *ao = json_object();
+    snprintf(awhere, sizeof awhere, "%s.alias_of", where);
+    if ((st = kvf_json_put(obj, "alias_of", ao)) != KVF_SUCCESS ||
+        (st = kvf_json_put_string(ao, "group", w->group_names[v.alias_group], awhere)) != KVF_SUCCESS ||
+        (st = kvf_json_put_u64(ao, "layer", (uint64_t)v.alias_layer, awhere)) != KVF_SUCCESS)
+      return st;
+  }
+  return KVF_SUCCESS;
+}
+
+static kvf_status kvf_json_write_groups(kvf_json_writer *w, const kvf_geometry *g, json_t *root) {
+  uint32_t n = kvf_geometry_num_groups(g);
+  json_t *arr = json_array();
+  kvf_status st = kvf_json_put(root, "groups", arr);
+  if (st != KVF_SUCCESS) return st;
+  for (uint32_t i = 0; i < n; ++i) {
+    kvf_group_info info;
+    if ((st = kvf_geometry_group(g, i, &info)) != KVF_SUCCESS) return st;
+    snprintf(w->group_names[i], KVF_NAME_MAX, "%s", info.name);
+  }
+  kvf_json_name_unnamed(w->group_names, n, "group");
+  for (uint32_t i = 0; i < n; ++i) {
+    char where[KVF_JSON_GROUP_PATH_MAX];
+    kvf_group_info info;
+    json_t *obj = json_object();
+    json_t *layers = NULL;
+    snprintf(where, sizeof where, "groups[%u]", i);
+    if ((st = kvf_json_append(arr, obj)) != KVF_SUCCESS ||
+        (st = kvf_geometry_group(g, i, &info)) != KVF_SUCCESS ||
+        (st = kvf_json_put_string(obj, "name", w->group_names[i], where)) != KVF_SUCCESS ||
+        (st = kvf_json_put(obj, "kind", json_string(kvf_group_kind_name(info.kind)))) != KVF_SUCCESS ||
+        /* Written for recurrent groups too: the loader's default of 1 need not be what the builder got. */
+        (st = kvf_json_put_u64(obj, "block_size", info.block_size, where)) != KVF_SUCCESS ||
+        (st = kvf_json_put_u64(obj, "num_blocks", info.num_blocks, where)) != KVF_SUCCESS ||
+        (info.kind == KVF_GROUP_SLIDING_WINDOW &&
+         (st = kvf_json_put_u64(obj, "window", info.window, where)) != KVF_SUCCESS) ||
+        (info.kind == KVF_GROUP_CHUNKED_LOCAL &&
+         (st = kvf_json_put_u64(obj, "chunk", info.chunk, where)) != KVF_SUCCESS) ||
+        (st = kvf_json_put(obj, "layers", layers = json_array())) != KVF_SUCCESS)
+      return st;
+    for (uint32_t l = 0; l < info.num_layers; ++l)
+      if ((st = kvf_json_write_layer(w, g, layers, i, info.kind, l, where)) != KVF_SUCCESS) return st;
+  }
+  return KVF_SUCCESS;
+}
+
+static kvf_status kvf_json_write_tail(const kvf_geometry *g, json_t *root) {
+  kvf_object_policy policy = KVF_OBJECT_POLICY_INIT;
+  uint32_t world = 1;
+  uint32_t rank = 0;
+  json_t *objects = json_object();
+  json_t *dcp = json_object();
+  kvf_status st = kvf_json_put(root, "objects", objects);
+  if (st != KVF_SUCCESS) {
+    json_decref(dcp);
+    return st;
+  }
+  if ((st = kvf_json_put(root, "dcp", dcp)) != KVF_SUCCESS ||
+      (st = kvf_geometry_policy(g, &policy)) != KVF_SUCCESS ||
+      (st = kvf_geometry_dcp(g, &world, &rank)) != KVF_SUCCESS ||
+      (st = kvf_json_put_u64(objects, "chunk_tokens", policy.chunk_tokens, "objects")) != KVF_SUCCESS ||
+      (st = kvf_json_put(objects, "format", json_string(kvf_object_format_name(policy.format)))) != KVF_SUCCESS ||
+      (st = kvf_json_put(objects, "separate_windowed", json_boolean(policy.separate_windowed))) != KVF_SUCCESS ||
+      (st = kvf_json_put(objects, "separate_recurrent", json_boolean(policy.separate_recurrent))) != KVF_SUCCESS ||
+      (st = kvf_json_put_u64(dcp, "world", world, "dcp")) != KVF_SUCCESS ||
+      (st = kvf_json_put_u64(dcp, "rank", rank, "dcp")) != KVF_SUCCESS)
+    return st;
+  return KVF_SUCCESS;
+}
+
+/* json_dump_callback sink: append to w->text, refusing to grow past what the
+ * loader reads back (KVF_JSON_MAX_BYTES). */
+static int kvf_json_sink(const char *buffer, size_t size, void *data) {
+  kvf_json_writer *w = data;
+  if (size > KVF_JSON_MAX_BYTES - w->len) {
+    w->too_large = 1;
+    return -1;
+  }
+  if (w->len + size + 1 > w->cap) {
+    size_t cap = w->cap != 0 ? w->cap : 16 << 10;
+    char *grown;
+    while (cap < w->len + size + 1) cap *= 2;
+    grown = realloc(w->text, cap);
+    if (grown == NULL) return -1;
+    w->text = grown;
+    w->cap = cap;
+  }
+  memcpy(w->text + w->len, buffer, size);
+  w->len += size;
+  w->text[w->len] = '\0';
+  return 0;
+}
+
+kvf_status kvf_geometry_to_json(const kvf_geometry *geometry, char **json, size_t *len) {
+  kvf_json_writer w;
+  json_t *root = NULL;
+  kvf_region_info first;
+  const char *name;
+  kvf_status st;
+
+  memset(&w, 0, sizeof w);
+  if (geometry == NULL || json == NULL)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_geometry_to_json: %s is NULL",
+                    geometry == NULL ? "geometry" : "json");
+  /* A finalized geometry has at least one region; an unfinalized one says STATE. */
+  st = kvf_geometry_region(geometry, 0, &first);
+  if (st == KVF_ERR_STATE)
+    return kvf_fail(KVF_ERR_STATE, "kvf_geometry_to_json: the geometry is not finalized");
+  if (st != KVF_SUCCESS) return st;
+
+  w.region_names = calloc(kvf_geometry_num_regions(geometry), sizeof *w.region_names);
+  root = json_object();
+  if (w.region_names == NULL || root == NULL) {
+    st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_geometry_to_json: out of memory");
+    goto out;
+  }
+  name = kvf_geometry_name(geometry);
+  if ((st = kvf_json_put(root, "format", json_string("kvferry-geometry"))) != KVF_SUCCESS ||
+      (st = kvf_json_put(root, "version", json_integer(1))) != KVF_SUCCESS ||
+      (st = kvf_json_put_string(root, "name", name[0] != '\0' ? name : KVF_JSON_DEFAULT_NAME, "")) != KVF_SUCCESS ||
+      (st = kvf_json_put_string(root, "description", kvf_geometry_description(geometry), "")) != KVF_SUCCESS ||
+      (st = kvf_json_write_regions(&w, geometry, root)) != KVF_SUCCESS ||
+      (st = kvf_json_write_groups(&w, geometry, root)) != KVF_SUCCESS ||
+      (st = kvf_json_write_tail(geometry, root)) != KVF_SUCCESS)
+    goto out;
+  if (json_dump_callback(root, kvf_json_sink, &w, JSON_COMPACT | JSON_PRESERVE_ORDER) != 0) {
+    st = w.too_large ? kvf_fail(KVF_ERR_OVERFLOW,
+                                "kvf_geometry_to_json: the geometry file would exceed the %zu MiB the loader reads",
+                                KVF_JSON_MAX_BYTES >> 20)
+                     : kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_geometry_to_json: out of memory");
+    goto out;
+  }
+  *json = w.text;
+  if (len != NULL) *len = w.len;
+  w.text = NULL;
+
+out:
+  free(w.text);
+  json_decref(root);
+  free(w.region_names);
   return st;
 }

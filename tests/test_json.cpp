@@ -2,15 +2,19 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <unistd.h>
+
+#include <jansson.h>
 
 #include <kvferry/geometry.h>
 
@@ -770,6 +774,479 @@ TEST(Json, EveryPresetLoads) {
     EXPECT_GT(kvf_geometry_num_groups(g.get()), 0u);
     EXPECT_NE(kvf_geometry_fingerprint(g.get(), KVF_FORMAT_CANONICAL), 0u);
   }
+}
+
+// ---- writing: kvf_geometry_to_json -------------------------------------------
+
+struct FreeDeleter {
+  void operator()(char *p) const { free(p); }
+};
+
+// kvf_geometry_to_json as a std::string; checks *len against the text.
+std::string ToJson(const kvf_geometry *g) {
+  char *raw = nullptr;
+  size_t len = 0;
+  kvf_status st = kvf_geometry_to_json(g, &raw, &len);
+  std::unique_ptr<char, FreeDeleter> text(raw);
+  EXPECT_EQ(st, KVF_SUCCESS) << kvf_last_error();
+  if (st != KVF_SUCCESS || raw == nullptr) return std::string();
+  EXPECT_EQ(len, strlen(raw)) << "len is the bytes before the NUL";
+  return std::string(raw, len);
+}
+
+// Names compared only where the original had one (the writer generates the rest).
+void ExpectSameName(const char *original, const char *reloaded, bool generated_ok) {
+  if (generated_ok && original[0] == '\0') {
+    EXPECT_NE(reloaded[0], '\0') << "an unnamed entry is written with a generated name";
+  } else {
+    EXPECT_STREQ(original, reloaded);
+  }
+}
+
+// Every public property of a and b, field by field.
+void ExpectSameGeometry(const kvf_geometry *a, const kvf_geometry *b, bool generated_ok = false) {
+  for (kvf_object_format f : {KVF_FORMAT_CANONICAL, KVF_FORMAT_NATIVE}) {
+    EXPECT_NE(kvf_geometry_fingerprint(a, f), 0u);
+    EXPECT_EQ(kvf_geometry_fingerprint(a, f), kvf_geometry_fingerprint(b, f)) << kvf_object_format_name(f);
+  }
+  ExpectSameName(kvf_geometry_name(a), kvf_geometry_name(b), generated_ok);
+  EXPECT_STREQ(kvf_geometry_description(a), kvf_geometry_description(b));
+  ASSERT_EQ(kvf_geometry_num_regions(a), kvf_geometry_num_regions(b));
+  ASSERT_EQ(kvf_geometry_num_groups(a), kvf_geometry_num_groups(b));
+  ASSERT_EQ(kvf_geometry_num_object_groups(a), kvf_geometry_num_object_groups(b));
+  EXPECT_EQ(kvf_geometry_num_aliases(a), kvf_geometry_num_aliases(b));
+
+  for (uint32_t i = 0; i < kvf_geometry_num_regions(a); ++i) {
+    SCOPED_TRACE("region " + std::to_string(i));
+    kvf_region_info ra, rb;
+    ASSERT_EQ(kvf_geometry_region(a, i, &ra), KVF_SUCCESS);
+    ASSERT_EQ(kvf_geometry_region(b, i, &rb), KVF_SUCCESS);
+    ExpectSameName(ra.name, rb.name, generated_ok);
+    EXPECT_EQ(ra.size, rb.size);
+    EXPECT_EQ(ra.align, rb.align);
+    EXPECT_EQ(ra.num_views, rb.num_views);
+  }
+  for (uint32_t g = 0; g < kvf_geometry_num_groups(a); ++g) {
+    SCOPED_TRACE("group " + std::to_string(g));
+    kvf_group_info ga, gb;
+    ASSERT_EQ(kvf_geometry_group(a, g, &ga), KVF_SUCCESS);
+    ASSERT_EQ(kvf_geometry_group(b, g, &gb), KVF_SUCCESS);
+    ExpectSameName(ga.name, gb.name, generated_ok);
+    EXPECT_EQ(ga.kind, gb.kind);
+    EXPECT_EQ(ga.block_size, gb.block_size);
+    EXPECT_EQ(ga.num_blocks, gb.num_blocks);
+    EXPECT_EQ(ga.window, gb.window);
+    EXPECT_EQ(ga.chunk, gb.chunk);
+    EXPECT_EQ(ga.object_group, gb.object_group);
+    EXPECT_EQ(ga.payload_per_block, gb.payload_per_block);
+    EXPECT_EQ(ga.max_block_stride, gb.max_block_stride);
+    ASSERT_EQ(ga.num_layers, gb.num_layers);
+    for (uint32_t l = 0; l < ga.num_layers; ++l) {
+      SCOPED_TRACE("layer " + std::to_string(l));
+      kvf_view_desc va = KVF_VIEW_DESC_INIT, vb = KVF_VIEW_DESC_INIT;
+      ASSERT_EQ(kvf_geometry_view(a, g, l, &va), KVF_SUCCESS);
+      ASSERT_EQ(kvf_geometry_view(b, g, l, &vb), KVF_SUCCESS);
+      EXPECT_STREQ(va.name, vb.name);
+      EXPECT_EQ(va.region, vb.region);
+      EXPECT_EQ(va.elem_bytes, vb.elem_bytes);
+      EXPECT_EQ(va.offset, vb.offset);
+      EXPECT_EQ(va.block_stride, vb.block_stride);
+      EXPECT_EQ(va.planes, vb.planes);
+      EXPECT_EQ(va.heads, vb.heads);
+      EXPECT_EQ(va.plane_stride, vb.plane_stride);
+      EXPECT_EQ(va.token_stride, vb.token_stride);
+      EXPECT_EQ(va.head_stride, vb.head_stride);
+      for (uint32_t p = 0; p < KVF_MAX_PLANES; ++p) EXPECT_EQ(va.head_bytes[p], vb.head_bytes[p]) << "plane " << p;
+      ASSERT_EQ(va.num_states, vb.num_states);
+      for (uint32_t s = 0; s < va.num_states; ++s) {
+        EXPECT_EQ(va.states[s].offset, vb.states[s].offset) << "state " << s;
+        EXPECT_EQ(va.states[s].bytes, vb.states[s].bytes) << "state " << s;
+      }
+      EXPECT_EQ(va.alias_group, vb.alias_group);
+      EXPECT_EQ(va.alias_layer, vb.alias_layer);
+    }
+  }
+  for (uint32_t o = 0; o < kvf_geometry_num_object_groups(a); ++o) {
+    SCOPED_TRACE("object group " + std::to_string(o));
+    kvf_object_group_info oa, ob;
+    ASSERT_EQ(kvf_geometry_object_group(a, o, &oa), KVF_SUCCESS);
+    ASSERT_EQ(kvf_geometry_object_group(b, o, &ob), KVF_SUCCESS);
+    ASSERT_EQ(oa.num_groups, ob.num_groups);
+    for (uint32_t i = 0; i < oa.num_groups; ++i) EXPECT_EQ(oa.groups[i], ob.groups[i]);
+    EXPECT_EQ(oa.has_attention, ob.has_attention);
+    EXPECT_EQ(oa.has_recurrent, ob.has_recurrent);
+    EXPECT_EQ(oa.bytes_per_token, ob.bytes_per_token);
+    EXPECT_EQ(oa.recurrent_bytes, ob.recurrent_bytes);
+  }
+  kvf_object_policy pa, pb;
+  ASSERT_EQ(kvf_geometry_policy(a, &pa), KVF_SUCCESS);
+  ASSERT_EQ(kvf_geometry_policy(b, &pb), KVF_SUCCESS);
+  EXPECT_EQ(pa.chunk_tokens, pb.chunk_tokens);
+  EXPECT_EQ(pa.format, pb.format);
+  EXPECT_EQ(pa.separate_windowed, pb.separate_windowed);
+  EXPECT_EQ(pa.separate_recurrent, pb.separate_recurrent);
+  uint32_t wa = 0, ra = 0, wb = 0, rb = 0;
+  ASSERT_EQ(kvf_geometry_dcp(a, &wa, &ra), KVF_SUCCESS);
+  ASSERT_EQ(kvf_geometry_dcp(b, &wb, &rb), KVF_SUCCESS);
+  EXPECT_EQ(wa, wb);
+  EXPECT_EQ(ra, rb);
+}
+
+// to_json -> load_buffer (no options) -> equal geometry, and a second
+// to_json gives the same bytes. Returns the reloaded geometry.
+GeometryPtr RoundTrip(const kvf_geometry *g, bool generated_ok = false) {
+  std::string first = ToJson(g);
+  GeometryPtr back;
+  EXPECT_EQ(Load(first, &back), KVF_SUCCESS) << kvf_last_error() << "\n" << first;
+  if (!back) return back;
+  ExpectSameGeometry(g, back.get(), generated_ok);
+  EXPECT_EQ(ToJson(back.get()), first) << "the output must be stable";
+  return back;
+}
+
+TEST(JsonWrite, EveryPresetRoundTrips) {
+  std::vector<std::string> presets;
+  std::error_code ec;
+  for (const auto &entry : std::filesystem::directory_iterator(KVF_PRESET_DIR, ec))
+    if (entry.path().extension() == ".json") presets.push_back(entry.path().string());
+  if (presets.empty()) GTEST_SKIP() << "no presets in " KVF_PRESET_DIR;
+  for (const std::string &path : presets) {
+    for (uint32_t override_blocks : {0u, 37u}) {
+      SCOPED_TRACE(path + " num_blocks_override " + std::to_string(override_blocks));
+      kvf_geometry_load_options opt = KVF_GEOMETRY_LOAD_OPTIONS_INIT;
+      opt.num_blocks_override = override_blocks;
+      kvf_geometry *raw = nullptr;
+      ASSERT_EQ(kvf_geometry_load_file(path.c_str(), &opt, &raw, nullptr), KVF_SUCCESS) << kvf_last_error();
+      GeometryPtr g(raw);
+      GeometryPtr back = RoundTrip(g.get());
+      ASSERT_TRUE(back);
+      kvf_group_info gi;
+      ASSERT_EQ(kvf_geometry_group(back.get(), 0, &gi), KVF_SUCCESS);
+      if (override_blocks != 0) {
+        EXPECT_EQ(gi.num_blocks, override_blocks) << "reloaded without the override";
+      }
+    }
+  }
+}
+
+TEST(JsonWrite, LoaderFixturesRoundTrip) {
+  for (const std::string *json : {&kSmall, &kHybrid}) {
+    GeometryPtr g;
+    ASSERT_EQ(Load(*json, &g), KVF_SUCCESS) << kvf_last_error();
+    std::string text = ToJson(g.get());
+    // The explicit form: no compact-form keys, one entry per view.
+    for (const char *key : {"\"count\"", "\"region_step\"", "\"offset_step\"", "\"layer_step\""})
+      EXPECT_EQ(text.find(key), std::string::npos) << key << " in " << text;
+    RoundTrip(g.get());
+  }
+}
+
+// A hybrid built in code: full attention with V narrower than K, a sliding
+// window group aliasing full layer 0, a recurrent group with two states
+// (block_size left at the builder's 16), DCP rank 1 of 2, a non-default
+// policy, and text that JSON must escape.
+TEST(JsonWrite, CodeBuiltGeometryRoundTrips) {
+  kvf_geometry *raw = nullptr;
+  ASSERT_EQ(kvf_geometry_create(&raw), KVF_SUCCESS);
+  GeometryPtr g(raw);
+  const uint32_t nb = 6, bs = 16, heads = 2;
+  kvf_region_desc r = KVF_REGION_DESC_INIT;
+  r.name = "kv[0]";  // a plain name that looks expanded
+  r.align = 4096;
+  ASSERT_EQ(kvf_geometry_add_region(g.get(), &r, nullptr), KVF_SUCCESS);
+  r.name = "kv1";
+  r.size = 1 << 20;  // larger than needed: kept as given
+  r.align = 256;
+  ASSERT_EQ(kvf_geometry_add_region(g.get(), &r, nullptr), KVF_SUCCESS);
+  r.name = "ssm \"states\"";
+  r.size = 0;
+  ASSERT_EQ(kvf_geometry_add_region(g.get(), &r, nullptr), KVF_SUCCESS);
+
+  kvf_group_desc gd = KVF_GROUP_DESC_INIT;
+  gd.name = "full";
+  gd.block_size = bs;
+  gd.num_blocks = nb;
+  ASSERT_EQ(kvf_geometry_add_group(g.get(), &gd, nullptr), KVF_SUCCESS);
+  gd.name = "swa";
+  gd.kind = KVF_GROUP_SLIDING_WINDOW;
+  gd.window = 48;
+  ASSERT_EQ(kvf_geometry_add_group(g.get(), &gd, nullptr), KVF_SUCCESS);
+  gd = KVF_GROUP_DESC_INIT;
+  gd.name = "mamba";
+  gd.kind = KVF_GROUP_RECURRENT;
+  gd.num_blocks = 3;
+  ASSERT_EQ(kvf_geometry_add_group(g.get(), &gd, nullptr), KVF_SUCCESS);
+
+  // FlashInfer-like [NB][P][BS][H][D] with K 192 bytes and V 128 bytes per head.
+  kvf_view_desc v = KVF_VIEW_DESC_INIT;
+  v.elem_bytes = 2;
+  v.planes = 2;
+  v.heads = heads;
+  v.head_bytes[0] = 192;
+  v.head_bytes[1] = 128;
+  v.token_stride = heads * 192;
+  v.head_stride = 192;
+  v.plane_stride = bs * heads * 192;
+  v.block_stride = 2 * bs * heads * 192;
+  for (uint32_t region : {0u, 1u}) {
+    v.region = region;
+    v.name = region == 0 ? "attn.0" : "";  // one unnamed layer
+    ASSERT_EQ(kvf_geometry_add_view(g.get(), 0, &v, nullptr), KVF_SUCCESS);
+  }
+  v.region = 0;
+  v.name = "swa.0";
+  v.alias_group = 0;
+  v.alias_layer = 0;
+  ASSERT_EQ(kvf_geometry_add_view(g.get(), 1, &v, nullptr), KVF_SUCCESS);
+  // A second window layer: one plane (MLA-like), in region 1 after full layer 1's pages.
+  kvf_view_desc m = KVF_VIEW_DESC_INIT;
+  m.name = "swa.1";
+  m.region = 1;
+  m.elem_bytes = 2;
+  m.planes = 1;
+  m.heads = 1;
+  m.head_bytes[0] = 576;
+  m.token_stride = 576;
+  m.block_stride = bs * 576;
+  m.offset = nb * 2 * bs * heads * 192;
+  ASSERT_EQ(kvf_geometry_add_view(g.get(), 1, &m, nullptr), KVF_SUCCESS);
+
+  kvf_view_desc s = KVF_VIEW_DESC_INIT;
+  s.name = "mamba.0";
+  s.region = 2;
+  s.elem_bytes = 4;
+  s.block_stride = 8192;
+  s.num_states = 2;
+  s.states[0] = {0, 1024};
+  s.states[1] = {2048, 4096};
+  ASSERT_EQ(kvf_geometry_add_view(g.get(), 2, &s, nullptr), KVF_SUCCESS);
+  s.name = "mamba.1";
+  s.offset = 3 * 8192;
+  ASSERT_EQ(kvf_geometry_add_view(g.get(), 2, &s, nullptr), KVF_SUCCESS);
+
+  kvf_object_policy p = KVF_OBJECT_POLICY_INIT;
+  p.chunk_tokens = 64;  // a multiple of block_size 16 * dcp world 2
+  p.format = KVF_FORMAT_NATIVE;
+  p.separate_windowed = 0;
+  p.separate_recurrent = 1;
+  ASSERT_EQ(kvf_geometry_set_policy(g.get(), &p), KVF_SUCCESS);
+  ASSERT_EQ(kvf_geometry_set_dcp(g.get(), 2, 1), KVF_SUCCESS);
+  ASSERT_EQ(kvf_geometry_set_name(g.get(), "built in code", "K/V \"planes\"\n\tcaf\xc3\xa9 \\ \xe2\x9c\x93"),
+            KVF_SUCCESS);
+  kvf_geometry_error err;
+  ASSERT_EQ(kvf_geometry_finalize(g.get(), &err), KVF_SUCCESS) << err.message;
+
+  // Preconditions of the comparison: the features under test are there.
+  ASSERT_EQ(kvf_geometry_num_aliases(g.get()), 1u);
+  ASSERT_EQ(kvf_geometry_num_object_groups(g.get()), 2u);
+  kvf_group_info gi;
+  ASSERT_EQ(kvf_geometry_group(g.get(), 2, &gi), KVF_SUCCESS);
+  ASSERT_EQ(gi.block_size, 16u) << "the builder keeps a recurrent group's block_size";
+
+  GeometryPtr back = RoundTrip(g.get());
+  ASSERT_TRUE(back);
+  kvf_view_desc got = KVF_VIEW_DESC_INIT;
+  ASSERT_EQ(kvf_geometry_view(back.get(), 0, 1, &got), KVF_SUCCESS);
+  EXPECT_STREQ(got.name, "") << "an unnamed layer stays unnamed";
+  kvf_region_info ri;
+  ASSERT_EQ(kvf_geometry_region(back.get(), 1, &ri), KVF_SUCCESS);
+  EXPECT_EQ(ri.size, 1u << 20);
+}
+
+// The loader requires geometry, region and group names: the writer makes
+// them up where a geometry built in code has none, avoiding names in use.
+TEST(JsonWrite, UnnamedEntriesGetGeneratedNames) {
+  kvf_geometry *raw = nullptr;
+  ASSERT_EQ(kvf_geometry_create(&raw), KVF_SUCCESS);
+  GeometryPtr g(raw);
+  kvf_region_desc r = KVF_REGION_DESC_INIT;
+  ASSERT_EQ(kvf_geometry_add_region(g.get(), &r, nullptr), KVF_SUCCESS);  // unnamed region 0
+  r.name = "region1";                                                       // taken from region 1's generated name
+  ASSERT_EQ(kvf_geometry_add_region(g.get(), &r, nullptr), KVF_SUCCESS);
+  r.name = nullptr;
+  ASSERT_EQ(kvf_geometry_add_region(g.get(), &r, nullptr), KVF_SUCCESS);  // unnamed region 2
+  kvf_group_desc gd = KVF_GROUP_DESC_INIT;
+  gd.num_blocks = 4;
+  ASSERT_EQ(kvf_geometry_add_group(g.get(), &gd, nullptr), KVF_SUCCESS);  // unnamed group 0
+  gd.name = "group0";
+  ASSERT_EQ(kvf_geometry_add_group(g.get(), &gd, nullptr), KVF_SUCCESS);
+  kvf_view_desc v = KVF_VIEW_DESC_INIT;
+  v.planes = 1;
+  v.heads = 1;
+  v.head_bytes[0] = 64;
+  v.token_stride = 64;
+  v.block_stride = 16 * 64;
+  for (uint32_t region : {0u, 1u, 2u}) {
+    v.region = region;
+    v.alias_group = -1;
+    ASSERT_EQ(kvf_geometry_add_view(g.get(), region == 2 ? 1 : 0, &v, nullptr), KVF_SUCCESS);
+  }
+  // Alias group 0 (unnamed) from group 1: the reference must use the generated name.
+  v.region = 0;
+  v.alias_group = 0;
+  v.alias_layer = 0;
+  ASSERT_EQ(kvf_geometry_add_view(g.get(), 1, &v, nullptr), KVF_SUCCESS);
+  ASSERT_EQ(kvf_geometry_finalize(g.get(), nullptr), KVF_SUCCESS) << kvf_last_error();
+
+  GeometryPtr back = RoundTrip(g.get(), /*generated_ok=*/true);
+  ASSERT_TRUE(back);
+  EXPECT_STREQ(kvf_geometry_name(back.get()), "geometry");
+  kvf_region_info ri;
+  ASSERT_EQ(kvf_geometry_region(back.get(), 0, &ri), KVF_SUCCESS);
+  EXPECT_STREQ(ri.name, "region0");
+  ASSERT_EQ(kvf_geometry_region(back.get(), 1, &ri), KVF_SUCCESS);
+  EXPECT_STREQ(ri.name, "region1");
+  ASSERT_EQ(kvf_geometry_region(back.get(), 2, &ri), KVF_SUCCESS);
+  EXPECT_STREQ(ri.name, "region2");
+  kvf_group_info gi;
+  ASSERT_EQ(kvf_geometry_group(back.get(), 0, &gi), KVF_SUCCESS);
+  EXPECT_STREQ(gi.name, "group0_1") << "group0 is group 1's name";
+  ASSERT_EQ(kvf_geometry_group(back.get(), 1, &gi), KVF_SUCCESS);
+  EXPECT_STREQ(gi.name, "group0");
+}
+
+TEST(JsonWrite, ArgumentsAndState) {
+  GeometryPtr g;
+  ASSERT_EQ(Load(kSmall, &g), KVF_SUCCESS) << kvf_last_error();
+  char *text = reinterpret_cast<char *>(0x1);  // must stay untouched on failure
+  EXPECT_EQ(kvf_geometry_to_json(nullptr, &text, nullptr), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvf_last_error()).find("geometry is NULL"), std::string::npos) << kvf_last_error();
+  EXPECT_EQ(kvf_geometry_to_json(g.get(), nullptr, nullptr), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvf_last_error()).find("json is NULL"), std::string::npos) << kvf_last_error();
+
+  kvf_geometry *raw = nullptr;
+  ASSERT_EQ(kvf_geometry_create(&raw), KVF_SUCCESS);
+  GeometryPtr empty(raw);
+  size_t len = 7;
+  EXPECT_EQ(kvf_geometry_to_json(empty.get(), &text, &len), KVF_ERR_STATE);
+  EXPECT_NE(std::string(kvf_last_error()).find("not finalized"), std::string::npos) << kvf_last_error();
+  EXPECT_EQ(text, reinterpret_cast<char *>(0x1));
+  EXPECT_EQ(len, 7u);
+
+  // len may be NULL.
+  text = nullptr;
+  ASSERT_EQ(kvf_geometry_to_json(g.get(), &text, nullptr), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_NE(text, nullptr);
+  EXPECT_EQ(std::string(text), ToJson(g.get()));
+  free(text);
+}
+
+// Names and the description are C strings of any bytes; JSON text is UTF-8.
+TEST(JsonWrite, RejectsTextThatIsNotUtf8) {
+  struct Case {
+    const char *name;
+    const char *description;
+    const char *field;
+  } cases[] = {
+      {"bad\xff", "", "name"},
+      {"ok", "overlong \xc0\xaf", "description"},
+      {"ok", "surrogate \xed\xa0\x80", "description"},
+      {"ok", "cut \xe2\x9c", "description"},
+      {"ok", "above U+10FFFF \xf4\x90\x80\x80", "description"},
+  };
+  for (const Case &c : cases) {
+    SCOPED_TRACE(c.description);
+    GeometryPtr g;
+    ASSERT_EQ(Load(kSmall, &g), KVF_SUCCESS) << kvf_last_error();
+    ASSERT_EQ(kvf_geometry_set_name(g.get(), c.name, c.description), KVF_SUCCESS);
+    char *text = nullptr;
+    EXPECT_EQ(kvf_geometry_to_json(g.get(), &text, nullptr), KVF_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(text, nullptr);
+    EXPECT_NE(std::string(kvf_last_error()).find(std::string(c.field) + ": not valid UTF-8"), std::string::npos)
+        << kvf_last_error();
+  }
+  // Valid multi-byte text of every length passes.
+  GeometryPtr g;
+  ASSERT_EQ(Load(kSmall, &g), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_EQ(kvf_geometry_set_name(g.get(), "\xc3\xa9\xe2\x9c\x93\xf0\x9f\x9a\xa2", "\xf4\x8f\xbf\xbf"), KVF_SUCCESS);
+  RoundTrip(g.get());
+}
+
+// A dimension with one element may have any stride; a file cannot hold one
+// above 2^63-1, and the writer says which key instead of writing a negative.
+TEST(JsonWrite, StrideBeyondFileIntegersIsOverflow) {
+  kvf_geometry *raw = nullptr;
+  ASSERT_EQ(kvf_geometry_create(&raw), KVF_SUCCESS);
+  GeometryPtr g(raw);
+  kvf_region_desc r = KVF_REGION_DESC_INIT;
+  r.name = "kv";
+  ASSERT_EQ(kvf_geometry_add_region(g.get(), &r, nullptr), KVF_SUCCESS);
+  kvf_group_desc gd = KVF_GROUP_DESC_INIT;
+  gd.name = "full";
+  gd.num_blocks = 1;
+  ASSERT_EQ(kvf_geometry_add_group(g.get(), &gd, nullptr), KVF_SUCCESS);
+  kvf_view_desc v = KVF_VIEW_DESC_INIT;
+  v.planes = 1;
+  v.heads = 1;
+  v.head_bytes[0] = 64;
+  v.token_stride = 64;
+  v.block_stride = UINT64_MAX - 1023;  // one block: never multiplied
+  ASSERT_EQ(kvf_geometry_add_view(g.get(), 0, &v, nullptr), KVF_SUCCESS);
+  ASSERT_EQ(kvf_geometry_finalize(g.get(), nullptr), KVF_SUCCESS) << kvf_last_error();
+  char *text = nullptr;
+  EXPECT_EQ(kvf_geometry_to_json(g.get(), &text, nullptr), KVF_ERR_OVERFLOW);
+  EXPECT_EQ(text, nullptr);
+  EXPECT_NE(std::string(kvf_last_error()).find("groups[0].layers[0].block_stride"), std::string::npos)
+      << kvf_last_error();
+}
+
+// Readers share a finalized geometry: concurrent writers give the same text.
+TEST(JsonWrite, ConcurrentCallsAgree) {
+  GeometryPtr g;
+  ASSERT_EQ(Load(kHybrid, &g), KVF_SUCCESS) << kvf_last_error();
+  std::string expected = ToJson(g.get());
+  std::vector<std::string> got(4);
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < got.size(); ++i)
+    threads.emplace_back([&, i] {
+      for (int k = 0; k < 20; ++k) {
+        char *text = nullptr;
+        if (kvf_geometry_to_json(g.get(), &text, nullptr) != KVF_SUCCESS) return;
+        got[i] = text;
+        free(text);
+      }
+    });
+  for (auto &t : threads) t.join();
+  for (const std::string &s : got) EXPECT_EQ(s, expected);
+}
+
+// Every jansson allocation the writer makes may fail: it then returns
+// KVF_ERR_OUT_OF_MEMORY, leaves *json alone and frees what it built (the
+// sanitizer build's leak check sees the rest).
+size_t g_alloc_budget = SIZE_MAX;  // allocations left before they fail
+void *FailingMalloc(size_t size) {
+  if (g_alloc_budget == 0) return nullptr;
+  --g_alloc_budget;
+  return malloc(size);
+}
+
+TEST(JsonWrite, OutOfMemoryAtEveryAllocation) {
+  GeometryPtr g;
+  ASSERT_EQ(Load(kHybrid, &g), KVF_SUCCESS) << kvf_last_error();
+  const std::string expected = ToJson(g.get());
+  json_malloc_t saved_malloc;
+  json_free_t saved_free;
+  json_get_alloc_funcs(&saved_malloc, &saved_free);
+  json_set_alloc_funcs(FailingMalloc, free);
+  size_t failures = 0;
+  kvf_status st = KVF_ERR_OUT_OF_MEMORY;
+  for (size_t budget = 0; budget < 100000 && st == KVF_ERR_OUT_OF_MEMORY; ++budget) {
+    g_alloc_budget = budget;
+    char *text = reinterpret_cast<char *>(0x1);
+    st = kvf_geometry_to_json(g.get(), &text, nullptr);
+    if (st == KVF_ERR_OUT_OF_MEMORY) {
+      ++failures;
+      EXPECT_EQ(text, reinterpret_cast<char *>(0x1)) << "budget " << budget;
+    } else if (st == KVF_SUCCESS) {
+      EXPECT_EQ(std::string(text), expected);
+      free(text);
+    }
+  }
+  g_alloc_budget = SIZE_MAX;
+  json_set_alloc_funcs(saved_malloc, saved_free);
+  EXPECT_EQ(st, KVF_SUCCESS) << kvf_last_error();
+  EXPECT_GT(failures, 50u) << "the writer should allocate through jansson for every node";
+  RecordProperty("allocation_failures", std::to_string(failures));
 }
 
 }  // namespace

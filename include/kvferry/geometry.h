@@ -357,6 +357,26 @@ KVF_API kvf_status kvf_geometry_load_buffer(const char *json, size_t len,
                                             const kvf_geometry_load_options *options,
                                             kvf_geometry **out, kvf_geometry_error *error);
 
+/* Write a finalized geometry as a geometry file (docs/geometry.md) that
+ * kvf_geometry_load_buffer loads back into an equal geometry: the same
+ * regions (sizes included), groups, views, aliases, object policy, DCP
+ * placement, name and description, hence the same fingerprints. The text is
+ * the explicit form (one layer entry per view, every key written, integer
+ * plane strides) without whitespace, and the same geometry always gives the
+ * same bytes. The loader requires names that a geometry built in code may
+ * lack: an empty geometry name is written as "geometry", an unnamed region i
+ * as "region<i>" and an unnamed group g as "group<g>" (with "_<k>" added
+ * should that name be taken); unnamed layers stay unnamed. *json
+ * (NUL-terminated, *len bytes before the NUL; len may be NULL) is malloc'd:
+ * free() it. Returns KVF_SUCCESS; KVF_ERR_INVALID_ARGUMENT (NULL pointers,
+ * or a name or the description that is not valid UTF-8); KVF_ERR_STATE (not
+ * finalized); KVF_ERR_OVERFLOW (a value above 2^63-1, the largest integer a
+ * file holds, possible only for the stride of a dimension with one element,
+ * or text beyond the 16 MiB the loader reads; the message names the JSON
+ * path); KVF_ERR_OUT_OF_MEMORY. *json is untouched on failure. Reads the
+ * geometry only: any number of threads may call it at once. */
+KVF_API kvf_status kvf_geometry_to_json(const kvf_geometry *geometry, char **json, size_t *len);
+
 /* The name and description the file gave ("" when absent); valid while the
  * geometry lives. */
 KVF_API const char *kvf_geometry_name(const kvf_geometry *geometry);
