@@ -1,64 +1,469 @@
-/* The engine-side client of kvferryd (kvferry/client.h). */
+/*
+ * The engine-side client of kvferryd (kvferry/client.h).
+ *
+ * Threading: any number of threads call in at once. Requests are matched to
+ * replies by request id through a table of requests in flight (c->pending):
+ *
+ *  - sending: a request is entered in the table first, then its whole frame
+ *    is written under c->send_lock, so frames never interleave;
+ *  - receiving: a thread that waits for a reply not yet filed takes the
+ *    reader role if nobody holds it, reads one frame without the state lock
+ *    (a poll of at most KVF_CLIENT_READ_SLICE_MS), files it under its request
+ *    id, gives the role back and wakes every waiter; a thread that finds the
+ *    role taken sleeps on c->cond until something is filed or its deadline;
+ *  - a frame that can not be read (EOF, a reset, a broken stream) kills the
+ *    connection: c->dead is set and every waiter without a reply returns it
+ *    (KVF_ERR_DISCONNECTED for a closed connection).
+ *
+ * A reply to a request nobody waits for any more (a synchronous call that
+ * timed out) is dropped when it arrives, so a late reply never answers a
+ * later request.
+ *
+ * The heartbeat thread (options.heartbeat_thread) is a caller like any other:
+ * it sends HEARTBEAT through the same path every period and keeps the boot
+ * token it saw. Once the connection is dead it stops sending and instead
+ * probes the socket directory once per period with a fresh connection (HELLO,
+ * then close), so that kvf_client_server_restarted() turns 1 when a server
+ * with another boot token answers there. kvf_client_disconnect() wakes it at
+ * once (condition variable, and shutdown() of the socket for a thread that is
+ * inside a call).
+ */
+#define _GNU_SOURCE
 #include <kvferry/client.h>
 
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "geometry/error.h"
 #include "host/endpoint.h"
+#include "host/log.h"
 #include "host/protocol.h"
 
+#define KVF_CLIENT_READ_SLICE_MS 100 /* longest poll of one reader turn */
+#define KVF_CLIENT_PROBE_SLICE_MS 50 /* a restart probe checks for disconnect this often */
+#define KVF_CLIENT_DETAIL_MAX (KVF_PROTO_FIELD_MAX + KVF_PROTO_MESSAGE_MAX + 8)
+
+_Static_assert(KVF_PROTO_MAX_GROUPS == KVF_MAX_GROUPS, "a reply's groups fit kvf_client_result");
+
+/* One request in flight. */
+typedef struct kvf_client_pending {
+  uint64_t id;
+  uint16_t want;   /* the reply type that answers it */
+  int async;       /* submitted with kvf_client_submit: kvf_client_wait may collect it */
+  int done;        /* a reply or a failure has been filed */
+  kvf_status status;                   /* the filed failure; KVF_SUCCESS with a reply */
+  char detail[KVF_CLIENT_DETAIL_MAX];  /* the failure's message */
+  kvf_proto_msg reply;                 /* owned once done with KVF_SUCCESS */
+  struct kvf_client_pending *next;
+} kvf_client_pending;
+
 struct kvf_client {
-  kvf_conn conn;
-  uint64_t next_request;
+  kvf_conn conn; /* reads: the reader role's holder only; writes: under send_lock */
   uint32_t timeout_ms;
-  kvf_client_info info;
+  uint32_t max_payload; /* the server's, from HELLO */
+  kvf_client_info info; /* fixed after connect */
+  char *socket_dir;     /* for restart probes */
+  char name[KVF_PROTO_NAME_MAX];
+
+  pthread_mutex_t send_lock; /* guards writes on conn: one whole frame at a time */
+
+  pthread_mutex_t lock; /* guards everything below */
+  pthread_cond_t cond;  /* something was filed, the reader role freed, or the connection died */
+  uint64_t next_request;
+  kvf_client_pending *pending; /* requests in flight */
+  int reading;                 /* a thread holds the reader role */
+  kvf_status dead;             /* the connection is unusable: why; KVF_SUCCESS while healthy */
+  char dead_detail[KVF_CLIENT_DETAIL_MAX];
+
+  /* The heartbeat thread. stopping is also read without the lock. */
+  int hb_running;
+  pthread_t hb_thread;
+  pthread_cond_t hb_cond; /* stopping was set (with lock) */
+  _Atomic int stopping;
+  uint32_t hb_period_ms;
+  _Atomic uint64_t hb_sequence;
+  _Atomic uint64_t seen_boot_token; /* the last boot token the heartbeat thread saw; 0: none yet */
 };
 
-/* Send `req` (with descriptors) and wait for its reply of type `want`.
- * An ERROR reply becomes its status with "field: message" as the last error.
- * On success *reply owns what it decoded (kvf_proto_msg_clear). */
+/* ---- time ------------------------------------------------------------------ */
+
+static int64_t now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static struct timespec abs_time(int64_t ms) {
+  struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
+  return ts;
+}
+
+/* Wait on cond (lock held) until woken or the monotonic deadline (ms). */
+static void cond_wait_until(pthread_cond_t *cond, pthread_mutex_t *lock, int64_t deadline_ms) {
+  struct timespec ts = abs_time(deadline_ms);
+  (void)pthread_cond_timedwait(cond, lock, &ts);
+}
+
+/* ---- the table of requests in flight (c->lock held) ------------------------- */
+
+static kvf_client_pending *pending_find(kvf_client *c, uint64_t id) {
+  for (kvf_client_pending *p = c->pending; p; p = p->next)
+    if (p->id == id) return p;
+  return NULL;
+}
+
+static void pending_unlink(kvf_client *c, kvf_client_pending *p) {
+  for (kvf_client_pending **at = &c->pending; *at; at = &(*at)->next)
+    if (*at == p) {
+      *at = p->next;
+      p->next = NULL;
+      return;
+    }
+}
+
+static void pending_free(kvf_client_pending *p) {
+  if (!p) return;
+  kvf_proto_msg_clear(&p->reply);
+  free(p);
+}
+
+static void pending_fail(kvf_client_pending *p, kvf_status st, const char *detail) {
+  p->done = 1;
+  p->status = st;
+  snprintf(p->detail, sizeof(p->detail), "%s", detail);
+}
+
+/* The connection is unusable from now on (c->lock held). */
+static void client_kill(kvf_client *c, kvf_status st, const char *detail) {
+  if (c->dead) return;
+  c->dead = st;
+  snprintf(c->dead_detail, sizeof(c->dead_detail), "%s", detail);
+  KVF_INFO(IPC, "client %llu: connection lost: %s", (unsigned long long)c->info.client_id, detail);
+  pthread_cond_broadcast(&c->cond);
+}
+
+/* ---- receiving ----------------------------------------------------------------- */
+
+/* File one frame that arrived (c->lock held): decoded into `m` (owned, taken)
+ * or a decode failure `dst`. */
+static void client_file(kvf_client *c, const kvf_proto_header *h, kvf_status dst, kvf_proto_msg *m) {
+  char detail[KVF_CLIENT_DETAIL_MAX];
+  if (dst == KVF_SUCCESS && m->type == KVF_PROTO_ERROR && h->request_id == 0) {
+    /* The server could not read one of our headers: it hangs up next. */
+    snprintf(detail, sizeof(detail), "%s%s%s", m->u.error.field, m->u.error.field[0] ? ": " : "",
+             m->u.error.message);
+    client_kill(c, m->u.error.status ? (kvf_status)m->u.error.status : KVF_ERR_PROTOCOL, detail);
+    kvf_proto_msg_clear(m);
+    return;
+  }
+  kvf_client_pending *p = pending_find(c, h->request_id);
+  if (!p || p->done) {
+    KVF_INFO(IPC, "client %llu: dropped a %s for request %llu nobody waits for", (unsigned long long)c->info.client_id,
+             kvf_proto_type_name(h->type), (unsigned long long)h->request_id);
+    if (dst == KVF_SUCCESS) kvf_proto_msg_clear(m);
+    return;
+  }
+  if (dst != KVF_SUCCESS) {
+    pending_fail(p, dst, kvf_last_error());
+    return;
+  }
+  if (m->type == KVF_PROTO_ERROR) {
+    kvf_status es = m->u.error.status ? (kvf_status)m->u.error.status : KVF_ERR_INTERNAL;
+    snprintf(detail, sizeof(detail), "%s%s%s", m->u.error.field, m->u.error.field[0] ? ": " : "",
+             m->u.error.message);
+    pending_fail(p, es, detail);
+    kvf_proto_msg_clear(m);
+    return;
+  }
+  if (m->type != p->want) {
+    snprintf(detail, sizeof(detail), "header.type: expected %s, the server sent %s", kvf_proto_type_name(p->want),
+             kvf_proto_type_name(m->type));
+    pending_fail(p, KVF_ERR_PROTOCOL, detail);
+    kvf_proto_msg_clear(m);
+    return;
+  }
+  p->done = 1;
+  p->status = KVF_SUCCESS;
+  p->reply = *m;
+  memset(m, 0, sizeof(*m));
+}
+
+/* One reader turn: called with c->lock held and the reader role taken;
+ * returns the same way. Reads at most one frame. */
+static void client_read_turn(kvf_client *c, int slice_ms) {
+  pthread_mutex_unlock(&c->lock);
+  kvf_proto_header h;
+  uint8_t *payload = NULL;
+  int fds[KVF_PROTO_MAX_FDS];
+  uint32_t nfds = 0;
+  kvf_proto_msg m;
+  memset(&m, 0, sizeof(m));
+  kvf_status st = kvf_conn_read_frame(&c->conn, slice_ms, &h, &payload, fds, KVF_PROTO_MAX_FDS, &nfds);
+  for (uint32_t i = 0; i < nfds; i++) close(fds[i]); /* a server never sends any */
+  kvf_status dst = KVF_SUCCESS;
+  if (st == KVF_SUCCESS) dst = kvf_proto_decode(&h, payload, &m);
+  free(payload);
+  char detail[KVF_CLIENT_DETAIL_MAX];
+  if (st != KVF_SUCCESS && st != KVF_ERR_TIMEOUT) snprintf(detail, sizeof(detail), "%s", kvf_last_error());
+  pthread_mutex_lock(&c->lock);
+  if (st == KVF_SUCCESS)
+    client_file(c, &h, dst, &m);
+  else if (st != KVF_ERR_TIMEOUT)
+    client_kill(c, st, detail);
+}
+
+/* Wait for request `id` until deadline_ms (c->lock held). Returns
+ * KVF_SUCCESS with *out the filed entry, unlinked (the caller frees it);
+ * KVF_ERR_TIMEOUT (the entry stays); KVF_ERR_NOT_FOUND (no such request);
+ * or the dead connection's status (the entry is gone). */
+static kvf_status client_wait_locked(kvf_client *c, uint64_t id, int async, int64_t deadline_ms,
+                                     kvf_client_pending **out) {
+  *out = NULL;
+  for (;;) {
+    kvf_client_pending *p = pending_find(c, id);
+    if (!p || p->async != async)
+      return kvf_fail(KVF_ERR_NOT_FOUND, "request_id: %llu is not a request in flight", (unsigned long long)id);
+    if (p->done) {
+      pending_unlink(c, p);
+      *out = p;
+      return KVF_SUCCESS;
+    }
+    if (c->dead) {
+      pending_unlink(c, p);
+      pending_free(p);
+      return kvf_fail(c->dead, "%s", c->dead_detail);
+    }
+    int64_t left = deadline_ms - now_ms();
+    if (left <= 0)
+      return kvf_fail(KVF_ERR_TIMEOUT, "request %llu: no reply from the server in time", (unsigned long long)id);
+    if (!c->reading) {
+      c->reading = 1;
+      client_read_turn(c, left < KVF_CLIENT_READ_SLICE_MS ? (int)left : KVF_CLIENT_READ_SLICE_MS);
+      c->reading = 0;
+      pthread_cond_broadcast(&c->cond); /* a reply was filed, or the role is free for another */
+    } else {
+      cond_wait_until(&c->cond, &c->lock, deadline_ms);
+    }
+  }
+}
+
+/* ---- sending ----------------------------------------------------------------- */
+
+/* Enter `req` in the table (reply type `want`) and send it with its
+ * descriptors. On success *id is its request id and the entry waits for its
+ * reply; on failure nothing is left in the table. */
+static kvf_status client_send(kvf_client *c, kvf_proto_msg *req, const int *fds, uint32_t num_fds, uint16_t want,
+                              int async, uint64_t *id) {
+  kvf_client_pending *p = calloc(1, sizeof(*p));
+  if (!p) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "client: out of memory for a request");
+  p->want = want;
+  p->async = async;
+  pthread_mutex_lock(&c->lock);
+  if (c->dead) {
+    kvf_status dead = kvf_fail(c->dead, "%s", c->dead_detail);
+    pthread_mutex_unlock(&c->lock);
+    free(p);
+    return dead;
+  }
+  p->id = c->next_request++;
+  p->next = c->pending;
+  c->pending = p; /* before the frame goes out: another thread may read the reply first */
+  pthread_mutex_unlock(&c->lock);
+
+  req->request_id = p->id;
+  uint8_t *frame = NULL;
+  size_t len = 0;
+  kvf_status st = kvf_proto_encode(req, &frame, &len);
+  int cut = 0;
+  if (st == KVF_SUCCESS) {
+    pthread_mutex_lock(&c->send_lock);
+    st = kvf_conn_write_frame(&c->conn, frame, len, fds, num_fds, (int)c->timeout_ms);
+    cut = st != KVF_SUCCESS && c->conn.write_failed != KVF_SUCCESS;
+    pthread_mutex_unlock(&c->send_lock);
+    free(frame);
+  }
+  if (st == KVF_SUCCESS) {
+    *id = p->id;
+    return KVF_SUCCESS;
+  }
+  char detail[KVF_CLIENT_DETAIL_MAX];
+  snprintf(detail, sizeof(detail), "%s", kvf_last_error());
+  pthread_mutex_lock(&c->lock);
+  pending_unlink(c, p);
+  if (cut) client_kill(c, st, detail); /* part of a frame went out: the stream is out of step */
+  pthread_mutex_unlock(&c->lock);
+  pending_free(p);
+  return kvf_fail(st, "%s", detail);
+}
+
+/* Hand the filed entry's outcome to the caller: its reply in *reply, or its
+ * failure as status and last error. Frees p. */
+static kvf_status pending_take(kvf_client_pending *p, kvf_proto_msg *reply) {
+  kvf_status st = p->status;
+  if (st == KVF_SUCCESS) {
+    *reply = p->reply;
+    memset(&p->reply, 0, sizeof(p->reply));
+  } else {
+    kvf_fail(st, "%s", p->detail);
+  }
+  pending_free(p);
+  return st;
+}
+
+/* Send `req` and wait for its reply of type `want` for up to the client's
+ * timeout. An ERROR reply becomes its status with "field: message" as the
+ * last error. On success *reply owns what it decoded (kvf_proto_msg_clear).
+ * A call that times out forgets its request: a late reply is dropped. */
 static kvf_status client_call(kvf_client *c, kvf_proto_msg *req, const int *fds, uint32_t num_fds, uint16_t want,
                               kvf_proto_msg *reply) {
   memset(reply, 0, sizeof(*reply));
-  req->request_id = c->next_request++;
-  kvf_status st = kvf_conn_send(&c->conn, req, fds, num_fds, (int)c->timeout_ms);
+  int64_t deadline = now_ms() + c->timeout_ms;
+  uint64_t id = 0;
+  kvf_status st = client_send(c, req, fds, num_fds, want, 0, &id);
   if (st != KVF_SUCCESS) return st;
+  kvf_client_pending *p = NULL;
+  pthread_mutex_lock(&c->lock);
+  st = client_wait_locked(c, id, 0, deadline, &p);
+  if (st == KVF_ERR_TIMEOUT) {
+    kvf_client_pending *gone = pending_find(c, id);
+    if (gone) {
+      pending_unlink(c, gone);
+      pending_free(gone);
+    }
+  }
+  pthread_mutex_unlock(&c->lock);
+  if (st != KVF_SUCCESS) return st;
+  return pending_take(p, reply);
+}
+
+/* ---- connect and the restart probe -------------------------------------------- */
+
+/* Say HELLO on a fresh connection (no other thread uses it) and read the
+ * reply within timeout_ms, giving up early when *stop turns nonzero. */
+static kvf_status client_hello(kvf_conn *conn, const char *name, uint32_t timeout_ms, const _Atomic int *stop,
+                               kvf_proto_hello_reply *out) {
+  kvf_proto_msg req, rep;
+  memset(&req, 0, sizeof(req));
+  memset(&rep, 0, sizeof(rep));
+  req.type = KVF_PROTO_HELLO;
+  req.request_id = 1;
+  req.u.hello.min_version = KVF_PROTO_VERSION;
+  req.u.hello.max_version = KVF_PROTO_VERSION;
+  req.u.hello.pid = (uint32_t)getpid();
+  kvf_status st = kvf_mem_instance(&req.u.hello.instance_id, &req.u.hello.generation);
+  if (st != KVF_SUCCESS) return st;
+  snprintf(req.u.hello.name, sizeof(req.u.hello.name), "%s", name);
+  st = kvf_conn_send(conn, &req, NULL, 0, (int)timeout_ms);
+  if (st != KVF_SUCCESS) return st;
+  int64_t deadline = now_ms() + timeout_ms;
+  kvf_proto_header h;
+  uint8_t *payload = NULL;
+  int fds[KVF_PROTO_MAX_FDS];
+  uint32_t nfds = 0;
   for (;;) {
-    kvf_proto_header h;
-    uint8_t *payload = NULL;
-    int rfds[KVF_PROTO_MAX_FDS];
-    uint32_t nr = 0;
-    st = kvf_conn_read_frame(&c->conn, (int)c->timeout_ms, &h, &payload, rfds, KVF_PROTO_MAX_FDS, &nr);
+    int64_t left = deadline - now_ms();
+    if (left <= 0) return kvf_fail(KVF_ERR_TIMEOUT, "HELLO: no reply from the server within %u ms", timeout_ms);
+    if (stop && atomic_load(stop)) return kvf_fail(KVF_ERR_DISCONNECTED, "HELLO: the client is disconnecting");
+    int slice = stop && left > KVF_CLIENT_PROBE_SLICE_MS ? KVF_CLIENT_PROBE_SLICE_MS : (int)left;
+    st = kvf_conn_read_frame(conn, slice, &h, &payload, fds, KVF_PROTO_MAX_FDS, &nfds);
+    if (st == KVF_ERR_TIMEOUT) continue;
     if (st != KVF_SUCCESS) return st;
-    for (uint32_t i = 0; i < nr; i++) close(rfds[i]); /* a server never sends any */
-    st = kvf_proto_decode(&h, payload, reply);
-    free(payload);
-    if (st != KVF_SUCCESS) return st;
-    if (reply->request_id != req->request_id && reply->request_id != 0) {
-      kvf_proto_msg_clear(reply); /* a stale reply to an earlier, timed-out request */
+    break;
+  }
+  for (uint32_t i = 0; i < nfds; i++) close(fds[i]);
+  st = kvf_proto_decode(&h, payload, &rep);
+  free(payload);
+  if (st != KVF_SUCCESS) return st;
+  if (rep.type == KVF_PROTO_ERROR) {
+    kvf_status es = rep.u.error.status ? (kvf_status)rep.u.error.status : KVF_ERR_INTERNAL;
+    if (rep.u.error.field[0])
+      kvf_fail(es, "%s: %s", rep.u.error.field, rep.u.error.message);
+    else
+      kvf_fail(es, "%s", rep.u.error.message);
+    kvf_proto_msg_clear(&rep);
+    return es;
+  }
+  if (rep.type != KVF_PROTO_HELLO_REPLY) {
+    uint16_t got = rep.type;
+    kvf_proto_msg_clear(&rep);
+    return kvf_fail(KVF_ERR_PROTOCOL, "header.type: expected HELLO_REPLY, the server sent %s",
+                    kvf_proto_type_name(got));
+  }
+  *out = rep.u.hello_reply;
+  kvf_proto_msg_clear(&rep);
+  return KVF_SUCCESS;
+}
+
+/* Once the connection is dead: is a server with another boot token serving
+ * the directory now? Records the token it sees. */
+static void client_probe_restart(kvf_client *c) {
+  kvf_conn conn;
+  if (kvf_endpoint_connect(c->socket_dir, 0, &conn) != KVF_SUCCESS) return;
+  kvf_proto_hello_reply hr;
+  uint32_t timeout = c->timeout_ms < c->hb_period_ms ? c->timeout_ms : c->hb_period_ms;
+  if (client_hello(&conn, c->name, timeout, &c->stopping, &hr) == KVF_SUCCESS) {
+    atomic_store(&c->seen_boot_token, hr.boot_token);
+    if (hr.boot_token != c->info.boot_token)
+      KVF_INFO(IPC, "client %llu: the server restarted (boot token %016llx, was %016llx)",
+               (unsigned long long)c->info.client_id, (unsigned long long)hr.boot_token,
+               (unsigned long long)c->info.boot_token);
+  }
+  kvf_conn_close(&conn);
+}
+
+static kvf_status client_heartbeat_once(kvf_client *c, uint64_t *boot_token);
+
+static int client_restarted(const kvf_client *c) {
+  uint64_t seen = atomic_load(&((kvf_client *)c)->seen_boot_token);
+  return seen != 0 && seen != c->info.boot_token;
+}
+
+static void *client_heartbeat_main(void *arg) {
+  kvf_client *c = arg;
+  int64_t next = now_ms() + c->hb_period_ms;
+  pthread_mutex_lock(&c->lock);
+  while (!atomic_load(&c->stopping)) {
+    if (now_ms() < next) {
+      cond_wait_until(&c->hb_cond, &c->lock, next);
       continue;
     }
-    if (reply->type == KVF_PROTO_ERROR) {
-      kvf_status es = (kvf_status)reply->u.error.status;
-      if (es == KVF_SUCCESS) es = KVF_ERR_INTERNAL;
-      if (reply->u.error.field[0])
-        kvf_fail(es, "%s: %s", reply->u.error.field, reply->u.error.message);
-      else
-        kvf_fail(es, "%s", reply->u.error.message);
-      kvf_proto_msg_clear(reply);
-      return es;
+    next += c->hb_period_ms;
+    int64_t now = now_ms();
+    if (next <= now) next = now + c->hb_period_ms; /* a slow call: do not burst to catch up */
+    int dead = c->dead != KVF_SUCCESS;
+    pthread_mutex_unlock(&c->lock);
+    if (!dead) {
+      uint64_t token = 0;
+      if (client_heartbeat_once(c, &token) == KVF_SUCCESS) atomic_store(&c->seen_boot_token, token);
+    } else if (!client_restarted(c)) {
+      client_probe_restart(c);
     }
-    if (reply->type != want) {
-      uint16_t got = reply->type;
-      kvf_proto_msg_clear(reply);
-      return kvf_fail(KVF_ERR_PROTOCOL, "header.type: expected %s, the server sent %s", kvf_proto_type_name(want),
-                      kvf_proto_type_name(got));
-    }
-    return KVF_SUCCESS;
+    pthread_mutex_lock(&c->lock);
   }
+  pthread_mutex_unlock(&c->lock);
+  return NULL;
+}
+
+static void client_free(kvf_client *c) {
+  kvf_conn_close(&c->conn);
+  while (c->pending) {
+    kvf_client_pending *p = c->pending;
+    c->pending = p->next;
+    pending_free(p);
+  }
+  pthread_cond_destroy(&c->hb_cond);
+  pthread_cond_destroy(&c->cond);
+  pthread_mutex_destroy(&c->lock);
+  pthread_mutex_destroy(&c->send_lock);
+  free(c->socket_dir);
+  free(c);
 }
 
 kvf_status kvf_client_connect(const kvf_client_options *options, kvf_client **out, kvf_client_info *info) {
@@ -69,38 +474,73 @@ kvf_status kvf_client_connect(const kvf_client_options *options, kvf_client **ou
   if (!options->socket_dir) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "options.socket_dir: required");
   if (options->name && strlen(options->name) >= KVF_PROTO_NAME_MAX)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "options.name: longer than %u bytes", KVF_PROTO_NAME_MAX - 1);
+  if (options->heartbeat_thread != 0 && options->heartbeat_thread != 1)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "options.heartbeat_thread: %d is neither 0 nor 1",
+                    options->heartbeat_thread);
+
+  kvf_status st = KVF_SUCCESS;
   kvf_client *c = calloc(1, sizeof(*c));
   if (!c) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_client_connect: out of memory");
+  kvf_conn_init(&c->conn, -1, 0);
   c->timeout_ms = options->timeout_ms ? options->timeout_ms : 10000;
-  c->next_request = 1;
-  kvf_proto_msg req, rep;
-  memset(&req, 0, sizeof(req));
-  kvf_status st = kvf_endpoint_connect(options->socket_dir, 0, &c->conn);
+  c->next_request = 2; /* 1 is the HELLO */
+  snprintf(c->name, sizeof(c->name), "%s", options->name ? options->name : "");
+  c->socket_dir = strdup(options->socket_dir);
+
+  pthread_condattr_t ca;
+  int err = pthread_condattr_init(&ca);
+  if (!err) err = pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  if (!err) err = pthread_mutex_init(&c->send_lock, NULL);
+  if (!err) err = pthread_mutex_init(&c->lock, NULL);
+  if (!err) err = pthread_cond_init(&c->cond, &ca);
+  if (!err) err = pthread_cond_init(&c->hb_cond, &ca);
+  pthread_condattr_destroy(&ca);
+  if (err || !c->socket_dir) {
+    /* calloc's zeroes are not valid pthread objects everywhere: free by hand. */
+    free(c->socket_dir);
+    free(c);
+    return kvf_fail(err == ENOMEM || !err ? KVF_ERR_OUT_OF_MEMORY : KVF_ERR_SYSTEM,
+                    "kvf_client_connect: could not set up the client's locks (%s)", strerror(err ? err : ENOMEM));
+  }
+
+  st = kvf_endpoint_connect(options->socket_dir, 0, &c->conn);
   if (st != KVF_SUCCESS) goto fail;
-  req.type = KVF_PROTO_HELLO;
-  req.u.hello.min_version = KVF_PROTO_VERSION;
-  req.u.hello.max_version = KVF_PROTO_VERSION;
-  req.u.hello.pid = (uint32_t)getpid();
-  st = kvf_mem_instance(&req.u.hello.instance_id, &req.u.hello.generation);
+  kvf_proto_hello_reply hr;
+  st = client_hello(&c->conn, c->name, c->timeout_ms, NULL, &hr);
   if (st != KVF_SUCCESS) goto fail;
-  if (options->name) snprintf(req.u.hello.name, sizeof(req.u.hello.name), "%s", options->name);
-  st = client_call(c, &req, NULL, 0, KVF_PROTO_HELLO_REPLY, &rep);
-  if (st != KVF_SUCCESS) goto fail;
-  c->info.client_id = rep.u.hello_reply.client_id;
-  c->info.boot_token = rep.u.hello_reply.boot_token;
-  c->info.server_pid = rep.u.hello_reply.server_pid;
-  c->info.heartbeat_period_ms = rep.u.hello_reply.heartbeat_period_ms;
-  c->info.heartbeat_timeout_ms = rep.u.hello_reply.heartbeat_timeout_ms;
-  c->info.protocol_version = rep.u.hello_reply.version;
-  kvf_proto_msg_clear(&rep);
+  c->info.client_id = hr.client_id;
+  c->info.boot_token = hr.boot_token;
+  c->info.server_pid = hr.server_pid;
+  c->info.heartbeat_period_ms = hr.heartbeat_period_ms;
+  c->info.heartbeat_timeout_ms = hr.heartbeat_timeout_ms;
+  c->info.protocol_version = hr.version;
+  c->max_payload = hr.max_payload < KVF_PROTO_MAX_PAYLOAD ? hr.max_payload : KVF_PROTO_MAX_PAYLOAD;
+
+  if (options->heartbeat_thread) {
+    c->hb_period_ms = options->heartbeat_period_ms ? options->heartbeat_period_ms : hr.heartbeat_period_ms;
+    if (c->hb_period_ms >= hr.heartbeat_timeout_ms) {
+      st = kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                    "options.heartbeat_period_ms: %u is not shorter than the server's heartbeat timeout %u ms",
+                    c->hb_period_ms, hr.heartbeat_timeout_ms);
+      goto fail;
+    }
+    c->hb_running = 1; /* before the thread exists: it is read without the lock */
+    err = pthread_create(&c->hb_thread, NULL, client_heartbeat_main, c);
+    if (err) {
+      c->hb_running = 0;
+      st = kvf_fail(KVF_ERR_SYSTEM, "kvf_client_connect: pthread_create(heartbeat): %s", strerror(err));
+      goto fail;
+    }
+  }
   if (info) *info = c->info;
   *out = c;
   return KVF_SUCCESS;
 fail:
-  kvf_conn_close(&c->conn);
-  free(c);
+  client_free(c);
   return st;
 }
+
+/* ---- registration, heartbeats, counters ------------------------------------------ */
 
 kvf_status kvf_client_register(kvf_client *client, const char *geometry_json, size_t len, int device,
                                const kvf_client_region *regions, uint32_t num_regions,
@@ -196,17 +636,25 @@ kvf_status kvf_client_unregister(kvf_client *client, uint64_t registration_id, u
   return KVF_SUCCESS;
 }
 
-kvf_status kvf_client_heartbeat(kvf_client *client, uint64_t *boot_token) {
-  if (!client) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_client_heartbeat: NULL client");
+static kvf_status client_heartbeat_once(kvf_client *c, uint64_t *boot_token) {
   kvf_proto_msg req, rep;
   memset(&req, 0, sizeof(req));
   req.type = KVF_PROTO_HEARTBEAT;
-  req.u.heartbeat.sequence = client->next_request;
-  kvf_status st = client_call(client, &req, NULL, 0, KVF_PROTO_HEARTBEAT_REPLY, &rep);
+  req.u.heartbeat.sequence = atomic_fetch_add(&c->hb_sequence, 1) + 1;
+  kvf_status st = client_call(c, &req, NULL, 0, KVF_PROTO_HEARTBEAT_REPLY, &rep);
   if (st != KVF_SUCCESS) return st;
+  uint64_t seq = rep.u.heartbeat_reply.sequence;
   if (boot_token) *boot_token = rep.u.heartbeat_reply.boot_token;
   kvf_proto_msg_clear(&rep);
+  if (seq != req.u.heartbeat.sequence)
+    return kvf_fail(KVF_ERR_PROTOCOL, "payload.sequence: %llu, the heartbeat sent %llu", (unsigned long long)seq,
+                    (unsigned long long)req.u.heartbeat.sequence);
   return KVF_SUCCESS;
+}
+
+kvf_status kvf_client_heartbeat(kvf_client *client, uint64_t *boot_token) {
+  if (!client) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_client_heartbeat: NULL client");
+  return client_heartbeat_once(client, boot_token);
 }
 
 kvf_status kvf_client_stat(kvf_client *client, kvf_client_stats *out) {
@@ -227,12 +675,274 @@ kvf_status kvf_client_stat(kvf_client *client, kvf_client_stats *out) {
   out->imports = t->imports;
   out->aliases = t->aliases;
   out->leases = t->leases;
+  const kvf_proto_data_counters *d = &rep.u.stat_reply.data;
+  out->l1_objects = d->l1_objects;
+  out->l1_bytes = d->l1_bytes;
+  out->l1_pool_bytes = d->l1_pool_bytes;
+  out->l1_evicted_total = d->l1_evicted_entries_total;
+  out->stores_total = d->stores_total;
+  out->retrieves_total = d->retrieves_total;
+  out->in_flight = d->in_flight;
+  out->lanes = d->lanes;
   kvf_proto_msg_clear(&rep);
   return KVF_SUCCESS;
 }
 
+/* ---- chunk keys ------------------------------------------------------------------ */
+
+/* kvf_chunk_keys' hash: a multiply-rotate over the chunk's bytes in 8-byte
+ * little-endian words (the tail zero-padded), started from the previous key
+ * and the chunk's byte length (so a chunk of trailing zero tokens differs
+ * from a shorter one), then a xorshift-multiply avalanche so every input bit
+ * reaches every output bit. Each step is a bijection of the state for a
+ * fixed word, so distinct chunk bytes after an equal prefix diverge. Not
+ * cryptographic: it names cache entries, it does not authenticate them. */
+#define KVF_KEY_M1 0x9E3779B97F4A7C15ull
+#define KVF_KEY_M2 0xC2B2AE3D27D4EB4Full
+#define KVF_KEY_M3 0xBF58476D1CE4E5B9ull
+#define KVF_KEY_M4 0x94D049BB133111EBull
+#define KVF_KEY_ZERO 0x6B76666572727921ull /* stands in for a hash of 0: 0 is never a key */
+
+static uint64_t key_rotl(uint64_t x, unsigned r) { return (x << r) | (x >> (64u - r)); }
+
+static uint64_t key_word(const uint8_t *p, size_t n) {
+  uint64_t w = 0;
+  for (size_t i = 0; i < n; i++) w |= (uint64_t)p[i] << (8u * i);
+  return w;
+}
+
+static uint64_t key_hash(uint64_t prev, const uint8_t *bytes, size_t len) {
+  uint64_t h = prev ^ ((uint64_t)len * KVF_KEY_M1);
+  size_t i = 0;
+  for (; i + 8 <= len; i += 8) h = key_rotl(h ^ (key_word(bytes + i, 8) * KVF_KEY_M2), 29) * KVF_KEY_M1 + KVF_KEY_M3;
+  if (i < len) h = key_rotl(h ^ (key_word(bytes + i, len - i) * KVF_KEY_M2), 29) * KVF_KEY_M1 + KVF_KEY_M3;
+  h ^= h >> 31;
+  h *= KVF_KEY_M3;
+  h ^= h >> 29;
+  h *= KVF_KEY_M4;
+  h ^= h >> 32;
+  return h ? h : KVF_KEY_ZERO;
+}
+
+uint64_t kvf_chunk_keys(uint64_t seed, const void *tokens, uint32_t token_bytes, uint64_t num_tokens,
+                        uint32_t chunk_tokens, uint64_t *keys) {
+  if (!tokens || !keys || chunk_tokens == 0 || token_bytes == 0) return 0;
+  uint64_t total = 0, chunk_bytes = 0;
+  if (!kvf_mul_u64(num_tokens, token_bytes, &total) || total > SIZE_MAX) return 0;
+  chunk_bytes = (uint64_t)chunk_tokens * token_bytes; /* two u32: fits */
+  const uint8_t *p = tokens;
+  uint64_t n = 0, prev = seed;
+  for (uint64_t at = 0; at < total; at += chunk_bytes) {
+    uint64_t len = total - at < chunk_bytes ? total - at : chunk_bytes;
+    prev = key_hash(prev, p + at, (size_t)len);
+    keys[n++] = prev;
+  }
+  return n;
+}
+
+/* ---- STORE and RETRIEVE ------------------------------------------------------------ */
+
+/* Check a kvf_client_xfer against what the protocol carries, naming the
+ * field, before anything is sent. *payload gets the frame's payload bytes. */
+static kvf_status xfer_check(const kvf_client *c, kvf_client_op op, const kvf_client_xfer *x, uint64_t *payload) {
+  if (x->struct_size != sizeof(kvf_client_xfer) || x->version != KVF_CLIENT_VERSION)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.struct_size: fill xfer from KVF_CLIENT_XFER_INIT");
+  if (x->token_end <= x->token_begin)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.token_end: %llu is not after token_begin %llu",
+                    (unsigned long long)x->token_end, (unsigned long long)x->token_begin);
+  if (x->format != KVF_FORMAT_CANONICAL && x->format != KVF_FORMAT_NATIVE)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.format: %d is neither canonical (0) nor native (1)",
+                    (int)x->format);
+  if (x->num_chunk_keys == 0 || x->num_chunk_keys > KVF_PROTO_MAX_CHUNKS)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.num_chunk_keys: %u is not in 1..%u", x->num_chunk_keys,
+                    KVF_PROTO_MAX_CHUNKS);
+  if (x->num_chunk_keys > x->token_end - x->token_begin)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.num_chunk_keys: %u chunks for a range of %llu tokens",
+                    x->num_chunk_keys, (unsigned long long)(x->token_end - x->token_begin));
+  if (!x->chunk_keys) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.chunk_keys: NULL");
+  for (uint32_t k = 0; k < x->num_chunk_keys; k++)
+    if (x->chunk_keys[k] == 0) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.chunk_keys[%u]: 0 is not a key", k);
+  if (x->num_groups == 0 || x->num_groups > KVF_PROTO_MAX_GROUPS)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.num_groups: %u is not in 1..%u", x->num_groups,
+                    KVF_PROTO_MAX_GROUPS);
+  if (!x->groups) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.groups: NULL");
+  uint64_t bytes = 104u + 8u * (uint64_t)x->num_chunk_keys;
+  for (uint32_t i = 0; i < x->num_groups; i++) {
+    uint32_t count = x->groups[i].block_ids ? x->groups[i].count : 0;
+    if (count > KVF_PROTO_MAX_BLOCKS_PER_GROUP)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.groups[%u].count: %u exceeds the %u limit", i, count,
+                      KVF_PROTO_MAX_BLOCKS_PER_GROUP);
+    bytes += 12u + 4u * (uint64_t)count;
+  }
+  if (bytes > c->max_payload)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                    "xfer.groups: the request needs %llu payload bytes, the server takes at most %u: split it",
+                    (unsigned long long)bytes, c->max_payload);
+  if (x->ready_event) {
+    if (op == KVF_CLIENT_RETRIEVE)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.ready_event: a RETRIEVE waits for no event; pass NULL");
+    const uint8_t *h = x->ready_event;
+    unsigned nz = 0;
+    while (nz < KVF_PROTO_READY_HANDLE_BYTES && h[nz] == 0) nz++;
+    if (nz == KVF_PROTO_READY_HANDLE_BYTES)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.ready_event: %u zero bytes are not an event handle",
+                      KVF_PROTO_READY_HANDLE_BYTES);
+  }
+  *payload = bytes;
+  return KVF_SUCCESS;
+}
+
+kvf_status kvf_client_submit(kvf_client *client, kvf_client_op op, const kvf_client_xfer *xfer,
+                             uint64_t *request_id) {
+  if (!client || !xfer || !request_id)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_client_submit: NULL argument");
+  if (op != KVF_CLIENT_STORE && op != KVF_CLIENT_RETRIEVE)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "op: %d is neither KVF_CLIENT_STORE (1) nor KVF_CLIENT_RETRIEVE (2)",
+                    (int)op);
+  uint64_t payload = 0;
+  kvf_status st = xfer_check(client, op, xfer, &payload);
+  if (st != KVF_SUCCESS) return st;
+  kvf_proto_group *groups = calloc(xfer->num_groups, sizeof(*groups));
+  if (!groups) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_client_submit: out of memory");
+  for (uint32_t i = 0; i < xfer->num_groups; i++) {
+    groups[i].first_block = xfer->groups[i].first_block;
+    /* NULL or count 0: the group does not move (kvf_group_blocks). The
+     * encoder only reads the ids. */
+    groups[i].block_ids = (uint32_t *)xfer->groups[i].block_ids;
+    groups[i].count = xfer->groups[i].block_ids ? xfer->groups[i].count : 0;
+  }
+  kvf_proto_msg req;
+  memset(&req, 0, sizeof(req));
+  req.type = op == KVF_CLIENT_STORE ? KVF_PROTO_STORE : KVF_PROTO_RETRIEVE;
+  kvf_proto_xfer *x = &req.u.xfer;
+  x->registration_id = xfer->registration_id;
+  x->token_begin = xfer->token_begin;
+  x->token_end = xfer->token_end;
+  x->format = (uint32_t)xfer->format;
+  if (xfer->ready_event) {
+    x->ready_kind = KVF_PROTO_READY_CUDA_EVENT;
+    memcpy(x->ready_handle, xfer->ready_event, KVF_PROTO_READY_HANDLE_BYTES);
+  }
+  x->chunk_keys = (uint64_t *)xfer->chunk_keys;
+  x->num_chunk_keys = xfer->num_chunk_keys;
+  x->groups = groups;
+  x->num_groups = xfer->num_groups;
+  uint64_t id = 0;
+  st = client_send(client, &req, NULL, 0, op == KVF_CLIENT_STORE ? KVF_PROTO_STORE_REPLY : KVF_PROTO_RETRIEVE_REPLY,
+                   1, &id);
+  free(groups);
+  if (st == KVF_SUCCESS) *request_id = id;
+  return st;
+}
+
+static const char *outcome_name(uint32_t outcome) {
+  switch (outcome) {
+  case KVF_CLIENT_DONE: return "done";
+  case KVF_CLIENT_FAILED: return "failed";
+  case KVF_CLIENT_CANCELLED: return "cancelled";
+  case KVF_CLIENT_TIMED_OUT: return "timed out";
+  default: return "unknown";
+  }
+}
+
+/* Wait for an async request; `forget`: drop it on a timeout too. */
+static kvf_status client_wait(kvf_client *c, uint64_t request_id, uint32_t timeout_ms, kvf_client_result *result,
+                              int forget) {
+  int64_t deadline = now_ms() + (timeout_ms ? timeout_ms : c->timeout_ms);
+  kvf_client_pending *p = NULL;
+  pthread_mutex_lock(&c->lock);
+  kvf_status st = client_wait_locked(c, request_id, 1, deadline, &p);
+  if (st == KVF_ERR_TIMEOUT && forget) {
+    kvf_client_pending *gone = pending_find(c, request_id);
+    if (gone) {
+      pending_unlink(c, gone);
+      pending_free(gone);
+    }
+  }
+  pthread_mutex_unlock(&c->lock);
+  if (st != KVF_SUCCESS) return st;
+  kvf_proto_msg rep;
+  st = pending_take(p, &rep);
+  if (st != KVF_SUCCESS) return st;
+  const kvf_proto_xfer_reply *r = &rep.u.xfer_reply;
+  result->status = (kvf_status)r->status;
+  result->outcome = (kvf_client_outcome)r->outcome;
+  result->prefix_tokens = r->prefix_tokens;
+  result->objects_done = r->objects_done;
+  result->objects_present = r->objects_present;
+  result->bytes_done = r->bytes_done;
+  result->num_groups = r->num_groups;
+  memset(result->group_blocks, 0, sizeof(result->group_blocks));
+  for (uint32_t i = 0; i < r->num_groups; i++) result->group_blocks[i] = r->group_blocks[i];
+  result->num_object_groups = r->num_object_groups;
+  memset(result->object_group_prefix, 0, sizeof(result->object_group_prefix));
+  for (uint32_t i = 0; i < r->num_object_groups; i++) result->object_group_prefix[i] = r->og_prefix_tokens[i];
+  if (r->outcome != KVF_CLIENT_DONE) {
+    /* The reason travels as the waiter's last error. */
+    if (r->message[0])
+      kvf_fail(result->status, "request %llu %s: %s", (unsigned long long)request_id, outcome_name(r->outcome),
+               r->message);
+    else
+      kvf_fail(result->status, "request %llu %s", (unsigned long long)request_id, outcome_name(r->outcome));
+  }
+  kvf_proto_msg_clear(&rep);
+  return KVF_SUCCESS;
+}
+
+static kvf_status result_check(const kvf_client_result *result) {
+  if (result->struct_size != sizeof(kvf_client_result) || result->version != KVF_CLIENT_VERSION)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "result.struct_size: fill result from KVF_CLIENT_RESULT_INIT");
+  return KVF_SUCCESS;
+}
+
+kvf_status kvf_client_wait(kvf_client *client, uint64_t request_id, uint32_t timeout_ms, kvf_client_result *result) {
+  if (!client || !result) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_client_wait: NULL argument");
+  kvf_status st = result_check(result);
+  if (st != KVF_SUCCESS) return st;
+  return client_wait(client, request_id, timeout_ms, result, 0);
+}
+
+static kvf_status client_xfer(kvf_client *c, kvf_client_op op, const kvf_client_xfer *xfer,
+                              kvf_client_result *result) {
+  kvf_client_result local = KVF_CLIENT_RESULT_INIT;
+  if (!c || !xfer) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_client_%s: NULL argument",
+                                   op == KVF_CLIENT_STORE ? "store" : "retrieve");
+  if (!result) result = &local;
+  kvf_status st = result_check(result);
+  if (st != KVF_SUCCESS) return st;
+  uint64_t id = 0;
+  st = kvf_client_submit(c, op, xfer, &id);
+  if (st != KVF_SUCCESS) return st;
+  /* Nobody can wait again for a request id the caller never saw: a timeout
+   * forgets it. */
+  st = client_wait(c, id, 0, result, 1);
+  if (st != KVF_SUCCESS) return st;
+  return result->outcome == KVF_CLIENT_DONE ? KVF_SUCCESS : result->status;
+}
+
+kvf_status kvf_client_store(kvf_client *client, const kvf_client_xfer *xfer, kvf_client_result *result) {
+  return client_xfer(client, KVF_CLIENT_STORE, xfer, result);
+}
+
+kvf_status kvf_client_retrieve(kvf_client *client, const kvf_client_xfer *xfer, kvf_client_result *result) {
+  return client_xfer(client, KVF_CLIENT_RETRIEVE, xfer, result);
+}
+
+int kvf_client_server_restarted(const kvf_client *client) {
+  if (!client || !client->hb_running) return 0;
+  return client_restarted(client);
+}
+
 void kvf_client_disconnect(kvf_client *client) {
   if (!client) return;
-  kvf_conn_close(&client->conn);
-  free(client);
+  if (client->hb_running) {
+    pthread_mutex_lock(&client->lock);
+    atomic_store(&client->stopping, 1);
+    pthread_cond_broadcast(&client->hb_cond);
+    pthread_mutex_unlock(&client->lock);
+    /* A heartbeat inside a call returns at once: its read sees EOF. */
+    if (client->conn.fd >= 0) (void)shutdown(client->conn.fd, SHUT_RDWR);
+    pthread_join(client->hb_thread, NULL);
+  }
+  client_free(client);
 }

@@ -110,6 +110,77 @@ static void w_counters(wbuf *w, const kvf_proto_counters *c) {
   w_u64(w, c->leases);
 }
 
+/* ---- STORE / RETRIEVE rules both directions share ------------------------- */
+
+/* The checks on a STORE or RETRIEVE that need none of its arrays. The
+ * encoder runs them on what it is given (prefix "xfer",
+ * KVF_ERR_INVALID_ARGUMENT), the decoder on the fixed fields it has read
+ * ("payload", KVF_ERR_PROTOCOL), so a frame the encoder writes always
+ * decodes and both name a field the same way. */
+static kvf_status xfer_check_fixed(const kvf_proto_xfer *x, uint16_t type, const char *p, kvf_status err) {
+  if (x->token_end <= x->token_begin)
+    return kvf_fail(err, "%s.token_end: %llu is not after token_begin %llu", p, (unsigned long long)x->token_end,
+                    (unsigned long long)x->token_begin);
+  if (x->format > 1) return kvf_fail(err, "%s.format: %u is neither 0 (canonical) nor 1 (native)", p, x->format);
+  if (x->ready_kind > KVF_PROTO_READY_CUDA_EVENT)
+    return kvf_fail(err, "%s.ready_kind: %u is neither 0 (none) nor 1 (CUDA event)", p, x->ready_kind);
+  if (type == KVF_PROTO_RETRIEVE && x->ready_kind != KVF_PROTO_READY_NONE)
+    return kvf_fail(err, "%s.ready_kind: %u, but a RETRIEVE waits for nothing (0)", p, x->ready_kind);
+  unsigned nz = 0; /* the first nonzero byte of the handle */
+  while (nz < KVF_PROTO_READY_HANDLE_BYTES && x->ready_handle[nz] == 0) nz++;
+  if (x->ready_kind == KVF_PROTO_READY_NONE && nz < KVF_PROTO_READY_HANDLE_BYTES)
+    return kvf_fail(err, "%s.ready_handle: byte %u is 0x%02x; the handle is all zero unless ready_kind is 1", p, nz,
+                    (unsigned)x->ready_handle[nz]);
+  if (x->ready_kind == KVF_PROTO_READY_CUDA_EVENT && nz == KVF_PROTO_READY_HANDLE_BYTES)
+    return kvf_fail(err, "%s.ready_handle: all zero, but ready_kind 1 needs a CUDA event handle", p);
+  if (x->num_chunk_keys == 0) return kvf_fail(err, "%s.num_chunk_keys: 0, a request spans at least one chunk", p);
+  if (x->num_chunk_keys > KVF_PROTO_MAX_CHUNKS)
+    return kvf_fail(err, "%s.num_chunk_keys: count %u exceeds the %u limit", p, x->num_chunk_keys,
+                    KVF_PROTO_MAX_CHUNKS);
+  /* Whatever the chunk size, every chunk holds at least one token. */
+  if (x->num_chunk_keys > x->token_end - x->token_begin)
+    return kvf_fail(err, "%s.num_chunk_keys: %u chunks for a range of %llu tokens", p, x->num_chunk_keys,
+                    (unsigned long long)(x->token_end - x->token_begin));
+  if (x->num_groups == 0) return kvf_fail(err, "%s.num_groups: 0, nothing to move", p);
+  if (x->num_groups > KVF_PROTO_MAX_GROUPS)
+    return kvf_fail(err, "%s.num_groups: count %u exceeds the %u limit", p, x->num_groups, KVF_PROTO_MAX_GROUPS);
+  return KVF_SUCCESS;
+}
+
+static const char *outcome_name(uint32_t outcome) {
+  switch (outcome) {
+  case 1: return "done";
+  case 2: return "failed";
+  case 3: return "cancelled";
+  case 4: return "timed out";
+  default: return "unknown";
+  }
+}
+
+/* The same for a STORE_REPLY or RETRIEVE_REPLY: everything but the arrays'
+ * contents and the message. */
+static kvf_status xfer_reply_check(const kvf_proto_xfer_reply *x, uint16_t type, const char *p, kvf_status err) {
+  if (x->status > KVF_PROTO_MAX_STATUS) return kvf_fail(err, "%s.status: %u is not a kvf_status", p, x->status);
+  if (x->outcome < 1 || x->outcome > 4)
+    return kvf_fail(err, "%s.outcome: %u is not 1 (done), 2 (failed), 3 (cancelled) or 4 (timed out)", p,
+                    x->outcome);
+  if (x->outcome == 1 && x->status != 0)
+    return kvf_fail(err, "%s.status: %u, but the outcome is done (status 0)", p, x->status);
+  if (x->outcome != 1 && x->status == 0)
+    return kvf_fail(err, "%s.status: 0 (success), but the outcome is %s", p, outcome_name(x->outcome));
+  if (x->num_groups > KVF_PROTO_MAX_GROUPS)
+    return kvf_fail(err, "%s.num_groups: count %u exceeds the %u limit", p, x->num_groups, KVF_PROTO_MAX_GROUPS);
+  if (x->num_object_groups > KVF_PROTO_MAX_GROUPS)
+    return kvf_fail(err, "%s.num_object_groups: count %u exceeds the %u limit", p, x->num_object_groups,
+                    KVF_PROTO_MAX_GROUPS);
+  if (type == KVF_PROTO_STORE_REPLY && x->num_object_groups != 0)
+    return kvf_fail(err, "%s.num_object_groups: %u, a STORE_REPLY carries none", p, x->num_object_groups);
+  if (type == KVF_PROTO_RETRIEVE_REPLY && x->objects_present != 0)
+    return kvf_fail(err, "%s.objects_present: %llu, a RETRIEVE_REPLY carries 0", p,
+                    (unsigned long long)x->objects_present);
+  return KVF_SUCCESS;
+}
+
 static kvf_status encode_payload(const kvf_proto_msg *m, wbuf *w) {
   size_t n = 0, n2 = 0;
   kvf_status st;
@@ -204,6 +275,14 @@ static kvf_status encode_payload(const kvf_proto_msg *m, wbuf *w) {
       return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "stat_reply.clients: NULL with a nonzero count");
     w_u64(w, s->boot_token);
     w_counters(w, &s->total);
+    w_u64(w, s->data.l1_objects);
+    w_u64(w, s->data.l1_bytes);
+    w_u64(w, s->data.l1_pool_bytes);
+    w_u64(w, s->data.l1_evicted_entries_total);
+    w_u64(w, s->data.stores_total);
+    w_u64(w, s->data.retrieves_total);
+    w_u64(w, s->data.in_flight);
+    w_u32(w, s->data.lanes);
     w_u32(w, s->num_clients);
     for (uint32_t i = 0; i < s->num_clients; i++) {
       const kvf_proto_stat_client *c = &s->clients[i];
@@ -218,18 +297,11 @@ static kvf_status encode_payload(const kvf_proto_msg *m, wbuf *w) {
   case KVF_PROTO_STORE:
   case KVF_PROTO_RETRIEVE: {
     const kvf_proto_xfer *x = &m->u.xfer;
-    if ((st = e_str(x->key, KVF_PROTO_KEY_MAX, "xfer.key", &n))) return st;
-    if (x->num_groups > KVF_PROTO_MAX_GROUPS)
-      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.num_groups: %u exceeds the %u limit", x->num_groups,
-                      KVF_PROTO_MAX_GROUPS);
-    if (x->num_groups && !x->groups)
-      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.groups: NULL with a nonzero count");
-    w_u64(w, x->registration_id);
-    w_u64(w, x->token_begin);
-    w_u64(w, x->token_end);
-    w_u32(w, x->format);
-    w_u32(w, x->num_groups);
-    w_str(w, x->key, n);
+    if ((st = xfer_check_fixed(x, m->type, "xfer", KVF_ERR_INVALID_ARGUMENT))) return st;
+    if (!x->chunk_keys) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.chunk_keys: NULL with a nonzero count");
+    if (!x->groups) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.groups: NULL with a nonzero count");
+    for (uint32_t k = 0; k < x->num_chunk_keys; k++)
+      if (x->chunk_keys[k] == 0) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.chunk_keys[%u]: 0 is not a key", k);
     for (uint32_t i = 0; i < x->num_groups; i++) {
       const kvf_proto_group *g = &x->groups[i];
       if (g->count > KVF_PROTO_MAX_BLOCKS_PER_GROUP)
@@ -237,6 +309,18 @@ static kvf_status encode_payload(const kvf_proto_msg *m, wbuf *w) {
                         g->count, KVF_PROTO_MAX_BLOCKS_PER_GROUP);
       if (g->count && !g->block_ids)
         return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.groups[%u].block_ids: NULL with a nonzero count", i);
+    }
+    w_u64(w, x->registration_id);
+    w_u64(w, x->token_begin);
+    w_u64(w, x->token_end);
+    w_u32(w, x->format);
+    w_u32(w, x->ready_kind);
+    w_bytes(w, x->ready_handle, KVF_PROTO_READY_HANDLE_BYTES);
+    w_u32(w, x->num_chunk_keys);
+    w_u32(w, x->num_groups);
+    for (uint32_t k = 0; k < x->num_chunk_keys; k++) w_u64(w, x->chunk_keys[k]);
+    for (uint32_t i = 0; i < x->num_groups; i++) {
+      const kvf_proto_group *g = &x->groups[i];
       w_u64(w, g->first_block);
       w_u32(w, g->count);
       for (uint32_t k = 0; k < g->count; k++) w_u32(w, g->block_ids[k]);
@@ -244,12 +328,27 @@ static kvf_status encode_payload(const kvf_proto_msg *m, wbuf *w) {
     return KVF_SUCCESS;
   }
   case KVF_PROTO_STORE_REPLY:
-  case KVF_PROTO_RETRIEVE_REPLY:
-    w_u32(w, m->u.xfer_reply.status);
-    w_u32(w, 0);
-    w_u64(w, m->u.xfer_reply.blocks_done);
-    w_u64(w, m->u.xfer_reply.tokens_done);
+  case KVF_PROTO_RETRIEVE_REPLY: {
+    const kvf_proto_xfer_reply *x = &m->u.xfer_reply;
+    if ((st = xfer_reply_check(x, m->type, "xfer_reply", KVF_ERR_INVALID_ARGUMENT))) return st;
+    if (x->num_groups && !x->group_blocks)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer_reply.group_blocks: NULL with a nonzero count");
+    if (x->num_object_groups && !x->og_prefix_tokens)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer_reply.og_prefix_tokens: NULL with a nonzero count");
+    if ((st = e_str(x->message, KVF_PROTO_MESSAGE_MAX, "xfer_reply.message", &n))) return st;
+    w_u32(w, x->status);
+    w_u32(w, x->outcome);
+    w_u64(w, x->prefix_tokens);
+    w_u64(w, x->objects_done);
+    w_u64(w, x->objects_present);
+    w_u64(w, x->bytes_done);
+    w_u32(w, x->num_groups);
+    w_u32(w, x->num_object_groups);
+    for (uint32_t i = 0; i < x->num_groups; i++) w_u64(w, x->group_blocks[i]);
+    for (uint32_t i = 0; i < x->num_object_groups; i++) w_u64(w, x->og_prefix_tokens[i]);
+    w_str(w, x->message, n);
     return KVF_SUCCESS;
+  }
   case KVF_PROTO_ERROR: {
     const kvf_proto_error *e = &m->u.error;
     if ((st = e_str(e->field, KVF_PROTO_FIELD_MAX, "error.field", &n))) return st;
@@ -392,6 +491,15 @@ static kvf_status r_count(rbuf *r, uint32_t *count, uint32_t limit, size_t elem,
   return KVF_SUCCESS;
 }
 
+/* Room for count elements of elem bytes in what is left of the payload
+ * (the count itself already checked against its limit). */
+static kvf_status r_room(rbuf *r, uint32_t count, size_t elem, const char *field) {
+  if ((r->len - r->pos) / elem < count)
+    return kvf_fail(KVF_ERR_PROTOCOL, "%s: count %u needs at least %zu bytes, the payload has %zu left", field, count,
+                    (size_t)count * elem, r->len - r->pos);
+  return KVF_SUCCESS;
+}
+
 static kvf_status r_counters(rbuf *r, kvf_proto_counters *c, const char *prefix) {
   char f[160];
   kvf_status st;
@@ -482,25 +590,33 @@ out:
   return st;
 }
 
-static kvf_status decode_xfer(rbuf *r, kvf_proto_xfer *x) {
+static kvf_status decode_xfer(rbuf *r, uint16_t type, kvf_proto_xfer *x) {
   kvf_status st = KVF_SUCCESS;
   char f[96];
   R(r_u64(r, &x->registration_id, "payload.registration_id"));
   R(r_u64(r, &x->token_begin, "payload.token_begin"));
   R(r_u64(r, &x->token_end, "payload.token_end"));
-  if (x->token_end <= x->token_begin)
-    BAD("payload.token_end: %llu is not after token_begin %llu", (unsigned long long)x->token_end,
-        (unsigned long long)x->token_begin);
   R(r_u32(r, &x->format, "payload.format"));
-  if (x->format > 1) BAD("payload.format: %u is neither 0 (canonical) nor 1 (native)", x->format);
+  R(r_u32(r, &x->ready_kind, "payload.ready_kind"));
+  R(r_need(r, KVF_PROTO_READY_HANDLE_BYTES, "payload.ready_handle"));
+  memcpy(x->ready_handle, r->p + r->pos, KVF_PROTO_READY_HANDLE_BYTES);
+  r->pos += KVF_PROTO_READY_HANDLE_BYTES;
+  R(r_u32(r, &x->num_chunk_keys, "payload.num_chunk_keys"));
+  R(r_u32(r, &x->num_groups, "payload.num_groups"));
+  R(xfer_check_fixed(x, type, "payload", KVF_ERR_PROTOCOL));
+  R(r_room(r, x->num_chunk_keys, 8, "payload.chunk_keys"));
+  x->chunk_keys = malloc((size_t)x->num_chunk_keys * sizeof *x->chunk_keys);
+  if (!x->chunk_keys) {
+    st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "payload: out of memory decoding %s", "chunk_keys");
+    goto out;
+  }
+  for (uint32_t k = 0; k < x->num_chunk_keys; k++) {
+    x->chunk_keys[k] = get_le(r->p + r->pos, 8);
+    r->pos += 8;
+    if (x->chunk_keys[k] == 0) BAD("payload.chunk_keys[%u]: 0 is not a key", k);
+  }
   /* Each group is at least 12 bytes (first_block, count). */
-  R(r_count(r, &x->num_groups, KVF_PROTO_MAX_GROUPS, 0, "payload.num_groups"));
-  if (x->num_groups == 0) BAD("payload.num_groups: 0, nothing to move");
-  R(r_str_fixed(r, x->key, sizeof x->key, "payload.key"));
-  if (!x->key[0]) BAD("payload.key: empty");
-  if ((r->len - r->pos) / 12 < x->num_groups)
-    BAD("payload.groups: count %u needs at least %zu bytes, the payload has %zu left", x->num_groups,
-        (size_t)x->num_groups * 12, r->len - r->pos);
+  R(r_room(r, x->num_groups, 12, "payload.groups"));
   x->groups = calloc(x->num_groups, sizeof *x->groups);
   if (!x->groups) {
     st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "payload: out of memory decoding %s", "groups");
@@ -521,6 +637,41 @@ static kvf_status decode_xfer(rbuf *r, kvf_proto_xfer *x) {
     for (uint32_t k = 0; k < g->count; k++) g->block_ids[k] = (uint32_t)get_le(r->p + r->pos + 4u * k, 4);
     r->pos += 4u * (size_t)g->count;
   }
+out:
+  return st;
+}
+
+static kvf_status decode_xfer_reply(rbuf *r, uint16_t type, kvf_proto_xfer_reply *x) {
+  kvf_status st = KVF_SUCCESS;
+  R(r_u32(r, &x->status, "payload.status"));
+  R(r_u32(r, &x->outcome, "payload.outcome"));
+  R(r_u64(r, &x->prefix_tokens, "payload.prefix_tokens"));
+  R(r_u64(r, &x->objects_done, "payload.objects_done"));
+  R(r_u64(r, &x->objects_present, "payload.objects_present"));
+  R(r_u64(r, &x->bytes_done, "payload.bytes_done"));
+  R(r_u32(r, &x->num_groups, "payload.num_groups"));
+  R(r_u32(r, &x->num_object_groups, "payload.num_object_groups"));
+  R(xfer_reply_check(x, type, "payload", KVF_ERR_PROTOCOL));
+  R(r_room(r, x->num_groups, 8, "payload.group_blocks"));
+  if (x->num_groups) {
+    x->group_blocks = malloc((size_t)x->num_groups * sizeof *x->group_blocks);
+    if (!x->group_blocks) {
+      st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "payload: out of memory decoding %s", "group_blocks");
+      goto out;
+    }
+    for (uint32_t i = 0; i < x->num_groups; i++, r->pos += 8) x->group_blocks[i] = get_le(r->p + r->pos, 8);
+  }
+  R(r_room(r, x->num_object_groups, 8, "payload.og_prefix_tokens"));
+  if (x->num_object_groups) {
+    x->og_prefix_tokens = malloc((size_t)x->num_object_groups * sizeof *x->og_prefix_tokens);
+    if (!x->og_prefix_tokens) {
+      st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "payload: out of memory decoding %s", "og_prefix_tokens");
+      goto out;
+    }
+    for (uint32_t i = 0; i < x->num_object_groups; i++, r->pos += 8)
+      x->og_prefix_tokens[i] = get_le(r->p + r->pos, 8);
+  }
+  R(r_str_fixed(r, x->message, sizeof x->message, "payload.message"));
 out:
   return st;
 }
@@ -593,6 +744,14 @@ static kvf_status decode_payload(uint16_t type, rbuf *r, kvf_proto_msg *m) {
     char f[96];
     R(r_u64(r, &s->boot_token, "payload.boot_token"));
     R(r_counters(r, &s->total, "payload.total"));
+    R(r_u64(r, &s->data.l1_objects, "payload.data.l1_objects"));
+    R(r_u64(r, &s->data.l1_bytes, "payload.data.l1_bytes"));
+    R(r_u64(r, &s->data.l1_pool_bytes, "payload.data.l1_pool_bytes"));
+    R(r_u64(r, &s->data.l1_evicted_entries_total, "payload.data.l1_evicted_entries_total"));
+    R(r_u64(r, &s->data.stores_total, "payload.data.stores_total"));
+    R(r_u64(r, &s->data.retrieves_total, "payload.data.retrieves_total"));
+    R(r_u64(r, &s->data.in_flight, "payload.data.in_flight"));
+    R(r_u32(r, &s->data.lanes, "payload.data.lanes"));
     /* A client record is at least 16 bytes plus its counters. */
     R(r_count(r, &s->num_clients, KVF_PROTO_MAX_STAT_CLIENTS, 16u + KVF_PROTO_COUNTERS_WIRE,
               "payload.clients"));
@@ -617,16 +776,9 @@ static kvf_status decode_payload(uint16_t type, rbuf *r, kvf_proto_msg *m) {
     break;
   }
   case KVF_PROTO_STORE:
-  case KVF_PROTO_RETRIEVE: R(decode_xfer(r, &m->u.xfer)); break;
+  case KVF_PROTO_RETRIEVE: R(decode_xfer(r, type, &m->u.xfer)); break;
   case KVF_PROTO_STORE_REPLY:
-  case KVF_PROTO_RETRIEVE_REPLY:
-    R(r_u32(r, &m->u.xfer_reply.status, "payload.status"));
-    if (m->u.xfer_reply.status > KVF_PROTO_MAX_STATUS)
-      BAD("payload.status: %u is not a kvf_status", m->u.xfer_reply.status);
-    R(r_zero32(r, "payload.reserved"));
-    R(r_u64(r, &m->u.xfer_reply.blocks_done, "payload.blocks_done"));
-    R(r_u64(r, &m->u.xfer_reply.tokens_done, "payload.tokens_done"));
-    break;
+  case KVF_PROTO_RETRIEVE_REPLY: R(decode_xfer_reply(r, type, &m->u.xfer_reply)); break;
   case KVF_PROTO_ERROR: {
     kvf_proto_error *e = &m->u.error;
     R(r_u32(r, &e->status, "payload.status"));
@@ -712,9 +864,15 @@ void kvf_proto_msg_clear(kvf_proto_msg *msg) {
   case KVF_PROTO_STAT_REPLY: free(msg->u.stat_reply.clients); break;
   case KVF_PROTO_STORE:
   case KVF_PROTO_RETRIEVE:
+    free(msg->u.xfer.chunk_keys);
     if (msg->u.xfer.groups)
       for (uint32_t i = 0; i < msg->u.xfer.num_groups; i++) free(msg->u.xfer.groups[i].block_ids);
     free(msg->u.xfer.groups);
+    break;
+  case KVF_PROTO_STORE_REPLY:
+  case KVF_PROTO_RETRIEVE_REPLY:
+    free(msg->u.xfer_reply.group_blocks);
+    free(msg->u.xfer_reply.og_prefix_tokens);
     break;
   default: break;
   }

@@ -12,8 +12,8 @@
  * against the bytes that remain, counts against the limits below, enums
  * against their values, reserved fields against zero, and that the payload
  * holds nothing after the message. A failure returns KVF_ERR_PROTOCOL and
- * kvf_last_error() names the field ("payload.groups[2].block_ids: count 9000
- * exceeds the 8192 limit"). Checks against a registered geometry (block ids
+ * kvf_last_error() names the field ("payload.groups[2].block_ids: count 2000000
+ * exceeds the 1048576 limit"). Checks against a registered geometry (block ids
  * below num_blocks, say) belong to the server; these are the checks that need
  * nothing but the frame.
  *
@@ -46,10 +46,10 @@ extern "C" {
 #define KVF_PROTO_MAX_REGIONS 4096u             /* = KVF_MAX_REGIONS */
 #define KVF_PROTO_MAX_FDS 253u                  /* SCM_MAX_FD: descriptors on one frame */
 #define KVF_PROTO_MAX_GROUPS 64u                /* = KVF_MAX_GROUPS */
-#define KVF_PROTO_MAX_BLOCKS_PER_GROUP 8192u    /* block ids per group in one STORE/RETRIEVE */
+#define KVF_PROTO_MAX_BLOCKS_PER_GROUP (1u << 20) /* block ids per group in one STORE/RETRIEVE */
+#define KVF_PROTO_MAX_CHUNKS 65536u             /* chunk keys in one STORE/RETRIEVE */
 #define KVF_PROTO_MAX_STAT_CLIENTS 1024u        /* client records in one STAT reply */
 #define KVF_PROTO_NAME_MAX 64u                  /* client names: at most 63 bytes */
-#define KVF_PROTO_KEY_MAX 256u                  /* object keys: at most 255 bytes */
 #define KVF_PROTO_FIELD_MAX 128u                /* ERROR's field: at most 127 bytes */
 #define KVF_PROTO_MESSAGE_MAX 512u              /* ERROR's message: at most 511 bytes */
 
@@ -172,9 +172,20 @@ typedef struct kvf_proto_stat_client {
   kvf_proto_counters counters;
 } kvf_proto_stat_client;
 
+/* The data plane's counters in a STAT reply. */
+typedef struct kvf_proto_data_counters {
+  uint64_t l1_objects, l1_bytes;        /* committed objects and their payload */
+  uint64_t l1_pool_bytes;               /* L1 memory over every lane */
+  uint64_t l1_evicted_entries_total;
+  uint64_t stores_total, retrieves_total; /* admitted */
+  uint64_t in_flight;
+  uint32_t lanes;                       /* including the host lane */
+} kvf_proto_data_counters;
+
 typedef struct kvf_proto_stat_reply {
   uint64_t boot_token;
   kvf_proto_counters total;
+  kvf_proto_data_counters data;
   kvf_proto_stat_client *clients; /* [num_clients] */
   uint32_t num_clients;
 } kvf_proto_stat_reply;
@@ -186,20 +197,50 @@ typedef struct kvf_proto_group {
   uint32_t count;
 } kvf_proto_group;
 
-/* STORE (cache -> L1 objects) and RETRIEVE (L1 objects -> cache) share it. */
+/* How the server learns that the blocks a STORE reads are written. */
+typedef enum kvf_proto_ready_kind {
+  KVF_PROTO_READY_NONE = 0,       /* ready when the request is sent (host backend, or the engine synced) */
+  KVF_PROTO_READY_CUDA_EVENT = 1, /* ready_handle holds a cudaIpcEventHandle_t the engine recorded
+                                     after writing the blocks; the server's stream waits on it */
+} kvf_proto_ready_kind;
+#define KVF_PROTO_READY_HANDLE_BYTES 64u /* sizeof(cudaIpcEventHandle_t) */
+
+/* STORE (cache -> L1 objects) and RETRIEVE (L1 objects -> cache) share it.
+ * Chunk k of the request covers global tokens [token_begin + k*C,
+ * min(token_begin + (k+1)*C, token_end)) and is named by chunk_keys[k] (a
+ * chained prefix hash: kvf_chunk_keys), so num_chunk_keys is the number of
+ * chunks the token range spans. */
 typedef struct kvf_proto_xfer {
-  uint64_t registration_id;
+  uint64_t registration_id; /* 0: the client's live registration */
   uint64_t token_begin, token_end; /* token_end > token_begin */
   uint32_t format;                 /* kvf_object_format: 0 canonical, 1 native */
-  char key[KVF_PROTO_KEY_MAX];     /* the objects' key (prefix hash); not empty */
+  uint32_t ready_kind;             /* kvf_proto_ready_kind; RETRIEVE: 0 */
+  uint8_t ready_handle[KVF_PROTO_READY_HANDLE_BYTES]; /* all zero unless ready_kind is CUDA_EVENT */
+  uint64_t *chunk_keys;            /* [num_chunk_keys], each nonzero */
+  uint32_t num_chunk_keys;         /* 1 .. KVF_PROTO_MAX_CHUNKS */
   kvf_proto_group *groups;         /* [num_groups] */
   uint32_t num_groups;
 } kvf_proto_xfer;
 
+/* STORE_REPLY and RETRIEVE_REPLY: the request's logical outcome. A request
+ * refused before admission (a field that does not fit) gets an ERROR
+ * instead. */
 typedef struct kvf_proto_xfer_reply {
-  uint32_t status;      /* kvf_status of the transfer */
-  uint64_t blocks_done; /* whole blocks stored or restored */
-  uint64_t tokens_done;
+  uint32_t status;          /* kvf_status of the outcome (KVF_SUCCESS when done) */
+  uint32_t outcome;         /* 1 done, 2 failed, 3 cancelled, 4 timed out */
+  uint64_t prefix_tokens;   /* STORE: the request's tokens [token_begin, prefix_tokens) now held in L1
+                               for every object group it stored; RETRIEVE: tokens restored in every
+                               group (token_begin: nothing restored) */
+  uint64_t objects_done;    /* STORE: objects committed by this request; RETRIEVE: objects read */
+  uint64_t objects_present; /* STORE: objects already held (or being stored by another request), not
+                               written again; RETRIEVE: 0 */
+  uint64_t bytes_done;      /* payload bytes moved */
+  uint64_t *group_blocks;   /* [num_groups]: whole blocks moved per group of the geometry */
+  uint32_t num_groups;      /* <= KVF_PROTO_MAX_GROUPS */
+  uint64_t *og_prefix_tokens; /* [num_object_groups] RETRIEVE: the longest prefix each object group
+                                 holds in L1 (token_begin: a miss for that group); STORE: none */
+  uint32_t num_object_groups; /* <= KVF_PROTO_MAX_GROUPS */
+  char message[KVF_PROTO_MESSAGE_MAX]; /* why, when not done; "" otherwise */
 } kvf_proto_xfer_reply;
 
 typedef struct kvf_proto_error {

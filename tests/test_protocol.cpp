@@ -62,8 +62,10 @@ kvf_proto_msg Hello() {
   return m;
 }
 
-// A STORE with 3 groups; block ids live in `ids`.
+// A STORE (with a CUDA event to wait for) or RETRIEVE of 4 chunks and 3
+// groups; keys and block ids live in `keys` and `ids`.
 struct Xfer {
+  std::vector<uint64_t> keys = {0x1111222233334444ull, 0x5555666677778888ull, 0x9999AAAABBBBCCCCull, 1};
   std::vector<uint32_t> ids[3];
   kvf_proto_group groups[3];
   kvf_proto_msg m;
@@ -73,7 +75,12 @@ struct Xfer {
     m.u.xfer.token_begin = 256;
     m.u.xfer.token_end = 512;
     m.u.xfer.format = 1;
-    strcpy(m.u.xfer.key, "prefix:0123abcd");
+    if (type == KVF_PROTO_STORE) {
+      m.u.xfer.ready_kind = KVF_PROTO_READY_CUDA_EVENT;
+      for (unsigned b = 0; b < KVF_PROTO_READY_HANDLE_BYTES; b++) m.u.xfer.ready_handle[b] = (uint8_t)(b + 1);
+    }
+    m.u.xfer.chunk_keys = keys.data();
+    m.u.xfer.num_chunk_keys = (uint32_t)keys.size();
     for (int g = 0; g < 3; g++) {
       for (uint32_t k = 0; k < (uint32_t)(g + 1) * 5; k++) ids[g].push_back(k * 7 + (uint32_t)g);
       if (g == 2) ids[g].push_back(0xFFFFFFFFu);
@@ -83,6 +90,30 @@ struct Xfer {
     }
     m.u.xfer.groups = groups;
     m.u.xfer.num_groups = 3;
+  }
+};
+
+// A RETRIEVE_REPLY (2 groups, 2 object groups) or STORE_REPLY (no object
+// groups); the arrays live in the struct.
+struct XferReply {
+  uint64_t blocks[2] = {12, 0};
+  uint64_t og_prefix[2] = {448, 256};
+  kvf_proto_msg m;
+  explicit XferReply(uint16_t type = KVF_PROTO_RETRIEVE_REPLY) {
+    m = Msg(type, 7);
+    kvf_proto_xfer_reply &r = m.u.xfer_reply;
+    r.status = KVF_SUCCESS;
+    r.outcome = 1;
+    r.prefix_tokens = 448;
+    r.objects_done = type == KVF_PROTO_STORE_REPLY ? 3 : 2;
+    r.objects_present = type == KVF_PROTO_STORE_REPLY ? 1 : 0;
+    r.bytes_done = 3u << 20;
+    r.group_blocks = blocks;
+    r.num_groups = 2;
+    if (type == KVF_PROTO_RETRIEVE_REPLY) {
+      r.og_prefix_tokens = og_prefix;
+      r.num_object_groups = 2;
+    }
   }
 };
 
@@ -184,15 +215,6 @@ TEST(Protocol, RoundTripSmallMessages) {
   d.u.stat.flags = KVF_PROTO_STAT_PER_CLIENT;
   ASSERT_EQ(Decode(Encode(d), &out), KVF_SUCCESS);
   EXPECT_EQ(out.u.stat.flags, KVF_PROTO_STAT_PER_CLIENT);
-  for (uint16_t t : {KVF_PROTO_STORE_REPLY, KVF_PROTO_RETRIEVE_REPLY}) {
-    kvf_proto_msg e = Msg(t);
-    e.u.xfer_reply = {KVF_ERR_TIMEOUT, 4, 1024};
-    ASSERT_EQ(Decode(Encode(e), &out), KVF_SUCCESS);
-    EXPECT_EQ(out.type, t);
-    EXPECT_EQ(out.u.xfer_reply.status, (uint32_t)KVF_ERR_TIMEOUT);
-    EXPECT_EQ(out.u.xfer_reply.blocks_done, 4u);
-    EXPECT_EQ(out.u.xfer_reply.tokens_done, 1024u);
-  }
   kvf_proto_msg g = Msg(KVF_PROTO_ERROR);
   g.u.error.status = KVF_ERR_PROTOCOL;
   g.u.error.version = 1;
@@ -217,10 +239,19 @@ TEST(Protocol, RoundTripStatReply) {
   kvf_proto_msg in = Msg(KVF_PROTO_STAT_REPLY), out;
   in.u.stat_reply.boot_token = 0xB0;
   in.u.stat_reply.total = {{0, 1, 1, 0, 1}, 7, 9, 11};
+  in.u.stat_reply.data = {101, 102, 103, 104, 105, 106, 107, 3};
   in.u.stat_reply.clients = clients;
   in.u.stat_reply.num_clients = 2;
   ASSERT_EQ(Decode(Encode(in), &out), KVF_SUCCESS) << kvf_last_error();
   EXPECT_EQ(out.u.stat_reply.boot_token, 0xB0u);
+  EXPECT_EQ(out.u.stat_reply.data.l1_objects, 101u);
+  EXPECT_EQ(out.u.stat_reply.data.l1_bytes, 102u);
+  EXPECT_EQ(out.u.stat_reply.data.l1_pool_bytes, 103u);
+  EXPECT_EQ(out.u.stat_reply.data.l1_evicted_entries_total, 104u);
+  EXPECT_EQ(out.u.stat_reply.data.stores_total, 105u);
+  EXPECT_EQ(out.u.stat_reply.data.retrieves_total, 106u);
+  EXPECT_EQ(out.u.stat_reply.data.in_flight, 107u);
+  EXPECT_EQ(out.u.stat_reply.data.lanes, 3u);
   EXPECT_EQ(0, memcmp(&out.u.stat_reply.total, &in.u.stat_reply.total, sizeof in.u.stat_reply.total));
   ASSERT_EQ(out.u.stat_reply.num_clients, 2u);
   for (int i = 0; i < 2; i++) EXPECT_EQ(0, memcmp(&out.u.stat_reply.clients[i], &clients[i], sizeof clients[i]));
@@ -237,7 +268,10 @@ TEST(Protocol, RoundTripStoreAndRetrieve) {
     EXPECT_EQ(out.u.xfer.token_begin, 256u);
     EXPECT_EQ(out.u.xfer.token_end, 512u);
     EXPECT_EQ(out.u.xfer.format, 1u);
-    EXPECT_STREQ(out.u.xfer.key, "prefix:0123abcd");
+    EXPECT_EQ(out.u.xfer.ready_kind, in.m.u.xfer.ready_kind);
+    EXPECT_EQ(0, memcmp(out.u.xfer.ready_handle, in.m.u.xfer.ready_handle, KVF_PROTO_READY_HANDLE_BYTES));
+    ASSERT_EQ(out.u.xfer.num_chunk_keys, 4u);
+    EXPECT_EQ(0, memcmp(out.u.xfer.chunk_keys, in.keys.data(), 4 * sizeof(uint64_t)));
     ASSERT_EQ(out.u.xfer.num_groups, 3u);
     for (int g = 0; g < 3; g++) {
       EXPECT_EQ(out.u.xfer.groups[g].first_block, in.groups[g].first_block);
@@ -246,6 +280,48 @@ TEST(Protocol, RoundTripStoreAndRetrieve) {
     }
     kvf_proto_msg_clear(&out);
   }
+}
+
+TEST(Protocol, RoundTripXferReplies) {
+  for (uint16_t t : {KVF_PROTO_STORE_REPLY, KVF_PROTO_RETRIEVE_REPLY}) {
+    XferReply in(t);
+    kvf_proto_msg out;
+    ASSERT_EQ(Decode(Encode(in.m), &out), KVF_SUCCESS) << kvf_last_error();
+    const kvf_proto_xfer_reply &a = in.m.u.xfer_reply, &b = out.u.xfer_reply;
+    EXPECT_EQ(out.type, t);
+    EXPECT_EQ(b.status, 0u);
+    EXPECT_EQ(b.outcome, 1u);
+    EXPECT_EQ(b.prefix_tokens, a.prefix_tokens);
+    EXPECT_EQ(b.objects_done, a.objects_done);
+    EXPECT_EQ(b.objects_present, a.objects_present);
+    EXPECT_EQ(b.bytes_done, a.bytes_done);
+    ASSERT_EQ(b.num_groups, 2u);
+    EXPECT_EQ(b.group_blocks[0], 12u);
+    EXPECT_EQ(b.group_blocks[1], 0u);
+    ASSERT_EQ(b.num_object_groups, a.num_object_groups);
+    if (t == KVF_PROTO_RETRIEVE_REPLY) {
+      EXPECT_EQ(b.og_prefix_tokens[0], 448u);
+      EXPECT_EQ(b.og_prefix_tokens[1], 256u);
+    } else {
+      EXPECT_EQ(b.og_prefix_tokens, nullptr);
+    }
+    EXPECT_STREQ(b.message, "");
+    kvf_proto_msg_clear(&out);
+  }
+  // Not done: a failing status and the reason; no arrays at all.
+  kvf_proto_msg f = Msg(KVF_PROTO_STORE_REPLY);
+  f.u.xfer_reply.status = KVF_ERR_TIMEOUT;
+  f.u.xfer_reply.outcome = 4;
+  f.u.xfer_reply.prefix_tokens = 256;
+  strcpy(f.u.xfer_reply.message, "the copy did not finish within 2000 ms");
+  kvf_proto_msg out;
+  ASSERT_EQ(Decode(Encode(f), &out), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(out.u.xfer_reply.status, (uint32_t)KVF_ERR_TIMEOUT);
+  EXPECT_EQ(out.u.xfer_reply.outcome, 4u);
+  EXPECT_EQ(out.u.xfer_reply.num_groups, 0u);
+  EXPECT_EQ(out.u.xfer_reply.group_blocks, nullptr);
+  EXPECT_STREQ(out.u.xfer_reply.message, f.u.xfer_reply.message);
+  kvf_proto_msg_clear(&out);
 }
 
 TEST(Protocol, HeaderRejectionsNameTheirField) {
@@ -402,36 +478,57 @@ TEST(Protocol, RegisterRejections) {
   ExpectReject(f, "payload.regions: count 2");
 }
 
+// STORE payload offsets: registration_id 0, token_begin 8, token_end 16,
+// format 24, ready_kind 28, ready_handle 32, num_chunk_keys 96, num_groups
+// 100, chunk_keys 104.
 TEST(Protocol, XferRejections) {
   Xfer in;
   std::vector<uint8_t> good = Encode(in.m);
-  const size_t key_at = H + 32, groups_at = key_at + 4 + strlen(in.m.u.xfer.key);
+  const size_t keys_at = H + 104, groups_at = keys_at + 8 * in.keys.size();
   auto f = good;
   PutLe(f, H + 16, 256, 8);
-  ExpectReject(f, "payload.token_end");
+  ExpectReject(f, "payload.token_end: 256 is not after token_begin 256");
   f = good;
   PutLe(f, H + 24, 2, 4);
   ExpectReject(f, "payload.format");
   f = good;
-  PutLe(f, H + 28, 65, 4);
+  PutLe(f, H + 28, 2, 4);
+  ExpectReject(f, "payload.ready_kind: 2 is neither");
+  f = good;
+  memset(&f[H + 32], 0, KVF_PROTO_READY_HANDLE_BYTES);
+  ExpectReject(f, "payload.ready_handle: all zero, but ready_kind 1");
+  f = good;
+  PutLe(f, H + 28, 0, 4);  // no event, but a handle
+  ExpectReject(f, "payload.ready_handle: byte 0 is 0x01");
+  f = good;
+  PutLe(f, H + 96, 0, 4);
+  ExpectReject(f, "payload.num_chunk_keys: 0");
+  f = good;
+  PutLe(f, H + 96, KVF_PROTO_MAX_CHUNKS + 1, 4);
+  ExpectReject(f, "payload.num_chunk_keys: count 65537 exceeds the 65536 limit");
+  f = good;
+  PutLe(f, H + 16, 259, 8);  // 3 tokens cannot make 4 chunks
+  ExpectReject(f, "payload.num_chunk_keys: 4 chunks for a range of 3 tokens");
+  f = good;
+  PutLe(f, H + 96, 200, 4);  // more keys than the payload holds
+  ExpectReject(f, "payload.chunk_keys: count 200 needs at least 1600 bytes");
+  f = good;
+  PutLe(f, keys_at + 8 * 3, 0, 8);
+  ExpectReject(f, "payload.chunk_keys[3]: 0 is not a key");
+  f = good;
+  PutLe(f, H + 100, 65, 4);
   ExpectReject(f, "payload.num_groups: count 65 exceeds the 64 limit");
   f = good;
-  PutLe(f, H + 28, 0, 4);
-  ExpectReject(f, "payload.num_groups");
+  PutLe(f, H + 100, 0, 4);
+  ExpectReject(f, "payload.num_groups: 0");
   f = good;
-  PutLe(f, H + 28, 60, 4);
+  PutLe(f, H + 100, 60, 4);
   ExpectReject(f, "payload.groups: count 60");
-  f = good;
-  PutLe(f, key_at, 256, 4);
-  ExpectReject(f, "payload.key: length 256 exceeds the 255 limit");
-  f = good;
-  f[key_at + 4] = 0;
-  ExpectReject(f, "payload.key: NUL byte at offset 0");
   // groups[2].count: after groups[0] (12 + 5*4) and groups[1] (12 + 10*4), skip first_block.
   const size_t g2_count = groups_at + (12 + 20) + (12 + 40) + 8;
   f = good;
-  PutLe(f, g2_count, 9000, 4);
-  ExpectReject(f, "payload.groups[2].block_ids: count 9000 exceeds the 8192 limit");
+  PutLe(f, g2_count, KVF_PROTO_MAX_BLOCKS_PER_GROUP + 1, 4);
+  ExpectReject(f, "payload.groups[2].block_ids: count 1048577 exceeds the 1048576 limit");
   f = good;
   PutLe(f, g2_count, 17, 4);  // the payload holds 16
   ExpectReject(f, "payload.groups[2].block_ids: count 17 needs at least 68 bytes");
@@ -439,6 +536,76 @@ TEST(Protocol, XferRejections) {
   f.resize(f.size() - 1);
   FixLen(f);
   ExpectReject(f, "payload.groups[2].block_ids");
+  f = good;
+  f.push_back(0);
+  FixLen(f);
+  ExpectReject(f, "payload: 1 bytes left over after the STORE message");
+
+  // A RETRIEVE waits for no event.
+  Xfer rin(KVF_PROTO_RETRIEVE);
+  std::vector<uint8_t> rgood = Encode(rin.m);
+  f = rgood;
+  PutLe(f, H + 28, 1, 4);
+  f[H + 32] = 7;
+  ExpectReject(f, "payload.ready_kind: 1, but a RETRIEVE waits for nothing");
+  f = rgood;
+  f[H + 32 + 63] = 7;
+  ExpectReject(f, "payload.ready_handle: byte 63 is 0x07");
+}
+
+// Reply payload offsets: status 0, outcome 4, prefix_tokens 8, objects_done
+// 16, objects_present 24, bytes_done 32, num_groups 40, num_object_groups 44,
+// group_blocks 48.
+TEST(Protocol, XferReplyRejections) {
+  XferReply in;
+  std::vector<uint8_t> good = Encode(in.m);
+  auto f = good;
+  PutLe(f, H, 99, 4);
+  ExpectReject(f, "payload.status: 99 is not a kvf_status");
+  f = good;
+  PutLe(f, H, KVF_ERR_CUDA, 4);
+  ExpectReject(f, "payload.status: 10, but the outcome is done");
+  f = good;
+  PutLe(f, H + 4, 2, 4);  // failed, with status 0
+  ExpectReject(f, "payload.status: 0 (success), but the outcome is failed");
+  for (uint32_t bad : {0u, 5u}) {
+    f = good;
+    PutLe(f, H + 4, bad, 4);
+    ExpectReject(f, "payload.outcome: " + std::to_string(bad) + " is not");
+  }
+  f = good;
+  PutLe(f, H + 24, 1, 8);
+  ExpectReject(f, "payload.objects_present: 1, a RETRIEVE_REPLY carries 0");
+  f = good;
+  PutLe(f, H + 40, 65, 4);
+  ExpectReject(f, "payload.num_groups: count 65 exceeds the 64 limit");
+  f = good;
+  PutLe(f, H + 44, 65, 4);
+  ExpectReject(f, "payload.num_object_groups: count 65 exceeds the 64 limit");
+  f = good;
+  PutLe(f, H + 40, 4, 4);  // 4 + 2 u64 do not fit in 36 bytes
+  ExpectReject(f, "payload.og_prefix_tokens: count 2 needs");
+  f = good;
+  PutLe(f, H + 40, 40, 4);
+  ExpectReject(f, "payload.group_blocks: count 40 needs at least 320 bytes");
+  f = good;
+  PutLe(f, H + 48 + 32, 600, 4);  // the message's length
+  ExpectReject(f, "payload.message: length 600 exceeds the 511 limit");
+  f = good;
+  f.push_back('x');
+  PutLe(f, H + 48 + 32, 1, 4);
+  FixLen(f);
+  f.push_back(0);
+  FixLen(f);
+  ExpectReject(f, "payload: 1 bytes left over after the RETRIEVE_REPLY message");
+
+  XferReply sin(KVF_PROTO_STORE_REPLY);
+  std::vector<uint8_t> sgood = Encode(sin.m);
+  f = sgood;
+  PutLe(f, H + 44, 1, 4);
+  f.insert(f.begin() + (long)(H + 48 + 16), 8, 0);  // room for one prefix
+  FixLen(f);
+  ExpectReject(f, "payload.num_object_groups: 1, a STORE_REPLY carries none");
 }
 
 TEST(Protocol, OtherRejections) {
@@ -456,12 +623,6 @@ TEST(Protocol, OtherRejections) {
   f = Encode(u);
   PutLe(f, H + 12, 5, 4);
   ExpectReject(f, "payload.reserved");
-
-  kvf_proto_msg x = Msg(KVF_PROTO_STORE_REPLY);
-  x.u.xfer_reply = {0, 1, 2};
-  f = Encode(x);
-  PutLe(f, H, 99, 4);
-  ExpectReject(f, "payload.status");
 
   kvf_proto_msg e = Msg(KVF_PROTO_ERROR);
   e.u.error.status = KVF_ERR_BUSY;
@@ -486,10 +647,10 @@ TEST(Protocol, OtherRejections) {
   kvf_proto_msg st = Msg(KVF_PROTO_STAT_REPLY);
   st.u.stat_reply = sr;
   f = Encode(st);
-  PutLe(f, H + 8 + 44, 1025, 4);
+  PutLe(f, H + 8 + 44 + 60, 1025, 4); // after the total and data counters
   ExpectReject(f, "payload.clients: count 1025 exceeds the 1024 limit");
   f = Encode(st);
-  PutLe(f, H + 8 + 44, 2, 4);
+  PutLe(f, H + 8 + 44 + 60, 2, 4);
   ExpectReject(f, "payload.clients: count 2 needs");
 }
 
@@ -500,6 +661,54 @@ TEST(Protocol, EncoderRefusesWhatTheDecoderWould) {
   x.groups[1].count = KVF_PROTO_MAX_BLOCKS_PER_GROUP + 1;
   EXPECT_EQ(kvf_proto_encode(&x.m, &buf, &len), KVF_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(kvf_last_error()).find("groups[1].block_ids"), std::string::npos) << kvf_last_error();
+  // The STORE/RETRIEVE rules, named as the caller's fields.
+  struct Case {
+    std::function<void(Xfer &)> edit;
+    std::string field;
+  };
+  std::vector<Case> cases = {
+      {[](Xfer &v) { v.keys[2] = 0; }, "xfer.chunk_keys[2]: 0 is not a key"},
+      {[](Xfer &v) { v.m.u.xfer.num_chunk_keys = 0; }, "xfer.num_chunk_keys: 0"},
+      {[](Xfer &v) { v.m.u.xfer.num_chunk_keys = KVF_PROTO_MAX_CHUNKS + 1; }, "xfer.num_chunk_keys: count 65537"},
+      {[](Xfer &v) { v.m.u.xfer.token_end = 258; }, "xfer.num_chunk_keys: 4 chunks for a range of 2 tokens"},
+      {[](Xfer &v) { v.m.u.xfer.token_end = 100; }, "xfer.token_end"},
+      {[](Xfer &v) { v.m.u.xfer.format = 3; }, "xfer.format"},
+      {[](Xfer &v) { v.m.u.xfer.ready_kind = 0; }, "xfer.ready_handle: byte 0"},
+      {[](Xfer &v) { memset(v.m.u.xfer.ready_handle, 0, sizeof v.m.u.xfer.ready_handle); }, "xfer.ready_handle: all zero"},
+      {[](Xfer &v) { v.m.type = KVF_PROTO_RETRIEVE; }, "xfer.ready_kind: 1, but a RETRIEVE"},
+      {[](Xfer &v) { v.m.u.xfer.num_groups = 0; }, "xfer.num_groups: 0"},
+      {[](Xfer &v) { v.m.u.xfer.num_groups = 65; }, "xfer.num_groups: count 65"},
+      {[](Xfer &v) { v.m.u.xfer.chunk_keys = nullptr; }, "xfer.chunk_keys: NULL"},
+      {[](Xfer &v) { v.groups[0].block_ids = nullptr; }, "xfer.groups[0].block_ids: NULL"},
+  };
+  for (const Case &c : cases) {
+    Xfer v;
+    c.edit(v);
+    EXPECT_EQ(kvf_proto_encode(&v.m, &buf, &len), KVF_ERR_INVALID_ARGUMENT) << c.field;
+    EXPECT_NE(std::string(kvf_last_error()).find(c.field), std::string::npos) << kvf_last_error();
+  }
+  struct ReplyCase {
+    std::function<void(XferReply &)> edit;
+    std::string field;
+  };
+  std::vector<ReplyCase> rcases = {
+      {[](XferReply &v) { v.m.u.xfer_reply.outcome = 2; }, "xfer_reply.status: 0 (success), but the outcome is failed"},
+      {[](XferReply &v) { v.m.u.xfer_reply.status = KVF_ERR_IO; }, "xfer_reply.status: 7, but the outcome is done"},
+      {[](XferReply &v) { v.m.u.xfer_reply.status = 21; }, "xfer_reply.status: 21"},
+      {[](XferReply &v) { v.m.u.xfer_reply.outcome = 9; }, "xfer_reply.outcome: 9"},
+      {[](XferReply &v) { v.m.u.xfer_reply.num_groups = 65; }, "xfer_reply.num_groups: count 65"},
+      {[](XferReply &v) { v.m.u.xfer_reply.og_prefix_tokens = nullptr; }, "xfer_reply.og_prefix_tokens: NULL"},
+      {[](XferReply &v) { v.m.u.xfer_reply.objects_present = 1; }, "xfer_reply.objects_present"},
+      {[](XferReply &v) { v.m.type = KVF_PROTO_STORE_REPLY; }, "xfer_reply.num_object_groups: 2, a STORE_REPLY"},
+      {[](XferReply &v) { memset(v.m.u.xfer_reply.message, 'm', sizeof v.m.u.xfer_reply.message); },
+       "xfer_reply.message"},
+  };
+  for (const ReplyCase &c : rcases) {
+    XferReply v;
+    c.edit(v);
+    EXPECT_EQ(kvf_proto_encode(&v.m, &buf, &len), KVF_ERR_INVALID_ARGUMENT) << c.field;
+    EXPECT_NE(std::string(kvf_last_error()).find(c.field), std::string::npos) << kvf_last_error();
+  }
   kvf_proto_msg bad = Msg(0x1234);
   EXPECT_EQ(kvf_proto_encode(&bad, &buf, &len), KVF_ERR_INVALID_ARGUMENT);
   kvf_proto_msg h = Hello();
@@ -635,7 +844,11 @@ TEST(Protocol, EveryTruncationOfEveryMessageIsRejected) {
   Xfer x;
   kvf_proto_msg hr = Msg(KVF_PROTO_HELLO_REPLY);
   hr.u.hello_reply = {1, 99, 1, 17, 1000, 5000, 65536};
-  std::vector<std::vector<uint8_t>> frames = {Encode(Hello()), Encode(reg.m), Encode(x.m), Encode(hr)};
+  Xfer rx(KVF_PROTO_RETRIEVE);
+  XferReply sr(KVF_PROTO_STORE_REPLY), rr(KVF_PROTO_RETRIEVE_REPLY);
+  strcpy(sr.m.u.xfer_reply.message, "m");
+  std::vector<std::vector<uint8_t>> frames = {Encode(Hello()), Encode(reg.m), Encode(x.m), Encode(rx.m),
+                                              Encode(hr),      Encode(sr.m),  Encode(rr.m)};
   for (const auto &good : frames) {
     for (size_t cut = 0; cut < good.size() - H; cut++) {
       auto f = good;
@@ -646,4 +859,52 @@ TEST(Protocol, EveryTruncationOfEveryMessageIsRejected) {
       EXPECT_NE(std::string(kvf_last_error()).find("payload"), std::string::npos) << kvf_last_error();
     }
   }
+}
+
+// The limits hold exactly: the largest count decodes, one more is refused by
+// both sides, and a request over the payload limit is refused by the encoder.
+TEST(Protocol, XferLimitsAreExact) {
+  std::vector<uint64_t> keys(KVF_PROTO_MAX_CHUNKS);
+  for (size_t i = 0; i < keys.size(); i++) keys[i] = i + 1;
+  std::vector<uint32_t> ids(KVF_PROTO_MAX_BLOCKS_PER_GROUP);
+  for (size_t i = 0; i < ids.size(); i++) ids[i] = (uint32_t)i;
+  std::vector<kvf_proto_group> groups(KVF_PROTO_MAX_GROUPS);
+  memset(groups.data(), 0, groups.size() * sizeof groups[0]);
+  groups[5].block_ids = ids.data();
+  groups[5].count = (uint32_t)ids.size();
+  kvf_proto_msg m = Msg(KVF_PROTO_RETRIEVE);
+  m.u.xfer.token_begin = 0;
+  m.u.xfer.token_end = (uint64_t)KVF_PROTO_MAX_CHUNKS * 16;
+  m.u.xfer.chunk_keys = keys.data();
+  m.u.xfer.num_chunk_keys = KVF_PROTO_MAX_CHUNKS;
+  m.u.xfer.groups = groups.data();
+  m.u.xfer.num_groups = KVF_PROTO_MAX_GROUPS;
+  std::vector<uint8_t> f = Encode(m);
+  kvf_proto_msg out;
+  ASSERT_EQ(Decode(f, &out), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(out.u.xfer.num_chunk_keys, KVF_PROTO_MAX_CHUNKS);
+  EXPECT_EQ(out.u.xfer.chunk_keys[KVF_PROTO_MAX_CHUNKS - 1], (uint64_t)KVF_PROTO_MAX_CHUNKS);
+  ASSERT_EQ(out.u.xfer.groups[5].count, KVF_PROTO_MAX_BLOCKS_PER_GROUP);
+  EXPECT_EQ(out.u.xfer.groups[5].block_ids[KVF_PROTO_MAX_BLOCKS_PER_GROUP - 1], KVF_PROTO_MAX_BLOCKS_PER_GROUP - 1);
+  EXPECT_EQ(out.u.xfer.groups[4].count, 0u);
+  kvf_proto_msg_clear(&out);
+
+  uint8_t *buf = nullptr;
+  size_t len = 0;
+  groups[5].count++;
+  ids.push_back(0);
+  groups[5].block_ids = ids.data();
+  EXPECT_EQ(kvf_proto_encode(&m, &buf, &len), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvf_last_error()).find("xfer.groups[5].block_ids: count 1048577 exceeds the 1048576 limit"),
+            std::string::npos)
+      << kvf_last_error();
+  groups[5].count--;
+  // Four full groups are 16 MiB of block ids: over the payload limit.
+  for (int g = 0; g < 4; g++) {
+    groups[g].block_ids = ids.data();
+    groups[g].count = KVF_PROTO_MAX_BLOCKS_PER_GROUP;
+  }
+  EXPECT_EQ(kvf_proto_encode(&m, &buf, &len), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvf_last_error()).find("payload:"), std::string::npos) << kvf_last_error();
+  EXPECT_EQ(buf, nullptr);
 }

@@ -12,8 +12,13 @@
  * Errors the server reports come back as its status, with kvf_last_error()
  * reading "field: message" as the server wrote it.
  *
- * Threading: a kvf_client is used by one thread at a time (a heartbeat
- * thread needs its own lock around the client, or its own connection).
+ * STORE and RETRIEVE move blocks of the registered cache to and from the
+ * server's L1 object store (kvf_client_store, kvf_client_retrieve), or
+ * several at once (kvf_client_submit, then kvf_client_wait for each).
+ *
+ * Threading: every call may be made from any thread, concurrently; replies
+ * are matched to their requests by id. With heartbeat_period_ms set, the
+ * client runs a heartbeat thread of its own.
  */
 #ifndef KVFERRY_CLIENT_H
 #define KVFERRY_CLIENT_H
@@ -21,6 +26,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <kvferry/copy.h>
 #include <kvferry/memory.h>
 #include <kvferry/status.h>
 
@@ -38,8 +44,12 @@ typedef struct kvf_client_options {
   const char *socket_dir; /* the server's socket directory; required */
   const char *name;       /* for the server's logs and STAT (at most 63 bytes); NULL: "" */
   uint32_t timeout_ms;    /* the longest one request waits for its reply; 0: 10000 */
+  int heartbeat_thread;   /* 1: a thread sends heartbeats at heartbeat_period_ms (0: the server's
+                             period) until disconnect; 0: the caller sends them */
+  uint32_t heartbeat_period_ms; /* must be shorter than the server's heartbeat timeout (connect
+                                   refuses it otherwise, naming the field) */
 } kvf_client_options;
-#define KVF_CLIENT_OPTIONS_INIT {sizeof(kvf_client_options), KVF_CLIENT_VERSION, NULL, NULL, 0}
+#define KVF_CLIENT_OPTIONS_INIT {sizeof(kvf_client_options), KVF_CLIENT_VERSION, NULL, NULL, 0, 0, 0}
 
 /* What the server said at connect. */
 typedef struct kvf_client_info {
@@ -74,6 +84,11 @@ typedef struct kvf_client_stats {
   uint32_t registering, active, draining; /* registrations by state now */
   uint32_t closed_total, failed_total;    /* since the server started */
   uint64_t imports, aliases, leases;
+  uint64_t l1_objects, l1_bytes;  /* objects committed in the server's L1, their payload */
+  uint64_t l1_pool_bytes;         /* L1 memory over every lane */
+  uint64_t l1_evicted_total;      /* chunks evicted since the server started */
+  uint64_t stores_total, retrieves_total, in_flight;
+  uint32_t lanes;                 /* one per GPU served, plus the host lane */
 } kvf_client_stats;
 
 /* Connect to the server of options->socket_dir and say HELLO. Returns
@@ -90,8 +105,9 @@ KVF_API kvf_status kvf_client_connect(const kvf_client_options *options, kvf_cli
  * registration, if any, keeps serving. Returns KVF_SUCCESS and *out (may be
  * NULL); the server's status (KVF_ERR_INVALID_ARGUMENT, KVF_ERR_PARSE,
  * KVF_ERR_INVALID_GEOMETRY, KVF_ERR_PROTOCOL...: the message names the
- * field); KVF_ERR_TIMEOUT / KVF_ERR_DISCONNECTED (the connection is then
- * unusable: disconnect); KVF_ERR_INVALID_ARGUMENT (NULL pointers, more than
+ * field); KVF_ERR_TIMEOUT (no reply in time: the request is dropped, a late
+ * reply is discarded, the connection stays usable); KVF_ERR_DISCONNECTED
+ * (final: connect a new client); KVF_ERR_INVALID_ARGUMENT (NULL pointers, more than
  * 253 distinct allocations). */
 KVF_API kvf_status kvf_client_register(kvf_client *client, const char *geometry_json, size_t len, int device,
                                        const kvf_client_region *regions, uint32_t num_regions,
@@ -109,6 +125,107 @@ KVF_API kvf_status kvf_client_heartbeat(kvf_client *client, uint64_t *boot_token
 
 /* The server's counters. */
 KVF_API kvf_status kvf_client_stat(kvf_client *client, kvf_client_stats *out);
+
+/* ---- STORE and RETRIEVE -------------------------------------------------- */
+
+/* One STORE or RETRIEVE on the client's registration. The token range and
+ * block tables follow kvf_copy_request (kvferry/copy.h): chunk k covers
+ * global tokens [token_begin + k*C, ...) and is named chunk_keys[k]
+ * (kvf_chunk_keys), so num_chunk_keys is the number of chunks the range
+ * spans. For a recurrent group give its state slot: STORE: first_block is
+ * the chunk whose end the state belongs to (token_end / C - 1); RETRIEVE:
+ * block_ids[0] is the slot and first_block is ignored (the server restores
+ * the state at the prefix it finds). */
+typedef struct kvf_client_xfer {
+  uint32_t struct_size;
+  uint32_t version;
+  uint64_t registration_id; /* 0: the live registration */
+  uint64_t token_begin;     /* a multiple of chunk_tokens */
+  uint64_t token_end;
+  kvf_object_format format;
+  const uint64_t *chunk_keys;
+  uint32_t num_chunk_keys;
+  const kvf_group_blocks *groups; /* [num_groups]: every group of the geometry, in order */
+  uint32_t num_groups;
+  const void *ready_event; /* STORE on a GPU: the 64 bytes of a cudaIpcEventHandle_t of an event
+                              (cudaEventInterprocess | cudaEventDisableTiming) recorded after the
+                              blocks were written; the server's stream waits on it. NULL: the
+                              blocks are ready when the call is made. RETRIEVE: NULL */
+} kvf_client_xfer;
+#define KVF_CLIENT_XFER_INIT \
+  {sizeof(kvf_client_xfer), KVF_CLIENT_VERSION, 0, 0, 0, KVF_FORMAT_CANONICAL, NULL, 0, NULL, 0, NULL}
+
+/* A request's outcome. */
+typedef enum kvf_client_outcome {
+  KVF_CLIENT_DONE = 1,
+  KVF_CLIENT_FAILED = 2,
+  KVF_CLIENT_CANCELLED = 3,
+  KVF_CLIENT_TIMED_OUT = 4, /* the server stopped waiting; its memory is released only when the
+                               work is proven complete */
+} kvf_client_outcome;
+
+typedef struct kvf_client_result {
+  uint32_t struct_size;
+  uint32_t version;
+  kvf_status status;          /* KVF_SUCCESS when done */
+  kvf_client_outcome outcome;
+  uint64_t prefix_tokens;     /* STORE: tokens [token_begin, prefix_tokens) now held for every object
+                                 group; RETRIEVE: tokens restored in every group (token_begin: none) */
+  uint64_t objects_done;      /* STORE: objects committed; RETRIEVE: objects read */
+  uint64_t objects_present;   /* STORE: objects already held, not written again */
+  uint64_t bytes_done;        /* payload bytes moved */
+  uint32_t num_groups;
+  uint64_t group_blocks[KVF_MAX_GROUPS];        /* whole blocks moved per group */
+  uint32_t num_object_groups;
+  uint64_t object_group_prefix[KVF_MAX_GROUPS]; /* RETRIEVE: the longest prefix each object group
+                                                   holds (token_begin: a miss) */
+} kvf_client_result;
+#define KVF_CLIENT_RESULT_INIT {sizeof(kvf_client_result), KVF_CLIENT_VERSION, KVF_SUCCESS, KVF_CLIENT_DONE, 0, 0, 0, 0, 0, {0}, 0, {0}}
+
+typedef enum kvf_client_op {
+  KVF_CLIENT_STORE = 1,
+  KVF_CLIENT_RETRIEVE = 2,
+} kvf_client_op;
+
+/* Chained prefix keys: keys[k] = hash(keys[k-1] (seed for k = 0), the
+ * token_bytes-byte tokens of chunk k), for the ceil(num_tokens /
+ * chunk_tokens) chunks of tokens[0 .. num_tokens). Equal prefixes give
+ * equal keys; fold the model's name into seed so that two models never
+ * share keys. Keys are never 0. Returns the number of keys written (0 for
+ * NULL pointers or chunk_tokens 0). */
+KVF_API uint64_t kvf_chunk_keys(uint64_t seed, const void *tokens, uint32_t token_bytes, uint64_t num_tokens,
+                                uint32_t chunk_tokens, uint64_t *keys);
+
+/* Send a STORE or RETRIEVE and return at once with its request id in
+ * *request_id; collect the outcome with kvf_client_wait. Returns
+ * KVF_SUCCESS; KVF_ERR_INVALID_ARGUMENT (NULL pointers, bad op, a field
+ * over a protocol limit: the message names it); KVF_ERR_TIMEOUT /
+ * KVF_ERR_DISCONNECTED. */
+KVF_API kvf_status kvf_client_submit(kvf_client *client, kvf_client_op op, const kvf_client_xfer *xfer,
+                                     uint64_t *request_id);
+
+/* Wait for the outcome of a submitted request (timeout_ms 0: the client's
+ * timeout). Returns KVF_SUCCESS with *result filled when the server
+ * answered with an outcome (result->status says whether it was done); the
+ * server's status when it refused the request (its message names the
+ * field; nothing was moved); KVF_ERR_TIMEOUT (no answer yet: wait again);
+ * KVF_ERR_NOT_FOUND (not a request id in flight); KVF_ERR_DISCONNECTED. */
+KVF_API kvf_status kvf_client_wait(kvf_client *client, uint64_t request_id, uint32_t timeout_ms,
+                                   kvf_client_result *result);
+
+/* Submit and wait. Returns as kvf_client_wait, and KVF_SUCCESS only when
+ * the request was done (result->status otherwise). result may be NULL. */
+KVF_API kvf_status kvf_client_store(kvf_client *client, const kvf_client_xfer *xfer, kvf_client_result *result);
+KVF_API kvf_status kvf_client_retrieve(kvf_client *client, const kvf_client_xfer *xfer,
+                                       kvf_client_result *result);
+
+/* 1 once a server answers on the socket directory with a boot token other
+ * than the one at connect: the server restarted. The heartbeat thread
+ * notices: while the connection is alive, from heartbeat replies; once it is
+ * dead, by probing the directory each period (connect, HELLO, close). This
+ * client stays disconnected: connect a new one and register again. 0 without
+ * a heartbeat thread or for NULL. */
+KVF_API int kvf_client_server_restarted(const kvf_client *client);
 
 /* Close the connection (the server then drains what this client
  * registered). NULL is a no-op. */
