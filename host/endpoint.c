@@ -559,27 +559,31 @@ kvf_status kvf_conn_send(kvf_conn *conn, const kvf_proto_msg *msg, const int *fd
   return rc;
 }
 
-kvf_status kvf_conn_send_error(kvf_conn *conn, uint64_t request_id, kvf_status status, const char *detail,
-                               int timeout_ms) {
-  /* Copied first: kvf_last_error() is overwritten by the calls below. */
+void kvf_conn_error_msg(kvf_proto_msg *msg, uint64_t request_id, kvf_status status, const char *detail) {
+  /* Copied first: detail may be kvf_last_error(), overwritten by later calls. */
   char text[KVF_PROTO_FIELD_MAX + KVF_PROTO_MESSAGE_MAX];
   snprintf(text, sizeof text, "%s", detail ? detail : kvf_last_error());
-  kvf_proto_msg msg;
-  memset(&msg, 0, sizeof msg);
-  msg.type = KVF_PROTO_ERROR;
-  msg.request_id = request_id;
-  msg.u.error.status = status == KVF_SUCCESS ? (uint32_t)KVF_ERR_INTERNAL : (uint32_t)status;
-  msg.u.error.version = KVF_PROTO_VERSION;
+  memset(msg, 0, sizeof *msg);
+  msg->type = KVF_PROTO_ERROR;
+  msg->request_id = request_id;
+  msg->u.error.status = status == KVF_SUCCESS ? (uint32_t)KVF_ERR_INTERNAL : (uint32_t)status;
+  msg->u.error.version = KVF_PROTO_VERSION;
   /* "field: message" when the text before ": " reads as a field name. */
   const char *body = text;
   const char *sep = strstr(text, ": ");
   if (sep != NULL && sep > text && (size_t)(sep - text) < KVF_PROTO_FIELD_MAX &&
       strcspn(text, " \t\n") >= (size_t)(sep - text)) {
-    memcpy(msg.u.error.field, text, (size_t)(sep - text));
+    memcpy(msg->u.error.field, text, (size_t)(sep - text));
     body = sep + 2;
   }
   /* Cut to fit; messages are one line, so a cut loses only the tail. */
-  size_t blen = strnlen(body, sizeof msg.u.error.message - 1);
-  memcpy(msg.u.error.message, body, blen);
+  size_t blen = strnlen(body, sizeof msg->u.error.message - 1);
+  memcpy(msg->u.error.message, body, blen);
+}
+
+kvf_status kvf_conn_send_error(kvf_conn *conn, uint64_t request_id, kvf_status status, const char *detail,
+                               int timeout_ms) {
+  kvf_proto_msg msg;
+  kvf_conn_error_msg(&msg, request_id, status, detail);
   return kvf_conn_send(conn, &msg, NULL, 0, timeout_ms);
 }

@@ -160,6 +160,10 @@ kvf_status kvf_conn_send(kvf_conn *conn, const kvf_proto_msg *msg, const int *fd
 kvf_status kvf_conn_send_error(kvf_conn *conn, uint64_t request_id, kvf_status status, const char *detail,
                                int timeout_ms);
 
+/* Fill *msg with the ERROR kvf_conn_send_error would send (same rules), for
+ * callers that queue their frames. */
+void kvf_conn_error_msg(kvf_proto_msg *msg, uint64_t request_id, kvf_status status, const char *detail);
+
 #ifdef __cplusplus
 }
 #endif

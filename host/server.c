@@ -4,6 +4,7 @@
 #include "host/server.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -11,15 +12,28 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <kvferry/geometry.h>
 #include <kvferry/memory.h>
 
 #include "geometry/error.h"
+#include "host/dataplane.h"
 #include "host/endpoint.h"
 #include "host/log.h"
 #include "host/protocol.h"
+
+/* An encoded frame on its way out: in the outbox (from a completion thread,
+ * addressed by client id) or in a connection's queue (sent bytes counted). */
+typedef struct kvf_server_out {
+  struct kvf_server_out *next;
+  uint64_t client_id;
+  size_t len, sent;
+  uint8_t *frame;
+} kvf_server_out;
+
+#define KVF_SERVER_QUEUE_MAX (64u << 20) /* unread reply bytes one client may hold */
 
 typedef struct kvf_server_conn {
   kvf_conn conn;
@@ -28,8 +42,15 @@ typedef struct kvf_server_conn {
   uint32_t pid;         /* from HELLO (SO_PEERCRED's in conn.peer) */
   char name[KVF_PROTO_NAME_MAX];
   uint64_t last_seen_ns; /* any valid frame counts as a heartbeat */
-  kvf_geometry *geometry; /* of the active registration, or NULL */
+  kvf_dp_binding *binding; /* the active registration's geometry on its lane, or NULL */
+  /* Replies not written yet: written without blocking as the socket takes
+   * them, so a client that stops reading never stalls the loop. */
+  kvf_server_out *q_head, *q_tail;
+  uint64_t q_bytes;
+  uint64_t q_stalled_since_ns; /* last progress while the queue was not empty */
+  kvf_status q_failed;         /* a write failed: drop the connection */
 } kvf_server_conn;
+
 
 struct kvf_server {
   kvf_server_options opt;
@@ -45,12 +66,33 @@ struct kvf_server {
   uint32_t num_conns;
   struct pollfd *pfds; /* [2 + max_clients] */
   uint64_t last_collect_ns;
+  kvf_topology *topology;
+  kvf_dataplane *dp;
+  int *devices;
+  pthread_mutex_t out_mu; /* the outbox */
+  int out_mu_init;
+  kvf_server_out *out_head, *out_tail;
 };
 
 /* ---- helpers -------------------------------------------------------------- */
 
+static kvf_status conn_flush(kvf_server_conn *c);
+
+static void conn_queue_free(kvf_server_conn *c) {
+  while (c->q_head) {
+    kvf_server_out *o = c->q_head;
+    c->q_head = o->next;
+    free(o->frame);
+    free(o);
+  }
+  c->q_tail = NULL;
+  c->q_bytes = 0;
+}
+
 static void server_conn_drop(kvf_server *s, uint32_t index, const char *why) {
   kvf_server_conn *c = s->conns[index];
+  (void)conn_flush(c); /* a last ERROR, if the socket takes it now */
+  conn_queue_free(c);
   KVF_INFO(SERVER, "client %llu (pid %u, '%s') disconnected: %s", (unsigned long long)c->client_id,
            (unsigned)c->conn.peer.pid, c->name, why);
   kvf_status st = kvf_registry_client_close(s->registry, c->client_id);
@@ -58,15 +100,134 @@ static void server_conn_drop(kvf_server *s, uint32_t index, const char *why) {
     KVF_WARN(SERVER, "client %llu: close left registrations draining: %s", (unsigned long long)c->client_id,
              kvf_last_error());
   kvf_conn_close(&c->conn);
-  kvf_geometry_destroy(c->geometry);
+  kvf_dataplane_unbind(c->binding);
   free(c);
   s->conns[index] = s->conns[s->num_conns - 1];
   s->num_conns--;
 }
 
-/* Send `msg`; a failure to write drops nothing here (the caller sees it). */
+/* Write what c's queue holds until the socket would block. Returns
+ * KVF_SUCCESS (written, or waiting for POLLOUT) or why the connection is
+ * unusable (sticky). */
+static kvf_status conn_flush(kvf_server_conn *c) {
+  if (c->q_failed != KVF_SUCCESS) return c->q_failed;
+  while (c->q_head) {
+    kvf_server_out *o = c->q_head;
+    ssize_t n = send(c->conn.fd, o->frame + o->sent, o->len - o->sent, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return KVF_SUCCESS;
+      c->q_failed = kvf_fail(KVF_ERR_DISCONNECTED, "connection: send: %s", strerror(errno));
+      return c->q_failed;
+    }
+    o->sent += (size_t)n;
+    c->q_bytes -= (uint64_t)n;
+    c->q_stalled_since_ns = kvf_registry_now_ns();
+    if (o->sent == o->len) {
+      c->q_head = o->next;
+      if (!c->q_head) c->q_tail = NULL;
+      free(o->frame);
+      free(o);
+    }
+  }
+  return KVF_SUCCESS;
+}
+
+/* Queue an encoded frame for c (ownership moves) and write what the socket
+ * takes now. Returns KVF_SUCCESS, or why c must be dropped. */
+static kvf_status conn_queue(kvf_server_conn *c, uint8_t *frame, size_t len) {
+  kvf_server_out *o = calloc(1, sizeof(*o));
+  if (!o) {
+    free(frame);
+    return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "reply: out of memory");
+  }
+  if (c->q_bytes + len > KVF_SERVER_QUEUE_MAX) {
+    free(frame);
+    free(o);
+    c->q_failed = kvf_fail(KVF_ERR_BUSY, "connection: more than %u MiB of replies unread", KVF_SERVER_QUEUE_MAX >> 20);
+    return c->q_failed;
+  }
+  o->frame = frame;
+  o->len = len;
+  if (!c->q_head) c->q_stalled_since_ns = kvf_registry_now_ns();
+  if (c->q_tail)
+    c->q_tail->next = o;
+  else
+    c->q_head = o;
+  c->q_tail = o;
+  c->q_bytes += len;
+  return conn_flush(c);
+}
+
+/* Send `msg` to c (queued; never blocks). A failure means c must be dropped. */
 static kvf_status server_send(kvf_server *s, kvf_server_conn *c, const kvf_proto_msg *msg) {
-  return kvf_conn_send(&c->conn, msg, NULL, 0, (int)s->opt.write_timeout_ms);
+  (void)s;
+  uint8_t *frame = NULL;
+  size_t len = 0;
+  kvf_status st = kvf_proto_encode(msg, &frame, &len);
+  if (st != KVF_SUCCESS) return st;
+  return conn_queue(c, frame, len);
+}
+
+/* Answer request_id with an ERROR (detail NULL: kvf_last_error()). */
+static kvf_status server_send_error(kvf_server *s, kvf_server_conn *c, uint64_t request_id, kvf_status status,
+                                    const char *detail) {
+  kvf_proto_msg m;
+  kvf_conn_error_msg(&m, request_id, status, detail);
+  return server_send(s, c, &m);
+}
+
+/* The data plane's reply callback (any thread): encode now, queue for the
+ * loop, wake it. Replies to a client gone meanwhile are dropped there. */
+static void server_post_reply(void *ctx, uint64_t client_id, const kvf_proto_msg *reply) {
+  kvf_server *s = ctx;
+  kvf_server_out *o = calloc(1, sizeof(*o));
+  if (!o || kvf_proto_encode(reply, &o->frame, &o->len) != KVF_SUCCESS) {
+    KVF_WARN(SERVER, "client %llu: reply to request %llu lost: %s", (unsigned long long)client_id,
+             (unsigned long long)reply->request_id, o ? kvf_last_error() : "out of memory");
+    free(o);
+    return;
+  }
+  o->client_id = client_id;
+  pthread_mutex_lock(&s->out_mu);
+  if (s->out_tail)
+    s->out_tail->next = o;
+  else
+    s->out_head = o;
+  s->out_tail = o;
+  pthread_mutex_unlock(&s->out_mu);
+  char b = 1;
+  ssize_t n = write(s->stop_pipe[1], &b, 1); /* full pipe: a wake-up is already pending */
+  (void)n;
+}
+
+static kvf_server_conn *conn_by_client(kvf_server *s, uint64_t client_id, uint32_t *index) {
+  for (uint32_t i = 0; i < s->num_conns; i++)
+    if (s->conns[i]->client_id == client_id) {
+      *index = i;
+      return s->conns[i];
+    }
+  return NULL;
+}
+
+/* Write every queued reply (loop thread). */
+static void server_flush_outbox(kvf_server *s) {
+  pthread_mutex_lock(&s->out_mu);
+  kvf_server_out *o = s->out_head;
+  s->out_head = s->out_tail = NULL;
+  pthread_mutex_unlock(&s->out_mu);
+  while (o) {
+    kvf_server_out *next = o->next;
+    uint32_t index = 0;
+    kvf_server_conn *c = conn_by_client(s, o->client_id, &index);
+    if (c) {
+      if (conn_queue(c, o->frame, o->len) != KVF_SUCCESS) server_conn_drop(s, index, "reply not delivered");
+    } else {
+      free(o->frame); /* the client is gone */
+    }
+    free(o);
+    o = next;
+  }
 }
 
 static void close_fds(int *fds, uint32_t n) {
@@ -96,19 +257,18 @@ static void fill_counters(const kvf_registry_stats *st, kvf_proto_counters *out)
 
 static kvf_status handle_hello(kvf_server *s, kvf_server_conn *c, const kvf_proto_msg *m) {
   if (c->hello_done) {
-    kvf_conn_send_error(&c->conn, m->request_id, KVF_ERR_PROTOCOL, "header.type: HELLO sent twice",
-                        (int)s->opt.write_timeout_ms);
+    server_send_error(s, c, m->request_id, KVF_ERR_PROTOCOL, "header.type: HELLO sent twice");
     return KVF_ERR_PROTOCOL;
   }
   uint16_t version = 0;
   kvf_status st = kvf_proto_negotiate(m->u.hello.min_version, m->u.hello.max_version, &version);
   if (st != KVF_SUCCESS) {
-    kvf_conn_send_error(&c->conn, m->request_id, st, NULL, (int)s->opt.write_timeout_ms);
+    server_send_error(s, c, m->request_id, st, NULL);
     return st;
   }
   st = kvf_registry_client_open(s->registry, c->client_id, kvf_registry_now_ns());
   if (st != KVF_SUCCESS) {
-    kvf_conn_send_error(&c->conn, m->request_id, st, NULL, (int)s->opt.write_timeout_ms);
+    server_send_error(s, c, m->request_id, st, NULL);
     return st;
   }
   c->hello_done = 1;
@@ -150,7 +310,7 @@ static kvf_status register_prepare(const kvf_proto_register *rg, int *fds, uint3
   kvf_geometry_error gerr;
   st = kvf_geometry_load_buffer(rg->geometry_json, rg->geometry_json_len, NULL, &g, &gerr);
   if (st != KVF_SUCCESS) {
-    st = kvf_fail(st, "payload.geometry_json: %s", kvf_last_error());
+    kvf_error_prefix("payload.geometry_json: ");
     goto out;
   }
   uint32_t nreg = kvf_geometry_num_regions(g);
@@ -254,7 +414,15 @@ static kvf_status handle_register(kvf_server *s, kvf_server_conn *c, const kvf_p
   kvf_status st = register_prepare(rg, fds, num_fds, &g, &views);
   if (st != KVF_SUCCESS) goto fail;
   kvf_registry_reg *attempt = NULL;
+  kvf_dp_binding *binding = NULL;
   st = kvf_registry_register_begin(s->registry, c->client_id, kvf_registry_now_ns(), &attempt);
+  if (st == KVF_SUCCESS) {
+    /* The lane first: a device this server does not serve is refused
+     * before anything is mapped. The binding owns the geometry from here. */
+    st = kvf_dataplane_bind(s->dp, g, rg->device, kvf_registry_reg_id(attempt), &binding);
+    g = NULL;
+    if (st != KVF_SUCCESS) (void)kvf_registry_register_abort(s->registry, attempt);
+  }
   if (st != KVF_SUCCESS) {
     for (uint32_t i = 0; i < rg->num_regions; i++)
       if (views[i].fd >= 0) close(views[i].fd);
@@ -263,12 +431,12 @@ static kvf_status handle_register(kvf_server *s, kvf_server_conn *c, const kvf_p
   uint64_t id = kvf_registry_reg_id(attempt);
   st = kvf_registry_register_commit(s->registry, attempt, views, rg->num_regions);
   if (st != KVF_SUCCESS) {
-    st = kvf_fail(st, "payload.regions: registration failed, the previous one stays: %s", kvf_last_error());
+    kvf_dataplane_unbind(binding);
+    kvf_error_prefix("payload.regions: registration failed, the previous one stays: ");
     goto fail;
   }
-  kvf_geometry_destroy(c->geometry);
-  c->geometry = g;
-  g = NULL;
+  kvf_dataplane_unbind(c->binding);
+  c->binding = binding;
   free(views);
   kvf_registry_stats cs = KVF_REGISTRY_STATS_INIT;
   (void)kvf_registry_client_stats(s->registry, c->client_id, &cs);
@@ -280,7 +448,7 @@ static kvf_status handle_register(kvf_server *s, kvf_server_conn *c, const kvf_p
   r.type = KVF_PROTO_REGISTER_REPLY;
   r.request_id = m->request_id;
   r.u.register_reply.registration_id = id;
-  r.u.register_reply.fingerprint = kvf_geometry_fingerprint(c->geometry, KVF_FORMAT_CANONICAL);
+  r.u.register_reply.fingerprint = kvf_geometry_fingerprint(kvf_dp_binding_geometry(c->binding), KVF_FORMAT_CANONICAL);
   r.u.register_reply.imports = cs.imports > UINT32_MAX ? UINT32_MAX : (uint32_t)cs.imports;
   r.u.register_reply.aliases = cs.aliases > UINT32_MAX ? UINT32_MAX : (uint32_t)cs.aliases;
   return server_send(s, c, &r);
@@ -288,7 +456,7 @@ fail:
   KVF_INFO(SERVER, "client %llu: REGISTER refused: %s", (unsigned long long)c->client_id, kvf_last_error());
   free(views);
   kvf_geometry_destroy(g);
-  return kvf_conn_send_error(&c->conn, m->request_id, st, NULL, (int)s->opt.write_timeout_ms);
+  return server_send_error(s, c, m->request_id, st, NULL);
 }
 
 static kvf_status handle_unregister(kvf_server *s, kvf_server_conn *c, const kvf_proto_msg *m) {
@@ -306,10 +474,11 @@ static kvf_status handle_unregister(kvf_server *s, kvf_server_conn *c, const kvf
   }
   kvf_status st = kvf_registry_unregister(s->registry, c->client_id);
   if (st != KVF_SUCCESS && st != KVF_ERR_BUSY)
-    return kvf_conn_send_error(&c->conn, m->request_id, st, NULL, (int)s->opt.write_timeout_ms);
-  if (st == KVF_SUCCESS) {
-    kvf_geometry_destroy(c->geometry);
-    c->geometry = NULL;
+    return server_send_error(s, c, m->request_id, st, NULL);
+  if (st == KVF_SUCCESS || st == KVF_ERR_BUSY) {
+    /* Requests in flight keep their own reference to the binding. */
+    kvf_dataplane_unbind(c->binding);
+    c->binding = NULL;
   }
   r.u.unregister_reply.state = st == KVF_SUCCESS ? KVF_PROTO_REG_CLOSED : KVF_PROTO_REG_DRAINING;
   return server_send(s, c, &r);
@@ -318,20 +487,31 @@ static kvf_status handle_unregister(kvf_server *s, kvf_server_conn *c, const kvf
 static kvf_status handle_stat(kvf_server *s, kvf_server_conn *c, const kvf_proto_msg *m) {
   kvf_registry_stats st = KVF_REGISTRY_STATS_INIT;
   kvf_status rc = kvf_registry_stats_get(s->registry, &st);
-  if (rc != KVF_SUCCESS) return kvf_conn_send_error(&c->conn, m->request_id, rc, NULL, (int)s->opt.write_timeout_ms);
+  if (rc != KVF_SUCCESS) return server_send_error(s, c, m->request_id, rc, NULL);
   kvf_proto_msg r;
   memset(&r, 0, sizeof(r));
   r.type = KVF_PROTO_STAT_REPLY;
   r.request_id = m->request_id;
   r.u.stat_reply.boot_token = s->boot_token;
   fill_counters(&st, &r.u.stat_reply.total);
+  kvf_dataplane_stats ds;
+  if (kvf_dataplane_stats_get(s->dp, &ds) == KVF_SUCCESS) {
+    kvf_proto_data_counters *d = &r.u.stat_reply.data;
+    d->l1_objects = ds.l1.objects;
+    d->l1_bytes = ds.l1.bytes_committed;
+    d->l1_pool_bytes = ds.l1.pool_bytes;
+    d->l1_evicted_entries_total = ds.l1.evicted_entries_total;
+    d->stores_total = ds.stores_total;
+    d->retrieves_total = ds.retrieves_total;
+    d->in_flight = ds.in_flight;
+    d->lanes = ds.lanes;
+  }
   kvf_proto_stat_client *clients = NULL;
   if (m->u.stat.flags & KVF_PROTO_STAT_PER_CLIENT) {
     uint32_t n = s->num_conns < KVF_PROTO_MAX_STAT_CLIENTS ? s->num_conns : KVF_PROTO_MAX_STAT_CLIENTS;
     clients = calloc(n ? n : 1, sizeof(*clients));
     if (!clients)
-      return kvf_conn_send_error(&c->conn, m->request_id, KVF_ERR_OUT_OF_MEMORY, "stat: out of memory",
-                                 (int)s->opt.write_timeout_ms);
+      return server_send_error(s, c, m->request_id, KVF_ERR_OUT_OF_MEMORY, "stat: out of memory");
     for (uint32_t i = 0; i < n; i++) {
       kvf_server_conn *o = s->conns[i];
       kvf_registry_stats cs = KVF_REGISTRY_STATS_INIT;
@@ -358,19 +538,19 @@ static kvf_status server_dispatch(kvf_server *s, kvf_server_conn *c, const kvf_p
     close_fds(fds, num_fds);
     KVF_INFO(SERVER, "client %llu: bad %s frame: %s", (unsigned long long)c->client_id, kvf_proto_type_name(h->type),
              kvf_last_error());
-    kvf_conn_send_error(&c->conn, h->request_id, st, NULL, (int)s->opt.write_timeout_ms);
+    server_send_error(s, c, h->request_id, st, NULL);
     return st;
   }
   if (h->type != KVF_PROTO_REGISTER) close_fds(fds, num_fds); /* only REGISTER carries descriptors */
   if (h->type & KVF_PROTO_REPLY) {
     st = kvf_fail(KVF_ERR_PROTOCOL, "header.type: %s is a reply; a client sends requests",
                   kvf_proto_type_name(h->type));
-    kvf_conn_send_error(&c->conn, h->request_id, st, NULL, (int)s->opt.write_timeout_ms);
+    server_send_error(s, c, h->request_id, st, NULL);
     goto out;
   }
   if (!c->hello_done && h->type != KVF_PROTO_HELLO) {
     st = kvf_fail(KVF_ERR_PROTOCOL, "header.type: %s before HELLO", kvf_proto_type_name(h->type));
-    kvf_conn_send_error(&c->conn, h->request_id, st, NULL, (int)s->opt.write_timeout_ms);
+    server_send_error(s, c, h->request_id, st, NULL);
     goto out;
   }
   c->last_seen_ns = kvf_registry_now_ns(); /* any valid request proves the client alive */
@@ -390,10 +570,17 @@ static kvf_status server_dispatch(kvf_server *s, kvf_server_conn *c, const kvf_p
       break;
     }
     case KVF_PROTO_STAT: st = handle_stat(s, c, &m); break;
+    case KVF_PROTO_STORE:
+    case KVF_PROTO_RETRIEVE:
+      st = kvf_dataplane_submit(s->dp, c->binding, c->client_id, &m);
+      if (st != KVF_SUCCESS) {
+        KVF_INFO(SERVER, "client %llu: %s %llu refused: %s", (unsigned long long)c->client_id,
+                 kvf_proto_type_name(h->type), (unsigned long long)h->request_id, kvf_last_error());
+        st = server_send_error(s, c, h->request_id, st, NULL);
+      }
+      break;
     default:
-      st = kvf_conn_send_error(&c->conn, h->request_id, KVF_ERR_UNSUPPORTED,
-                               "header.type: this server does not serve STORE or RETRIEVE yet",
-                               (int)s->opt.write_timeout_ms);
+      st = server_send_error(s, c, h->request_id, KVF_ERR_UNSUPPORTED, "header.type: not a request");
       break;
   }
 out:
@@ -418,7 +605,7 @@ static kvf_status server_conn_service(kvf_server *s, kvf_server_conn *c, const c
       /* A bad header (wrong version or magic, oversize) or truncated frame:
        * answer if the socket still takes it, then drop the connection. */
       KVF_INFO(SERVER, "client %llu: %s", (unsigned long long)c->client_id, kvf_last_error());
-      kvf_conn_send_error(&c->conn, h.request_id, st, NULL, (int)s->opt.write_timeout_ms);
+      server_send_error(s, c, h.request_id, st, NULL);
       *why = "bad frame";
       return st;
     }
@@ -471,6 +658,31 @@ kvf_status kvf_server_create(const kvf_server_options *options, kvf_server **out
   if (st != KVF_SUCCESS) goto fail;
   st = kvf_registry_create(s->table, NULL, &s->registry);
   if (st != KVF_SUCCESS) goto fail;
+  if (pthread_mutex_init(&s->out_mu, NULL) != 0) {
+    st = kvf_fail(KVF_ERR_SYSTEM, "kvf_server_create: mutex");
+    goto fail;
+  }
+  s->out_mu_init = 1;
+  /* Without hwloc's view the lanes still run, unpinned. */
+  if (kvf_topology_create(&s->topology) != KVF_SUCCESS) {
+    KVF_WARN(SERVER, "topology: %s; lane threads stay unpinned", kvf_last_error());
+    s->topology = NULL;
+  }
+  kvf_dataplane_options dpo;
+  memset(&dpo, 0, sizeof(dpo));
+  dpo.registry = s->registry;
+  dpo.devices = options->devices;
+  dpo.num_devices = options->num_devices;
+  dpo.l1_bytes = options->l1_bytes;
+  dpo.job_timeout_ms = options->request_timeout_ms;
+  dpo.topology = s->topology;
+  dpo.reply = server_post_reply;
+  dpo.reply_ctx = s;
+  dpo.test_fail_step = options->test_fail_step;
+  dpo.test_fail_type = options->test_fail_type;
+  dpo.test_completion_delay_ms = options->test_completion_delay_ms;
+  st = kvf_dataplane_create(&dpo, &s->dp);
+  if (st != KVF_SUCCESS) goto fail;
   st = kvf_endpoint_listen(options->socket_dir, 0, &s->ep);
   if (st != KVF_SUCCESS) goto fail;
   KVF_INFO(SERVER, "listening on %s (heartbeat timeout %u ms, boot token %016llx)", kvf_endpoint_socket_path(s->ep),
@@ -501,6 +713,11 @@ const char *kvf_server_socket_path(const kvf_server *s) {
 kvf_status kvf_server_stats(kvf_server *s, kvf_registry_stats *out) {
   if (!s) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_server_stats: NULL server");
   return kvf_registry_stats_get(s->registry, out);
+}
+
+kvf_status kvf_server_data_stats(kvf_server *s, kvf_dataplane_stats *out) {
+  if (!s || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_server_data_stats: NULL argument");
+  return kvf_dataplane_stats_get(s->dp, out);
 }
 
 static void server_accept(kvf_server *s) {
@@ -540,6 +757,14 @@ static void server_reap(kvf_server *s) {
   uint64_t timeout_ns = (uint64_t)s->opt.heartbeat_timeout_ms * 1000000ull;
   for (uint32_t i = 0; i < s->num_conns;) {
     kvf_server_conn *c = s->conns[i];
+    if (c->q_head && now > c->q_stalled_since_ns &&
+        now - c->q_stalled_since_ns > (uint64_t)s->opt.write_timeout_ms * 1000000ull) {
+      KVF_WARN(SERVER, "client %llu (pid %d): %llu reply bytes unread for %u ms, dropped",
+               (unsigned long long)c->client_id, (int)c->conn.peer.pid, (unsigned long long)c->q_bytes,
+               (unsigned)s->opt.write_timeout_ms);
+      server_conn_drop(s, i, "replies not read");
+      continue;
+    }
     if (now > c->last_seen_ns && now - c->last_seen_ns > timeout_ns) {
       KVF_WARN(SERVER, "client %llu (pid %d): silent for %llu ms, reaped", (unsigned long long)c->client_id,
                (int)c->conn.peer.pid, (unsigned long long)((now - c->last_seen_ns) / 1000000ull));
@@ -569,7 +794,9 @@ kvf_status kvf_server_run(kvf_server *s) {
     s->pfds[0] = (struct pollfd){.fd = s->stop_pipe[0], .events = POLLIN};
     s->pfds[1] = (struct pollfd){.fd = kvf_endpoint_fd(s->ep), .events = POLLIN};
     uint32_t n = s->num_conns;
-    for (uint32_t i = 0; i < n; i++) s->pfds[2 + i] = (struct pollfd){.fd = s->conns[i]->conn.fd, .events = POLLIN};
+    for (uint32_t i = 0; i < n; i++)
+      s->pfds[2 + i] = (struct pollfd){.fd = s->conns[i]->conn.fd,
+                                       .events = (short)(POLLIN | (s->conns[i]->q_head ? POLLOUT : 0))};
     int rc = poll(s->pfds, 2 + n, tick);
     if (rc < 0 && errno != EINTR) {
       result = kvf_fail(KVF_ERR_SYSTEM, "server: poll: %s", strerror(errno));
@@ -580,21 +807,33 @@ kvf_status kvf_server_run(kvf_server *s) {
         char buf[64];
         while (read(s->stop_pipe[0], buf, sizeof(buf)) > 0) {
         }
+        server_flush_outbox(s);
       }
       /* Connections first, walking backwards so a drop (which moves the last
        * connection into the hole) never skips one polled this turn. */
       for (uint32_t i = n; i-- > 0;) {
-        if (!s->pfds[2 + i].revents) continue;
+        short ev = s->pfds[2 + i].revents;
+        if (!ev) continue;
         kvf_server_conn *c = s->conns[i];
         const char *why = "";
-        if (server_conn_service(s, c, &why) != KVF_SUCCESS) server_conn_drop(s, i, why);
+        if ((ev & POLLOUT) && conn_flush(c) != KVF_SUCCESS) {
+          server_conn_drop(s, i, "reply not delivered");
+          continue;
+        }
+        if ((ev & ~POLLOUT) && server_conn_service(s, c, &why) != KVF_SUCCESS) {
+          server_conn_drop(s, i, why);
+          continue;
+        }
+        if (c->q_failed != KVF_SUCCESS) server_conn_drop(s, i, "reply not delivered");
       }
       if (s->pfds[1].revents) server_accept(s);
     }
     server_reap(s);
   }
-  /* Stop: drain every client and stop listening. */
+  /* Stop: drain every client and stop listening. Requests in flight finish
+   * (their completion events) before their leases let the unmaps run. */
   KVF_INFO(SERVER, "stopping: %u clients to drain", (unsigned)s->num_conns);
+  server_flush_outbox(s);
   while (s->num_conns > 0) server_conn_drop(s, s->num_conns - 1, "server stopping");
   (void)kvf_registry_collect(s->registry);
   kvf_endpoint_close(s->ep);
@@ -606,10 +845,24 @@ void kvf_server_destroy(kvf_server *s) {
   if (!s) return;
   for (uint32_t i = 0; i < s->num_conns; i++) {
     kvf_conn_close(&s->conns[i]->conn);
-    kvf_geometry_destroy(s->conns[i]->geometry);
+    kvf_dataplane_unbind(s->conns[i]->binding);
     free(s->conns[i]);
   }
   kvf_endpoint_close(s->ep);
+  /* The data plane retires every request (releasing its lease) before the
+   * registry unmaps what is left. */
+  kvf_dataplane_destroy(s->dp);
+  kvf_topology_destroy(s->topology);
+  if (s->out_mu_init) {
+    kvf_server_out *o = s->out_head;
+    while (o) {
+      kvf_server_out *next = o->next;
+      free(o->frame);
+      free(o);
+      o = next;
+    }
+    pthread_mutex_destroy(&s->out_mu);
+  }
   kvf_registry_destroy(s->registry);
   kvf_import_table_destroy(s->table);
   if (s->stop_pipe[0] >= 0) close(s->stop_pipe[0]);

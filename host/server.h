@@ -14,8 +14,11 @@
  * disturbed. A disconnect closes the client in the registry (drain, unmap);
  * each loop turn a client silent past the heartbeat timeout is reaped.
  *
- * Per-GPU worker and completion threads and the data path (STORE/RETRIEVE)
- * are not here yet: STORE and RETRIEVE are answered KVF_ERR_UNSUPPORTED.
+ * STORE and RETRIEVE are admitted on the loop (host/dataplane.h: checks,
+ * lease, L1 reservation or pins) and run on the lane of the registration's
+ * device: a worker and a completion thread per GPU, plus the host lane.
+ * Their replies come back through an outbox the loop writes, woken by the
+ * same self-pipe as stop.
  *
  * Threading: kvf_server_run() is the loop and runs on one thread;
  * kvf_server_stop() may be called from any thread or a signal handler;
@@ -28,6 +31,7 @@
 
 #include <kvferry/status.h>
 
+#include "host/dataplane.h"
 #include "host/registry.h"
 
 #ifdef __cplusplus
@@ -46,8 +50,15 @@ typedef struct kvf_server_options {
   uint32_t heartbeat_period_ms;  /* the period clients are told to use; 0: timeout / 4 */
   uint32_t max_clients;          /* connections served at once; more are refused; 0: 256 */
   uint32_t write_timeout_ms;     /* a reply a client does not read within this drops it; 0: 2000 */
+  const int *devices;            /* CUDA devices served (one lane each, plus the host lane); NULL: none */
+  uint32_t num_devices;
+  uint64_t l1_bytes;             /* L1 pool per lane; 0: 1 GiB */
+  uint32_t request_timeout_ms;   /* a STORE/RETRIEVE not proven complete by then is reported timed out; 0: 60000 */
+  uint32_t test_fail_step;       /* tests only: kvf_dataplane_options.test_fail_step */
+  uint16_t test_fail_type;       /* tests only: kvf_dataplane_options.test_fail_type */
+  uint32_t test_completion_delay_ms; /* tests only: kvf_dataplane_options.test_completion_delay_ms */
 } kvf_server_options;
-#define KVF_SERVER_OPTIONS_INIT {sizeof(kvf_server_options), KVF_SERVER_VERSION, NULL, 0, 0, 0, 0}
+#define KVF_SERVER_OPTIONS_INIT {sizeof(kvf_server_options), KVF_SERVER_VERSION, NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, 0, 0}
 
 /* Create a server: an import table (no extra access devices), a registry
  * over it, and the endpoint listening on options->socket_dir. Returns
@@ -76,6 +87,9 @@ const char *kvf_server_socket_path(const kvf_server *s);
 /* The registry's counters (kvf_registry_stats_get; fill out from
  * KVF_REGISTRY_STATS_INIT). Thread-safe. */
 kvf_status kvf_server_stats(kvf_server *s, kvf_registry_stats *out);
+
+/* The data plane's counters (L1, requests). Thread-safe. */
+kvf_status kvf_server_data_stats(kvf_server *s, kvf_dataplane_stats *out);
 
 /* Free the server: connections, endpoint (if run did not already close
  * them), registry and import table. NULL is a no-op. Must not race run. */

@@ -446,6 +446,71 @@ TEST_F(Server, GarbageAndVersionMismatchAreRefusedOthersUnaffected) {
   stop_server_expect_clean();
 }
 
+// A client that pipelines requests and never reads the replies must not
+// stall the server: others are served at once, and the silent reader is
+// dropped after the write timeout (2000 ms by default).
+TEST_F(Server, AClientThatDoesNotReadRepliesStallsNoOne) {
+  start_server(10000);
+  kvf_conn flood;
+  ASSERT_EQ(kvf_endpoint_connect(dir_.c_str(), 0, &flood), KVF_SUCCESS);
+  std::vector<uint8_t> bytes;
+  auto append = [&bytes](const kvf_proto_msg &m) {
+    uint8_t *f = nullptr;
+    size_t n = 0;
+    ASSERT_EQ(kvf_proto_encode(&m, &f, &n), KVF_SUCCESS);
+    bytes.insert(bytes.end(), f, f + n);
+    free(f);
+  };
+  kvf_proto_msg m;
+  memset(&m, 0, sizeof(m));
+  m.type = KVF_PROTO_HELLO;
+  m.request_id = 1;
+  m.u.hello.min_version = m.u.hello.max_version = 1;
+  m.u.hello.instance_id = 1;
+  append(m);
+  memset(&m, 0, sizeof(m));
+  m.type = KVF_PROTO_STAT;
+  for (int i = 0; i < 40000; i++) {
+    m.request_id = 2 + (uint64_t)i;
+    append(m);
+  }
+  // Write what the socket takes without blocking: replies pile up unread.
+  size_t off = 0;
+  int flags = fcntl(flood.fd, F_GETFL);
+  ASSERT_EQ(fcntl(flood.fd, F_SETFL, flags | O_NONBLOCK), 0);
+  for (int round = 0; round < 200 && off < bytes.size(); round++) {
+    ssize_t n = write(flood.fd, bytes.data() + off, bytes.size() - off);
+    if (n > 0) off += (size_t)n;
+    else sleep_ms(5);
+  }
+  EXPECT_GT(off, bytes.size() / 4) << "the server stopped reading requests";
+  // Another client is served promptly, again and again, meanwhile.
+  for (int i = 0; i < 5; i++) {
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    kvf_client_stats st = stat_now();
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double ms = (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e6;
+    EXPECT_LT(ms, 500.0) << "a STAT waited behind the client that does not read";
+    EXPECT_NE(st.boot_token, 0u);
+    sleep_ms(100);
+  }
+  // The silent reader is dropped: reading now gets the queued replies, then EOF.
+  ASSERT_EQ(fcntl(flood.fd, F_SETFL, flags), 0);
+  sleep_ms(2600);
+  std::vector<uint8_t> sink(1 << 16);
+  int eof = 0;
+  for (int i = 0; i < 100000 && !eof; i++) {
+    struct pollfd p = {flood.fd, POLLIN, 0};
+    if (poll(&p, 1, 5000) != 1) break;
+    ssize_t n = read(flood.fd, sink.data(), sink.size());
+    if (n <= 0) eof = 1;
+  }
+  EXPECT_TRUE(eof) << "the server kept a client that did not read its replies";
+  kvf_conn_close(&flood);
+  stop_server_expect_clean();
+}
+
 TEST_F(Server, SecondServerOnTheSameDirectoryIsRefused) {
   start_server(2000);
   kvf_server_options o = KVF_SERVER_OPTIONS_INIT;

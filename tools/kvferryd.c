@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <kvferry/device.h>
 #include <kvferry/status.h>
 
 #include "host/log.h"
@@ -35,11 +36,43 @@ static void usage(FILE *f) {
           "  --heartbeat-timeout-ms N    a client silent for longer is reaped: its registrations\n"
           "                              drain and are unmapped (default 10000)\n"
           "  --max-clients N             connections served at once (default 256)\n"
+          "  --devices LIST              CUDA devices to serve, each with its own L1 pool on the\n"
+          "                              GPU's NUMA node and a worker and a completion thread on\n"
+          "                              its local cores: \"all\" (default: every visible GPU),\n"
+          "                              \"none\" (host backend only), or ordinals (\"0,1\").\n"
+          "                              Host-backend engines are always served.\n"
+          "  --l1-mb N                   L1 object store per device, in MiB (default 1024)\n"
+          "  --request-timeout-ms N      a STORE or RETRIEVE not complete by then is reported\n"
+          "                              timed out (its memory is released only once the work\n"
+          "                              is proven done) (default 60000)\n"
           "  --log-level LEVEL           none, warn, info or trace (default: KVF_DEBUG, else warn)\n"
           "  --help                      this text\n"
           "\n"
           "Exit status: 0 after a clean stop, 1 when the server could not start or failed,\n"
           "2 for bad arguments.\n");
+}
+
+/* "all", "none" or a comma-separated list of ordinals. */
+static int parse_devices(const char *text, int *devices, uint32_t *n, int *all) {
+  *n = 0;
+  *all = 0;
+  if (!strcmp(text, "all")) {
+    *all = 1;
+    return 0;
+  }
+  if (!strcmp(text, "none")) return 0;
+  const char *p = text;
+  while (*p) {
+    char *end = NULL;
+    long v = strtol(p, &end, 10);
+    if (end == p || v < 0 || v > 1023 || *n >= 64 || (*end && *end != ',')) {
+      fprintf(stderr, "kvferryd: --devices: '%s' is not all, none or a list of device ordinals\n", text);
+      return -1;
+    }
+    devices[(*n)++] = (int)v;
+    p = *end ? end + 1 : end;
+  }
+  return 0;
 }
 
 static int parse_u32(const char *flag, const char *text, uint32_t *out) {
@@ -54,6 +87,9 @@ static int parse_u32(const char *flag, const char *text, uint32_t *out) {
 
 int main(int argc, char **argv) {
   kvf_server_options opt = KVF_SERVER_OPTIONS_INIT;
+  int devices[64];
+  uint32_t num_devices = 0;
+  int all_devices = 1;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -68,6 +104,21 @@ int main(int argc, char **argv) {
       i++;
     } else if (!strcmp(a, "--max-clients") && v) {
       if (parse_u32(a, v, &opt.max_clients) != 0) return 2;
+      i++;
+    } else if (!strcmp(a, "--devices") && v) {
+      if (parse_devices(v, devices, &num_devices, &all_devices) != 0) return 2;
+      i++;
+    } else if (!strcmp(a, "--l1-mb") && v) {
+      uint32_t mb = 0;
+      if (parse_u32(a, v, &mb) != 0) return 2;
+      if (mb == 0) {
+        fprintf(stderr, "kvferryd: --l1-mb: must be at least 1\n");
+        return 2;
+      }
+      opt.l1_bytes = (uint64_t)mb << 20;
+      i++;
+    } else if (!strcmp(a, "--request-timeout-ms") && v) {
+      if (parse_u32(a, v, &opt.request_timeout_ms) != 0) return 2;
       i++;
     } else if (!strcmp(a, "--log-level") && v) {
       kvf_log_level level;
@@ -88,6 +139,13 @@ int main(int argc, char **argv) {
     usage(stderr);
     return 2;
   }
+  if (all_devices) {
+    kvf_cuda_info info = KVF_CUDA_INFO_INIT;
+    if (kvf_cuda_probe(&info) == KVF_SUCCESS)
+      for (int d = 0; d < info.device_count && d < 64; d++) devices[num_devices++] = d;
+  }
+  opt.devices = devices;
+  opt.num_devices = num_devices;
   kvf_status st = kvf_server_create(&opt, &g_server);
   if (st != KVF_SUCCESS) {
     fprintf(stderr, "kvferryd: %s\n", kvf_last_error());

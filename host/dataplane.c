@@ -1,0 +1,1087 @@
+/* The server's data path: admission, lanes, retirement (host/dataplane.h). */
+#define _GNU_SOURCE /* pthread_setaffinity_np */
+#include "host/dataplane.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <kvferry/copy.h>
+#include <kvferry/memory.h>
+#include <kvferry/transfer.h>
+
+#include "geometry/error.h"
+#include "host/log.h"
+#include "host/server_cuda.h"
+
+#define DP_MAX_LANES 65u
+
+typedef struct dp_lane dp_lane;
+
+struct kvf_dp_binding {
+  int refs; /* atomic */
+  kvf_dataplane *dp;
+  dp_lane *lane;
+  kvf_geometry *geometry;
+  kvf_xfer *xfer;
+  uint64_t registration_id;
+  uint32_t num_groups, num_object_groups, chunk_tokens;
+};
+
+typedef struct dp_job {
+  struct dp_job *next;      /* in a lane queue */
+  struct dp_job *all_next;  /* in the data plane's in-flight list */
+  struct dp_job *all_prev;
+  kvf_dp_binding *b;
+  uint16_t type; /* KVF_PROTO_STORE or KVF_PROTO_RETRIEVE */
+  uint64_t client_id, request_id;
+  kvf_registry_reg *lease;
+  kvf_l1_reservation *reservation;
+  kvf_l1_pin *pin;
+  /* The copy request and what it points to (owned). */
+  kvf_copy_request req;
+  void **region_bases;
+  kvf_group_blocks *groups;
+  uint32_t **ids;
+  void **objects;
+  uint32_t ready_kind;
+  uint8_t ready_handle[KVF_PROTO_READY_HANDLE_BYTES];
+  /* STORE: objects L1 said it holds (committed, or reserved by another
+   * request that may still fail), and whether each counts for the prefix. */
+  kvf_l1_query *present;
+  uint64_t *present_chunk_begin; /* UINT64_MAX: not a full-attention object group */
+  uint32_t num_present;
+  /* Progress. */
+  kvf_scuda_event *event;
+  int queued;           /* work may have been enqueued on the lane's stream */
+  int answered;         /* the outcome was reported (a timeout answers early) */
+  uint64_t deadline_ns;
+  uint32_t inject_step; /* tests: kvf_dp_fail_step for this request */
+  kvf_status status;
+  char message[KVF_PROTO_MESSAGE_MAX];
+  /* The reply. */
+  uint64_t prefix_tokens, objects_done, objects_present, bytes_done;
+  uint64_t group_blocks[KVF_MAX_GROUPS];
+  uint64_t og_prefix[KVF_MAX_GROUPS];
+} dp_job;
+
+typedef struct dp_queue {
+  dp_job *head, *tail;
+  uint32_t length;
+} dp_queue;
+
+struct dp_lane {
+  kvf_dataplane *dp;
+  int device; /* -1: the host lane */
+  int numa_node, worker_cpu, completion_cpu;
+  void *stream;
+  void *pool;
+  uint64_t pool_bytes;
+  pthread_t worker, completer;
+  int worker_started, completer_started;
+  dp_queue todo;    /* admitted, waiting for the worker */
+  dp_queue flight;  /* enqueued, waiting for proof */
+  pthread_cond_t todo_cv, flight_cv;
+};
+
+struct kvf_dataplane {
+  kvf_dataplane_options opt;
+  kvf_registry *registry;
+  kvf_l1 *l1;
+  dp_lane lanes[DP_MAX_LANES];
+  uint32_t num_lanes;
+  pthread_mutex_t mu; /* lane queues, the in-flight list, counters */
+  int mu_init, cv_init;
+  int stopping;
+  dp_job *all; /* admitted and not retired */
+  kvf_dataplane_stats counters;
+};
+
+static uint64_t now_ns(void) { return kvf_registry_now_ns(); }
+
+/* ---- bindings ------------------------------------------------------------- */
+
+static dp_lane *lane_for(kvf_dataplane *dp, int device) {
+  for (uint32_t i = 0; i < dp->num_lanes; i++)
+    if (dp->lanes[i].device == device) return &dp->lanes[i];
+  return NULL;
+}
+
+kvf_status kvf_dataplane_bind(kvf_dataplane *dp, kvf_geometry *g, int device, uint64_t registration_id,
+                              kvf_dp_binding **out) {
+  *out = NULL;
+  dp_lane *lane = lane_for(dp, device);
+  if (!lane) {
+    kvf_geometry_destroy(g);
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.device: %d is not served by this server (see --devices)",
+                    device);
+  }
+  kvf_dp_binding *b = calloc(1, sizeof(*b));
+  if (!b) {
+    kvf_geometry_destroy(g);
+    return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "register: out of memory");
+  }
+  kvf_xfer_options xo = KVF_XFER_OPTIONS_INIT;
+  xo.device = device < 0 ? KVF_DEVICE_HOST : device;
+  kvf_status st = kvf_xfer_create(g, &xo, &b->xfer);
+  if (st != KVF_SUCCESS) {
+    kvf_geometry_destroy(g);
+    free(b);
+    return st;
+  }
+  kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
+  (void)kvf_geometry_policy(g, &pol);
+  b->refs = 1;
+  b->dp = dp;
+  b->lane = lane;
+  b->geometry = g;
+  b->registration_id = registration_id;
+  b->num_groups = kvf_geometry_num_groups(g);
+  b->num_object_groups = kvf_geometry_num_object_groups(g);
+  b->chunk_tokens = pol.chunk_tokens;
+  *out = b;
+  return KVF_SUCCESS;
+}
+
+static kvf_dp_binding *binding_ref(kvf_dp_binding *b) {
+  __atomic_add_fetch(&b->refs, 1, __ATOMIC_ACQ_REL);
+  return b;
+}
+
+void kvf_dataplane_unbind(kvf_dp_binding *b) {
+  if (!b || __atomic_sub_fetch(&b->refs, 1, __ATOMIC_ACQ_REL) != 0) return;
+  kvf_xfer_destroy(b->xfer); /* every request using it has retired: nothing to wait for */
+  kvf_geometry_destroy(b->geometry);
+  free(b);
+}
+
+const kvf_geometry *kvf_dp_binding_geometry(const kvf_dp_binding *b) { return b ? b->geometry : NULL; }
+uint64_t kvf_dp_binding_registration(const kvf_dp_binding *b) { return b ? b->registration_id : 0; }
+
+/* ---- jobs ------------------------------------------------------------------ */
+
+static void queue_push(dp_queue *q, dp_job *j) {
+  j->next = NULL;
+  if (q->tail)
+    q->tail->next = j;
+  else
+    q->head = j;
+  q->tail = j;
+  q->length++;
+}
+
+static dp_job *queue_pop(dp_queue *q) {
+  dp_job *j = q->head;
+  if (!j) return NULL;
+  q->head = j->next;
+  if (!q->head) q->tail = NULL;
+  q->length--;
+  j->next = NULL;
+  return j;
+}
+
+static void job_free(dp_job *j) {
+  if (!j) return;
+  if (j->ids)
+    for (uint32_t g = 0; g < (j->b ? j->b->num_groups : 0); g++) free(j->ids[g]);
+  free(j->ids);
+  free(j->groups);
+  free(j->region_bases);
+  free(j->objects);
+  free(j->present);
+  free(j->present_chunk_begin);
+  kvf_scuda_event_destroy(j->event);
+  if (j->b) kvf_dataplane_unbind(j->b);
+  free(j);
+}
+
+static void job_fail(dp_job *j, kvf_status st, const char *message) {
+  if (j->status == KVF_SUCCESS) {
+    j->status = st;
+    snprintf(j->message, sizeof(j->message), "%s", message ? message : "");
+  }
+}
+
+/* Send j's outcome (kind) to its client, record it in the completion table. */
+static void job_answer(kvf_dataplane *dp, dp_job *j, uint32_t kind) {
+  if (j->answered) return;
+  j->answered = 1;
+  if (kind != KVF_OUTCOME_DONE) {
+    /* Not done: nothing of it counts (a store is aborted, a retrieve may have
+     * written any part of any block). */
+    j->prefix_tokens = j->req.token_begin;
+    j->objects_done = j->objects_present = j->bytes_done = 0;
+    memset(j->group_blocks, 0, sizeof(j->group_blocks));
+  }
+  kvf_registry_outcome oc = {kind, j->status, j->prefix_tokens};
+  (void)kvf_registry_completion_record(dp->registry, j->client_id, j->request_id, &oc, NULL);
+  kvf_proto_msg r;
+  memset(&r, 0, sizeof(r));
+  r.type = (uint16_t)(j->type | KVF_PROTO_REPLY);
+  r.request_id = j->request_id;
+  kvf_proto_xfer_reply *x = &r.u.xfer_reply;
+  x->status = (uint32_t)j->status;
+  x->outcome = kind;
+  x->prefix_tokens = j->prefix_tokens;
+  x->objects_done = j->objects_done;
+  x->objects_present = j->objects_present;
+  x->bytes_done = j->bytes_done;
+  x->group_blocks = j->group_blocks;
+  x->num_groups = j->b->num_groups;
+  if (j->type == KVF_PROTO_RETRIEVE) {
+    x->og_prefix_tokens = j->og_prefix;
+    x->num_object_groups = j->b->num_object_groups;
+  }
+  snprintf(x->message, sizeof(x->message), "%s", j->message);
+  pthread_mutex_lock(&dp->mu);
+  switch (kind) {
+    case KVF_OUTCOME_DONE: dp->counters.done_total++; break;
+    case KVF_OUTCOME_FAILED: dp->counters.failed_total++; break;
+    case KVF_OUTCOME_CANCELLED: dp->counters.cancelled_total++; break;
+    default: dp->counters.timed_out_total++; break;
+  }
+  pthread_mutex_unlock(&dp->mu);
+  dp->opt.reply(dp->opt.reply_ctx, j->client_id, &r);
+}
+
+/* A done store: the objects it found present must be committed now (one
+ * reserved by another request that failed is gone); the held prefix ends at
+ * the first chunk that lacks one. */
+static void job_check_present(kvf_dataplane *dp, dp_job *j) {
+  kvf_l1_found *found = calloc(j->num_present, sizeof(*found));
+  kvf_l1_pin *pin = NULL;
+  if (!found || kvf_l1_lookup_pin(dp->l1, j->present, j->num_present, found, &pin) != KVF_SUCCESS) {
+    free(found);
+    j->prefix_tokens = j->req.token_begin; /* cannot tell: claim nothing */
+    j->objects_present = 0;
+    return;
+  }
+  for (uint32_t i = 0; i < j->num_present; i++) {
+    if (found[i].found) continue;
+    j->objects_present--;
+    if (j->present_chunk_begin[i] != UINT64_MAX && j->present_chunk_begin[i] < j->prefix_tokens)
+      j->prefix_tokens = j->present_chunk_begin[i];
+  }
+  kvf_l1_unpin(dp->l1, pin);
+  free(found);
+}
+
+/* Release what j holds. Only once nothing can still touch its memory. */
+static void job_retire(kvf_dataplane *dp, dp_job *j) {
+  int done = j->status == KVF_SUCCESS && !j->answered;
+  if (j->reservation) {
+    if (done)
+      kvf_l1_commit(dp->l1, j->reservation);
+    else
+      kvf_l1_abort(dp->l1, j->reservation);
+    j->reservation = NULL;
+  }
+  if (done && j->num_present) job_check_present(dp, j);
+  kvf_l1_unpin(dp->l1, j->pin);
+  j->pin = NULL;
+  if (j->lease) {
+    kvf_status st = kvf_registry_lease_release(dp->registry, j->lease);
+    if (st != KVF_SUCCESS) KVF_WARN(SERVER, "lease release: %s (the unmap is retried later)", kvf_last_error());
+    j->lease = NULL;
+  }
+  job_answer(dp, j, done ? KVF_OUTCOME_DONE : KVF_OUTCOME_FAILED);
+  pthread_mutex_lock(&dp->mu);
+  if (j->all_prev)
+    j->all_prev->all_next = j->all_next;
+  else
+    dp->all = j->all_next;
+  if (j->all_next) j->all_next->all_prev = j->all_prev;
+  dp->counters.in_flight--;
+  pthread_mutex_unlock(&dp->mu);
+  job_free(j);
+}
+
+/* ---- admission ---------------------------------------------------------------- */
+
+/* Local block range of chunk k (global chunk index gk) of group gi: [lb, le). */
+static void chunk_blocks(const kvf_geometry *g, const kvf_group_info *gi, uint64_t cb, uint64_t ce, uint64_t *lb,
+                         uint64_t *le) {
+  uint64_t ltb = kvf_geometry_local_tokens(g, cb), lte = kvf_geometry_local_tokens(g, ce);
+  *lb = ltb / gi->block_size;
+  *le = (lte + gi->block_size - 1) / gi->block_size;
+}
+
+static uint32_t table_id(const kvf_group_blocks *t, uint64_t block) {
+  if (!t->block_ids || block < t->first_block || block - t->first_block >= t->count) return KVF_BLOCK_SKIP;
+  return t->block_ids[block - t->first_block];
+}
+
+/* Mark every block of group gi inside chunk range [cb, ce) as skipped in j's table. */
+static void skip_chunk(dp_job *j, const kvf_group_info *gi, uint32_t group, uint64_t cb, uint64_t ce) {
+  kvf_group_blocks *t = &j->groups[group];
+  if (!t->block_ids) return;
+  if (gi->kind == KVF_GROUP_RECURRENT) {
+    uint64_t slot_block = cb / j->b->chunk_tokens;
+    if (slot_block >= t->first_block && slot_block - t->first_block < t->count)
+      j->ids[group][slot_block - t->first_block] = KVF_BLOCK_SKIP;
+    return;
+  }
+  uint64_t lb, le;
+  chunk_blocks(j->b->geometry, gi, cb, ce, &lb, &le);
+  for (uint64_t blk = lb; blk < le; blk++)
+    if (blk >= t->first_block && blk - t->first_block < t->count) j->ids[group][blk - t->first_block] = KVF_BLOCK_SKIP;
+}
+
+/* Does group `group`'s table hold every block of chunk [cb, ce)? For a
+ * recurrent group: the state at the chunk's end (full chunks only). */
+static int chunk_complete(const dp_job *j, const kvf_group_info *gi, uint32_t group, uint64_t cb, uint64_t ce) {
+  const kvf_group_blocks *t = &j->groups[group];
+  if (gi->kind == KVF_GROUP_RECURRENT)
+    return ce - cb == j->b->chunk_tokens && table_id(t, cb / j->b->chunk_tokens) != KVF_BLOCK_SKIP;
+  uint64_t lb, le;
+  chunk_blocks(j->b->geometry, gi, cb, ce, &lb, &le);
+  for (uint64_t blk = lb; blk < le; blk++)
+    if (table_id(t, blk) == KVF_BLOCK_SKIP) return 0;
+  return 1;
+}
+
+static int group_requested(const dp_job *j, uint32_t group) {
+  return j->groups[group].block_ids != NULL && j->groups[group].count > 0;
+}
+
+/* Whole blocks of group `group` the (final) request moves. */
+static uint64_t blocks_moved(const dp_job *j, const kvf_group_info *gi, uint32_t group) {
+  const kvf_group_blocks *t = &j->groups[group];
+  if (!t->block_ids) return 0;
+  uint64_t n = 0;
+  if (gi->kind == KVF_GROUP_RECURRENT) {
+    for (uint32_t i = 0; i < t->count; i++) {
+      uint64_t blk = t->first_block + i;
+      uint64_t end_token = (blk + 1) * j->b->chunk_tokens;
+      if (t->block_ids[i] != KVF_BLOCK_SKIP && end_token > j->req.token_begin && end_token <= j->req.token_end) n++;
+    }
+    return n;
+  }
+  uint64_t lb = kvf_geometry_local_tokens(j->b->geometry, j->req.token_begin) / gi->block_size;
+  uint64_t le = kvf_geometry_local_tokens(j->b->geometry, j->req.token_end) / gi->block_size; /* whole blocks */
+  for (uint32_t i = 0; i < t->count; i++) {
+    uint64_t blk = t->first_block + i;
+    if (t->block_ids[i] != KVF_BLOCK_SKIP && blk >= lb && blk < le) n++;
+  }
+  return n;
+}
+
+/* Copy the wire's block tables and the registration's region bases into j. */
+static kvf_status job_build_tables(dp_job *j, const kvf_proto_xfer *x) {
+  const kvf_geometry *g = j->b->geometry;
+  uint32_t ng = j->b->num_groups, nreg = kvf_geometry_num_regions(g);
+  if (x->num_groups != ng)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.num_groups: %u groups sent, the geometry has %u",
+                    (unsigned)x->num_groups, (unsigned)ng);
+  j->groups = calloc(ng ? ng : 1, sizeof(*j->groups));
+  j->ids = calloc(ng ? ng : 1, sizeof(*j->ids));
+  j->region_bases = calloc(nreg ? nreg : 1, sizeof(*j->region_bases));
+  if (!j->groups || !j->ids || !j->region_bases) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "request: out of memory");
+  for (uint32_t g2 = 0; g2 < ng; g2++) {
+    const kvf_proto_group *pg = &x->groups[g2];
+    if (pg->count == 0) continue;
+    j->ids[g2] = malloc((size_t)pg->count * sizeof(uint32_t));
+    if (!j->ids[g2]) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "request: out of memory");
+    memcpy(j->ids[g2], pg->block_ids, (size_t)pg->count * sizeof(uint32_t));
+    j->groups[g2].block_ids = j->ids[g2];
+    j->groups[g2].first_block = pg->first_block;
+    j->groups[g2].count = pg->count;
+  }
+  const kvf_import_reg *ir = kvf_registry_reg_import(j->lease);
+  if (kvf_import_reg_num_views(ir) != nreg)
+    return kvf_fail(KVF_ERR_STATE, "payload.registration_id: the registration has %u views, the geometry %u regions",
+                    (unsigned)kvf_import_reg_num_views(ir), (unsigned)nreg);
+  for (uint32_t r = 0; r < nreg; r++) {
+    kvf_import_view_info vi;
+    kvf_status st = kvf_import_reg_view(ir, r, &vi);
+    if (st != KVF_SUCCESS) return st;
+    j->region_bases[r] = vi.ptr;
+  }
+  j->req = (kvf_copy_request)KVF_COPY_REQUEST_INIT;
+  j->req.region_bases = j->region_bases;
+  j->req.token_begin = x->token_begin;
+  j->req.token_end = x->token_end;
+  j->req.format = (kvf_object_format)x->format;
+  j->req.groups = j->groups;
+  return KVF_SUCCESS;
+}
+
+/* The request is shaped: count the whole blocks it moves per group and
+ * check it as the transfer will. */
+static kvf_status job_finish_request(dp_job *j) {
+  const kvf_geometry *g = j->b->geometry;
+  j->req.objects = j->objects;
+  for (uint32_t gidx = 0; gidx < j->b->num_groups; gidx++) {
+    kvf_group_info gi;
+    (void)kvf_geometry_group(g, gidx, &gi);
+    j->group_blocks[gidx] = blocks_moved(j, &gi, gidx);
+  }
+  kvf_status st = kvf_copy_request_check(g, &j->req);
+  if (st != KVF_SUCCESS) kvf_error_prefix("payload.");
+  return st;
+}
+
+/* STORE admission: reserve an object for every (chunk, object group) whose
+ * blocks the request holds completely; blocks of the others are skipped. */
+static kvf_status admit_store(kvf_dataplane *dp, dp_job *j, const kvf_proto_xfer *x) {
+  const kvf_geometry *g = j->b->geometry;
+  uint32_t nog = j->b->num_object_groups, C = j->b->chunk_tokens;
+  uint64_t nchunks = x->num_chunk_keys;
+  kvf_status st = KVF_SUCCESS;
+  kvf_l1_object_spec *specs = calloc((size_t)nchunks * nog, sizeof(*specs));
+  kvf_l1_slot *slots = calloc((size_t)nchunks * nog, sizeof(*slots));
+  uint32_t *spec_index = malloc((size_t)nchunks * nog * sizeof(uint32_t)); /* (k, og) -> spec or UINT32_MAX */
+  j->objects = calloc((size_t)nchunks * nog, sizeof(void *));
+  if (!specs || !slots || !spec_index || !j->objects) {
+    st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "store: out of memory");
+    goto out;
+  }
+  uint32_t n = 0;
+  for (uint64_t k = 0; k < nchunks; k++) {
+    uint64_t cb = x->token_begin + k * C, ce = x->token_end - cb > C ? cb + C : x->token_end;
+    for (uint32_t og = 0; og < nog; og++) {
+      spec_index[k * nog + og] = UINT32_MAX;
+      kvf_object_group_info oi;
+      (void)kvf_geometry_object_group(g, og, &oi);
+      int requested = 0, complete = 1;
+      for (uint32_t i = 0; i < oi.num_groups; i++) {
+        uint32_t gidx = oi.groups[i];
+        if (!group_requested(j, gidx)) continue;
+        requested = 1;
+        kvf_group_info gi;
+        (void)kvf_geometry_group(g, gidx, &gi);
+        if (!chunk_complete(j, &gi, gidx, cb, ce)) complete = 0;
+      }
+      uint64_t bytes = 0;
+      if (requested && complete)
+        (void)kvf_geometry_object_size(g, og, cb / C, x->token_end, &bytes);
+      if (!requested || !complete || bytes == 0) continue;
+      kvf_l1_object_spec *s = &specs[n];
+      s->chunk_key = x->chunk_keys[k];
+      s->object_group = og;
+      st = kvf_object_header_init(g, (kvf_object_format)x->format, og, cb / C, x->token_end, &s->header);
+      if (st != KVF_SUCCESS) goto out;
+      spec_index[k * nog + og] = n++;
+    }
+  }
+  if (n > 0) {
+    st = kvf_l1_reserve(dp->l1, j->b->lane->device, specs, n, slots, &j->reservation);
+    if (st != KVF_SUCCESS) {
+      kvf_error_prefix("payload.chunk_keys: ");
+      goto out;
+    }
+  }
+  /* Objects for reserved slots; every block of a chunk that is not written
+   * this time (present, incomplete, no object) is skipped. */
+  uint64_t held_prefix_end = x->token_begin;
+  int prefix_open = 1;
+  j->present = calloc(n ? n : 1, sizeof(*j->present));
+  j->present_chunk_begin = calloc(n ? n : 1, sizeof(*j->present_chunk_begin));
+  if (!j->present || !j->present_chunk_begin) {
+    st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "store: out of memory");
+    goto out;
+  }
+  for (uint64_t k = 0; k < nchunks; k++) {
+    uint64_t cb = x->token_begin + k * C, ce = x->token_end - cb > C ? cb + C : x->token_end;
+    int chunk_held = 1;
+    for (uint32_t og = 0; og < nog; og++) {
+      uint32_t si = spec_index[k * nog + og];
+      int write = si != UINT32_MAX && slots[si].state == KVF_L1_SLOT_RESERVED;
+      if (si != UINT32_MAX) {
+        if (write) {
+          j->objects[k * nog + og] = slots[si].data;
+          j->objects_done++;
+          j->bytes_done += specs[si].header.payload_bytes;
+        }
+      }
+      kvf_object_group_info oi;
+      (void)kvf_geometry_object_group(g, og, &oi);
+      /* The held prefix counts full-attention object groups: windowed ones
+       * legitimately lack early chunks, recurrent ones all but the last. */
+      int has_full = 0;
+      for (uint32_t i = 0; i < oi.num_groups; i++) {
+        kvf_group_info gi;
+        (void)kvf_geometry_group(g, oi.groups[i], &gi);
+        has_full |= gi.kind == KVF_GROUP_FULL && group_requested(j, oi.groups[i]);
+      }
+      if (si != UINT32_MAX && !write) {
+        j->objects_present++;
+        j->present[j->num_present] = (kvf_l1_query){specs[si].chunk_key, og};
+        j->present_chunk_begin[j->num_present] = has_full ? cb : UINT64_MAX;
+        j->num_present++;
+      }
+      if (has_full && si == UINT32_MAX) chunk_held = 0;
+      if (!write)
+        for (uint32_t i = 0; i < oi.num_groups; i++) {
+          kvf_group_info gi;
+          (void)kvf_geometry_group(g, oi.groups[i], &gi);
+          skip_chunk(j, &gi, oi.groups[i], cb, ce);
+        }
+    }
+    if (prefix_open && chunk_held)
+      held_prefix_end = ce;
+    else
+      prefix_open = 0;
+  }
+  j->prefix_tokens = held_prefix_end;
+  st = job_finish_request(j);
+out:
+  free(specs);
+  free(slots);
+  free(spec_index);
+  return st;
+}
+
+/* Is object group og (with its found objects) restorable at prefix N?
+ * found[k*nog+og] for chunk k; chunk k covers [tb + kC, ...). */
+static int og_valid_at(const dp_job *j, const kvf_l1_found *found, uint32_t og, uint64_t N) {
+  const kvf_geometry *g = j->b->geometry;
+  uint32_t nog = j->b->num_object_groups, C = j->b->chunk_tokens;
+  uint64_t tb = j->req.token_begin;
+  kvf_object_group_info oi;
+  (void)kvf_geometry_object_group(g, og, &oi);
+  uint64_t need_from = N; /* the earliest token of [tb, N) this og needs */
+  for (uint32_t i = 0; i < oi.num_groups; i++) {
+    uint32_t gidx = oi.groups[i];
+    if (!group_requested(j, gidx)) continue;
+    kvf_group_info gi;
+    (void)kvf_geometry_group(g, gidx, &gi);
+    if (gi.kind == KVF_GROUP_RECURRENT) {
+      if (N % C != 0 || N <= tb) return 0;
+      if (!found[((N - tb) / C - 1) * nog + og].found) return 0;
+      continue;
+    }
+    uint64_t rb = tb;
+    if (kvf_geometry_retained_tokens(g, gidx, N, &rb) != KVF_SUCCESS) return 0;
+    if (rb < tb) rb = tb;
+    if (rb < need_from) need_from = rb;
+  }
+  for (uint64_t k = (need_from - tb) / C; tb + k * C < N; k++)
+    if (!found[k * nog + og].found) return 0;
+  return 1;
+}
+
+/* RETRIEVE admission: find the longest prefix every requested object group
+ * can restore, pin its objects, and shape the tables so that exactly the
+ * retained blocks of that prefix are written. */
+static kvf_status admit_retrieve(kvf_dataplane *dp, dp_job *j, const kvf_proto_xfer *x) {
+  const kvf_geometry *g = j->b->geometry;
+  uint32_t ng = j->b->num_groups, nog = j->b->num_object_groups, C = j->b->chunk_tokens;
+  uint64_t nchunks = x->num_chunk_keys, tb = x->token_begin;
+  kvf_status st = KVF_SUCCESS;
+  kvf_l1_query *q = calloc((size_t)nchunks * nog, sizeof(*q));
+  kvf_l1_found *found = calloc((size_t)nchunks * nog, sizeof(*found));
+  j->objects = calloc((size_t)nchunks * nog, sizeof(void *));
+  if (!q || !found || !j->objects) {
+    st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "retrieve: out of memory");
+    goto out;
+  }
+  for (uint64_t k = 0; k < nchunks; k++)
+    for (uint32_t og = 0; og < nog; og++) q[k * nog + og] = (kvf_l1_query){x->chunk_keys[k], og};
+  st = kvf_l1_lookup_pin(dp->l1, q, (uint32_t)(nchunks * nog), found, &j->pin);
+  if (st != KVF_SUCCESS) goto out;
+  /* Objects made through another geometry or format are refused; objects
+   * with another token range (a partial chunk then) do not count as found. */
+  for (uint64_t k = 0; k < nchunks; k++)
+    for (uint32_t og = 0; og < nog; og++) {
+      kvf_l1_found *f = &found[k * nog + og];
+      if (!f->found) continue;
+      kvf_object_header want;
+      uint64_t gk = tb / C + k;
+      if (kvf_object_header_init(g, (kvf_object_format)x->format, og, gk, x->token_end, &want) != KVF_SUCCESS) {
+        f->found = 0;
+        continue;
+      }
+      if (f->header.format != want.format) {
+        st = kvf_fail(KVF_ERR_GEOMETRY_MISMATCH,
+                      "payload.format: chunk_keys[%llu] object group %u was stored as %s, the request asks for %s",
+                      (unsigned long long)k, (unsigned)og, kvf_object_format_name((kvf_object_format)f->header.format),
+                      kvf_object_format_name((kvf_object_format)want.format));
+        goto out;
+      }
+      st = kvf_object_header_check(g, &f->header, og);
+      if (st != KVF_SUCCESS) {
+        kvf_error_prefix("payload.chunk_keys[%llu]: object group %u: ", (unsigned long long)k, (unsigned)og);
+        goto out;
+      }
+      if (f->header.token_begin != want.token_begin || f->header.token_end != want.token_end) f->found = 0;
+    }
+  /* Candidate prefixes: each chunk's end. */
+  uint64_t P = tb;
+  int any_requested = 0;
+  for (uint32_t og = 0; og < nog; og++) j->og_prefix[og] = tb;
+  for (uint64_t k = nchunks; k-- > 0;) {
+    uint64_t N = x->token_end - (tb + k * C) > C ? tb + (k + 1) * C : x->token_end;
+    int all = 1;
+    for (uint32_t og = 0; og < nog; og++) {
+      kvf_object_group_info oi;
+      (void)kvf_geometry_object_group(g, og, &oi);
+      int requested = 0;
+      for (uint32_t i = 0; i < oi.num_groups; i++) requested |= group_requested(j, oi.groups[i]);
+      if (!requested) continue;
+      any_requested = 1;
+      int ok = og_valid_at(j, found, og, N);
+      if (ok && j->og_prefix[og] == tb) j->og_prefix[og] = N;
+      if (!ok) all = 0;
+    }
+    if (all && any_requested && P == tb) P = N;
+  }
+  j->prefix_tokens = P;
+  if (P == tb) {
+    j->req.token_end = tb; /* nothing to restore */
+    goto out;
+  }
+  /* Shape the request for [tb, P): objects each object group needs, and
+   * the retained blocks of each group. */
+  j->req.token_end = P;
+  for (uint32_t gidx = 0; gidx < ng; gidx++) {
+    if (!group_requested(j, gidx)) continue;
+    kvf_group_info gi;
+    (void)kvf_geometry_group(g, gidx, &gi);
+    kvf_group_blocks *t = &j->groups[gidx];
+    if (gi.kind == KVF_GROUP_RECURRENT) {
+      t->first_block = P / C - 1; /* the state at the prefix's end, into the engine's slot */
+      t->count = 1;
+      continue;
+    }
+    uint64_t fb = 0, eb = 0;
+    (void)kvf_geometry_retained_blocks(g, gidx, P, &fb, &eb);
+    for (uint32_t i = 0; i < t->count; i++) {
+      uint64_t blk = t->first_block + i;
+      if (blk < fb || blk >= eb) j->ids[gidx][i] = KVF_BLOCK_SKIP;
+    }
+  }
+  for (uint64_t k = 0; tb + k * C < P; k++)
+    for (uint32_t og = 0; og < nog; og++) {
+      kvf_l1_found *f = &found[k * nog + og];
+      if (!f->found) continue;
+      /* Only objects whose chunk moves a block of this object group. */
+      kvf_object_group_info oi;
+      (void)kvf_geometry_object_group(g, og, &oi);
+      uint64_t cb = tb + k * C, ce = P - cb > C ? cb + C : P;
+      int moves = 0;
+      for (uint32_t i = 0; i < oi.num_groups && !moves; i++) {
+        uint32_t gidx = oi.groups[i];
+        if (!group_requested(j, gidx)) continue;
+        kvf_group_info gi;
+        (void)kvf_geometry_group(g, gidx, &gi);
+        const kvf_group_blocks *t = &j->groups[gidx];
+        if (gi.kind == KVF_GROUP_RECURRENT) {
+          moves = ce == P && ce - cb == C && table_id(t, cb / C) != KVF_BLOCK_SKIP;
+          continue;
+        }
+        uint64_t lb, le;
+        chunk_blocks(g, &gi, cb, ce, &lb, &le);
+        for (uint64_t blk = lb; blk < le && !moves; blk++) moves = table_id(t, blk) != KVF_BLOCK_SKIP;
+      }
+      if (!moves) continue;
+      j->objects[k * nog + og] = (void *)f->data;
+      j->objects_done++;
+      j->bytes_done += f->header.payload_bytes;
+    }
+  st = job_finish_request(j);
+out:
+  free(q);
+  free(found);
+  return st;
+}
+
+/* Field checks that need the geometry but no lease. */
+static kvf_status check_xfer(const kvf_dp_binding *b, const kvf_proto_msg *m) {
+  const kvf_proto_xfer *x = &m->u.xfer;
+  uint32_t C = b->chunk_tokens;
+  if (x->registration_id != 0 && x->registration_id != b->registration_id)
+    return kvf_fail(KVF_ERR_STATE, "payload.registration_id: %llu is not the live registration (%llu)",
+                    (unsigned long long)x->registration_id, (unsigned long long)b->registration_id);
+  if (x->format > KVF_FORMAT_NATIVE)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.format: %u is not an object format", (unsigned)x->format);
+  if (x->token_begin % C != 0)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.token_begin: %llu is not a multiple of chunk_tokens %u",
+                    (unsigned long long)x->token_begin, (unsigned)C);
+  if (x->token_end <= x->token_begin)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.token_end: %llu must exceed token_begin %llu",
+                    (unsigned long long)x->token_end, (unsigned long long)x->token_begin);
+  uint64_t chunks = (x->token_end - x->token_begin + C - 1) / C;
+  if (x->num_chunk_keys != chunks)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.chunk_keys: %u keys sent, tokens [%llu, %llu) span %llu chunks",
+                    (unsigned)x->num_chunk_keys, (unsigned long long)x->token_begin,
+                    (unsigned long long)x->token_end, (unsigned long long)chunks);
+  if (x->num_groups != b->num_groups)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.num_groups: %u groups sent, the geometry has %u",
+                    (unsigned)x->num_groups, (unsigned)b->num_groups);
+  for (uint32_t g = 0; g < x->num_groups; g++) {
+    kvf_group_info gi;
+    (void)kvf_geometry_group(b->geometry, g, &gi);
+    const kvf_proto_group *pg = &x->groups[g];
+    for (uint32_t i = 0; i < pg->count; i++)
+      if (pg->block_ids[i] != KVF_BLOCK_SKIP && pg->block_ids[i] >= gi.num_blocks)
+        return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.groups[%u].block_ids[%u]: %u is out of range (group '%s' has %u blocks)",
+                        (unsigned)g, (unsigned)i, (unsigned)pg->block_ids[i], gi.name, (unsigned)gi.num_blocks);
+    if (m->type == KVF_PROTO_RETRIEVE && gi.kind == KVF_GROUP_RECURRENT && pg->count > 1)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                      "payload.groups[%u].count: a recurrent group's RETRIEVE names one slot, %u given", (unsigned)g,
+                      (unsigned)pg->count);
+  }
+  if (m->type == KVF_PROTO_RETRIEVE && x->ready_kind != KVF_PROTO_READY_NONE)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.ready_kind: a RETRIEVE carries no ready event");
+  if (x->ready_kind == KVF_PROTO_READY_CUDA_EVENT && b->lane->device < 0)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.ready_kind: a CUDA event for a host-backend registration");
+  return KVF_SUCCESS;
+}
+
+kvf_status kvf_dataplane_submit(kvf_dataplane *dp, kvf_dp_binding *b, uint64_t client_id, const kvf_proto_msg *m) {
+  if (!dp || !m || (m->type != KVF_PROTO_STORE && m->type != KVF_PROTO_RETRIEVE))
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_dataplane_submit: not a STORE or RETRIEVE");
+  if (!b) return kvf_fail(KVF_ERR_STATE, "payload.registration_id: this client has no registration");
+  /* A retried request: answer what was recorded, or let the one in flight answer. */
+  kvf_registry_outcome oc;
+  if (kvf_registry_completion_lookup(dp->registry, client_id, m->request_id, &oc) == KVF_SUCCESS) {
+    kvf_proto_msg r;
+    memset(&r, 0, sizeof(r));
+    r.type = (uint16_t)(m->type | KVF_PROTO_REPLY);
+    r.request_id = m->request_id;
+    r.u.xfer_reply.status = (uint32_t)oc.status;
+    r.u.xfer_reply.outcome = oc.kind;
+    r.u.xfer_reply.prefix_tokens = oc.value;
+    snprintf(r.u.xfer_reply.message, sizeof(r.u.xfer_reply.message), "a retry: the outcome recorded earlier");
+    dp->opt.reply(dp->opt.reply_ctx, client_id, &r);
+    return KVF_SUCCESS;
+  }
+  pthread_mutex_lock(&dp->mu);
+  for (dp_job *o = dp->all; o; o = o->all_next)
+    if (o->client_id == client_id && o->request_id == m->request_id) {
+      pthread_mutex_unlock(&dp->mu);
+      KVF_INFO(SERVER, "client %llu: request %llu retried while in flight: its reply answers both",
+               (unsigned long long)client_id, (unsigned long long)m->request_id);
+      return KVF_SUCCESS;
+    }
+  int stopping = dp->stopping;
+  pthread_mutex_unlock(&dp->mu);
+  if (stopping) return kvf_fail(KVF_ERR_STATE, "header.type: the server is stopping");
+  kvf_status st = check_xfer(b, m);
+  if (st != KVF_SUCCESS) return st;
+  dp_job *j = calloc(1, sizeof(*j));
+  if (!j) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "request: out of memory");
+  j->b = binding_ref(b);
+  j->type = m->type;
+  j->client_id = client_id;
+  j->request_id = m->request_id;
+  j->ready_kind = m->u.xfer.ready_kind;
+  memcpy(j->ready_handle, m->u.xfer.ready_handle, sizeof(j->ready_handle));
+  st = kvf_registry_lease_acquire(dp->registry, client_id, &j->lease);
+  if (st != KVF_SUCCESS) {
+    j->lease = NULL;
+    kvf_error_prefix("payload.registration_id: no lease: ");
+    goto refuse;
+  }
+  if (kvf_registry_reg_id(j->lease) != b->registration_id) {
+    st = kvf_fail(KVF_ERR_STATE, "payload.registration_id: registration %llu is no longer the live one",
+                  (unsigned long long)b->registration_id);
+    goto refuse;
+  }
+  int inject = !dp->opt.test_fail_type || dp->opt.test_fail_type == m->type;
+  j->inject_step = inject ? dp->opt.test_fail_step : KVF_DP_FAIL_NONE;
+  if (j->inject_step == KVF_DP_FAIL_LEASED) {
+    st = kvf_fail(KVF_ERR_SYSTEM, "payload: injected failure after the lease");
+    goto refuse;
+  }
+  st = job_build_tables(j, &m->u.xfer);
+  if (st != KVF_SUCCESS) goto refuse;
+  st = m->type == KVF_PROTO_STORE ? admit_store(dp, j, &m->u.xfer) : admit_retrieve(dp, j, &m->u.xfer);
+  if (st != KVF_SUCCESS) goto refuse;
+  if (j->inject_step == KVF_DP_FAIL_RESERVED) {
+    st = kvf_fail(KVF_ERR_SYSTEM, "payload: injected failure after the reservation");
+    goto refuse;
+  }
+  j->deadline_ns = now_ns() + (uint64_t)dp->opt.job_timeout_ms * 1000000ull;
+  pthread_mutex_lock(&dp->mu);
+  if (m->type == KVF_PROTO_STORE)
+    dp->counters.stores_total++;
+  else
+    dp->counters.retrieves_total++;
+  dp->counters.in_flight++;
+  j->all_next = dp->all;
+  if (dp->all) dp->all->all_prev = j;
+  dp->all = j;
+  queue_push(&b->lane->todo, j);
+  pthread_cond_signal(&b->lane->todo_cv);
+  pthread_mutex_unlock(&dp->mu);
+  return KVF_SUCCESS;
+refuse:
+  /* Nothing was queued: release at once. */
+  {
+    char why[KVF_PROTO_MESSAGE_MAX];
+    snprintf(why, sizeof(why), "%s", kvf_last_error());
+    if (j->reservation) kvf_l1_abort(dp->l1, j->reservation);
+    kvf_l1_unpin(dp->l1, j->pin);
+    if (j->lease) (void)kvf_registry_lease_release(dp->registry, j->lease);
+    j->reservation = NULL;
+    j->pin = NULL;
+    j->lease = NULL;
+    job_free(j);
+    kvf_fail(st, "%s", why);
+  }
+  return st;
+}
+
+/* ---- lanes ------------------------------------------------------------------ */
+
+static void pin_thread(int cpu) {
+  if (cpu < 0) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  int rc = pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+  if (rc != 0) KVF_INFO(SERVER, "pinning a lane thread to cpu %d: %s", cpu, strerror(rc));
+}
+
+/* Run j's copy: enqueue (GPU) or perform (host) it, then record the proof. */
+static void lane_run(dp_lane *lane, dp_job *j) {
+  kvf_status st = KVF_SUCCESS;
+  if (j->req.token_end > j->req.token_begin) {
+    if (lane->device >= 0 && j->ready_kind == KVF_PROTO_READY_CUDA_EVENT) {
+      st = kvf_scuda_wait_ipc_event(lane->device, lane->stream, j->ready_handle);
+      if (st == KVF_SUCCESS) j->queued = 1;
+    }
+    if (st == KVF_SUCCESS && j->inject_step == KVF_DP_FAIL_COPY) {
+      /* As a launch that failed after part of the copy ran. */
+      st = kvf_fail(KVF_ERR_CUDA, "injected copy failure");
+      j->queued = 1;
+    } else if (st == KVF_SUCCESS) {
+      st = j->type == KVF_PROTO_STORE ? kvf_xfer_gather(j->b->xfer, &j->req, (kvf_stream)lane->stream)
+                                       : kvf_xfer_scatter(j->b->xfer, &j->req, (kvf_stream)lane->stream);
+      /* A failed call enqueued nothing (kvf_xfer's contract), but a failed
+       * launch may have: count it as queued. */
+      if (st == KVF_SUCCESS || st == KVF_ERR_CUDA) j->queued = 1;
+    }
+    if (st != KVF_SUCCESS) job_fail(j, st, kvf_last_error());
+  }
+  if (lane->device >= 0 && j->queued) {
+    kvf_status es = kvf_scuda_event_record(lane->device, lane->stream, &j->event);
+    if (es != KVF_SUCCESS) {
+      /* No event: prove completion by synchronizing this lane's stream. */
+      KVF_WARN(SERVER, "%s; synchronizing lane %d's stream instead", kvf_last_error(), lane->device);
+      (void)kvf_scuda_stream_sync(lane->device, lane->stream);
+      j->event = NULL;
+    }
+  }
+}
+
+static void *lane_worker(void *arg) {
+  dp_lane *lane = arg;
+  kvf_dataplane *dp = lane->dp;
+  pin_thread(lane->worker_cpu);
+  pthread_mutex_lock(&dp->mu);
+  for (;;) {
+    while (!lane->todo.head && !dp->stopping) pthread_cond_wait(&lane->todo_cv, &dp->mu);
+    dp_job *j = queue_pop(&lane->todo);
+    if (!j) break; /* stopping and nothing left */
+    int cancel = dp->stopping;
+    pthread_mutex_unlock(&dp->mu);
+    if (cancel) {
+      /* Nothing of it was queued: release at once. */
+      job_fail(j, KVF_ERR_STATE, "the server is stopping");
+      job_answer(dp, j, KVF_OUTCOME_CANCELLED);
+      job_retire(dp, j);
+    } else {
+      lane_run(lane, j);
+    }
+    pthread_mutex_lock(&dp->mu);
+    if (!cancel) {
+      queue_push(&lane->flight, j);
+      pthread_cond_signal(&lane->flight_cv);
+    }
+  }
+  pthread_mutex_unlock(&dp->mu);
+  return NULL;
+}
+
+static void sleep_us(long us) {
+  struct timespec ts = {0, us * 1000L};
+  nanosleep(&ts, NULL);
+}
+
+static void *lane_completer(void *arg) {
+  dp_lane *lane = arg;
+  kvf_dataplane *dp = lane->dp;
+  pin_thread(lane->completion_cpu);
+  pthread_mutex_lock(&dp->mu);
+  for (;;) {
+    while (!lane->flight.head && !(dp->stopping && !lane->worker_started)) pthread_cond_wait(&lane->flight_cv, &dp->mu);
+    dp_job *j = queue_pop(&lane->flight);
+    if (!j) break;
+    pthread_mutex_unlock(&dp->mu);
+    /* Jobs of one lane complete in stream order: wait for the head. */
+    if (dp->opt.test_completion_delay_ms) {
+      uint64_t until = now_ns() + (uint64_t)dp->opt.test_completion_delay_ms * 1000000ull;
+      while (now_ns() < until) {
+        if (!j->answered && now_ns() > j->deadline_ns) {
+          job_fail(j, KVF_ERR_TIMEOUT, "the copy did not complete within the request timeout");
+          job_answer(dp, j, KVF_OUTCOME_TIMED_OUT);
+        }
+        sleep_us(1000);
+      }
+    }
+    if (j->inject_step == KVF_DP_FAIL_PROOF) job_fail(j, KVF_ERR_CUDA, "injected failure of the proof");
+    if (j->event) {
+      uint32_t spins = 0;
+      for (;;) {
+        kvf_status err;
+        if (kvf_scuda_event_done(j->event, &err)) {
+          if (err != KVF_SUCCESS) job_fail(j, err, kvf_last_error());
+          break;
+        }
+        if (!j->answered && now_ns() > j->deadline_ns) {
+          /* Report, never release: the work may still touch the memory. */
+          job_fail(j, KVF_ERR_TIMEOUT, "the copy did not complete within the request timeout");
+          job_answer(dp, j, KVF_OUTCOME_TIMED_OUT);
+        }
+        if (++spins < 64)
+          sched_yield();
+        else
+          sleep_us(20);
+      }
+    }
+    job_retire(dp, j);
+    pthread_mutex_lock(&dp->mu);
+  }
+  pthread_mutex_unlock(&dp->mu);
+  return NULL;
+}
+
+static kvf_status lane_start(kvf_dataplane *dp, dp_lane *lane, int device) {
+  lane->dp = dp;
+  lane->device = device;
+  lane->numa_node = -1;
+  lane->worker_cpu = lane->completion_cpu = -1;
+  if (device >= 0 && dp->opt.topology) {
+    kvf_gpu_placement p = KVF_GPU_PLACEMENT_INIT;
+    if (kvf_topology_gpu(dp->opt.topology, (uint32_t)device, &p) == KVF_SUCCESS) {
+      lane->numa_node = p.numa_node;
+      lane->worker_cpu = p.worker_cpu;
+      lane->completion_cpu = p.completion_cpu;
+    }
+  }
+  kvf_status st;
+  if (device >= 0) {
+    st = kvf_scuda_stream_create(device, &lane->stream);
+    if (st != KVF_SUCCESS) return st;
+  }
+  lane->pool_bytes = dp->opt.l1_bytes;
+  st = kvf_scuda_pool_alloc(device, lane->numa_node, lane->pool_bytes, &lane->pool);
+  if (st != KVF_SUCCESS) return st;
+  KVF_INFO(SERVER, "lane %d: %llu MiB of L1 on NUMA node %d, worker on cpu %d, completion on cpu %d", device,
+           (unsigned long long)(lane->pool_bytes >> 20), lane->numa_node, lane->worker_cpu, lane->completion_cpu);
+  return KVF_SUCCESS;
+}
+
+static kvf_status lane_threads(dp_lane *lane) {
+  int rc = pthread_create(&lane->worker, NULL, lane_worker, lane);
+  if (rc != 0) return kvf_fail(KVF_ERR_SYSTEM, "lane %d: worker thread: %s", lane->device, strerror(rc));
+  lane->worker_started = 1;
+  rc = pthread_create(&lane->completer, NULL, lane_completer, lane);
+  if (rc != 0) return kvf_fail(KVF_ERR_SYSTEM, "lane %d: completion thread: %s", lane->device, strerror(rc));
+  lane->completer_started = 1;
+  return KVF_SUCCESS;
+}
+
+kvf_status kvf_dataplane_create(const kvf_dataplane_options *opt, kvf_dataplane **out) {
+  if (!opt || !out || !opt->registry || !opt->reply)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_dataplane_create: NULL argument");
+  *out = NULL;
+  if (opt->num_devices + 1 > DP_MAX_LANES)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "options.devices: at most %u devices", DP_MAX_LANES - 1);
+  int visible = opt->num_devices ? kvf_scuda_device_count() : 0;
+  for (uint32_t i = 0; i < opt->num_devices; i++) {
+    if (opt->devices[i] < 0 || opt->devices[i] >= visible)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "options.devices[%u]: %d is not a visible CUDA device (%d visible)",
+                      (unsigned)i, opt->devices[i], visible);
+    for (uint32_t k = 0; k < i; k++)
+      if (opt->devices[k] == opt->devices[i])
+        return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "options.devices[%u]: %d is repeated", (unsigned)i, opt->devices[i]);
+  }
+  kvf_dataplane *dp = calloc(1, sizeof(*dp));
+  if (!dp) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_dataplane_create: out of memory");
+  dp->opt = *opt;
+  dp->opt.devices = NULL;
+  dp->registry = opt->registry;
+  if (!dp->opt.l1_bytes) dp->opt.l1_bytes = 1ull << 30;
+  dp->opt.l1_bytes = (dp->opt.l1_bytes + 4095) & ~4095ull;
+  if (!dp->opt.job_timeout_ms) dp->opt.job_timeout_ms = 60000;
+  kvf_status st;
+  if (pthread_mutex_init(&dp->mu, NULL) != 0) {
+    free(dp);
+    return kvf_fail(KVF_ERR_SYSTEM, "kvf_dataplane_create: mutex");
+  }
+  dp->mu_init = 1;
+  dp->num_lanes = opt->num_devices + 1;
+  for (uint32_t i = 0; i < dp->num_lanes; i++) {
+    pthread_cond_init(&dp->lanes[i].todo_cv, NULL);
+    pthread_cond_init(&dp->lanes[i].flight_cv, NULL);
+  }
+  dp->cv_init = 1;
+  kvf_l1_pool_desc pools[DP_MAX_LANES];
+  for (uint32_t i = 0; i < dp->num_lanes; i++) {
+    int device = i == 0 ? -1 : opt->devices[i - 1];
+    st = lane_start(dp, &dp->lanes[i], device);
+    if (st != KVF_SUCCESS) goto fail;
+    pools[i] = (kvf_l1_pool_desc){device, dp->lanes[i].pool, dp->lanes[i].pool_bytes};
+  }
+  st = kvf_l1_create(pools, dp->num_lanes, &dp->l1);
+  if (st != KVF_SUCCESS) goto fail;
+  for (uint32_t i = 0; i < dp->num_lanes; i++) {
+    st = lane_threads(&dp->lanes[i]);
+    if (st != KVF_SUCCESS) goto fail;
+  }
+  *out = dp;
+  return KVF_SUCCESS;
+fail:
+  kvf_dataplane_destroy(dp);
+  return st;
+}
+
+void kvf_dataplane_destroy(kvf_dataplane *dp) {
+  if (!dp) return;
+  pthread_mutex_lock(&dp->mu);
+  dp->stopping = 1;
+  for (uint32_t i = 0; i < dp->num_lanes; i++) pthread_cond_broadcast(&dp->lanes[i].todo_cv);
+  pthread_mutex_unlock(&dp->mu);
+  for (uint32_t i = 0; i < dp->num_lanes; i++) {
+    dp_lane *lane = &dp->lanes[i];
+    if (lane->worker_started) {
+      pthread_join(lane->worker, NULL);
+      pthread_mutex_lock(&dp->mu);
+      lane->worker_started = 0; /* lets the completion thread leave once its queue is empty */
+      pthread_cond_broadcast(&lane->flight_cv);
+      pthread_mutex_unlock(&dp->mu);
+    }
+    if (lane->completer_started) pthread_join(lane->completer, NULL);
+    lane->completer_started = 0;
+  }
+  if (dp->all) KVF_WARN(SERVER, "data plane: requests left unretired at destroy");
+  kvf_l1_destroy(dp->l1);
+  for (uint32_t i = 0; i < dp->num_lanes; i++) {
+    dp_lane *lane = &dp->lanes[i];
+    kvf_scuda_pool_free(lane->device, lane->pool, lane->pool_bytes);
+    kvf_scuda_stream_destroy(lane->device, lane->stream);
+    if (dp->cv_init) {
+      pthread_cond_destroy(&lane->todo_cv);
+      pthread_cond_destroy(&lane->flight_cv);
+    }
+  }
+  if (dp->mu_init) pthread_mutex_destroy(&dp->mu);
+  free(dp);
+}
+
+kvf_status kvf_dataplane_stats_get(kvf_dataplane *dp, kvf_dataplane_stats *out) {
+  if (!dp || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_dataplane_stats_get: NULL argument");
+  pthread_mutex_lock(&dp->mu);
+  *out = dp->counters;
+  pthread_mutex_unlock(&dp->mu);
+  out->lanes = dp->num_lanes;
+  return kvf_l1_stats_get(dp->l1, KVF_L1_ALL_POOLS, &out->l1);
+}

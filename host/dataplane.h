@@ -1,0 +1,140 @@
+/*
+ * Internal: the server's data path (DESIGN.md §2, §8): STORE and RETRIEVE
+ * between registered KV caches and the L1 object store (host/l1.h).
+ *
+ * A data plane has one *lane* per CUDA device it serves plus one for the
+ * host backend. A lane owns an L1 pool (pinned host memory on the GPU's NUMA
+ * node; plain memory for the host lane), a stream, a worker thread and a
+ * completion thread, both pinned to cores local to the GPU (kvferry/
+ * topology.h).
+ *
+ * A request goes through four steps:
+ *   1. admission (kvf_dataplane_submit, on the caller's thread: the server's
+ *      event loop): every field checked against the registered geometry,
+ *      a lease taken on the registration, L1 objects reserved (STORE) or
+ *      looked up and pinned (RETRIEVE), the copy request built. A refusal
+ *      here releases everything at once and returns the status: the caller
+ *      answers with an ERROR naming the field;
+ *   2. the lane's worker makes its stream wait for the engine's ready event
+ *      (STORE on a GPU), enqueues the gather or scatter (host lane: runs it)
+ *      and records a completion event;
+ *   3. the lane's completion thread waits for that event. If the request's
+ *      timeout passes first, the outcome "timed out" is reported at once, but
+ *      nothing is released;
+ *   4. retirement, only once the event has completed (or the stream was
+ *      synchronized when no event could be recorded): a STORE's reservation is
+ *      committed (done) or aborted (failed, timed out), a RETRIEVE's pins
+ *      dropped, the lease released, the outcome recorded in the registry's
+ *      completion table and the reply handed to the reply callback (unless the
+ *      timeout already answered).
+ * A request refused before anything was queued releases at once; one whose
+ * work may have been queued waits for proof. Retried request ids are answered
+ * from the completion table; a retry of a request still in flight is
+ * ignored (its reply answers both).
+ *
+ * Threading: submit, bind and unbind are called from one thread (the
+ * server's loop); the reply callback runs on completion threads and on the
+ * submitting thread; stats from any thread.
+ */
+#ifndef KVF_HOST_DATAPLANE_H
+#define KVF_HOST_DATAPLANE_H
+
+#include <stdint.h>
+
+#include <kvferry/geometry.h>
+#include <kvferry/status.h>
+#include <kvferry/topology.h>
+
+#include "host/l1.h"
+#include "host/protocol.h"
+#include "host/registry.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kvf_dataplane kvf_dataplane;
+/* A registration's geometry and transfer context on its lane; shared by the
+ * connection and the requests in flight (reference counted). */
+typedef struct kvf_dp_binding kvf_dp_binding;
+
+/* Deliver `reply` (a STORE_REPLY or RETRIEVE_REPLY, borrowed for the call)
+ * to client_id. Called from completion threads and from submit. */
+typedef void (*kvf_dp_reply_fn)(void *ctx, uint64_t client_id, const kvf_proto_msg *reply);
+
+typedef struct kvf_dataplane_options {
+  kvf_registry *registry;    /* leases and completions; required */
+  const int *devices;        /* CUDA devices to serve (lanes); NULL/0: none (host lane only) */
+  uint32_t num_devices;
+  uint64_t l1_bytes;         /* L1 pool per lane; 0: 1 GiB */
+  uint32_t job_timeout_ms;   /* report "timed out" after this; 0: 60000 */
+  const kvf_topology *topology; /* placement of GPU lanes; NULL: unpinned threads, any NUMA node */
+  kvf_dp_reply_fn reply;     /* required */
+  void *reply_ctx;
+  /* Tests only: fail every request at one step (kvf_dp_fail_step), and hold
+   * each completion back this long before it is proven (a slow GPU). */
+  uint32_t test_fail_step;
+  uint16_t test_fail_type; /* only requests of this type fail (KVF_PROTO_STORE / RETRIEVE); 0: both */
+  uint32_t test_completion_delay_ms;
+} kvf_dataplane_options;
+
+/* Where test_fail_step makes a request fail. */
+typedef enum kvf_dp_fail_step {
+  KVF_DP_FAIL_NONE = 0,
+  KVF_DP_FAIL_LEASED = 1,   /* admission, after the lease was taken */
+  KVF_DP_FAIL_RESERVED = 2, /* admission, after L1 was reserved or pinned */
+  KVF_DP_FAIL_COPY = 3,     /* the lane's worker: the copy fails */
+  KVF_DP_FAIL_PROOF = 4,    /* the completion thread: the proof reports an error */
+} kvf_dp_fail_step;
+
+/* Create the lanes (pools, streams, threads). Returns KVF_SUCCESS;
+ * KVF_ERR_INVALID_ARGUMENT (options.devices[i] repeated or not a device);
+ * KVF_ERR_OUT_OF_MEMORY; KVF_ERR_CUDA; KVF_ERR_SYSTEM. Nothing is left
+ * behind on failure. */
+kvf_status kvf_dataplane_create(const kvf_dataplane_options *options, kvf_dataplane **out);
+
+/* Stop: requests not started are cancelled (released at once, answered
+ * "cancelled"), requests in flight are waited for (their events), then the
+ * threads, streams and pools go. Bindings still held by the caller must be
+ * unbound first. NULL is a no-op. */
+void kvf_dataplane_destroy(kvf_dataplane *dp);
+
+/* Bind a registration: `geometry` (ownership moves to the binding, also on
+ * failure) registered with registration_id for an engine on `device` (-1:
+ * host). Returns KVF_SUCCESS and *out; KVF_ERR_INVALID_ARGUMENT naming
+ * payload.device when no lane serves it; kvf_xfer_create's statuses. */
+kvf_status kvf_dataplane_bind(kvf_dataplane *dp, kvf_geometry *geometry, int device, uint64_t registration_id,
+                              kvf_dp_binding **out);
+
+/* Drop the caller's reference (requests in flight keep theirs). NULL is a
+ * no-op. */
+void kvf_dataplane_unbind(kvf_dp_binding *binding);
+
+/* The binding's geometry and registration id. */
+const kvf_geometry *kvf_dp_binding_geometry(const kvf_dp_binding *binding);
+uint64_t kvf_dp_binding_registration(const kvf_dp_binding *binding);
+
+/* Admit a STORE or RETRIEVE (msg->type) of client_id on `binding` (NULL:
+ * the client has no registration). Returns KVF_SUCCESS when the request was
+ * queued or answered (the reply callback answers it); otherwise the request
+ * was refused, nothing was written anywhere and nothing is held, and
+ * kvf_last_error() names the field: the caller answers with an ERROR. */
+kvf_status kvf_dataplane_submit(kvf_dataplane *dp, kvf_dp_binding *binding, uint64_t client_id,
+                                const kvf_proto_msg *msg);
+
+/* Counters of the data plane. */
+typedef struct kvf_dataplane_stats {
+  kvf_l1_stats l1;
+  uint64_t stores_total, retrieves_total; /* admitted */
+  uint64_t done_total, failed_total, cancelled_total, timed_out_total;
+  uint64_t in_flight; /* admitted, not retired */
+  uint32_t lanes;     /* including the host lane */
+} kvf_dataplane_stats;
+
+kvf_status kvf_dataplane_stats_get(kvf_dataplane *dp, kvf_dataplane_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVF_HOST_DATAPLANE_H */

@@ -1,0 +1,243 @@
+/* CUDA runtime calls of the server's data path (host/server_cuda.h). */
+#define _GNU_SOURCE
+#include "host/server_cuda.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include <hwloc.h>
+
+#include "geometry/error.h"
+#include "host/log.h"
+
+#ifdef KVF_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+struct kvf_scuda_event {
+  int device;
+  cudaEvent_t event;
+};
+
+/* Make `device` current; *prev gets the caller's. */
+static kvf_status enter(int device, int *prev) {
+  *prev = -1;
+  (void)cudaGetDevice(prev);
+  cudaError_t e = *prev == device ? cudaSuccess : cudaSetDevice(device);
+  if (e != cudaSuccess) return kvf_fail(KVF_ERR_CUDA, "device %d: cudaSetDevice: %s", device, cudaGetErrorString(e));
+  return KVF_SUCCESS;
+}
+
+static void leave(int device, int prev) {
+  if (prev >= 0 && prev != device) (void)cudaSetDevice(prev);
+}
+
+kvf_status kvf_scuda_stream_create(int device, void **stream) {
+  int prev;
+  kvf_status st = enter(device, &prev);
+  if (st != KVF_SUCCESS) return st;
+  cudaStream_t s = NULL;
+  cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  leave(device, prev);
+  if (e != cudaSuccess) return kvf_fail(KVF_ERR_CUDA, "device %d: cudaStreamCreate: %s", device, cudaGetErrorString(e));
+  *stream = s;
+  return KVF_SUCCESS;
+}
+
+void kvf_scuda_stream_destroy(int device, void *stream) {
+  if (!stream) return;
+  int prev;
+  if (enter(device, &prev) != KVF_SUCCESS) return;
+  (void)cudaStreamDestroy((cudaStream_t)stream);
+  leave(device, prev);
+}
+
+kvf_status kvf_scuda_wait_ipc_event(int device, void *stream, const uint8_t handle[64]) {
+  int prev;
+  kvf_status st = enter(device, &prev);
+  if (st != KVF_SUCCESS) return st;
+  cudaIpcEventHandle_t h;
+  memcpy(&h, handle, sizeof(h));
+  cudaEvent_t ev = NULL;
+  cudaError_t e = cudaIpcOpenEventHandle(&ev, h);
+  if (e != cudaSuccess) {
+    st = kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.ready_handle: cudaIpcOpenEventHandle refused it: %s",
+                  cudaGetErrorString(e));
+    goto out;
+  }
+  e = cudaStreamWaitEvent((cudaStream_t)stream, ev, 0);
+  /* The wait captured the event's state: closing it now is safe. */
+  (void)cudaEventDestroy(ev);
+  if (e != cudaSuccess) st = kvf_fail(KVF_ERR_CUDA, "cudaStreamWaitEvent: %s", cudaGetErrorString(e));
+out:
+  leave(device, prev);
+  return st;
+}
+
+kvf_status kvf_scuda_event_record(int device, void *stream, kvf_scuda_event **out) {
+  *out = NULL;
+  kvf_scuda_event *ev = calloc(1, sizeof(*ev));
+  if (!ev) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "event: out of memory");
+  ev->device = device;
+  int prev;
+  kvf_status st = enter(device, &prev);
+  if (st != KVF_SUCCESS) {
+    free(ev);
+    return st;
+  }
+  cudaError_t e = cudaEventCreateWithFlags(&ev->event, cudaEventDisableTiming);
+  if (e == cudaSuccess) {
+    e = cudaEventRecord(ev->event, (cudaStream_t)stream);
+    if (e != cudaSuccess) (void)cudaEventDestroy(ev->event);
+  }
+  leave(device, prev);
+  if (e != cudaSuccess) {
+    free(ev);
+    return kvf_fail(KVF_ERR_CUDA, "device %d: completion event: %s", device, cudaGetErrorString(e));
+  }
+  *out = ev;
+  return KVF_SUCCESS;
+}
+
+int kvf_scuda_event_done(kvf_scuda_event *ev, kvf_status *error) {
+  *error = KVF_SUCCESS;
+  cudaError_t e = cudaEventQuery(ev->event); /* no current-device requirement */
+  if (e == cudaSuccess) return 1;
+  if (e == cudaErrorNotReady) return 0;
+  *error = kvf_fail(KVF_ERR_CUDA, "device %d: completion event: %s", ev->device, cudaGetErrorString(e));
+  return 1;
+}
+
+void kvf_scuda_event_destroy(kvf_scuda_event *ev) {
+  if (!ev) return;
+  (void)cudaEventDestroy(ev->event);
+  free(ev);
+}
+
+kvf_status kvf_scuda_stream_sync(int device, void *stream) {
+  int prev;
+  kvf_status st = enter(device, &prev);
+  if (st != KVF_SUCCESS) return st;
+  cudaError_t e = cudaStreamSynchronize((cudaStream_t)stream);
+  leave(device, prev);
+  if (e != cudaSuccess) return kvf_fail(KVF_ERR_CUDA, "device %d: cudaStreamSynchronize: %s", device, cudaGetErrorString(e));
+  return KVF_SUCCESS;
+}
+
+int kvf_scuda_device_count(void) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+static kvf_status pin_pool(int device, void *base, uint64_t bytes) {
+  int prev;
+  kvf_status st = enter(device, &prev);
+  if (st != KVF_SUCCESS) return st;
+  cudaError_t e = cudaHostRegister(base, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
+  leave(device, prev);
+  if (e != cudaSuccess)
+    return kvf_fail(KVF_ERR_CUDA, "device %d: pinning %llu bytes of L1 memory: %s", device,
+                    (unsigned long long)bytes, cudaGetErrorString(e));
+  return KVF_SUCCESS;
+}
+
+static void unpin_pool(void *base) { (void)cudaHostUnregister(base); }
+
+#else /* no CUDA in this build */
+
+struct kvf_scuda_event {
+  int unused;
+};
+
+static kvf_status no_cuda(void) { return kvf_fail(KVF_ERR_UNSUPPORTED, "this build of kvferry has no CUDA"); }
+kvf_status kvf_scuda_stream_create(int device, void **stream) {
+  (void)device;
+  *stream = NULL;
+  return no_cuda();
+}
+void kvf_scuda_stream_destroy(int device, void *stream) {
+  (void)device;
+  (void)stream;
+}
+kvf_status kvf_scuda_wait_ipc_event(int device, void *stream, const uint8_t handle[64]) {
+  (void)device;
+  (void)stream;
+  (void)handle;
+  return no_cuda();
+}
+kvf_status kvf_scuda_event_record(int device, void *stream, kvf_scuda_event **out) {
+  (void)device;
+  (void)stream;
+  *out = NULL;
+  return no_cuda();
+}
+int kvf_scuda_event_done(kvf_scuda_event *event, kvf_status *error) {
+  (void)event;
+  *error = KVF_SUCCESS;
+  return 1;
+}
+void kvf_scuda_event_destroy(kvf_scuda_event *event) { (void)event; }
+kvf_status kvf_scuda_stream_sync(int device, void *stream) {
+  (void)device;
+  (void)stream;
+  return no_cuda();
+}
+int kvf_scuda_device_count(void) { return 0; }
+static kvf_status pin_pool(int device, void *base, uint64_t bytes) {
+  (void)device;
+  (void)base;
+  (void)bytes;
+  return no_cuda();
+}
+static void unpin_pool(void *base) { (void)base; }
+#endif
+
+/* Bind [base, base + bytes) to NUMA node `node` through hwloc, before the
+ * pages are touched (pinning faults them in there). Best effort: a machine
+ * with one node, or a kernel refusing the policy, only costs locality. */
+static void bind_to_node(void *base, uint64_t bytes, int node) {
+  hwloc_topology_t topo;
+  if (hwloc_topology_init(&topo) != 0) return;
+  if (hwloc_topology_load(topo) == 0) {
+    hwloc_bitmap_t set = hwloc_bitmap_alloc();
+    if (set) {
+      hwloc_bitmap_only(set, (unsigned)node);
+      if (hwloc_set_area_membind(topo, base, bytes, set, HWLOC_MEMBIND_BIND, HWLOC_MEMBIND_BYNODESET) != 0)
+        KVF_INFO(SERVER, "L1 pool: binding to NUMA node %d failed (%s); placement left to the kernel", node,
+                 strerror(errno));
+      hwloc_bitmap_free(set);
+    }
+  }
+  hwloc_topology_destroy(topo);
+}
+
+kvf_status kvf_scuda_pool_alloc(int device, int numa_node, uint64_t bytes, void **base) {
+  *base = NULL;
+  if (bytes == 0) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "l1_bytes: 0");
+  void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED)
+    return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "L1 pool of %llu bytes: mmap: %s", (unsigned long long)bytes,
+                    strerror(errno));
+  if (numa_node >= 0) bind_to_node(p, bytes, numa_node);
+  if (device >= 0) {
+    kvf_status st = pin_pool(device, p, bytes);
+    if (st != KVF_SUCCESS) {
+      munmap(p, bytes);
+      return st;
+    }
+  }
+  *base = p;
+  return KVF_SUCCESS;
+}
+
+void kvf_scuda_pool_free(int device, void *base, uint64_t bytes) {
+  if (!base) return;
+  if (device >= 0) unpin_pool(base);
+  munmap(base, bytes);
+}

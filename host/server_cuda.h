@@ -1,0 +1,63 @@
+/*
+ * Internal: the few CUDA runtime calls the server's data path makes on a
+ * device lane (host/dataplane.c), behind plain types so the data path is
+ * one C file that builds with and without CUDA. Without CUDA every call but
+ * the host pool returns KVF_ERR_UNSUPPORTED.
+ *
+ * Threading: each function may be called from any thread; it makes `device`
+ * current for the call and restores the caller's current device.
+ */
+#ifndef KVF_HOST_SERVER_CUDA_H
+#define KVF_HOST_SERVER_CUDA_H
+
+#include <stdint.h>
+
+#include <kvferry/status.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kvf_scuda_event kvf_scuda_event;
+
+/* A non-blocking stream of `device` (*stream is a cudaStream_t). */
+kvf_status kvf_scuda_stream_create(int device, void **stream);
+void kvf_scuda_stream_destroy(int device, void *stream);
+
+/* Make `stream` wait for the interprocess event whose 64-byte
+ * cudaIpcEventHandle_t is `handle` (opened, waited on, closed: the wait
+ * keeps what it needs). KVF_ERR_INVALID_ARGUMENT naming ready_handle when
+ * the driver refuses the handle; KVF_ERR_CUDA. */
+kvf_status kvf_scuda_wait_ipc_event(int device, void *stream, const uint8_t handle[64]);
+
+/* An event (timing disabled) recorded on `stream` now: what the stream has
+ * queued so far is done once it has completed. */
+kvf_status kvf_scuda_event_record(int device, void *stream, kvf_scuda_event **out);
+
+/* 1: completed; 0: not yet; a status < 0 is never returned: a failed
+ * event (sticky error) returns KVF_ERR_CUDA via *error and 1, so the caller
+ * stops waiting (the context is then unusable: nothing is released early
+ * since nothing can run any more). */
+int kvf_scuda_event_done(kvf_scuda_event *event, kvf_status *error);
+void kvf_scuda_event_destroy(kvf_scuda_event *event);
+
+/* Synchronize `stream` (the fallback proof when recording an event failed:
+ * this stream only, never the device). */
+kvf_status kvf_scuda_stream_sync(int device, void *stream);
+
+/* L1 pool memory: `bytes` of host memory placed on NUMA node numa_node (-1:
+ * anywhere) and, for a CUDA device, page-locked and registered portable
+ * (every device's kernels reach it). device -1: plain anonymous memory.
+ * Returns KVF_SUCCESS and *base (page-aligned); KVF_ERR_OUT_OF_MEMORY;
+ * KVF_ERR_CUDA. */
+kvf_status kvf_scuda_pool_alloc(int device, int numa_node, uint64_t bytes, void **base);
+void kvf_scuda_pool_free(int device, void *base, uint64_t bytes);
+
+/* Number of visible CUDA devices (0 without a driver, a GPU, or CUDA). */
+int kvf_scuda_device_count(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVF_HOST_SERVER_CUDA_H */
