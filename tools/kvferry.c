@@ -1,7 +1,7 @@
 /* kvferry: the command-line tool.
  *
  *   kvferry geometry check FILE...   validate geometry files and summarize them
- *   kvferry demo [options]           a store/retrieve round trip that verifies every byte
+ *   kvferry demo [options]           a store/retrieve round trip through kvferryd, every byte verified
  *   kvferry bench [ARGS...]          the transfer benchmark (execs perf/kvf_bench)
  *   kvferry topo                     NUMA nodes, cores and the per-GPU placement
  *   kvferry version
@@ -19,6 +19,8 @@
 
 #include <kvferry/kvferry.h>
 #include <kvferry/topology.h>
+
+#include "demo_util.h"
 
 #ifdef KVF_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -40,18 +42,21 @@ static void usage(FILE *out) {
           "                           summary of each: groups, layers, payload per block against the\n"
           "                           block stride, object sizes per object group, aliases. Exits 1 if\n"
           "                           any file is invalid.\n"
-          "  demo [--preset NAME|FILE] [--tokens N] [--seed S] [--host]\n"
-          "                           store a prefix of N tokens (default 32768) of a preset geometry\n"
-          "                           (default glm-like-hybrid) from a KV cache into cache objects,\n"
-          "                           restore it into a fresh cache with new block ids (as after an\n"
-          "                           engine restart: the sliding-window group restores only its retained\n"
-          "                           window, the recurrent group the state at the prefix's end), verify\n"
-          "                           every byte and report. Runs on GPU 0 when there is one (cache in\n"
-          "                           device memory, objects in pinned host memory), else (or with --host)\n"
-          "                           on the host backend.\n"
+          "  demo [--preset NAME|FILE] [--tokens N] [--seed S] [--host] [--keep] [--in-process]\n"
+          "                           the served round trip: start kvferryd, run one engine process per\n"
+          "                           GPU (one on the host backend without a GPU, or with --host) on a\n"
+          "                           preset geometry (default glm-like-hybrid), store a prefix of N\n"
+          "                           tokens (default 32768) into the server's L1, restart each engine\n"
+          "                           (its imports and aliases go to 0, L1 keeps the objects), register\n"
+          "                           again with new block ids, retrieve the prefix (sliding-window\n"
+          "                           groups restore their retained window, the recurrent group its\n"
+          "                           state at the prefix's end), verify every byte and report. --keep\n"
+          "                           keeps kvferryd's log. --in-process runs the same round trip through\n"
+          "                           the transfer API in this process instead (GPU 0 or the host).\n"
           "  stat [--socket-dir DIR] [--json]\n"
           "                           a running kvferryd's counters: registrations by state,\n"
-          "                           imports, aliases, leases (DIR defaults to $KVF_SOCKET_DIR)\n"
+          "                           imports, aliases, leases, L1 objects and bytes, requests\n"
+          "                           (DIR defaults to $KVF_SOCKET_DIR)\n"
           "  presets                  list the preset geometries\n"
           "  bench [ARGS...]          run the transfer benchmark (kvf_bench from perf/, built with\n"
           "                           -DKVF_BUILD_PERF=ON) with ARGS; 'kvferry bench --help' lists them\n"
@@ -106,17 +111,6 @@ static int cmd_presets(void) {
 }
 
 /* ---- geometry check --------------------------------------------------------- */
-
-static void human(uint64_t bytes, char *buf, size_t len) {
-  const char *unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = (double)bytes;
-  int u = 0;
-  while (v >= 1024 && u < 4) v /= 1024, u++;
-  if (u == 0)
-    snprintf(buf, len, "%" PRIu64 " B", bytes);
-  else
-    snprintf(buf, len, "%.2f %s", v, unit[u]);
-}
 
 static void print_summary(const char *path, const kvf_geometry *g) {
   kvf_object_policy pol;
@@ -205,200 +199,6 @@ static int cmd_geometry_check(int argc, char **argv) {
 
 /* ---- demo -------------------------------------------------------------------- */
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static uint64_t splitmix(uint64_t *s) {
-  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-/* A KV cache: host copies of every region (the bytes the demo checks) and,
- * on a GPU, the device regions the transfers use. */
-typedef struct demo_cache {
-  uint32_t num_regions;
-  void **bases;   /* host copies */
-  void **device;  /* device regions, NULL on the host backend */
-  uint64_t *sizes;
-} demo_cache;
-
-static void cache_free(demo_cache *c) {
-  for (uint32_t r = 0; c->bases && r < c->num_regions; r++) free(c->bases[r]);
-#ifdef KVF_WITH_CUDA
-  for (uint32_t r = 0; c->device && r < c->num_regions; r++) cudaFree(c->device[r]);
-#endif
-  free(c->bases);
-  free(c->device);
-  free(c->sizes);
-  memset(c, 0, sizeof *c);
-}
-
-static int cache_alloc(const kvf_geometry *g, demo_cache *c, uint64_t *seed, int on_gpu) {
-  c->num_regions = kvf_geometry_num_regions(g);
-  c->bases = calloc(c->num_regions, sizeof *c->bases);
-  c->sizes = calloc(c->num_regions, sizeof *c->sizes);
-  c->device = on_gpu ? calloc(c->num_regions, sizeof *c->device) : NULL;
-  if (!c->bases || !c->sizes || (on_gpu && !c->device)) return -1;
-  for (uint32_t r = 0; r < c->num_regions; r++) {
-    kvf_region_info ri;
-    kvf_geometry_region(g, r, &ri);
-    uint64_t align = ri.align < 64 ? 64 : ri.align;
-    c->sizes[r] = ri.size;
-    c->bases[r] = aligned_alloc(align, (ri.size + align - 1) / align * align);
-    if (!c->bases[r]) return -1;
-    uint64_t *p = c->bases[r];
-    for (uint64_t i = 0; i < ri.size / 8; i++) p[i] = splitmix(seed);
-    for (uint64_t i = ri.size / 8 * 8; i < ri.size; i++) ((uint8_t *)c->bases[r])[i] = (uint8_t)splitmix(seed);
-#ifdef KVF_WITH_CUDA
-    if (on_gpu && (cudaMalloc(&c->device[r], ri.size) != cudaSuccess ||
-                   cudaMemcpy(c->device[r], c->bases[r], ri.size, cudaMemcpyHostToDevice) != cudaSuccess))
-      return -1;
-#endif
-  }
-  return 0;
-}
-
-/* Bring the device regions back into the host copies (GPU only). */
-static int cache_download(demo_cache *c) {
-#ifdef KVF_WITH_CUDA
-  for (uint32_t r = 0; c->device && r < c->num_regions; r++)
-    if (cudaMemcpy(c->bases[r], c->device[r], c->sizes[r], cudaMemcpyDeviceToHost) != cudaSuccess) return -1;
-#else
-  (void)c;
-#endif
-  return 0;
-}
-
-/* A block table per group covering the blocks a request needs; ids drawn
- * from one shuffled pool, so groups that alias one tensor never share a block. */
-typedef struct demo_tables {
-  uint32_t num_groups;
-  uint32_t **ids;
-  uint64_t *first;
-  uint32_t *count;
-} demo_tables;
-
-static void tables_free(demo_tables *t) {
-  for (uint32_t i = 0; t->ids && i < t->num_groups; i++) free(t->ids[i]);
-  free(t->ids);
-  free(t->first);
-  free(t->count);
-  memset(t, 0, sizeof *t);
-}
-
-/* Blocks each group keeps after `tokens`: everything for full groups, the
- * retained window for windowed ones, the final state for recurrent ones. */
-static int tables_make(const kvf_geometry *g, uint64_t tokens, uint32_t *pool, uint32_t pool_size, demo_tables *t) {
-  kvf_object_policy pol;
-  kvf_geometry_policy(g, &pol);
-  t->num_groups = kvf_geometry_num_groups(g);
-  t->ids = calloc(t->num_groups, sizeof *t->ids);
-  t->first = calloc(t->num_groups, sizeof *t->first);
-  t->count = calloc(t->num_groups, sizeof *t->count);
-  if (!t->ids || !t->first || !t->count) return -1;
-  uint32_t next = 0;
-  for (uint32_t i = 0; i < t->num_groups; i++) {
-    kvf_group_info gi;
-    kvf_geometry_group(g, i, &gi);
-    uint64_t first, end;
-    if (gi.kind == KVF_GROUP_RECURRENT) {
-      if (kvf_geometry_recurrent_state(g, tokens, &first)) continue; /* no state off a boundary */
-      end = first + 1;
-    } else if (kvf_geometry_retained_blocks(g, i, tokens, &first, &end)) {
-      return -1;
-    }
-    t->first[i] = first;
-    t->count[i] = (uint32_t)(end - first);
-    t->ids[i] = malloc(sizeof(uint32_t) * (t->count[i] ? t->count[i] : 1));
-    if (!t->ids[i]) return -1;
-    for (uint32_t k = 0; k < t->count[i]; k++) {
-      if (next >= pool_size) return -1;
-      t->ids[i][k] = pool[next++];
-    }
-  }
-  return 0;
-}
-
-static uint64_t tables_blocks(const demo_tables *t) {
-  uint64_t n = 0;
-  for (uint32_t i = 0; i < t->num_groups; i++) n += t->count[i];
-  return n;
-}
-
-/* Verify: every run the retrieve selected holds, at its new block, the bytes
- * the engine had at the old block; every other byte kept its poison. */
-static int demo_verify(const kvf_geometry *g, uint64_t tokens, const demo_cache *src, const demo_tables *old,
-                       const demo_cache *dst, const demo_cache *poison, const demo_tables *neu, uint64_t *checked,
-                       uint64_t *untouched) {
-  kvf_object_policy pol;
-  kvf_geometry_policy(g, &pol);
-  uint8_t **mask = calloc(dst->num_regions, sizeof *mask);
-  int bad = 0;
-  if (!mask) return -1;
-  for (uint32_t r = 0; r < dst->num_regions; r++)
-    if (!(mask[r] = calloc(1, dst->sizes[r]))) bad = -1;
-  *checked = *untouched = 0;
-  for (uint32_t gi = 0; !bad && gi < kvf_geometry_num_groups(g); gi++) {
-    kvf_group_info info;
-    kvf_geometry_group(g, gi, &info);
-    for (uint32_t l = 0; l < info.num_layers && !bad; l++) {
-      kvf_view_desc v;
-      kvf_geometry_view(g, gi, l, &v);
-      for (uint32_t k = 0; k < neu->count[gi] && !bad; k++) {
-        uint64_t lblock = neu->first[gi] + k;
-        /* The same logical block in the old table. */
-        if (lblock < old->first[gi] || lblock - old->first[gi] >= old->count[gi]) {
-          bad = 1;
-          break;
-        }
-        uint64_t from = (uint64_t)old->ids[gi][lblock - old->first[gi]] * v.block_stride + v.offset;
-        uint64_t to = (uint64_t)neu->ids[gi][k] * v.block_stride + v.offset;
-        const uint8_t *s = src->bases[v.region], *d = dst->bases[v.region];
-        if (info.kind == KVF_GROUP_RECURRENT) {
-          for (uint32_t st = 0; st < v.num_states; st++) {
-            uint64_t o = v.states[st].offset, n = v.states[st].bytes;
-            if (memcmp(s + from + o, d + to + o, n)) bad = 1;
-            memset(mask[v.region] + to + o, 1, n);
-            *checked += n;
-          }
-          continue;
-        }
-        /* Whole blocks of the window move, tokens before its start included. */
-        uint64_t lt_end = kvf_geometry_local_tokens(g, tokens);
-        for (uint64_t t = 0; t < info.block_size; t++) {
-          if (lblock * info.block_size + t >= lt_end) break;
-          for (uint32_t p = 0; p < v.planes; p++)
-            for (uint32_t h = 0; h < v.heads; h++) {
-              uint64_t o = p * v.plane_stride + t * v.token_stride + h * v.head_stride, n = v.head_bytes[p];
-              if (memcmp(s + from + o, d + to + o, n)) bad = 1;
-              memset(mask[v.region] + to + o, 1, n);
-              *checked += n;
-            }
-        }
-      }
-    }
-  }
-  for (uint32_t r = 0; !bad && r < dst->num_regions; r++) {
-    const uint8_t *d = dst->bases[r], *p = poison->bases[r];
-    for (uint64_t i = 0; i < dst->sizes[r]; i++) {
-      if (mask[r][i]) continue;
-      if (d[i] != p[i]) {
-        bad = 1;
-        break;
-      }
-      (*untouched)++;
-    }
-  }
-  for (uint32_t r = 0; r < dst->num_regions; r++) free(mask[r]);
-  free(mask);
-  return bad;
-}
-
 typedef struct demo_objects {
   uint64_t count; /* slots: chunks x object groups */
   uint64_t used;  /* objects allocated */
@@ -467,24 +267,6 @@ static int objects_make(const kvf_geometry *g, uint64_t tokens, const demo_table
       o->used++;
     }
   return 0;
-}
-
-static uint64_t moved_bytes(const kvf_geometry *g, const demo_tables *t, uint64_t tokens) {
-  uint64_t n = 0;
-  for (uint32_t gi = 0; gi < t->num_groups; gi++) {
-    kvf_group_info info;
-    kvf_geometry_group(g, gi, &info);
-    if (info.kind == KVF_GROUP_RECURRENT) {
-      n += (uint64_t)t->count[gi] * info.payload_per_block;
-      continue;
-    }
-    /* Tokens of the moved blocks that lie inside the prefix. */
-    uint64_t lt_end = kvf_geometry_local_tokens(g, tokens), lt0 = t->first[gi] * info.block_size;
-    uint64_t lt1 = (t->first[gi] + t->count[gi]) * info.block_size;
-    if (lt1 > lt_end) lt1 = lt_end;
-    n += (lt1 - lt0) * (info.payload_per_block / info.block_size);
-  }
-  return n;
 }
 
 /* Move the prefix a few chunks per call so progress can be shown; on a GPU
@@ -572,47 +354,15 @@ static int cmd_demo(int argc, char **argv) {
   fflush(stdout);
   void *stream = NULL;
   kvf_xfer *xfer = NULL;
-  /* Load once to size the block pool, then with enough blocks for the prefix. */
   kvf_geometry *g = NULL;
-  kvf_geometry_error err;
-  kvf_geometry_load_options opt = KVF_GEOMETRY_LOAD_OPTIONS_INIT;
-  opt.num_blocks_override = 4;
-  kvf_status st = kvf_geometry_load_file(path, &opt, &g, &err);
   int rc = 1;
   demo_cache src = {0}, dst = {0}, poison = {0};
   demo_tables stored = {0}, restored = {0};
   demo_objects objs = {0};
-  uint32_t *pool = NULL;
-  if (st) {
-    fprintf(stderr, "kvferry demo: %s: %s\n", path, kvf_last_error());
-    goto out;
-  }
-  uint64_t need = 0;
-  for (uint32_t i = 0; i < kvf_geometry_num_groups(g); i++) {
-    kvf_group_info gi;
-    kvf_geometry_group(g, i, &gi);
-    uint64_t first, end;
-    if (gi.kind == KVF_GROUP_RECURRENT)
-      need += 1;
-    else if (!kvf_geometry_retained_blocks(g, i, tokens, &first, &end))
-      need += end - first;
-  }
-  uint32_t num_blocks = (uint32_t)(need + need / 8 + 8);
-  kvf_geometry_destroy(g);
-  g = NULL;
-  opt.num_blocks_override = num_blocks;
-  if ((st = kvf_geometry_load_file(path, &opt, &g, &err))) {
-    fprintf(stderr, "kvferry demo: %s with %u blocks: %s\n", path, num_blocks, kvf_last_error());
-    goto out;
-  }
-  if (!(pool = malloc(sizeof *pool * num_blocks))) goto out;
-  for (uint32_t i = 0; i < num_blocks; i++) pool[i] = i;
-  uint64_t rng = seed;
-  for (uint32_t i = num_blocks - 1; i > 0; i--) {
-    uint32_t j = (uint32_t)(splitmix(&rng) % (i + 1)), x = pool[i];
-    pool[i] = pool[j];
-    pool[j] = x;
-  }
+  uint32_t *pool = NULL, num_blocks = 0;
+  kvf_status st = KVF_SUCCESS;
+  if (demo_geometry_load(path, tokens, &g, &num_blocks) || !(pool = demo_pool_make(num_blocks, seed))) goto out;
+  uint64_t rng = seed ^ 0x5eed;
 
   fprintf(stderr, "  preparing the engine's KV cache (%u blocks per group)...\n", num_blocks);
   kvf_xfer_options xo = KVF_XFER_OPTIONS_INIT;
@@ -724,6 +474,45 @@ out:
   return rc;
 }
 
+/* `kvferry demo`: the served round trip through kvferryd (the default), or
+ * with --in-process the transfer API alone in this process. */
+int cmd_demo_served(int argc, char **argv, const char *geometry_path, const char *preset);
+int cmd_demo_engine(int argc, char **argv);
+
+static int cmd_demo_dispatch(int argc, char **argv) {
+  const char *preset = "glm-like-hybrid";
+  int in_process = 0;
+  for (int i = 0; i < argc; i++) {
+    if (!strcmp(argv[i], "--in-process")) in_process = 1;
+    if (!strcmp(argv[i], "--preset") && i + 1 < argc) preset = argv[i + 1];
+    if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+      usage(stdout);
+      return 0;
+    }
+  }
+  if (in_process) {
+    /* cmd_demo parses its own options; drop the flag it does not know. */
+    char **rest = malloc(sizeof(char *) * (size_t)(argc + 1));
+    int n = 0;
+    if (!rest) return 1;
+    for (int i = 0; i < argc; i++)
+      if (strcmp(argv[i], "--in-process")) rest[n++] = argv[i];
+    int rc = cmd_demo(n, rest);
+    free(rest);
+    return rc;
+  }
+  for (int i = 0; i < argc; i++)
+    if (strcmp(argv[i], "--tokens") && strcmp(argv[i], "--seed") && strcmp(argv[i], "--preset") &&
+        strcmp(argv[i], "--host") && strcmp(argv[i], "--keep") && (i == 0 || (strcmp(argv[i - 1], "--tokens") &&
+        strcmp(argv[i - 1], "--seed") && strcmp(argv[i - 1], "--preset")))) {
+      fprintf(stderr, "kvferry demo: unknown option '%s' (see kvferry --help)\n", argv[i]);
+      return 2;
+    }
+  char path[4096];
+  if (resolve_geometry(preset, path, sizeof path)) return 1;
+  return cmd_demo_served(argc, argv, path, preset);
+}
+
 /* ---- bench ------------------------------------------------------------------- */
 
 /* Replace this process with kvf_bench: $KVF_BENCH, else next to this binary
@@ -828,14 +617,25 @@ static int cmd_stat(int argc, char **argv) {
   if (json) {
     printf("{\"server_pid\": %u, \"boot_token\": \"%016" PRIx64 "\", \"registrations\": {\"registering\": %u, "
            "\"active\": %u, \"draining\": %u, \"closed_total\": %u, \"failed_total\": %u}, \"imports\": %" PRIu64
-           ", \"aliases\": %" PRIu64 ", \"leases\": %" PRIu64 "}\n",
+           ", \"aliases\": %" PRIu64 ", \"leases\": %" PRIu64 ", \"l1\": {\"objects\": %" PRIu64 ", \"bytes\": %" PRIu64
+           ", \"pool_bytes\": %" PRIu64 ", \"evicted_total\": %" PRIu64 "}, \"requests\": {\"stores_total\": %" PRIu64
+           ", \"retrieves_total\": %" PRIu64 ", \"in_flight\": %" PRIu64 "}, \"lanes\": %u}\n",
            info.server_pid, st.boot_token, st.registering, st.active, st.draining, st.closed_total, st.failed_total,
-           st.imports, st.aliases, st.leases);
+           st.imports, st.aliases, st.leases, st.l1_objects, st.l1_bytes, st.l1_pool_bytes, st.l1_evicted_total,
+           st.stores_total, st.retrieves_total, st.in_flight, st.lanes);
   } else {
-    printf("kvferryd pid %u, boot token %016" PRIx64 "\n", info.server_pid, st.boot_token);
+    char a[32], b[32];
+    printf("kvferryd pid %u, boot token %016" PRIx64 ", %u lanes (GPUs served, plus the host)\n", info.server_pid,
+           st.boot_token, st.lanes);
     printf("  registrations: %u active, %u registering, %u draining (%u closed, %u failed since start)\n", st.active,
            st.registering, st.draining, st.closed_total, st.failed_total);
     printf("  imports %" PRIu64 ", aliases %" PRIu64 ", leases held %" PRIu64 "\n", st.imports, st.aliases, st.leases);
+    human(st.l1_bytes, a, sizeof a);
+    human(st.l1_pool_bytes, b, sizeof b);
+    printf("  L1: %" PRIu64 " objects, %s of %s (%" PRIu64 " chunks evicted since start)\n", st.l1_objects, a, b,
+           st.l1_evicted_total);
+    printf("  requests: %" PRIu64 " stores, %" PRIu64 " retrieves admitted, %" PRIu64 " in flight\n", st.stores_total,
+           st.retrieves_total, st.in_flight);
   }
   return 0;
 }
@@ -851,7 +651,8 @@ int main(int argc, char **argv) {
   }
   if (!strcmp(argv[1], "geometry") && argc >= 3 && !strcmp(argv[2], "check"))
     return cmd_geometry_check(argc - 3, argv + 3);
-  if (!strcmp(argv[1], "demo")) return cmd_demo(argc - 2, argv + 2);
+  if (!strcmp(argv[1], "demo")) return cmd_demo_dispatch(argc - 2, argv + 2);
+  if (!strcmp(argv[1], "demo-engine")) return cmd_demo_engine(argc - 2, argv + 2);
   if (!strcmp(argv[1], "presets")) return cmd_presets();
   if (!strcmp(argv[1], "stat")) return cmd_stat(argc - 2, argv + 2);
   if (!strcmp(argv[1], "bench")) return cmd_bench(argc - 2, argv + 2);
