@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Render kvf_served_bench results (JSON lines) as a markdown table and a plot.
+
+  report_served.py OUTDIR FILE.jsonl...
+
+Writes OUTDIR/served.json (every row, one JSON array), OUTDIR/served.md (a
+table: served GB/s, its ratio to the in-process kernel and to a contiguous
+memcpy of the same bytes measured in the same run, p50 latency) and
+OUTDIR/served.png (GB/s against requests in flight; skipped without
+matplotlib).
+"""
+import json
+import os
+import sys
+
+
+def load(paths):
+    rows = []
+    for p in paths:
+        with open(p) as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    return rows
+
+
+def table(rows):
+    out = [
+        "| direction | tokens/request | MiB/request | in flight | served GB/s | in-process GB/s | memcpy GB/s "
+        "| served / in-process | served / memcpy | latency p50 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["direction"] != "store", r["tokens_per_request"], r["inflight"])):
+        out.append(
+            "| %s | %d | %.1f | %d | %.2f | %.2f | %.2f | %.1f%% | %.1f%% | %.3f |"
+            % (r["direction"], r["tokens_per_request"], r["bytes_per_request"] / 2**20, r["inflight"],
+               r["served_gbps"], r["inproc_gbps"], r["memcpy_gbps"], 100 * r["ratio_to_inproc"],
+               100 * r["ratio_to_memcpy"], r["latency_ms_p50"]))
+    return "\n".join(out) + "\n"
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("report_served.py: no matplotlib, plot skipped", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    keys = sorted({(r["direction"], r["tokens_per_request"]) for r in rows})
+    for d, t in keys:
+        rs = sorted((r for r in rows if r["direction"] == d and r["tokens_per_request"] == t),
+                    key=lambda r: r["inflight"])
+        ax.plot([r["inflight"] for r in rs], [r["served_gbps"] for r in rs], marker="o",
+                label="%s, %d tokens/request" % (d, t))
+    lim = max(r["memcpy_gbps"] for r in rows)
+    ax.axhline(lim, color="gray", linestyle="--", label="contiguous memcpy (%.1f GB/s)" % lim)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("requests in flight")
+    ax.set_ylabel("payload GB/s")
+    r0 = rows[0]
+    ax.set_title("kvferryd STORE / RETRIEVE, %s, GPU %d (%s)" % (r0["geometry"], r0["device"], r0["date"][:10]))
+    ax.set_ylim(0, lim * 1.15)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    if len(sys.argv) < 3:
+        print(__doc__, file=sys.stderr)
+        return 2
+    outdir, paths = sys.argv[1], sys.argv[2:]
+    rows = load(paths)
+    if not rows:
+        print("report_served.py: no rows", file=sys.stderr)
+        return 1
+    os.makedirs(outdir, exist_ok=True)
+    with open(os.path.join(outdir, "served.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(os.path.join(outdir, "served.md"), "w") as f:
+        f.write("# kvferryd served STORE / RETRIEVE (%s)\n\n" % rows[0]["date"])
+        f.write("Each row: the median over its rounds of payload bytes / wall time for its requests (counts per "
+                "row in served.json); ratios are to figures measured in the same run. Rendered by "
+                "perf/report_served.py.\n\n")
+        f.write(table(rows))
+    plot(rows, os.path.join(outdir, "served.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
