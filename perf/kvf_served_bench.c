@@ -3,11 +3,12 @@
  *
  *   kvf_served_bench --geometry FILE [--device D] [--tokens-per-request N]
  *                    [--inflight 1,8,64] [--requests R] [--rounds K]
- *                    [--kvferryd PATH] [--json OUT]
+ *                    [--kvferryd PATH | --socket-dir DIR] [--json OUT]
  *
  * This process is the engine: it allocates its KV cache (cuMem on device D,
  * memfd with --device -1), starts kvferryd on a fresh socket directory,
- * registers, and for each in-flight depth Q keeps Q requests outstanding
+ * registers (--socket-dir: with a kvferryd already running there, which
+ * several benches on several GPUs can share), and for each in-flight depth Q keeps Q requests outstanding
  * (submit, wait for the oldest, submit the next) until R requests of N
  * tokens are done, every request with its own chunk keys (so every object is
  * written). Retrieve reads back the objects of the last round. Each figure is
@@ -63,6 +64,7 @@ static uint64_t mix(uint64_t x) {
 
 typedef struct bench {
   const char *geometry_path, *daemon, *json_path;
+  const char *socket_dir; /* an already running kvferryd (several benches share it), or NULL */
   int device;
   uint64_t tokens_per_request;
   int inflight[8], num_inflight;
@@ -155,11 +157,15 @@ static int setup(bench *b) {
   if (b->device >= 0) cudaMemset(kvf_mem_alloc_ptr(b->alloc), 0x5a, total);
 #endif
   if (b->device < 0) memset(kvf_mem_alloc_ptr(b->alloc), 0x5a, total);
-  /* The server. */
-  char dir[] = "/tmp/kvf-served-bench-XXXXXX";
-  if (!mkdtemp(dir)) return -1;
+  /* The server: started here unless --socket-dir names a running one. */
   static char sock[256], l1[32], dev[16];
-  snprintf(sock, sizeof sock, "%s/sock", dir);
+  if (b->socket_dir) {
+    snprintf(sock, sizeof sock, "%s", b->socket_dir);
+  } else {
+    char dir[] = "/tmp/kvf-served-bench-XXXXXX";
+    if (!mkdtemp(dir)) return -1;
+    snprintf(sock, sizeof sock, "%s/sock", dir);
+  }
   uint64_t request_bytes = 0;
   for (uint32_t og = 0; og < kvf_geometry_num_object_groups(b->g); og++)
     for (uint64_t k = 0; k * b->chunk_tokens < b->tokens_per_request; k++) {
@@ -171,7 +177,7 @@ static int setup(bench *b) {
   snprintf(l1, sizeof l1, "%" PRIu64, (request_bytes * (uint64_t)b->requests * 5 / 4 >> 20) + 256);
   snprintf(dev, sizeof dev, "%d", b->device);
   fflush(stdout);
-  b->server = fork();
+  b->server = b->socket_dir ? -1 : fork();
   if (b->server == 0) {
     int fd = open("/dev/null", O_WRONLY);
     if (fd >= 0 && !getenv("KVF_BENCH_SERVER_LOG")) dup2(fd, STDERR_FILENO);
@@ -374,6 +380,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--rounds")) b.rounds = atoi(v);
     else if (!strcmp(a, "--kvferryd")) b.daemon = v;
     else if (!strcmp(a, "--json")) b.json_path = v;
+    else if (!strcmp(a, "--socket-dir")) b.socket_dir = v;
     else if (!strcmp(a, "--inflight")) {
       b.num_inflight = 0;
       for (char *p = (char *)v; *p && b.num_inflight < 8;) {
@@ -409,8 +416,9 @@ int main(int argc, char **argv) {
       for (int r = 0; r < b.rounds; r++) {
         uint64_t bytes = 0;
         /* Stores write new keys every round; retrieves read the last round's. */
-        uint64_t key_base = dir == 0 ? ((uint64_t)qi << 40) + ((uint64_t)r << 32) + 1
-                                     : ((uint64_t)qi << 40) + ((uint64_t)(b.rounds - 1) << 32) + 1;
+        /* The device goes into the keys: benches sharing one server never share objects. */
+        uint64_t key_base = ((uint64_t)(b.device + 2) << 52) + ((uint64_t)qi << 40) +
+                            ((uint64_t)(dir == 0 ? r : b.rounds - 1) << 32) + 1;
         double dt = round_run(&b, dir == 0 ? KVF_CLIENT_STORE : KVF_CLIENT_RETRIEVE, q, b.requests, key_base,
                               lat + (size_t)r * (size_t)b.requests, &bytes);
         if (dt <= 0) goto out;

@@ -24,14 +24,15 @@ def load(paths):
 
 def table(rows):
     out = [
-        "| direction | tokens/request | MiB/request | in flight | served GB/s | in-process GB/s | memcpy GB/s "
+        "| GPU | direction | tokens/request | MiB/request | in flight | served GB/s | in-process GB/s | memcpy GB/s "
         "| served / in-process | served / memcpy | latency p50 ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in sorted(rows, key=lambda r: (r["direction"] != "store", r["tokens_per_request"], r["inflight"])):
+    for r in sorted(rows, key=lambda r: (r["direction"] != "store", r["tokens_per_request"], r["inflight"],
+                                         r["device"])):
         out.append(
-            "| %s | %d | %.1f | %d | %.2f | %.2f | %.2f | %.1f%% | %.1f%% | %.3f |"
-            % (r["direction"], r["tokens_per_request"], r["bytes_per_request"] / 2**20, r["inflight"],
+            "| %d | %s | %d | %.1f | %d | %.2f | %.2f | %.2f | %.1f%% | %.1f%% | %.3f |"
+            % (r["device"], r["direction"], r["tokens_per_request"], r["bytes_per_request"] / 2**20, r["inflight"],
                r["served_gbps"], r["inproc_gbps"], r["memcpy_gbps"], 100 * r["ratio_to_inproc"],
                100 * r["ratio_to_memcpy"], r["latency_ms_p50"]))
     return "\n".join(out) + "\n"
@@ -46,19 +47,20 @@ def plot(rows, path):
         print("report_served.py: no matplotlib, plot skipped", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    keys = sorted({(r["direction"], r["tokens_per_request"]) for r in rows})
-    for d, t in keys:
-        rs = sorted((r for r in rows if r["direction"] == d and r["tokens_per_request"] == t),
+    keys = sorted({(r["device"], r["direction"], r["tokens_per_request"]) for r in rows})
+    for dev, d, t in keys:
+        rs = sorted((r for r in rows if r["device"] == dev and r["direction"] == d and r["tokens_per_request"] == t),
                     key=lambda r: r["inflight"])
         ax.plot([r["inflight"] for r in rs], [r["served_gbps"] for r in rs], marker="o",
-                label="%s, %d tokens/request" % (d, t))
+                label="GPU %d %s, %d tokens/request" % (dev, d, t))
     lim = max(r["memcpy_gbps"] for r in rows)
     ax.axhline(lim, color="gray", linestyle="--", label="contiguous memcpy (%.1f GB/s)" % lim)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("requests in flight")
     ax.set_ylabel("payload GB/s")
     r0 = rows[0]
-    ax.set_title("kvferryd STORE / RETRIEVE, %s, GPU %d (%s)" % (r0["geometry"], r0["device"], r0["date"][:10]))
+    gpus = ",".join(str(d) for d in sorted({r["device"] for r in rows}))
+    ax.set_title("kvferryd STORE / RETRIEVE, %s, GPU %s (%s)" % (r0["geometry"], gpus, r0["date"][:10]))
     ax.set_ylim(0, lim * 1.15)
     ax.legend(fontsize=8)
     fig.tight_layout()

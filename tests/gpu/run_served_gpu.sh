@@ -8,6 +8,8 @@
 #                other engine keeps its registration
 #   bench        perf/kvf_served_bench on GPU 0 (llama-3.1-8b fa nhd, 256 and 4096 tokens
 #                per request, 1/8/64 in flight)
+#   demo-512k    `kvferry demo --tokens 524288` on GPU 0: one 512k-token request round trip
+#   multi        one kvferryd serving every GPU, kvf_served_bench on each GPU at once
 # Binaries are built elsewhere and carried: BIN (kvferry, kvferryd, kvf_served_bench).
 #
 # Usage: tests/gpu/run_served_gpu.sh BIN_DIR [STEPS...]   (default: every step)
@@ -17,7 +19,7 @@ set -u
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 BIN=$(cd "${1:?usage: run_served_gpu.sh BIN_DIR [STEPS...]}" && pwd)
 shift
-STEPS=${*:-demo-all demo-one sanitizer kill bench}
+STEPS=${*:-demo-all demo-one sanitizer kill bench demo-512k multi}
 OUT=${OUT:-/tmp/kvf-served-logs}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH="$REPO/.gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -121,6 +123,32 @@ EOF
         done
       ) > "$OUT/bench.log" 2>&1
       result bench $? ;;
+    demo-512k)
+      CUDA_VISIBLE_DEVICES=0 timeout 500 "$BIN/kvferry" demo --tokens 524288 > "$OUT/demo-512k.log" 2>&1
+      result demo-512k $? ;;
+    multi)
+      (
+        set -e
+        dir=$(mktemp -d /tmp/kvf-multi-XXXXXX)
+        "$BIN/kvferryd" --socket-dir "$dir/sock" --devices all --l1-mb 4096 --log-level info \
+          2> "$OUT/multi-kvferryd.log" &
+        server=$!
+        for _ in $(seq 100); do "$BIN/kvferry" stat --socket-dir "$dir/sock" >/dev/null 2>&1 && break; sleep 0.1; done
+        pids=()
+        for d in $(seq 0 $((gpus - 1))); do
+          timeout 250 "$BIN/kvf_served_bench" --geometry "$REPO/geometry/presets/llama-3.1-8b-fa-nhd.json" \
+            --device "$d" --tokens-per-request 256 --inflight 8,64 --requests 64 --rounds 5 \
+            --socket-dir "$dir/sock" --json "$OUT/multi-gpu$d.jsonl" > "$OUT/multi-gpu$d.log" 2>&1 &
+          pids+=($!)
+        done
+        st=0
+        for p in "${pids[@]}"; do wait "$p" || st=1; done
+        "$BIN/kvferry" stat --socket-dir "$dir/sock"
+        kill -TERM $server
+        wait $server
+        exit $st
+      ) > "$OUT/multi.log" 2>&1
+      result multi $? ;;
     *) echo "unknown step $step"; failed=1 ;;
   esac
 done
