@@ -42,6 +42,7 @@
 #include <unistd.h>
 
 #include "geometry/error.h"
+#include "host/client_internal.h"
 #include "host/endpoint.h"
 #include "host/log.h"
 #include "host/protocol.h"
@@ -833,6 +834,13 @@ kvf_status kvf_client_submit(kvf_client *client, kvf_client_op op, const kvf_cli
   free(groups);
   if (st == KVF_SUCCESS) *request_id = id;
   return st;
+}
+
+void kvf_client_test_next_request_id(kvf_client *client, uint64_t id) {
+  if (!client || !id) return;
+  pthread_mutex_lock(&client->lock);
+  client->next_request = id;
+  pthread_mutex_unlock(&client->lock);
 }
 
 static const char *outcome_name(uint32_t outcome) {

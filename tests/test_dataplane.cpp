@@ -44,6 +44,7 @@
 #include <kvferry/geometry.h>
 #include <kvferry/memory.h>
 
+#include "host/client_internal.h"
 #include "host/dataplane.h"
 #include "host/server.h"
 
@@ -1169,6 +1170,44 @@ TEST(Dataplane, RetrieveFailureAtEveryStepReportsNothingRestored) {
     expect_nothing_held(srv, "after the failed retrieve");
     EXPECT_EQ(srv.data().l1.objects, objects) << "a failed retrieve lost objects";
   }
+}
+
+// A request sent again under the same id (a retry) is answered from the
+// completion table: the recorded outcome, nothing run twice.
+TEST(Dataplane, ARetriedRequestIsAnsweredFromTheCompletionTable) {
+  const std::string json = hybrid_json(kHybridBlocks);
+  TempDir tmp;
+  Server srv;
+  ASSERT_EQ(srv.start(tmp.sock()), KVF_SUCCESS) << kvf_last_error();
+  Engine e;
+  ASSERT_EQ(e.open(tmp.sock(), json, 1300, "engine"), "");
+  const kvf_geometry *g = e.g;
+  const uint32_t C = chunk_tokens(g);
+  const uint64_t T = kHybridTokens;
+  std::vector<uint64_t> keys = prompt_keys(g, 5, T);
+  Tables st = make_tables(store_spans(g, 0, T), shuffled(kHybridBlocks, 71));
+  Xfer sx(st, keys, C, 0, T);
+  kvf_client_test_next_request_id(e.c, 7000);
+  kvf_client_result first = KVF_CLIENT_RESULT_INIT;
+  ASSERT_EQ(kvf_client_store(e.c, &sx.x, &first), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_GT(first.objects_done, 0u);
+  const kvf_dataplane_stats before = srv.data();
+  // The retry: same id, same request.
+  kvf_client_test_next_request_id(e.c, 7000);
+  kvf_client_result again = KVF_CLIENT_RESULT_INIT;
+  ASSERT_EQ(kvf_client_store(e.c, &sx.x, &again), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(again.outcome, KVF_CLIENT_DONE);
+  EXPECT_EQ(again.prefix_tokens, first.prefix_tokens) << "the recorded outcome's prefix";
+  const kvf_dataplane_stats after = srv.data();
+  EXPECT_EQ(after.stores_total, before.stores_total) << "the retry was run again";
+  EXPECT_EQ(after.l1.committed_total, before.l1.committed_total);
+  // A new id is a new request (its objects are already held).
+  kvf_client_result fresh = KVF_CLIENT_RESULT_INIT;
+  ASSERT_EQ(kvf_client_store(e.c, &sx.x, &fresh), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(srv.data().stores_total, before.stores_total + 1);
+  EXPECT_EQ(fresh.objects_done, 0u);
+  EXPECT_EQ(fresh.objects_present, first.objects_done);
+  expect_nothing_held(srv, "after the retries");
 }
 
 // ---- 6. Eviction under pressure while a retrieve is pinned. -----------------

@@ -1,0 +1,24 @@
+/*
+ * Internal: test hooks of the client library (host/client.c). Not exported.
+ */
+#ifndef KVF_HOST_CLIENT_INTERNAL_H
+#define KVF_HOST_CLIENT_INTERNAL_H
+
+#include <stdint.h>
+
+#include <kvferry/client.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The id the client's next request gets (ids then count up from it), so a
+ * test can send a request again under the id it had, as a retry does.
+ * NULL or 0 is a no-op. */
+void kvf_client_test_next_request_id(kvf_client *client, uint64_t id);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVF_HOST_CLIENT_INTERNAL_H */
