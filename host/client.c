@@ -658,35 +658,66 @@ kvf_status kvf_client_heartbeat(kvf_client *client, uint64_t *boot_token) {
   return client_heartbeat_once(client, boot_token);
 }
 
-kvf_status kvf_client_stat(kvf_client *client, kvf_client_stats *out) {
-  if (!client || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_client_stat: NULL argument");
+/* STAT with `flags`; fills *out (may be NULL) and the client records. */
+static kvf_status client_stat(kvf_client *client, uint32_t flags, kvf_client_stats *out,
+                              kvf_client_stat_record *records, uint32_t capacity, uint32_t *count) {
   kvf_proto_msg req, rep;
   memset(&req, 0, sizeof(req));
   req.type = KVF_PROTO_STAT;
+  req.u.stat.flags = flags;
   kvf_status st = client_call(client, &req, NULL, 0, KVF_PROTO_STAT_REPLY, &rep);
   if (st != KVF_SUCCESS) return st;
-  const kvf_proto_counters *t = &rep.u.stat_reply.total;
-  memset(out, 0, sizeof(*out));
-  out->boot_token = rep.u.stat_reply.boot_token;
-  out->registering = t->registrations[KVF_PROTO_REG_REGISTERING];
-  out->active = t->registrations[KVF_PROTO_REG_ACTIVE];
-  out->draining = t->registrations[KVF_PROTO_REG_DRAINING];
-  out->closed_total = t->registrations[KVF_PROTO_REG_CLOSED];
-  out->failed_total = t->registrations[KVF_PROTO_REG_FAILED];
-  out->imports = t->imports;
-  out->aliases = t->aliases;
-  out->leases = t->leases;
-  const kvf_proto_data_counters *d = &rep.u.stat_reply.data;
-  out->l1_objects = d->l1_objects;
-  out->l1_bytes = d->l1_bytes;
-  out->l1_pool_bytes = d->l1_pool_bytes;
-  out->l1_evicted_total = d->l1_evicted_entries_total;
-  out->stores_total = d->stores_total;
-  out->retrieves_total = d->retrieves_total;
-  out->in_flight = d->in_flight;
-  out->lanes = d->lanes;
+  if (out) {
+    const kvf_proto_counters *t = &rep.u.stat_reply.total;
+    memset(out, 0, sizeof(*out));
+    out->boot_token = rep.u.stat_reply.boot_token;
+    out->registering = t->registrations[KVF_PROTO_REG_REGISTERING];
+    out->active = t->registrations[KVF_PROTO_REG_ACTIVE];
+    out->draining = t->registrations[KVF_PROTO_REG_DRAINING];
+    out->closed_total = t->registrations[KVF_PROTO_REG_CLOSED];
+    out->failed_total = t->registrations[KVF_PROTO_REG_FAILED];
+    out->imports = t->imports;
+    out->aliases = t->aliases;
+    out->leases = t->leases;
+    const kvf_proto_data_counters *d = &rep.u.stat_reply.data;
+    out->l1_objects = d->l1_objects;
+    out->l1_bytes = d->l1_bytes;
+    out->l1_pool_bytes = d->l1_pool_bytes;
+    out->l1_evicted_total = d->l1_evicted_entries_total;
+    out->stores_total = d->stores_total;
+    out->retrieves_total = d->retrieves_total;
+    out->in_flight = d->in_flight;
+    out->lanes = d->lanes;
+  }
+  if (count) *count = rep.u.stat_reply.num_clients;
+  for (uint32_t i = 0; records && i < rep.u.stat_reply.num_clients && i < capacity; i++) {
+    const kvf_proto_stat_client *c = &rep.u.stat_reply.clients[i];
+    kvf_client_stat_record *r = &records[i];
+    memset(r, 0, sizeof(*r));
+    r->client_id = c->client_id;
+    r->pid = c->pid;
+    snprintf(r->name, sizeof(r->name), "%s", c->name);
+    r->registering = c->counters.registrations[KVF_PROTO_REG_REGISTERING];
+    r->active = c->counters.registrations[KVF_PROTO_REG_ACTIVE];
+    r->draining = c->counters.registrations[KVF_PROTO_REG_DRAINING];
+    r->imports = c->counters.imports;
+    r->aliases = c->counters.aliases;
+    r->leases = c->counters.leases;
+  }
   kvf_proto_msg_clear(&rep);
   return KVF_SUCCESS;
+}
+
+kvf_status kvf_client_stat(kvf_client *client, kvf_client_stats *out) {
+  if (!client || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_client_stat: NULL argument");
+  return client_stat(client, 0, out, NULL, 0, NULL);
+}
+
+kvf_status kvf_client_stat_clients(kvf_client *client, kvf_client_stats *out, kvf_client_stat_record *records,
+                                   uint32_t capacity, uint32_t *count) {
+  if (!client || !count || (capacity && !records))
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_client_stat_clients: NULL argument");
+  return client_stat(client, KVF_PROTO_STAT_PER_CLIENT, out, records, capacity, count);
 }
 
 /* ---- chunk keys ------------------------------------------------------------------ */

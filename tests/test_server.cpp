@@ -511,6 +511,48 @@ TEST_F(Server, AClientThatDoesNotReadRepliesStallsNoOne) {
   stop_server_expect_clean();
 }
 
+// STAT per client: each connection's registrations and mappings by itself.
+TEST_F(Server, StatListsEveryClientWithItsOwnCounters) {
+  start_server(10000);
+  Engine &e = start_engine();
+  kvf_client_options o = KVF_CLIENT_OPTIONS_INIT;
+  o.socket_dir = dir_.c_str();
+  o.name = "observer";
+  kvf_client *c = nullptr;
+  ASSERT_EQ(kvf_client_connect(&o, &c, nullptr), KVF_SUCCESS) << kvf_last_error();
+  kvf_client_stats total;
+  kvf_client_stat_record rec[8];
+  uint32_t n = 0;
+  ASSERT_EQ(kvf_client_stat_clients(c, &total, rec, 8, &n), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_EQ(n, 2u);
+  int engines = 0, observers = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    if (!strcmp(rec[i].name, "engine")) {
+      engines++;
+      EXPECT_EQ(rec[i].pid, (uint32_t)e.pid);
+      EXPECT_EQ(rec[i].active, 1u);
+      EXPECT_EQ(rec[i].imports, 1u);
+      EXPECT_EQ(rec[i].aliases, 2u);
+    } else if (!strcmp(rec[i].name, "observer")) {
+      observers++;
+      EXPECT_EQ(rec[i].pid, (uint32_t)getpid());
+      EXPECT_EQ(rec[i].active, 0u);
+      EXPECT_EQ(rec[i].imports, 0u);
+    }
+  }
+  EXPECT_EQ(engines, 1);
+  EXPECT_EQ(observers, 1);
+  EXPECT_EQ(total.imports, 1u);
+  EXPECT_EQ(total.aliases, 2u);
+  // A capacity smaller than the count: the count still says how many there are.
+  ASSERT_EQ(kvf_client_stat_clients(c, nullptr, rec, 1, &n), KVF_SUCCESS);
+  EXPECT_EQ(n, 2u);
+  EXPECT_EQ(kvf_client_stat_clients(c, nullptr, nullptr, 1, &n), KVF_ERR_INVALID_ARGUMENT);
+  kvf_client_disconnect(c);
+  finish_engine(e);
+  stop_server_expect_clean();
+}
+
 TEST_F(Server, SecondServerOnTheSameDirectoryIsRefused) {
   start_server(2000);
   kvf_server_options o = KVF_SERVER_OPTIONS_INIT;

@@ -55,7 +55,8 @@ static void usage(FILE *out) {
           "                           the transfer API in this process instead (GPU 0 or the host).\n"
           "  stat [--socket-dir DIR] [--json]\n"
           "                           a running kvferryd's counters: registrations by state,\n"
-          "                           imports, aliases, leases, L1 objects and bytes, requests\n"
+          "                           imports, aliases, leases, L1 objects and bytes, requests,\n"
+          "                           and the same per connected client\n"
           "                           (DIR defaults to $KVF_SOCKET_DIR)\n"
           "  presets                  list the preset geometries\n"
           "  bench [ARGS...]          run the transfer benchmark (kvf_bench from perf/, built with\n"
@@ -584,6 +585,17 @@ static int cmd_topo(void) {
 
 /* ---- stat ---------------------------------------------------------------- */
 
+/* A client name for a JSON string: anything but plain printable ASCII
+ * (quotes and backslashes included) becomes '?'. */
+static const char *json_safe(const char *name) {
+  static char buf[64];
+  size_t i = 0;
+  for (; name[i] && i < sizeof buf - 1; i++)
+    buf[i] = (name[i] >= 0x20 && name[i] < 0x7f && name[i] != '"' && name[i] != '\\') ? name[i] : '?';
+  buf[i] = 0;
+  return buf;
+}
+
 static int cmd_stat(int argc, char **argv) {
   const char *dir = getenv("KVF_SOCKET_DIR");
   int json = 0;
@@ -607,9 +619,13 @@ static int cmd_stat(int argc, char **argv) {
   kvf_client *c = NULL;
   kvf_client_info info;
   kvf_client_stats st;
+  enum { MAX_RECORDS = 1024 };
+  static kvf_client_stat_record rec[MAX_RECORDS];
+  uint32_t nrec = 0;
   kvf_status s = kvf_client_connect(&opt, &c, &info);
-  if (s == KVF_SUCCESS) s = kvf_client_stat(c, &st);
+  if (s == KVF_SUCCESS) s = kvf_client_stat_clients(c, &st, rec, MAX_RECORDS, &nrec);
   kvf_client_disconnect(c);
+  if (nrec > MAX_RECORDS) nrec = MAX_RECORDS;
   if (s != KVF_SUCCESS) {
     fprintf(stderr, "kvferry stat: %s: %s\n", kvf_status_string(s), kvf_last_error());
     return 1;
@@ -619,10 +635,19 @@ static int cmd_stat(int argc, char **argv) {
            "\"active\": %u, \"draining\": %u, \"closed_total\": %u, \"failed_total\": %u}, \"imports\": %" PRIu64
            ", \"aliases\": %" PRIu64 ", \"leases\": %" PRIu64 ", \"l1\": {\"objects\": %" PRIu64 ", \"bytes\": %" PRIu64
            ", \"pool_bytes\": %" PRIu64 ", \"evicted_total\": %" PRIu64 "}, \"requests\": {\"stores_total\": %" PRIu64
-           ", \"retrieves_total\": %" PRIu64 ", \"in_flight\": %" PRIu64 "}, \"lanes\": %u}\n",
+           ", \"retrieves_total\": %" PRIu64 ", \"in_flight\": %" PRIu64 "}, \"lanes\": %u, ",
            info.server_pid, st.boot_token, st.registering, st.active, st.draining, st.closed_total, st.failed_total,
            st.imports, st.aliases, st.leases, st.l1_objects, st.l1_bytes, st.l1_pool_bytes, st.l1_evicted_total,
            st.stores_total, st.retrieves_total, st.in_flight, st.lanes);
+    /* The clients, this one (the last connected) included. */
+    printf("\"clients\": [");
+    for (uint32_t i = 0; i < nrec; i++)
+      printf("%s{\"client_id\": %" PRIu64 ", \"pid\": %u, \"name\": \"%s\", \"registrations\": {\"registering\": %u, "
+             "\"active\": %u, \"draining\": %u}, \"imports\": %" PRIu64 ", \"aliases\": %" PRIu64
+             ", \"leases\": %" PRIu64 "}",
+             i ? ", " : "", rec[i].client_id, rec[i].pid, json_safe(rec[i].name), rec[i].registering, rec[i].active,
+             rec[i].draining, rec[i].imports, rec[i].aliases, rec[i].leases);
+    printf("]}\n");
   } else {
     char a[32], b[32];
     printf("kvferryd pid %u, boot token %016" PRIx64 ", %u lanes (GPUs served, plus the host)\n", info.server_pid,
@@ -636,6 +661,12 @@ static int cmd_stat(int argc, char **argv) {
            st.l1_evicted_total);
     printf("  requests: %" PRIu64 " stores, %" PRIu64 " retrieves admitted, %" PRIu64 " in flight\n", st.stores_total,
            st.retrieves_total, st.in_flight);
+    printf("  clients: %u connected\n", nrec);
+    for (uint32_t i = 0; i < nrec; i++)
+      printf("    %-6" PRIu64 " pid %-8u %-20s registrations %u active, %u registering, %u draining; imports %" PRIu64
+             ", aliases %" PRIu64 ", leases %" PRIu64 "\n",
+             rec[i].client_id, rec[i].pid, rec[i].name[0] ? rec[i].name : "-", rec[i].active, rec[i].registering,
+             rec[i].draining, rec[i].imports, rec[i].aliases, rec[i].leases);
   }
   return 0;
 }

@@ -123,8 +123,23 @@ KVF_API kvf_status kvf_client_unregister(kvf_client *client, uint64_t registrati
  * when it differs from the one at connect, the server restarted. */
 KVF_API kvf_status kvf_client_heartbeat(kvf_client *client, uint64_t *boot_token);
 
+/* One connected client in STAT. */
+typedef struct kvf_client_stat_record {
+  uint64_t client_id;
+  uint32_t pid;                           /* what its HELLO said */
+  char name[64];
+  uint32_t registering, active, draining; /* its registrations by state now */
+  uint64_t imports, aliases, leases;
+} kvf_client_stat_record;
+
 /* The server's counters. */
 KVF_API kvf_status kvf_client_stat(kvf_client *client, kvf_client_stats *out);
+
+/* The server's counters (out may be NULL) and one record per connected
+ * client: up to `capacity` into records[], *count gets how many the server
+ * sent (at most 1024; more than capacity means some were left out). */
+KVF_API kvf_status kvf_client_stat_clients(kvf_client *client, kvf_client_stats *out,
+                                           kvf_client_stat_record *records, uint32_t capacity, uint32_t *count);
 
 /* ---- STORE and RETRIEVE -------------------------------------------------- */
 
