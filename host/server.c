@@ -210,7 +210,9 @@ static kvf_server_conn *conn_by_client(kvf_server *s, uint64_t client_id, uint32
   return NULL;
 }
 
-/* Write every queued reply (loop thread). */
+/* Queue every reply the completion threads posted (loop thread). Drops
+ * nothing itself: the caller sweeps connections whose writes failed, so the
+ * connection array never moves under a walk over it. */
 static void server_flush_outbox(kvf_server *s) {
   pthread_mutex_lock(&s->out_mu);
   kvf_server_out *o = s->out_head;
@@ -221,7 +223,7 @@ static void server_flush_outbox(kvf_server *s) {
     uint32_t index = 0;
     kvf_server_conn *c = conn_by_client(s, o->client_id, &index);
     if (c) {
-      if (conn_queue(c, o->frame, o->len) != KVF_SUCCESS) server_conn_drop(s, index, "reply not delivered");
+      (void)conn_queue(c, o->frame, o->len); /* a failure marks c (q_failed): dropped by the sweep */
     } else {
       free(o->frame); /* the client is gone */
     }
@@ -807,7 +809,6 @@ kvf_status kvf_server_run(kvf_server *s) {
         char buf[64];
         while (read(s->stop_pipe[0], buf, sizeof(buf)) > 0) {
         }
-        server_flush_outbox(s);
       }
       /* Connections first, walking backwards so a drop (which moves the last
        * connection into the hole) never skips one polled this turn. */
@@ -828,6 +829,9 @@ kvf_status kvf_server_run(kvf_server *s) {
       }
       if (s->pfds[1].revents) server_accept(s);
     }
+    server_flush_outbox(s);
+    for (uint32_t i = s->num_conns; i-- > 0;)
+      if (s->conns[i]->q_failed != KVF_SUCCESS) server_conn_drop(s, i, "reply not delivered");
     server_reap(s);
   }
   /* Stop: drain every client and stop listening. Requests in flight finish
