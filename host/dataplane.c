@@ -422,7 +422,23 @@ static kvf_status job_finish_request(dp_job *j) {
     j->group_blocks[gidx] = blocks_moved(j, &gi, gidx);
   }
   kvf_status st = kvf_copy_request_check(g, &j->req);
-  if (st != KVF_SUCCESS) kvf_error_prefix("payload.");
+  if (st != KVF_SUCCESS) {
+    /* The engine's request passed job_precheck: this is the server's own shaping. */
+    KVF_WARN(SERVER, "request shaping produced a request the transfer refuses: %s", kvf_last_error());
+    st = kvf_fail(KVF_ERR_INTERNAL, "payload: the server shaped an invalid request (a bug; see its log)");
+  }
+  return st;
+}
+
+/* Check j's request as the engine sent it, every object present, so a bad
+ * table is refused (naming the field) before L1 is touched. */
+static kvf_status job_precheck(dp_job *j, uint64_t num_objects) {
+  for (uint64_t i = 0; i < num_objects; i++) j->objects[i] = (void *)(uintptr_t)KVF_L1_ALIGN; /* never read */
+  j->req.objects = j->objects;
+  kvf_status st = kvf_copy_request_check(j->b->geometry, &j->req);
+  memset(j->objects, 0, num_objects * sizeof(void *));
+  j->req.objects = NULL;
+  if (st != KVF_SUCCESS) kvf_error_prefix("payload: ");
   return st;
 }
 
@@ -441,6 +457,10 @@ static kvf_status admit_store(kvf_dataplane *dp, dp_job *j, const kvf_proto_xfer
     st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "store: out of memory");
     goto out;
   }
+  /* The request as the engine sent it must be one the transfer accepts
+   * before anything is reserved (a reservation may evict). */
+  st = job_precheck(j, nchunks * nog);
+  if (st != KVF_SUCCESS) goto out;
   uint32_t n = 0;
   for (uint64_t k = 0; k < nchunks; k++) {
     uint64_t cb = x->token_begin + k * C, ce = x->token_end - cb > C ? cb + C : x->token_end;
@@ -448,10 +468,15 @@ static kvf_status admit_store(kvf_dataplane *dp, dp_job *j, const kvf_proto_xfer
       spec_index[k * nog + og] = UINT32_MAX;
       kvf_object_group_info oi;
       (void)kvf_geometry_object_group(g, og, &oi);
+      /* An object is written whole or not at all: every group of its object
+       * group must be in the request with every block of the chunk. */
       int requested = 0, complete = 1;
       for (uint32_t i = 0; i < oi.num_groups; i++) {
         uint32_t gidx = oi.groups[i];
-        if (!group_requested(j, gidx)) continue;
+        if (!group_requested(j, gidx)) {
+          complete = 0;
+          continue;
+        }
         requested = 1;
         kvf_group_info gi;
         (void)kvf_geometry_group(g, gidx, &gi);
@@ -472,7 +497,19 @@ static kvf_status admit_store(kvf_dataplane *dp, dp_job *j, const kvf_proto_xfer
   if (n > 0) {
     st = kvf_l1_reserve(dp->l1, j->b->lane->device, specs, n, slots, &j->reservation);
     if (st != KVF_SUCCESS) {
-      kvf_error_prefix("payload.chunk_keys: ");
+      /* L1 names specs[i]: name the chunk key and object group instead. */
+      char why[KVF_PROTO_MESSAGE_MAX];
+      snprintf(why, sizeof(why), "%s", kvf_last_error());
+      unsigned i = 0;
+      const char *rest = strstr(why, "].");
+      if (sscanf(why, "specs[%u]", &i) == 1 && i < n && rest) {
+        uint64_t k = 0;
+        while (k < nchunks && spec_index[k * nog + specs[i].object_group] != i) k++;
+        st = kvf_fail(st, "payload.chunk_keys[%llu]: object group %u: %s",
+                      (unsigned long long)k, (unsigned)specs[i].object_group, rest + 2);
+      } else {
+        kvf_error_prefix("payload.chunk_keys: ");
+      }
       goto out;
     }
   }
@@ -581,6 +618,8 @@ static kvf_status admit_retrieve(kvf_dataplane *dp, dp_job *j, const kvf_proto_x
     st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "retrieve: out of memory");
     goto out;
   }
+  st = job_precheck(j, nchunks * nog);
+  if (st != KVF_SUCCESS) goto out;
   for (uint64_t k = 0; k < nchunks; k++)
     for (uint32_t og = 0; og < nog; og++) q[k * nog + og] = (kvf_l1_query){x->chunk_keys[k], og};
   st = kvf_l1_lookup_pin(dp->l1, q, (uint32_t)(nchunks * nog), found, &j->pin);

@@ -1210,6 +1210,70 @@ TEST(Dataplane, ARetriedRequestIsAnsweredFromTheCompletionTable) {
   expect_nothing_held(srv, "after the retries");
 }
 
+// An object is written whole or not at all: with the recurrent group in the
+// full group's object group (separate_recurrent false), a STORE that leaves
+// the recurrent group out stores nothing of that object group.
+TEST(Dataplane, AStoreMissingAGroupOfAnObjectGroupStoresNoneOfIt) {
+  std::string json = hybrid_json(kHybridBlocks);
+  const std::string from = "\"separate_recurrent\": true";
+  ASSERT_NE(json.find(from), std::string::npos);
+  json.replace(json.find(from), from.size(), "\"separate_recurrent\": false");
+  TempDir tmp;
+  Server srv;
+  ASSERT_EQ(srv.start(tmp.sock()), KVF_SUCCESS) << kvf_last_error();
+  Engine e;
+  ASSERT_EQ(e.open(tmp.sock(), json, 1400, "engine"), "");
+  const kvf_geometry *g = e.g;
+  ASSERT_EQ(kvf_geometry_num_object_groups(g), 2u) << "full+recurrent, sliding";
+  const uint32_t C = chunk_tokens(g);
+  const uint64_t T = kHybridTokens;
+  std::vector<uint64_t> keys = prompt_keys(g, 9, T);
+  // No recurrent slot: object group 0 (full + recurrent) is incomplete in every chunk.
+  Tables st = make_tables(store_spans(g, 0, T, false, /*recurrent=*/false), shuffled(kHybridBlocks, 81));
+  Xfer sx(st, keys, C, 0, T);
+  kvf_client_result r = KVF_CLIENT_RESULT_INIT;
+  ASSERT_EQ(kvf_client_store(e.c, &sx.x, &r), KVF_SUCCESS) << kvf_last_error();
+  const uint32_t og0 = group_info(g, 0).object_group;
+  EXPECT_EQ(r.group_blocks[0], 0u) << "full blocks were stored into objects whose recurrent part is garbage";
+  EXPECT_EQ(r.prefix_tokens, 0u);
+  // Only the sliding object group's window objects are held.
+  EXPECT_EQ(srv.data().l1.objects, r.objects_done);
+  EXPECT_GT(r.objects_done, 0u);
+  EXPECT_LT(r.objects_done, keys.size()) << "object group " << og0 << " was stored";
+  expect_nothing_held(srv, "after the store");
+}
+
+// A STORE the transfer would refuse is refused before L1 is touched: it
+// evicts nothing, even when it would have needed the room.
+TEST(Dataplane, ARefusedStoreEvictsNothing) {
+  TempDir tmp;
+  Server srv;
+  ServerConfig cfg;
+  cfg.l1_bytes = 160 * 1024; // room for one 4-chunk store of the small geometry (128 KiB), not two
+  ASSERT_EQ(srv.start(tmp.sock(), cfg), KVF_SUCCESS) << kvf_last_error();
+  const std::string json = small_json(64);
+  Engine e;
+  ASSERT_EQ(e.open(tmp.sock(), json, 1500, "engine"), "");
+  const kvf_geometry *g = e.g;
+  const uint32_t C = chunk_tokens(g);
+  std::vector<uint64_t> ka = prompt_keys(g, 21, 4 * C), kb = prompt_keys(g, 22, 4 * C);
+  Tables ta = make_tables({{0, 4 * C / 16}}, shuffled(64, 3));
+  Xfer sa(ta, ka, C, 0, 4 * C);
+  kvf_client_result r = KVF_CLIENT_RESULT_INIT;
+  ASSERT_EQ(kvf_client_store(e.c, &sa.x, &r), KVF_SUCCESS) << kvf_last_error();
+  const kvf_dataplane_stats before = srv.data();
+  ASSERT_GT(before.l1.objects, 0u);
+  // Native objects hold whole blocks: a range ending mid-block is refused.
+  Xfer sb(ta, kb, C, 0, 4 * C - 3, KVF_FORMAT_NATIVE);
+  kvf_client_result rb = KVF_CLIENT_RESULT_INIT;
+  EXPECT_EQ(kvf_client_store(e.c, &sb.x, &rb), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(has(kvf_last_error(), "token_end")) << kvf_last_error();
+  const kvf_dataplane_stats after = srv.data();
+  EXPECT_EQ(after.l1.objects, before.l1.objects);
+  EXPECT_EQ(after.l1.evicted_entries_total, before.l1.evicted_entries_total) << "a refused store evicted";
+  expect_nothing_held(srv, "after the refused store");
+}
+
 // ---- 6. Eviction under pressure while a retrieve is pinned. -----------------
 
 TEST(Dataplane, EvictionNeverTakesPinnedEntries) {
