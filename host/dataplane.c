@@ -79,6 +79,7 @@ struct dp_lane {
   kvf_dataplane *dp;
   int device; /* -1: the host lane */
   int numa_node, worker_cpu, completion_cpu;
+  int pin_device; /* the device its pool was pinned through, or -1 */
   void *stream;
   void *pool;
   uint64_t pool_bytes;
@@ -98,6 +99,7 @@ struct kvf_dataplane {
   pthread_mutex_t mu; /* lane queues, the in-flight list, counters */
   int mu_init, cv_init;
   int stopping;
+  int first_device; /* the first CUDA device served, or -1 */
   dp_job *all; /* admitted and not retired */
   kvf_dataplane_stats counters;
 };
@@ -1016,8 +1018,12 @@ static kvf_status lane_start(kvf_dataplane *dp, dp_lane *lane, int device) {
     st = kvf_scuda_stream_create(device, &lane->stream);
     if (st != KVF_SUCCESS) return st;
   }
-  lane->pool_bytes = dp->opt.l1_bytes;
-  st = kvf_scuda_pool_alloc(device, lane->numa_node, lane->pool_bytes, &lane->pool);
+  lane->pool_bytes = device < 0 && dp->opt.num_devices ? dp->opt.host_l1_bytes : dp->opt.l1_bytes;
+  /* The host lane's pool is pinned too when GPUs are served: GPU lanes read
+   * objects a host engine stored (lookups span every pool), and a kernel
+   * cannot reach pageable memory. */
+  lane->pin_device = device >= 0 ? device : (dp->opt.num_devices ? dp->first_device : -1);
+  st = kvf_scuda_pool_alloc(lane->pin_device, lane->numa_node, lane->pool_bytes, &lane->pool);
   if (st != KVF_SUCCESS) return st;
   KVF_INFO(SERVER, "lane %d: %llu MiB of L1 on NUMA node %d, worker on cpu %d, completion on cpu %d", device,
            (unsigned long long)(lane->pool_bytes >> 20), lane->numa_node, lane->worker_cpu, lane->completion_cpu);
@@ -1052,10 +1058,13 @@ kvf_status kvf_dataplane_create(const kvf_dataplane_options *opt, kvf_dataplane 
   kvf_dataplane *dp = calloc(1, sizeof(*dp));
   if (!dp) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_dataplane_create: out of memory");
   dp->opt = *opt;
+  dp->first_device = opt->num_devices ? opt->devices[0] : -1;
   dp->opt.devices = NULL;
   dp->registry = opt->registry;
   if (!dp->opt.l1_bytes) dp->opt.l1_bytes = 1ull << 30;
   dp->opt.l1_bytes = (dp->opt.l1_bytes + 4095) & ~4095ull;
+  if (!dp->opt.host_l1_bytes) dp->opt.host_l1_bytes = 256ull << 20;
+  dp->opt.host_l1_bytes = (dp->opt.host_l1_bytes + 4095) & ~4095ull;
   if (!dp->opt.job_timeout_ms) dp->opt.job_timeout_ms = 60000;
   kvf_status st;
   if (pthread_mutex_init(&dp->mu, NULL) != 0) {
@@ -1111,7 +1120,7 @@ void kvf_dataplane_destroy(kvf_dataplane *dp) {
   kvf_l1_destroy(dp->l1);
   for (uint32_t i = 0; i < dp->num_lanes; i++) {
     dp_lane *lane = &dp->lanes[i];
-    kvf_scuda_pool_free(lane->device, lane->pool, lane->pool_bytes);
+    kvf_scuda_pool_free(lane->pin_device, lane->pool, lane->pool_bytes);
     kvf_scuda_stream_destroy(lane->device, lane->stream);
     if (dp->cv_init) {
       pthread_cond_destroy(&lane->todo_cv);

@@ -66,7 +66,9 @@ typedef struct kvf_dataplane_options {
   kvf_registry *registry;    /* leases and completions; required */
   const int *devices;        /* CUDA devices to serve (lanes); NULL/0: none (host lane only) */
   uint32_t num_devices;
-  uint64_t l1_bytes;         /* L1 pool per lane; 0: 1 GiB */
+  uint64_t l1_bytes;         /* L1 pool per GPU lane (and the host lane without GPUs); 0: 1 GiB */
+  uint64_t host_l1_bytes;    /* the host lane's pool when GPUs are served (it is pinned then);
+                                0: 256 MiB */
   uint32_t job_timeout_ms;   /* report "timed out" after this; 0: 60000 */
   const kvf_topology *topology; /* placement of GPU lanes; NULL: unpinned threads, any NUMA node */
   kvf_dp_reply_fn reply;     /* required */

@@ -676,6 +676,7 @@ kvf_status kvf_server_create(const kvf_server_options *options, kvf_server **out
   dpo.devices = options->devices;
   dpo.num_devices = options->num_devices;
   dpo.l1_bytes = options->l1_bytes;
+  dpo.host_l1_bytes = options->host_l1_bytes;
   dpo.job_timeout_ms = options->request_timeout_ms;
   dpo.topology = s->topology;
   dpo.reply = server_post_reply;

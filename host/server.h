@@ -52,13 +52,14 @@ typedef struct kvf_server_options {
   uint32_t write_timeout_ms;     /* a reply a client does not read within this drops it; 0: 2000 */
   const int *devices;            /* CUDA devices served (one lane each, plus the host lane); NULL: none */
   uint32_t num_devices;
-  uint64_t l1_bytes;             /* L1 pool per lane; 0: 1 GiB */
+  uint64_t l1_bytes;             /* L1 pool per GPU lane (the host lane's without GPUs); 0: 1 GiB */
+  uint64_t host_l1_bytes;        /* the host lane's pool when GPUs are served; 0: 256 MiB */
   uint32_t request_timeout_ms;   /* a STORE/RETRIEVE not proven complete by then is reported timed out; 0: 60000 */
   uint32_t test_fail_step;       /* tests only: kvf_dataplane_options.test_fail_step */
   uint16_t test_fail_type;       /* tests only: kvf_dataplane_options.test_fail_type */
   uint32_t test_completion_delay_ms; /* tests only: kvf_dataplane_options.test_completion_delay_ms */
 } kvf_server_options;
-#define KVF_SERVER_OPTIONS_INIT {sizeof(kvf_server_options), KVF_SERVER_VERSION, NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, 0, 0}
+#define KVF_SERVER_OPTIONS_INIT {sizeof(kvf_server_options), KVF_SERVER_VERSION, NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, 0, 0, 0}
 
 /* Create a server: an import table (no extra access devices), a registry
  * over it, and the endpoint listening on options->socket_dir. Returns

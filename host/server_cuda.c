@@ -217,7 +217,7 @@ static void bind_to_node(void *base, uint64_t bytes, int node) {
   hwloc_topology_destroy(topo);
 }
 
-kvf_status kvf_scuda_pool_alloc(int device, int numa_node, uint64_t bytes, void **base) {
+kvf_status kvf_scuda_pool_alloc(int pin_device, int numa_node, uint64_t bytes, void **base) {
   *base = NULL;
   if (bytes == 0) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "l1_bytes: 0");
   void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -225,8 +225,8 @@ kvf_status kvf_scuda_pool_alloc(int device, int numa_node, uint64_t bytes, void 
     return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "L1 pool of %llu bytes: mmap: %s", (unsigned long long)bytes,
                     strerror(errno));
   if (numa_node >= 0) bind_to_node(p, bytes, numa_node);
-  if (device >= 0) {
-    kvf_status st = pin_pool(device, p, bytes);
+  if (pin_device >= 0) {
+    kvf_status st = pin_pool(pin_device, p, bytes);
     if (st != KVF_SUCCESS) {
       munmap(p, bytes);
       return st;
@@ -236,8 +236,8 @@ kvf_status kvf_scuda_pool_alloc(int device, int numa_node, uint64_t bytes, void 
   return KVF_SUCCESS;
 }
 
-void kvf_scuda_pool_free(int device, void *base, uint64_t bytes) {
+void kvf_scuda_pool_free(int pin_device, void *base, uint64_t bytes) {
   if (!base) return;
-  if (device >= 0) unpin_pool(base);
+  if (pin_device >= 0) unpin_pool(base);
   munmap(base, bytes);
 }

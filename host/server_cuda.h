@@ -46,12 +46,12 @@ void kvf_scuda_event_destroy(kvf_scuda_event *event);
 kvf_status kvf_scuda_stream_sync(int device, void *stream);
 
 /* L1 pool memory: `bytes` of host memory placed on NUMA node numa_node (-1:
- * anywhere) and, for a CUDA device, page-locked and registered portable
- * (every device's kernels reach it). device -1: plain anonymous memory.
- * Returns KVF_SUCCESS and *base (page-aligned); KVF_ERR_OUT_OF_MEMORY;
- * KVF_ERR_CUDA. */
-kvf_status kvf_scuda_pool_alloc(int device, int numa_node, uint64_t bytes, void **base);
-void kvf_scuda_pool_free(int device, void *base, uint64_t bytes);
+ * anywhere) and, with pin_device >= 0, page-locked and registered portable
+ * through that device (every device's kernels reach it). pin_device -1:
+ * plain anonymous memory (a host-only server). Returns KVF_SUCCESS and *base
+ * (page-aligned); KVF_ERR_OUT_OF_MEMORY; KVF_ERR_CUDA. */
+kvf_status kvf_scuda_pool_alloc(int pin_device, int numa_node, uint64_t bytes, void **base);
+void kvf_scuda_pool_free(int pin_device, void *base, uint64_t bytes);
 
 /* Number of visible CUDA devices (0 without a driver, a GPU, or CUDA). */
 int kvf_scuda_device_count(void);

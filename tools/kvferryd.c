@@ -42,6 +42,9 @@ static void usage(FILE *f) {
           "                              \"none\" (host backend only), or ordinals (\"0,1\").\n"
           "                              Host-backend engines are always served.\n"
           "  --l1-mb N                   L1 object store per device, in MiB (default 1024)\n"
+          "  --host-l1-mb N              L1 for host-backend engines when GPUs are served, in MiB\n"
+          "                              (default 256; pinned, since GPU engines may read it);\n"
+          "                              without GPUs the host lane gets --l1-mb\n"
           "  --request-timeout-ms N      a STORE or RETRIEVE not complete by then is reported\n"
           "                              timed out (its memory is released only once the work\n"
           "                              is proven done) (default 60000)\n"
@@ -116,6 +119,15 @@ int main(int argc, char **argv) {
         return 2;
       }
       opt.l1_bytes = (uint64_t)mb << 20;
+      i++;
+    } else if (!strcmp(a, "--host-l1-mb") && v) {
+      uint32_t mb = 0;
+      if (parse_u32(a, v, &mb) != 0) return 2;
+      if (mb == 0) {
+        fprintf(stderr, "kvferryd: --host-l1-mb: must be at least 1\n");
+        return 2;
+      }
+      opt.host_l1_bytes = (uint64_t)mb << 20;
       i++;
     } else if (!strcmp(a, "--request-timeout-ms") && v) {
       if (parse_u32(a, v, &opt.request_timeout_ms) != 0) return 2;
