@@ -176,7 +176,10 @@ typedef enum kvf_client_outcome {
   KVF_CLIENT_FAILED = 2,
   KVF_CLIENT_CANCELLED = 3,
   KVF_CLIENT_TIMED_OUT = 4, /* the server stopped waiting; its memory is released only when the
-                               work is proven complete */
+                               work is proven complete. A timed-out RETRIEVE may still be writing
+                               the blocks it named: reuse them only after the reply of a later
+                               request of this registration that was admitted (a lane runs them
+                               in order), or after unregistering */
 } kvf_client_outcome;
 
 typedef struct kvf_client_result {
@@ -205,8 +208,10 @@ typedef enum kvf_client_op {
 /* Chained prefix keys: keys[k] = hash(keys[k-1] (seed for k = 0), the
  * token_bytes-byte tokens of chunk k), for the ceil(num_tokens /
  * chunk_tokens) chunks of tokens[0 .. num_tokens). Equal prefixes give
- * equal keys; fold the model's name into seed so that two models never
- * share keys. Keys are never 0. Returns the number of keys written (0 for
+ * equal keys. L1 keys objects by (chunk key, object group) only, so fold
+ * into seed everything that makes this worker's bytes differ for the same
+ * tokens: the model, and the shard (tensor-parallel rank, DCP rank); two
+ * workers that share a seed share objects. Keys are never 0. Returns the number of keys written (0 for
  * NULL pointers or chunk_tokens 0). */
 KVF_API uint64_t kvf_chunk_keys(uint64_t seed, const void *tokens, uint32_t token_bytes, uint64_t num_tokens,
                                 uint32_t chunk_tokens, uint64_t *keys);
