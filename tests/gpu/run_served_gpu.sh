@@ -10,6 +10,8 @@
 #                per request, 1/8/64 in flight)
 #   demo-512k    `kvferry demo --tokens 524288` on GPU 0: one 512k-token request round trip
 #   multi        one kvferryd serving every GPU, kvf_served_bench on each GPU at once
+#   cross        a host-backend engine stores, a GPU engine retrieves those objects (the
+#                host lane's L1 is pinned when GPUs are served) and verifies every byte
 # Binaries are built elsewhere and carried: BIN (kvferry, kvferryd, kvf_served_bench).
 #
 # Usage: tests/gpu/run_served_gpu.sh BIN_DIR [STEPS...]   (default: every step)
@@ -19,7 +21,7 @@ set -u
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 BIN=$(cd "${1:?usage: run_served_gpu.sh BIN_DIR [STEPS...]}" && pwd)
 shift
-STEPS=${*:-demo-all demo-one sanitizer kill bench demo-512k multi}
+STEPS=${*:-demo-all demo-one sanitizer kill bench demo-512k multi cross}
 OUT=${OUT:-/tmp/kvf-served-logs}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH="$REPO/.gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -149,6 +151,24 @@ EOF
         exit $st
       ) > "$OUT/multi.log" 2>&1
       result multi $? ;;
+    cross)
+      (
+        set -e
+        dir=$(mktemp -d /tmp/kvf-cross-XXXXXX)
+        "$BIN/kvferryd" --socket-dir "$dir/sock" --devices all --log-level info 2> "$OUT/cross-kvferryd.log" &
+        server=$!
+        for _ in $(seq 100); do "$BIN/kvferry" stat --socket-dir "$dir/sock" >/dev/null 2>&1 && break; sleep 0.1; done
+        g="$REPO/geometry/presets/glm-like-hybrid.json"
+        # stdin at EOF: the host engine unregisters and exits once it has stored.
+        "$BIN/kvferry" demo-engine --socket-dir "$dir/sock" --geometry "$g" --role store --name host \
+          --tokens 4096 --seed 31 --device -1 < /dev/null
+        "$BIN/kvferry" demo-engine --socket-dir "$dir/sock" --geometry "$g" --role restore --name "gpu0'" \
+          --tokens 4096 --seed 31 --device 0
+        "$BIN/kvferry" stat --socket-dir "$dir/sock"
+        kill -TERM $server
+        wait $server
+      ) > "$OUT/cross.log" 2>&1
+      result cross $? ;;
     *) echo "unknown step $step"; failed=1 ;;
   esac
 done
