@@ -24,6 +24,7 @@
 #include <kvferry/geometry.h>
 #include <kvferry/memory.h>
 
+#include "server_test_util.h"
 #include "host/endpoint.h"
 #include "host/protocol.h"
 #include "host/server.h"
@@ -45,41 +46,16 @@ int64_t ms_since(Clock::time_point t0) {
 
 bool has(const char *haystack, const std::string &needle) { return std::string(haystack).find(needle) != std::string::npos; }
 
-// Two regions of 16 KiB, as in test_server.cpp.
-const char kTinyGeometry[] = R"({
-  "format": "kvferry-geometry", "version": 1, "name": "tiny",
-  "regions": [{"name": "kv", "count": 2, "size": 0}],
-  "groups": [{"name": "full", "kind": "full", "block_size": 16, "num_blocks": 4,
-    "layers": [{"count": 2, "name": "layer", "region": "kv", "region_step": 1, "offset": 0,
-      "elem_bytes": 2, "block_stride": 2048, "planes": 2, "heads": 1, "head_bytes": 128,
-      "plane_stride": "num_blocks * block_stride", "token_stride": 128, "head_stride": 128}]}],
-  "objects": {"chunk_tokens": 16, "format": "canonical"}
-})";
+using kvf_server_test::kTinyGeometry;
 
-// A server in this process: kvf_server_run on its own thread.
-struct RealServer {
-  kvf_server *s = nullptr;
-  std::thread loop;
-  kvf_status run_status = KVF_ERR_INTERNAL;
-
+// A server in this process, started with a heartbeat timeout.
+struct RealServer : kvf_server_test::InProcessServer {
   kvf_status start(const std::string &dir, uint32_t heartbeat_timeout_ms) {
     kvf_server_options o = KVF_SERVER_OPTIONS_INIT;
     o.socket_dir = dir.c_str();
     o.heartbeat_timeout_ms = heartbeat_timeout_ms;
-    kvf_status st = kvf_server_create(&o, &s);
-    if (st != KVF_SUCCESS) return st;
-    loop = std::thread([this] { run_status = kvf_server_run(s); });
-    return KVF_SUCCESS;
+    return InProcessServer::start(o);
   }
-  void stop() {
-    if (!s) return;
-    kvf_server_stop(s);
-    loop.join();
-    EXPECT_EQ(run_status, KVF_SUCCESS);
-    kvf_server_destroy(s);
-    s = nullptr;
-  }
-  ~RealServer() { stop(); }
 };
 
 // A scripted server for one client: answers HELLO, then runs `script` on the

@@ -42,6 +42,7 @@
 #include <kvferry/geometry.h>
 #include <kvferry/memory.h>
 
+#include "server_test_util.h"
 #include "host/client_internal.h"
 #include "host/dataplane.h"
 #include "host/server.h"
@@ -424,11 +425,7 @@ struct ServerConfig {
   uint32_t timeout_ms = 0;
 };
 
-struct Server {
-  kvf_server *s = nullptr;
-  std::thread loop;
-  std::atomic<int> run_status{-1};
-
+struct Server : kvf_server_test::InProcessServer {
   kvf_status start(const std::string &dir, const ServerConfig &cfg = ServerConfig()) {
     kvf_server_options o = KVF_SERVER_OPTIONS_INIT;
     o.socket_dir = dir.c_str();
@@ -438,20 +435,8 @@ struct Server {
     o.test_fail_type = cfg.fail_type;
     o.test_completion_delay_ms = cfg.delay_ms;
     o.request_timeout_ms = cfg.timeout_ms;
-    kvf_status st = kvf_server_create(&o, &s);
-    if (st != KVF_SUCCESS) return st;
-    loop = std::thread([this] { run_status = kvf_server_run(s); });
-    return KVF_SUCCESS;
+    return InProcessServer::start(o);
   }
-  void stop() {
-    if (!s) return;
-    kvf_server_stop(s);
-    loop.join();
-    EXPECT_EQ(run_status.load(), (int)KVF_SUCCESS);
-    kvf_server_destroy(s);
-    s = nullptr;
-  }
-  ~Server() { stop(); }
 
   kvf_registry_stats reg() {
     kvf_registry_stats r = KVF_REGISTRY_STATS_INIT;

@@ -27,6 +27,7 @@
 #include "host/server.h"
 
 #include "mem_test_util.h"
+#include "server_test_util.h"
 
 namespace {
 
@@ -34,16 +35,7 @@ using kvf_mem_test::fd_count;
 
 int remove_one(const char *path, const struct stat *, int, struct FTW *) { return remove(path); }
 
-// Two regions of 16 KiB (2 planes x 4 blocks x 2048 bytes), one layer each.
-const char kTinyGeometry[] = R"({
-  "format": "kvferry-geometry", "version": 1, "name": "tiny",
-  "regions": [{"name": "kv", "count": 2, "size": 0}],
-  "groups": [{"name": "full", "kind": "full", "block_size": 16, "num_blocks": 4,
-    "layers": [{"count": 2, "name": "layer", "region": "kv", "region_step": 1, "offset": 0,
-      "elem_bytes": 2, "block_stride": 2048, "planes": 2, "heads": 1, "head_bytes": 128,
-      "plane_stride": "num_blocks * block_stride", "token_stride": 128, "head_stride": 128}]}],
-  "objects": {"chunk_tokens": 16, "format": "canonical"}
-})";
+using kvf_server_test::kTinyGeometry;
 
 uint64_t region_size() {
   kvf_geometry *g = nullptr;
