@@ -12,7 +12,7 @@
 
 #include <kvferry/copy.h>
 
-#include "geometry/error.h"
+#include "common/error.h"
 #include "geometry/geometry_internal.h"
 
 uint64_t kvf_copy_request_chunks(const kvf_geometry *g, const kvf_copy_request *r) {

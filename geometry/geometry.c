@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "geometry/error.h"
+#include "common/error.h"
 #include "geometry/geometry_internal.h"
 
 /* ---- small helpers ------------------------------------------------------ */

@@ -23,7 +23,7 @@
 
 #include <kvferry/geometry.h>
 
-#include "geometry/error.h"
+#include "common/error.h"
 
 /* Geometry files are a few KiB; anything this large is not one, and a cap
  * keeps a stray path (a model checkpoint, /dev/zero) from eating memory. */

@@ -3,7 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "geometry/error.h"
+#include "common/error.h"
 #include "geometry/geometry_internal.h"
 #include "kernels/plan.h"
 

@@ -29,7 +29,7 @@
 #include <map>
 #include <vector>
 
-#include "host/cudawrap.h"
+#include "host/core/cudawrap.h"
 
 namespace fakecu {
 

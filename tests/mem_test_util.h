@@ -26,9 +26,9 @@
 #include <kvferry/copy.h>
 #include <kvferry/memory.h>
 
-#include "host/syscalls.h"
+#include "host/core/syscalls.h"
 #if KVF_WITH_CUDA
-#include "host/cudawrap.h"
+#include "host/core/cudawrap.h"
 #endif
 
 namespace kvf_mem_test {

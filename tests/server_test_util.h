@@ -8,7 +8,7 @@
 #include <atomic>
 #include <thread>
 
-#include "host/server.h"
+#include "host/server/server.h"
 
 namespace kvf_server_test {
 

@@ -43,9 +43,9 @@
 #include <kvferry/memory.h>
 
 #include "server_test_util.h"
-#include "host/client_internal.h"
-#include "host/dataplane.h"
-#include "host/server.h"
+#include "host/client/client_internal.h"
+#include "host/server/dataplane.h"
+#include "host/server/server.h"
 
 namespace {
 

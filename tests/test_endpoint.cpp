@@ -26,9 +26,9 @@
 
 #include <gtest/gtest.h>
 
-#include "host/endpoint.h"
-#include "host/log.h"
-#include "host/syscalls.h"
+#include "host/ipc/endpoint.h"
+#include "host/core/log.h"
+#include "host/core/syscalls.h"
 
 #include "mem_test_util.h"
 

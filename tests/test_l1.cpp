@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include "host/l1.h"
+#include "host/server/l1.h"
 
 namespace {
 

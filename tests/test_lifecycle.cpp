@@ -51,11 +51,11 @@
 #include <kvferry/geometry.h>
 #include <kvferry/memory.h>
 
-#include "host/endpoint.h"
-#include "host/log.h"
-#include "host/protocol.h"
-#include "host/server.h"
-#include "host/syscalls.h"
+#include "host/ipc/endpoint.h"
+#include "host/core/log.h"
+#include "host/ipc/protocol.h"
+#include "host/server/server.h"
+#include "host/core/syscalls.h"
 
 #include "mem_test_util.h"
 

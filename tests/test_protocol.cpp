@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "host/protocol.h"
+#include "host/ipc/protocol.h"
 
 namespace {
 

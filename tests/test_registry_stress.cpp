@@ -27,8 +27,8 @@
 
 #include <kvferry/memory.h>
 
-#include "host/log.h"
-#include "host/registry.h"
+#include "host/core/log.h"
+#include "host/server/registry.h"
 #include "mem_provider_env.h"
 #include "mem_test_util.h"
 

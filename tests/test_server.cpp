@@ -22,9 +22,9 @@
 #include <kvferry/geometry.h>
 #include <kvferry/memory.h>
 
-#include "host/endpoint.h"
-#include "host/protocol.h"
-#include "host/server.h"
+#include "host/ipc/endpoint.h"
+#include "host/ipc/protocol.h"
+#include "host/server/server.h"
 
 #include "mem_test_util.h"
 #include "server_test_util.h"

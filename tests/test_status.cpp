@@ -17,11 +17,11 @@
 #include <kvferry/kvferry.h>
 
 extern "C" {
-#include "geometry/error.h"  // has no C++ guards of its own
+#include "common/error.h"  // has no C++ guards of its own
 }
-#include "host/cudawrap.h"
-#include "host/log.h"
-#include "host/param.h"
+#include "host/core/cudawrap.h"
+#include "host/core/log.h"
+#include "host/core/param.h"
 
 namespace {
 

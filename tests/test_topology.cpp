@@ -6,7 +6,7 @@
 
 #include <kvferry/topology.h>
 
-#include "host/topology.h"
+#include "host/core/topology.h"
 
 TEST(Topology, ThisMachineWithoutGpuIsSane) {
   kvf_topology *t = nullptr;

@@ -11,9 +11,9 @@
 #include <kvferry/device.h>
 #include <kvferry/status.h>
 
-#include "host/log.h"
-#include "host/param.h"
-#include "host/server.h"
+#include "host/core/log.h"
+#include "host/core/param.h"
+#include "host/server/server.h"
 
 static kvf_server *g_server; /* for the signal handler */
 

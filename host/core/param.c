@@ -1,12 +1,12 @@
 /* Tunables from KVF_* environment variables, read once. */
-#include "host/param.h"
+#include "host/core/param.h"
 
 #include <ctype.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdlib.h>
 
-#include "host/log.h"
+#include "host/core/log.h"
 
 /* Serializes first reads so each variable is parsed (and warned about) once. */
 static pthread_mutex_t kvf_param_lock = PTHREAD_MUTEX_INITIALIZER;

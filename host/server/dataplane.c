@@ -1,6 +1,6 @@
 /* The server's data path: admission, lanes, retirement (host/dataplane.h). */
 #define _GNU_SOURCE /* pthread_setaffinity_np */
-#include "host/dataplane.h"
+#include "host/server/dataplane.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -15,9 +15,9 @@
 #include <kvferry/memory.h>
 #include <kvferry/transfer.h>
 
-#include "geometry/error.h"
-#include "host/log.h"
-#include "host/server_cuda.h"
+#include "common/error.h"
+#include "host/core/log.h"
+#include "host/server/server_cuda.h"
 
 #define DP_MAX_LANES 65u
 

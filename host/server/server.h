@@ -31,8 +31,8 @@
 
 #include <kvferry/status.h>
 
-#include "host/dataplane.h"
-#include "host/registry.h"
+#include "host/server/dataplane.h"
+#include "host/server/registry.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -22,10 +22,10 @@
 
 #include <kvferry/memory.h>
 
-#include "geometry/error.h"
-#include "host/log.h"
-#include "host/provider.h"
-#include "host/syscalls.h"
+#include "common/error.h"
+#include "host/core/log.h"
+#include "host/memory/provider.h"
+#include "host/core/syscalls.h"
 
 typedef struct kvf_import_mapping {
   kvf_mem_identity id;

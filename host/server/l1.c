@@ -35,15 +35,15 @@
  * Bytes are never copied under it.
  */
 #define _GNU_SOURCE
-#include "host/l1.h"
+#include "host/server/l1.h"
 
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "geometry/error.h"
-#include "host/log.h"
+#include "common/error.h"
+#include "host/core/log.h"
 
 #define L1_MAX_POOLS 64u
 #define L1_MIN_TABLE 16u

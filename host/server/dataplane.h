@@ -45,9 +45,9 @@
 #include <kvferry/status.h>
 #include <kvferry/topology.h>
 
-#include "host/l1.h"
-#include "host/protocol.h"
-#include "host/registry.h"
+#include "host/server/l1.h"
+#include "host/ipc/protocol.h"
+#include "host/server/registry.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -1,7 +1,7 @@
 /* Exporter-side allocations (kvferry/memory.h): identities, the process's
  * list of live allocations, and dispatch to the providers. */
 #define _GNU_SOURCE
-#include "host/provider.h"
+#include "host/memory/provider.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -11,9 +11,9 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "geometry/error.h"
-#include "host/log.h"
-#include "host/syscalls.h"
+#include "common/error.h"
+#include "host/core/log.h"
+#include "host/core/syscalls.h"
 
 const kvf_provider_ops *kvf_provider_get(uint32_t kind) {
   switch (kind) {

@@ -41,11 +41,11 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "geometry/error.h"
-#include "host/client_internal.h"
-#include "host/endpoint.h"
-#include "host/log.h"
-#include "host/protocol.h"
+#include "common/error.h"
+#include "host/client/client_internal.h"
+#include "host/ipc/endpoint.h"
+#include "host/core/log.h"
+#include "host/ipc/protocol.h"
 
 #define KVF_CLIENT_READ_SLICE_MS 100 /* longest poll of one reader turn */
 #define KVF_CLIENT_PROBE_SLICE_MS 50 /* a restart probe checks for disconnect this often */

@@ -27,7 +27,7 @@
 extern "C" {
 #endif
 
-#include "geometry/error.h" /* KVF_PRINTF; inside the C block: it has no C++ guards */
+#include "common/error.h" /* KVF_PRINTF; inside the C block: it has no C++ guards */
 
 typedef enum kvf_log_level {
   KVF_LOG_NONE = 0,

@@ -9,11 +9,11 @@
 
 #include <kvferry/transfer.h>
 
-#include "geometry/error.h"
+#include "common/error.h"
 #include "geometry/geometry_internal.h"
-#include "host/cudawrap.h"
-#include "host/log.h"
-#include "host/param.h"
+#include "host/core/cudawrap.h"
+#include "host/core/log.h"
+#include "host/core/param.h"
 #include "kernels/plan.h"
 
 #ifdef KVF_WITH_CUDA

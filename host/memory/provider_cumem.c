@@ -13,7 +13,7 @@
  * the device's primary context is retained (once per device, for the life
  * of the process, as the CUDA runtime does) and made current. */
 #define _GNU_SOURCE
-#include "host/provider.h"
+#include "host/memory/provider.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -22,10 +22,10 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "geometry/error.h"
-#include "host/cudawrap.h"
-#include "host/log.h"
-#include "host/syscalls.h"
+#include "common/error.h"
+#include "host/core/cudawrap.h"
+#include "host/core/log.h"
+#include "host/core/syscalls.h"
 
 /* Devices an access list may name (more than any machine has). */
 #define KVF_CUMEM_MAX_DEVICES 64

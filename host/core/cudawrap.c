@@ -1,5 +1,5 @@
 /* The CUDA driver entry-point table, loaded once through the runtime. */
-#include "host/cudawrap.h"
+#include "host/core/cudawrap.h"
 
 #include <pthread.h>
 #include <stdarg.h>
@@ -9,9 +9,9 @@
 
 #include <kvferry/device.h>
 
-#include "geometry/error.h"
-#include "host/log.h"
-#include "host/param.h"
+#include "common/error.h"
+#include "host/core/log.h"
+#include "host/core/param.h"
 
 #ifdef KVF_WITH_CUDA
 #include <cuda_runtime_api.h>

@@ -13,7 +13,7 @@
  * table has its own mutex (r->comp_lock); the two are never held together.
  */
 #define _GNU_SOURCE
-#include "host/registry.h"
+#include "host/server/registry.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -23,8 +23,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "geometry/error.h"
-#include "host/log.h"
+#include "common/error.h"
+#include "host/core/log.h"
 
 #define KVF_REGISTRY_DEFAULT_COMPLETIONS 4096u
 

@@ -6,7 +6,7 @@
 #include <kvferry/status.h>
 #include <kvferry/version.h>
 
-#include "geometry/error.h"
+#include "common/error.h"
 
 #define KVF_ERROR_MAX 1024
 

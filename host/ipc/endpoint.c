@@ -1,7 +1,7 @@
 /* kvferryd's socket endpoint: the socket directory, the server lock, peer
  * checks, and frame I/O with descriptors (host/endpoint.h). */
 #define _GNU_SOURCE
-#include "host/endpoint.h"
+#include "host/ipc/endpoint.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -18,9 +18,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "geometry/error.h"
-#include "host/log.h"
-#include "host/syscalls.h"
+#include "common/error.h"
+#include "host/core/log.h"
+#include "host/core/syscalls.h"
 
 #define KVF_SUN_PATH_MAX sizeof(((struct sockaddr_un *)0)->sun_path)
 

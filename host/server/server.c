@@ -1,7 +1,7 @@
 /* The kvferryd server object: one poll loop over the listener and the
  * connections (host/server.h). */
 #define _GNU_SOURCE /* pipe2 */
-#include "host/server.h"
+#include "host/server/server.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -18,11 +18,11 @@
 #include <kvferry/geometry.h>
 #include <kvferry/memory.h>
 
-#include "geometry/error.h"
-#include "host/dataplane.h"
-#include "host/endpoint.h"
-#include "host/log.h"
-#include "host/protocol.h"
+#include "common/error.h"
+#include "host/server/dataplane.h"
+#include "host/ipc/endpoint.h"
+#include "host/core/log.h"
+#include "host/ipc/protocol.h"
 
 /* An encoded frame on its way out: in the outbox (from a completion thread,
  * addressed by client id) or in a connection's queue (sent bytes counted). */

@@ -1,5 +1,5 @@
 /* GPU placement from hwloc (kvferry/topology.h, host/topology.h). */
-#include "host/topology.h"
+#include "host/core/topology.h"
 
 #include <hwloc.h>
 #include <stdio.h>
@@ -8,8 +8,8 @@
 
 #include <kvferry/device.h>
 
-#include "geometry/error.h"
-#include "host/cudawrap.h"
+#include "common/error.h"
+#include "host/core/cudawrap.h"
 
 #define KVF_TOPO_MAX_GPUS 64u
 

@@ -36,7 +36,7 @@
 
 #include <kvferry/status.h>
 
-#include "host/protocol.h"
+#include "host/ipc/protocol.h"
 
 #ifdef __cplusplus
 extern "C" {

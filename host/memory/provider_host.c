@@ -9,7 +9,7 @@
  * memory alive), unmap (an anonymous PROT_NONE range over it again) and
  * address free (munmap). */
 #define _GNU_SOURCE
-#include "host/provider.h"
+#include "host/memory/provider.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -19,9 +19,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "geometry/error.h"
-#include "host/log.h"
-#include "host/syscalls.h"
+#include "common/error.h"
+#include "host/core/log.h"
+#include "host/core/syscalls.h"
 
 static uint64_t kvf_host_page(void) {
   long p = sysconf(_SC_PAGESIZE);

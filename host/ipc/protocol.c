@@ -1,13 +1,13 @@
 /* The kvferryd wire protocol: frame encode/decode and the incremental reader
  * (host/protocol.h, docs/protocol.md). */
 #define _POSIX_C_SOURCE 200809L /* strnlen */
-#include "host/protocol.h"
+#include "host/ipc/protocol.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "geometry/error.h"
+#include "common/error.h"
 
 /* kvf_status values an ERROR reply may carry: 1 .. the highest pinned one. */
 #define KVF_PROTO_MAX_STATUS 20u

@@ -1,6 +1,6 @@
 /* Logging: levels and subsystem masks from KVF_DEBUG*, read once. */
 #define _GNU_SOURCE
-#include "host/log.h"
+#include "host/core/log.h"
 
 #include <ctype.h>
 #include <errno.h>

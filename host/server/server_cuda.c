@@ -1,6 +1,6 @@
 /* CUDA runtime calls of the server's data path (host/server_cuda.h). */
 #define _GNU_SOURCE
-#include "host/server_cuda.h"
+#include "host/server/server_cuda.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -10,8 +10,8 @@
 
 #include <hwloc.h>
 
-#include "geometry/error.h"
-#include "host/log.h"
+#include "common/error.h"
+#include "host/core/log.h"
 
 #ifdef KVF_WITH_CUDA
 #include <cuda_runtime_api.h>

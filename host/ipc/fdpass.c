@@ -11,9 +11,9 @@
 
 #include <kvferry/memory.h>
 
-#include "geometry/error.h"
-#include "host/log.h"
-#include "host/syscalls.h"
+#include "common/error.h"
+#include "host/core/log.h"
+#include "host/core/syscalls.h"
 
 /* A control buffer big enough for KVF_IPC_MAX_FDS descriptors, aligned for
  * struct cmsghdr. */

@@ -1,6 +1,6 @@
 /* The system-call table the memory layer goes through (host/syscalls.h). */
 #define _GNU_SOURCE
-#include "host/syscalls.h"
+#include "host/core/syscalls.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -11,8 +11,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "geometry/error.h"
-#include "host/log.h"
+#include "common/error.h"
+#include "host/core/log.h"
 
 /* fcntl is variadic; the table's entry takes one int argument. */
 static int kvf_sys_fcntl_int(int fd, int cmd, int arg) { return fcntl(fd, cmd, arg); }
