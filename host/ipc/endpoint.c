@@ -13,7 +13,6 @@
 #include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/uio.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -21,6 +20,7 @@
 #include "common/error.h"
 #include "host/core/log.h"
 #include "host/core/syscalls.h"
+#include "host/ipc/fdpass.h"
 
 #define KVF_SUN_PATH_MAX sizeof(((struct sockaddr_un *)0)->sun_path)
 
@@ -32,12 +32,6 @@ struct kvf_endpoint {
   char dir[KVF_SUN_PATH_MAX];
   char path[KVF_SUN_PATH_MAX];
 };
-
-/* A control buffer for KVF_PROTO_MAX_FDS descriptors, aligned for cmsghdr. */
-typedef union kvf_endpoint_control {
-  struct cmsghdr align;
-  char bytes[CMSG_SPACE(sizeof(int) * KVF_PROTO_MAX_FDS)];
-} kvf_endpoint_control;
 
 /* ---- time ------------------------------------------------------------------ */
 
@@ -67,19 +61,6 @@ static int wait_fd(int fd, short events, int timeout_ms, int64_t deadline) {
     if (r > 0) return 1;
     if (r == 0) return 0;
     if (errno != EINTR) return -1;
-  }
-}
-
-/* The status a failed socket call maps to. */
-static kvf_status sock_errno_status(int e) {
-  switch (e) {
-  case EPIPE:
-  case ECONNRESET:
-  case ENOTCONN: return KVF_ERR_DISCONNECTED;
-  case EAGAIN: return KVF_ERR_TIMEOUT;
-  case ENOMEM:
-  case ENOBUFS: return KVF_ERR_OUT_OF_MEMORY;
-  default: return KVF_ERR_SYSTEM;
   }
 }
 
@@ -395,9 +376,7 @@ static void conn_failed_header(const kvf_conn *conn, kvf_proto_header *header) {
 kvf_status kvf_conn_read_frame(kvf_conn *conn, int timeout_ms, kvf_proto_header *header, uint8_t **payload,
                                int *fds, uint32_t max_fds, uint32_t *num_fds) {
   uint8_t buf[16384];
-  kvf_endpoint_control ctl;
   kvf_status rc = KVF_SUCCESS;
-  int overflow = 0;
 
   if (payload) *payload = NULL;
   if (num_fds) *num_fds = 0;
@@ -418,14 +397,11 @@ kvf_status kvf_conn_read_frame(kvf_conn *conn, int timeout_ms, kvf_proto_header 
      * first byte, and a read stops at them only if we do not ask for it. */
     size_t want = kvf_proto_reader_want(&conn->reader);
     if (want > sizeof buf) want = sizeof buf;
-    struct iovec iov = {buf, want};
-    struct msghdr msg;
-    memset(&msg, 0, sizeof msg);
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = ctl.bytes;
-    msg.msg_controllen = sizeof ctl.bytes;
-    ssize_t n = KVF_SYS(recvmsg)(conn->fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    uint32_t problems = 0;
+    /* Room for a whole frame's worth: more than max_fds is then our error
+     * (overflow), more than the room the kernel's (MSG_CTRUNC). */
+    ssize_t n = kvf_fdpass_recvmsg(conn->fd, buf, want, conn->fds, max_fds, &conn->num_fds, KVF_PROTO_MAX_FDS,
+                                   MSG_DONTWAIT, &problems);
     if (n < 0) {
       int e = errno;
       if (e == EINTR) continue;
@@ -442,17 +418,15 @@ kvf_status kvf_conn_read_frame(kvf_conn *conn, int timeout_ms, kvf_proto_header 
         rc = conn_closed_status(conn);
         goto fail;
       }
-      rc = KVF_SYS_FAIL(sock_errno_status(e), e, "recvmsg(connection)");
+      rc = KVF_SYS_FAIL(kvf_fdpass_errno_status(e), e, "recvmsg(connection)");
       goto fail;
     }
-    /* Take every descriptor that arrived before judging the frame. */
-    if (kvf_sys_take_fds(&msg, conn->fds, &conn->num_fds, max_fds)) overflow = 1;
-    if (msg.msg_flags & MSG_CTRUNC) {
+    if (problems & KVF_FDPASS_CTRUNC) {
       rc = kvf_fail(KVF_ERR_PROTOCOL, "frame.fds: descriptors were truncated (MSG_CTRUNC); those that arrived were "
                                       "closed");
       goto fail;
     }
-    if (overflow) {
+    if (problems & KVF_FDPASS_OVERFLOW) {
       rc = kvf_fail(KVF_ERR_PROTOCOL, "frame.fds: more than %u descriptors came with one frame", max_fds);
       goto fail;
     }
@@ -486,7 +460,6 @@ fail:
 
 kvf_status kvf_conn_write_frame(kvf_conn *conn, const uint8_t *frame, size_t len, const int *fds, uint32_t num_fds,
                                 int timeout_ms) {
-  kvf_endpoint_control ctl;
   size_t sent = 0;
   kvf_status rc;
 
@@ -504,24 +477,9 @@ kvf_status kvf_conn_write_frame(kvf_conn *conn, const uint8_t *frame, size_t len
 
   int64_t deadline = now_ms() + (timeout_ms > 0 ? timeout_ms : 0);
   while (sent < len) {
-    struct iovec iov = {(uint8_t *)frame + sent, len - sent};
-    struct msghdr msg;
-    memset(&msg, 0, sizeof msg);
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    if (sent == 0 && num_fds > 0) {
-      /* Descriptors ride on the frame's first byte; a send that took no
-       * byte took no descriptor either, so a retry attaches them again. */
-      memset(&ctl, 0, sizeof ctl);
-      msg.msg_control = ctl.bytes;
-      msg.msg_controllen = CMSG_SPACE(sizeof(int) * num_fds);
-      struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-      c->cmsg_level = SOL_SOCKET;
-      c->cmsg_type = SCM_RIGHTS;
-      c->cmsg_len = CMSG_LEN(sizeof(int) * num_fds);
-      memcpy(CMSG_DATA(c), fds, sizeof(int) * num_fds);
-    }
-    ssize_t n = KVF_SYS(sendmsg)(conn->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    /* Descriptors ride on the frame's first byte; a send that took no
+     * byte took no descriptor either, so a retry attaches them again. */
+    ssize_t n = kvf_fdpass_sendmsg(conn->fd, frame + sent, len - sent, fds, sent == 0 ? num_fds : 0, MSG_DONTWAIT);
     if (n < 0) {
       int e = errno;
       if (e == EINTR) continue;
@@ -540,7 +498,7 @@ kvf_status kvf_conn_write_frame(kvf_conn *conn, const uint8_t *frame, size_t len
         rc = kvf_fail(KVF_ERR_DISCONNECTED, "connection: the peer closed it (%zu of the frame's %zu bytes sent)", sent,
                       len);
       else
-        rc = KVF_SYS_FAIL(sock_errno_status(e), e, "sendmsg(connection)");
+        rc = KVF_SYS_FAIL(kvf_fdpass_errno_status(e), e, "sendmsg(connection)");
       conn->write_failed = rc;
       return rc;
     }

@@ -1,8 +1,10 @@
-/* Descriptor passing over Unix stream sockets (kvferry/memory.h):
- * SCM_RIGHTS on the first byte of a message, MSG_CMSG_CLOEXEC on receive,
- * MSG_CTRUNC checked, EINTR retried. Every call goes through the
- * fault-injectable system-call table (host/syscalls.h). */
+/* Descriptor passing over Unix stream sockets: the one SCM_RIGHTS path
+ * (host/ipc/fdpass.h) and, over it, the blocking whole-message calls of
+ * kvferry/memory.h (kvf_ipc_send/recv: descriptors on the first byte,
+ * EINTR retried, partial transfers continued). */
 #define _GNU_SOURCE
+#include "host/ipc/fdpass.h"
+
 #include <errno.h>
 #include <stdint.h>
 #include <string.h>
@@ -15,12 +17,64 @@
 #include "host/core/log.h"
 #include "host/core/syscalls.h"
 
-/* A control buffer big enough for KVF_IPC_MAX_FDS descriptors, aligned for
- * struct cmsghdr. */
-typedef union kvf_ipc_control {
+/* A control buffer big enough for KVF_FDPASS_MAX_FDS descriptors, aligned
+ * for struct cmsghdr. */
+typedef union kvf_fdpass_control {
   struct cmsghdr align;
-  char bytes[CMSG_SPACE(sizeof(int) * KVF_IPC_MAX_FDS)];
-} kvf_ipc_control;
+  char bytes[CMSG_SPACE(sizeof(int) * KVF_FDPASS_MAX_FDS)];
+} kvf_fdpass_control;
+
+kvf_status kvf_fdpass_errno_status(int err) {
+  switch (err) {
+  case EPIPE:
+  case ECONNRESET:
+  case ENOTCONN: return KVF_ERR_DISCONNECTED;
+  case EAGAIN: return KVF_ERR_TIMEOUT; /* EWOULDBLOCK is the same value on Linux */
+  case ENOMEM:
+  case ENOBUFS: return KVF_ERR_OUT_OF_MEMORY;
+  default: return KVF_ERR_SYSTEM;
+  }
+}
+
+ssize_t kvf_fdpass_sendmsg(int sock, const void *buf, size_t len, const int *fds, uint32_t num_fds, int flags) {
+  kvf_fdpass_control ctl;
+  struct iovec iov = {(void *)buf, len};
+  struct msghdr msg;
+  memset(&msg, 0, sizeof msg);
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  if (num_fds > 0) {
+    memset(&ctl, 0, sizeof ctl);
+    msg.msg_control = ctl.bytes;
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * num_fds);
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * num_fds);
+    memcpy(CMSG_DATA(c), fds, sizeof(int) * num_fds);
+  }
+  return KVF_SYS(sendmsg)(sock, &msg, flags | MSG_NOSIGNAL);
+}
+
+ssize_t kvf_fdpass_recvmsg(int sock, void *buf, size_t len, int *fds, uint32_t max_fds, uint32_t *num_fds,
+                           uint32_t room, int flags, uint32_t *problems) {
+  kvf_fdpass_control ctl;
+  struct iovec iov = {buf, len};
+  struct msghdr msg;
+  memset(&msg, 0, sizeof msg);
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  if (room > 0) {
+    msg.msg_control = ctl.bytes;
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * room);
+  }
+  ssize_t r = KVF_SYS(recvmsg)(sock, &msg, flags | MSG_CMSG_CLOEXEC);
+  if (r < 0) return r;
+  /* Take every descriptor that arrived before the caller judges the message. */
+  if (kvf_sys_take_fds(&msg, fds, num_fds, max_fds)) *problems |= KVF_FDPASS_OVERFLOW;
+  if (msg.msg_flags & MSG_CTRUNC) *problems |= KVF_FDPASS_CTRUNC;
+  return r;
+}
 
 kvf_status kvf_ipc_socketpair(int out[2]) {
   int sv[2];
@@ -30,19 +84,6 @@ kvf_status kvf_ipc_socketpair(int out[2]) {
   out[0] = sv[0];
   out[1] = sv[1];
   return KVF_SUCCESS;
-}
-
-/* The status a failed sendmsg/recvmsg maps to. */
-static kvf_status kvf_ipc_errno_status(int e) {
-  switch (e) {
-  case EPIPE:
-  case ECONNRESET:
-  case ENOTCONN: return KVF_ERR_DISCONNECTED;
-  case EAGAIN: return KVF_ERR_TIMEOUT; /* EWOULDBLOCK is the same value on Linux */
-  case ENOMEM:
-  case ENOBUFS: return KVF_ERR_OUT_OF_MEMORY;
-  default: return KVF_ERR_SYSTEM;
-  }
 }
 
 /* Close each distinct descriptor of the list once. */
@@ -56,7 +97,6 @@ static void kvf_ipc_close_list(const int *fds, uint32_t n) {
 
 kvf_status kvf_ipc_send(int sock, const void *buf, size_t len, const int *fds, uint32_t num_fds, uint32_t flags) {
   kvf_status st = KVF_SUCCESS;
-  kvf_ipc_control ctl;
   size_t sent = 0;
   int attached = 0;
 
@@ -87,27 +127,12 @@ kvf_status kvf_ipc_send(int sock, const void *buf, size_t len, const int *fds, u
     }
 
   while (sent < len) {
-    struct iovec iov = {(char *)buf + sent, len - sent};
-    struct msghdr msg;
-    memset(&msg, 0, sizeof msg);
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    if (!attached && num_fds > 0) {
-      /* Descriptors ride on the first byte of the message only. */
-      memset(&ctl, 0, sizeof ctl);
-      msg.msg_control = ctl.bytes;
-      msg.msg_controllen = CMSG_SPACE(sizeof(int) * num_fds);
-      struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-      c->cmsg_level = SOL_SOCKET;
-      c->cmsg_type = SCM_RIGHTS;
-      c->cmsg_len = CMSG_LEN(sizeof(int) * num_fds);
-      memcpy(CMSG_DATA(c), fds, sizeof(int) * num_fds);
-    }
-    ssize_t r = KVF_SYS(sendmsg)(sock, &msg, MSG_NOSIGNAL);
+    /* Descriptors ride on the first byte of the message only. */
+    ssize_t r = kvf_fdpass_sendmsg(sock, (const char *)buf + sent, len - sent, fds, attached ? 0 : num_fds, 0);
     if (r < 0) {
       int e = errno;
       if (e == EINTR) continue;
-      st = KVF_SYS_FAIL(kvf_ipc_errno_status(e), e, sent ? "sendmsg (after part of the message was sent)" : "sendmsg");
+      st = KVF_SYS_FAIL(kvf_fdpass_errno_status(e), e, sent ? "sendmsg (after part of the message was sent)" : "sendmsg");
       goto out;
     }
     attached = 1;
@@ -120,7 +145,6 @@ out:
 
 kvf_status kvf_ipc_recv(int sock, void *buf, size_t len, int *fds, uint32_t max_fds, uint32_t *num_fds) {
   kvf_status st = KVF_SUCCESS;
-  kvf_ipc_control ctl;
   size_t have = 0;
   uint32_t got = 0;
   int overflow = 0;
@@ -135,27 +159,18 @@ kvf_status kvf_ipc_recv(int sock, void *buf, size_t len, int *fds, uint32_t max_
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_ipc_recv: max_fds %u is more than %u", max_fds, KVF_IPC_MAX_FDS);
 
   while (have < len) {
-    struct iovec iov = {(char *)buf + have, len - have};
-    struct msghdr msg;
-    memset(&msg, 0, sizeof msg);
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    if (max_fds > 0) {
-      /* Room for exactly max_fds: more than that is truncated by the kernel
-       * and shows as MSG_CTRUNC. */
-      msg.msg_control = ctl.bytes;
-      msg.msg_controllen = CMSG_SPACE(sizeof(int) * max_fds);
-    }
-    ssize_t r = KVF_SYS(recvmsg)(sock, &msg, MSG_CMSG_CLOEXEC);
+    uint32_t problems = 0;
+    /* Room for exactly max_fds: more than that is truncated by the kernel
+     * and shows as MSG_CTRUNC. */
+    ssize_t r = kvf_fdpass_recvmsg(sock, (char *)buf + have, len - have, fds, max_fds, &got, max_fds, 0, &problems);
     if (r < 0) {
       int e = errno;
       if (e == EINTR) continue;
-      st = KVF_SYS_FAIL(kvf_ipc_errno_status(e), e, have ? "recvmsg (in the middle of a message)" : "recvmsg");
+      st = KVF_SYS_FAIL(kvf_fdpass_errno_status(e), e, have ? "recvmsg (in the middle of a message)" : "recvmsg");
       goto fail;
     }
-    /* Take every descriptor that arrived before judging the message. */
-    if (kvf_sys_take_fds(&msg, fds, &got, max_fds)) overflow = 1;
-    if (msg.msg_flags & MSG_CTRUNC) {
+    if (problems & KVF_FDPASS_OVERFLOW) overflow = 1;
+    if (problems & KVF_FDPASS_CTRUNC) {
       st = kvf_fail(KVF_ERR_PROTOCOL,
                     "kvf_ipc_recv: descriptors were truncated (MSG_CTRUNC): the peer sent more than max_fds %u; "
                     "the %u that arrived were closed",
