@@ -41,6 +41,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "host/client/client_internal.h"
 #include "host/ipc/endpoint.h"
@@ -95,20 +96,9 @@ struct kvf_client {
 
 /* ---- time ------------------------------------------------------------------ */
 
-static int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-static struct timespec abs_time(int64_t ms) {
-  struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
-  return ts;
-}
-
 /* Wait on cond (lock held) until woken or the monotonic deadline (ms). */
 static void cond_wait_until(pthread_cond_t *cond, pthread_mutex_t *lock, int64_t deadline_ms) {
-  struct timespec ts = abs_time(deadline_ms);
+  struct timespec ts = kvf_timespec_ms(deadline_ms);
   (void)pthread_cond_timedwait(cond, lock, &ts);
 }
 
@@ -133,6 +123,16 @@ static void pending_free(kvf_client_pending *p) {
   if (!p) return;
   kvf_proto_msg_clear(&p->reply);
   free(p);
+}
+
+/* Drop request `id` (a caller gave up waiting): a late reply finds no entry
+ * and is discarded. */
+static void pending_forget(kvf_client *c, uint64_t id) {
+  kvf_client_pending *gone = pending_find(c, id);
+  if (gone) {
+    pending_unlink(c, gone);
+    pending_free(gone);
+  }
 }
 
 static void pending_fail(kvf_client_pending *p, kvf_status st, const char *detail) {
@@ -241,7 +241,7 @@ static kvf_status client_wait_locked(kvf_client *c, uint64_t id, int async, int6
       pending_free(p);
       return kvf_fail(c->dead, "%s", c->dead_detail);
     }
-    int64_t left = deadline_ms - now_ms();
+    int64_t left = deadline_ms - kvf_now_ms();
     if (left <= 0)
       return kvf_fail(KVF_ERR_TIMEOUT, "request %llu: no reply from the server in time", (unsigned long long)id);
     if (!c->reading) {
@@ -325,20 +325,14 @@ static kvf_status pending_take(kvf_client_pending *p, kvf_proto_msg *reply) {
 static kvf_status client_call(kvf_client *c, kvf_proto_msg *req, const int *fds, uint32_t num_fds, uint16_t want,
                               kvf_proto_msg *reply) {
   memset(reply, 0, sizeof(*reply));
-  int64_t deadline = now_ms() + c->timeout_ms;
+  int64_t deadline = kvf_now_ms() + c->timeout_ms;
   uint64_t id = 0;
   kvf_status st = client_send(c, req, fds, num_fds, want, 0, &id);
   if (st != KVF_SUCCESS) return st;
   kvf_client_pending *p = NULL;
   pthread_mutex_lock(&c->lock);
   st = client_wait_locked(c, id, 0, deadline, &p);
-  if (st == KVF_ERR_TIMEOUT) {
-    kvf_client_pending *gone = pending_find(c, id);
-    if (gone) {
-      pending_unlink(c, gone);
-      pending_free(gone);
-    }
-  }
+  if (st == KVF_ERR_TIMEOUT) pending_forget(c, id);
   pthread_mutex_unlock(&c->lock);
   if (st != KVF_SUCCESS) return st;
   return pending_take(p, reply);
@@ -363,13 +357,13 @@ static kvf_status client_hello(kvf_conn *conn, const char *name, uint32_t timeou
   snprintf(req.u.hello.name, sizeof(req.u.hello.name), "%s", name);
   st = kvf_conn_send(conn, &req, NULL, 0, (int)timeout_ms);
   if (st != KVF_SUCCESS) return st;
-  int64_t deadline = now_ms() + timeout_ms;
+  int64_t deadline = kvf_now_ms() + timeout_ms;
   kvf_proto_header h;
   uint8_t *payload = NULL;
   int fds[KVF_PROTO_MAX_FDS];
   uint32_t nfds = 0;
   for (;;) {
-    int64_t left = deadline - now_ms();
+    int64_t left = deadline - kvf_now_ms();
     if (left <= 0) return kvf_fail(KVF_ERR_TIMEOUT, "HELLO: no reply from the server within %u ms", timeout_ms);
     if (stop && atomic_load(stop)) return kvf_fail(KVF_ERR_DISCONNECTED, "HELLO: the client is disconnecting");
     int slice = stop && left > KVF_CLIENT_PROBE_SLICE_MS ? KVF_CLIENT_PROBE_SLICE_MS : (int)left;
@@ -428,15 +422,15 @@ static int client_restarted(const kvf_client *c) {
 
 static void *client_heartbeat_main(void *arg) {
   kvf_client *c = arg;
-  int64_t next = now_ms() + c->hb_period_ms;
+  int64_t next = kvf_now_ms() + c->hb_period_ms;
   pthread_mutex_lock(&c->lock);
   while (!atomic_load(&c->stopping)) {
-    if (now_ms() < next) {
+    if (kvf_now_ms() < next) {
       cond_wait_until(&c->hb_cond, &c->lock, next);
       continue;
     }
     next += c->hb_period_ms;
-    int64_t now = now_ms();
+    int64_t now = kvf_now_ms();
     if (next <= now) next = now + c->hb_period_ms; /* a slow call: do not burst to catch up */
     int dead = c->dead != KVF_SUCCESS;
     pthread_mutex_unlock(&c->lock);
@@ -887,17 +881,11 @@ static const char *outcome_name(uint32_t outcome) {
 /* Wait for an async request; `forget`: drop it on a timeout too. */
 static kvf_status client_wait(kvf_client *c, uint64_t request_id, uint32_t timeout_ms, kvf_client_result *result,
                               int forget) {
-  int64_t deadline = now_ms() + (timeout_ms ? timeout_ms : c->timeout_ms);
+  int64_t deadline = kvf_now_ms() + (timeout_ms ? timeout_ms : c->timeout_ms);
   kvf_client_pending *p = NULL;
   pthread_mutex_lock(&c->lock);
   kvf_status st = client_wait_locked(c, request_id, 1, deadline, &p);
-  if (st == KVF_ERR_TIMEOUT && forget) {
-    kvf_client_pending *gone = pending_find(c, request_id);
-    if (gone) {
-      pending_unlink(c, gone);
-      pending_free(gone);
-    }
-  }
+  if (st == KVF_ERR_TIMEOUT && forget) pending_forget(c, request_id);
   pthread_mutex_unlock(&c->lock);
   if (st != KVF_SUCCESS) return st;
   kvf_proto_msg rep;

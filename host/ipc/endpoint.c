@@ -17,6 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "host/core/log.h"
 #include "host/core/syscalls.h"
@@ -35,17 +36,11 @@ struct kvf_endpoint {
 
 /* ---- time ------------------------------------------------------------------ */
 
-static int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 /* Milliseconds left before the deadline, for poll(): -1 (no limit) when
  * timeout_ms is negative, 0 once it has passed. */
 static int time_left(int timeout_ms, int64_t deadline) {
   if (timeout_ms < 0) return -1;
-  int64_t left = deadline - now_ms();
+  int64_t left = deadline - kvf_now_ms();
   if (left <= 0) return 0;
   return left > INT_MAX ? INT_MAX : (int)left;
 }
@@ -247,7 +242,7 @@ void kvf_endpoint_close(kvf_endpoint *ep) {
 kvf_status kvf_endpoint_accept(kvf_endpoint *ep, int timeout_ms, uint32_t max_payload, kvf_conn *conn) {
   if (conn != NULL) kvf_conn_init(conn, -1, max_payload);
   if (ep == NULL || conn == NULL) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_endpoint_accept: NULL argument");
-  int64_t deadline = now_ms() + (timeout_ms > 0 ? timeout_ms : 0);
+  int64_t deadline = kvf_now_ms() + (timeout_ms > 0 ? timeout_ms : 0);
   int fd;
   for (;;) {
     fd = accept4(ep->listen_fd, NULL, NULL, SOCK_CLOEXEC);
@@ -391,7 +386,7 @@ kvf_status kvf_conn_read_frame(kvf_conn *conn, int timeout_ms, kvf_proto_header 
     conn_failed_header(conn, header);
     return kvf_fail(conn->failed, "connection: failed earlier; close it");
   }
-  int64_t deadline = now_ms() + (timeout_ms > 0 ? timeout_ms : 0);
+  int64_t deadline = kvf_now_ms() + (timeout_ms > 0 ? timeout_ms : 0);
   for (;;) {
     /* Never read past this frame: the next frame's descriptors ride on its
      * first byte, and a read stops at them only if we do not ask for it. */
@@ -475,7 +470,7 @@ kvf_status kvf_conn_write_frame(kvf_conn *conn, const uint8_t *frame, size_t len
   if (conn->fd < 0) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_conn_write_frame: the connection is closed");
   if (conn->write_failed) return kvf_fail(conn->write_failed, "connection: a write failed earlier; close it");
 
-  int64_t deadline = now_ms() + (timeout_ms > 0 ? timeout_ms : 0);
+  int64_t deadline = kvf_now_ms() + (timeout_ms > 0 ? timeout_ms : 0);
   while (sent < len) {
     /* Descriptors ride on the frame's first byte; a send that took no
      * byte took no descriptor either, so a retry attaches them again. */

@@ -15,6 +15,7 @@
 #include <kvferry/memory.h>
 #include <kvferry/transfer.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "host/core/log.h"
 #include "host/server/server_cuda.h"
@@ -104,7 +105,6 @@ struct kvf_dataplane {
   kvf_dataplane_stats counters;
 };
 
-static uint64_t now_ns(void) { return kvf_registry_now_ns(); }
 
 /* ---- bindings ------------------------------------------------------------- */
 
@@ -839,7 +839,7 @@ kvf_status kvf_dataplane_submit(kvf_dataplane *dp, kvf_dp_binding *b, uint64_t c
     st = kvf_fail(KVF_ERR_SYSTEM, "payload: injected failure after the reservation");
     goto refuse;
   }
-  j->deadline_ns = now_ns() + (uint64_t)dp->opt.job_timeout_ms * 1000000ull;
+  j->deadline_ns = kvf_now_ns() + (uint64_t)dp->opt.job_timeout_ms * 1000000ull;
   pthread_mutex_lock(&dp->mu);
   if (m->type == KVF_PROTO_STORE)
     dp->counters.stores_total++;
@@ -962,9 +962,9 @@ static void *lane_completer(void *arg) {
     pthread_mutex_unlock(&dp->mu);
     /* Jobs of one lane complete in stream order: wait for the head. */
     if (dp->opt.test_completion_delay_ms) {
-      uint64_t until = now_ns() + (uint64_t)dp->opt.test_completion_delay_ms * 1000000ull;
-      while (now_ns() < until) {
-        if (!j->answered && now_ns() > j->deadline_ns) {
+      uint64_t until = kvf_now_ns() + (uint64_t)dp->opt.test_completion_delay_ms * 1000000ull;
+      while (kvf_now_ns() < until) {
+        if (!j->answered && kvf_now_ns() > j->deadline_ns) {
           job_fail(j, KVF_ERR_TIMEOUT, "the copy did not complete within the request timeout");
           job_answer(dp, j, KVF_OUTCOME_TIMED_OUT);
         }
@@ -975,19 +975,19 @@ static void *lane_completer(void *arg) {
     if (j->event) {
       /* Poll without sleeping for the first 2 ms (a chunk's copy takes about
        * that long): the completion core is this lane's alone. */
-      uint64_t spin_until = now_ns() + 2000000ull;
+      uint64_t spin_until = kvf_now_ns() + 2000000ull;
       for (;;) {
         kvf_status err;
         if (kvf_scuda_event_done(j->event, &err)) {
           if (err != KVF_SUCCESS) job_fail(j, err, kvf_last_error());
           break;
         }
-        if (!j->answered && now_ns() > j->deadline_ns) {
+        if (!j->answered && kvf_now_ns() > j->deadline_ns) {
           /* Report, never release: the work may still touch the memory. */
           job_fail(j, KVF_ERR_TIMEOUT, "the copy did not complete within the request timeout");
           job_answer(dp, j, KVF_OUTCOME_TIMED_OUT);
         }
-        if (now_ns() < spin_until)
+        if (kvf_now_ns() < spin_until)
           sched_yield();
         else
           sleep_us(20);

@@ -23,6 +23,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "host/core/log.h"
 
@@ -82,12 +83,6 @@ struct kvf_registry {
 };
 
 /* ---- helpers ---------------------------------------------------------------- */
-
-uint64_t kvf_registry_now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 static void set_state(kvf_registry_reg *e, kvf_registry_state s) {
   atomic_store_explicit(&e->state, (int)s, memory_order_release);
@@ -609,14 +604,7 @@ static int client_busy_locked(const kvf_reg_client *c) {
 
 kvf_status kvf_registry_wait_idle(kvf_registry *r, uint64_t client, uint32_t timeout_ms) {
   if (r == NULL) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "registry: 'r' is NULL");
-  struct timespec deadline;
-  clock_gettime(CLOCK_MONOTONIC, &deadline);
-  deadline.tv_sec += timeout_ms / 1000u;
-  deadline.tv_nsec += (long)(timeout_ms % 1000u) * 1000000L;
-  if (deadline.tv_nsec >= 1000000000L) {
-    deadline.tv_sec++;
-    deadline.tv_nsec -= 1000000000L;
-  }
+  struct timespec deadline = kvf_timespec_ms(kvf_now_ms() + (int64_t)timeout_ms);
   kvf_status st = KVF_SUCCESS;
   int first = 1;
   pthread_mutex_lock(&r->lock);

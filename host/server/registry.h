@@ -29,7 +29,7 @@
  * Lease acquire/release and lookups take one registry mutex for a few
  * instructions; import-table calls (map, unmap) run outside it, so a slow
  * unmap never blocks acquires of other clients. Time is passed in by the
- * caller (kvf_registry_now_ns() for the real clock), so tests can move it.
+ * caller (kvf_now_ns() of common/clock.h for the real clock), so tests can move it.
  */
 #ifndef KVF_HOST_REGISTRY_H
 #define KVF_HOST_REGISTRY_H
@@ -79,9 +79,6 @@ kvf_status kvf_registry_create(kvf_import_table *table, const kvf_registry_optio
  * still leased are logged and left in the import table. NULL is a no-op.
  * Must not race any other call. */
 void kvf_registry_destroy(kvf_registry *r);
-
-/* The monotonic clock in nanoseconds, for heartbeat and reap times. */
-uint64_t kvf_registry_now_ns(void);
 
 /* ---- clients and heartbeats ---------------------------------------------- */
 

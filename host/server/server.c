@@ -18,6 +18,7 @@
 #include <kvferry/geometry.h>
 #include <kvferry/memory.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "host/server/dataplane.h"
 #include "host/ipc/endpoint.h"
@@ -122,7 +123,7 @@ static kvf_status conn_flush(kvf_server_conn *c) {
     }
     o->sent += (size_t)n;
     c->q_bytes -= (uint64_t)n;
-    c->q_stalled_since_ns = kvf_registry_now_ns();
+    c->q_stalled_since_ns = kvf_now_ns();
     if (o->sent == o->len) {
       c->q_head = o->next;
       if (!c->q_head) c->q_tail = NULL;
@@ -149,7 +150,7 @@ static kvf_status conn_queue(kvf_server_conn *c, uint8_t *frame, size_t len) {
   }
   o->frame = frame;
   o->len = len;
-  if (!c->q_head) c->q_stalled_since_ns = kvf_registry_now_ns();
+  if (!c->q_head) c->q_stalled_since_ns = kvf_now_ns();
   if (c->q_tail)
     c->q_tail->next = o;
   else
@@ -268,7 +269,7 @@ static kvf_status handle_hello(kvf_server *s, kvf_server_conn *c, const kvf_prot
     server_send_error(s, c, m->request_id, st, NULL);
     return st;
   }
-  st = kvf_registry_client_open(s->registry, c->client_id, kvf_registry_now_ns());
+  st = kvf_registry_client_open(s->registry, c->client_id, kvf_now_ns());
   if (st != KVF_SUCCESS) {
     server_send_error(s, c, m->request_id, st, NULL);
     return st;
@@ -417,7 +418,7 @@ static kvf_status handle_register(kvf_server *s, kvf_server_conn *c, const kvf_p
   if (st != KVF_SUCCESS) goto fail;
   kvf_registry_reg *attempt = NULL;
   kvf_dp_binding *binding = NULL;
-  st = kvf_registry_register_begin(s->registry, c->client_id, kvf_registry_now_ns(), &attempt);
+  st = kvf_registry_register_begin(s->registry, c->client_id, kvf_now_ns(), &attempt);
   if (st == KVF_SUCCESS) {
     /* The lane first: a device this server does not serve is refused
      * before anything is mapped. The binding owns the geometry from here. */
@@ -555,7 +556,7 @@ static kvf_status server_dispatch(kvf_server *s, kvf_server_conn *c, const kvf_p
     server_send_error(s, c, h->request_id, st, NULL);
     goto out;
   }
-  c->last_seen_ns = kvf_registry_now_ns(); /* any valid request proves the client alive */
+  c->last_seen_ns = kvf_now_ns(); /* any valid request proves the client alive */
   if (c->hello_done) (void)kvf_registry_heartbeat(s->registry, c->client_id, c->last_seen_ns);
   switch (h->type) {
     case KVF_PROTO_HELLO: st = handle_hello(s, c, &m); break;
@@ -747,7 +748,7 @@ static void server_accept(kvf_server *s) {
     }
     c->conn = conn;
     c->client_id = s->next_client_id++;
-    c->last_seen_ns = kvf_registry_now_ns();
+    c->last_seen_ns = kvf_now_ns();
     s->conns[s->num_conns++] = c;
     KVF_TRACE(SERVER, "client %llu: accepted pid %d", (unsigned long long)c->client_id, (int)conn.peer.pid);
   }
@@ -756,7 +757,7 @@ static void server_accept(kvf_server *s) {
 /* Reap clients silent past the timeout: their connections are dropped (a
  * stopped or hung engine), and the registry's reaper catches the rest. */
 static void server_reap(kvf_server *s) {
-  uint64_t now = kvf_registry_now_ns();
+  uint64_t now = kvf_now_ns();
   uint64_t timeout_ns = (uint64_t)s->opt.heartbeat_timeout_ms * 1000000ull;
   for (uint32_t i = 0; i < s->num_conns;) {
     kvf_server_conn *c = s->conns[i];
