@@ -351,12 +351,28 @@ static kvf_status check_attention_view(const kvf_geometry *g, kvf_view *v, kvf_g
   sort_dims(dims, n);
   uint64_t extent = max_head_bytes(v);
   const char *inner = "one head's bytes";
+  int blocks_inside = 0; /* the block dimension is among the smaller ones */
   for (int i = 0; i < n; i++) {
     if (dims[i].count <= 1) continue;
-    if (dims[i].stride < extent)
+    if (dims[i].stride < extent) {
+      /* A stride that is a whole number k of blocks (K and V a pool of k
+       * blocks apart) that would hold k blocks describes a k-block pool:
+       * the group's num_blocks is what does not match it, not the stride. */
+      uint64_t nb = gr->desc.num_blocks, bs = d->block_stride, k = bs ? dims[i].stride / bs : 0;
+      if (blocks_inside && k >= 1 && k < nb && dims[i].stride % bs == 0 && extent - (nb - k) * bs <= dims[i].stride)
+        return invalid(g, err, KVF_ERR_INVALID_GEOMETRY, G, L,
+                       "num_blocks %u: %s %llu leaves room for %llu blocks of block_stride %llu; blocks %llu and up "
+                       "would run into the next %s",
+                       gr->desc.num_blocks, dims[i].field, (unsigned long long)dims[i].stride, (unsigned long long)k,
+                       (unsigned long long)bs, (unsigned long long)k,
+                       !strcmp(dims[i].field, "plane_stride")   ? "plane"
+                       : !strcmp(dims[i].field, "token_stride") ? "token"
+                                                                : "head");
       return invalid(g, err, KVF_ERR_INVALID_GEOMETRY, G, L,
                      "%s %llu: smaller than the %llu bytes spanned by %s (runs would overlap)", dims[i].field,
                      (unsigned long long)dims[i].stride, (unsigned long long)extent, inner);
+    }
+    if (!strcmp(dims[i].field, "block_stride")) blocks_inside = 1;
     uint64_t span;
     if (!kvf_mul_u64(dims[i].count - 1, dims[i].stride, &span) || !kvf_add_u64(span, extent, &extent))
       return invalid(g, err, KVF_ERR_OVERFLOW, G, L, "%s %llu: %llu x stride overflows 64 bits", dims[i].field,
@@ -748,6 +764,39 @@ static uint64_t compute_fingerprint(const kvf_geometry *g, kvf_object_format fmt
   return h;
 }
 
+/* A view that runs past its region (of a given size) for the largest block
+ * id. The extent grows by block_stride per block, so block 0 alone ends at
+ * end_offset - (num_blocks - 1) * block_stride. Which field to blame:
+ *   - the view's offset, when the view starts at or past the region's end;
+ *   - the region's size, when block 0 alone does not fit (no block count
+ *     would help: the region is too small for one block of this view);
+ *   - otherwise the group's num_blocks: the region holds some blocks of the
+ *     view, fewer than the group has. */
+static kvf_status region_overrun(const kvf_geometry *g, const kvf_view *v, kvf_geometry_error *err) {
+  const kvf_region *r = &g->regions[v->desc.region];
+  uint32_t nb = g->groups[v->group].desc.num_blocks;
+  uint64_t bs = v->desc.block_stride;
+  uint64_t first_end = v->end_offset - (uint64_t)(nb - 1) * bs; /* no overflow: end_offset includes it */
+  int32_t G = (int32_t)v->group, L = (int32_t)v->layer;
+  if (v->desc.offset >= r->size)
+    return invalid(g, err, KVF_ERR_INVALID_GEOMETRY, G, L,
+                   "offset %llu: at or past the end of region %u '%s' (%llu bytes)", (unsigned long long)v->desc.offset,
+                   v->desc.region, r->name, (unsigned long long)r->size);
+  if (first_end > r->size)
+    return invalid(g, err, KVF_ERR_INVALID_GEOMETRY, G, L,
+                   "size %llu of region %u '%s': too small for one block of this view: block 0 ends at byte %llu "
+                   "(num_blocks %u need %llu bytes)",
+                   (unsigned long long)r->size, v->desc.region, r->name, (unsigned long long)first_end, nb,
+                   (unsigned long long)v->end_offset);
+  /* first_end <= size < end_offset: nb > 1, so bs > 0. */
+  uint64_t fit = 1 + (r->size - first_end) / bs;
+  return invalid(g, err, KVF_ERR_INVALID_GEOMETRY, G, L,
+                 "num_blocks %u: block %u of the view ends at byte %llu, past the end of region %u '%s' (%llu "
+                 "bytes), which holds %llu block%s of it",
+                 nb, nb - 1, (unsigned long long)v->end_offset, v->desc.region, r->name, (unsigned long long)r->size,
+                 (unsigned long long)fit, fit == 1 ? "" : "s");
+}
+
 kvf_status kvf_geometry_finalize(kvf_geometry *g, kvf_geometry_error *err) {
   if (err) memset(err, 0, sizeof *err), err->group = -1, err->layer = -1;
   if (!g) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_geometry_finalize: geometry is NULL");
@@ -789,11 +838,7 @@ kvf_status kvf_geometry_finalize(kvf_geometry *g, kvf_geometry_error *err) {
     if (v->end_offset > need[v->desc.region]) need[v->desc.region] = v->end_offset;
     if (r->size && v->end_offset > r->size) {
       free(need);
-      return invalid(g, err, KVF_ERR_INVALID_GEOMETRY, (int32_t)v->group, (int32_t)v->layer,
-                     "block_stride %llu: block %u of the view ends at byte %llu, past the end of region %u ('%s', "
-                     "%llu bytes)",
-                     (unsigned long long)v->desc.block_stride, g->groups[v->group].desc.num_blocks - 1,
-                     (unsigned long long)v->end_offset, v->desc.region, r->name, (unsigned long long)r->size);
+      return region_overrun(g, v, err);
     }
   }
   for (uint32_t r = 0; r < g->num_regions; r++) {

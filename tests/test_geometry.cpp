@@ -186,18 +186,83 @@ TEST(GeometryValidation, RunsOfOneViewMustNotOverlap) {
 }
 
 TEST(GeometryValidation, ViewsMustFitTheirRegionForTheLargestBlock) {
-  expect_rule("block_stride", [](Spec &s) { s.regions[0].size = 2 * 8 * 16 * 512 - 1; }, 0, 0);
+  // Block 0 fits (plane 1 of it ends at 65536 + 8192), block 7 does not: the
+  // group has more blocks than the region holds, so num_blocks is at fault
+  // (the view's strides are fine).
+  expect_rule("num_blocks", [](Spec &s) { s.regions[0].size = 2 * 8 * 16 * 512 - 1; }, 0, 0);
   Spec s = Spec::baseline();
   s.regions[0].size = 2 * 8 * 16 * 512;
   auto b = build(s);
   ASSERT_EQ(b->status, KVF_SUCCESS) << b->message;
-  // Message says which block ends where.
+  // The message names num_blocks, the region and its size, where the last
+  // block ends and how many blocks the region holds.
   Spec t = Spec::baseline();
   t.regions[0].size = 100000;
   auto c = build(t);
   ASSERT_EQ(c->status, KVF_ERR_INVALID_GEOMETRY);
-  EXPECT_NE(c->message.find("block 7"), std::string::npos) << c->message;
-  EXPECT_NE(c->message.find("past the end of region 0"), std::string::npos) << c->message;
+  EXPECT_STREQ(c->err.field, "num_blocks");
+  for (const char *want : {"num_blocks 8", "block 7", "ends at byte 131072", "past the end of region 0 'layer0'",
+                           "100000 bytes", "holds 4 blocks"})
+    EXPECT_NE(c->message.find(want), std::string::npos) << want << ": " << c->message;
+}
+
+TEST(GeometryValidation, RegionTooSmallForOneBlockNamesItsSize) {
+  // Plane 1 of block 0 starts at 65536: a 65536-byte region cannot hold one
+  // block of the view, whatever num_blocks is.
+  expect_rule("size", [](Spec &s) { s.regions[1].size = 8 * 16 * 512; }, 0, 1);
+  Spec s = Spec::baseline();
+  s.regions[1].size = 8 * 16 * 512;
+  auto b = build(s);
+  for (const char *want : {"size 65536 of region 1 'layer1'", "block 0", "ends at byte 73728"})
+    EXPECT_NE(b->message.find(want), std::string::npos) << want << ": " << b->message;
+  // A view that starts past its region's end names its offset.
+  expect_rule("offset", [](Spec &s) {
+    s.regions[1].size = 2 * 8 * 16 * 512;
+    s.views[1].second.offset = 2 * 8 * 16 * 512;
+  }, 0, 1);
+}
+
+TEST(GeometryValidation, RecurrentSlotsPastTheRegionNameNumBlocks) {
+  Spec s = Spec::baseline();
+  kvf_group_desc gd = KVF_GROUP_DESC_INIT;
+  gd.name = "mamba";
+  gd.kind = KVF_GROUP_RECURRENT;
+  gd.num_blocks = 4;
+  s.groups.push_back(gd);
+  kvf_region_desc r = KVF_REGION_DESC_INIT;
+  r.name = "state";
+  r.size = 2 * 4096;  // room for two slots
+  s.regions.push_back(r);
+  kvf_view_desc v = KVF_VIEW_DESC_INIT;
+  v.region = 2;
+  v.block_stride = 4096;
+  v.num_states = 1;
+  v.states[0] = {0, 3072};
+  s.views.push_back({1, v});
+  auto b = build(s);
+  ASSERT_EQ(b->status, KVF_ERR_INVALID_GEOMETRY) << b->message;
+  EXPECT_STREQ(b->err.field, "num_blocks");
+  EXPECT_EQ(b->err.group, 1);
+  EXPECT_EQ(b->err.layer, 0);
+  EXPECT_NE(b->message.find("holds 2 blocks"), std::string::npos) << b->message;
+}
+
+TEST(GeometryValidation, PlanesOneBlockPoolApartNameNumBlocks) {
+  // K and V a pool of 8 blocks apart (plane_stride = 8 x block_stride), but
+  // 16 blocks: K's blocks 8..15 would run into V. The strides describe an
+  // 8-block pool; num_blocks is what does not match them.
+  expect_rule("num_blocks", [](Spec &s) { s.groups[0].num_blocks = 16; }, 0, 0);
+  Spec s = Spec::baseline();
+  s.groups[0].num_blocks = 16;
+  auto b = build(s);
+  for (const char *want : {"num_blocks 16", "plane_stride 65536", "room for 8 blocks"})
+    EXPECT_NE(b->message.find(want), std::string::npos) << want << ": " << b->message;
+  // A plane stride that is no whole number of blocks stays a stride error
+  // (RunsOfOneViewMustNotOverlap), and so does a block stride below the payload.
+  expect_rule("plane_stride", [](Spec &s) {
+    s.groups[0].num_blocks = 16;
+    s.views[0].second.plane_stride = 8 * 16 * 512 + 512;
+  }, 0, 0);
 }
 
 TEST(GeometryValidation, IntegerOverflowIsReported) {

@@ -576,7 +576,10 @@ TEST(Json, NumBlocksOverrideReplacesEveryGroup) {
   // The override is validated like the file: 32 slots of 16 KiB no longer
   // fit between the recurrent layers placed 64 KiB apart.
   opt.num_blocks_override = 32;
-  EXPECT_EQ(Load(kHybrid, &g, nullptr, &opt), KVF_ERR_INVALID_GEOMETRY);
+  kvf_geometry_error err;
+  EXPECT_EQ(Load(kHybrid, &g, &err, &opt), KVF_ERR_INVALID_GEOMETRY);
+  EXPECT_STREQ(err.field, "num_blocks") << err.message;  // the region holds 8 slots: the count is at fault
+  EXPECT_EQ(err.group, 2);
 }
 
 // ---- plane_stride as "num_blocks * block_stride" ----------------------------
@@ -621,11 +624,14 @@ TEST(Json, PlaneStrideStringFollowsTheOverride) {
     // 4096 of its 8192 bytes.
     EXPECT_EQ(r.size, nb * 8192u + (nb - 1) * 8192u + 16u * 256u) << "K and V of every block, a pool apart";
   }
-  // The integer form stays fixed: 100 blocks of K run into V.
+  // The integer form stays fixed: 100 blocks of K run into V. The strides
+  // describe an 8-block pool, so the error names num_blocks.
   opt.num_blocks_override = 100;
   GeometryPtr g;
   kvf_geometry_error err;
   EXPECT_EQ(Load(kSmall, &g, &err, &opt), KVF_ERR_INVALID_GEOMETRY);
+  EXPECT_STREQ(err.field, "num_blocks") << err.message;
+  EXPECT_NE(std::string(err.message).find("room for 8 blocks"), std::string::npos) << err.message;
 }
 
 TEST(Json, PlaneStrideRejectsOtherStrings) {
