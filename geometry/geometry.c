@@ -611,6 +611,7 @@ static kvf_status check_overlaps(kvf_geometry *g, kvf_geometry_error *err) {
       const kvf_view *b = &g->views[order[j].view];
       if (b->desc.region != a->desc.region || first_byte(b) >= a->end_offset) break;
       if (++pairs > MAX_OVERLAP_PAIRS) {
+        g->error_region = (int32_t)a->desc.region;
         st = invalid(g, err, KVF_ERR_INVALID_GEOMETRY, -1, -1,
                      "regions[%u]: more than %u pairs of views with overlapping extents to check", a->desc.region,
                      MAX_OVERLAP_PAIRS);
@@ -801,6 +802,7 @@ kvf_status kvf_geometry_finalize(kvf_geometry *g, kvf_geometry_error *err) {
   if (err) memset(err, 0, sizeof *err), err->group = -1, err->layer = -1;
   if (!g) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_geometry_finalize: geometry is NULL");
   if (g->finalized) return kvf_fail(KVF_ERR_STATE, "kvf_geometry_finalize: already finalized");
+  g->error_region = -1;
   kvf_status st;
   const kvf_object_policy *pol = &g->policy;
   if (g->num_regions == 0) return invalid(g, err, KVF_ERR_INVALID_GEOMETRY, -1, -1, "regions: none declared");
@@ -818,7 +820,10 @@ kvf_status kvf_geometry_finalize(kvf_geometry *g, kvf_geometry_error *err) {
                    g->dcp_world);
 
   for (uint32_t i = 0; i < g->num_regions; i++)
-    if ((st = check_region(g, i, err))) return st;
+    if ((st = check_region(g, i, err))) {
+      g->error_region = (int32_t)i;
+      return st;
+    }
   for (uint32_t i = 0; i < g->num_groups; i++)
     if ((st = check_group(g, i, err))) return st;
   g->num_aliases = 0;
@@ -838,12 +843,14 @@ kvf_status kvf_geometry_finalize(kvf_geometry *g, kvf_geometry_error *err) {
     if (v->end_offset > need[v->desc.region]) need[v->desc.region] = v->end_offset;
     if (r->size && v->end_offset > r->size) {
       free(need);
+      g->error_region = (int32_t)v->desc.region;
       return region_overrun(g, v, err);
     }
   }
   for (uint32_t r = 0; r < g->num_regions; r++) {
     if (g->regions[r].num_views == 0) {
       free(need);
+      g->error_region = (int32_t)r;
       return invalid(g, err, KVF_ERR_INVALID_GEOMETRY, -1, -1, "regions[%u] '%s': no view lives in it", r,
                      g->regions[r].name);
     }

@@ -67,6 +67,9 @@ struct kvf_geometry {
   uint32_t num_object_groups;
   uint32_t num_aliases;
   uint64_t fingerprint[2]; /* by kvf_object_format */
+  /* The region the last failed finalize blamed (a region rule, or a view
+   * running past its region), or -1: the JSON loader names its entry. */
+  int32_t error_region;
 };
 
 static inline const kvf_view *kvf_group_view(const kvf_geometry *g, uint32_t group, uint32_t layer) {

@@ -6,7 +6,9 @@
  * and range, and every name a layer refers to exists. Failures name the JSON
  * path ("groups[1].layers[0].token_stride: ..."). The loader only translates;
  * every geometric rule (strides, overlaps, limits on sizes) is left to
- * kvf_geometry_finalize(), whose status and message pass through unchanged.
+ * kvf_geometry_finalize(), whose status and error pass through with the
+ * message prefixed by the JSON path of the entry that made the failing
+ * view, group or region (the loader remembers where each view came from).
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -24,6 +26,7 @@
 #include <kvferry/geometry.h>
 
 #include "common/error.h"
+#include "geometry/geometry_internal.h"
 
 /* Geometry files are a few KiB; anything this large is not one, and a cap
  * keeps a stray path (a model checkpoint, /dev/zero) from eating memory. */
@@ -41,6 +44,14 @@ typedef struct kvf_json_region {
   char name[KVF_NAME_MAX];
   uint32_t entry; /* index into the loader's entries */
 } kvf_json_region;
+
+/* Where one view came from: layer k of entry `entry` of its group's
+ * "layers", an entry of `count` layers. */
+typedef struct kvf_json_view_origin {
+  uint32_t entry;
+  uint32_t k;
+  uint32_t count;
+} kvf_json_view_origin;
 
 /* One entry of "regions" (its plain name resolves to its first region). */
 typedef struct kvf_json_region_entry {
@@ -63,6 +74,13 @@ typedef struct kvf_json_loader {
   char group_names[KVF_MAX_GROUPS][KVF_NAME_MAX];
   uint32_t group_layers[KVF_MAX_GROUPS]; /* views added so far */
   uint32_t group_blocks[KVF_MAX_GROUPS]; /* num_blocks in effect (after any override) */
+
+  /* Every view added, in order; groups add theirs one after the other, so
+   * view (g, l) is origins[group_first[g] + l]. */
+  kvf_json_view_origin *origins;
+  uint32_t num_origins;
+  uint32_t cap_origins;
+  uint32_t group_first[KVF_MAX_GROUPS];
 
   /* Where the first failure happened, for kvf_geometry_error. */
   int32_t error_group;
@@ -480,7 +498,7 @@ static kvf_status kvf_json_parse_alias(kvf_json_loader *l, json_t *obj, const ch
 }
 
 static kvf_status kvf_json_parse_layer(kvf_json_loader *l, json_t *obj, const char *where, uint32_t group,
-                                       kvf_group_kind kind) {
+                                       uint32_t entry_index, kvf_group_kind kind) {
   char shown[72];
   const char *name = NULL;
   const char *region = NULL;
@@ -571,11 +589,19 @@ static kvf_status kvf_json_parse_layer(kvf_json_loader *l, json_t *obj, const ch
       v.alias_group = (int32_t)alias.group;
       v.alias_layer = (int32_t)target;
     }
+    if (l->num_origins == l->cap_origins) {
+      uint32_t cap = l->cap_origins ? l->cap_origins * 2 : 64;
+      kvf_json_view_origin *grown = realloc(l->origins, (size_t)cap * sizeof *grown);
+      if (grown == NULL) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "loading geometry: out of memory");
+      l->origins = grown;
+      l->cap_origins = cap;
+    }
     st = kvf_geometry_add_view(l->geometry, group, &v, NULL);
     if (st != KVF_SUCCESS) {
       kvf_error_prefix("%s: ", where);
       return st;
     }
+    l->origins[l->num_origins++] = (kvf_json_view_origin){entry_index, k, count};
     ++l->group_layers[group];
   }
   return KVF_SUCCESS;
@@ -640,12 +666,13 @@ static kvf_status kvf_json_parse_group(kvf_json_loader *l, json_t *obj, uint32_t
   snprintf(l->group_names[gi], sizeof l->group_names[gi], "%s", name);
   l->group_blocks[gi] = desc.num_blocks;
   l->num_groups = gi + 1;
+  l->group_first[gi] = l->num_origins;
 
   for (size_t e = 0; e < json_array_size(layers); ++e) {
     char lwhere[KVF_JSON_LAYER_PATH_MAX];
     snprintf(lwhere, sizeof lwhere, "%s.layers[%zu]", where, e);
     l->error_layer = (int32_t)l->group_layers[gi];
-    st = kvf_json_parse_layer(l, json_array_get(layers, e), lwhere, gi, desc.kind);
+    st = kvf_json_parse_layer(l, json_array_get(layers, e), lwhere, gi, (uint32_t)e, desc.kind);
     if (st != KVF_SUCCESS) return st;
   }
   l->error_layer = -1;
@@ -749,12 +776,91 @@ static kvf_status kvf_json_build(kvf_json_loader *l, json_t *root) {
   return kvf_geometry_set_name(l->geometry, name, description);
 }
 
+/* ---- validation failures: the JSON path of what finalize blamed ----------- */
+
+/* Append " (k = K of count N)" for a layer or region of a counted entry. */
+static void kvf_json_append_k(char *buf, size_t len, uint32_t k, uint32_t count) {
+  size_t n = strlen(buf);
+  if (count > 1 && n < len) snprintf(buf + n, len - n, " (k = %u of count %u)", k, count);
+}
+
+/* The JSON key of a view's field as finalize names it (the C field). */
+static const char *kvf_json_view_key(const kvf_json_loader *l, const kvf_geometry_error *e, uint32_t entry) {
+  const char *f = e->field;
+  if (strcmp(f, "num_states") == 0 || strcmp(f, "states.offset") == 0 || strcmp(f, "states.bytes") == 0)
+    return "states";
+  if (strncmp(f, "head_bytes[", 11) == 0) {
+    /* "head_bytes[1]" is a JSON path only when the file gave an array. */
+    json_t *group = json_array_get(l->groups_json, (size_t)e->group);
+    json_t *layer = json_array_get(json_object_get(group, "layers"), entry);
+    return json_is_array(json_object_get(layer, "head_bytes")) ? f : "head_bytes";
+  }
+  return f;
+}
+
+/* Write into buf the JSON path of the key that a failed finalize blamed:
+ * the region entry for a region rule or a region too small for one block
+ * ("regions[0].size (k = 3 of count 32)"), the layer entry for a view
+ * ("groups[1].layers[0].block_stride (k = 2 of count 4)"), the group for a
+ * group rule ("groups[0].num_blocks"), "objects..." for the policy. Empty
+ * when the failure has no place in the file. */
+static void kvf_json_validation_path(const kvf_json_loader *l, const kvf_geometry_error *e, char *buf, size_t len) {
+  const char *f = e->field;
+  int32_t region = l->geometry->error_region;
+  buf[0] = '\0';
+  if (region >= 0 && (uint32_t)region < l->num_regions && (e->group < 0 || strcmp(f, "size") == 0)) {
+    uint32_t ei = l->regions[region].entry;
+    const kvf_json_region_entry *re = &l->entries[ei];
+    int key = strcmp(f, "size") == 0 || strcmp(f, "align") == 0 || strcmp(f, "name") == 0;
+    snprintf(buf, len, "regions[%u]%s%s", ei, key ? "." : "", key ? f : "");
+    kvf_json_append_k(buf, len, (uint32_t)region - re->first, re->count);
+    return;
+  }
+  if (e->group >= 0 && (uint32_t)e->group < l->num_groups) {
+    uint32_t gi = (uint32_t)e->group;
+    if (strcmp(f, "chunk_tokens") == 0) {
+      snprintf(buf, len, "objects.chunk_tokens");
+      return;
+    }
+    if (e->layer >= 0 && strcmp(f, "num_blocks") != 0) {
+      uint32_t at = l->group_first[gi] + (uint32_t)e->layer;
+      if ((uint32_t)e->layer >= l->group_layers[gi] || at >= l->num_origins) return;
+      const kvf_json_view_origin *o = &l->origins[at];
+      snprintf(buf, len, "groups[%u].layers[%u]%s%s", gi, o->entry, f[0] != '\0' ? "." : "",
+               kvf_json_view_key(l, e, o->entry));
+      kvf_json_append_k(buf, len, o->k, o->count);
+      if (o->k > 0 && strcmp(f, "offset") == 0) {
+        /* Layer k's offset is offset + k * offset_step: say which to look at. */
+        json_t *layer = json_array_get(json_object_get(json_array_get(l->groups_json, gi), "layers"), o->entry);
+        json_t *step = json_object_get(layer, "offset_step");
+        size_t n = strlen(buf);
+        if (json_is_integer(step) && json_integer_value(step) != 0 && n > 0 && n < len)
+          snprintf(buf + n - 1, len - (n - 1), ": offset + %u x offset_step)", o->k);
+      }
+      return;
+    }
+    snprintf(buf, len, "groups[%u]%s%s", gi, f[0] != '\0' ? "." : "", f);
+    if (strcmp(f, "num_blocks") == 0 && l->num_blocks_override != 0) {
+      size_t n = strlen(buf);
+      if (n < len) snprintf(buf + n, len - n, " (num_blocks_override %u)", l->num_blocks_override);
+    }
+    return;
+  }
+  if (strcmp(f, "chunk_tokens") == 0 || strcmp(f, "format") == 0)
+    snprintf(buf, len, "objects.%s", f);
+  else if (strncmp(f, "separate_", 9) == 0)
+    snprintf(buf, len, "objects");
+  else if (strcmp(f, "dcp") == 0 || strcmp(f, "regions") == 0 || strcmp(f, "groups") == 0)
+    snprintf(buf, len, "%s", f);
+}
+
 /* Parse, build and finalize. `source` names the file in messages (NULL for buffers). */
 static kvf_status kvf_json_load(const char *json, size_t len, const kvf_geometry_load_options *options,
                                 kvf_geometry **out, kvf_geometry_error *error, const char *source) {
   kvf_json_loader l;
   json_error_t jerr;
   json_t *root = NULL;
+  kvf_geometry_error verr;
   int validation = 0;
   kvf_status st;
 
@@ -794,16 +900,26 @@ static kvf_status kvf_json_load(const char *json, size_t len, const kvf_geometry
   if (st != KVF_SUCCESS) goto out;
   st = kvf_json_build(&l, root);
   if (st != KVF_SUCCESS) goto out;
-  validation = 1; /* finalize fills *error and the message itself */
-  st = kvf_geometry_finalize(l.geometry, error);
-  if (st != KVF_SUCCESS) goto out;
+  st = kvf_geometry_finalize(l.geometry, &verr);
+  if (st != KVF_SUCCESS) {
+    /* finalize's error, with the JSON path of what it blames in front. */
+    char path[KVF_JSON_PATH_MAX];
+    validation = 1;
+    kvf_json_validation_path(&l, &verr, path, sizeof path);
+    if (path[0] != '\0') kvf_error_prefix("%s: ", path);
+    goto out;
+  }
   *out = l.geometry;
   l.geometry = NULL;
 
 out:
-  if (st != KVF_SUCCESS && !validation) {
+  if (st != KVF_SUCCESS) {
     if (source != NULL) kvf_error_prefix("%s: ", source);
-    if (error != NULL) {
+    if (validation && error != NULL) {
+      *error = verr;
+      error->status = st; /* also for the failures finalize does not describe (out of memory) */
+      snprintf(error->message, sizeof error->message, "%s", kvf_last_error());
+    } else if (error != NULL) {
       memset(error, 0, sizeof *error);
       error->status = st;
       error->group = l.error_group;
@@ -816,6 +932,7 @@ out:
   json_decref(root);
   free(l.regions);
   free(l.entries);
+  free(l.origins);
   return st;
 }
 

@@ -486,7 +486,7 @@ TEST(Json, RejectsOversizedInput) {
 
 // ---- validation errors pass through from kvf_geometry_finalize ---------------
 
-TEST(Json, ValidationErrorPassesThrough) {
+TEST(Json, ValidationErrorNamesTheJsonPath) {
   // A block stride smaller than a block's payload in one plane (16 tokens x 256 B = 4096).
   std::string json = Edit(kSmall, R"("block_stride": 8192)", R"("block_stride": 2048)");
   GeometryPtr g;
@@ -498,7 +498,11 @@ TEST(Json, ValidationErrorPassesThrough) {
   EXPECT_NE(err.field[0], '\0');
   EXPECT_STREQ(err.message, kvf_last_error());
 
-  // The same through the builder gives the same status and message: the loader adds nothing.
+  EXPECT_STREQ(err.field, "block_stride") << "the C field, as finalize names it";
+
+  // The same through the builder gives the same status and message; the
+  // loader puts the JSON path of the entry in front, with the layer of the
+  // counted entry it expanded to.
   std::string from_file = kvf_last_error();
   kvf_geometry *raw = nullptr;
   ASSERT_EQ(kvf_geometry_create(&raw), KVF_SUCCESS);
@@ -530,7 +534,98 @@ TEST(Json, ValidationErrorPassesThrough) {
   pol.chunk_tokens = 32;
   ASSERT_EQ(kvf_geometry_set_policy(raw, &pol), KVF_SUCCESS);
   ASSERT_EQ(kvf_geometry_finalize(raw, nullptr), KVF_ERR_INVALID_GEOMETRY);
-  EXPECT_EQ(from_file, kvf_last_error());
+  EXPECT_EQ(from_file, std::string("groups[0].layers[0].block_stride (k = 0 of count 2): ") + kvf_last_error());
+}
+
+// Each validation failure of a file names the JSON path of the key to
+// change: the layer entry (and which of its count layers), the group, the
+// region entry or the object policy.
+struct ValidationCase {
+  const char *what;
+  const std::string *base;
+  const char *from, *to;
+  const char *prefix;  // the message starts with it
+  const char *field;   // kvf_geometry_error.field: finalize's C field
+  int32_t group, layer;
+};
+
+const ValidationCase kValidationCases[] = {
+    {"a stride in a counted entry, layer k = 1", &kHybrid, R"("count": 2, "name": "mamba", "region": "ssm", "offset": 0, "offset_step": 65536)",
+     R"("count": 2, "name": "mamba", "region": "ssm", "offset": 0, "offset_step": 131072)",
+     "groups[2].layers[0].offset (k = 1 of count 2: offset + 1 x offset_step): group 'mamba' (2), layer 1 "
+     "('mamba[1]'): offset 131072:", "offset",
+     2, 1},
+    {"an alias in another region", &kHybrid, R"("region_step": 2)", R"("region_step": 1)",
+     "groups[1].layers[0].alias_of (k = 1 of count 2): group 'swa' (1), layer 1 ('swa[1]'): alias_of", "alias_of", 1,
+     1},
+    {"head_bytes given as an array", &kHybrid, R"("head_bytes": [128, 128])", R"("head_bytes": [128, 127])",
+     "groups[0].layers[0].head_bytes (k = 0 of count 4): ", "head_bytes", 0, 0},
+    {"head_bytes given as one integer", &kSmall, R"("head_bytes": 128)", R"("head_bytes": 0)",
+     "groups[0].layers[0].head_bytes (k = 0 of count 2): ", "head_bytes[0]", 0, 0},
+    {"a state", &kHybrid, R"({ "offset": 1024, "bytes": 8192 })", R"({ "offset": 512, "bytes": 8192 })",
+     "groups[2].layers[0].states[1] (k = 0 of count 2): ", "states[1]", 2, 0},
+    {"an uncounted region too small for one block", &kHybrid, R"("size": 131072)", R"("size": 4096)",
+     "regions[1].size: group 'mamba' (2), layer 0 ('mamba[0]'): size 4096 of region 4 'ssm':", "size", 2, 0},
+    {"a counted region too small for one block", &kSmall, R"({ "name": "kv", "count": 2 })",
+     R"({ "name": "kv", "count": 2, "size": 65536 })",
+     "regions[0].size (k = 0 of count 2): group 'full' (0), layer 0 ('layer[0]'): size 65536 of region 0 'kv[0]':",
+     "size", 0, 0},
+    {"a region too small for num_blocks", &kSmall, R"({ "name": "kv", "count": 2 })",
+     R"({ "name": "kv", "count": 2, "size": 100000 })",
+     "groups[0].num_blocks: group 'full' (0), layer 0 ('layer[0]'): num_blocks 8:", "num_blocks", 0, 0},
+    {"a group rule", &kHybrid, R"("window": 64)", R"("window": 16777217)", "groups[1].window: group 'swa' (1): window",
+     "window", 1, -1},
+    {"the object policy", &kHybrid, R"("chunk_tokens": 64)", R"("chunk_tokens": 48)",
+     "objects.chunk_tokens: group 'full' (0): chunk_tokens 48:", "chunk_tokens", 0, -1},
+    {"a region nothing lives in", &kHybrid, R"({ "name": "ssm", "size": 131072 })",
+     R"({ "name": "ssm", "size": 131072 }, { "name": "spare", "count": 3 })",
+     "regions[2] (k = 0 of count 3): geometry: regions[5] 'spare[0]': no view lives in it", "regions[5]", -1, -1},
+};
+
+TEST(Json, ValidationErrorsNameTheEntry) {
+  for (const ValidationCase &c : kValidationCases) {
+    SCOPED_TRACE(c.what);
+    GeometryPtr g;
+    kvf_geometry_error err;
+    ASSERT_EQ(Load(Edit(*c.base, c.from, c.to), &g, &err), KVF_ERR_INVALID_GEOMETRY) << kvf_last_error();
+    std::string msg = kvf_last_error();
+    EXPECT_EQ(msg.rfind(c.prefix, 0), 0u) << msg;
+    EXPECT_STREQ(err.field, c.field) << msg;
+    EXPECT_EQ(err.group, c.group) << msg;
+    EXPECT_EQ(err.layer, c.layer) << msg;
+    EXPECT_STREQ(err.message, msg.c_str());
+  }
+}
+
+TEST(Json, ValidationErrorInALaterEntryNamesThatEntry) {
+  // A second entry of one layer in kv[1] overlaps layer[1] of the first.
+  std::string json = Edit(kSmall, R"("head_stride": 128 }
+      ] })",
+                          R"("head_stride": 128 },
+        { "name": "extra", "region": "kv[1]", "elem_bytes": 2, "block_stride": 8192, "planes": 2, "heads": 2,
+          "head_bytes": 128, "plane_stride": 65536, "token_stride": 256, "head_stride": 128 }
+      ] })");
+  GeometryPtr g;
+  kvf_geometry_error err;
+  ASSERT_EQ(Load(json, &g, &err), KVF_ERR_INVALID_GEOMETRY);
+  std::string msg = kvf_last_error();
+  EXPECT_EQ(msg.rfind("groups[0].layers[1].offset: group 'full' (0), layer 2 ('extra'): offset 0: overlaps", 0), 0u)
+      << msg;
+  EXPECT_EQ(err.layer, 2);
+}
+
+TEST(Json, ValidationErrorNamesTheOverride) {
+  // 100 blocks of 8 KiB in each of K and V do not fit a region of a fixed 1 MiB.
+  kvf_geometry_load_options opt = KVF_GEOMETRY_LOAD_OPTIONS_INIT;
+  opt.num_blocks_override = 100;
+  std::string json = Edit(Edit(kSmall, R"("plane_stride": 65536)", R"("plane_stride": "num_blocks * block_stride")"),
+                          R"({ "name": "kv", "count": 2 })", R"({ "name": "kv", "count": 2, "size": 1048576 })");
+  GeometryPtr g;
+  kvf_geometry_error err;
+  ASSERT_EQ(Load(json, &g, &err, &opt), KVF_ERR_INVALID_GEOMETRY);
+  std::string msg = kvf_last_error();
+  EXPECT_EQ(msg.rfind("groups[0].num_blocks (num_blocks_override 100): ", 0), 0u) << msg;
+  EXPECT_STREQ(err.field, "num_blocks");
 }
 
 TEST(Json, ValidationErrorsFromOtherRules) {
@@ -715,6 +810,15 @@ TEST_F(JsonFile, ErrorsInAFileNameTheFile) {
   ASSERT_EQ(kvf_geometry_load_file(path.c_str(), nullptr, &raw, nullptr), KVF_ERR_PARSE);
   std::string msg = kvf_last_error();
   EXPECT_EQ(msg.rfind(path + ": groups[0].layers[0].token_stride:", 0), 0u) << msg;
+
+  // Validation failures too, before the JSON path.
+  path = Write("invalid.json", Edit(kSmall, R"("block_stride": 8192)", R"("block_stride": 2048)"));
+  kvf_geometry_error err;
+  ASSERT_EQ(kvf_geometry_load_file(path.c_str(), nullptr, &raw, &err), KVF_ERR_INVALID_GEOMETRY);
+  msg = kvf_last_error();
+  EXPECT_EQ(msg.rfind(path + ": groups[0].layers[0].block_stride (k = 0 of count 2): group 'full' (0)", 0), 0u)
+      << msg;
+  EXPECT_STREQ(err.message, msg.c_str());
 
   path = Write("syntax.json", "{\n\n  \"format\": ,\n}");
   ASSERT_EQ(kvf_geometry_load_file(path.c_str(), nullptr, &raw, nullptr), KVF_ERR_PARSE);

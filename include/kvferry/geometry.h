@@ -348,7 +348,9 @@ typedef struct kvf_geometry_load_options {
  * options may be NULL. Returns KVF_ERR_IO / KVF_ERR_NOT_FOUND for an
  * unreadable file, KVF_ERR_PARSE for bad JSON or a schema violation (the
  * message names the JSON path and, for syntax errors, line and column), or a
- * validation status as kvf_geometry_finalize (error filled, may be NULL). */
+ * validation status as kvf_geometry_finalize (error filled as finalize fills
+ * it, may be NULL; the message starts with the JSON path of the entry that
+ * made the failing view, group or region). */
 KVF_API kvf_status kvf_geometry_load_file(const char *path, const kvf_geometry_load_options *options,
                                           kvf_geometry **out, kvf_geometry_error *error);
 
