@@ -991,6 +991,19 @@ TEST(Dataplane, BadRequestsNameTheFieldAndHoldNothing) {
     EXPECT_TRUE(has(msg.c_str(), "fingerprint")) << msg;
     EXPECT_EQ(compare(other.mem(), before->p, other.size(), *other.lay), "");
     expect_nothing_held(srv, "geometry mismatch");
+
+    // Storing them refuses in L1's reservation, which names the failing
+    // spec by index: the reply names the chunk key and object group.
+    Tables os = make_tables(store_spans(other.g, 0, T), shuffled(96, 2));
+    Xfer sx2(os, keys, C, 0, T);
+    res = KVF_CLIENT_RESULT_INIT;
+    got = kvf_client_store(other.c, &sx2.x, &res);
+    msg = kvf_last_error();
+    EXPECT_EQ(got, KVF_ERR_GEOMETRY_MISMATCH) << msg;
+    EXPECT_TRUE(has(msg.c_str(), "payload.chunk_keys[0]: object group 0: header.fingerprint: ")) << msg;
+    EXPECT_FALSE(has(msg.c_str(), "specs[")) << "L1's own names stay inside the server: " << msg;
+    expect_nothing_held(srv, "store through another geometry");
+    EXPECT_EQ(srv.data().l1.objects, objects);
   }
   {
     Xfer x(rt, keys, C, 0, T, KVF_FORMAT_NATIVE);

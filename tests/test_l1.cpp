@@ -101,7 +101,7 @@ struct Store {
     kvf_l1_object_spec s = make_spec(key, og, payload);
     kvf_l1_slot slot;
     kvf_l1_reservation *r = nullptr;
-    kvf_status st = kvf_l1_reserve(l1, device, &s, 1, &slot, &r);
+    kvf_status st = kvf_l1_reserve(l1, device, &s, 1, &slot, &r, nullptr);
     if (st != KVF_SUCCESS) return st;
     if (slot.state == KVF_L1_SLOT_RESERVED) fill(slot.data, payload, key, og, 0);
     if (data) *data = slot.data;
@@ -149,7 +149,7 @@ TEST(L1, RoundTrip) {
   kvf_l1_object_spec specs[3] = {make_spec(11, 0, 1000), make_spec(11, 1, 5000), make_spec(12, 0, 256)};
   kvf_l1_slot slots[3];
   kvf_l1_reservation *r = nullptr;
-  ASSERT_EQ(kvf_l1_reserve(st.l1, -1, specs, 3, slots, &r), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_EQ(kvf_l1_reserve(st.l1, -1, specs, 3, slots, &r, nullptr), KVF_SUCCESS) << kvf_last_error();
   for (int i = 0; i < 3; i++) {
     ASSERT_EQ(slots[i].state, KVF_L1_SLOT_RESERVED);
     ASSERT_NE(slots[i].data, nullptr);
@@ -219,13 +219,13 @@ TEST(L1, PresentDedup) {
   kvf_l1_object_spec a = make_spec(6, 0, 300);
   kvf_l1_slot sa;
   kvf_l1_reservation *ra = nullptr;
-  ASSERT_EQ(kvf_l1_reserve(st.l1, 0, &a, 1, &sa, &ra), KVF_SUCCESS);
+  ASSERT_EQ(kvf_l1_reserve(st.l1, 0, &a, 1, &sa, &ra, nullptr), KVF_SUCCESS);
   ASSERT_EQ(sa.state, KVF_L1_SLOT_RESERVED);
 
   kvf_l1_object_spec b[3] = {make_spec(5, 0, 700), make_spec(6, 0, 300), make_spec(5, 1, 400)};
   kvf_l1_slot sb[3];
   kvf_l1_reservation *rb = nullptr;
-  ASSERT_EQ(kvf_l1_reserve(st.l1, 1, b, 3, sb, &rb), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_EQ(kvf_l1_reserve(st.l1, 1, b, 3, sb, &rb, nullptr), KVF_SUCCESS) << kvf_last_error();
   EXPECT_EQ(sb[0].state, KVF_L1_SLOT_PRESENT);
   EXPECT_EQ(sb[0].data, nullptr);
   EXPECT_EQ(sb[1].state, KVF_L1_SLOT_PRESENT);
@@ -239,7 +239,7 @@ TEST(L1, PresentDedup) {
   kvf_l1_object_spec c = make_spec(5, 1, 400);
   kvf_l1_slot sc;
   kvf_l1_reservation *rc = nullptr;
-  ASSERT_EQ(kvf_l1_reserve(st.l1, 0, &c, 1, &sc, &rc), KVF_SUCCESS);
+  ASSERT_EQ(kvf_l1_reserve(st.l1, 0, &c, 1, &sc, &rc, nullptr), KVF_SUCCESS);
   EXPECT_EQ(sc.state, KVF_L1_SLOT_PRESENT);
   ASSERT_NE(rc, nullptr);
   kvf_l1_stats before = st.stats();
@@ -263,7 +263,7 @@ TEST(L1, HeaderMismatchNamesTheField) {
   kvf_l1_object_spec held = make_spec(10, 0, 500);  // reserved, not committed
   kvf_l1_slot hs;
   kvf_l1_reservation *hr = nullptr;
-  ASSERT_EQ(kvf_l1_reserve(st.l1, -1, &held, 1, &hs, &hr), KVF_SUCCESS);
+  ASSERT_EQ(kvf_l1_reserve(st.l1, -1, &held, 1, &hs, &hr, nullptr), KVF_SUCCESS);
 
   struct Case {
     const char *field;
@@ -285,8 +285,10 @@ TEST(L1, HeaderMismatchNamesTheField) {
       kvf_l1_slot slots[2];
       kvf_l1_reservation *r = nullptr;
       kvf_l1_stats before = st.stats();
-      EXPECT_EQ(kvf_l1_reserve(st.l1, -1, specs, 2, slots, &r), KVF_ERR_GEOMETRY_MISMATCH) << c.field;
+      uint32_t failed = 0;
+      EXPECT_EQ(kvf_l1_reserve(st.l1, -1, specs, 2, slots, &r, &failed), KVF_ERR_GEOMETRY_MISMATCH) << c.field;
       EXPECT_TRUE(contains(kvf_last_error(), std::string("specs[1].header.") + c.field)) << kvf_last_error();
+      EXPECT_EQ(failed, 1u) << "the failing spec, as a value";
       EXPECT_EQ(r, nullptr);
       kvf_l1_stats after = st.stats();
       EXPECT_TRUE(same_stats(before, after)) << "nothing reserved on failure (" << c.field << ")";
@@ -302,7 +304,7 @@ TEST(L1, AbortFreesSpace) {
                                  make_spec(3, 0, 4096)};
   kvf_l1_slot slots[4];
   kvf_l1_reservation *r = nullptr;
-  ASSERT_EQ(kvf_l1_reserve(st.l1, 0, specs, 4, slots, &r), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_EQ(kvf_l1_reserve(st.l1, 0, specs, 4, slots, &r, nullptr), KVF_SUCCESS) << kvf_last_error();
   EXPECT_EQ(st.stats(0).bytes_free, 32 * 1024 - (256 + 8192 + 512 + 4096));
   EXPECT_EQ(st.stats(1).bytes_free, 32u * 1024);
   EXPECT_EQ(st.stats().entries, 3u);
@@ -372,7 +374,7 @@ TEST(L1, EvictionSkipsPinnedAndReservedEntries) {
   kvf_l1_object_spec s8 = make_spec(8, 0, 1024);
   kvf_l1_slot slot8;
   kvf_l1_reservation *r8 = nullptr;
-  ASSERT_EQ(kvf_l1_reserve(st.l1, -1, &s8, 1, &slot8, &r8), KVF_SUCCESS);
+  ASSERT_EQ(kvf_l1_reserve(st.l1, -1, &s8, 1, &slot8, &r8, nullptr), KVF_SUCCESS);
   fill(slot8.data, 1024, 8, 0, 0);
   kvf_l1_pin *pins[3];
   for (uint64_t k = 1; k <= 3; k++) pins[k - 1] = st.pin(k, 0);
@@ -388,7 +390,7 @@ TEST(L1, EvictionSkipsPinnedAndReservedEntries) {
   kvf_l1_object_spec big = make_spec(10, 0, 5120);
   kvf_l1_slot bs;
   kvf_l1_reservation *br = nullptr;
-  EXPECT_EQ(kvf_l1_reserve(st.l1, -1, &big, 1, &bs, &br), KVF_ERR_OUT_OF_MEMORY);
+  EXPECT_EQ(kvf_l1_reserve(st.l1, -1, &big, 1, &bs, &br, nullptr), KVF_ERR_OUT_OF_MEMORY);
   EXPECT_TRUE(contains(kvf_last_error(), "needs 5120 bytes")) << kvf_last_error();
   EXPECT_TRUE(contains(kvf_last_error(), "4096 more evictable")) << kvf_last_error();
   kvf_l1_stats after = st.stats();
@@ -416,7 +418,7 @@ TEST(L1, RefusedReservationEvictsNothing) {
   kvf_l1_object_spec s = make_spec(5, 0, 512);
   kvf_l1_slot slot;
   kvf_l1_reservation *r = nullptr;
-  EXPECT_EQ(kvf_l1_reserve(st.l1, -1, &s, 1, &slot, &r), KVF_ERR_OUT_OF_MEMORY);
+  EXPECT_EQ(kvf_l1_reserve(st.l1, -1, &s, 1, &slot, &r, nullptr), KVF_ERR_OUT_OF_MEMORY);
   kvf_l1_stats after = st.stats();
   EXPECT_TRUE(same_stats(before, after));
   EXPECT_TRUE(st.has(1, 0));
@@ -451,7 +453,7 @@ TEST(L1, FreedExtentsCoalesce) {
     kvf_l1_object_spec s = make_spec(k, 0, payload);
     kvf_l1_slot slot;
     kvf_l1_reservation *r = nullptr;
-    kvf_status status = kvf_l1_reserve(st.l1, -1, &s, 1, &slot, &r);
+    kvf_status status = kvf_l1_reserve(st.l1, -1, &s, 1, &slot, &r, nullptr);
     if (status == KVF_ERR_OUT_OF_MEMORY) break;
     ASSERT_EQ(status, KVF_SUCCESS) << kvf_last_error();
     held.push_back({r, (const unsigned char *)slot.data, round_up(payload)});
@@ -511,14 +513,14 @@ TEST(L1, BadArgumentsNameTheField) {
   kvf_l1_slot slots[3];
   kvf_l1_reservation *r = nullptr;
   kvf_l1_object_spec good[1] = {make_spec(1, 0, 100)};
-  EXPECT_EQ(kvf_l1_reserve(l1, 3, good, 0, slots, &r), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvf_l1_reserve(l1, 3, good, 0, slots, &r, nullptr), KVF_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(contains(kvf_last_error(), "n: 0"));
-  EXPECT_EQ(kvf_l1_reserve(l1, 3, nullptr, 1, slots, &r), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvf_l1_reserve(l1, 3, nullptr, 1, slots, &r, nullptr), KVF_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(contains(kvf_last_error(), "specs is NULL"));
-  EXPECT_EQ(kvf_l1_reserve(l1, 3, good, 1, nullptr, &r), KVF_ERR_INVALID_ARGUMENT);
-  EXPECT_EQ(kvf_l1_reserve(l1, 3, good, 1, slots, nullptr), KVF_ERR_INVALID_ARGUMENT);
-  EXPECT_EQ(kvf_l1_reserve(nullptr, 3, good, 1, slots, &r), KVF_ERR_INVALID_ARGUMENT);
-  EXPECT_EQ(kvf_l1_reserve(l1, 4, good, 1, slots, &r), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvf_l1_reserve(l1, 3, good, 1, nullptr, &r, nullptr), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvf_l1_reserve(l1, 3, good, 1, slots, nullptr, nullptr), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvf_l1_reserve(nullptr, 3, good, 1, slots, &r, nullptr), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvf_l1_reserve(l1, 4, good, 1, slots, &r, nullptr), KVF_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(contains(kvf_last_error(), "device: no pool 4"));
 
   struct SpecCase {
@@ -537,13 +539,25 @@ TEST(L1, BadArgumentsNameTheField) {
   for (auto &c : specs) {
     kvf_l1_object_spec three[3] = {make_spec(1, 0, 100), make_spec(2, 0, 100), make_spec(3, 1, 100)};
     c.mutate(&three[2]);
-    EXPECT_EQ(kvf_l1_reserve(l1, 3, three, 3, slots, &r), KVF_ERR_INVALID_ARGUMENT) << c.msg;
+    uint32_t failed = 0;
+    EXPECT_EQ(kvf_l1_reserve(l1, 3, three, 3, slots, &r, &failed), KVF_ERR_INVALID_ARGUMENT) << c.msg;
     EXPECT_TRUE(contains(kvf_last_error(), c.msg)) << kvf_last_error();
+    EXPECT_EQ(failed, 2u) << c.msg;
   }
+  // Failures about no one spec, and success, leave no index.
+  uint32_t failed = 0;
+  EXPECT_EQ(kvf_l1_reserve(l1, 4, good, 1, slots, &r, &failed), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(failed, UINT32_MAX);
   // Larger than the pool: out of memory, with the sizes.
   kvf_l1_object_spec huge = make_spec(1, 0, 8193);
-  EXPECT_EQ(kvf_l1_reserve(l1, 3, &huge, 1, slots, &r), KVF_ERR_OUT_OF_MEMORY);
+  failed = 0;
+  EXPECT_EQ(kvf_l1_reserve(l1, 3, &huge, 1, slots, &r, &failed), KVF_ERR_OUT_OF_MEMORY);
   EXPECT_TRUE(contains(kvf_last_error(), "8448")) << kvf_last_error();
+  EXPECT_EQ(failed, UINT32_MAX);
+  failed = 0;
+  ASSERT_EQ(kvf_l1_reserve(l1, 3, good, 1, slots, &r, &failed), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(failed, UINT32_MAX);
+  kvf_l1_abort(l1, r);
 
   kvf_l1_query q[2] = {{1, 0}, {0, 0}};
   kvf_l1_found f[2];
@@ -590,9 +604,9 @@ TEST(L1, PoolSizeRoundsDownAndDestroyFreesHeldHandles) {
   kvf_l1_object_spec a = make_spec(1, 0, 1000), b = make_spec(2, 0, 1000);
   kvf_l1_slot slot;
   kvf_l1_reservation *ra = nullptr, *rb = nullptr;
-  ASSERT_EQ(kvf_l1_reserve(l1, -1, &a, 1, &slot, &ra), KVF_SUCCESS);
+  ASSERT_EQ(kvf_l1_reserve(l1, -1, &a, 1, &slot, &ra, nullptr), KVF_SUCCESS);
   kvf_l1_commit(l1, ra);
-  ASSERT_EQ(kvf_l1_reserve(l1, -1, &b, 1, &slot, &rb), KVF_SUCCESS);
+  ASSERT_EQ(kvf_l1_reserve(l1, -1, &b, 1, &slot, &rb, nullptr), KVF_SUCCESS);
   kvf_l1_query q{1, 0};
   kvf_l1_found f;
   kvf_l1_pin *pin = nullptr;
@@ -757,7 +771,7 @@ struct Model {
     kvf_l1_reservation *r = nullptr;
     kvf_l1_stats before = st.stats();
     std::map<uint64_t, uint64_t> recency_before = recency;
-    kvf_status status = kvf_l1_reserve(st.l1, st.descs[pi].device, specs.data(), n, slots.data(), &r);
+    kvf_status status = kvf_l1_reserve(st.l1, st.descs[pi].device, specs.data(), n, slots.data(), &r, nullptr);
     if (mismatch_at >= 0) {
       ASSERT_EQ(status, KVF_ERR_GEOMETRY_MISMATCH);
       ASSERT_TRUE(contains(kvf_last_error(), "specs[" + std::to_string(mismatch_at) + "].header.token_end"))
@@ -927,7 +941,7 @@ TEST(L1, ThreadedStress) {
         }
         std::vector<kvf_l1_slot> slots(n);
         kvf_l1_reservation *r = nullptr;
-        kvf_status s = kvf_l1_reserve(st.l1, (int)(rng() % 2), specs.data(), n, slots.data(), &r);
+        kvf_status s = kvf_l1_reserve(st.l1, (int)(rng() % 2), specs.data(), n, slots.data(), &r, nullptr);
         if (s == KVF_ERR_OUT_OF_MEMORY) {
           refused_total++;
           continue;

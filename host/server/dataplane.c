@@ -497,18 +497,21 @@ static kvf_status admit_store(kvf_dataplane *dp, dp_job *j, const kvf_proto_xfer
     }
   }
   if (n > 0) {
-    st = kvf_l1_reserve(dp->l1, j->b->lane->device, specs, n, slots, &j->reservation);
+    uint32_t bad = UINT32_MAX;
+    st = kvf_l1_reserve(dp->l1, j->b->lane->device, specs, n, slots, &j->reservation, &bad);
     if (st != KVF_SUCCESS) {
-      /* L1 names specs[i]: name the chunk key and object group instead. */
-      char why[KVF_PROTO_MESSAGE_MAX];
-      snprintf(why, sizeof(why), "%s", kvf_last_error());
-      unsigned i = 0;
-      const char *rest = strstr(why, "].");
-      if (sscanf(why, "specs[%u]", &i) == 1 && i < n && rest) {
+      if (bad < n) {
+        /* L1 names specs[bad]: name the chunk key and object group instead,
+         * and keep what L1 says after its "specs[bad]" (l1.h). */
+        char why[KVF_PROTO_MESSAGE_MAX], spec[32];
+        snprintf(why, sizeof(why), "%s", kvf_last_error());
+        const char *rest = why;
+        size_t len = (size_t)snprintf(spec, sizeof(spec), "specs[%u]", bad);
+        if (strncmp(why, spec, len) == 0) rest = why + len + (why[len] == '.' ? 1 : why[len] == ':' ? 2 : 0);
         uint64_t k = 0;
-        while (k < nchunks && spec_index[k * nog + specs[i].object_group] != i) k++;
-        st = kvf_fail(st, "payload.chunk_keys[%llu]: object group %u: %s",
-                      (unsigned long long)k, (unsigned)specs[i].object_group, rest + 2);
+        while (k < nchunks && spec_index[k * nog + specs[bad].object_group] != bad) k++;
+        st = kvf_fail(st, "payload.chunk_keys[%llu]: object group %u: %s", (unsigned long long)k,
+                      (unsigned)specs[bad].object_group, rest);
       } else {
         kvf_error_prefix("payload.chunk_keys: ");
       }

@@ -590,7 +590,10 @@ static kvf_status make_room(kvf_l1 *l1, uint32_t pi, const l1_spec_work *w, uint
 }
 
 kvf_status kvf_l1_reserve(kvf_l1 *l1, int device, const kvf_l1_object_spec *specs, uint32_t n, kvf_l1_slot *slots,
-                          kvf_l1_reservation **out) {
+                          kvf_l1_reservation **out, uint32_t *failed_spec) {
+  uint32_t no_spec;
+  if (failed_spec == NULL) failed_spec = &no_spec;
+  *failed_spec = UINT32_MAX;
   if (l1 == NULL || specs == NULL || slots == NULL || out == NULL)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_l1_reserve: %s is NULL",
                     l1 == NULL ? "l1" : specs == NULL ? "specs" : slots == NULL ? "slots" : "out");
@@ -599,6 +602,7 @@ kvf_status kvf_l1_reserve(kvf_l1 *l1, int device, const kvf_l1_object_spec *spec
     const kvf_l1_object_spec *s = &specs[i];
     const kvf_object_header *h = &s->header;
     uint64_t len;
+    *failed_spec = i; /* for the returns below; reset after the loop */
     if (s->chunk_key == 0) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "specs[%u].chunk_key: 0 is not a chunk key", i);
     if (s->object_group >= KVF_MAX_GROUPS)
       return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "specs[%u].object_group: %u (at most %u)", i, s->object_group,
@@ -618,6 +622,7 @@ kvf_status kvf_l1_reserve(kvf_l1 *l1, int device, const kvf_l1_object_spec *spec
       return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "specs[%u].header.payload_bytes: %" PRIu64 " is too large", i,
                       h->payload_bytes);
   }
+  *failed_spec = UINT32_MAX;
 
   kvf_status st = KVF_SUCCESS;
   kvf_l1_reservation *res = NULL;
@@ -633,6 +638,7 @@ kvf_status kvf_l1_reserve(kvf_l1 *l1, int device, const kvf_l1_object_spec *spec
   qsort(w, n, sizeof *w, work_cmp);
   for (uint32_t i = 1; i < n; i++)
     if (w[i].key == w[i - 1].key && w[i].object_group == w[i - 1].object_group) {
+      *failed_spec = w[i].index;
       st = kvf_fail(KVF_ERR_INVALID_ARGUMENT,
                     "specs[%u]: repeats specs[%u] (chunk key %016" PRIx64 ", object group %u)", w[i].index,
                     w[i - 1].index, w[i].key, w[i].object_group);
@@ -664,7 +670,10 @@ kvf_status kvf_l1_reserve(kvf_l1 *l1, int device, const kvf_l1_object_spec *spec
     if (e) e->mark = l1->gen; /* named by this call: never its victim */
     if (o != NULL) {
       st = header_compare(i, &specs[i].header, &o->header);
-      if (st != KVF_SUCCESS) goto out;
+      if (st != KVF_SUCCESS) {
+        *failed_spec = i;
+        goto out;
+      }
       continue;
     }
     align_up(specs[i].header.payload_bytes, &w[i].len); /* checked above */

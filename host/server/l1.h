@@ -100,9 +100,15 @@ typedef struct kvf_l1_slot {
  * after evicting everything evictable: the message gives the bytes needed,
  * free and evictable; nothing was evicted); KVF_ERR_INVALID_ARGUMENT (NULL,
  * n 0, unknown pool, a zero key, object group out of range, a spec repeated
- * in specs); KVF_ERR_GEOMETRY_MISMATCH. Nothing is reserved on failure. */
+ * in specs); KVF_ERR_GEOMETRY_MISMATCH. Nothing is reserved on failure.
+ * *failed_spec (failed_spec may be NULL) is set on every return: the index
+ * of the spec at fault when the failure is about one spec (a field of it, a
+ * header that differs from the stored object's, a repeat of an earlier
+ * spec), whose message then starts with "specs[<index>]" followed by
+ * ".<field>: " or ": "; UINT32_MAX otherwise (success included). Callers
+ * that name the object their own way use the index, not the message. */
 kvf_status kvf_l1_reserve(kvf_l1 *l1, int device, const kvf_l1_object_spec *specs, uint32_t n,
-                          kvf_l1_slot *slots, kvf_l1_reservation **out);
+                          kvf_l1_slot *slots, kvf_l1_reservation **out, uint32_t *failed_spec);
 
 /* Make the reservation's objects visible (committed, most recently used)
  * and free the handle. Only call once the bytes are proven written. */
