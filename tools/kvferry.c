@@ -10,6 +10,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
 #include <inttypes.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +27,12 @@
 #include <cuda_runtime_api.h>
 #endif
 
+#if defined(__GNUC__)
+#define KVF_CLI_PRINTF(fmt, first) __attribute__((format(printf, fmt, first)))
+#else
+#define KVF_CLI_PRINTF(fmt, first)
+#endif
+
 #ifndef KVF_PRESET_DIR_BUILD
 #define KVF_PRESET_DIR_BUILD ""
 #endif
@@ -39,9 +46,11 @@ static void usage(FILE *out) {
           "\n"
           "commands:\n"
           "  geometry check FILE...   validate geometry files (JSON, see docs/geometry.md) and print a\n"
-          "                           summary of each: groups, layers, payload per block against the\n"
-          "                           block stride, object sizes per object group, aliases. Exits 1 if\n"
-          "                           any file is invalid.\n"
+          "                           summary of each: per group what one block of one layer holds\n"
+          "                           (planes x tokens x heads x bytes, or the recurrent states) and\n"
+          "                           where its stride goes (padding, K and V pools, cross-layer\n"
+          "                           blocks, head slices), object sizes per object group, aliases.\n"
+          "                           Exits 1 if any file is invalid.\n"
           "  demo [--preset NAME|FILE] [--tokens N] [--seed S] [--host] [--keep] [--in-process]\n"
           "                           the served round trip: start kvferryd, run one engine process per\n"
           "                           GPU (one on the host backend without a GPU, or with --host) on a\n"
@@ -113,6 +122,226 @@ static int cmd_presets(void) {
 
 /* ---- geometry check --------------------------------------------------------- */
 
+/* Append printf-style text to buf (len bytes), cutting what does not fit. */
+KVF_CLI_PRINTF(3, 4)
+static void appendf(char *buf, size_t len, const char *fmt, ...) {
+  size_t n = strlen(buf);
+  if (n + 1 >= len) return;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf + n, len - n, fmt, ap);
+  va_end(ap);
+}
+
+/* The first view of the alias class of (group, layer): aliases point back. */
+static void alias_root(const kvf_geometry *g, uint32_t *group, uint32_t *layer) {
+  for (;;) {
+    kvf_view_desc v;
+    if (kvf_geometry_view(g, *group, *layer, &v) != KVF_SUCCESS || v.alias_group < 0) return;
+    *group = (uint32_t)v.alias_group;
+    *layer = (uint32_t)v.alias_layer;
+  }
+}
+
+/* The payload one block stride of a view holds: the whole block, or its
+ * larger plane when K and V are two pools (*planes_outside, may be NULL);
+ * for a recurrent view, the slot's states. */
+static uint64_t view_payload(const kvf_geometry *g, uint32_t group, const kvf_view_desc *v, int *planes_outside) {
+  kvf_group_info gi;
+  kvf_geometry_group(g, group, &gi);
+  if (gi.kind == KVF_GROUP_RECURRENT) {
+    uint64_t sum = 0;
+    for (uint32_t s = 0; s < v->num_states; s++) sum += v->states[s].bytes;
+    if (planes_outside) *planes_outside = 0;
+    return sum;
+  }
+  int outside = v->planes == 2 && v->block_stride != 0 && v->plane_stride >= v->block_stride;
+  if (planes_outside) *planes_outside = outside;
+  uint64_t row = (uint64_t)gi.block_size * v->heads;
+  if (outside) return row * (v->head_bytes[0] > v->head_bytes[1] ? v->head_bytes[0] : v->head_bytes[1]);
+  return row * ((uint64_t)v->head_bytes[0] + (v->planes > 1 ? v->head_bytes[1] : 0));
+}
+
+/* "no padding" or "padded by N bytes", for a stride of which `used` bytes are payload. */
+static void append_padding(char *out, size_t len, uint64_t stride, uint64_t used) {
+  if (used >= stride)
+    appendf(out, len, "no padding");
+  else
+    appendf(out, len, "padded by %" PRIu64 " bytes", stride - used);
+}
+
+/* Where a block stride goes. K and V in two pools: the stride holds one
+ * plane. Views of other layers (not aliases) in the same block of the same
+ * region: a cross-layer layout. A gap between a view's heads: a head slice
+ * (tensor parallelism). Otherwise padding, with the aliased view that
+ * sized a shared page (a hybrid's attention page padded to the recurrent
+ * slot, or back). */
+static void describe_stride(const kvf_geometry *g, uint32_t gi, const kvf_view_desc *v, char *out, size_t len) {
+  kvf_group_info info;
+  kvf_geometry_group(g, gi, &info);
+  int outside = 0;
+  uint64_t payload = view_payload(g, gi, v, &outside), bs = v->block_stride;
+  appendf(out, len, "%s stride %" PRIu64, info.kind == KVF_GROUP_RECURRENT ? "slot" : "block", bs);
+  if (outside) {
+    appendf(out, len, " holds one plane, K and V are two pools, ");
+    if ((uint64_t)info.num_blocks * bs == v->plane_stride)
+      appendf(out, len, "num_blocks x block stride = %" PRIu64 " bytes apart", v->plane_stride);
+    else
+      appendf(out, len, "%" PRIu64 " bytes apart", v->plane_stride);
+  }
+  if (bs <= payload) {
+    appendf(out, len, " (no padding)");
+    return;
+  }
+  /* Other views in this block of the region: layers of one cross-layer tensor. */
+  uint32_t rg = gi, rl = 0, n = 0, groups_seen = 0;
+  uint64_t sum = 0;
+  alias_root(g, &rg, &rl);
+  for (uint32_t h = 0; h < kvf_geometry_num_groups(g); h++) {
+    kvf_group_info hi;
+    kvf_geometry_group(g, h, &hi);
+    uint32_t before = n;
+    for (uint32_t l = 0; l < hi.num_layers; l++) {
+      kvf_view_desc w;
+      uint32_t wg = h, wl = l;
+      kvf_geometry_view(g, h, l, &w);
+      alias_root(g, &wg, &wl);
+      if (w.region != v->region || w.block_stride != bs || w.offset / bs != v->offset / bs) continue;
+      if ((wg != rg || wl != rl) || (h == gi && l == 0)) {
+        n++;
+        sum += view_payload(g, h, &w, NULL);
+      }
+    }
+    if (n > before) groups_seen++;
+  }
+  if (n > 1) {
+    const char *what = info.kind == KVF_GROUP_RECURRENT ? "states" : v->planes == 2 ? "K and V" : "rows";
+    if (n == info.num_layers && groups_seen == 1)
+      appendf(out, len, ": the block holds every layer's %s (cross-layer: %u layers x %" PRIu64 " bytes, ", what, n,
+          payload);
+    else
+      appendf(out, len, ": the block holds %u layers' %s (cross-layer: %" PRIu64 " bytes, ", n, what, sum);
+    append_padding(out, len, bs, sum);
+    appendf(out, len, ")");
+    return;
+  }
+  /* A head slice: the stride of the dimension just outside the heads
+   * leaves room for more heads of the same size than the view holds. With
+   * one head, only a token row wider than the head is recognised. */
+  if (info.kind != KVF_GROUP_RECURRENT) {
+    uint64_t maxhb = v->head_bytes[0] > v->head_bytes[1] ? v->head_bytes[0] : v->head_bytes[1];
+    uint64_t unit = v->heads > 1 ? v->head_stride : maxhb, span = maxhb;
+    struct { const char *name; uint64_t count, stride; } d[3] = {
+        {"token", info.block_size, v->token_stride},
+        {"plane of a block", outside ? 1 : v->planes, v->plane_stride},
+        {"block", 2, bs}};
+    /* What the heads span: one head's own extent (the dimensions inside it) and the heads. */
+    if (v->heads > 1)
+      for (int i = 0; i < 2; i++)
+        if (d[i].count > 1 && d[i].stride < unit) span += (d[i].count - 1) * d[i].stride;
+    if (v->heads > 1) span += (uint64_t)(v->heads - 1) * unit;
+    int next = -1;
+    for (int i = 0; i < 3; i++) {
+      if (d[i].count <= 1 || d[i].stride <= unit || (v->heads == 1 && i != 0)) continue;
+      if (next < 0 || d[i].stride < d[next].stride) next = i;
+    }
+    if (next >= 0 && unit != 0 && d[next].stride > span && d[next].stride % unit == 0 &&
+        d[next].stride / unit > v->heads && v->offset % unit == 0) {
+      uint64_t room = d[next].stride / unit, first = (v->offset % d[next].stride) / unit;
+      uint64_t full = payload / v->heads * room;
+      appendf(out, len, ": each %s has room for %" PRIu64 " heads, this view holds heads %" PRIu64 "-%" PRIu64
+          " (a head slice; ", d[next].name, room, first, first + v->heads - 1);
+      append_padding(out, len, bs, full);
+      appendf(out, len, ")");
+      return;
+    }
+  }
+  appendf(out, len, " (");
+  append_padding(out, len, bs, payload);
+  /* The aliased views sharing the page: the largest says what sized it. */
+  uint64_t biggest = payload;
+  uint32_t by = UINT32_MAX;
+  for (uint32_t h = 0; h < kvf_geometry_num_groups(g); h++) {
+    if (h == gi) continue;
+    kvf_group_info hi;
+    kvf_geometry_group(g, h, &hi);
+    for (uint32_t l = 0; l < hi.num_layers; l++) {
+      kvf_view_desc w;
+      uint32_t wg = h, wl = l;
+      kvf_geometry_view(g, h, l, &w);
+      alias_root(g, &wg, &wl);
+      if (wg != rg || wl != rl || w.region != v->region) continue;
+      uint64_t p = view_payload(g, h, &w, NULL);
+      if (p > biggest) biggest = p, by = h;
+      break;
+    }
+  }
+  if (by != UINT32_MAX) {
+    kvf_group_info bi;
+    kvf_geometry_group(g, by, &bi);
+    appendf(out, len, "; the page is shared with group '%s', whose %s is %" PRIu64 " bytes", bi.name,
+        bi.kind == KVF_GROUP_RECURRENT ? "slot" : "block", biggest);
+  }
+  appendf(out, len, ")");
+}
+
+/* One group: what one block (slot) of one layer holds, in the tensor's
+ * terms, and its stride. */
+static void print_group(const kvf_geometry *g, uint32_t gi) {
+  kvf_group_info info;
+  kvf_view_desc v;
+  char line[512] = "";
+  kvf_geometry_group(g, gi, &info);
+  kvf_geometry_view(g, gi, 0, &v);
+  printf("    group %u '%s' (%s", gi, info.name, kvf_group_kind_name(info.kind));
+  if (info.kind == KVF_GROUP_SLIDING_WINDOW) printf(" %u", info.window);
+  if (info.kind == KVF_GROUP_CHUNKED_LOCAL) printf(" %u", info.chunk);
+  if (info.kind == KVF_GROUP_RECURRENT)
+    printf(", %u slots, %u layer%s", info.num_blocks, info.num_layers, info.num_layers == 1 ? "" : "s");
+  else
+    printf(", %u tokens/block, %u blocks, %u layer%s", info.block_size, info.num_blocks, info.num_layers,
+           info.num_layers == 1 ? "" : "s");
+  if (v.alias_group >= 0) {
+    kvf_group_info ai;
+    kvf_geometry_group(g, (uint32_t)v.alias_group, &ai);
+    printf(", sharing the tensors of group '%s'", ai.name);
+  }
+  printf("):\n");
+  uint64_t payload = view_payload(g, gi, &v, NULL);
+  if (info.kind == KVF_GROUP_RECURRENT) {
+    appendf(line, sizeof line, "one slot of one layer = %u state%s (", v.num_states, v.num_states == 1 ? "" : "s");
+    for (uint32_t s = 0; s < v.num_states; s++)
+      appendf(line, sizeof line, "%s%" PRIu64, s ? " + " : "", v.states[s].bytes);
+    appendf(line, sizeof line, " bytes) = %" PRIu64 " bytes; ", payload);
+  } else {
+    appendf(line, sizeof line, "one block of one layer = ");
+    if (v.planes == 2 && v.head_bytes[0] != v.head_bytes[1])
+      appendf(line, sizeof line, "%u tokens x %u head%s x (K %u + V %u bytes)", info.block_size, v.heads,
+          v.heads == 1 ? "" : "s", v.head_bytes[0], v.head_bytes[1]);
+    else {
+      appendf(line, sizeof line, "%u plane%s x %u tokens x %u head%s x %u bytes", v.planes, v.planes == 1 ? "" : "s",
+          info.block_size, v.heads, v.heads == 1 ? "" : "s", v.head_bytes[0]);
+      if (v.elem_bytes > 1) appendf(line, sizeof line, " (%u elements)", v.head_bytes[0] / v.elem_bytes);
+    }
+    appendf(line, sizeof line, " = %" PRIu64 " bytes; ",
+        (uint64_t)info.block_size * v.heads * ((uint64_t)v.head_bytes[0] + (v.planes > 1 ? v.head_bytes[1] : 0)));
+  }
+  describe_stride(g, gi, &v, line, sizeof line);
+  /* Layer 0 speaks for the group when every layer has its shape. */
+  for (uint32_t l = 1; l < info.num_layers; l++) {
+    kvf_view_desc w;
+    kvf_geometry_view(g, gi, l, &w);
+    if (w.planes != v.planes || w.heads != v.heads || w.head_bytes[0] != v.head_bytes[0] ||
+        w.head_bytes[1] != v.head_bytes[1] || w.block_stride != v.block_stride || w.plane_stride != v.plane_stride ||
+        w.token_stride != v.token_stride || w.head_stride != v.head_stride || w.num_states != v.num_states ||
+        (w.num_states && memcmp(w.states, v.states, w.num_states * sizeof w.states[0]) != 0)) {
+      appendf(line, sizeof line, "; this is layer 0, layer %u differs", l);
+      break;
+    }
+  }
+  printf("      %s\n", line);
+}
+
 static void print_summary(const char *path, const kvf_geometry *g) {
   kvf_object_policy pol;
   uint32_t world, rank;
@@ -132,28 +361,7 @@ static void print_summary(const char *path, const kvf_geometry *g) {
   printf("  regions: %u (%s in all)   aliases: %u declared\n", nr, a, kvf_geometry_num_aliases(g));
   if (world > 1) printf("  decode-context parallel: rank %u of %u (tokens t with t mod %u == %u)\n", rank, world, world, rank);
   printf("  groups: %u\n", ng);
-  for (uint32_t i = 0; i < ng; i++) {
-    kvf_group_info gi;
-    kvf_geometry_group(g, i, &gi);
-    char extra[48] = "";
-    if (gi.kind == KVF_GROUP_SLIDING_WINDOW) snprintf(extra, sizeof extra, " window %u", gi.window);
-    if (gi.kind == KVF_GROUP_CHUNKED_LOCAL) snprintf(extra, sizeof extra, " chunk %u", gi.chunk);
-    human(gi.payload_per_block, a, sizeof a);
-    kvf_view_desc v;
-    kvf_geometry_view(g, i, 0, &v);
-    if (gi.kind == KVF_GROUP_RECURRENT) {
-      printf("    [%u] %-12s %-14s %3u layers, %u slots; state payload %s per slot (all layers), "
-             "slot stride %" PRIu64 " B per layer -> object group %u\n",
-             i, gi.name, "recurrent", gi.num_layers, gi.num_blocks, a, v.block_stride, gi.object_group);
-    } else {
-      uint64_t per_layer = gi.payload_per_block / gi.num_layers;
-      printf("    [%u] %-12s %-14s %3u layers, block %u tokens, %u blocks%s; payload %s per block "
-             "(all layers), %" PRIu64 " of %" PRIu64 " B per layer's block stride (%.1f%%) -> object group %u\n",
-             i, gi.name, kvf_group_kind_name(gi.kind), gi.num_layers, gi.block_size, gi.num_blocks, extra, a,
-             per_layer, v.block_stride, 100.0 * (double)per_layer / (double)(v.block_stride ? v.block_stride : 1),
-             gi.object_group);
-    }
-  }
+  for (uint32_t i = 0; i < ng; i++) print_group(g, i);
   printf("  objects: %u tokens per chunk, %s format, fingerprint canonical %016" PRIx64 " native %016" PRIx64 "\n",
          pol.chunk_tokens, kvf_object_format_name(pol.format), kvf_geometry_fingerprint(g, KVF_FORMAT_CANONICAL),
          kvf_geometry_fingerprint(g, KVF_FORMAT_NATIVE));
@@ -188,7 +396,11 @@ static int cmd_geometry_check(int argc, char **argv) {
     kvf_geometry_error err;
     kvf_status st = kvf_geometry_load_file(path, NULL, &g, &err);
     if (st) {
-      printf("%s: error: %s: %s\n", path, kvf_status_string(st), kvf_last_error());
+      /* The loader's messages start with the path already. */
+      const char *msg = kvf_last_error();
+      size_t n = strlen(path);
+      if (strncmp(msg, path, n) == 0 && msg[n] == ':' && msg[n + 1] == ' ') msg += n + 2;
+      printf("%s: error: %s: %s\n", path, kvf_status_string(st), msg);
       bad = 1;
       continue;
     }
