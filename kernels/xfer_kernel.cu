@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "kernels/launch.h"
 #include "kernels/plan.h"
 
 namespace {
@@ -157,10 +158,9 @@ __global__ void __launch_bounds__(kThreads, 1) kvf_xfer_kernel(const char *blob)
 
 extern "C" int kvf_kernel_threads(void) { return kThreads; }
 
-// Launch on `stream` with at most *ctas CTAs (one per SM at most); *ctas is
-// lowered to what the request can use and returned. Returns the launch's
-// cudaError_t.
-extern "C" int kvf_kernel_launch(const void *device_blob, uint64_t total_tasks, uint32_t *ctas, cudaStream_t stream) {
+// Declared in kernels/launch.h (which says what it does).
+extern "C" cudaError_t kvf_kernel_launch(const void *device_blob, uint64_t total_tasks, uint32_t *ctas,
+                                         cudaStream_t stream) {
   uint64_t useful = (total_tasks + kWarps - 1) / kWarps;  // more CTAs than that would idle
   if (useful < *ctas) *ctas = (uint32_t)(useful ? useful : 1);
   kvf_xfer_kernel<<<*ctas, kThreads, 0, stream>>>(static_cast<const char *>(device_blob));
@@ -168,5 +168,5 @@ extern "C" int kvf_kernel_launch(const void *device_blob, uint64_t total_tasks, 
 #ifdef KVF_DEBUG_SYNC
   if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
 #endif
-  return (int)err;
+  return err;
 }

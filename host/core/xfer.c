@@ -19,7 +19,7 @@
 #ifdef KVF_WITH_CUDA
 #include <cuda_runtime_api.h>
 
-int kvf_kernel_launch(const void *device_blob, uint64_t total_tasks, uint32_t *ctas, cudaStream_t stream);
+#include "kernels/launch.h"
 
 /* Calls in flight at once before a call waits for the oldest one's tables. */
 #define KVF_STAGING_SLOTS 8
@@ -562,7 +562,7 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
       e = cudaStreamWaitEvent(stream, x->stage_free[b->buf], 0);
       if (e == cudaSuccess && b->tasks) {
         ctas = stage_sms;
-        e = (cudaError_t)kvf_kernel_launch((char *)slot->device + b->blob_off, b->tasks, &ctas, stream);
+        e = kvf_kernel_launch((char *)slot->device + b->blob_off, b->tasks, &ctas, stream);
         if (ctas > used_sms) used_sms = ctas;
       }
       if (e == cudaSuccess) e = cudaEventRecord(x->stage_ready[b->buf], stream);
@@ -589,7 +589,7 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
       if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, x->stage_ready[b->buf], 0);
       if (e == cudaSuccess && b->tasks) {
         ctas = stage_sms;
-        e = (cudaError_t)kvf_kernel_launch((char *)slot->device + b->blob_off, b->tasks, &ctas, stream);
+        e = kvf_kernel_launch((char *)slot->device + b->blob_off, b->tasks, &ctas, stream);
         if (ctas > used_sms) used_sms = ctas;
       }
       if (e == cudaSuccess) e = cudaEventRecord(x->stage_free[b->buf], stream);
@@ -597,7 +597,7 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
   }
   if (e == cudaSuccess && direct_tasks) {
     ctas = pcie_sms;
-    e = (cudaError_t)kvf_kernel_launch((char *)slot->device + direct_off, direct_tasks, &ctas, stream);
+    e = kvf_kernel_launch((char *)slot->device + direct_off, direct_tasks, &ctas, stream);
     if (ctas > used_sms) used_sms = ctas;
   }
   if (e == cudaSuccess) e = cudaEventRecord(x->join, x->ce_stream);
@@ -702,7 +702,7 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
   if (x->max_sms && x->max_sms < ctas) ctas = x->max_sms;
   if (tasks) {
     e = cudaMemcpyAsync(s->device, s->pinned, h->size, cudaMemcpyHostToDevice, stream);
-    if (e == cudaSuccess) e = (cudaError_t)kvf_kernel_launch(s->device, tasks, &ctas, stream);
+    if (e == cudaSuccess) e = kvf_kernel_launch(s->device, tasks, &ctas, stream);
     if (e == cudaSuccess && s != &captured) {
       e = cudaEventRecord(s->done, stream);
       s->in_use = 1;
