@@ -39,6 +39,7 @@
 #include <kvferry/transfer.h>
 
 #include "conformance_util.h"
+#include "host/core/xfer_internal.h"
 
 #if KVF_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -780,6 +781,228 @@ TEST(XferHost, ConcurrentCallsOnOneContext) {
   for (auto &t : threads) t.join();
   EXPECT_EQ(failures.load(), 0);
   for (int t = 0; t < kThreads; t++) EXPECT_EQ(diff("object", outs[t], want.objs), "") << "thread " << t;
+}
+
+// ---- the staged route's plan (host/core/xfer_internal.h), no GPU needed -------
+//
+// Which objects of a host<->device request go through the device staging
+// buffers, which of their bytes, and the batches of whole chunks a staged
+// call enqueues one after another. Pointers here are never dereferenced.
+
+struct StagePlan {
+  kvf_stage_plan p{};
+  StagePlan() = default;
+  StagePlan(const StagePlan &) = delete;
+  StagePlan &operator=(const StagePlan &) = delete;
+  ~StagePlan() { kvf_stage_plan_free(&p); }
+};
+
+// Chunks [0, chunks) of `preset` (plus `extra` tokens of a partial one),
+// every block present, a table cut to the range.
+void setup_chunks(const std::string &preset, uint64_t chunks, uint64_t extra, uint64_t seed, Prepared *out) {
+  GeometryPtr probe = load_preset(preset, 4);
+  ASSERT_TRUE(probe) << preset << ": " << kvf_last_error();
+  uint64_t c = chunk_tokens(probe.get()), te = chunks * c + extra;
+  uint64_t n = ids_needed(probe.get(), 0, te, false);
+  uint32_t num_blocks = (uint32_t)(n + 2);
+  out->geo = load_preset(preset, num_blocks);
+  ASSERT_TRUE(out->geo) << preset << ": " << kvf_last_error();
+  std::mt19937_64 rng(seed);
+  out->plan = make_plan(out->g(), 0, te, num_blocks, rng, false, false);
+}
+
+// Aligned stand-ins for the cache regions and one per object (never read).
+std::vector<void *> fake_bases(const kvf_geometry *g) {
+  std::vector<void *> v;
+  for (uint32_t r = 0; r < kvf_geometry_num_regions(g); r++)
+    v.push_back(reinterpret_cast<void *>(uintptr_t{1} << 40 | uintptr_t{r} << 32));
+  return v;
+}
+
+std::vector<void *> fake_objects(const kvf_geometry *g, const Plan &p) {
+  uint64_t c = chunk_tokens(g), n = (p.token_end - p.token_begin + c - 1) / c * kvf_geometry_num_object_groups(g);
+  std::vector<void *> v;
+  for (uint64_t i = 0; i < n; i++) v.push_back(reinterpret_cast<void *>(uintptr_t{1} << 44 | (i + 1) << 24));
+  return v;
+}
+
+uint64_t object_bytes(const kvf_geometry *g, const kvf_copy_request *r, uint64_t i) {
+  uint32_t nog = kvf_geometry_num_object_groups(g);
+  uint64_t size = 0;
+  EXPECT_EQ(kvf_geometry_object_size(g, (uint32_t)(i % nog), r->token_begin / chunk_tokens(g) + i / nog,
+                                     r->token_end, &size),
+            KVF_SUCCESS)
+      << kvf_last_error();
+  return size;
+}
+
+// The invariants of a plan split for buffers of `cap` bytes.
+void check_batches(const kvf_geometry *g, const kvf_copy_request *r, const kvf_stage_plan &p, uint64_t cap) {
+  uint64_t nog = kvf_geometry_num_object_groups(g), next = 0;
+  ASSERT_EQ(p.num_objects, p.num_chunks * nog);
+  ASSERT_GE(p.num_batches, 1u);
+  ASSERT_LE(p.num_batches, p.num_chunks);
+  auto chunk_bytes = [&](uint64_t k) {
+    uint64_t b = 0;
+    for (uint64_t og = 0; og < nog; og++) b += p.size[k * nog + og];
+    return b;
+  };
+  for (uint64_t bi = 0; bi < p.num_batches; bi++) {
+    const kvf_stage_batch &b = p.batches[bi];
+    SCOPED_TRACE("batch " + std::to_string(bi));
+    EXPECT_EQ(b.k0, next) << "batches must be consecutive runs of chunks";
+    ASSERT_GT(b.k1, b.k0);
+    next = b.k1;
+    uint64_t used = 0;
+    for (uint64_t i = b.k0 * nog; i < b.k1 * nog; i++) {
+      if (!p.staged[i]) {
+        EXPECT_EQ(p.size[i], 0u) << "object " << i;
+        continue;
+      }
+      uint64_t size = object_bytes(g, r, i);
+      EXPECT_EQ(p.offset[i], used) << "object " << i << ": staged objects are packed in order";
+      EXPECT_EQ(p.offset[i] % KVF_STAGE_ALIGN, 0u) << "object " << i;
+      EXPECT_EQ(p.size[i] % KVF_STAGE_ALIGN, 0u) << "object " << i;
+      EXPECT_GE(p.size[i], size) << "object " << i;
+      EXPECT_LT(p.size[i], size + KVF_STAGE_ALIGN) << "object " << i;
+      EXPECT_LE(p.span[2 * i], p.span[2 * i + 1]) << "object " << i;
+      EXPECT_LE(p.span[2 * i + 1], size) << "object " << i;
+      used += p.size[i];
+    }
+    EXPECT_EQ(b.bytes, used);
+    EXPECT_LE(b.bytes, std::max(cap, p.max_chunk));
+    if (b.k1 - b.k0 > 1) {
+      EXPECT_LE(b.bytes, cap) << "several chunks must fit one buffer";
+    }
+    if (b.k1 < p.num_chunks) {
+      EXPECT_GT(b.bytes + chunk_bytes(b.k1), cap) << "the next chunk would have fit";
+    }
+  }
+  EXPECT_EQ(next, p.num_chunks) << "the batches must cover every chunk";
+}
+
+TEST(XferStagePlan, BatchesAreWholeChunksThatFitOneBuffer) {
+  for (const std::string &preset : preset_names()) {
+    SCOPED_TRACE(preset);
+    GeometryPtr probe = load_preset(preset, 4);
+    ASSERT_TRUE(probe) << preset << ": " << kvf_last_error();
+    uint64_t c = chunk_tokens(probe.get()), unit = attention_unit(probe.get());
+    Prepared s;
+    ASSERT_NO_FATAL_FAILURE(setup_chunks(preset, 6, unit < c ? unit : 0, 3, &s));
+    const kvf_geometry *g = s.g();
+    Req r(s.plan, KVF_FORMAT_CANONICAL, fake_bases(g), fake_objects(g, s.plan));
+    ASSERT_EQ(kvf_copy_request_check(g, r.get()), KVF_SUCCESS) << kvf_last_error();
+    for (int gather : {1, 0}) {
+      SCOPED_TRACE(gather ? "gather" : "scatter");
+      StagePlan sp;
+      ASSERT_EQ(kvf_stage_plan_objects(g, r.get(), gather, &sp.p), KVF_SUCCESS) << kvf_last_error();
+      EXPECT_EQ(sp.p.num_chunks, kvf_copy_request_chunks(g, r.get()));
+      EXPECT_EQ(sp.p.any_direct, 0) << "every block is present: every object is written whole";
+      for (uint64_t i = 0; i < sp.p.num_objects; i++) EXPECT_TRUE(sp.p.staged[i]) << "object " << i;
+      ASSERT_GT(sp.p.max_chunk, 0u);
+      uint64_t m = sp.p.max_chunk;
+      for (uint64_t cap : {m, 2 * m + 1, m * 7 / 2, m * 100}) {
+        SCOPED_TRACE("cap " + std::to_string(cap));
+        kvf_stage_plan_batches(&sp.p, cap);
+        ASSERT_NO_FATAL_FAILURE(check_batches(g, r.get(), sp.p, cap));
+        if (cap == m) {
+          EXPECT_GE(sp.p.num_batches, 3u) << "six full chunks in buffers of one chunk";
+        }
+        if (cap == m * 100) {
+          EXPECT_EQ(sp.p.num_batches, 1u);
+        }
+      }
+    }
+  }
+}
+
+uint32_t object_group_of(const kvf_geometry *g, uint32_t group) {
+  for (uint32_t og = 0; og < kvf_geometry_num_object_groups(g); og++) {
+    kvf_object_group_info info;
+    EXPECT_EQ(kvf_geometry_object_group(g, og, &info), KVF_SUCCESS);
+    for (uint32_t i = 0; i < info.num_groups; i++)
+      if (info.groups[i] == group) return og;
+  }
+  ADD_FAILURE() << "group " << group << " is in no object group";
+  return 0;
+}
+
+// A gather writing an object only in part (a skipped block) cannot copy the
+// whole object back from staging: that object goes the direct way, the
+// others stay staged. A scatter stages everything; a NULL object neither.
+TEST(XferStagePlan, GatherSendsObjectsItWritesInPartDirect) {
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_chunks("glm-like-hybrid", 3, 0, 7, &s));
+  const kvf_geometry *g = s.g();
+  uint32_t nog = kvf_geometry_num_object_groups(g), og0 = object_group_of(g, 0);
+  ASSERT_EQ(nog, 3u);
+  kvf_group_info g0;
+  ASSERT_EQ(kvf_geometry_group(g, 0, &g0), KVF_SUCCESS);
+  ASSERT_NE(g0.kind, KVF_GROUP_RECURRENT);
+  uint64_t per_chunk = chunk_tokens(g) / g0.block_size;
+  s.plan.ids[0][per_chunk + 3] = KVF_BLOCK_SKIP;  // chunk 1 of group 0
+  // Chunk 2's object of the recurrent group moves nothing once its table is
+  // cut short: the request may leave it NULL.
+  uint32_t rec = 2, og_rec = object_group_of(g, rec);
+  ASSERT_TRUE(is_recurrent(g, rec));
+  s.plan.ids[rec].resize(2);
+  std::vector<void *> objs = fake_objects(g, s.plan);
+  objs[2 * nog + og_rec] = nullptr;
+  Req r(s.plan, KVF_FORMAT_CANONICAL, fake_bases(g), objs);
+  ASSERT_EQ(kvf_copy_request_check(g, r.get()), KVF_SUCCESS) << kvf_last_error();
+  for (int gather : {1, 0}) {
+    SCOPED_TRACE(gather ? "gather" : "scatter");
+    StagePlan sp;
+    ASSERT_EQ(kvf_stage_plan_objects(g, r.get(), gather, &sp.p), KVF_SUCCESS) << kvf_last_error();
+    ASSERT_EQ(sp.p.num_objects, 3u * nog);
+    for (uint64_t i = 0; i < sp.p.num_objects; i++) {
+      bool null_obj = i == 2u * nog + og_rec, partial = i == 1u * nog + og0;
+      EXPECT_EQ(sp.p.staged[i] != 0, !null_obj && !(gather && partial)) << "object " << i;
+      if (sp.p.staged[i]) {
+        EXPECT_EQ(sp.p.span[2 * i], 0u) << "object " << i << ": the request moves its only part";
+        EXPECT_EQ(sp.p.span[2 * i + 1], object_bytes(g, r.get(), i)) << "object " << i;
+      } else {
+        EXPECT_EQ(sp.p.size[i], 0u) << "object " << i;
+      }
+    }
+    EXPECT_EQ(sp.p.any_direct, gather);
+    kvf_stage_plan_batches(&sp.p, sp.p.max_chunk);
+    ASSERT_NO_FATAL_FAILURE(check_batches(g, r.get(), sp.p, sp.p.max_chunk));
+  }
+}
+
+// Attention and state in one object (separate_recurrent false): a request
+// moving only the state crosses PCIe with the state's bytes alone, at the
+// end of the object.
+TEST(XferStagePlan, SpanIsThePartsTheRequestMoves) {
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_chunks("qwen3-next-like-hybrid", 2, 0, 9, &s));
+  const kvf_geometry *g = s.g();
+  ASSERT_EQ(kvf_geometry_num_object_groups(g), 1u);
+  kvf_object_group_info og;
+  ASSERT_EQ(kvf_geometry_object_group(g, 0, &og), KVF_SUCCESS);
+  ASSERT_TRUE(og.has_attention && og.has_recurrent);
+  uint64_t att = chunk_tokens(g) * og.bytes_per_token;
+  for (bool state_only : {false, true}) {
+    SCOPED_TRACE(state_only ? "state only" : "attention and state");
+    Plan p = s.plan;
+    if (state_only)
+      for (uint32_t gi = 0; gi < kvf_geometry_num_groups(g); gi++)
+        if (!is_recurrent(g, gi)) p.ids[gi].clear();
+    Req r(p, KVF_FORMAT_CANONICAL, fake_bases(g), fake_objects(g, p));
+    ASSERT_EQ(kvf_copy_request_check(g, r.get()), KVF_SUCCESS) << kvf_last_error();
+    for (int gather : {1, 0}) {
+      SCOPED_TRACE(gather ? "gather" : "scatter");
+      StagePlan sp;
+      ASSERT_EQ(kvf_stage_plan_objects(g, r.get(), gather, &sp.p), KVF_SUCCESS) << kvf_last_error();
+      for (uint64_t i = 0; i < sp.p.num_objects; i++) {
+        ASSERT_TRUE(sp.p.staged[i]) << "object " << i;
+        EXPECT_EQ(sp.p.span[2 * i], state_only ? att : 0u) << "object " << i;
+        EXPECT_EQ(sp.p.span[2 * i + 1], att + og.recurrent_bytes) << "object " << i;
+        EXPECT_EQ(object_bytes(g, r.get(), i), att + og.recurrent_bytes) << "object " << i;
+      }
+    }
+  }
 }
 
 // ---- GPU -----------------------------------------------------------------------

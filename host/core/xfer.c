@@ -14,6 +14,7 @@
 #include "host/core/cudawrap.h"
 #include "host/core/log.h"
 #include "host/core/param.h"
+#include "host/core/xfer_internal.h"
 #include "kernels/plan.h"
 
 #ifdef KVF_WITH_CUDA
@@ -349,61 +350,6 @@ static kvf_status route_of(kvf_xfer *x, const kvf_copy_request *r, int gather, k
 
 static kvf_status grow_staging(kvf_xfer *x, staging *s, size_t size);
 
-/* How a request moves the blocks of one group in one chunk. */
-typedef enum coverage { COVER_NONE, COVER_PARTIAL, COVER_FULL } coverage;
-
-static coverage group_coverage(const kvf_geometry *g, const kvf_copy_request *r, uint32_t gi, uint64_t cb,
-                               uint64_t ce) {
-  const kvf_group *gr = &g->groups[gi];
-  const kvf_group_blocks *t = &r->groups[gi];
-  uint64_t c = g->policy.chunk_tokens, lo, hi;
-  if (!t->block_ids || !t->count) return COVER_NONE;
-  if (gr->desc.kind == KVF_GROUP_RECURRENT) {
-    if (ce - cb != c) return COVER_NONE; /* a partial chunk carries no state */
-    lo = cb / c;
-    hi = lo + 1;
-  } else {
-    uint64_t bs = gr->desc.block_size;
-    lo = kvf_local_token(g, cb) / bs;
-    hi = (kvf_local_token(g, ce) + bs - 1) / bs;
-  }
-  uint64_t present = 0;
-  for (uint64_t b = lo; b < hi; b++)
-    present += b >= t->first_block && b - t->first_block < t->count &&
-               t->block_ids[b - t->first_block] != KVF_BLOCK_SKIP;
-  return present == 0 ? COVER_NONE : present == hi - lo ? COVER_FULL : COVER_PARTIAL;
-}
-
-/* The bytes of object (chunk k, object group og) that the copy engine moves
- * between host memory and staging: [*lo, *hi). An object holds its attention
- * part, then its recurrent part; a part is moved when the request touches
- * it. A gather may only copy back parts it writes whole: returns 0 when a
- * part is written in part (the object then goes the direct way). */
-static int object_span(const kvf_geometry *g, const kvf_copy_request *r, uint64_t k, uint32_t og, int gather,
-                       uint64_t *lo, uint64_t *hi) {
-  const kvf_object_group *o = &g->object_groups[og];
-  uint64_t c = g->policy.chunk_tokens, cb = r->token_begin + k * c;
-  uint64_t ce = r->token_end - cb > c ? cb + c : r->token_end;
-  int att[3] = {0, 0, 0}, rec[3] = {0, 0, 0};
-  for (uint32_t i = 0; i < o->num_groups; i++) {
-    uint32_t gi = o->groups[i];
-    coverage cv = group_coverage(g, r, gi, cb, ce);
-    (g->groups[gi].desc.kind == KVF_GROUP_RECURRENT ? rec : att)[cv] = 1;
-  }
-  /* A part is copied when something in it moves; for a gather, only when
-   * every group of it is written whole. */
-  int copy_att = att[COVER_FULL] || att[COVER_PARTIAL];
-  int copy_rec = rec[COVER_FULL] || rec[COVER_PARTIAL];
-  if (gather && ((copy_att && (att[COVER_PARTIAL] || att[COVER_NONE])) ||
-                 (copy_rec && (rec[COVER_PARTIAL] || rec[COVER_NONE]))))
-    return 0;
-  uint64_t a = (kvf_local_token(g, ce) - kvf_local_token(g, cb)) * o->bytes_per_token;
-  uint64_t rb = ce - cb == c ? o->recurrent_bytes : 0;
-  *lo = copy_att ? 0 : a;
-  *hi = copy_rec ? a + rb : a;
-  return 1;
-}
-
 static uint64_t round256(uint64_t x) { return (x + 255) & ~(uint64_t)255; }
 
 /* Make both staging buffers at least `need` bytes (at least the configured
@@ -432,15 +378,15 @@ static kvf_status grow_stage(kvf_xfer *x, size_t need) {
   return KVF_SUCCESS;
 }
 
+/* A batch's CUDA side; its chunks and bytes are the plan's kvf_stage_batch. */
 typedef struct batch {
-  uint64_t k0, k1;    /* chunks [k0, k1) of the request */
   uint64_t blob_off;  /* where its blob sits in the call's tables */
   uint64_t tasks;
   uint32_t buf;       /* staging buffer */
 } batch;
 
 /* The token range of a batch's chunks inside request r. */
-static void batch_tokens(const kvf_copy_request *r, const batch *b, uint64_t c, kvf_copy_request *part) {
+static void batch_tokens(const kvf_copy_request *r, const kvf_stage_batch *b, uint64_t c, kvf_copy_request *part) {
   part->token_begin = r->token_begin + b->k0 * c;
   uint64_t span = (b->k1 - b->k0) * c;
   part->token_end = r->token_end - part->token_begin > span ? part->token_begin + span : r->token_end;
@@ -456,67 +402,35 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
   const kvf_geometry *g = x->geometry;
   const kvf_plan *plan = &x->plan[r->format];
   uint32_t nog = g->num_object_groups;
-  uint64_t chunks = kvf_copy_request_chunks(g, r), n = chunks * nog, c = g->policy.chunk_tokens;
-  uint64_t max_chunk = 0;
-  kvf_status st = KVF_SUCCESS;
+  uint64_t c = g->policy.chunk_tokens;
   cudaError_t e = cudaSuccess;
   /* Per object: staged (its offset in a buffer, and the bytes the copy
-   * engine moves) or direct. */
-  uint64_t *off = malloc(sizeof(uint64_t) * (n ? n : 1));
-  uint64_t *span = malloc(sizeof(uint64_t) * 2 * (n ? n : 1));
-  char *staged = malloc(n ? n : 1);
+   * engine moves) or direct; then the batches (host/core/xfer_stage.c). */
+  kvf_stage_plan sp;
+  kvf_status st = kvf_stage_plan_objects(g, r, gather, &sp);
+  if (st) return st;
+  uint64_t n = sp.num_objects;
   void **sub = malloc(sizeof(void *) * (n ? n : 1));
-  batch *batches = malloc(sizeof(batch) * (chunks ? chunks : 1));
-  if (!off || !span || !staged || !sub || !batches) {
+  batch *batches = malloc(sizeof(batch) * (sp.num_chunks ? sp.num_chunks : 1));
+  if (!sub || !batches) {
     st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
     goto out;
   }
-  int any_direct = 0;
-  for (uint64_t k = 0; k < chunks; k++) {
-    uint64_t bytes = 0;
-    for (uint32_t og = 0; og < nog; og++) {
-      uint64_t i = k * nog + og, size = 0;
-      staged[i] = r->objects[i] && object_span(g, r, k, og, gather, &span[2 * i], &span[2 * i + 1]);
-      any_direct |= r->objects[i] && !staged[i];
-      if (staged[i]) kvf_geometry_object_size(g, og, r->token_begin / c + k, r->token_end, &size);
-      off[i] = size; /* the size, for now */
-      bytes += round256(size);
-    }
-    if (bytes > max_chunk) max_chunk = bytes;
-  }
-  if ((st = grow_stage(x, max_chunk))) goto out;
-  /* Batches of whole chunks that fit one buffer. */
-  uint64_t nb = 0, blob_bytes = 0;
-  for (uint64_t k = 0; k < chunks;) {
-    batch *b = &batches[nb];
-    uint64_t used = 0;
-    b->k0 = k;
-    while (k < chunks) {
-      uint64_t bytes = 0;
-      for (uint32_t og = 0; og < nog; og++) bytes += staged[k * nog + og] ? round256(off[k * nog + og]) : 0;
-      if (k > b->k0 && used + bytes > x->stage_cap) break;
-      for (uint32_t og = 0; og < nog; og++) {
-        uint64_t i = k * nog + og, size = off[i];
-        off[i] = used;
-        used += staged[i] ? round256(size) : 0;
-      }
-      k++;
-    }
-    b->k1 = k;
-    b->buf = (x->next_stage + (uint32_t)nb) & 1;
-    nb++;
-  }
+  if ((st = grow_stage(x, sp.max_chunk))) goto out;
+  kvf_stage_plan_batches(&sp, x->stage_cap);
+  uint64_t nb = sp.num_batches, blob_bytes = 0;
   /* Every blob of the call in one staging slot: sizes first. */
   kvf_copy_request part = *r;
   for (uint64_t bi = 0; bi < nb; bi++) {
     batch *b = &batches[bi];
-    batch_tokens(r, b, c, &part);
-    part.objects = r->objects + b->k0 * nog; /* sizes depend only on counts */
+    batch_tokens(r, &sp.batches[bi], c, &part);
+    part.objects = r->objects + sp.batches[bi].k0 * nog; /* sizes depend only on counts */
     b->blob_off = blob_bytes;
+    b->buf = (x->next_stage + (uint32_t)bi) & 1;
     blob_bytes += round256(kvf_blob_size(g, plan, &part));
   }
   uint64_t direct_off = blob_bytes;
-  if (any_direct) blob_bytes += round256(kvf_blob_size(g, plan, r));
+  if (sp.any_direct) blob_bytes += round256(kvf_blob_size(g, plan, r));
   staging *slot = &x->slots[x->next_slot];
   if (slot->in_use && cudaEventSynchronize(slot->done) != cudaSuccess) {
     e = cudaGetLastError();
@@ -528,20 +442,18 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
   uint64_t payload = 0, tasks = 0;
   for (uint64_t bi = 0; bi < nb; bi++) {
     batch *b = &batches[bi];
-    batch_tokens(r, b, c, &part);
-    for (uint64_t k = b->k0; k < b->k1; k++)
-      for (uint32_t og = 0; og < nog; og++) {
-        uint64_t i = k * nog + og;
-        sub[i] = staged[i] ? (char *)x->stage[b->buf] + off[i] : NULL;
-      }
-    part.objects = sub + b->k0 * nog;
+    const kvf_stage_batch *pb = &sp.batches[bi];
+    batch_tokens(r, pb, c, &part);
+    for (uint64_t i = pb->k0 * nog; i < pb->k1 * nog; i++)
+      sub[i] = sp.staged[i] ? (char *)x->stage[b->buf] + sp.offset[i] : NULL;
+    part.objects = sub + pb->k0 * nog;
     b->tasks = kvf_blob_build(g, plan, &part, gather, (char *)slot->pinned + b->blob_off);
     payload += ((const kvf_blob_header *)((char *)slot->pinned + b->blob_off))->payload_bytes;
     tasks += b->tasks;
   }
   uint64_t direct_tasks = 0;
-  if (any_direct) {
-    for (uint64_t i = 0; i < n; i++) sub[i] = staged[i] ? NULL : r->objects[i];
+  if (sp.any_direct) {
+    for (uint64_t i = 0; i < n; i++) sub[i] = sp.staged[i] ? NULL : r->objects[i];
     part = *r;
     part.objects = sub;
     direct_tasks = kvf_blob_build(g, plan, &part, gather, (char *)slot->pinned + direct_off);
@@ -556,6 +468,7 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
   if (e == cudaSuccess) e = cudaStreamWaitEvent(x->ce_stream, x->fork, 0);
   for (uint64_t bi = 0; bi < nb && e == cudaSuccess; bi++) {
     batch *b = &batches[bi];
+    const kvf_stage_batch *pb = &sp.batches[bi];
     char *buf = x->stage[b->buf];
     if (gather) {
       /* kernel: cache -> buffer, after the buffer's previous copy-out */
@@ -567,24 +480,22 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
       }
       if (e == cudaSuccess) e = cudaEventRecord(x->stage_ready[b->buf], stream);
       if (e == cudaSuccess) e = cudaStreamWaitEvent(x->ce_stream, x->stage_ready[b->buf], 0);
-      for (uint64_t k = b->k0; k < b->k1 && e == cudaSuccess; k++)
-        for (uint32_t og = 0; og < nog && e == cudaSuccess; og++) {
-          uint64_t i = k * nog + og, lo = span[2 * i], hi = span[2 * i + 1];
-          if (!staged[i] || hi == lo) continue;
-          e = cudaMemcpyAsync((char *)r->objects[i] + lo, buf + off[i] + lo, hi - lo, cudaMemcpyDeviceToHost,
-                              x->ce_stream);
-        }
+      for (uint64_t i = pb->k0 * nog; i < pb->k1 * nog && e == cudaSuccess; i++) {
+        uint64_t lo = sp.span[2 * i], hi = sp.span[2 * i + 1];
+        if (!sp.staged[i] || hi == lo) continue;
+        e = cudaMemcpyAsync((char *)r->objects[i] + lo, buf + sp.offset[i] + lo, hi - lo, cudaMemcpyDeviceToHost,
+                            x->ce_stream);
+      }
       if (e == cudaSuccess) e = cudaEventRecord(x->stage_free[b->buf], x->ce_stream);
     } else {
       /* copy engine: objects -> buffer, after the buffer's previous reader */
       e = cudaStreamWaitEvent(x->ce_stream, x->stage_free[b->buf], 0);
-      for (uint64_t k = b->k0; k < b->k1 && e == cudaSuccess; k++)
-        for (uint32_t og = 0; og < nog && e == cudaSuccess; og++) {
-          uint64_t i = k * nog + og, lo = span[2 * i], hi = span[2 * i + 1];
-          if (!staged[i] || hi == lo) continue;
-          e = cudaMemcpyAsync(buf + off[i] + lo, (char *)r->objects[i] + lo, hi - lo, cudaMemcpyHostToDevice,
-                              x->ce_stream);
-        }
+      for (uint64_t i = pb->k0 * nog; i < pb->k1 * nog && e == cudaSuccess; i++) {
+        uint64_t lo = sp.span[2 * i], hi = sp.span[2 * i + 1];
+        if (!sp.staged[i] || hi == lo) continue;
+        e = cudaMemcpyAsync(buf + sp.offset[i] + lo, (char *)r->objects[i] + lo, hi - lo, cudaMemcpyHostToDevice,
+                            x->ce_stream);
+      }
       if (e == cudaSuccess) e = cudaEventRecord(x->stage_ready[b->buf], x->ce_stream);
       if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, x->stage_ready[b->buf], 0);
       if (e == cudaSuccess && b->tasks) {
@@ -616,9 +527,7 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
   x->last.tasks = (uint32_t)tasks;
   x->last.payload_bytes = payload;
 out:
-  free(off);
-  free(span);
-  free(staged);
+  kvf_stage_plan_free(&sp);
   free(sub);
   free(batches);
   return st;

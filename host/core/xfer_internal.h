@@ -1,0 +1,69 @@
+/*
+ * Internal: the parts of the transfer contexts (host/core/xfer.c) that tests
+ * reach.
+ *
+ * - The staged route's plan (host/core/xfer_stage.c): which objects of a
+ *   request cross PCIe through the two device staging buffers, which bytes of
+ *   each, and how the request splits into batches of whole chunks. Pure C,
+ *   no CUDA: the planning is tested without a GPU.
+ *
+ * Threading: the plan functions are pure.
+ */
+#ifndef KVF_HOST_XFER_INTERNAL_H
+#define KVF_HOST_XFER_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <kvferry/copy.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- the staged route's plan --------------------------------------------- */
+
+/* Offsets and sizes in a staging buffer are multiples of this. */
+#define KVF_STAGE_ALIGN 256u
+
+typedef struct kvf_stage_batch {
+  uint64_t k0, k1; /* chunks [k0, k1) of the request */
+  uint64_t bytes;  /* bytes of its staging buffer it uses */
+} kvf_stage_batch;
+
+/* Objects are indexed as in the request: chunk-major, then object group. */
+typedef struct kvf_stage_plan {
+  uint64_t num_chunks;
+  uint64_t num_objects;      /* num_chunks * object groups */
+  unsigned char *staged;     /* [num_objects] 1: through a staging buffer; 0: the direct kernel's, or NULL */
+  uint64_t *span;            /* [2 * num_objects] a staged object's bytes [lo, hi) that cross PCIe */
+  uint64_t *size;            /* [num_objects] a staged object's room in a buffer (its size, rounded up); else 0 */
+  uint64_t *offset;          /* [num_objects] a staged object's place in its batch's buffer (after batching) */
+  kvf_stage_batch *batches;  /* [num_chunks] after batching */
+  uint64_t num_batches;      /* 0 until kvf_stage_plan_batches */
+  uint64_t max_chunk;        /* room of the largest chunk: the least buffer size */
+  int any_direct;            /* some non-NULL object goes the direct way (a gather writing it in part) */
+} kvf_stage_plan;
+
+/* Classify the objects of a request that kvf_copy_request_check accepted:
+ * every non-NULL object is staged, except that a gather stages only objects
+ * whose moving parts (attention part, recurrent part) it writes whole. A
+ * staged object's span is the parts the request touches. Returns
+ * KVF_SUCCESS or KVF_ERR_OUT_OF_MEMORY (then *out is empty and needs no free). */
+kvf_status kvf_stage_plan_objects(const kvf_geometry *geometry, const kvf_copy_request *request, int gather,
+                                  kvf_stage_plan *out);
+
+/* Split the chunks into batches for buffers of `cap` bytes: each batch takes
+ * whole chunks in order while their staged objects fit, and at least one
+ * chunk (cap must be at least max_chunk). Fills offset, batches and
+ * num_batches. */
+void kvf_stage_plan_batches(kvf_stage_plan *plan, uint64_t cap);
+
+/* Free what kvf_stage_plan_objects allocated; the plan is then empty. */
+void kvf_stage_plan_free(kvf_stage_plan *plan);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVF_HOST_XFER_INTERNAL_H */
