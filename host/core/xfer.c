@@ -557,6 +557,17 @@ static kvf_status grow_staging(kvf_xfer *x, staging *s, size_t size) {
   return KVF_SUCCESS;
 }
 
+/* Keep a captured call's tables until destroy on the node reserved for
+ * them (freed instead when nothing was allocated). */
+static void keep_captured(kvf_xfer *x, retired *node, const staging *captured) {
+  if (!captured->pinned && !captured->device) {
+    free(node);
+    return;
+  }
+  *node = (retired){captured->pinned, captured->device, x->retired};
+  x->retired = node;
+}
+
 static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream) {
   const kvf_geometry *g = x->geometry;
   const kvf_plan *plan = &x->plan[r->format];
@@ -585,16 +596,22 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
     return launch_staged(x, r, gather, stream, stage_sms, pcie_sms);
   }
   staging captured = {0}, *s;
+  retired *keep = NULL; /* a captured call's tables, kept until destroy */
   if (capture == cudaStreamCaptureStatusActive) {
     /* A graph replays this call later: its tables must never be reused. The
      * allocation is not stream work; relaxed mode lets it happen while the
-     * caller's thread captures in global mode. */
+     * caller's thread captures in global mode. The list node comes first:
+     * once anything is captured, the graph may read the tables. */
     enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    if (!(keep = malloc(sizeof *keep))) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer staging: out of memory");
     s = &captured;
     cudaThreadExchangeStreamCaptureMode(&mode);
     st = grow_staging(x, s, size);
     cudaThreadExchangeStreamCaptureMode(&mode);
-    if (st) return st;
+    if (st) {
+      keep_captured(x, keep, &captured); /* what a failed grow allocated */
+      return st;
+    }
   } else {
     s = &x->slots[x->next_slot];
     if (s->in_use && cudaEventSynchronize(s->done) != cudaSuccess) { /* the call 8 calls ago */
@@ -611,26 +628,29 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
   if (x->max_sms && x->max_sms < ctas) ctas = x->max_sms;
   if (tasks) {
     e = cudaMemcpyAsync(s->device, s->pinned, h->size, cudaMemcpyHostToDevice, stream);
-    if (e == cudaSuccess) e = kvf_kernel_launch(s->device, tasks, &ctas, stream);
-    if (e == cudaSuccess && s != &captured) {
-      e = cudaEventRecord(s->done, stream);
+    int uploaded = e == cudaSuccess, launched = 0;
+    if (e == cudaSuccess) launched = (e = kvf_kernel_launch(s->device, tasks, &ctas, stream)) == cudaSuccess;
+    if (uploaded && s != &captured) {
+      /* Also after a refused launch: the upload is enqueued and reads the
+       * slot's tables, so the slot is free only after it. */
+      cudaError_t ed = cudaEventRecord(s->done, stream);
+      if (e == cudaSuccess) e = ed;
       s->in_use = 1;
       x->next_slot = (x->next_slot + 1) % KVF_STAGING_SLOTS;
     }
     if (e != cudaSuccess) {
       cudaGetLastError();
-      return kvf_fail(KVF_ERR_CUDA, "launching the %s transfer: %s", gather ? "gather" : "scatter",
-                      cudaGetErrorString(e));
+      if (keep) keep_captured(x, keep, &captured);
+      return kvf_fail(KVF_ERR_CUDA, "enqueueing the %s transfer: %s; %s", gather ? "gather" : "scatter",
+                      cudaGetErrorString(e),
+                      launched   ? "the kernel was enqueued and will run"
+                      : uploaded ? "only the upload of the call's tables was enqueued"
+                                 : "nothing was enqueued");
     }
   } else {
     ctas = 0;
   }
-  if (s == &captured) {
-    retired *keep = malloc(sizeof *keep);
-    if (!keep) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer staging: out of memory");
-    *keep = (retired){captured.pinned, captured.device, x->retired};
-    x->retired = keep;
-  }
+  if (keep) keep_captured(x, keep, &captured);
   x->last.route = route;
   x->last.sms = ctas;
   x->last.tasks = (uint32_t)tasks;
