@@ -39,6 +39,7 @@
 #include <kvferry/transfer.h>
 
 #include "conformance_util.h"
+#include "host/core/param.h"
 #include "host/core/xfer_internal.h"
 
 #if KVF_WITH_CUDA
@@ -787,7 +788,8 @@ TEST(XferHost, ConcurrentCallsOnOneContext) {
 //
 // Which objects of a host<->device request go through the device staging
 // buffers, which of their bytes, and the batches of whole chunks a staged
-// call enqueues one after another. Pointers here are never dereferenced.
+// call enqueues one after another: the unit the failure contract of
+// kvferry/transfer.h counts in. Pointers here are never dereferenced.
 
 struct StagePlan {
   kvf_stage_plan p{};
@@ -1003,6 +1005,27 @@ TEST(XferStagePlan, SpanIsThePartsTheRequestMoves) {
       }
     }
   }
+}
+
+// The injection hook belongs to the staged route: the host backend has no
+// batches, and a host context has no staging or internal stream.
+TEST(XferHost, TheStagedFailureHookLeavesTheHostBackendAlone) {
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_chunks("llama-3.1-8b-fa-nhd", 1, 0, 13, &s));
+  const kvf_geometry *g = s.g();
+  std::mt19937_64 rng(14);
+  Data in = make_inputs(g, s.plan, Dir::Gather, 0, rng), want = clone(in);
+  ASSERT_EQ(reference(g, s.plan, KVF_FORMAT_CANONICAL, Dir::Gather, want), KVF_SUCCESS) << kvf_last_error();
+  XferPtr x = make_xfer(g, KVF_DEVICE_HOST, 2);
+  ASSERT_TRUE(x);
+  EXPECT_EQ(kvf_xfer_test_stage_bytes(x.get()), 0u);
+  EXPECT_EQ(kvf_xfer_test_ce_stream(x.get()), nullptr);
+  kvf_xfer_test_fail_at_batch(0);
+  Req r(s.plan, KVF_FORMAT_CANONICAL, payloads(in.cache), payloads(in.objs));
+  kvf_status st = kvf_xfer_gather(x.get(), r.get(), nullptr);
+  kvf_xfer_test_fail_at_batch(-1);
+  ASSERT_EQ(st, KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(diff("object", in.objs, want.objs), "");
 }
 
 // ---- GPU -----------------------------------------------------------------------
@@ -1642,6 +1665,181 @@ TEST(XferGpu, ConcurrentCallsFromThreadsOnOneContext) {
     Set got = clone(in.objs);
     ASSERT_NO_FATAL_FAILURE(download(dobjs[t], got));
     EXPECT_EQ(diff("object", got, want.objs), "") << "thread " << t;
+  }
+}
+
+// Clears the staged failure hook when a case ends, passed or not.
+struct FailAtBatch {
+  explicit FailAtBatch(int64_t batch) { kvf_xfer_test_fail_at_batch(batch); }
+  ~FailAtBatch() { kvf_xfer_test_fail_at_batch(-1); }
+  FailAtBatch(const FailAtBatch &) = delete;
+  FailAtBatch &operator=(const FailAtBatch &) = delete;
+};
+
+struct Event {
+  cudaEvent_t e = nullptr;
+  Event() { EXPECT_EQ(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), cudaSuccess); }
+  ~Event() {
+    if (e) cudaEventDestroy(e);
+  }
+  Event(const Event &) = delete;
+  Event &operator=(const Event &) = delete;
+};
+
+// kvferry/transfer.h's failure contract on the staged route. A device cache
+// and pinned objects; buffers small enough that the request takes at least
+// three batches (KVF_XFER_STAGING_MB=1 when this process has not read it
+// yet, as in a ctest run of this case alone; otherwise the request grows
+// with the configured size). Batch 1's kernel launch is refused through the
+// hook in host/core/xfer_internal.h, as the runtime would refuse it. Then:
+// KVF_ERR_CUDA with a message naming the batch and the error; the objects
+// (gather) or blocks (scatter) of the chunks before batch 1 written exactly
+// as the CPU reference writes them, everything else keeping its poison (also
+// a gather's object written in part, which the direct launch after the last
+// batch would have moved); once an event recorded on the caller's stream
+// has completed, no work of the call left on the internal copy-engine
+// stream (it was joined back); and the stream and the context usable, the
+// same call right after byte-exact.
+TEST(XferGpu, StagedCallRefusedAtABatchKeepsTheBatchesBeforeIt) {
+  REQUIRE_GPU();
+  setenv("KVF_XFER_STAGING_MB", "1", 0);  // keeps a value the caller set
+  int64_t mb = kvf_param_xfer_staging_mb();
+  if (mb <= 0) GTEST_SKIP() << "KVF_XFER_STAGING_MB=" << mb << " turns the staged route off";
+  const char *preset = "glm-like-hybrid";  // full, sliding-window and recurrent object groups
+  GeometryPtr probe = load_preset(preset, 4);
+  ASSERT_TRUE(probe) << kvf_last_error();
+  uint64_t c = chunk_tokens(probe.get()), chunk_bytes = 0;
+  for (uint32_t og = 0; og < kvf_geometry_num_object_groups(probe.get()); og++) {
+    uint64_t size = 0;
+    ASSERT_EQ(kvf_geometry_object_size(probe.get(), og, 0, c, &size), KVF_SUCCESS) << kvf_last_error();
+    chunk_bytes += (size + KVF_STAGE_ALIGN - 1) / KVF_STAGE_ALIGN * KVF_STAGE_ALIGN;
+  }
+  // A fresh context's buffers: the configured size, or one chunk if larger.
+  uint64_t cap = std::max<uint64_t>((uint64_t)mb << 20, chunk_bytes), chunks = 4 * (cap / chunk_bytes);
+  if (chunks > 64)
+    GTEST_SKIP() << "KVF_XFER_STAGING_MB=" << mb << " would need a request of " << chunks
+                 << " chunks for three batches; run with KVF_XFER_STAGING_MB=1";
+  constexpr uint64_t kRefused = 1;
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_chunks(preset, chunks, 0, 101, &s));
+  const kvf_geometry *g = s.g();
+  uint32_t nog = kvf_geometry_num_object_groups(g), og0 = object_group_of(g, 0);
+  ASSERT_FALSE(is_recurrent(g, 0));
+  s.plan.ids[0][3] = KVF_BLOCK_SKIP;  // a gather writes chunk 0's object of group 0 in part
+  const std::pair<Dir, kvf_object_format> kCases[] = {{Dir::Gather, KVF_FORMAT_CANONICAL},
+                                                      {Dir::Scatter, KVF_FORMAT_NATIVE},
+                                                      {Dir::Gather, KVF_FORMAT_NATIVE}};
+  for (auto [dir, fmt] : kCases) {
+    SCOPED_TRACE(std::string(dir_name(dir)) + ", " + format_name(fmt));
+    const bool gather = dir == Dir::Gather;
+    std::mt19937_64 rng(102 + (uint64_t)dir * 2 + (uint64_t)fmt);
+    Data in = make_inputs(g, s.plan, dir, 0, rng), want = clone(in);
+    ASSERT_EQ(reference(g, s.plan, fmt, dir, want), KVF_SUCCESS) << kvf_last_error();
+    CUDA_OK(cudaSetDevice(0));
+    DevSet dcache, dobjs;
+    ASSERT_NO_FATAL_FAILURE(upload_new(in.cache, Mem::Device, 0, &dcache));
+    ASSERT_NO_FATAL_FAILURE(upload_new(in.objs, Mem::Pinned, 0, &dobjs));
+    XferPtr x = make_xfer(g, 0);
+    ASSERT_TRUE(x);
+    Stream stream;
+    auto download_all = [&](Data *out) {
+      *out = clone(in);
+      download(dcache, out->cache);
+      download(dobjs, out->objs);
+    };
+
+    // A successful call first: it is exact, takes the staged route and
+    // sizes the buffers the plan below is read against. Then back to the
+    // poisoned inputs.
+    {
+      Req r(s.plan, fmt, dcache.payloads(), dobjs.payloads());
+      ASSERT_EQ(call(x.get(), dir, r.get(), stream.s), KVF_SUCCESS) << kvf_last_error();
+      CUDA_OK(cudaStreamSynchronize(stream.s));
+      Data got;
+      ASSERT_NO_FATAL_FAILURE(download_all(&got));
+      EXPECT_EQ(diff("cache region (first call)", got.cache, want.cache), "");
+      EXPECT_EQ(diff("object (first call)", got.objs, want.objs), "");
+      EXPECT_EQ(stats_of(x.get()).route, expected_route(Mem::Pinned, dir));
+      ASSERT_NO_FATAL_FAILURE(upload(in.cache, dcache));
+      ASSERT_NO_FATAL_FAILURE(upload(in.objs, dobjs));
+    }
+    ASSERT_EQ(kvf_xfer_test_stage_bytes(x.get()), cap) << "the staging buffers are not the size the case assumes";
+
+    // The batches the call enqueues.
+    StagePlan sp;
+    {
+      Req r(s.plan, fmt, dcache.payloads(), dobjs.payloads());
+      ASSERT_EQ(kvf_stage_plan_objects(g, r.get(), gather, &sp.p), KVF_SUCCESS) << kvf_last_error();
+    }
+    kvf_stage_plan_batches(&sp.p, cap);
+    ASSERT_GE(sp.p.num_batches, 3u) << "the case needs batches before, at and after the refused one";
+    ASSERT_EQ(sp.p.staged[og0] == 0, gather) << "chunk 0's object of group 0 goes direct for a gather only";
+    const uint64_t kept = sp.p.batches[kRefused].k0;  // chunks [0, kept) are written
+
+    // The refused call; its host arrays are scrubbed as soon as it returns.
+    kvf_status st;
+    std::string msg;
+    {
+      FailAtBatch hook(kRefused);
+      auto r = std::make_unique<Req>(s.plan, fmt, dcache.payloads(), dobjs.payloads());
+      st = call(x.get(), dir, r->get(), stream.s);
+      msg = kvf_last_error();
+      r->scrub();
+    }
+    EXPECT_EQ(st, KVF_ERR_CUDA) << msg;
+    std::string where = std::string("staged ") + dir_name(dir) + ": enqueueing batch 1 of " +
+                        std::to_string(sp.p.num_batches) + " (chunks " + std::to_string(kept) + "..";
+    for (const std::string &part :
+         {where, std::string(cudaGetErrorString(cudaErrorLaunchOutOfResources)),
+          std::string("batches 0..0 were enqueued whole and will complete, batch 1 at most in part, nothing after it")})
+      EXPECT_NE(msg.find(part), std::string::npos) << "message '" << msg << "' should say '" << part << "'";
+
+    // Everything the call enqueued is ordered before later work on the
+    // caller's stream: once that has run, the internal stream is idle.
+    {
+      Event done;
+      CUDA_OK(cudaEventRecord(done.e, stream.s));
+      CUDA_OK(cudaEventSynchronize(done.e));
+      auto ce = reinterpret_cast<cudaStream_t>(kvf_xfer_test_ce_stream(x.get()));
+      ASSERT_NE(ce, nullptr);
+      cudaError_t q = cudaStreamQuery(ce);
+      EXPECT_EQ(q, cudaSuccess) << "work of the refused call still runs on the internal stream ("
+                                << cudaGetErrorName(q) << "): it was not joined back into the caller's stream";
+      cudaGetLastError();
+      CUDA_OK(cudaStreamQuery(stream.s));
+    }
+
+    // What it wrote: the chunks before the refused batch, nothing else.
+    Data got, expect = clone(in);
+    ASSERT_NO_FATAL_FAILURE(download_all(&got));
+    if (gather) {
+      for (uint64_t i = 0; i < kept * nog; i++)
+        if (sp.p.staged[i]) std::memcpy(expect.objs[i].bytes(), want.objs[i].bytes(), want.objs[i].total());
+    } else {
+      Plan head = s.plan;
+      head.token_end = head.token_begin + kept * c;
+      ASSERT_EQ(reference(g, head, fmt, dir, expect), KVF_SUCCESS) << kvf_last_error();
+    }
+    EXPECT_EQ(diff("cache region (refused call)", got.cache, expect.cache), "");
+    EXPECT_EQ(diff("object (refused call)", got.objs, expect.objs), "");
+    if (gather) {
+      EXPECT_EQ(diff("object (refused call; must keep the poison)", {got.objs[og0]}, {in.objs[og0]}), "")
+          << "the object written in part moves in the direct launch after the last batch";
+    }
+
+    // The same call again on the same context and stream: exact.
+    {
+      Req r(s.plan, fmt, dcache.payloads(), dobjs.payloads());
+      ASSERT_EQ(call(x.get(), dir, r.get(), stream.s), KVF_SUCCESS) << kvf_last_error();
+      CUDA_OK(cudaStreamSynchronize(stream.s));
+      CUDA_OK(cudaGetLastError());
+      ASSERT_NO_FATAL_FAILURE(download_all(&got));
+      EXPECT_EQ(diff("cache region (call after)", got.cache, want.cache), "");
+      EXPECT_EQ(diff("object (call after)", got.objs, want.objs), "");
+      kvf_xfer_stats stt = stats_of(x.get());
+      EXPECT_EQ(stt.route, expected_route(Mem::Pinned, dir));
+      EXPECT_EQ(stt.payload_bytes, plan_payload(g, s.plan));
+    }
   }
 }
 

@@ -4,6 +4,7 @@
  * threads. */
 #define _POSIX_C_SOURCE 200809L
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -73,6 +74,33 @@ struct kvf_xfer {
   uint32_t next_stage;
 #endif
 };
+
+/* ---- test hooks (host/core/xfer_internal.h) -------------------------------- */
+
+/* The batch whose kernel launch staged calls refuse; -1: none. */
+static int64_t test_fail_at_batch = -1;
+
+void kvf_xfer_test_fail_at_batch(int64_t batch) {
+  __atomic_store_n(&test_fail_at_batch, batch < 0 ? -1 : batch, __ATOMIC_RELAXED);
+}
+
+size_t kvf_xfer_test_stage_bytes(const kvf_xfer *x) {
+#ifdef KVF_WITH_CUDA
+  return x ? x->stage_cap : 0;
+#else
+  (void)x;
+  return 0;
+#endif
+}
+
+kvf_stream kvf_xfer_test_ce_stream(const kvf_xfer *x) {
+#ifdef KVF_WITH_CUDA
+  return x ? (kvf_stream)x->ce_stream : NULL;
+#else
+  (void)x;
+  return NULL;
+#endif
+}
 
 const char *kvf_xfer_route_name(kvf_xfer_route route) {
   switch (route) {
@@ -392,46 +420,136 @@ static void batch_tokens(const kvf_copy_request *r, const kvf_stage_batch *b, ui
   part->token_end = r->token_end - part->token_begin > span ? part->token_begin + span : r->token_end;
 }
 
+/* The kernel of batch bi (the test hook may refuse it, see xfer_internal.h). */
+static cudaError_t launch_batch(uint64_t bi, const batch *b, const staging *slot, uint32_t stage_sms,
+                                uint32_t *used_sms, cudaStream_t stream) {
+  if ((int64_t)bi == __atomic_load_n(&test_fail_at_batch, __ATOMIC_RELAXED)) return cudaErrorLaunchOutOfResources;
+  if (!b->tasks) return cudaSuccess;
+  uint32_t ctas = stage_sms;
+  cudaError_t e = kvf_kernel_launch((char *)slot->device + b->blob_off, b->tasks, &ctas, stream);
+  if (e == cudaSuccess && ctas > *used_sms) *used_sms = ctas;
+  return e;
+}
+
+/* Enqueue batch bi of a staged call. Stops at the first enqueue the runtime
+ * refuses and returns its error; what was enqueued before it stays. */
+static cudaError_t enqueue_batch(kvf_xfer *x, const kvf_copy_request *r, const kvf_stage_plan *sp, uint64_t bi,
+                                 const batch *b, int gather, const staging *slot, uint32_t stage_sms,
+                                 uint32_t *used_sms, cudaStream_t stream) {
+  const kvf_stage_batch *pb = &sp->batches[bi];
+  uint64_t nog = sp->num_objects / sp->num_chunks;
+  char *buf = x->stage[b->buf];
+  cudaError_t e;
+  if (gather) {
+    /* kernel: cache -> buffer, after the buffer's previous copy-out */
+    e = cudaStreamWaitEvent(stream, x->stage_free[b->buf], 0);
+    if (e == cudaSuccess) e = launch_batch(bi, b, slot, stage_sms, used_sms, stream);
+    if (e == cudaSuccess) e = cudaEventRecord(x->stage_ready[b->buf], stream);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(x->ce_stream, x->stage_ready[b->buf], 0);
+    for (uint64_t i = pb->k0 * nog; i < pb->k1 * nog && e == cudaSuccess; i++) {
+      uint64_t lo = sp->span[2 * i], hi = sp->span[2 * i + 1];
+      if (!sp->staged[i] || hi == lo) continue;
+      e = cudaMemcpyAsync((char *)r->objects[i] + lo, buf + sp->offset[i] + lo, hi - lo, cudaMemcpyDeviceToHost,
+                          x->ce_stream);
+    }
+    if (e == cudaSuccess) e = cudaEventRecord(x->stage_free[b->buf], x->ce_stream);
+  } else {
+    /* copy engine: objects -> buffer, after the buffer's previous reader */
+    e = cudaStreamWaitEvent(x->ce_stream, x->stage_free[b->buf], 0);
+    for (uint64_t i = pb->k0 * nog; i < pb->k1 * nog && e == cudaSuccess; i++) {
+      uint64_t lo = sp->span[2 * i], hi = sp->span[2 * i + 1];
+      if (!sp->staged[i] || hi == lo) continue;
+      e = cudaMemcpyAsync(buf + sp->offset[i] + lo, (char *)r->objects[i] + lo, hi - lo, cudaMemcpyHostToDevice,
+                          x->ce_stream);
+    }
+    if (e == cudaSuccess) e = cudaEventRecord(x->stage_ready[b->buf], x->ce_stream);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, x->stage_ready[b->buf], 0);
+    if (e == cudaSuccess) e = launch_batch(bi, b, slot, stage_sms, used_sms, stream);
+    if (e == cudaSuccess) e = cudaEventRecord(x->stage_free[b->buf], stream);
+  }
+  return e;
+}
+
+/* End a staged call in stream order, after its last enqueue or after one the
+ * runtime refused (what was enqueued then stays and will run): the
+ * copy-engine stream joins the caller's stream, and the tables' slot becomes
+ * free only once everything the call enqueued has run. After a refusal both
+ * staging buffers' free events move there too: the refused batch may have
+ * left work on a buffer that its event does not cover. Every step is tried
+ * and the first error returned. On a healthy context none of these fails
+ * (the handles are the context's own, the stream just took work); a failure
+ * means a broken context (a sticky error), and then the internal stream is
+ * waited for, so none of the call's work is left running unjoined. */
+static cudaError_t finish_staged(kvf_xfer *x, cudaStream_t stream, staging *slot, int forked, int refused) {
+  cudaError_t first = cudaSuccess, e;
+  if (forked) {
+    e = cudaEventRecord(x->join, x->ce_stream);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, x->join, 0);
+    if (e != cudaSuccess) {
+      first = e;
+      cudaStreamSynchronize(x->ce_stream);
+    }
+  }
+  for (int i = 0; refused && i < 2; i++)
+    if ((e = cudaEventRecord(x->stage_free[i], stream)) != cudaSuccess && first == cudaSuccess) first = e;
+  if ((e = cudaEventRecord(slot->done, stream)) != cudaSuccess && first == cudaSuccess) first = e;
+  slot->in_use = 1;
+  x->next_slot = (x->next_slot + 1) % KVF_STAGING_SLOTS;
+  cudaGetLastError();
+  return first;
+}
+
 /* Host<->device through the staging buffers: batches of whole chunks,
  * alternating between the two buffers so the kernel fills one while the
  * copy engine drains the other (or the reverse for a scatter). Objects a
  * gather would write only in part go straight to host memory with the
- * direct kernel, as do all objects when staging is off. */
+ * direct kernel, after the batches. The plan is host/core/xfer_stage.c's.
+ *
+ * Everything the call needs is checked and reserved before its first
+ * enqueue: the plan, the host arrays, both staging buffers, the tables' slot
+ * (waited for) and the tables themselves; pointers were classified by
+ * route_of. A failure up to there leaves nothing enqueued. After it, only an
+ * enqueue the CUDA runtime refuses can fail: batches before the refused one
+ * stay enqueued whole, nothing after it is enqueued, and finish_staged joins
+ * the internal stream back (include/kvferry/transfer.h states this). */
 static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream,
                                 uint32_t stage_sms, uint32_t pcie_sms) {
   const kvf_geometry *g = x->geometry;
   const kvf_plan *plan = &x->plan[r->format];
-  uint32_t nog = g->num_object_groups;
-  uint64_t c = g->policy.chunk_tokens;
-  cudaError_t e = cudaSuccess;
-  /* Per object: staged (its offset in a buffer, and the bytes the copy
-   * engine moves) or direct; then the batches (host/core/xfer_stage.c). */
+  const char *dir = gather ? "gather" : "scatter";
+  uint64_t nog = g->num_object_groups, c = g->policy.chunk_tokens;
+  uint64_t n = 0, nb = 0, bi = 0, blob_bytes = 0, direct_off = 0, payload = 0, tasks = 0, direct_tasks = 0;
   kvf_stage_plan sp;
+  kvf_copy_request part = *r;
+  staging *slot = NULL;
+  batch *batches = NULL;
+  void **sub = NULL;
+  uint32_t used_sms = 0;
+  int forked = 0;
+  cudaError_t e = cudaSuccess;
   kvf_status st = kvf_stage_plan_objects(g, r, gather, &sp);
   if (st) return st;
-  uint64_t n = sp.num_objects;
-  void **sub = malloc(sizeof(void *) * (n ? n : 1));
-  batch *batches = malloc(sizeof(batch) * (sp.num_chunks ? sp.num_chunks : 1));
+  n = sp.num_objects;
+  sub = malloc(sizeof(void *) * (n ? n : 1));
+  batches = malloc(sizeof(batch) * (sp.num_chunks ? sp.num_chunks : 1));
   if (!sub || !batches) {
     st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
     goto out;
   }
   if ((st = grow_stage(x, sp.max_chunk))) goto out;
   kvf_stage_plan_batches(&sp, x->stage_cap);
-  uint64_t nb = sp.num_batches, blob_bytes = 0;
+  nb = sp.num_batches;
   /* Every blob of the call in one staging slot: sizes first. */
-  kvf_copy_request part = *r;
-  for (uint64_t bi = 0; bi < nb; bi++) {
-    batch *b = &batches[bi];
+  for (bi = 0; bi < nb; bi++) {
     batch_tokens(r, &sp.batches[bi], c, &part);
     part.objects = r->objects + sp.batches[bi].k0 * nog; /* sizes depend only on counts */
-    b->blob_off = blob_bytes;
-    b->buf = (x->next_stage + (uint32_t)bi) & 1;
+    batches[bi].blob_off = blob_bytes;
+    batches[bi].buf = (x->next_stage + (uint32_t)bi) & 1;
     blob_bytes += round256(kvf_blob_size(g, plan, &part));
   }
-  uint64_t direct_off = blob_bytes;
+  direct_off = blob_bytes;
   if (sp.any_direct) blob_bytes += round256(kvf_blob_size(g, plan, r));
-  staging *slot = &x->slots[x->next_slot];
+  slot = &x->slots[x->next_slot];
   if (slot->in_use && cudaEventSynchronize(slot->done) != cudaSuccess) {
     e = cudaGetLastError();
     st = kvf_fail(KVF_ERR_CUDA, "waiting for an earlier transfer: %s", cudaGetErrorString(e));
@@ -439,19 +557,16 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
   }
   slot->in_use = 0;
   if ((st = grow_staging(x, slot, blob_bytes))) goto out;
-  uint64_t payload = 0, tasks = 0;
-  for (uint64_t bi = 0; bi < nb; bi++) {
-    batch *b = &batches[bi];
+  for (bi = 0; bi < nb; bi++) {
     const kvf_stage_batch *pb = &sp.batches[bi];
     batch_tokens(r, pb, c, &part);
     for (uint64_t i = pb->k0 * nog; i < pb->k1 * nog; i++)
-      sub[i] = sp.staged[i] ? (char *)x->stage[b->buf] + sp.offset[i] : NULL;
+      sub[i] = sp.staged[i] ? (char *)x->stage[batches[bi].buf] + sp.offset[i] : NULL;
     part.objects = sub + pb->k0 * nog;
-    b->tasks = kvf_blob_build(g, plan, &part, gather, (char *)slot->pinned + b->blob_off);
-    payload += ((const kvf_blob_header *)((char *)slot->pinned + b->blob_off))->payload_bytes;
-    tasks += b->tasks;
+    batches[bi].tasks = kvf_blob_build(g, plan, &part, gather, (char *)slot->pinned + batches[bi].blob_off);
+    payload += ((const kvf_blob_header *)((char *)slot->pinned + batches[bi].blob_off))->payload_bytes;
+    tasks += batches[bi].tasks;
   }
-  uint64_t direct_tasks = 0;
   if (sp.any_direct) {
     for (uint64_t i = 0; i < n; i++) sub[i] = sp.staged[i] ? NULL : r->objects[i];
     part = *r;
@@ -461,66 +576,60 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
   }
 
   /* Enqueue. The copy-engine stream forks from the caller's stream (it sees
-   * everything enqueued before this call) and joins it at the end. */
-  uint32_t ctas = stage_sms, used_sms = 0;
+   * everything enqueued before this call) and joins it at the end. bi ends
+   * as the batch whose enqueue was refused, or nb. */
   e = cudaMemcpyAsync(slot->device, slot->pinned, blob_bytes, cudaMemcpyHostToDevice, stream);
   if (e == cudaSuccess) e = cudaEventRecord(x->fork, stream);
   if (e == cudaSuccess) e = cudaStreamWaitEvent(x->ce_stream, x->fork, 0);
-  for (uint64_t bi = 0; bi < nb && e == cudaSuccess; bi++) {
-    batch *b = &batches[bi];
-    const kvf_stage_batch *pb = &sp.batches[bi];
-    char *buf = x->stage[b->buf];
-    if (gather) {
-      /* kernel: cache -> buffer, after the buffer's previous copy-out */
-      e = cudaStreamWaitEvent(stream, x->stage_free[b->buf], 0);
-      if (e == cudaSuccess && b->tasks) {
-        ctas = stage_sms;
-        e = kvf_kernel_launch((char *)slot->device + b->blob_off, b->tasks, &ctas, stream);
-        if (ctas > used_sms) used_sms = ctas;
-      }
-      if (e == cudaSuccess) e = cudaEventRecord(x->stage_ready[b->buf], stream);
-      if (e == cudaSuccess) e = cudaStreamWaitEvent(x->ce_stream, x->stage_ready[b->buf], 0);
-      for (uint64_t i = pb->k0 * nog; i < pb->k1 * nog && e == cudaSuccess; i++) {
-        uint64_t lo = sp.span[2 * i], hi = sp.span[2 * i + 1];
-        if (!sp.staged[i] || hi == lo) continue;
-        e = cudaMemcpyAsync((char *)r->objects[i] + lo, buf + sp.offset[i] + lo, hi - lo, cudaMemcpyDeviceToHost,
-                            x->ce_stream);
-      }
-      if (e == cudaSuccess) e = cudaEventRecord(x->stage_free[b->buf], x->ce_stream);
-    } else {
-      /* copy engine: objects -> buffer, after the buffer's previous reader */
-      e = cudaStreamWaitEvent(x->ce_stream, x->stage_free[b->buf], 0);
-      for (uint64_t i = pb->k0 * nog; i < pb->k1 * nog && e == cudaSuccess; i++) {
-        uint64_t lo = sp.span[2 * i], hi = sp.span[2 * i + 1];
-        if (!sp.staged[i] || hi == lo) continue;
-        e = cudaMemcpyAsync(buf + sp.offset[i] + lo, (char *)r->objects[i] + lo, hi - lo, cudaMemcpyHostToDevice,
-                            x->ce_stream);
-      }
-      if (e == cudaSuccess) e = cudaEventRecord(x->stage_ready[b->buf], x->ce_stream);
-      if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, x->stage_ready[b->buf], 0);
-      if (e == cudaSuccess && b->tasks) {
-        ctas = stage_sms;
-        e = kvf_kernel_launch((char *)slot->device + b->blob_off, b->tasks, &ctas, stream);
-        if (ctas > used_sms) used_sms = ctas;
-      }
-      if (e == cudaSuccess) e = cudaEventRecord(x->stage_free[b->buf], stream);
-    }
+  forked = e == cudaSuccess;
+  for (bi = 0; e == cudaSuccess && bi < nb;) {
+    e = enqueue_batch(x, r, &sp, bi, &batches[bi], gather, slot, stage_sms, &used_sms, stream);
+    if (e == cudaSuccess) bi++;
   }
   if (e == cudaSuccess && direct_tasks) {
-    ctas = pcie_sms;
+    uint32_t ctas = pcie_sms;
     e = kvf_kernel_launch((char *)slot->device + direct_off, direct_tasks, &ctas, stream);
-    if (ctas > used_sms) used_sms = ctas;
+    if (e == cudaSuccess && ctas > used_sms) used_sms = ctas;
   }
-  if (e == cudaSuccess) e = cudaEventRecord(x->join, x->ce_stream);
-  if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, x->join, 0);
-  if (e == cudaSuccess) e = cudaEventRecord(slot->done, stream);
   if (e != cudaSuccess) {
     cudaGetLastError();
-    st = kvf_fail(KVF_ERR_CUDA, "enqueueing the staged %s: %s", gather ? "gather" : "scatter", cudaGetErrorString(e));
+    cudaError_t ej = finish_staged(x, stream, slot, forked, 1);
+    char done[96], joined[160] = "";
+    if (bi == 0)
+      snprintf(done, sizeof done, "no batch was enqueued");
+    else
+      snprintf(done, sizeof done, "batches 0..%llu were enqueued whole and will complete",
+               (unsigned long long)bi - 1);
+    if (ej != cudaSuccess)
+      snprintf(joined, sizeof joined, "; joining the internal stream back failed too (%s): it was waited for",
+               cudaGetErrorString(ej));
+    if (!forked)
+      st = kvf_fail(KVF_ERR_CUDA,
+                    "staged %s: enqueueing the call's tables: %s; nothing that writes an object or a block was "
+                    "enqueued%s",
+                    dir, cudaGetErrorString(e), joined);
+    else if (bi < nb)
+      st = kvf_fail(KVF_ERR_CUDA,
+                    "staged %s: enqueueing batch %llu of %llu (chunks %llu..%llu): %s; %s, batch %llu at most in "
+                    "part, nothing after it%s",
+                    dir, (unsigned long long)bi, (unsigned long long)nb, (unsigned long long)sp.batches[bi].k0,
+                    (unsigned long long)sp.batches[bi].k1 - 1, cudaGetErrorString(e), done, (unsigned long long)bi,
+                    joined);
+    else
+      st = kvf_fail(KVF_ERR_CUDA,
+                    "staged %s: enqueueing the direct kernel (objects written in part) after the last batch: %s; %s, "
+                    "the direct kernel's objects were not written%s",
+                    dir, cudaGetErrorString(e), done, joined);
     goto out;
   }
-  slot->in_use = 1;
-  x->next_slot = (x->next_slot + 1) % KVF_STAGING_SLOTS;
+  e = finish_staged(x, stream, slot, forked, 0);
+  if (e != cudaSuccess) {
+    st = kvf_fail(KVF_ERR_CUDA,
+                  "staged %s: ending the call (joining the internal stream, recording its event): %s; all %llu "
+                  "batches were enqueued and will complete",
+                  dir, cudaGetErrorString(e), (unsigned long long)nb);
+    goto out;
+  }
   x->next_stage = (x->next_stage + (uint32_t)nb) & 1;
   x->last.route = gather ? KVF_ROUTE_D2H : KVF_ROUTE_H2D;
   x->last.sms = used_sms;

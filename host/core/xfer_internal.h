@@ -5,9 +5,15 @@
  * - The staged route's plan (host/core/xfer_stage.c): which objects of a
  *   request cross PCIe through the two device staging buffers, which bytes of
  *   each, and how the request splits into batches of whole chunks. Pure C,
- *   no CUDA: the planning is tested without a GPU.
+ *   no CUDA: the planning is tested without a GPU, and a GPU test predicts
+ *   from it what a failed call leaves written.
+ * - A failure-injection hook for the staged route's enqueue, and read-only
+ *   views of a context's staging state, for the GPU tests of
+ *   include/kvferry/transfer.h's failure contract.
  *
- * Threading: the plan functions are pure.
+ * Threading: the plan functions are pure. The hook is a process-wide atomic:
+ * set it before the code under test runs and clear it after (like
+ * kvf_cuda_table_install in host/core/cudawrap.h).
  */
 #ifndef KVF_HOST_XFER_INTERNAL_H
 #define KVF_HOST_XFER_INTERNAL_H
@@ -16,6 +22,7 @@
 #include <stdint.h>
 
 #include <kvferry/copy.h>
+#include <kvferry/transfer.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -61,6 +68,28 @@ void kvf_stage_plan_batches(kvf_stage_plan *plan, uint64_t cap);
 
 /* Free what kvf_stage_plan_objects allocated; the plan is then empty. */
 void kvf_stage_plan_free(kvf_stage_plan *plan);
+
+/* ---- test hooks (the CUDA backend) --------------------------------------- */
+
+/* Make every later staged call refuse the kernel launch of its batch `batch`
+ * (0-based; -1: off, the default), as if the CUDA runtime had returned
+ * cudaErrorLaunchOutOfResources there. Whatever the call enqueued before
+ * that launch stays enqueued, exactly as with a real refusal: a gather has
+ * enqueued batches [0, batch) whole and nothing of batch `batch` that
+ * writes an object; a scatter has enqueued batches [0, batch) whole and the
+ * copy-engine fill of batch `batch`'s staging buffer, which writes no block.
+ * Calls with fewer batches are not affected. */
+void kvf_xfer_test_fail_at_batch(int64_t batch);
+
+/* Bytes of each of the context's two staging buffers (0 until a staged call
+ * allocated them): what kvf_stage_plan_batches gets as `cap`. Not
+ * synchronized with calls in flight. */
+size_t kvf_xfer_test_stage_bytes(const kvf_xfer *xfer);
+
+/* The context's internal copy-engine stream (a cudaStream_t), to check that
+ * a call left no work on it behind the caller's stream. NULL on the host
+ * backend. */
+kvf_stream kvf_xfer_test_ce_stream(const kvf_xfer *xfer);
 
 #ifdef __cplusplus
 }

@@ -3,11 +3,12 @@
  * cache) of a copy request (kvferry/copy.h), on a GPU or on the host.
  *
  * A transfer context binds a finalized geometry to a backend:
- *   - a CUDA device: one kernel launch per call moves every layer, plane and
- *     group of the request. Caches and objects may be device memory of that
- *     GPU, a peer GPU's memory (peer access enabled by the caller), pinned
- *     host memory (cudaHostAlloc / cudaHostRegister; reached through UVA), or
- *     memory imported from another process and mapped on this device. Pageable
+ *   - a CUDA device: one kernel launch per call (per batch of chunks on the
+ *     staged route below) moves every layer, plane and group of the request.
+ *     Caches and objects may be device memory of that GPU, a peer GPU's
+ *     memory (peer access enabled by the caller), pinned host memory
+ *     (cudaHostAlloc / cudaHostRegister; reached through UVA), or memory
+ *     imported from another process and mapped on this device. Pageable
  *     host memory is refused with a clear error.
  *   - the host backend: the same request copied by CPU threads.
  *
@@ -19,6 +20,46 @@
  * out-of-bounds access. Calls may be captured into a CUDA graph; a captured
  * call keeps its own copy of the request's tables until the context is
  * destroyed. The legacy default stream (NULL) is accepted.
+ *
+ * Routes (CUDA backend): device<->device and peer calls, host-to-host calls
+ * and captured calls are one kernel launch. Between a cache on the GPU and
+ * objects in pinned host memory the call is staged: the kernel gathers into
+ * (scatters from) two device staging buffers in batches of whole chunks,
+ * and the copy engine drains (fills) them on an internal stream forked from
+ * the caller's stream and joined back into it (KVF_XFER_STAGING_MB=0: one
+ * direct launch instead).
+ *
+ * Failures (CUDA backend): a call checks and reserves everything it needs
+ * before its first enqueue: the request, the memory kind of every pointer,
+ * its tables (a slot of the context's ring, waited for while an earlier call
+ * still reads it) and the staging buffers. A failure there (any status but
+ * KVF_ERR_CUDA, or KVF_ERR_CUDA from a query, an allocation or that wait)
+ * enqueues nothing. After the first enqueue, the only failure is the CUDA
+ * runtime refusing an enqueue (a launch, a copy, an event record or wait),
+ * which cannot be checked ahead. The call then returns KVF_ERR_CUDA,
+ * kvf_last_error() says how far it got, and what was enqueued stays and
+ * will run:
+ *   - one-launch routes: the upload of the call's tables, which writes
+ *     nothing of the caller's; the kernel too only when the launch was
+ *     accepted and recording the call's event after it was refused.
+ *   - staged calls: when batch k of n is refused (the message names it and
+ *     its chunks; a refused upload of the call's tables is said so and
+ *     counts as k = 0), batches 0..k-1 were enqueued whole and will complete,
+ *     writing their objects (gather) or blocks (scatter) exactly as a
+ *     successful call does; batch k's objects or blocks are unspecified;
+ *     nothing after batch k was enqueued, so later chunks' objects or blocks
+ *     keep their bytes, as do a gather's objects written only in part
+ *     (those move in one direct launch after the last batch; when that
+ *     launch is the one refused, every batch completes and they keep their
+ *     bytes).
+ * Either way a staged call's internal stream is joined back into the
+ * caller's stream before the call returns, and the context's tables and
+ * staging buffers are released in stream order: work enqueued on the stream
+ * after the call runs after all of the call's work (an event recorded there
+ * covers it), and the context stays usable. As after a success, sources and
+ * destinations must stay valid until that work completes. (Should even the
+ * join be refused, which only a broken CUDA context does, the call waits for
+ * its internal stream instead.)
  *
  * Aliasing: objects must not overlap each other, or the cache views the
  * request moves. Destinations must not be read or written by other work until
@@ -99,7 +140,10 @@ KVF_API void kvf_xfer_destroy(kvf_xfer *xfer);
  * Returns what kvf_copy_request_check returns for a bad request (naming the
  * field), KVF_ERR_INVALID_ARGUMENT for memory a kernel cannot reach
  * (pageable host memory, another device without peer access), KVF_ERR_CUDA
- * for a failed launch. Nothing is enqueued on failure. */
+ * when a CUDA call fails (a query, an allocation, the wait for an earlier
+ * call's tables) or the runtime refuses an enqueue, KVF_ERR_OUT_OF_MEMORY.
+ * On failure nothing is enqueued, except after a refused enqueue
+ * (KVF_ERR_CUDA), which leaves exactly what "Failures" above states. */
 KVF_API kvf_status kvf_xfer_gather(kvf_xfer *xfer, const kvf_copy_request *request, kvf_stream stream);
 
 /* Scatter: copy the request's objects into the cache blocks. Same rules. */
