@@ -44,7 +44,7 @@
 
 #if KVF_WITH_CUDA
 #include <cuda_runtime_api.h>
-extern "C" cudaError_t kvf_test_spin(cudaStream_t stream, double milliseconds);  // xfer_spin.cu
+#include "xfer_spin.h"
 #endif
 
 namespace {

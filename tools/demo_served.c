@@ -36,9 +36,6 @@
 #include <cuda_runtime_api.h>
 #endif
 
-int cmd_demo_served(int argc, char **argv, const char *geometry_path, const char *preset);
-int cmd_demo_engine(int argc, char **argv);
-
 #define DEMO_MAX_ENGINES 16
 
 /* ---- the engine ------------------------------------------------------------ */

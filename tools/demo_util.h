@@ -56,4 +56,9 @@ int demo_geometry_load(const char *path, uint64_t tokens, kvf_geometry **out, ui
 /* Block ids 0 .. num_blocks-1 shuffled by seed (malloc'd). */
 uint32_t *demo_pool_make(uint32_t num_blocks, uint64_t seed);
 
+/* The served demo (demo_served.c): `kvferry demo` without --in-process, and
+ * the engine process it starts (`kvferry demo-engine`). Exit statuses. */
+int cmd_demo_served(int argc, char **argv, const char *geometry_path, const char *preset);
+int cmd_demo_engine(int argc, char **argv);
+
 #endif /* KVF_TOOLS_DEMO_UTIL_H */

@@ -689,9 +689,6 @@ out:
 
 /* `kvferry demo`: the served round trip through kvferryd (the default), or
  * with --in-process the transfer API alone in this process. */
-int cmd_demo_served(int argc, char **argv, const char *geometry_path, const char *preset);
-int cmd_demo_engine(int argc, char **argv);
-
 static int cmd_demo_dispatch(int argc, char **argv) {
   const char *preset = "glm-like-hybrid";
   int in_process = 0;
