@@ -2,8 +2,14 @@
 # (find_package(kvferry): kvferry::kvferry, kvferry::kvferry_static) and a
 # pkg-config file (kvferry.pc). Both are relocatable: they find the prefix
 # from their own location, so `cmake --install build --prefix DIR` works for
-# any DIR.
+# any DIR, and the installed tree can be moved afterwards.
+#
+# The build tree is a package too (the end of this file): kvferryConfig.cmake
+# and kvferry-uninstalled.pc at its top. The install's own versions of those
+# files are staged in _kvf_staged, where neither find_package nor pkg-config
+# looks, so they are never taken for the build tree's.
 include(CMakePackageConfigHelpers)
+set(_kvf_staged "${PROJECT_BINARY_DIR}/CMakeFiles/kvferry-install")
 
 set(KVF_INSTALL_CMAKEDIR "${CMAKE_INSTALL_LIBDIR}/cmake/kvferry" CACHE STRING
     "Where kvferryConfig.cmake goes, relative to the prefix")
@@ -50,16 +56,17 @@ if(KVF_WITH_CUDA AND DEFINED CUDAToolkit_LIBRARY_ROOT)
 endif()
 configure_package_config_file(
   ${PROJECT_SOURCE_DIR}/cmake/kvferryConfig.cmake.in
-  ${PROJECT_BINARY_DIR}/cmake/kvferryConfig.cmake
+  ${_kvf_staged}/kvferryConfig.cmake
   INSTALL_DESTINATION ${KVF_INSTALL_CMAKEDIR})
 # Until 1.0 a minor release may break the API: only the same minor matches.
+# The same file serves the build tree and the install.
 write_basic_package_version_file(
-  ${PROJECT_BINARY_DIR}/cmake/kvferryConfigVersion.cmake
+  ${PROJECT_BINARY_DIR}/kvferryConfigVersion.cmake
   VERSION ${PROJECT_VERSION}
   COMPATIBILITY SameMinorVersion)
 install(FILES
-  ${PROJECT_BINARY_DIR}/cmake/kvferryConfig.cmake
-  ${PROJECT_BINARY_DIR}/cmake/kvferryConfigVersion.cmake
+  ${_kvf_staged}/kvferryConfig.cmake
+  ${PROJECT_BINARY_DIR}/kvferryConfigVersion.cmake
   DESTINATION ${KVF_INSTALL_CMAKEDIR})
 
 # pkg-config: ${pcfiledir}-relative prefix, so the file survives relocation.
@@ -91,5 +98,29 @@ string(APPEND KVF_PC_LIBS_PRIVATE "-lpthread ")
 if(CMAKE_DL_LIBS)
   string(APPEND KVF_PC_LIBS_PRIVATE "-l${CMAKE_DL_LIBS}")
 endif()
-configure_file(${PROJECT_SOURCE_DIR}/cmake/kvferry.pc.in ${PROJECT_BINARY_DIR}/kvferry.pc @ONLY)
-install(FILES ${PROJECT_BINARY_DIR}/kvferry.pc DESTINATION ${KVF_INSTALL_PKGCONFIGDIR})
+configure_file(${PROJECT_SOURCE_DIR}/cmake/kvferry.pc.in ${_kvf_staged}/kvferry.pc @ONLY)
+install(FILES ${_kvf_staged}/kvferry.pc DESTINATION ${KVF_INSTALL_PKGCONFIGDIR})
+
+# The build tree as a package, for consumers that build against it without
+# installing: both name the source include/ and the build include/ (the
+# generated version.h), and the libraries where the build left them.
+#   find_package(kvferry) with -Dkvferry_DIR=BUILD or BUILD in CMAKE_PREFIX_PATH:
+#     the same config file as the install, over the targets exported here;
+#   pkg-config with BUILD in PKG_CONFIG_PATH: kvferry-uninstalled.pc, which
+#     pkg-config prefers to an installed kvferry.pc found in the same search.
+export(EXPORT kvferryTargets NAMESPACE kvferry:: FILE ${PROJECT_BINARY_DIR}/kvferryTargets.cmake)
+configure_package_config_file(
+  ${PROJECT_SOURCE_DIR}/cmake/kvferryConfig.cmake.in
+  ${PROJECT_BINARY_DIR}/kvferryConfig.cmake
+  INSTALL_DESTINATION .
+  INSTALL_PREFIX ${PROJECT_BINARY_DIR})
+configure_file(${PROJECT_SOURCE_DIR}/cmake/kvferry-uninstalled.pc.in ${_kvf_staged}/kvferry-uninstalled.pc.in @ONLY)
+# libdir is where the library is built: a generator expression, so one file
+# per configuration with a multi-config generator.
+get_property(_kvf_multi_config GLOBAL PROPERTY GENERATOR_IS_MULTI_CONFIG)
+if(_kvf_multi_config)
+  set(_kvf_uninstalled_pc "${PROJECT_BINARY_DIR}/$<CONFIG>/kvferry-uninstalled.pc")
+else()
+  set(_kvf_uninstalled_pc "${PROJECT_BINARY_DIR}/kvferry-uninstalled.pc")
+endif()
+file(GENERATE OUTPUT "${_kvf_uninstalled_pc}" INPUT ${_kvf_staged}/kvferry-uninstalled.pc.in)

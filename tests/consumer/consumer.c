@@ -1,5 +1,6 @@
-/* A program outside the kvferry tree: proves the installed headers, library,
- * CMake package and pkg-config file are enough to build against kvferry. */
+/* A program outside the kvferry tree: proves the headers, libraries,
+ * CMake package and pkg-config file of an install, or of the build tree,
+ * are enough to build against kvferry. */
 #include <stdio.h>
 #include <string.h>
 
