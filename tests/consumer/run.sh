@@ -5,6 +5,7 @@
 #   the build tree itself    BUILD/kvferryConfig.cmake, BUILD/kvferry-uninstalled.pc
 #   an install               into a temporary prefix, then moved elsewhere:
 #                            the package files must find the prefix themselves
+# and checks the installed libraries' symbols (symbols.sh).
 #
 # usage: run.sh BUILD_DIR [C_COMPILER] [EXTRA_FLAGS]
 #   EXTRA_FLAGS go to every compile and link (the build's sanitizer flags, so
@@ -119,14 +120,8 @@ if [[ -x $prefix/bin/kvferry ]]; then
   env -u LD_LIBRARY_PATH "$prefix/bin/kvferry" version || fail "installed bin/kvferry does not run"
 fi
 
-step "exported symbols of $(basename "$so")"
-# Only the kvf_ API may be visible: no internal helpers, no static CUDA
-# runtime leaking out to interpose on the application's own.
-syms=$(nm -D --defined-only "$so")
-leaked=$(awk '$2 ~ /^[TDBRVWi]$/ && $3 !~ /^kvf_/ && $3 !~ /^_(init|fini)$/ {print $3}' <<<"$syms")
-[[ -z $leaked ]] || fail "libkvferry.so exports non-kvf symbols: $(head -n 20 <<<"$leaked" | tr '\n' ' ')"
-grep -q ' T kvf_version$' <<<"$syms" || fail "kvf_version is not exported"
-if grep -q ' T kvf_fail$' <<<"$syms"; then fail "internal kvf_fail is exported"; fi
+step "symbols of the installed libraries"
+"$here/symbols.sh" "$here/../../host/server" "$so" "$libdir/libkvferry.a" || fail "symbols of the installed libraries"
 
 consume install "$prefix" "$(dirname "$config")" "$(dirname "$pc")" "$libdir" no
 
