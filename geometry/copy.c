@@ -13,12 +13,28 @@
 #include <kvferry/copy.h>
 
 #include "common/error.h"
+#include "common/versioned.h"
 #include "geometry/geometry_internal.h"
 
-uint64_t kvf_copy_request_chunks(const kvf_geometry *g, const kvf_copy_request *r) {
-  if (!g || !r || r->token_end <= r->token_begin) return 0;
+/* The library's copy of a caller's request (common/versioned.h): fields an
+ * older caller does not know take their KVF_COPY_REQUEST_INIT values. */
+static kvf_status request_in(const kvf_copy_request *caller, kvf_copy_request *local) {
+  kvf_copy_request d = KVF_COPY_REQUEST_INIT;
+  kvf_status st = KVF_VERSIONED_IN(kvf_copy_request, &d, caller);
+  if (st == KVF_SUCCESS) *local = d;
+  return st;
+}
+
+static uint64_t request_chunks(const kvf_geometry *g, const kvf_copy_request *r) {
+  if (r->token_end <= r->token_begin) return 0;
   uint64_t c = g->policy.chunk_tokens;
   return (r->token_end - r->token_begin + c - 1) / c;
+}
+
+uint64_t kvf_copy_request_chunks(const kvf_geometry *g, const kvf_copy_request *caller) {
+  kvf_copy_request r;
+  if (!g || !caller || request_in(caller, &r) != KVF_SUCCESS) return 0;
+  return request_chunks(g, &r);
 }
 
 /* Global token range of chunk k of the request. */
@@ -55,12 +71,8 @@ static int chunk_moves_group(const kvf_geometry *g, const kvf_copy_request *r, u
   return 0;
 }
 
-kvf_status kvf_copy_request_check(const kvf_geometry *g, const kvf_copy_request *r) {
-  if (!g || !r) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "copy request: geometry or request is NULL");
-  if (!g->finalized) return kvf_fail(KVF_ERR_STATE, "copy request: the geometry is not finalized");
-  if (r->version != KVF_DESC_VERSION || r->struct_size < sizeof *r)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "copy request: version %u / struct_size %u not supported", r->version,
-                    r->struct_size);
+/* kvf_copy_request_check on the library's copy of the request. */
+static kvf_status check_request(const kvf_geometry *g, const kvf_copy_request *r) {
   uint64_t c = g->policy.chunk_tokens;
   if (r->token_begin % c != 0)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "token_begin %llu: must be a multiple of chunk_tokens %llu",
@@ -71,7 +83,7 @@ kvf_status kvf_copy_request_check(const kvf_geometry *g, const kvf_copy_request 
   if ((unsigned)r->format > KVF_FORMAT_NATIVE)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "format %d: not an object format", (int)r->format);
   if (!r->groups) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "groups: NULL (one entry per group is required)");
-  uint64_t chunks = kvf_copy_request_chunks(g, r);
+  uint64_t chunks = request_chunks(g, r);
   for (uint32_t gi = 0; gi < g->num_groups; gi++) {
     const kvf_group *gr = &g->groups[gi];
     const kvf_group_blocks *b = &r->groups[gi];
@@ -111,6 +123,21 @@ kvf_status kvf_copy_request_check(const kvf_geometry *g, const kvf_copy_request 
     }
   }
   return KVF_SUCCESS;
+}
+
+kvf_status kvf_copy_request_check_local(const kvf_geometry *g, const kvf_copy_request *caller,
+                                        kvf_copy_request *local) {
+  if (!g || !caller) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "copy request: geometry or request is NULL");
+  if (!g->finalized) return kvf_fail(KVF_ERR_STATE, "copy request: the geometry is not finalized");
+  kvf_copy_request r;
+  kvf_status st = request_in(caller, &r);
+  if (st == KVF_SUCCESS) st = check_request(g, &r);
+  if (st == KVF_SUCCESS && local) *local = r;
+  return st;
+}
+
+kvf_status kvf_copy_request_check(const kvf_geometry *g, const kvf_copy_request *request) {
+  return kvf_copy_request_check_local(g, request, NULL);
 }
 
 /* For the native format: each run's byte offset inside its block's payload,
@@ -220,10 +247,12 @@ static void copy_recurrent_layer(const kvf_geometry *g, const kvf_copy_request *
   }
 }
 
-static kvf_status reference_copy(const kvf_geometry *g, const kvf_copy_request *r, direction dir) {
-  kvf_status st = kvf_copy_request_check(g, r);
+static kvf_status reference_copy(const kvf_geometry *g, const kvf_copy_request *request, direction dir) {
+  kvf_copy_request local;
+  const kvf_copy_request *r = &local;
+  kvf_status st = kvf_copy_request_check_local(g, request, &local);
   if (st) return st;
-  uint64_t chunks = kvf_copy_request_chunks(g, r);
+  uint64_t chunks = request_chunks(g, r);
   for (uint32_t gi = 0; gi < g->num_groups; gi++) {
     if (!group_moves(r, gi)) continue;
     const kvf_group *gr = &g->groups[gi];

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "common/error.h"
+#include "common/versioned.h"
 #include "geometry/geometry_internal.h"
 
 /* ---- small helpers ------------------------------------------------------ */
@@ -102,20 +103,18 @@ void kvf_geometry_destroy(kvf_geometry *g) {
   free(g);
 }
 
-static kvf_status check_building(const kvf_geometry *g, const void *desc, uint32_t size, uint32_t version,
-                                 const char *fn) {
+/* The checks every building call makes before it reads its descriptor. */
+static kvf_status check_building(const kvf_geometry *g, const void *desc, const char *fn) {
   if (!g || !desc) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "%s: geometry or descriptor is NULL", fn);
   if (g->finalized) return kvf_fail(KVF_ERR_STATE, "%s: the geometry is finalized and read-only", fn);
-  if (version != KVF_DESC_VERSION || size < sizeof(uint32_t) * 2)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT,
-                    "%s: descriptor version %u / size %u not supported (initialize it with its _INIT macro)", fn,
-                    version, size);
   return KVF_SUCCESS;
 }
 
-kvf_status kvf_geometry_add_region(kvf_geometry *g, const kvf_region_desc *desc, uint32_t *out_index) {
-  kvf_status st = check_building(g, desc, desc ? desc->struct_size : 0, desc ? desc->version : 0,
-                                 "kvf_geometry_add_region");
+kvf_status kvf_geometry_add_region(kvf_geometry *g, const kvf_region_desc *caller, uint32_t *out_index) {
+  kvf_region_desc local = KVF_REGION_DESC_INIT;
+  const kvf_region_desc *desc = &local;
+  kvf_status st = check_building(g, caller, "kvf_geometry_add_region");
+  if (!st) st = KVF_VERSIONED_IN(kvf_region_desc, &local, caller);
   if (st) return st;
   if (g->num_regions >= KVF_MAX_REGIONS)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_geometry_add_region: more than %u regions", KVF_MAX_REGIONS);
@@ -131,9 +130,11 @@ kvf_status kvf_geometry_add_region(kvf_geometry *g, const kvf_region_desc *desc,
   return KVF_SUCCESS;
 }
 
-kvf_status kvf_geometry_add_group(kvf_geometry *g, const kvf_group_desc *desc, uint32_t *out_index) {
-  kvf_status st = check_building(g, desc, desc ? desc->struct_size : 0, desc ? desc->version : 0,
-                                 "kvf_geometry_add_group");
+kvf_status kvf_geometry_add_group(kvf_geometry *g, const kvf_group_desc *caller, uint32_t *out_index) {
+  kvf_group_desc local = KVF_GROUP_DESC_INIT;
+  const kvf_group_desc *desc = &local;
+  kvf_status st = check_building(g, caller, "kvf_geometry_add_group");
+  if (!st) st = KVF_VERSIONED_IN(kvf_group_desc, &local, caller);
   if (st) return st;
   if (g->num_groups >= KVF_MAX_GROUPS)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_geometry_add_group: more than %u groups", KVF_MAX_GROUPS);
@@ -149,9 +150,12 @@ kvf_status kvf_geometry_add_group(kvf_geometry *g, const kvf_group_desc *desc, u
   return KVF_SUCCESS;
 }
 
-kvf_status kvf_geometry_add_view(kvf_geometry *g, uint32_t group, const kvf_view_desc *desc, uint32_t *out_layer) {
-  kvf_status st = check_building(g, desc, desc ? desc->struct_size : 0, desc ? desc->version : 0,
-                                 "kvf_geometry_add_view");
+kvf_status kvf_geometry_add_view(kvf_geometry *g, uint32_t group, const kvf_view_desc *caller,
+                                  uint32_t *out_layer) {
+  kvf_view_desc local = KVF_VIEW_DESC_INIT;
+  const kvf_view_desc *desc = &local;
+  kvf_status st = check_building(g, caller, "kvf_geometry_add_view");
+  if (!st) st = KVF_VERSIONED_IN(kvf_view_desc, &local, caller);
   if (st) return st;
   if (group >= g->num_groups)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_geometry_add_view: group %u does not exist (%u groups)", group,
@@ -177,10 +181,11 @@ kvf_status kvf_geometry_add_view(kvf_geometry *g, uint32_t group, const kvf_view
 }
 
 kvf_status kvf_geometry_set_policy(kvf_geometry *g, const kvf_object_policy *policy) {
-  kvf_status st = check_building(g, policy, policy ? policy->struct_size : 0, policy ? policy->version : 0,
-                                 "kvf_geometry_set_policy");
+  kvf_object_policy local = KVF_OBJECT_POLICY_INIT;
+  kvf_status st = check_building(g, policy, "kvf_geometry_set_policy");
+  if (!st) st = KVF_VERSIONED_IN(kvf_object_policy, &local, policy);
   if (st) return st;
-  g->policy = *policy;
+  g->policy = local;
   return KVF_SUCCESS;
 }
 
@@ -931,15 +936,14 @@ kvf_status kvf_geometry_view(const kvf_geometry *g, uint32_t group, uint32_t lay
   if (group >= g->num_groups || layer >= g->groups[group].num_views)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_geometry_view: group %u layer %u does not exist", group, layer);
   const kvf_view *v = kvf_group_view(g, group, layer);
-  *out = v->desc;
-  out->name = v->name;
-  return KVF_SUCCESS;
+  kvf_view_desc d = v->desc;
+  d.name = v->name;
+  return KVF_VERSIONED_OUT(kvf_view_desc, out, &d);
 }
 
 kvf_status kvf_geometry_policy(const kvf_geometry *g, kvf_object_policy *out) {
   if (!g || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_geometry_policy: NULL argument");
-  *out = g->policy;
-  return KVF_SUCCESS;
+  return KVF_VERSIONED_OUT(kvf_object_policy, out, &g->policy);
 }
 
 kvf_status kvf_geometry_dcp(const kvf_geometry *g, uint32_t *world, uint32_t *rank) {

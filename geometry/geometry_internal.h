@@ -3,7 +3,7 @@
 #ifndef KVF_GEOMETRY_INTERNAL_H
 #define KVF_GEOMETRY_INTERNAL_H
 
-#include <kvferry/geometry.h>
+#include <kvferry/copy.h>
 
 typedef struct kvf_region {
   char name[KVF_NAME_MAX];
@@ -83,5 +83,16 @@ static inline uint64_t kvf_local_token(const kvf_geometry *g, uint64_t t) {
   if (t <= g->dcp_rank) return 0;
   return (t - g->dcp_rank + g->dcp_world - 1) / g->dcp_world;
 }
+
+/* kvf_copy_request_check, which also hands back the library's copy of the
+ * request in *local (may be NULL): the caller's struct read by the
+ * versioned-struct rule (common/versioned.h), fields an older caller does
+ * not know set from KVF_COPY_REQUEST_INIT. Code behind a public entry point
+ * reads that copy, never the caller's struct. */
+#ifdef __cplusplus
+extern "C"
+#endif
+kvf_status kvf_copy_request_check_local(const kvf_geometry *geometry, const kvf_copy_request *request,
+                                        kvf_copy_request *local);
 
 #endif

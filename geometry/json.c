@@ -26,6 +26,7 @@
 #include <kvferry/geometry.h>
 
 #include "common/error.h"
+#include "common/versioned.h"
 #include "geometry/geometry_internal.h"
 
 /* Geometry files are a few KiB; anything this large is not one, and a cap
@@ -872,15 +873,13 @@ static kvf_status kvf_json_load(const char *json, size_t len, const kvf_geometry
     goto out;
   }
   if (options != NULL) {
-    if (options->version != KVF_DESC_VERSION || options->struct_size < sizeof(kvf_geometry_load_options)) {
-      st = kvf_fail(KVF_ERR_INVALID_ARGUMENT,
-                    "loading geometry: options has struct_size %u, version %u (expected %zu, %u: "
-                    "fill it from KVF_GEOMETRY_LOAD_OPTIONS_INIT)",
-                    options->struct_size, options->version, sizeof(kvf_geometry_load_options),
-                    KVF_DESC_VERSION);
+    kvf_geometry_load_options opt = KVF_GEOMETRY_LOAD_OPTIONS_INIT;
+    st = KVF_VERSIONED_IN(kvf_geometry_load_options, &opt, options);
+    if (st != KVF_SUCCESS) {
+      kvf_error_prefix("loading geometry: ");
       goto out;
     }
-    l.num_blocks_override = options->num_blocks_override;
+    l.num_blocks_override = opt.num_blocks_override;
   }
   if (len > KVF_JSON_MAX_BYTES) {
     st = kvf_fail(KVF_ERR_PARSE, "input is %zu bytes, more than the %zu MiB a geometry file may have", len,

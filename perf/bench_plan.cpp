@@ -87,7 +87,7 @@ static void chunk_range(uint64_t C, const kvf_copy_request *r, uint64_t k, uint6
 /* The reference's rule: does chunk k move any block of group gi? */
 static bool chunk_moves_group(const kvf_geometry *g, const kvf_copy_request *r, uint32_t gi, uint64_t k) {
   kvf_group_info info;
-  kvf_object_policy pol;
+  kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
   kvf_geometry_group(g, gi, &info);
   kvf_geometry_policy(g, &pol);
   const kvf_group_blocks &b = r->groups[gi];
@@ -102,7 +102,7 @@ static bool chunk_moves_group(const kvf_geometry *g, const kvf_copy_request *r, 
 }
 
 bool plan_objects(const kvf_geometry *g, uint64_t tokens, const Tables &t, uint64_t align, ObjectLayout *out) {
-  kvf_object_policy pol;
+  kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
   kvf_geometry_policy(g, &pol);
   kvf_copy_request req = KVF_COPY_REQUEST_INIT;
   req.token_begin = 0;
@@ -173,7 +173,7 @@ struct NativeRun {
 
 bool plan_runs(const kvf_geometry *g, const kvf_copy_request *r, bool gather, Runs *out, std::string *error) {
   *out = Runs{};
-  kvf_object_policy pol;
+  kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
   kvf_geometry_policy(g, &pol);
   uint64_t C = pol.chunk_tokens;
   uint64_t chunks = kvf_copy_request_chunks(g, r);
@@ -195,7 +195,7 @@ bool plan_runs(const kvf_geometry *g, const kvf_copy_request *r, bool gather, Ru
       chunk_range(C, r, k, &cb, &ce);
       uint64_t lb = kvf_geometry_local_tokens(g, cb), le = kvf_geometry_local_tokens(g, ce), n = le - lb;
       for (uint32_t l = 0; l < info.num_layers; l++) {
-        kvf_view_desc v;
+        kvf_view_desc v = KVF_VIEW_DESC_INIT;
         kvf_geometry_view(g, gi, l, &v);
         char *base = (char *)r->region_bases[v.region];
         if (!base) {

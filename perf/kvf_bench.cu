@@ -769,7 +769,7 @@ void preset_plan(Preset &p, uint64_t l2, uint64_t free_b) {
   kvf_geometry *small = nullptr;
   load_geometry(p.path, 4, &small);
   std::unique_ptr<kvf_geometry, void (*)(kvf_geometry *)> hold(small, kvf_geometry_destroy);
-  kvf_object_policy pol;
+  kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
   kvf_geometry_policy(small, &pol);
   uint64_t blocks = 0;
   for (uint64_t req : g_opt.tokens) {
@@ -930,7 +930,7 @@ void config_build(Config &c, bool all_runs) {
 /* Reference copy on the host, chunks spread over threads (each chunk is a
  * valid request of its own, and chunks write disjoint bytes). */
 void reference_parallel(const kvf_geometry *g, const kvf_copy_request &req, bool gather) {
-  kvf_object_policy pol;
+  kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
   kvf_geometry_policy(g, &pol);
   uint64_t chunks = kvf_copy_request_chunks(g, &req), C = pol.chunk_tokens;
   uint32_t nog = kvf_geometry_num_object_groups(g);

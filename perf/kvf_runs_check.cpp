@@ -89,7 +89,7 @@ int check_one(const std::string &path, kvf_object_format format, uint64_t tokens
     fprintf(stderr, "%s: %s\n", path.c_str(), kvf_last_error());
     return 1;
   }
-  kvf_object_policy pol;
+  kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
   kvf_geometry_policy(g, &pol);
   uint64_t tokens = tokens_in;
   /* Native objects hold whole blocks: round to whole chunks. */

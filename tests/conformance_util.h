@@ -202,7 +202,7 @@ void for_each_selected_run(const kvf_geometry *g, uint64_t token_begin, uint64_t
     kvf_group_info info;
     kvf_geometry_group(g, gi, &info);
     for (uint32_t l = 0; l < info.num_layers; l++) {
-      kvf_view_desc v;
+      kvf_view_desc v = KVF_VIEW_DESC_INIT;
       kvf_geometry_view(g, gi, l, &v);
       if (info.kind == KVF_GROUP_RECURRENT) {
         for (uint64_t cb = token_begin; cb + pol.chunk_tokens <= token_end; cb += pol.chunk_tokens) {

@@ -580,7 +580,7 @@ TEST_F(Client, SubmitOfABadXferNamesTheFieldAndSendsNothing) {
     std::string field;
   };
   std::vector<Case> cases = {
-      {KVF_CLIENT_STORE, [](GoodXfer &g) { g.x.struct_size = 8; }, "xfer.struct_size"},
+      {KVF_CLIENT_STORE, [](GoodXfer &g) { g.x.struct_size = 4; }, "xfer.struct_size"},
       {KVF_CLIENT_STORE, [](GoodXfer &g) { g.x.token_end = 0; }, "xfer.token_end"},
       {KVF_CLIENT_STORE, [](GoodXfer &g) { SetInt(&g.x.format, 5); }, "xfer.format"},
       {KVF_CLIENT_STORE, [](GoodXfer &g) { g.x.num_chunk_keys = 0; }, "xfer.num_chunk_keys"},

@@ -729,7 +729,7 @@ TEST(Dataplane, RetrieveWritesOnlyTheWindowAndTheRecurrentSlot) {
   // Directly: the sliding blocks before the window kept their poison, and
   // the recurrent slot holds the source's state of chunk 3.
   {
-    kvf_view_desc v;
+    kvf_view_desc v = KVF_VIEW_DESC_INIT;
     ASSERT_EQ(kvf_geometry_view(g, 1, 0, &v), KVF_SUCCESS);
     uint8_t *d = dst.mem() + dst.lay->offsets[v.region] + v.offset;
     const uint8_t *p0 = want->p + dst.lay->offsets[v.region] + v.offset; // == the poison there
@@ -737,7 +737,7 @@ TEST(Dataplane, RetrieveWritesOnlyTheWindowAndTheRecurrentSlot) {
       uint64_t at = (uint64_t)rt.ids[1][blk] * v.block_stride;
       ASSERT_EQ(memcmp(d + at, p0 + at, v.block_stride), 0) << "sliding block " << blk << " was written";
     }
-    kvf_view_desc rv;
+    kvf_view_desc rv = KVF_VIEW_DESC_INIT;
     ASSERT_EQ(kvf_geometry_view(g, 2, 0, &rv), KVF_SUCCESS);
     const uint8_t *s = src.mem() + src.lay->offsets[rv.region] + rv.offset + (uint64_t)st.ids[2][0] * rv.block_stride;
     const uint8_t *q = dst.mem() + dst.lay->offsets[rv.region] + rv.offset + (uint64_t)rt.ids[2][0] * rv.block_stride;

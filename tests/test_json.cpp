@@ -138,7 +138,7 @@ TEST(Json, LoadsSmallGeometry) {
   EXPECT_EQ(v.token_stride, 256u);
   EXPECT_EQ(v.head_stride, 128u);
   EXPECT_EQ(v.alias_group, -1);
-  kvf_object_policy p;
+  kvf_object_policy p = KVF_OBJECT_POLICY_INIT;
   ASSERT_EQ(kvf_geometry_policy(g.get(), &p), KVF_SUCCESS);
   EXPECT_EQ(p.chunk_tokens, 32u);
   EXPECT_EQ(p.format, KVF_FORMAT_CANONICAL);
@@ -209,7 +209,7 @@ TEST(Json, LoadsHybridGeometry) {
   EXPECT_EQ(v.states[1].bytes, 8192u);
   EXPECT_EQ(v.alias_group, -1);
 
-  kvf_object_policy p;
+  kvf_object_policy p = KVF_OBJECT_POLICY_INIT;
   ASSERT_EQ(kvf_geometry_policy(g.get(), &p), KVF_SUCCESS);
   EXPECT_EQ(p.chunk_tokens, 64u);
   EXPECT_EQ(p.format, KVF_FORMAT_NATIVE);
@@ -749,7 +749,7 @@ TEST(Json, PlaneStrideRejectsOtherStrings) {
 
 TEST(Json, RejectsUnknownOptionsVersion) {
   kvf_geometry_load_options opt = KVF_GEOMETRY_LOAD_OPTIONS_INIT;
-  opt.version = 99;
+  opt.version = 0;  // any other version is informational: the size decides
   GeometryPtr g;
   EXPECT_EQ(Load(kSmall, &g, nullptr, &opt), KVF_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(kvf_last_error()).find("KVF_GEOMETRY_LOAD_OPTIONS_INIT"), std::string::npos);
@@ -988,7 +988,7 @@ void ExpectSameGeometry(const kvf_geometry *a, const kvf_geometry *b, bool gener
     EXPECT_EQ(oa.bytes_per_token, ob.bytes_per_token);
     EXPECT_EQ(oa.recurrent_bytes, ob.recurrent_bytes);
   }
-  kvf_object_policy pa, pb;
+  kvf_object_policy pa = KVF_OBJECT_POLICY_INIT, pb = KVF_OBJECT_POLICY_INIT;
   ASSERT_EQ(kvf_geometry_policy(a, &pa), KVF_SUCCESS);
   ASSERT_EQ(kvf_geometry_policy(b, &pb), KVF_SUCCESS);
   EXPECT_EQ(pa.chunk_tokens, pb.chunk_tokens);

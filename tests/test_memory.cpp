@@ -132,7 +132,7 @@ TEST_P(MemoryTest, InvalidArgumentsNameTheField) {
   o.size = UINT64_MAX;
   EXPECT_EQ(kvf_mem_alloc_create(&o, &a), KVF_ERR_OVERFLOW);
   o.size = 1;
-  o.struct_size = 8;
+  o.struct_size = 4;  // smaller than the header (8 is a valid header-only struct)
   EXPECT_EQ(kvf_mem_alloc_create(&o, &a), KVF_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(kvf_mem_alloc_create(nullptr, &a), KVF_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(a, nullptr);

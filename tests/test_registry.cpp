@@ -373,7 +373,7 @@ TEST_F(RegistryTest, RejectsBadArguments) {
   kvf_registry *r = nullptr;
   EXPECT_EQ(kvf_registry_create(nullptr, nullptr, &r), KVF_ERR_INVALID_ARGUMENT);
   kvf_registry_options o = KVF_REGISTRY_OPTIONS_INIT;
-  o.version = 77;
+  o.version = 0;
   EXPECT_EQ(kvf_registry_create(table_.get(), &o, &r), KVF_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(r, nullptr);
   kvf_registry_stats s = KVF_REGISTRY_STATS_INIT;

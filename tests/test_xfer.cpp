@@ -589,7 +589,7 @@ uint32_t group_blocks(const kvf_geometry *g, uint32_t gi) {
 
 // A region a moving view lives in: group 0 layer 0's.
 uint32_t first_region(const kvf_geometry *g) {
-  kvf_view_desc v;
+  kvf_view_desc v = KVF_VIEW_DESC_INIT;
   kvf_geometry_view(g, 0, 0, &v);
   return v.region;
 }
@@ -617,7 +617,7 @@ const Mutation kMutations[] = {
        r.req.token_end -= world;
      }},
     {"struct_size 0", [](Req &r, const kvf_geometry *) { r.req.struct_size = 0; }},
-    {"version 99", [](Req &r, const kvf_geometry *) { r.req.version = 99; }},
+    {"version 0", [](Req &r, const kvf_geometry *) { r.req.version = 0; }},
 };
 
 // Runs every mutation in both directions: the call returns the status (and
@@ -691,7 +691,7 @@ TEST(XferHost, CreateRejectsBadArguments) {
   opt.struct_size = 0;
   EXPECT_EQ(kvf_xfer_create(g.get(), &opt, &x), KVF_ERR_INVALID_ARGUMENT);
   opt = KVF_XFER_OPTIONS_INIT;
-  opt.version = 99;
+  opt.version = 0;
   EXPECT_EQ(kvf_xfer_create(g.get(), &opt, &x), KVF_ERR_INVALID_ARGUMENT);
   opt = KVF_XFER_OPTIONS_INIT;
   opt.device = -2;

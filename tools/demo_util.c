@@ -96,7 +96,7 @@ void tables_free(demo_tables *t) {
 /* Blocks each group keeps after `tokens`: everything for full groups, the
  * retained window for windowed ones, the final state for recurrent ones. */
 int tables_make(const kvf_geometry *g, uint64_t tokens, uint32_t *pool, uint32_t pool_size, demo_tables *t) {
-  kvf_object_policy pol;
+  kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
   kvf_geometry_policy(g, &pol);
   t->num_groups = kvf_geometry_num_groups(g);
   t->ids = calloc(t->num_groups, sizeof *t->ids);
@@ -137,7 +137,7 @@ uint64_t tables_blocks(const demo_tables *t) {
 int demo_verify(const kvf_geometry *g, uint64_t tokens, const demo_cache *src, const demo_tables *old,
                        const demo_cache *dst, const demo_cache *poison, const demo_tables *neu, uint64_t *checked,
                        uint64_t *untouched) {
-  kvf_object_policy pol;
+  kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
   kvf_geometry_policy(g, &pol);
   uint8_t **mask = calloc(dst->num_regions, sizeof *mask);
   int bad = 0;
@@ -149,7 +149,7 @@ int demo_verify(const kvf_geometry *g, uint64_t tokens, const demo_cache *src, c
     kvf_group_info info;
     kvf_geometry_group(g, gi, &info);
     for (uint32_t l = 0; l < info.num_layers && !bad; l++) {
-      kvf_view_desc v;
+      kvf_view_desc v = KVF_VIEW_DESC_INIT;
       kvf_geometry_view(g, gi, l, &v);
       for (uint32_t k = 0; k < neu->count[gi] && !bad; k++) {
         uint64_t lblock = neu->first[gi] + k;

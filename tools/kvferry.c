@@ -136,7 +136,7 @@ static void appendf(char *buf, size_t len, const char *fmt, ...) {
 /* The first view of the alias class of (group, layer): aliases point back. */
 static void alias_root(const kvf_geometry *g, uint32_t *group, uint32_t *layer) {
   for (;;) {
-    kvf_view_desc v;
+    kvf_view_desc v = KVF_VIEW_DESC_INIT;
     if (kvf_geometry_view(g, *group, *layer, &v) != KVF_SUCCESS || v.alias_group < 0) return;
     *group = (uint32_t)v.alias_group;
     *layer = (uint32_t)v.alias_layer;
@@ -202,7 +202,7 @@ static void describe_stride(const kvf_geometry *g, uint32_t gi, const kvf_view_d
     kvf_geometry_group(g, h, &hi);
     uint32_t before = n;
     for (uint32_t l = 0; l < hi.num_layers; l++) {
-      kvf_view_desc w;
+      kvf_view_desc w = KVF_VIEW_DESC_INIT;
       uint32_t wg = h, wl = l;
       kvf_geometry_view(g, h, l, &w);
       alias_root(g, &wg, &wl);
@@ -266,7 +266,7 @@ static void describe_stride(const kvf_geometry *g, uint32_t gi, const kvf_view_d
     kvf_group_info hi;
     kvf_geometry_group(g, h, &hi);
     for (uint32_t l = 0; l < hi.num_layers; l++) {
-      kvf_view_desc w;
+      kvf_view_desc w = KVF_VIEW_DESC_INIT;
       uint32_t wg = h, wl = l;
       kvf_geometry_view(g, h, l, &w);
       alias_root(g, &wg, &wl);
@@ -289,7 +289,7 @@ static void describe_stride(const kvf_geometry *g, uint32_t gi, const kvf_view_d
  * terms, and its stride. */
 static void print_group(const kvf_geometry *g, uint32_t gi) {
   kvf_group_info info;
-  kvf_view_desc v;
+  kvf_view_desc v = KVF_VIEW_DESC_INIT;
   char line[512] = "";
   kvf_geometry_group(g, gi, &info);
   kvf_geometry_view(g, gi, 0, &v);
@@ -329,7 +329,7 @@ static void print_group(const kvf_geometry *g, uint32_t gi) {
   describe_stride(g, gi, &v, line, sizeof line);
   /* Layer 0 speaks for the group when every layer has its shape. */
   for (uint32_t l = 1; l < info.num_layers; l++) {
-    kvf_view_desc w;
+    kvf_view_desc w = KVF_VIEW_DESC_INIT;
     kvf_geometry_view(g, gi, l, &w);
     if (w.planes != v.planes || w.heads != v.heads || w.head_bytes[0] != v.head_bytes[0] ||
         w.head_bytes[1] != v.head_bytes[1] || w.block_stride != v.block_stride || w.plane_stride != v.plane_stride ||
@@ -343,7 +343,7 @@ static void print_group(const kvf_geometry *g, uint32_t gi) {
 }
 
 static void print_summary(const char *path, const kvf_geometry *g) {
-  kvf_object_policy pol;
+  kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
   uint32_t world, rank;
   char a[32], b[32];
   kvf_geometry_policy(g, &pol);
@@ -436,7 +436,7 @@ static void objects_free(demo_objects *o) {
 
 /* Does chunk k move a block of any group of object group og? */
 static int chunk_needs_object(const kvf_geometry *g, const demo_tables *t, uint64_t k, uint32_t og, uint64_t tokens) {
-  kvf_object_policy pol;
+  kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
   kvf_geometry_policy(g, &pol);
   uint64_t cb = k * pol.chunk_tokens, ce = cb + pol.chunk_tokens < tokens ? cb + pol.chunk_tokens : tokens;
   for (uint32_t gi = 0; gi < t->num_groups; gi++) {
@@ -457,7 +457,7 @@ static int chunk_needs_object(const kvf_geometry *g, const demo_tables *t, uint6
 
 /* Objects for the (chunk, object group) pairs the store's tables touch. */
 static int objects_make(const kvf_geometry *g, uint64_t tokens, const demo_tables *t, demo_objects *o) {
-  kvf_object_policy pol;
+  kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
   kvf_geometry_policy(g, &pol);
   uint64_t chunks = (tokens + pol.chunk_tokens - 1) / pol.chunk_tokens;
   uint32_t nog = kvf_geometry_num_object_groups(g);
@@ -488,7 +488,7 @@ static int objects_make(const kvf_geometry *g, uint64_t tokens, const demo_table
 static kvf_status run_chunks(const kvf_geometry *g, kvf_xfer *x, void *stream, int scatter, uint64_t tokens,
                              demo_cache *cache, const demo_tables *t, demo_objects *o, const char *what,
                              double *seconds) {
-  kvf_object_policy pol;
+  kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
   kvf_geometry_policy(g, &pol);
   uint64_t chunks = (tokens + pol.chunk_tokens - 1) / pol.chunk_tokens, per_call = chunks / 16 ? chunks / 16 : 1;
   uint32_t nog = kvf_geometry_num_object_groups(g);
@@ -651,7 +651,7 @@ static int cmd_demo(int argc, char **argv) {
   human(retrieve_bytes, b, sizeof b);
   kvf_xfer_stats xs = KVF_XFER_STATS_INIT;
   kvf_xfer_last_stats(xfer, &xs);
-  kvf_object_policy dpol;
+  kvf_object_policy dpol = KVF_OBJECT_POLICY_INIT;
   kvf_geometry_policy(g, &dpol);
   uint64_t nchunks = (tokens + dpol.chunk_tokens - 1) / dpol.chunk_tokens, per = nchunks / 16 ? nchunks / 16 : 1;
   char how[64];

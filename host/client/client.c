@@ -43,6 +43,7 @@
 
 #include "common/clock.h"
 #include "common/error.h"
+#include "common/versioned.h"
 #include "host/client/client_internal.h"
 #include "host/ipc/endpoint.h"
 #include "host/core/log.h"
@@ -461,11 +462,13 @@ static void client_free(kvf_client *c) {
   free(c);
 }
 
-kvf_status kvf_client_connect(const kvf_client_options *options, kvf_client **out, kvf_client_info *info) {
-  if (!options || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_client_connect: NULL argument");
+kvf_status kvf_client_connect(const kvf_client_options *caller, kvf_client **out, kvf_client_info *info) {
+  if (!caller || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_client_connect: NULL argument");
   *out = NULL;
-  if (options->struct_size != sizeof(kvf_client_options) || options->version != KVF_CLIENT_VERSION)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "options.struct_size: fill options from KVF_CLIENT_OPTIONS_INIT");
+  kvf_client_options local = KVF_CLIENT_OPTIONS_INIT;
+  const kvf_client_options *options = &local;
+  kvf_status vs = KVF_VERSIONED_IN(kvf_client_options, &local, caller);
+  if (vs != KVF_SUCCESS) return vs;
   if (!options->socket_dir) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "options.socket_dir: required");
   if (options->name && strlen(options->name) >= KVF_PROTO_NAME_MAX)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "options.name: longer than %u bytes", KVF_PROTO_NAME_MAX - 1);
@@ -771,8 +774,6 @@ uint64_t kvf_chunk_keys(uint64_t seed, const void *tokens, uint32_t token_bytes,
 /* Check a kvf_client_xfer against what the protocol carries, naming the
  * field, before anything is sent. *payload gets the frame's payload bytes. */
 static kvf_status xfer_check(const kvf_client *c, kvf_client_op op, const kvf_client_xfer *x, uint64_t *payload) {
-  if (x->struct_size != sizeof(kvf_client_xfer) || x->version != KVF_CLIENT_VERSION)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.struct_size: fill xfer from KVF_CLIENT_XFER_INIT");
   if (x->token_end <= x->token_begin)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.token_end: %llu is not after token_begin %llu",
                     (unsigned long long)x->token_end, (unsigned long long)x->token_begin);
@@ -818,15 +819,19 @@ static kvf_status xfer_check(const kvf_client *c, kvf_client_op op, const kvf_cl
   return KVF_SUCCESS;
 }
 
-kvf_status kvf_client_submit(kvf_client *client, kvf_client_op op, const kvf_client_xfer *xfer,
+kvf_status kvf_client_submit(kvf_client *client, kvf_client_op op, const kvf_client_xfer *caller,
                              uint64_t *request_id) {
-  if (!client || !xfer || !request_id)
+  if (!client || !caller || !request_id)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_client_submit: NULL argument");
   if (op != KVF_CLIENT_STORE && op != KVF_CLIENT_RETRIEVE)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "op: %d is neither KVF_CLIENT_STORE (1) nor KVF_CLIENT_RETRIEVE (2)",
                     (int)op);
+  kvf_client_xfer local = KVF_CLIENT_XFER_INIT;
+  const kvf_client_xfer *xfer = &local;
+  kvf_status st = KVF_VERSIONED_IN(kvf_client_xfer, &local, caller);
+  if (st != KVF_SUCCESS) return st;
   uint64_t payload = 0;
-  kvf_status st = xfer_check(client, op, xfer, &payload);
+  st = xfer_check(client, op, xfer, &payload);
   if (st != KVF_SUCCESS) return st;
   kvf_proto_group *groups = calloc(xfer->num_groups, sizeof(*groups));
   if (!groups) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_client_submit: out of memory");
@@ -878,7 +883,8 @@ static const char *outcome_name(uint32_t outcome) {
   }
 }
 
-/* Wait for an async request; `forget`: drop it on a timeout too. */
+/* Wait for an async request; `forget`: drop it on a timeout too. *result is
+ * the library's own (whole) struct: the callers copy it out. */
 static kvf_status client_wait(kvf_client *c, uint64_t request_id, uint32_t timeout_ms, kvf_client_result *result,
                               int forget) {
   int64_t deadline = kvf_now_ms() + (timeout_ms ? timeout_ms : c->timeout_ms);
@@ -916,17 +922,15 @@ static kvf_status client_wait(kvf_client *c, uint64_t request_id, uint32_t timeo
   return KVF_SUCCESS;
 }
 
-static kvf_status result_check(const kvf_client_result *result) {
-  if (result->struct_size != sizeof(kvf_client_result) || result->version != KVF_CLIENT_VERSION)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "result.struct_size: fill result from KVF_CLIENT_RESULT_INIT");
-  return KVF_SUCCESS;
-}
-
 kvf_status kvf_client_wait(kvf_client *client, uint64_t request_id, uint32_t timeout_ms, kvf_client_result *result) {
   if (!client || !result) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_client_wait: NULL argument");
-  kvf_status st = result_check(result);
+  /* Checked before waiting: a bad struct must not consume the reply. */
+  kvf_status st = KVF_VERSIONED_CHECK(kvf_client_result, result);
   if (st != KVF_SUCCESS) return st;
-  return client_wait(client, request_id, timeout_ms, result, 0);
+  kvf_client_result local = KVF_CLIENT_RESULT_INIT;
+  st = client_wait(client, request_id, timeout_ms, &local, 0);
+  if (st != KVF_SUCCESS) return st;
+  return KVF_VERSIONED_OUT(kvf_client_result, result, &local);
 }
 
 static kvf_status client_xfer(kvf_client *c, kvf_client_op op, const kvf_client_xfer *xfer,
@@ -934,17 +938,17 @@ static kvf_status client_xfer(kvf_client *c, kvf_client_op op, const kvf_client_
   kvf_client_result local = KVF_CLIENT_RESULT_INIT;
   if (!c || !xfer) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_client_%s: NULL argument",
                                    op == KVF_CLIENT_STORE ? "store" : "retrieve");
-  if (!result) result = &local;
-  kvf_status st = result_check(result);
+  kvf_status st = result ? KVF_VERSIONED_CHECK(kvf_client_result, result) : KVF_SUCCESS;
   if (st != KVF_SUCCESS) return st;
   uint64_t id = 0;
   st = kvf_client_submit(c, op, xfer, &id);
   if (st != KVF_SUCCESS) return st;
   /* Nobody can wait again for a request id the caller never saw: a timeout
    * forgets it. */
-  st = client_wait(c, id, 0, result, 1);
+  st = client_wait(c, id, 0, &local, 1);
   if (st != KVF_SUCCESS) return st;
-  return result->outcome == KVF_CLIENT_DONE ? KVF_SUCCESS : result->status;
+  if (result) (void)KVF_VERSIONED_OUT(kvf_client_result, result, &local); /* checked above */
+  return local.outcome == KVF_CLIENT_DONE ? KVF_SUCCESS : local.status;
 }
 
 kvf_status kvf_client_store(kvf_client *client, const kvf_client_xfer *xfer, kvf_client_result *result) {

@@ -10,6 +10,7 @@
 #include <kvferry/device.h>
 
 #include "common/error.h"
+#include "common/versioned.h"
 #include "host/core/log.h"
 #include "host/core/param.h"
 
@@ -270,12 +271,8 @@ static kvf_status kvf_cuda_probe_table(kvf_cuda_info *info) {
 
 kvf_status kvf_cuda_probe(kvf_cuda_info *out) {
   if (out == NULL) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_cuda_probe: out is NULL");
-  if (out->struct_size < sizeof(kvf_cuda_info))
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_cuda_probe: out->struct_size %u is smaller than %zu",
-                    out->struct_size, sizeof(kvf_cuda_info));
-  if (out->version == 0 || out->version > KVF_CUDA_INFO_VERSION)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_cuda_probe: out->version %u is not 1..%u", out->version,
-                    KVF_CUDA_INFO_VERSION);
+  kvf_status vs = KVF_VERSIONED_CHECK(kvf_cuda_info, out);
+  if (vs != KVF_SUCCESS) return vs;
 
   kvf_cuda_info info = KVF_CUDA_INFO_INIT;
   kvf_status st = kvf_cuda_ready();
@@ -289,12 +286,8 @@ kvf_status kvf_cuda_probe(kvf_cuda_info *out) {
     snprintf(info.message, sizeof info.message, "%s", kvf_last_error());
   }
 
-  /* A newer caller's struct may be longer: fill only what this version knows,
-   * and keep the caller's size and version. */
-  uint32_t size = out->struct_size, version = out->version;
-  memcpy(out, &info, sizeof info);
-  out->struct_size = size;
-  out->version = version;
+  /* Filled on failure too (kvferry/device.h). */
+  (void)KVF_VERSIONED_OUT(kvf_cuda_info, out, &info);
   if (st != KVF_SUCCESS) return kvf_fail(st, "%s", info.message);
   return KVF_SUCCESS;
 }

@@ -9,6 +9,7 @@
 #include <kvferry/device.h>
 
 #include "common/error.h"
+#include "common/versioned.h"
 #include "host/core/cudawrap.h"
 
 #define KVF_TOPO_MAX_GPUS 64u
@@ -253,42 +254,27 @@ void kvf_topology_destroy(kvf_topology *topology) {
   free(topology);
 }
 
-/* Check a caller's struct header: the size must cover version 1's fields. */
-static kvf_status check_out(const void *t, const void *out, uint32_t size, uint32_t version, size_t need,
-                            const char *fn) {
-  if (!t || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
-  if (size < need || version != KVF_TOPO_VERSION)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "%s: out->struct_size %u / version %u: expected %zu / %u", fn, size,
-                    version, need, KVF_TOPO_VERSION);
-  return KVF_SUCCESS;
-}
-
 kvf_status kvf_topology_info_get(const kvf_topology *topology, kvf_topology_info *out) {
-  kvf_status st = check_out(topology, out, out ? out->struct_size : 0, out ? out->version : 0,
-                            sizeof(kvf_topology_info), "kvf_topology_info_get");
-  if (st) return st;
-  *out = topology->info;
-  return KVF_SUCCESS;
+  if (!topology || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_topology_info_get: NULL argument");
+  return KVF_VERSIONED_OUT(kvf_topology_info, out, &topology->info);
 }
 
 kvf_status kvf_topology_numa_node(const kvf_topology *topology, uint32_t index, kvf_numa_node_info *out) {
-  kvf_status st = check_out(topology, out, out ? out->struct_size : 0, out ? out->version : 0,
-                            sizeof(kvf_numa_node_info), "kvf_topology_numa_node");
+  if (!topology || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_topology_numa_node: NULL argument");
+  kvf_status st = KVF_VERSIONED_CHECK(kvf_numa_node_info, out);
   if (st) return st;
   if (index >= topology->info.num_numa_nodes)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_topology_numa_node: index %u, the machine has %u NUMA nodes",
                     index, topology->info.num_numa_nodes);
-  *out = topology->nodes[index];
-  return KVF_SUCCESS;
+  return KVF_VERSIONED_OUT(kvf_numa_node_info, out, &topology->nodes[index]);
 }
 
 kvf_status kvf_topology_gpu(const kvf_topology *topology, uint32_t index, kvf_gpu_placement *out) {
-  kvf_status st = check_out(topology, out, out ? out->struct_size : 0, out ? out->version : 0,
-                            sizeof(kvf_gpu_placement), "kvf_topology_gpu");
+  if (!topology || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_topology_gpu: NULL argument");
+  kvf_status st = KVF_VERSIONED_CHECK(kvf_gpu_placement, out);
   if (st) return st;
   if (index >= topology->info.num_gpus)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_topology_gpu: index %u, %u GPUs are placed", index,
                     topology->info.num_gpus);
-  *out = topology->gpus[index];
-  return KVF_SUCCESS;
+  return KVF_VERSIONED_OUT(kvf_gpu_placement, out, &topology->gpus[index]);
 }

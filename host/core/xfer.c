@@ -11,6 +11,7 @@
 #include <kvferry/transfer.h>
 
 #include "common/error.h"
+#include "common/versioned.h"
 #include "geometry/geometry_internal.h"
 #include "host/core/cudawrap.h"
 #include "host/core/log.h"
@@ -156,14 +157,15 @@ static void run_on_cpu(const kvf_xfer *x, const void *blob) {
 
 /* ---- creation ------------------------------------------------------------ */
 
-kvf_status kvf_xfer_create(const kvf_geometry *g, const kvf_xfer_options *opt, kvf_xfer **out) {
-  kvf_xfer_options defaults = KVF_XFER_OPTIONS_INIT;
+kvf_status kvf_xfer_create(const kvf_geometry *g, const kvf_xfer_options *options, kvf_xfer **out) {
+  kvf_xfer_options local = KVF_XFER_OPTIONS_INIT;
+  const kvf_xfer_options *opt = &local;
   if (!g || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_create: geometry or out is NULL");
   if (!g->finalized) return kvf_fail(KVF_ERR_STATE, "kvf_xfer_create: the geometry is not finalized");
-  if (!opt) opt = &defaults;
-  if (opt->version != KVF_DESC_VERSION || opt->struct_size < sizeof *opt)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_create: options version %u / struct_size %u not supported",
-                    opt->version, opt->struct_size);
+  if (options) {
+    kvf_status vs = KVF_VERSIONED_IN(kvf_xfer_options, &local, options);
+    if (vs != KVF_SUCCESS) return vs;
+  }
   if (opt->device < KVF_DEVICE_HOST)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "device %d: a CUDA device ordinal or KVF_DEVICE_HOST (-1)",
                     opt->device);
@@ -278,9 +280,9 @@ void kvf_xfer_destroy(kvf_xfer *x) {
 kvf_status kvf_xfer_last_stats(const kvf_xfer *x, kvf_xfer_stats *out) {
   if (!x || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_last_stats: NULL argument");
   pthread_mutex_lock((pthread_mutex_t *)&x->lock);
-  *out = x->last;
+  kvf_xfer_stats last = x->last;
   pthread_mutex_unlock((pthread_mutex_t *)&x->lock);
-  return KVF_SUCCESS;
+  return KVF_VERSIONED_OUT(kvf_xfer_stats, out, &last);
 }
 
 /* ---- the CUDA backend -------------------------------------------------------- */
@@ -790,9 +792,11 @@ static kvf_status run_host(kvf_xfer *x, const kvf_copy_request *r, int gather) {
   return KVF_SUCCESS;
 }
 
-static kvf_status transfer(kvf_xfer *x, const kvf_copy_request *r, kvf_stream stream, int gather) {
+static kvf_status transfer(kvf_xfer *x, const kvf_copy_request *request, kvf_stream stream, int gather) {
   if (!x) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "transfer context is NULL");
-  kvf_status st = kvf_copy_request_check(x->geometry, r);
+  kvf_copy_request local;
+  const kvf_copy_request *r = &local;
+  kvf_status st = kvf_copy_request_check_local(x->geometry, request, &local);
   if (st) return st;
   pthread_mutex_lock(&x->lock);
   if (x->device == KVF_DEVICE_HOST) {

@@ -23,6 +23,7 @@
 #include <kvferry/memory.h>
 
 #include "common/error.h"
+#include "common/versioned.h"
 #include "host/core/log.h"
 #include "host/memory/provider.h"
 #include "host/core/syscalls.h"
@@ -176,15 +177,13 @@ static kvf_status kvf_mapping_agrees(const kvf_import_mapping *m, const kvf_mem_
   return KVF_SUCCESS;
 }
 
-kvf_status kvf_import_table_create(const kvf_import_table_options *options, kvf_import_table **out) {
+kvf_status kvf_import_table_create(const kvf_import_table_options *caller, kvf_import_table **out) {
+  kvf_import_table_options local = KVF_IMPORT_TABLE_OPTIONS_INIT;
+  const kvf_import_table_options *options = caller != NULL ? &local : NULL;
   if (out == NULL) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_import_table_create: out is NULL");
   if (options != NULL) {
-    if (options->struct_size < sizeof(kvf_import_table_options) || options->version == 0 ||
-        options->version > KVF_MEM_VERSION)
-      return kvf_fail(KVF_ERR_INVALID_ARGUMENT,
-                      "kvf_import_table_create: options struct_size %u / version %u unknown "
-                      "(use KVF_IMPORT_TABLE_OPTIONS_INIT)",
-                      options->struct_size, options->version);
+    kvf_status vs = KVF_VERSIONED_IN(kvf_import_table_options, &local, caller);
+    if (vs != KVF_SUCCESS) return vs;
     if (options->num_access_devices > 0 && options->access_devices == NULL)
       return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_import_table_create: options.access_devices is NULL");
     if (options->num_access_devices > 64)
@@ -487,23 +486,13 @@ void kvf_import_table_destroy(kvf_import_table *t) {
 
 static kvf_status kvf_stats_check(kvf_import_table *t, kvf_import_stats *out, const char *fn) {
   if (t == NULL || out == NULL) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, t ? "out" : "table");
-  if (out->struct_size < sizeof(kvf_import_stats) || out->version == 0 || out->version > KVF_MEM_VERSION)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "%s: out struct_size %u / version %u unknown (use KVF_IMPORT_STATS_INIT)",
-                    fn, out->struct_size, out->version);
-  return KVF_SUCCESS;
+  return KVF_VERSIONED_CHECK(kvf_import_stats, out);
 }
 
-static void kvf_stats_reset(kvf_import_stats *out) {
-  uint32_t size = out->struct_size, version = out->version;
-  memset(out, 0, sizeof *out);
-  out->struct_size = size;
-  out->version = version;
-}
-
-kvf_status kvf_import_table_stats(kvf_import_table *t, kvf_import_stats *out) {
-  kvf_status st = kvf_stats_check(t, out, "kvf_import_table_stats");
+kvf_status kvf_import_table_stats(kvf_import_table *t, kvf_import_stats *caller) {
+  kvf_status st = kvf_stats_check(t, caller, "kvf_import_table_stats");
   if (st != KVF_SUCCESS) return st;
-  kvf_stats_reset(out);
+  kvf_import_stats local = KVF_IMPORT_STATS_INIT, *out = &local;
   pthread_mutex_lock(&t->lock);
   for (kvf_import_reg *r = t->regs; r != NULL; r = r->next) out->registrations++;
   for (int pass = 0; pass < 2; pass++)
@@ -519,13 +508,13 @@ kvf_status kvf_import_table_stats(kvf_import_table *t, kvf_import_stats *out) {
   out->dedup_total = t->dedup_total;
   out->rollbacks_total = t->rollbacks_total;
   pthread_mutex_unlock(&t->lock);
-  return KVF_SUCCESS;
+  return KVF_VERSIONED_OUT(kvf_import_stats, caller, &local);
 }
 
-kvf_status kvf_import_table_client_stats(kvf_import_table *t, uint64_t client, kvf_import_stats *out) {
-  kvf_status st = kvf_stats_check(t, out, "kvf_import_table_client_stats");
+kvf_status kvf_import_table_client_stats(kvf_import_table *t, uint64_t client, kvf_import_stats *caller) {
+  kvf_status st = kvf_stats_check(t, caller, "kvf_import_table_client_stats");
   if (st != KVF_SUCCESS) return st;
-  kvf_stats_reset(out);
+  kvf_import_stats local = KVF_IMPORT_STATS_INIT, *out = &local;
   pthread_mutex_lock(&t->lock);
   uint64_t mark = ++t->mark_seq;
   for (kvf_import_reg *r = t->regs; r != NULL; r = r->next) {
@@ -545,7 +534,7 @@ kvf_status kvf_import_table_client_stats(kvf_import_table *t, uint64_t client, k
     }
   }
   pthread_mutex_unlock(&t->lock);
-  return KVF_SUCCESS;
+  return KVF_VERSIONED_OUT(kvf_import_stats, caller, &local);
 }
 
 kvf_import_reg_state kvf_import_reg_get_state(const kvf_import_reg *reg) {

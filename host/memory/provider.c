@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "common/error.h"
+#include "common/versioned.h"
 #include "host/core/log.h"
 #include "host/core/syscalls.h"
 
@@ -136,17 +137,15 @@ kvf_status kvf_mem_granularity(kvf_mem_provider provider, int device, uint64_t *
   return ops->granularity(device, out);
 }
 
-kvf_status kvf_mem_alloc_create(const kvf_mem_alloc_options *options, kvf_mem_alloc **out) {
+kvf_status kvf_mem_alloc_create(const kvf_mem_alloc_options *caller, kvf_mem_alloc **out) {
   kvf_status st;
   uint64_t gran = 0, size = 0;
   kvf_mem_alloc *a = NULL;
+  kvf_mem_alloc_options local = KVF_MEM_ALLOC_OPTIONS_INIT;
+  const kvf_mem_alloc_options *options = &local;
   if (out == NULL) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_mem_alloc_create: out is NULL");
-  if (options == NULL) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_mem_alloc_create: options is NULL");
-  if (options->struct_size < sizeof(kvf_mem_alloc_options) || options->version == 0 ||
-      options->version > KVF_MEM_VERSION)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT,
-                    "kvf_mem_alloc_create: options struct_size %u / version %u unknown (use KVF_MEM_ALLOC_OPTIONS_INIT)",
-                    options->struct_size, options->version);
+  if (caller == NULL) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_mem_alloc_create: options is NULL");
+  if ((st = KVF_VERSIONED_IN(kvf_mem_alloc_options, &local, caller)) != KVF_SUCCESS) return st;
   const kvf_provider_ops *ops = kvf_provider_get(options->provider);
   if (ops == NULL)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_mem_alloc_create: options.provider %d is not host (1) or cumem (2)",

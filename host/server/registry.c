@@ -25,6 +25,7 @@
 
 #include "common/clock.h"
 #include "common/error.h"
+#include "common/versioned.h"
 #include "host/core/log.h"
 
 #define KVF_REGISTRY_DEFAULT_COMPLETIONS 4096u
@@ -236,13 +237,13 @@ kvf_status kvf_registry_create(kvf_import_table *table, const kvf_registry_optio
   if (table == NULL) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "registry: 'table' is NULL");
   uint32_t cap = KVF_REGISTRY_DEFAULT_COMPLETIONS;
   if (options != NULL) {
-    if (options->struct_size != sizeof(kvf_registry_options) || options->version != KVF_REGISTRY_VERSION)
-      return kvf_fail(KVF_ERR_INVALID_ARGUMENT,
-                      "registry: 'options' struct_size/version unknown (fill it from KVF_REGISTRY_OPTIONS_INIT)");
-    if (options->completion_capacity > (1u << 24))
+    kvf_registry_options opt = KVF_REGISTRY_OPTIONS_INIT;
+    kvf_status vs = KVF_VERSIONED_IN(kvf_registry_options, &opt, options);
+    if (vs != KVF_SUCCESS) return vs;
+    if (opt.completion_capacity > (1u << 24))
       return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "registry: 'completion_capacity' %u is over 2^24",
-                      options->completion_capacity);
-    if (options->completion_capacity != 0) cap = options->completion_capacity;
+                      opt.completion_capacity);
+    if (opt.completion_capacity != 0) cap = opt.completion_capacity;
   }
   kvf_status st = KVF_SUCCESS;
   pthread_condattr_t ca;
@@ -727,10 +728,7 @@ kvf_status kvf_registry_completion_lookup(kvf_registry *r, uint64_t client, uint
 static kvf_status check_stats(const kvf_registry *r, const kvf_registry_stats *out) {
   if (r == NULL || out == NULL)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "registry: '%s' is NULL", r == NULL ? "r" : "out");
-  if (out->struct_size != sizeof(kvf_registry_stats) || out->version != KVF_REGISTRY_VERSION)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT,
-                    "registry: 'out' struct_size/version unknown (fill it from KVF_REGISTRY_STATS_INIT)");
-  return KVF_SUCCESS;
+  return KVF_VERSIONED_CHECK(kvf_registry_stats, out);
 }
 
 /* Under r->lock: add c's current counts to out. */
@@ -748,17 +746,10 @@ static void add_client_counts(const kvf_reg_client *c, kvf_registry_stats *out) 
   }
 }
 
-static void zero_stats(kvf_registry_stats *out) {
-  uint32_t size = out->struct_size, version = out->version;
-  memset(out, 0, sizeof *out);
-  out->struct_size = size;
-  out->version = version;
-}
-
-kvf_status kvf_registry_stats_get(kvf_registry *r, kvf_registry_stats *out) {
-  kvf_status st = check_stats(r, out);
+kvf_status kvf_registry_stats_get(kvf_registry *r, kvf_registry_stats *caller) {
+  kvf_status st = check_stats(r, caller);
   if (st != KVF_SUCCESS) return st;
-  zero_stats(out);
+  kvf_registry_stats local = KVF_REGISTRY_STATS_INIT, *out = &local;
   pthread_mutex_lock(&r->lock);
   out->clients = r->num_clients;
   for (size_t i = 0; i < r->num_clients; i++) add_client_counts(r->clients[i], out);
@@ -780,13 +771,13 @@ kvf_status kvf_registry_stats_get(kvf_registry *r, kvf_registry_stats *out) {
   if (st != KVF_SUCCESS) return st;
   out->imports = is.imports;
   out->aliases = is.aliases;
-  return KVF_SUCCESS;
+  return KVF_VERSIONED_OUT(kvf_registry_stats, caller, &local);
 }
 
-kvf_status kvf_registry_client_stats(kvf_registry *r, uint64_t client, kvf_registry_stats *out) {
-  kvf_status st = check_stats(r, out);
+kvf_status kvf_registry_client_stats(kvf_registry *r, uint64_t client, kvf_registry_stats *caller) {
+  kvf_status st = check_stats(r, caller);
   if (st != KVF_SUCCESS) return st;
-  zero_stats(out);
+  kvf_registry_stats local = KVF_REGISTRY_STATS_INIT, *out = &local;
   pthread_mutex_lock(&r->lock);
   kvf_reg_client *c = find_client(r, client);
   if (c != NULL) {
@@ -802,6 +793,8 @@ kvf_status kvf_registry_client_stats(kvf_registry *r, uint64_t client, kvf_regis
   if (st != KVF_SUCCESS) return st;
   out->imports = is.imports;
   out->aliases = is.aliases;
+  /* An unknown client's counters are written too (all 0: registry.h). */
+  (void)KVF_VERSIONED_OUT(kvf_registry_stats, caller, &local); /* checked above */
   if (c == NULL) return kvf_fail(KVF_ERR_NOT_FOUND, "registry: unknown client %" PRIu64, client);
   return KVF_SUCCESS;
 }

@@ -20,6 +20,7 @@
 
 #include "common/clock.h"
 #include "common/error.h"
+#include "common/versioned.h"
 #include "host/server/dataplane.h"
 #include "host/ipc/endpoint.h"
 #include "host/core/log.h"
@@ -623,11 +624,13 @@ static kvf_status server_conn_service(kvf_server *s, kvf_server_conn *c, const c
 
 /* ---- the object ----------------------------------------------------------- */
 
-kvf_status kvf_server_create(const kvf_server_options *options, kvf_server **out) {
-  if (!options || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_server_create: NULL argument");
+kvf_status kvf_server_create(const kvf_server_options *caller, kvf_server **out) {
+  if (!caller || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_server_create: NULL argument");
   *out = NULL;
-  if (options->struct_size != sizeof(kvf_server_options) || options->version != KVF_SERVER_VERSION)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "options.struct_size: fill options from KVF_SERVER_OPTIONS_INIT");
+  kvf_server_options local = KVF_SERVER_OPTIONS_INIT;
+  const kvf_server_options *options = &local;
+  kvf_status vs = KVF_VERSIONED_IN(kvf_server_options, &local, caller);
+  if (vs != KVF_SUCCESS) return vs;
   if (!options->socket_dir || !options->socket_dir[0])
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "options.socket_dir: required");
   kvf_status st;
