@@ -899,8 +899,12 @@ kvf_status kvf_geometry_region(const kvf_geometry *g, uint32_t index, kvf_region
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_geometry_region: index %u out of range (%u regions)", index,
                     g->num_regions);
   const kvf_region *r = &g->regions[index];
-  *out = (kvf_region_info){r->name, r->size, r->align, r->num_views};
-  return KVF_SUCCESS;
+  kvf_region_info info = KVF_REGION_INFO_INIT;
+  info.name = r->name;
+  info.size = r->size;
+  info.align = r->align;
+  info.num_views = r->num_views;
+  return KVF_VERSIONED_OUT(kvf_region_info, out, &info);
 }
 
 kvf_status kvf_geometry_group(const kvf_geometry *g, uint32_t index, kvf_group_info *out) {
@@ -909,15 +913,21 @@ kvf_status kvf_geometry_group(const kvf_geometry *g, uint32_t index, kvf_group_i
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_geometry_group: index %u out of range (%u groups)", index,
                     g->num_groups);
   const kvf_group *gr = &g->groups[index];
-  kvf_group_info info = {gr->name, gr->desc.kind, gr->desc.block_size, gr->desc.num_blocks, gr->desc.window,
-                         gr->desc.chunk, gr->num_views, gr->object_group, 0, 0};
+  kvf_group_info info = KVF_GROUP_INFO_INIT;
+  info.name = gr->name;
+  info.kind = gr->desc.kind;
+  info.block_size = gr->desc.block_size;
+  info.num_blocks = gr->desc.num_blocks;
+  info.window = gr->desc.window;
+  info.chunk = gr->desc.chunk;
+  info.num_layers = gr->num_views;
+  info.object_group = gr->object_group;
   for (uint32_t l = 0; l < gr->num_views; l++) {
     const kvf_view *v = &g->views[gr->views[l]];
     info.payload_per_block += v->block_payload;
     if (v->desc.block_stride > info.max_block_stride) info.max_block_stride = v->desc.block_stride;
   }
-  *out = info;
-  return KVF_SUCCESS;
+  return KVF_VERSIONED_OUT(kvf_group_info, out, &info);
 }
 
 kvf_status kvf_geometry_object_group(const kvf_geometry *g, uint32_t index, kvf_object_group_info *out) {
@@ -926,9 +936,14 @@ kvf_status kvf_geometry_object_group(const kvf_geometry *g, uint32_t index, kvf_
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_geometry_object_group: index %u out of range (%u object groups)",
                     index, g->num_object_groups);
   const kvf_object_group *og = &g->object_groups[index];
-  *out = (kvf_object_group_info){og->num_groups, og->groups, og->has_attention, og->has_recurrent,
-                                 og->bytes_per_token, og->recurrent_bytes};
-  return KVF_SUCCESS;
+  kvf_object_group_info info = KVF_OBJECT_GROUP_INFO_INIT;
+  info.num_groups = og->num_groups;
+  info.groups = og->groups;
+  info.has_attention = og->has_attention;
+  info.has_recurrent = og->has_recurrent;
+  info.bytes_per_token = og->bytes_per_token;
+  info.recurrent_bytes = og->recurrent_bytes;
+  return KVF_VERSIONED_OUT(kvf_object_group_info, out, &info);
 }
 
 kvf_status kvf_geometry_view(const kvf_geometry *g, uint32_t group, uint32_t layer, kvf_view_desc *out) {

@@ -1150,14 +1150,14 @@ static kvf_status kvf_json_write_regions(kvf_json_writer *w, const kvf_geometry 
   kvf_status st = kvf_json_put(root, "regions", arr);
   if (st != KVF_SUCCESS) return st;
   for (uint32_t i = 0; i < n; ++i) {
-    kvf_region_info info;
+    kvf_region_info info = KVF_REGION_INFO_INIT;
     if ((st = kvf_geometry_region(g, i, &info)) != KVF_SUCCESS) return st;
     snprintf(w->region_names[i], KVF_NAME_MAX, "%s", info.name);
   }
   kvf_json_name_unnamed(w->region_names, n, "region");
   for (uint32_t i = 0; i < n; ++i) {
     char where[KVF_JSON_PATH_MAX];
-    kvf_region_info info;
+    kvf_region_info info = KVF_REGION_INFO_INIT;
     json_t *obj = json_object();
     snprintf(where, sizeof where, "regions[%u]", i);
     if ((st = kvf_json_append(arr, obj)) != KVF_SUCCESS ||
@@ -1244,14 +1244,14 @@ static kvf_status kvf_json_write_groups(kvf_json_writer *w, const kvf_geometry *
   kvf_status st = kvf_json_put(root, "groups", arr);
   if (st != KVF_SUCCESS) return st;
   for (uint32_t i = 0; i < n; ++i) {
-    kvf_group_info info;
+    kvf_group_info info = KVF_GROUP_INFO_INIT;
     if ((st = kvf_geometry_group(g, i, &info)) != KVF_SUCCESS) return st;
     snprintf(w->group_names[i], KVF_NAME_MAX, "%s", info.name);
   }
   kvf_json_name_unnamed(w->group_names, n, "group");
   for (uint32_t i = 0; i < n; ++i) {
     char where[KVF_JSON_GROUP_PATH_MAX];
-    kvf_group_info info;
+    kvf_group_info info = KVF_GROUP_INFO_INIT;
     json_t *obj = json_object();
     json_t *layers = NULL;
     snprintf(where, sizeof where, "groups[%u]", i);
@@ -1324,7 +1324,7 @@ static int kvf_json_sink(const char *buffer, size_t size, void *data) {
 kvf_status kvf_geometry_to_json(const kvf_geometry *geometry, char **json, size_t *len) {
   kvf_json_writer w;
   json_t *root = NULL;
-  kvf_region_info first;
+  kvf_region_info first = KVF_REGION_INFO_INIT;
   const char *name;
   kvf_status st;
 

@@ -27,7 +27,7 @@ std::vector<uint32_t> plan_pool(uint32_t n, uint64_t seed) {
 
 /* Local block range a store of `tokens` moves for group gi; false: none. */
 static bool group_range(const kvf_geometry *g, uint32_t gi, uint64_t tokens, uint64_t *first, uint64_t *end) {
-  kvf_group_info info;
+  kvf_group_info info = KVF_GROUP_INFO_INIT;
   if (kvf_geometry_group(g, gi, &info)) return false;
   if (info.kind == KVF_GROUP_RECURRENT) {
     uint64_t chunk;
@@ -86,7 +86,7 @@ static void chunk_range(uint64_t C, const kvf_copy_request *r, uint64_t k, uint6
 
 /* The reference's rule: does chunk k move any block of group gi? */
 static bool chunk_moves_group(const kvf_geometry *g, const kvf_copy_request *r, uint32_t gi, uint64_t k) {
-  kvf_group_info info;
+  kvf_group_info info = KVF_GROUP_INFO_INIT;
   kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
   kvf_geometry_group(g, gi, &info);
   kvf_geometry_policy(g, &pol);
@@ -117,7 +117,7 @@ bool plan_objects(const kvf_geometry *g, uint64_t tokens, const Tables &t, uint6
   uint32_t ng = kvf_geometry_num_groups(g);
   for (uint64_t k = 0; k < out->chunks; k++)
     for (uint32_t gi = 0; gi < ng; gi++) {
-      kvf_group_info info;
+      kvf_group_info info = KVF_GROUP_INFO_INIT;
       kvf_geometry_group(g, gi, &info);
       size_t idx = k * out->num_object_groups + info.object_group;
       if (out->offset[idx] != UINT64_MAX || !chunk_moves_group(g, &req, gi, k)) continue;
@@ -180,7 +180,7 @@ bool plan_runs(const kvf_geometry *g, const kvf_copy_request *r, bool gather, Ru
   uint32_t nog = kvf_geometry_num_object_groups(g);
   Emitter em{out, gather};
   for (uint32_t gi = 0; gi < kvf_geometry_num_groups(g); gi++) {
-    kvf_group_info info;
+    kvf_group_info info = KVF_GROUP_INFO_INIT;
     kvf_geometry_group(g, gi, &info);
     const kvf_group_blocks &gb = r->groups[gi];
     if (!gb.block_ids || gb.count == 0) continue;

@@ -778,7 +778,7 @@ void preset_plan(Preset &p, uint64_t l2, uint64_t free_b) {
     s.tokens = round_up(req, pol.chunk_tokens); /* whole chunks: recurrent state moves, native holds whole blocks */
     s.need = plan_blocks_needed(small, s.tokens);
     for (uint32_t gi = 0; gi < kvf_geometry_num_groups(small); gi++) {
-      kvf_group_info info;
+      kvf_group_info info = KVF_GROUP_INFO_INIT;
       kvf_geometry_group(small, gi, &info);
       uint64_t first, end;
       if (info.kind == KVF_GROUP_RECURRENT) {
@@ -799,7 +799,7 @@ void preset_plan(Preset &p, uint64_t l2, uint64_t free_b) {
   /* Drop sizes that would not fit in device memory (cache plus a device arena). */
   uint64_t per_block = 0; /* device bytes per block id, all regions */
   for (uint32_t r = 0; r < kvf_geometry_num_regions(small); r++) {
-    kvf_region_info ri;
+    kvf_region_info ri = KVF_REGION_INFO_INIT;
     kvf_geometry_region(small, r, &ri);
     per_block += ri.size;
   }
@@ -824,7 +824,7 @@ void preset_plan(Preset &p, uint64_t l2, uint64_t free_b) {
   uint64_t total = 0;
   p.max_align = 256;
   for (uint32_t r = 0; r < nr; r++) {
-    kvf_region_info ri;
+    kvf_region_info ri = KVF_REGION_INFO_INIT;
     kvf_geometry_region(p.g, r, &ri);
     uint64_t align = std::max<uint64_t>(ri.align, 256);
     p.max_align = std::max(p.max_align, align);

@@ -44,7 +44,7 @@ void fill(void *p, uint64_t n, uint64_t seed) {
 
 bool alloc_cache(const kvf_geometry *g, HostCache *c, uint64_t seed) {
   for (uint32_t r = 0; r < kvf_geometry_num_regions(g); r++) {
-    kvf_region_info ri;
+    kvf_region_info ri = KVF_REGION_INFO_INIT;
     kvf_geometry_region(g, r, &ri);
     uint64_t align = ri.align < 64 ? 64 : ri.align, size = (ri.size + align - 1) / align * align;
     void *p = aligned_alloc(align, size ? size : align);

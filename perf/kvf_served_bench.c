@@ -98,7 +98,7 @@ static int setup(bench *b) {
   b->num_groups = kvf_geometry_num_groups(b->g);
   uint32_t max_bs = 1;
   for (uint32_t i = 0; i < b->num_groups; i++) {
-    kvf_group_info gi;
+    kvf_group_info gi = KVF_GROUP_INFO_INIT;
     kvf_geometry_group(b->g, i, &gi);
     if (gi.kind == KVF_GROUP_RECURRENT || gi.kind == KVF_GROUP_SLIDING_WINDOW || gi.kind == KVF_GROUP_CHUNKED_LOCAL) {
       fprintf(stderr, "kvf_served_bench: use a geometry of full-attention groups only\n");
@@ -106,7 +106,7 @@ static int setup(bench *b) {
     }
   }
   for (uint32_t i = 0; i < b->num_groups; i++) {
-    kvf_group_info gi;
+    kvf_group_info gi = KVF_GROUP_INFO_INIT;
     kvf_geometry_group(b->g, i, &gi);
     if (gi.block_size > max_bs) max_bs = gi.block_size;
   }
@@ -125,7 +125,7 @@ static int setup(bench *b) {
   if (!b->ids) return -1;
   for (uint32_t s = 0; s < b->slots; s++)
     for (uint32_t gidx = 0; gidx < b->num_groups; gidx++) {
-      kvf_group_info gi;
+      kvf_group_info gi = KVF_GROUP_INFO_INIT;
       kvf_geometry_group(b->g, gidx, &gi);
       uint64_t n = (b->tokens_per_request + gi.block_size - 1) / gi.block_size;
       uint32_t *v = malloc(sizeof *v * n);
@@ -138,7 +138,7 @@ static int setup(bench *b) {
   b->offsets = calloc(nreg, sizeof *b->offsets);
   uint64_t total = 0;
   for (uint32_t r = 0; r < nreg; r++) {
-    kvf_region_info ri;
+    kvf_region_info ri = KVF_REGION_INFO_INIT;
     kvf_geometry_region(b->g, r, &ri);
     uint64_t align = ri.align < 4096 ? 4096 : ri.align;
     total = (total + align - 1) / align * align;
@@ -202,7 +202,7 @@ static int setup(bench *b) {
   kvf_client_region regs[64];
   if (nreg > 64) return -1;
   for (uint32_t r = 0; r < nreg; r++) {
-    kvf_region_info ri;
+    kvf_region_info ri = KVF_REGION_INFO_INIT;
     kvf_geometry_region(b->g, r, &ri);
     regs[r] = (kvf_client_region){b->alloc, b->offsets[r], ri.size};
   }
@@ -231,7 +231,7 @@ static double round_run(bench *b, kvf_client_op op, int q, int total, uint64_t k
     while (next < total && next - done < q) {
       uint32_t slot = (uint32_t)(next % (int)b->slots);
       for (uint32_t gidx = 0; gidx < b->num_groups; gidx++) {
-        kvf_group_info gi;
+        kvf_group_info gi = KVF_GROUP_INFO_INIT;
         kvf_geometry_group(b->g, gidx, &gi);
         gb[gidx] = (kvf_group_blocks){b->ids[slot * b->num_groups + gidx], 0,
                                        (uint32_t)((b->tokens_per_request + gi.block_size - 1) / gi.block_size)};
@@ -295,7 +295,7 @@ static int baselines(bench *b, double *inproc_store, double *inproc_retrieve, do
   for (uint32_t r = 0; r < nreg; r++) bases[r] = (char *)kvf_mem_alloc_ptr(b->alloc) + b->offsets[r];
   kvf_group_blocks gb[64];
   for (uint32_t gidx = 0; gidx < b->num_groups; gidx++) {
-    kvf_group_info gi;
+    kvf_group_info gi = KVF_GROUP_INFO_INIT;
     kvf_geometry_group(b->g, gidx, &gi);
     gb[gidx] = (kvf_group_blocks){b->ids[gidx], 0, (uint32_t)((b->tokens_per_request + gi.block_size - 1) / gi.block_size)};
   }

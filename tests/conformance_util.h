@@ -72,7 +72,7 @@ struct Cache {
   Cache() = default;
   explicit Cache(const kvf_geometry *g) {
     for (uint32_t r = 0; r < kvf_geometry_num_regions(g); r++) {
-      kvf_region_info ri;
+      kvf_region_info ri = KVF_REGION_INFO_INIT;
       kvf_geometry_region(g, r, &ri);
       regions.push_back(Buffer::make(ri.size, std::max<uint64_t>(ri.align, 64)));
     }
@@ -199,7 +199,7 @@ void for_each_selected_run(const kvf_geometry *g, uint64_t token_begin, uint64_t
     return ids[gi][lblock - first_block[gi]];
   };
   for (uint32_t gi = 0; gi < kvf_geometry_num_groups(g); gi++) {
-    kvf_group_info info;
+    kvf_group_info info = KVF_GROUP_INFO_INIT;
     kvf_geometry_group(g, gi, &info);
     for (uint32_t l = 0; l < info.num_layers; l++) {
       kvf_view_desc v = KVF_VIEW_DESC_INIT;
@@ -239,7 +239,7 @@ inline Mask selected_mask(const kvf_geometry *g, uint64_t tb, uint64_t te,
                           const std::vector<std::vector<uint32_t>> &ids, const std::vector<uint64_t> &first) {
   Mask m;
   for (uint32_t r = 0; r < kvf_geometry_num_regions(g); r++) {
-    kvf_region_info ri;
+    kvf_region_info ri = KVF_REGION_INFO_INIT;
     kvf_geometry_region(g, r, &ri);
     m.regions.emplace_back(ri.size, 0);
   }

@@ -319,7 +319,7 @@ TEST_F(Client, ConcurrentCallsOnOneClientGetTheirOwnReplies) {
 
   kvf_geometry *g = nullptr;
   ASSERT_EQ(kvf_geometry_load_buffer(kTinyGeometry, strlen(kTinyGeometry), nullptr, &g, nullptr), KVF_SUCCESS);
-  kvf_region_info ri;
+  kvf_region_info ri = KVF_REGION_INFO_INIT;
   ASSERT_EQ(kvf_geometry_region(g, 0, &ri), KVF_SUCCESS);
   kvf_geometry_destroy(g);
   kvf_mem_alloc_options ao = KVF_MEM_ALLOC_OPTIONS_INIT;

@@ -36,7 +36,7 @@ uint64_t request_tokens(const kvf_geometry *g) {
   kvf_geometry_dcp(g, &world, nullptr);
   uint64_t unit = 1;
   for (uint32_t i = 0; i < kvf_geometry_num_groups(g); i++) {
-    kvf_group_info gi;
+    kvf_group_info gi = KVF_GROUP_INFO_INIT;
     kvf_geometry_group(g, i, &gi);
     if (gi.kind != KVF_GROUP_RECURRENT) unit = std::lcm(unit, (uint64_t)gi.block_size * world);
   }
@@ -49,7 +49,7 @@ std::vector<uint64_t> blocks_needed(const kvf_geometry *g, uint64_t tokens) {
   kvf_geometry_policy(g, &pol);
   std::vector<uint64_t> need;
   for (uint32_t i = 0; i < kvf_geometry_num_groups(g); i++) {
-    kvf_group_info gi;
+    kvf_group_info gi = KVF_GROUP_INFO_INIT;
     kvf_geometry_group(g, i, &gi);
     if (gi.kind == KVF_GROUP_RECURRENT) {
       need.push_back((tokens + pol.chunk_tokens - 1) / pol.chunk_tokens);
@@ -154,7 +154,7 @@ TEST_P(WindowConformance, WindowOnlyRetrievalWritesOnlyTheRetainedBlocks) {
   for (int grow = 0; grow < 64; grow++, tokens += pol.chunk_tokens) {
     bool all_trim = true;
     for (uint32_t i = 0; i < kvf_geometry_num_groups(probe.get()); i++) {
-      kvf_group_info gi;
+      kvf_group_info gi = KVF_GROUP_INFO_INIT;
       kvf_geometry_group(probe.get(), i, &gi);
       uint64_t first, end;
       if ((gi.kind == KVF_GROUP_SLIDING_WINDOW || gi.kind == KVF_GROUP_CHUNKED_LOCAL) &&
@@ -185,7 +185,7 @@ TEST_P(WindowConformance, WindowOnlyRetrievalWritesOnlyTheRetainedBlocks) {
   Plan window = full;
   bool any_window = false;
   for (uint32_t i = 0; i < kvf_geometry_num_groups(g); i++) {
-    kvf_group_info gi;
+    kvf_group_info gi = KVF_GROUP_INFO_INIT;
     kvf_geometry_group(g, i, &gi);
     if (gi.kind != KVF_GROUP_SLIDING_WINDOW && gi.kind != KVF_GROUP_CHUNKED_LOCAL) continue;
     uint64_t first, end;
@@ -225,7 +225,7 @@ std::vector<Case> windowed_cases() {
     GeometryPtr g = load_preset(c.preset, 4);
     if (!g) continue;  // reported by the main suite
     for (uint32_t i = 0; i < kvf_geometry_num_groups(g.get()); i++) {
-      kvf_group_info gi;
+      kvf_group_info gi = KVF_GROUP_INFO_INIT;
       kvf_geometry_group(g.get(), i, &gi);
       if (gi.kind == KVF_GROUP_SLIDING_WINDOW || gi.kind == KVF_GROUP_CHUNKED_LOCAL) {
         cases.push_back(c);

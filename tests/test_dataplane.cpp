@@ -140,7 +140,7 @@ uint32_t chunk_tokens(const kvf_geometry *g) {
 }
 
 kvf_group_info group_info(const kvf_geometry *g, uint32_t i) {
-  kvf_group_info gi;
+  kvf_group_info gi = KVF_GROUP_INFO_INIT;
   EXPECT_EQ(kvf_geometry_group(g, i, &gi), KVF_SUCCESS);
   return gi;
 }
@@ -179,7 +179,7 @@ struct Layout {
   uint64_t total = 0;
   explicit Layout(const kvf_geometry *g) {
     for (uint32_t r = 0; r < kvf_geometry_num_regions(g); r++) {
-      kvf_region_info ri;
+      kvf_region_info ri = KVF_REGION_INFO_INIT;
       kvf_geometry_region(g, r, &ri);
       uint64_t align = ri.align < 4096 ? 4096 : ri.align;
       total = (total + align - 1) / align * align;

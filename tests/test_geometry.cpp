@@ -95,7 +95,7 @@ void expect_rule(const char *field, std::function<void(Spec &)> mutate, int32_t 
 TEST(GeometryValidation, BaselineIsValid) {
   auto b = build(Spec::baseline());
   ASSERT_EQ(b->status, KVF_SUCCESS) << b->message;
-  kvf_region_info ri;
+  kvf_region_info ri = KVF_REGION_INFO_INIT;
   ASSERT_EQ(kvf_geometry_region(b->g, 0, &ri), KVF_SUCCESS);
   EXPECT_EQ(ri.size, 2u * 8 * 16 * 512);  // computed: both planes of 8 blocks
 }
@@ -551,10 +551,10 @@ TEST(GeometryLayout, ObjectGroupsFollowThePolicy) {
   auto apart = make(1, 1);
   ASSERT_EQ(apart->status, KVF_SUCCESS) << apart->message;
   ASSERT_EQ(kvf_geometry_num_object_groups(apart->g), 3u);
-  kvf_group_info gi;
+  kvf_group_info gi = KVF_GROUP_INFO_INIT;
   kvf_geometry_group(apart->g, 2, &gi);
   EXPECT_EQ(gi.object_group, 2u);
-  kvf_object_group_info oi;
+  kvf_object_group_info oi = KVF_OBJECT_GROUP_INFO_INIT;
   ASSERT_EQ(kvf_geometry_object_group(apart->g, 2, &oi), KVF_SUCCESS);
   EXPECT_TRUE(oi.has_recurrent);
   EXPECT_FALSE(oi.has_attention);

@@ -111,13 +111,13 @@ TEST(Json, LoadsSmallGeometry) {
   EXPECT_STREQ(kvf_geometry_description(g.get()), "two layers, bf16, K and V planes 64 KiB apart");
   ASSERT_EQ(kvf_geometry_num_regions(g.get()), 2u);
   ASSERT_EQ(kvf_geometry_num_groups(g.get()), 1u);
-  kvf_region_info r;
+  kvf_region_info r = KVF_REGION_INFO_INIT;
   ASSERT_EQ(kvf_geometry_region(g.get(), 1, &r), KVF_SUCCESS);
   EXPECT_STREQ(r.name, "kv[1]");
   EXPECT_EQ(r.align, 256u);
   // Computed: plane 1 of block 7 ends at 65536 + 7*8192 + 16*256.
   EXPECT_EQ(r.size, 65536u + 7 * 8192u + 4096u);
-  kvf_group_info gi;
+  kvf_group_info gi = KVF_GROUP_INFO_INIT;
   ASSERT_EQ(kvf_geometry_group(g.get(), 0, &gi), KVF_SUCCESS);
   EXPECT_EQ(gi.kind, KVF_GROUP_FULL);
   EXPECT_EQ(gi.block_size, 16u);
@@ -158,7 +158,7 @@ TEST(Json, LoadsHybridGeometry) {
   ASSERT_EQ(kvf_geometry_num_groups(g.get()), 3u);
   EXPECT_EQ(kvf_geometry_num_aliases(g.get()), 2u);
 
-  kvf_region_info r;
+  kvf_region_info r = KVF_REGION_INFO_INIT;
   ASSERT_EQ(kvf_geometry_region(g.get(), 3, &r), KVF_SUCCESS);
   EXPECT_STREQ(r.name, "kv[3]");
   EXPECT_EQ(r.align, 4096u);
@@ -169,7 +169,7 @@ TEST(Json, LoadsHybridGeometry) {
   ASSERT_EQ(kvf_geometry_region(g.get(), 2, &r), KVF_SUCCESS);
   EXPECT_EQ(r.num_views, 2u) << "kv[2] holds full layer 2 and its alias, swa layer 1";
 
-  kvf_group_info gi;
+  kvf_group_info gi = KVF_GROUP_INFO_INIT;
   ASSERT_EQ(kvf_geometry_group(g.get(), 1, &gi), KVF_SUCCESS);
   EXPECT_STREQ(gi.name, "swa");
   EXPECT_EQ(gi.kind, KVF_GROUP_SLIDING_WINDOW);
@@ -651,11 +651,11 @@ TEST(Json, NumBlocksOverrideReplacesEveryGroup) {
   GeometryPtr g;
   ASSERT_EQ(Load(kHybrid, &g, nullptr, &opt), KVF_SUCCESS) << kvf_last_error();
   for (uint32_t i = 0; i < kvf_geometry_num_groups(g.get()); ++i) {
-    kvf_group_info gi;
+    kvf_group_info gi = KVF_GROUP_INFO_INIT;
     ASSERT_EQ(kvf_geometry_group(g.get(), i, &gi), KVF_SUCCESS);
     EXPECT_EQ(gi.num_blocks, 2u) << "group " << i;
   }
-  kvf_region_info r;
+  kvf_region_info r = KVF_REGION_INFO_INIT;
   ASSERT_EQ(kvf_geometry_region(g.get(), 0, &r), KVF_SUCCESS);
   EXPECT_EQ(r.size, 16384u + 8192u) << "computed region sizes follow the override";
   ASSERT_EQ(kvf_geometry_region(g.get(), 4, &r), KVF_SUCCESS);
@@ -664,7 +664,7 @@ TEST(Json, NumBlocksOverrideReplacesEveryGroup) {
   // Zero means "as in the file".
   opt.num_blocks_override = 0;
   ASSERT_EQ(Load(kHybrid, &g, nullptr, &opt), KVF_SUCCESS) << kvf_last_error();
-  kvf_group_info gi;
+  kvf_group_info gi = KVF_GROUP_INFO_INIT;
   ASSERT_EQ(kvf_geometry_group(g.get(), 2, &gi), KVF_SUCCESS);
   EXPECT_EQ(gi.num_blocks, 4u);
 
@@ -713,7 +713,7 @@ TEST(Json, PlaneStrideStringFollowsTheOverride) {
     ASSERT_EQ(Load(json, &g, nullptr, &opt), KVF_SUCCESS) << kvf_last_error();
     kvf_view_desc v = FirstView(g);
     EXPECT_EQ(v.plane_stride, (uint64_t)nb * 8192u);
-    kvf_region_info r;
+    kvf_region_info r = KVF_REGION_INFO_INIT;
     ASSERT_EQ(kvf_geometry_region(g.get(), 0, &r), KVF_SUCCESS);
     // V of the last block ends a pool past its K: a block's 16 tokens fill
     // 4096 of its 8192 bytes.
@@ -854,13 +854,13 @@ TEST(Json, DocumentedExampleLoads) {
   EXPECT_EQ(v.alias_layer, 2);
   ASSERT_EQ(kvf_geometry_view(g.get(), 2, 1, &v), KVF_SUCCESS);
   EXPECT_EQ(v.offset, 65536u);
-  kvf_region_info r;
+  kvf_region_info r = KVF_REGION_INFO_INIT;
   ASSERT_EQ(kvf_geometry_region(g.get(), 0, &r), KVF_SUCCESS);
   EXPECT_EQ(r.size, 122880u);
   ASSERT_EQ(kvf_geometry_region(g.get(), 4, &r), KVF_SUCCESS);
   EXPECT_EQ(r.size, 123904u);
   ASSERT_EQ(kvf_geometry_num_object_groups(g.get()), 2u);
-  kvf_object_group_info og;
+  kvf_object_group_info og = KVF_OBJECT_GROUP_INFO_INIT;
   ASSERT_EQ(kvf_geometry_object_group(g.get(), 0, &og), KVF_SUCCESS);
   ASSERT_EQ(og.num_groups, 2u);
   EXPECT_EQ(og.groups[0], 0u);
@@ -928,7 +928,7 @@ void ExpectSameGeometry(const kvf_geometry *a, const kvf_geometry *b, bool gener
 
   for (uint32_t i = 0; i < kvf_geometry_num_regions(a); ++i) {
     SCOPED_TRACE("region " + std::to_string(i));
-    kvf_region_info ra, rb;
+    kvf_region_info ra = KVF_REGION_INFO_INIT, rb = KVF_REGION_INFO_INIT;
     ASSERT_EQ(kvf_geometry_region(a, i, &ra), KVF_SUCCESS);
     ASSERT_EQ(kvf_geometry_region(b, i, &rb), KVF_SUCCESS);
     ExpectSameName(ra.name, rb.name, generated_ok);
@@ -938,7 +938,7 @@ void ExpectSameGeometry(const kvf_geometry *a, const kvf_geometry *b, bool gener
   }
   for (uint32_t g = 0; g < kvf_geometry_num_groups(a); ++g) {
     SCOPED_TRACE("group " + std::to_string(g));
-    kvf_group_info ga, gb;
+    kvf_group_info ga = KVF_GROUP_INFO_INIT, gb = KVF_GROUP_INFO_INIT;
     ASSERT_EQ(kvf_geometry_group(a, g, &ga), KVF_SUCCESS);
     ASSERT_EQ(kvf_geometry_group(b, g, &gb), KVF_SUCCESS);
     ExpectSameName(ga.name, gb.name, generated_ok);
@@ -978,7 +978,7 @@ void ExpectSameGeometry(const kvf_geometry *a, const kvf_geometry *b, bool gener
   }
   for (uint32_t o = 0; o < kvf_geometry_num_object_groups(a); ++o) {
     SCOPED_TRACE("object group " + std::to_string(o));
-    kvf_object_group_info oa, ob;
+    kvf_object_group_info oa = KVF_OBJECT_GROUP_INFO_INIT, ob = KVF_OBJECT_GROUP_INFO_INIT;
     ASSERT_EQ(kvf_geometry_object_group(a, o, &oa), KVF_SUCCESS);
     ASSERT_EQ(kvf_geometry_object_group(b, o, &ob), KVF_SUCCESS);
     ASSERT_EQ(oa.num_groups, ob.num_groups);
@@ -1030,7 +1030,7 @@ TEST(JsonWrite, EveryPresetRoundTrips) {
       GeometryPtr g(raw);
       GeometryPtr back = RoundTrip(g.get());
       ASSERT_TRUE(back);
-      kvf_group_info gi;
+      kvf_group_info gi = KVF_GROUP_INFO_INIT;
       ASSERT_EQ(kvf_geometry_group(back.get(), 0, &gi), KVF_SUCCESS);
       if (override_blocks != 0) {
         EXPECT_EQ(gi.num_blocks, override_blocks) << "reloaded without the override";
@@ -1149,7 +1149,7 @@ TEST(JsonWrite, CodeBuiltGeometryRoundTrips) {
   // Preconditions of the comparison: the features under test are there.
   ASSERT_EQ(kvf_geometry_num_aliases(g.get()), 1u);
   ASSERT_EQ(kvf_geometry_num_object_groups(g.get()), 2u);
-  kvf_group_info gi;
+  kvf_group_info gi = KVF_GROUP_INFO_INIT;
   ASSERT_EQ(kvf_geometry_group(g.get(), 2, &gi), KVF_SUCCESS);
   ASSERT_EQ(gi.block_size, 16u) << "the builder keeps a recurrent group's block_size";
 
@@ -1158,7 +1158,7 @@ TEST(JsonWrite, CodeBuiltGeometryRoundTrips) {
   kvf_view_desc got = KVF_VIEW_DESC_INIT;
   ASSERT_EQ(kvf_geometry_view(back.get(), 0, 1, &got), KVF_SUCCESS);
   EXPECT_STREQ(got.name, "") << "an unnamed layer stays unnamed";
-  kvf_region_info ri;
+  kvf_region_info ri = KVF_REGION_INFO_INIT;
   ASSERT_EQ(kvf_geometry_region(back.get(), 1, &ri), KVF_SUCCESS);
   EXPECT_EQ(ri.size, 1u << 20);
 }
@@ -1201,14 +1201,14 @@ TEST(JsonWrite, UnnamedEntriesGetGeneratedNames) {
   GeometryPtr back = RoundTrip(g.get(), /*generated_ok=*/true);
   ASSERT_TRUE(back);
   EXPECT_STREQ(kvf_geometry_name(back.get()), "geometry");
-  kvf_region_info ri;
+  kvf_region_info ri = KVF_REGION_INFO_INIT;
   ASSERT_EQ(kvf_geometry_region(back.get(), 0, &ri), KVF_SUCCESS);
   EXPECT_STREQ(ri.name, "region0");
   ASSERT_EQ(kvf_geometry_region(back.get(), 1, &ri), KVF_SUCCESS);
   EXPECT_STREQ(ri.name, "region1");
   ASSERT_EQ(kvf_geometry_region(back.get(), 2, &ri), KVF_SUCCESS);
   EXPECT_STREQ(ri.name, "region2");
-  kvf_group_info gi;
+  kvf_group_info gi = KVF_GROUP_INFO_INIT;
   ASSERT_EQ(kvf_geometry_group(back.get(), 0, &gi), KVF_SUCCESS);
   EXPECT_STREQ(gi.name, "group0_1") << "group0 is group 1's name";
   ASSERT_EQ(kvf_geometry_group(back.get(), 1, &gi), KVF_SUCCESS);

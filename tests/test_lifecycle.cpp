@@ -223,7 +223,7 @@ bool load_model(const std::string &file, uint32_t num_blocks, Model *out, std::s
     out->size.clear();
     out->align.clear();
     for (uint32_t i = 0; i < kvf_geometry_num_regions(g); i++) {
-      kvf_region_info r;
+      kvf_region_info r = KVF_REGION_INFO_INIT;
       if (kvf_geometry_region(g, i, &r) != KVF_SUCCESS || r.size == 0) {
         *why = file + ": region " + std::to_string(i) + " has no size";
         ok = false;

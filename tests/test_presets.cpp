@@ -462,7 +462,7 @@ TEST_P(PresetFamily, ReferenceCopiesMatchEngineIndexing) {
   ASSERT_EQ(world, m.dcp_world);
   ASSERT_EQ(rank, m.dcp_rank);
   for (uint32_t gi = 0; gi < G; gi++) {
-    kvf_group_info gin;
+    kvf_group_info gin = KVF_GROUP_INFO_INIT;
     ASSERT_EQ(kvf_geometry_group(g, gi, &gin), KVF_SUCCESS);
     kvf_group_kind kind = m.groups[gi].recurrent ? KVF_GROUP_RECURRENT
                           : m.groups[gi].window ? KVF_GROUP_SLIDING_WINDOW
@@ -498,7 +498,7 @@ TEST_P(PresetFamily, ReferenceCopiesMatchEngineIndexing) {
             }
       }
   for (uint32_t r = 0; r < m.region_bytes.size(); r++) {
-    kvf_region_info ri;
+    kvf_region_info ri = KVF_REGION_INFO_INIT;
     ASSERT_EQ(kvf_geometry_region(g, r, &ri), KVF_SUCCESS);
     ASSERT_EQ(ri.size, need[r]) << "region " << r;
     ASSERT_LE(ri.size, m.region_bytes[r]) << "region " << r;
@@ -514,7 +514,7 @@ TEST_P(PresetFamily, ReferenceCopiesMatchEngineIndexing) {
       for (uint64_t s : gm.state_bytes) rec_bytes[gm.object_group] += s;
     }
   for (uint32_t og = 0; og < m.object_groups; og++) {
-    kvf_object_group_info oi;
+    kvf_object_group_info oi = KVF_OBJECT_GROUP_INFO_INIT;
     ASSERT_EQ(kvf_geometry_object_group(g, og, &oi), KVF_SUCCESS);
     EXPECT_EQ(oi.bytes_per_token, plane_bpt[2 * og] + plane_bpt[2 * og + 1]) << "object group " << og;
     EXPECT_EQ(oi.recurrent_bytes, rec_bytes[og]) << "object group " << og;
@@ -763,7 +763,7 @@ TEST(Presets, EveryFileLoadsAndFinalizes) {
       EXPECT_EQ(std::string(kvf_geometry_name(g.get())), name) << "the name must match the file name";
       EXPECT_GT(std::strlen(kvf_geometry_description(g.get())), 40u) << name << ": describe the model and layout";
       EXPECT_NE(kvf_geometry_fingerprint(g.get(), KVF_FORMAT_CANONICAL), 0u) << name;
-      kvf_group_info gi;
+      kvf_group_info gi = KVF_GROUP_INFO_INIT;
       ASSERT_EQ(kvf_geometry_group(g.get(), 0, &gi), KVF_SUCCESS);
       EXPECT_EQ(gi.num_blocks, nb ? nb : 32u) << name;
     }
@@ -807,7 +807,7 @@ TEST(Presets, PlaneOuterLayoutsFollowTheBlockCount) {
     kvf_geometry_error err;
     ASSERT_EQ(load(name, nb, &g, &err), KVF_SUCCESS) << name << ": " << err.message;
     for (uint32_t gi = 0; gi < kvf_geometry_num_groups(g.get()); gi++) {
-      kvf_group_info info;
+      kvf_group_info info = KVF_GROUP_INFO_INIT;
       ASSERT_EQ(kvf_geometry_group(g.get(), gi, &info), KVF_SUCCESS);
       ASSERT_EQ(info.num_blocks, nb) << name;
       for (uint32_t l = 0; l < info.num_layers; l++) {
@@ -815,7 +815,7 @@ TEST(Presets, PlaneOuterLayoutsFollowTheBlockCount) {
         ASSERT_EQ(kvf_geometry_view(g.get(), gi, l, &v), KVF_SUCCESS) << name;
         ASSERT_EQ(v.planes, 2u) << name;
         EXPECT_EQ(v.plane_stride, (uint64_t)nb * v.block_stride) << name << " group " << gi << " layer " << l;
-        kvf_region_info ri;
+        kvf_region_info ri = KVF_REGION_INFO_INIT;
         ASSERT_EQ(kvf_geometry_region(g.get(), v.region, &ri), KVF_SUCCESS);
         EXPECT_EQ(ri.size, 2 * (uint64_t)nb * v.block_stride) << name << " region " << v.region;
       }

@@ -40,7 +40,7 @@ using kvf_server_test::kTinyGeometry;
 uint64_t region_size() {
   kvf_geometry *g = nullptr;
   if (kvf_geometry_load_buffer(kTinyGeometry, strlen(kTinyGeometry), nullptr, &g, nullptr) != KVF_SUCCESS) return 0;
-  kvf_region_info info;
+  kvf_region_info info = KVF_REGION_INFO_INIT;
   uint64_t size = kvf_geometry_region(g, 0, &info) == KVF_SUCCESS ? info.size : 0;
   kvf_geometry_destroy(g);
   return size;

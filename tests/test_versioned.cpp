@@ -382,7 +382,7 @@ TEST(VersionedGeometry, RegionDesc) {
   older.set_size(offsetof(kvf_region_desc, align));
   GeometryPtr g;
   ASSERT_EQ(Build(older.get(), &d.group, &d.view, &d.policy, &g), KVF_SUCCESS) << kvf_last_error();
-  kvf_region_info ri;
+  kvf_region_info ri = KVF_REGION_INFO_INIT;
   ASSERT_EQ(kvf_geometry_region(g.get(), 0, &ri), KVF_SUCCESS);
   EXPECT_EQ(ri.align, 256u);
   ASSERT_EQ(Build(&d.region, &d.group, &d.view, &d.policy, &g), KVF_SUCCESS);
@@ -403,7 +403,7 @@ TEST(VersionedGeometry, GroupDesc) {
   older.set_size(offsetof(kvf_group_desc, chunk));
   GeometryPtr g;
   ASSERT_EQ(Build(&d.region, older.get(), &d.view, &d.policy, &g), KVF_SUCCESS) << kvf_last_error();
-  kvf_group_info gi;
+  kvf_group_info gi = KVF_GROUP_INFO_INIT;
   ASSERT_EQ(kvf_geometry_group(g.get(), 0, &gi), KVF_SUCCESS);
   EXPECT_EQ(gi.chunk, 0u);
   EXPECT_EQ(gi.num_blocks, 4u);
@@ -478,6 +478,53 @@ TEST(VersionedGeometry, ObjectPolicyOut) {
   EXPECT_TRUE(older.untouched_from(offsetof(kvf_object_policy, separate_recurrent)));
 }
 
+TEST(VersionedGeometry, RegionInfo) {
+  GeometryPtr g = Tiny();
+  ASSERT_TRUE(g);
+  const kvf_region_info init = KVF_REGION_INFO_INIT;
+  ExpectTheRule<kvf_region_info>("kvf_region_info", init,
+                                 [&](kvf_region_info *i) { return kvf_geometry_region(g.get(), 0, i); }, KVF_SUCCESS);
+  Caller<kvf_region_info> older(init);
+  older.poison_from(8);
+  older.set_size(offsetof(kvf_region_info, num_views));
+  ASSERT_EQ(kvf_geometry_region(g.get(), 0, older.get()), KVF_SUCCESS);
+  EXPECT_EQ(older.get()->size, 16384u);
+  EXPECT_EQ(older.get()->align, 256u);
+  EXPECT_TRUE(older.untouched_from(offsetof(kvf_region_info, num_views)));
+  EXPECT_EQ(older.size(), offsetof(kvf_region_info, num_views));
+}
+
+TEST(VersionedGeometry, GroupInfo) {
+  GeometryPtr g = Tiny();
+  ASSERT_TRUE(g);
+  const kvf_group_info init = KVF_GROUP_INFO_INIT;
+  ExpectTheRule<kvf_group_info>("kvf_group_info", init,
+                                [&](kvf_group_info *i) { return kvf_geometry_group(g.get(), 0, i); }, KVF_SUCCESS);
+  Caller<kvf_group_info> older(init);
+  older.poison_from(8);
+  older.set_size(offsetof(kvf_group_info, max_block_stride));
+  ASSERT_EQ(kvf_geometry_group(g.get(), 0, older.get()), KVF_SUCCESS);
+  EXPECT_EQ(older.get()->num_blocks, 4u);
+  EXPECT_EQ(older.get()->payload_per_block, 2u * 16 * 128);
+  EXPECT_TRUE(older.untouched_from(offsetof(kvf_group_info, max_block_stride)));
+}
+
+TEST(VersionedGeometry, ObjectGroupInfo) {
+  GeometryPtr g = Tiny();
+  ASSERT_TRUE(g);
+  const kvf_object_group_info init = KVF_OBJECT_GROUP_INFO_INIT;
+  ExpectTheRule<kvf_object_group_info>(
+      "kvf_object_group_info", init,
+      [&](kvf_object_group_info *i) { return kvf_geometry_object_group(g.get(), 0, i); }, KVF_SUCCESS);
+  Caller<kvf_object_group_info> older(init);
+  older.poison_from(8);
+  older.set_size(offsetof(kvf_object_group_info, recurrent_bytes));
+  ASSERT_EQ(kvf_geometry_object_group(g.get(), 0, older.get()), KVF_SUCCESS);
+  EXPECT_EQ(older.get()->num_groups, 1u);
+  EXPECT_EQ(older.get()->bytes_per_token, 2u * 128);
+  EXPECT_TRUE(older.untouched_from(offsetof(kvf_object_group_info, recurrent_bytes)));
+}
+
 TEST(VersionedGeometry, LoadOptions) {
   kvf_geometry_load_options o = KVF_GEOMETRY_LOAD_OPTIONS_INIT;
   o.num_blocks_override = 8;
@@ -485,7 +532,7 @@ TEST(VersionedGeometry, LoadOptions) {
     kvf_geometry *g = nullptr;
     kvf_status st = kvf_geometry_load_buffer(kTinyGeometry, strlen(kTinyGeometry), opt, &g, nullptr);
     if (st == KVF_SUCCESS && num_blocks) {
-      kvf_group_info gi;
+      kvf_group_info gi = KVF_GROUP_INFO_INIT;
       EXPECT_EQ(kvf_geometry_group(g, 0, &gi), KVF_SUCCESS);
       *num_blocks = gi.num_blocks;
     }
@@ -867,7 +914,7 @@ class VersionedClient : public VersionedServer {
     ASSERT_EQ(server_.start(so), KVF_SUCCESS) << kvf_last_error();
     kvf_geometry *g = nullptr;
     ASSERT_EQ(kvf_geometry_load_buffer(kTinyGeometry, strlen(kTinyGeometry), nullptr, &g, nullptr), KVF_SUCCESS);
-    kvf_region_info ri;
+    kvf_region_info ri = KVF_REGION_INFO_INIT;
     ASSERT_EQ(kvf_geometry_region(g, 0, &ri), KVF_SUCCESS);
     region_bytes_ = ri.size;
     kvf_geometry_destroy(g);

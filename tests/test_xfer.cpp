@@ -104,13 +104,13 @@ uint32_t chunk_tokens(const kvf_geometry *g) {
 }
 
 bool is_recurrent(const kvf_geometry *g, uint32_t gi) {
-  kvf_group_info info;
+  kvf_group_info info = KVF_GROUP_INFO_INIT;
   kvf_geometry_group(g, gi, &info);
   return info.kind == KVF_GROUP_RECURRENT;
 }
 
 bool is_windowed(const kvf_geometry *g, uint32_t gi) {
-  kvf_group_info info;
+  kvf_group_info info = KVF_GROUP_INFO_INIT;
   kvf_geometry_group(g, gi, &info);
   return info.kind == KVF_GROUP_SLIDING_WINDOW || info.kind == KVF_GROUP_CHUNKED_LOCAL;
 }
@@ -122,7 +122,7 @@ uint64_t attention_unit(const kvf_geometry *g) {
   kvf_geometry_dcp(g, &world, nullptr);
   uint64_t unit = 1;
   for (uint32_t i = 0; i < kvf_geometry_num_groups(g); i++) {
-    kvf_group_info gi;
+    kvf_group_info gi = KVF_GROUP_INFO_INIT;
     kvf_geometry_group(g, i, &gi);
     if (gi.kind != KVF_GROUP_RECURRENT) unit = std::lcm(unit, (uint64_t)gi.block_size * world);
   }
@@ -292,7 +292,7 @@ constexpr size_t kObjectGuard = 64;
 Set make_cache_set(const kvf_geometry *g) {
   Set s;
   for (uint32_t r = 0; r < kvf_geometry_num_regions(g); r++) {
-    kvf_region_info ri;
+    kvf_region_info ri = KVF_REGION_INFO_INIT;
     kvf_geometry_region(g, r, &ri);
     size_t lead = std::max<uint64_t>(ri.align, 256);
     s.push_back(make_gbuf(ri.size, lead, 256, ri.align));
@@ -582,7 +582,7 @@ struct Mutation {
 };
 
 uint32_t group_blocks(const kvf_geometry *g, uint32_t gi) {
-  kvf_group_info info;
+  kvf_group_info info = KVF_GROUP_INFO_INIT;
   kvf_geometry_group(g, gi, &info);
   return info.num_blocks;
 }

@@ -64,7 +64,7 @@ static int engine_cache_create(const kvf_geometry *g, int device, engine_cache *
   if (!c->offsets) return -1;
   uint64_t total = 0;
   for (uint32_t r = 0; r < c->num_regions; r++) {
-    kvf_region_info ri;
+    kvf_region_info ri = KVF_REGION_INFO_INIT;
     kvf_geometry_region(g, r, &ri);
     uint64_t align = ri.align < 4096 ? 4096 : ri.align;
     total = (total + align - 1) / align * align;
@@ -350,7 +350,7 @@ int cmd_demo_engine(int argc, char **argv) {
          "request)\n",
          a.name, r.prefix_tokens, a.tokens, r.objects_done, buf, dt, (double)r.bytes_done / dt / 1e9);
   for (uint32_t i = 0; i < r.num_groups && i < t->num_groups; i++) {
-    kvf_group_info gi;
+    kvf_group_info gi = KVF_GROUP_INFO_INIT;
     kvf_geometry_group(g, i, &gi);
     printf("  [%s]   %-10s %-14s %6" PRIu64 " blocks restored (engine table: %u from block %" PRIu64 ")\n", a.name,
            gi.name, kvf_group_kind_name(gi.kind), r.group_blocks[i], t->count[i], t->first[i]);

@@ -55,7 +55,7 @@ int cache_alloc(const kvf_geometry *g, demo_cache *c, uint64_t *seed, int on_gpu
   c->device = on_gpu ? calloc(c->num_regions, sizeof *c->device) : NULL;
   if (!c->bases || !c->sizes || (on_gpu && !c->device)) return -1;
   for (uint32_t r = 0; r < c->num_regions; r++) {
-    kvf_region_info ri;
+    kvf_region_info ri = KVF_REGION_INFO_INIT;
     kvf_geometry_region(g, r, &ri);
     uint64_t align = ri.align < 64 ? 64 : ri.align;
     c->sizes[r] = ri.size;
@@ -105,7 +105,7 @@ int tables_make(const kvf_geometry *g, uint64_t tokens, uint32_t *pool, uint32_t
   if (!t->ids || !t->first || !t->count) return -1;
   uint32_t next = 0;
   for (uint32_t i = 0; i < t->num_groups; i++) {
-    kvf_group_info gi;
+    kvf_group_info gi = KVF_GROUP_INFO_INIT;
     kvf_geometry_group(g, i, &gi);
     uint64_t first, end;
     if (gi.kind == KVF_GROUP_RECURRENT) {
@@ -146,7 +146,7 @@ int demo_verify(const kvf_geometry *g, uint64_t tokens, const demo_cache *src, c
     if (!(mask[r] = calloc(1, dst->sizes[r]))) bad = -1;
   *checked = *untouched = 0;
   for (uint32_t gi = 0; !bad && gi < kvf_geometry_num_groups(g); gi++) {
-    kvf_group_info info;
+    kvf_group_info info = KVF_GROUP_INFO_INIT;
     kvf_geometry_group(g, gi, &info);
     for (uint32_t l = 0; l < info.num_layers && !bad; l++) {
       kvf_view_desc v = KVF_VIEW_DESC_INIT;
@@ -204,7 +204,7 @@ int demo_verify(const kvf_geometry *g, uint64_t tokens, const demo_cache *src, c
 uint64_t moved_bytes(const kvf_geometry *g, const demo_tables *t, uint64_t tokens) {
   uint64_t n = 0;
   for (uint32_t gi = 0; gi < t->num_groups; gi++) {
-    kvf_group_info info;
+    kvf_group_info info = KVF_GROUP_INFO_INIT;
     kvf_geometry_group(g, gi, &info);
     if (info.kind == KVF_GROUP_RECURRENT) {
       n += (uint64_t)t->count[gi] * info.payload_per_block;
@@ -233,7 +233,7 @@ int demo_geometry_load(const char *path, uint64_t tokens, kvf_geometry **out, ui
   }
   uint64_t need = 0;
   for (uint32_t i = 0; i < kvf_geometry_num_groups(g); i++) {
-    kvf_group_info gi;
+    kvf_group_info gi = KVF_GROUP_INFO_INIT;
     kvf_geometry_group(g, i, &gi);
     uint64_t first, end;
     if (gi.kind == KVF_GROUP_RECURRENT)

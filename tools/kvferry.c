@@ -147,7 +147,7 @@ static void alias_root(const kvf_geometry *g, uint32_t *group, uint32_t *layer) 
  * larger plane when K and V are two pools (*planes_outside, may be NULL);
  * for a recurrent view, the slot's states. */
 static uint64_t view_payload(const kvf_geometry *g, uint32_t group, const kvf_view_desc *v, int *planes_outside) {
-  kvf_group_info gi;
+  kvf_group_info gi = KVF_GROUP_INFO_INIT;
   kvf_geometry_group(g, group, &gi);
   if (gi.kind == KVF_GROUP_RECURRENT) {
     uint64_t sum = 0;
@@ -177,7 +177,7 @@ static void append_padding(char *out, size_t len, uint64_t stride, uint64_t used
  * sized a shared page (a hybrid's attention page padded to the recurrent
  * slot, or back). */
 static void describe_stride(const kvf_geometry *g, uint32_t gi, const kvf_view_desc *v, char *out, size_t len) {
-  kvf_group_info info;
+  kvf_group_info info = KVF_GROUP_INFO_INIT;
   kvf_geometry_group(g, gi, &info);
   int outside = 0;
   uint64_t payload = view_payload(g, gi, v, &outside), bs = v->block_stride;
@@ -198,7 +198,7 @@ static void describe_stride(const kvf_geometry *g, uint32_t gi, const kvf_view_d
   uint64_t sum = 0;
   alias_root(g, &rg, &rl);
   for (uint32_t h = 0; h < kvf_geometry_num_groups(g); h++) {
-    kvf_group_info hi;
+    kvf_group_info hi = KVF_GROUP_INFO_INIT;
     kvf_geometry_group(g, h, &hi);
     uint32_t before = n;
     for (uint32_t l = 0; l < hi.num_layers; l++) {
@@ -263,7 +263,7 @@ static void describe_stride(const kvf_geometry *g, uint32_t gi, const kvf_view_d
   uint32_t by = UINT32_MAX;
   for (uint32_t h = 0; h < kvf_geometry_num_groups(g); h++) {
     if (h == gi) continue;
-    kvf_group_info hi;
+    kvf_group_info hi = KVF_GROUP_INFO_INIT;
     kvf_geometry_group(g, h, &hi);
     for (uint32_t l = 0; l < hi.num_layers; l++) {
       kvf_view_desc w = KVF_VIEW_DESC_INIT;
@@ -277,7 +277,7 @@ static void describe_stride(const kvf_geometry *g, uint32_t gi, const kvf_view_d
     }
   }
   if (by != UINT32_MAX) {
-    kvf_group_info bi;
+    kvf_group_info bi = KVF_GROUP_INFO_INIT;
     kvf_geometry_group(g, by, &bi);
     appendf(out, len, "; the page is shared with group '%s', whose %s is %" PRIu64 " bytes", bi.name,
         bi.kind == KVF_GROUP_RECURRENT ? "slot" : "block", biggest);
@@ -288,7 +288,7 @@ static void describe_stride(const kvf_geometry *g, uint32_t gi, const kvf_view_d
 /* One group: what one block (slot) of one layer holds, in the tensor's
  * terms, and its stride. */
 static void print_group(const kvf_geometry *g, uint32_t gi) {
-  kvf_group_info info;
+  kvf_group_info info = KVF_GROUP_INFO_INIT;
   kvf_view_desc v = KVF_VIEW_DESC_INIT;
   char line[512] = "";
   kvf_geometry_group(g, gi, &info);
@@ -302,7 +302,7 @@ static void print_group(const kvf_geometry *g, uint32_t gi) {
     printf(", %u tokens/block, %u blocks, %u layer%s", info.block_size, info.num_blocks, info.num_layers,
            info.num_layers == 1 ? "" : "s");
   if (v.alias_group >= 0) {
-    kvf_group_info ai;
+    kvf_group_info ai = KVF_GROUP_INFO_INIT;
     kvf_geometry_group(g, (uint32_t)v.alias_group, &ai);
     printf(", sharing the tensors of group '%s'", ai.name);
   }
@@ -353,7 +353,7 @@ static void print_summary(const char *path, const kvf_geometry *g) {
   uint32_t ng = kvf_geometry_num_groups(g), nr = kvf_geometry_num_regions(g);
   uint64_t region_bytes = 0;
   for (uint32_t r = 0; r < nr; r++) {
-    kvf_region_info ri;
+    kvf_region_info ri = KVF_REGION_INFO_INIT;
     kvf_geometry_region(g, r, &ri);
     region_bytes += ri.size;
   }
@@ -366,7 +366,7 @@ static void print_summary(const char *path, const kvf_geometry *g) {
          pol.chunk_tokens, kvf_object_format_name(pol.format), kvf_geometry_fingerprint(g, KVF_FORMAT_CANONICAL),
          kvf_geometry_fingerprint(g, KVF_FORMAT_NATIVE));
   for (uint32_t o = 0; o < kvf_geometry_num_object_groups(g); o++) {
-    kvf_object_group_info oi;
+    kvf_object_group_info oi = KVF_OBJECT_GROUP_INFO_INIT;
     kvf_geometry_object_group(g, o, &oi);
     uint64_t size = 0;
     kvf_geometry_object_size(g, o, 0, pol.chunk_tokens, &size);
@@ -440,7 +440,7 @@ static int chunk_needs_object(const kvf_geometry *g, const demo_tables *t, uint6
   kvf_geometry_policy(g, &pol);
   uint64_t cb = k * pol.chunk_tokens, ce = cb + pol.chunk_tokens < tokens ? cb + pol.chunk_tokens : tokens;
   for (uint32_t gi = 0; gi < t->num_groups; gi++) {
-    kvf_group_info info;
+    kvf_group_info info = KVF_GROUP_INFO_INIT;
     kvf_geometry_group(g, gi, &info);
     if (info.object_group != og || t->count[gi] == 0) continue;
     uint64_t first = t->first[gi], end = first + t->count[gi], lo, hi;
@@ -640,7 +640,7 @@ static int cmd_demo(int argc, char **argv) {
          kvf_geometry_num_groups(g), kvf_geometry_num_object_groups(g), kvf_geometry_num_aliases(g),
          kvf_geometry_fingerprint(g, KVF_FORMAT_CANONICAL));
   for (uint32_t i = 0; i < kvf_geometry_num_groups(g); i++) {
-    kvf_group_info gi;
+    kvf_group_info gi = KVF_GROUP_INFO_INIT;
     kvf_geometry_group(g, i, &gi);
     printf("    %-10s %-14s stored %5u blocks, restored %5u blocks (from block %" PRIu64 ")\n", gi.name,
            kvf_group_kind_name(gi.kind), stored.count[i], restored.count[i], restored.first[i]);

@@ -419,7 +419,7 @@ static kvf_status job_finish_request(dp_job *j) {
   const kvf_geometry *g = j->b->geometry;
   j->req.objects = j->objects;
   for (uint32_t gidx = 0; gidx < j->b->num_groups; gidx++) {
-    kvf_group_info gi;
+    kvf_group_info gi = KVF_GROUP_INFO_INIT;
     (void)kvf_geometry_group(g, gidx, &gi);
     j->group_blocks[gidx] = blocks_moved(j, &gi, gidx);
   }
@@ -468,7 +468,7 @@ static kvf_status admit_store(kvf_dataplane *dp, dp_job *j, const kvf_proto_xfer
     uint64_t cb = x->token_begin + k * C, ce = x->token_end - cb > C ? cb + C : x->token_end;
     for (uint32_t og = 0; og < nog; og++) {
       spec_index[k * nog + og] = UINT32_MAX;
-      kvf_object_group_info oi;
+      kvf_object_group_info oi = KVF_OBJECT_GROUP_INFO_INIT;
       (void)kvf_geometry_object_group(g, og, &oi);
       /* An object is written whole or not at all: every group of its object
        * group must be in the request with every block of the chunk. */
@@ -480,7 +480,7 @@ static kvf_status admit_store(kvf_dataplane *dp, dp_job *j, const kvf_proto_xfer
           continue;
         }
         requested = 1;
-        kvf_group_info gi;
+        kvf_group_info gi = KVF_GROUP_INFO_INIT;
         (void)kvf_geometry_group(g, gidx, &gi);
         if (!chunk_complete(j, &gi, gidx, cb, ce)) complete = 0;
       }
@@ -541,13 +541,13 @@ static kvf_status admit_store(kvf_dataplane *dp, dp_job *j, const kvf_proto_xfer
           j->bytes_done += specs[si].header.payload_bytes;
         }
       }
-      kvf_object_group_info oi;
+      kvf_object_group_info oi = KVF_OBJECT_GROUP_INFO_INIT;
       (void)kvf_geometry_object_group(g, og, &oi);
       /* The held prefix counts full-attention object groups: windowed ones
        * legitimately lack early chunks, recurrent ones all but the last. */
       int has_full = 0;
       for (uint32_t i = 0; i < oi.num_groups; i++) {
-        kvf_group_info gi;
+        kvf_group_info gi = KVF_GROUP_INFO_INIT;
         (void)kvf_geometry_group(g, oi.groups[i], &gi);
         has_full |= gi.kind == KVF_GROUP_FULL && group_requested(j, oi.groups[i]);
       }
@@ -560,7 +560,7 @@ static kvf_status admit_store(kvf_dataplane *dp, dp_job *j, const kvf_proto_xfer
       if (has_full && si == UINT32_MAX) chunk_held = 0;
       if (!write)
         for (uint32_t i = 0; i < oi.num_groups; i++) {
-          kvf_group_info gi;
+          kvf_group_info gi = KVF_GROUP_INFO_INIT;
           (void)kvf_geometry_group(g, oi.groups[i], &gi);
           skip_chunk(j, &gi, oi.groups[i], cb, ce);
         }
@@ -585,13 +585,13 @@ static int og_valid_at(const dp_job *j, const kvf_l1_found *found, uint32_t og, 
   const kvf_geometry *g = j->b->geometry;
   uint32_t nog = j->b->num_object_groups, C = j->b->chunk_tokens;
   uint64_t tb = j->req.token_begin;
-  kvf_object_group_info oi;
+  kvf_object_group_info oi = KVF_OBJECT_GROUP_INFO_INIT;
   (void)kvf_geometry_object_group(g, og, &oi);
   uint64_t need_from = N; /* the earliest token of [tb, N) this og needs */
   for (uint32_t i = 0; i < oi.num_groups; i++) {
     uint32_t gidx = oi.groups[i];
     if (!group_requested(j, gidx)) continue;
-    kvf_group_info gi;
+    kvf_group_info gi = KVF_GROUP_INFO_INIT;
     (void)kvf_geometry_group(g, gidx, &gi);
     if (gi.kind == KVF_GROUP_RECURRENT) {
       if (N % C != 0 || N <= tb) return 0;
@@ -663,7 +663,7 @@ static kvf_status admit_retrieve(kvf_dataplane *dp, dp_job *j, const kvf_proto_x
     uint64_t N = x->token_end - (tb + k * C) > C ? tb + (k + 1) * C : x->token_end;
     int all = 1;
     for (uint32_t og = 0; og < nog; og++) {
-      kvf_object_group_info oi;
+      kvf_object_group_info oi = KVF_OBJECT_GROUP_INFO_INIT;
       (void)kvf_geometry_object_group(g, og, &oi);
       int requested = 0;
       for (uint32_t i = 0; i < oi.num_groups; i++) requested |= group_requested(j, oi.groups[i]);
@@ -685,7 +685,7 @@ static kvf_status admit_retrieve(kvf_dataplane *dp, dp_job *j, const kvf_proto_x
   j->req.token_end = P;
   for (uint32_t gidx = 0; gidx < ng; gidx++) {
     if (!group_requested(j, gidx)) continue;
-    kvf_group_info gi;
+    kvf_group_info gi = KVF_GROUP_INFO_INIT;
     (void)kvf_geometry_group(g, gidx, &gi);
     kvf_group_blocks *t = &j->groups[gidx];
     if (gi.kind == KVF_GROUP_RECURRENT) {
@@ -705,14 +705,14 @@ static kvf_status admit_retrieve(kvf_dataplane *dp, dp_job *j, const kvf_proto_x
       kvf_l1_found *f = &found[k * nog + og];
       if (!f->found) continue;
       /* Only objects whose chunk moves a block of this object group. */
-      kvf_object_group_info oi;
+      kvf_object_group_info oi = KVF_OBJECT_GROUP_INFO_INIT;
       (void)kvf_geometry_object_group(g, og, &oi);
       uint64_t cb = tb + k * C, ce = P - cb > C ? cb + C : P;
       int moves = 0;
       for (uint32_t i = 0; i < oi.num_groups && !moves; i++) {
         uint32_t gidx = oi.groups[i];
         if (!group_requested(j, gidx)) continue;
-        kvf_group_info gi;
+        kvf_group_info gi = KVF_GROUP_INFO_INIT;
         (void)kvf_geometry_group(g, gidx, &gi);
         const kvf_group_blocks *t = &j->groups[gidx];
         if (gi.kind == KVF_GROUP_RECURRENT) {
@@ -759,7 +759,7 @@ static kvf_status check_xfer(const kvf_dp_binding *b, const kvf_proto_msg *m) {
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.num_groups: %u groups sent, the geometry has %u",
                     (unsigned)x->num_groups, (unsigned)b->num_groups);
   for (uint32_t g = 0; g < x->num_groups; g++) {
-    kvf_group_info gi;
+    kvf_group_info gi = KVF_GROUP_INFO_INIT;
     (void)kvf_geometry_group(b->geometry, g, &gi);
     const kvf_proto_group *pg = &x->groups[g];
     for (uint32_t i = 0; i < pg->count; i++)

@@ -185,14 +185,21 @@ KVF_API kvf_status kvf_geometry_finalize(kvf_geometry *geometry, kvf_geometry_er
 
 /* ---- reading (finalized geometries) ------------------------------------ */
 
+/* What kvf_geometry_region / _group / _object_group fill: versioned
+ * structs (kvferry/kvferry.h), so fill each from its _INIT macro first. */
 typedef struct kvf_region_info {
+  uint32_t struct_size;
+  uint32_t version;
   const char *name; /* "" when unnamed; valid while the geometry lives */
   uint64_t size;
   uint64_t align;
   uint32_t num_views; /* views that live in this region */
 } kvf_region_info;
+#define KVF_REGION_INFO_INIT {sizeof(kvf_region_info), KVF_DESC_VERSION, NULL, 0, 0, 0}
 
 typedef struct kvf_group_info {
+  uint32_t struct_size;
+  uint32_t version;
   const char *name;
   kvf_group_kind kind;
   uint32_t block_size;
@@ -204,8 +211,11 @@ typedef struct kvf_group_info {
   uint64_t payload_per_block;  /* payload bytes of one block summed over layers (padding excluded) */
   uint64_t max_block_stride;   /* largest block_stride among the layers */
 } kvf_group_info;
+#define KVF_GROUP_INFO_INIT {sizeof(kvf_group_info), KVF_DESC_VERSION, NULL, KVF_GROUP_FULL, 0, 0, 0, 0, 0, 0, 0, 0}
 
 typedef struct kvf_object_group_info {
+  uint32_t struct_size;
+  uint32_t version;
   uint32_t num_groups;
   const uint32_t *groups;      /* group indices in registration order */
   int has_attention;           /* holds full / windowed layers */
@@ -213,6 +223,7 @@ typedef struct kvf_object_group_info {
   uint64_t bytes_per_token;    /* attention payload bytes per local token */
   uint64_t recurrent_bytes;    /* recurrent state bytes per object */
 } kvf_object_group_info;
+#define KVF_OBJECT_GROUP_INFO_INIT {sizeof(kvf_object_group_info), KVF_DESC_VERSION, 0, NULL, 0, 0, 0, 0}
 
 KVF_API uint32_t kvf_geometry_num_regions(const kvf_geometry *geometry);
 KVF_API uint32_t kvf_geometry_num_groups(const kvf_geometry *geometry);
@@ -220,8 +231,10 @@ KVF_API uint32_t kvf_geometry_num_object_groups(const kvf_geometry *geometry);
 /* Number of views declared as aliases of another view. */
 KVF_API uint32_t kvf_geometry_num_aliases(const kvf_geometry *geometry);
 
-/* Fill *out for region / group / object group `index`. KVF_ERR_INVALID_ARGUMENT
- * for an index out of range or NULL pointers, KVF_ERR_STATE if not finalized. */
+/* Fill *out (filled from its _INIT macro) for region / group / object group
+ * `index`. KVF_ERR_INVALID_ARGUMENT for an index out of range, NULL pointers
+ * or an *out that breaks the versioned-struct rule, KVF_ERR_STATE if not
+ * finalized; *out is untouched on failure. */
 KVF_API kvf_status kvf_geometry_region(const kvf_geometry *geometry, uint32_t index, kvf_region_info *out);
 KVF_API kvf_status kvf_geometry_group(const kvf_geometry *geometry, uint32_t index, kvf_group_info *out);
 KVF_API kvf_status kvf_geometry_object_group(const kvf_geometry *geometry, uint32_t index,

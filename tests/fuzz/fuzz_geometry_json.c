@@ -29,12 +29,12 @@ static void kvf_fuzz_read(const kvf_geometry *g) {
   (void)kvf_geometry_fingerprint(g, KVF_FORMAT_CANONICAL);
   (void)kvf_geometry_fingerprint(g, KVF_FORMAT_NATIVE);
   for (uint32_t r = 0; r < kvf_geometry_num_regions(g); ++r) {
-    kvf_region_info info;
+    kvf_region_info info = KVF_REGION_INFO_INIT;
     KVF_FUZZ_REQUIRE(kvf_geometry_region(g, r, &info) == KVF_SUCCESS && info.size > 0);
     KVF_FUZZ_REQUIRE(info.name != NULL && strlen(info.name) < KVF_NAME_MAX);
   }
   for (uint32_t gi = 0; gi < kvf_geometry_num_groups(g); ++gi) {
-    kvf_group_info info;
+    kvf_group_info info = KVF_GROUP_INFO_INIT;
     uint64_t begin, first, end;
     KVF_FUZZ_REQUIRE(kvf_geometry_group(g, gi, &info) == KVF_SUCCESS);
     KVF_FUZZ_REQUIRE(info.name != NULL && strlen(info.name) < KVF_NAME_MAX);
