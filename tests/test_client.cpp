@@ -203,14 +203,14 @@ class Client : public ::testing::Test {
 TEST_F(Client, HeartbeatThreadKeepsClientAliveSilentOneIsReaped) {
   RealServer server;
   ASSERT_EQ(server.start(dir_, 300), KVF_SUCCESS) << kvf_last_error();
-  kvf_client_info info;
+  kvf_client_info info = KVF_CLIENT_INFO_INIT;
   kvf_client *beating = connect(1, 0, 0, &info);  // the server's period: 75 ms
   ASSERT_NE(beating, nullptr);
   EXPECT_EQ(info.heartbeat_timeout_ms, 300u);
   kvf_client *silent = connect(0);
   ASSERT_NE(silent, nullptr);
   sleep_ms(1000);  // more than 3 timeouts
-  kvf_client_stats s;
+  kvf_client_stats s = KVF_CLIENT_STATS_INIT;
   EXPECT_EQ(kvf_client_stat(beating, &s), KVF_SUCCESS) << kvf_last_error();
   EXPECT_EQ(s.boot_token, info.boot_token);
   EXPECT_EQ(kvf_client_stat(silent, &s), KVF_ERR_DISCONNECTED) << "the silent client was not reaped";
@@ -240,7 +240,7 @@ TEST_F(Client, HeartbeatOptionsAreChecked) {
 TEST_F(Client, ServerRestartIsDetectedByTheHeartbeatThread) {
   RealServer first;
   ASSERT_EQ(first.start(dir_, 2000), KVF_SUCCESS) << kvf_last_error();
-  kvf_client_info info;
+  kvf_client_info info = KVF_CLIENT_INFO_INIT;
   kvf_client *c = connect(1, 30, 0, &info);
   ASSERT_NE(c, nullptr);
   kvf_client *plain = connect(0);  // no heartbeat thread: never says restarted
@@ -249,7 +249,7 @@ TEST_F(Client, ServerRestartIsDetectedByTheHeartbeatThread) {
   EXPECT_EQ(kvf_client_server_restarted(c), 0);
   first.stop();
   // No server at all: calls fail, and nothing has restarted yet.
-  kvf_client_stats s;
+  kvf_client_stats s = KVF_CLIENT_STATS_INIT;
   EXPECT_EQ(kvf_client_stat(c, &s), KVF_ERR_DISCONNECTED);
   sleep_ms(150);
   EXPECT_EQ(kvf_client_server_restarted(c), 0);
@@ -313,7 +313,7 @@ TEST_F(Client, DisconnectStopsTheHeartbeatThreadPromptly) {
 TEST_F(Client, ConcurrentCallsOnOneClientGetTheirOwnReplies) {
   RealServer server;
   ASSERT_EQ(server.start(dir_, 2000), KVF_SUCCESS) << kvf_last_error();
-  kvf_client_info info;
+  kvf_client_info info = KVF_CLIENT_INFO_INIT;
   kvf_client *c = connect(1, 5, 0, &info);  // its heartbeat thread joins in
   ASSERT_NE(c, nullptr);
 
@@ -338,14 +338,14 @@ TEST_F(Client, ConcurrentCallsOnOneClientGetTheirOwnReplies) {
       for (int i = 0; i < kCalls; i++) {
         if (t == 0 && i % 10 == 0) {
           // Register and unregister amid the others (descriptors on the frame).
-          kvf_client_registration r;
+          kvf_client_registration r = KVF_CLIENT_REGISTRATION_INIT;
           if (kvf_client_register(c, kTinyGeometry, strlen(kTinyGeometry), -1, regs, 2, &r) != KVF_SUCCESS ||
               r.imports != 1 || kvf_client_unregister(c, r.registration_id, nullptr) != KVF_SUCCESS) {
             ADD_FAILURE() << "register cycle: " << kvf_last_error();
             failures++;
           }
         } else if ((i + t) % 2) {
-          kvf_client_stats s;
+          kvf_client_stats s = KVF_CLIENT_STATS_INIT;
           if (kvf_client_stat(c, &s) != KVF_SUCCESS || s.boot_token != info.boot_token || s.active > 1) {
             ADD_FAILURE() << "stat: " << kvf_last_error();
             failures++;
@@ -362,7 +362,7 @@ TEST_F(Client, ConcurrentCallsOnOneClientGetTheirOwnReplies) {
   }
   for (auto &th : threads) th.join();
   EXPECT_EQ(failures.load(), 0);
-  kvf_client_stats s;
+  kvf_client_stats s = KVF_CLIENT_STATS_INIT;
   ASSERT_EQ(kvf_client_stat(c, &s), KVF_SUCCESS);
   EXPECT_EQ(s.active, 0u);
   EXPECT_EQ(s.closed_total, (uint32_t)(kCalls / 10));
@@ -424,7 +424,7 @@ TEST_F(Client, LateReplyToATimedOutCallIsDropped) {
   });
   kvf_client *c = connect(0, 0, 100);
   ASSERT_NE(c, nullptr);
-  kvf_client_stats s;
+  kvf_client_stats s = KVF_CLIENT_STATS_INIT;
   EXPECT_EQ(kvf_client_stat(c, &s), KVF_ERR_TIMEOUT);
   sleep_ms(400);  // the late reply is on its way
   ASSERT_EQ(kvf_client_stat(c, &s), KVF_SUCCESS) << kvf_last_error();
@@ -449,7 +449,7 @@ TEST_F(Client, DisconnectFailsEveryWaiter) {
   std::atomic<int> disconnected{0};
   for (int t = 0; t < kThreads; t++) {
     threads.emplace_back([&] {
-      kvf_client_stats s;
+      kvf_client_stats s = KVF_CLIENT_STATS_INIT;
       if (kvf_client_stat(c, &s) == KVF_ERR_DISCONNECTED) disconnected++;
     });
   }
@@ -773,7 +773,7 @@ TEST_F(Client, RealServerAnswersAStoreWithoutDroppingTheClient) {
   EXPECT_NE(st, KVF_ERR_TIMEOUT) << kvf_last_error();
   EXPECT_NE(st, KVF_ERR_PROTOCOL) << "the server could not decode the STORE: " << kvf_last_error();
   EXPECT_TRUE(kvf_last_error()[0]) << "a refusal says why";
-  kvf_client_stats s;
+  kvf_client_stats s = KVF_CLIENT_STATS_INIT;
   EXPECT_EQ(kvf_client_stat(c, &s), KVF_SUCCESS) << "the connection survives: " << kvf_last_error();
   EXPECT_EQ(kvf_client_wait(c, 999, 10, &r), KVF_ERR_NOT_FOUND);
   kvf_client_disconnect(c);

@@ -483,7 +483,7 @@ struct Engine {
   std::unique_ptr<Layout> lay;
   kvf_mem_alloc *alloc = nullptr;
   kvf_client *c = nullptr;
-  kvf_client_registration reg{};
+  kvf_client_registration reg = KVF_CLIENT_REGISTRATION_INIT;
 
   Engine() = default;
   Engine(const Engine &) = delete;
@@ -678,7 +678,7 @@ TEST(Dataplane, RoundTripRestoresEveryByteInBothFormats) {
   EXPECT_EQ(d.done_total, 6u);
   EXPECT_EQ(d.failed_total + d.timed_out_total + d.cancelled_total, 0u);
   // STAT over the socket says the same.
-  kvf_client_stats cs;
+  kvf_client_stats cs = KVF_CLIENT_STATS_INIT;
   ASSERT_EQ(kvf_client_stat(dst.c, &cs), KVF_SUCCESS) << kvf_last_error();
   EXPECT_EQ(cs.l1_objects, committed) << "STAT does not report L1's objects";
   EXPECT_EQ(cs.l1_bytes, committed_bytes);
@@ -1399,7 +1399,7 @@ TEST(Dataplane, TimedOutRequestIsAnsweredEarlyAndReleasedLate) {
   EXPECT_EQ(d.timed_out_total, 1u);
   EXPECT_EQ(d.done_total, 0u);
   // The client is still served (its late reply was not sent twice).
-  kvf_client_stats cs;
+  kvf_client_stats cs = KVF_CLIENT_STATS_INIT;
   EXPECT_EQ(kvf_client_stat(e.c, &cs), KVF_SUCCESS) << kvf_last_error();
 }
 

@@ -281,7 +281,7 @@ kvf_status make_memory(const Model &m, uint32_t k, EngineMemory *mem) {
 // Register mem as model m; a success whose reply does not count what mem
 // implies (k imports, one alias per region) is KVF_ERR_INTERNAL.
 kvf_status register_memory(kvf_client *c, const Model &m, const EngineMemory &mem, kvf_client_registration *r) {
-  kvf_client_registration local;
+  kvf_client_registration local = KVF_CLIENT_REGISTRATION_INIT;
   if (r == nullptr) r = &local;
   kvf_status st = kvf_client_register(c, m.json.data(), m.json.size(), -1, mem.regions.data(), m.regions(), r);
   if (st == KVF_SUCCESS && (r->imports != mem.imports() || r->aliases != m.regions())) return KVF_ERR_INTERNAL;
@@ -303,7 +303,8 @@ kvf_client *connect_client(const std::string &dir, const char *name, kvf_status 
 
 // STAT over a fresh connection (a connection kept silent would be reaped).
 bool stat_fresh(const std::string &dir, kvf_client_stats *out) {
-  std::memset(out, 0, sizeof(*out));
+  const kvf_client_stats zero = KVF_CLIENT_STATS_INIT;  // all counters 0
+  *out = zero;
   kvf_client *c = connect_client(dir, "stat");
   if (c == nullptr) return false;
   bool ok = kvf_client_stat(c, out) == KVF_SUCCESS;
@@ -572,8 +573,7 @@ int scripted_engine(const std::string &dir, const Model &a, const Model &b, uint
       return 0;
     }
     kvf_status st = KVF_SUCCESS;
-    kvf_client_registration r;
-    std::memset(&r, 0, sizeof r);
+    kvf_client_registration r = KVF_CLIENT_REGISTRATION_INIT;  // all fields 0
     switch (cmd) {
       case 'c':
         kvf_client_disconnect(c);
@@ -626,7 +626,7 @@ int holding_engine(const std::string &dir, const Model &m, uint32_t k, uint64_t 
   kvf_status st = KVF_SUCCESS;
   kvf_client *c = connect_client(dir, "holding", &st);
   if (c == nullptr) return 12;
-  kvf_client_registration r;
+  kvf_client_registration r = KVF_CLIENT_REGISTRATION_INIT;
   st = register_memory(c, m, mem, &r);
   if (!send_report(report, st, &r) || st != KVF_SUCCESS) return 13;
   for (;;) {
@@ -718,7 +718,7 @@ int churn_engine(const std::string &dir, const std::vector<Model> &models, uint6
         if (make_memory(home, 2, &mem) != KVF_SUCCESS) return 31;
         kvf_client *c = connect_client(dir, "survivor");
         if (c == nullptr) return 32;
-        kvf_client_registration r;
+        kvf_client_registration r = KVF_CLIENT_REGISTRATION_INIT;
         if (register_memory(c, home, mem, &r) != KVF_SUCCESS) return 33;
         Settled s = {r.imports, r.aliases};
         if (!put(report, &s, sizeof s)) return 34;
@@ -740,7 +740,7 @@ int churn_engine(const std::string &dir, const std::vector<Model> &models, uint6
     }
     const Model &m = models[rng() % models.size()];
     uint32_t k = 1 + (uint32_t)(rng() % std::min<uint32_t>(3, m.regions()));
-    kvf_client_info info;
+    kvf_client_info info = KVF_CLIENT_INFO_INIT;
     kvf_client *c = connect_client(dir, survivor ? "survivor" : "victim", nullptr, &info);
     if (c == nullptr) return 10;
     EngineMemory mem;
@@ -806,7 +806,7 @@ TEST_F(Lifecycle, EnginesKilledAtRandomPointsAreReapedAndTheSurvivorIsServedThro
         << when << ": the survivor did not settle (exit status " << reap(survivor.pid, 1000) << ")";
     EXPECT_EQ(s.imports, 2u);
     EXPECT_EQ(s.aliases, models[0].regions());
-    kvf_client_stats st;
+    kvf_client_stats st = KVF_CLIENT_STATS_INIT;
     bool ok = wait_settled(dir_, Want{s.imports, s.aliases, 1}, kTimeoutMs + kMarginMs - (mono_ms() - since_ms), &st);
     int64_t took = mono_ms() - since_ms;
     EXPECT_TRUE(ok) << when << ": not reaped within " << kTimeoutMs << " + " << kMarginMs << " ms: " << describe(st)
@@ -866,7 +866,7 @@ TEST_F(Lifecycle, EnginesKilledAtRandomPointsAreReapedAndTheSurvivorIsServedThro
   check_only_survivor(mono_ms(), "the end");
   ASSERT_TRUE(put_byte(survivor.control, 'q'));
   EXPECT_EQ(finish(survivor), 0) << "the survivor failed a call (30+: settling, 10+: churning)";
-  kvf_client_stats st;
+  kvf_client_stats st = KVF_CLIENT_STATS_INIT;
   EXPECT_TRUE(wait_settled(dir_, Want{0, 0, 0}, 2000, &st)) << describe(st);
   EXPECT_EQ(server_.stop(), 0) << "2 create, 3 run, 4 still mapped, 5 descriptors leaked";
 }
@@ -890,7 +890,7 @@ TEST_F(Lifecycle, ARestartedEngineIsServedAnew) {
     EXPECT_EQ(r.aliases, mla_.regions());
     return e;
   };
-  kvf_client_stats st;
+  kvf_client_stats st = KVF_CLIENT_STATS_INIT;
 
   // Generation 1 registers and dies; the server drains it.
   Engine &g1 = holder(1);
@@ -1269,7 +1269,7 @@ TEST_F(Lifecycle, AClientOfAnotherUidIsRefusedWhileTheServerKeepsServing) {
       kvf_status st = KVF_SUCCESS;
       kvf_client *c = connect_client(dir_, "intruder", &st);
       if (c != nullptr) {  // it must not get this far; if it did, try to do harm
-        kvf_client_stats s;
+        kvf_client_stats s = KVF_CLIENT_STATS_INIT;
         kvf_client_stat(c, &s);
         kvf_client_disconnect(c);
       }
@@ -1296,7 +1296,7 @@ TEST_F(Lifecycle, AClientOfAnotherUidIsRefusedWhileTheServerKeepsServing) {
   // The legitimate engine was served all along, and a new client is.
   r = command(e, 'h');
   EXPECT_EQ(r.status, KVF_SUCCESS) << r.message;
-  kvf_client_stats st;
+  kvf_client_stats st = KVF_CLIENT_STATS_INIT;
   EXPECT_TRUE(wait_settled(dir_, a, 1000, &st)) << describe(st);
   std::ifstream in(log);
   std::stringstream text;

@@ -203,8 +203,7 @@ class Server : public ::testing::Test {
 
   // STAT over a fresh connection (a connection kept silent would be reaped).
   kvf_client_stats stat_now() {
-    kvf_client_stats s;
-    memset(&s, 0, sizeof(s));
+    kvf_client_stats s = KVF_CLIENT_STATS_INIT;  // all counters 0
     kvf_client_options o = KVF_CLIENT_OPTIONS_INIT;
     o.socket_dir = dir_.c_str();
     kvf_client *c = nullptr;
@@ -264,7 +263,7 @@ TEST_F(Server, RegisterUnregisterRoundTrip) {
   kvf_client_options o = KVF_CLIENT_OPTIONS_INIT;
   o.socket_dir = dir_.c_str();
   kvf_client *c = nullptr;
-  kvf_client_info info;
+  kvf_client_info info = KVF_CLIENT_INFO_INIT;
   ASSERT_EQ(kvf_client_connect(&o, &c, &info), KVF_SUCCESS) << kvf_last_error();
   EXPECT_NE(info.boot_token, 0u);
   EXPECT_EQ(info.heartbeat_timeout_ms, 5000u);
@@ -278,7 +277,7 @@ TEST_F(Server, RegisterUnregisterRoundTrip) {
   kvf_mem_alloc *a = nullptr;
   ASSERT_EQ(kvf_mem_alloc_create(&ao, &a), KVF_SUCCESS);
   kvf_client_region regs[2] = {{a, 0, size_}, {a, size_, size_}};
-  kvf_client_registration r;
+  kvf_client_registration r = KVF_CLIENT_REGISTRATION_INIT;
   ASSERT_EQ(kvf_client_register(c, kTinyGeometry, strlen(kTinyGeometry), -1, regs, 2, &r), KVF_SUCCESS)
       << kvf_last_error();
   EXPECT_NE(r.registration_id, 0u);
@@ -307,7 +306,7 @@ TEST_F(Server, RegisterUnregisterRoundTrip) {
   EXPECT_EQ(s.aliases, 2u);
 
   // Registering again replaces it; the old one is unmapped (same memory: one import).
-  kvf_client_registration r2;
+  kvf_client_registration r2 = KVF_CLIENT_REGISTRATION_INIT;
   ASSERT_EQ(kvf_client_register(c, kTinyGeometry, strlen(kTinyGeometry), -1, regs, 2, &r2), KVF_SUCCESS);
   EXPECT_GT(r2.registration_id, r.registration_id);
   EXPECT_EQ(r2.fingerprint, r.fingerprint);
@@ -512,7 +511,7 @@ TEST_F(Server, StatListsEveryClientWithItsOwnCounters) {
   o.name = "observer";
   kvf_client *c = nullptr;
   ASSERT_EQ(kvf_client_connect(&o, &c, nullptr), KVF_SUCCESS) << kvf_last_error();
-  kvf_client_stats total;
+  kvf_client_stats total = KVF_CLIENT_STATS_INIT;
   kvf_client_stat_record rec[8];
   uint32_t n = 0;
   ASSERT_EQ(kvf_client_stat_clients(c, &total, rec, 8, &n), KVF_SUCCESS) << kvf_last_error();

@@ -1063,4 +1063,71 @@ TEST_F(VersionedClient, ClientResult) {
   kvf_client_disconnect(c);
 }
 
+TEST_F(VersionedClient, ClientInfo) {
+  kvf_client_options o = Options();
+  auto connect = [&](kvf_client_info *info) {
+    kvf_client *c = nullptr;
+    kvf_status st = kvf_client_connect(&o, &c, info);
+    kvf_client_disconnect(c);
+    return st;
+  };
+  const kvf_client_info init = KVF_CLIENT_INFO_INIT;
+  ExpectTheRule<kvf_client_info>("kvf_client_info", init, connect, KVF_SUCCESS);
+  // (1) a caller without `protocol_version`: never written.
+  Caller<kvf_client_info> older(init);
+  older.poison_from(8);
+  older.set_size(offsetof(kvf_client_info, protocol_version));
+  ASSERT_EQ(connect(older.get()), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(older.get()->boot_token, kvf_server_boot_token(server_.s));
+  EXPECT_EQ(older.get()->server_pid, (uint32_t)getpid());
+  EXPECT_TRUE(older.untouched_from(offsetof(kvf_client_info, protocol_version)));
+}
+
+TEST_F(VersionedClient, ClientRegistration) {
+  kvf_client *c = Connect();
+  ASSERT_NE(c, nullptr);
+  kvf_client_region regs[2] = {{alloc_, 0, region_bytes_}, {alloc_, region_bytes_, region_bytes_}};
+  auto reg = [&](kvf_client_registration *out) {
+    return kvf_client_register(c, kTinyGeometry, strlen(kTinyGeometry), -1, regs, 2, out);
+  };
+  const kvf_client_registration init = KVF_CLIENT_REGISTRATION_INIT;
+  ExpectTheRule<kvf_client_registration>("kvf_client_registration", init, reg, KVF_SUCCESS);
+  // (1) a caller without `aliases`: never written.
+  Caller<kvf_client_registration> older(init);
+  older.poison_from(8);
+  older.set_size(offsetof(kvf_client_registration, aliases));
+  ASSERT_EQ(reg(older.get()), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_NE(older.get()->fingerprint, 0u);
+  EXPECT_EQ(older.get()->imports, 1u);
+  EXPECT_TRUE(older.untouched_from(offsetof(kvf_client_registration, aliases)));
+  kvf_client_disconnect(c);
+}
+
+TEST_F(VersionedClient, ClientStats) {
+  kvf_client *c = Connect();
+  ASSERT_NE(c, nullptr);
+  const kvf_client_stats init = KVF_CLIENT_STATS_INIT;
+  ExpectTheRule<kvf_client_stats>("kvf_client_stats", init, [&](kvf_client_stats *s) { return kvf_client_stat(c, s); },
+                                  KVF_SUCCESS);
+  kvf_client_stat_record records[4];
+  uint32_t count = 0;
+  ExpectTheRule<kvf_client_stats>(
+      "kvf_client_stats", init,
+      [&](kvf_client_stats *s) { return kvf_client_stat_clients(c, s, records, 4, &count); }, KVF_SUCCESS);
+  EXPECT_EQ(count, 1u);
+  // (1) a caller without `lanes`: never written.
+  for (int per_client = 0; per_client < 2; per_client++) {
+    Caller<kvf_client_stats> older(init);
+    older.poison_from(8);
+    older.set_size(offsetof(kvf_client_stats, lanes));
+    ASSERT_EQ(per_client ? kvf_client_stat_clients(c, older.get(), records, 4, &count) : kvf_client_stat(c, older.get()),
+              KVF_SUCCESS)
+        << kvf_last_error();
+    EXPECT_EQ(older.get()->boot_token, kvf_server_boot_token(server_.s));
+    EXPECT_EQ(older.get()->in_flight, 0u);
+    EXPECT_TRUE(older.untouched_from(offsetof(kvf_client_stats, lanes)));
+  }
+  kvf_client_disconnect(c);
+}
+
 }  // namespace

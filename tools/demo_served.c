@@ -214,7 +214,7 @@ int cmd_demo_engine(int argc, char **argv) {
   co.name = a.name;
   co.heartbeat_thread = 1;
   co.timeout_ms = 120000;
-  kvf_client_info info;
+  kvf_client_info info = KVF_CLIENT_INFO_INIT;
   if (kvf_client_connect(&co, &client, &info) != KVF_SUCCESS) {
     fprintf(stderr, "demo engine %s: connect: %s\n", a.name, kvf_last_error());
     goto out;
@@ -223,7 +223,7 @@ int cmd_demo_engine(int argc, char **argv) {
   if (cache.num_regions > 64) goto out;
   for (uint32_t r = 0; r < cache.num_regions; r++)
     regions[r] = (kvf_client_region){cache.alloc, cache.offsets[r], src.sizes[r]};
-  kvf_client_registration reg;
+  kvf_client_registration reg = KVF_CLIENT_REGISTRATION_INIT;
   if (kvf_client_register(client, json, json_len, a.device, regions, cache.num_regions, &reg) != KVF_SUCCESS) {
     fprintf(stderr, "demo engine %s: register: %s\n", a.name, kvf_last_error());
     goto out;
@@ -454,7 +454,7 @@ static int wait_exit(pid_t pid, int timeout_s) {
 }
 
 static void print_stat(kvf_client *c, const char *when) {
-  kvf_client_stats s;
+  kvf_client_stats s = KVF_CLIENT_STATS_INIT;
   if (kvf_client_stat(c, &s) != KVF_SUCCESS) {
     printf("  STAT failed: %s\n", kvf_last_error());
     return;

@@ -826,8 +826,8 @@ static int cmd_stat(int argc, char **argv) {
   opt.socket_dir = dir;
   opt.name = "kvferry stat";
   kvf_client *c = NULL;
-  kvf_client_info info;
-  kvf_client_stats st;
+  kvf_client_info info = KVF_CLIENT_INFO_INIT;
+  kvf_client_stats st = KVF_CLIENT_STATS_INIT;
   enum { MAX_RECORDS = 1024 };
   static kvf_client_stat_record rec[MAX_RECORDS];
   uint32_t nrec = 0;

@@ -468,6 +468,7 @@ kvf_status kvf_client_connect(const kvf_client_options *caller, kvf_client **out
   kvf_client_options local = KVF_CLIENT_OPTIONS_INIT;
   const kvf_client_options *options = &local;
   kvf_status vs = KVF_VERSIONED_IN(kvf_client_options, &local, caller);
+  if (vs == KVF_SUCCESS && info) vs = KVF_VERSIONED_CHECK(kvf_client_info, info);
   if (vs != KVF_SUCCESS) return vs;
   if (!options->socket_dir) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "options.socket_dir: required");
   if (options->name && strlen(options->name) >= KVF_PROTO_NAME_MAX)
@@ -506,6 +507,7 @@ kvf_status kvf_client_connect(const kvf_client_options *caller, kvf_client **out
   kvf_proto_hello_reply hr;
   st = client_hello(&c->conn, c->name, c->timeout_ms, NULL, &hr);
   if (st != KVF_SUCCESS) goto fail;
+  c->info = (kvf_client_info)KVF_CLIENT_INFO_INIT;
   c->info.client_id = hr.client_id;
   c->info.boot_token = hr.boot_token;
   c->info.server_pid = hr.server_pid;
@@ -530,7 +532,7 @@ kvf_status kvf_client_connect(const kvf_client_options *caller, kvf_client **out
       goto fail;
     }
   }
-  if (info) *info = c->info;
+  if (info) (void)KVF_VERSIONED_OUT(kvf_client_info, info, &c->info); /* checked above */
   *out = c;
   return KVF_SUCCESS;
 fail:
@@ -551,7 +553,8 @@ kvf_status kvf_client_register(kvf_client *client, const char *geometry_json, si
   if (num_regions > KVF_PROTO_MAX_REGIONS)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "num_regions: %u over the limit %u", num_regions,
                     KVF_PROTO_MAX_REGIONS);
-  kvf_status st = KVF_SUCCESS;
+  kvf_status st = out ? KVF_VERSIONED_CHECK(kvf_client_registration, out) : KVF_SUCCESS;
+  if (st != KVF_SUCCESS) return st;
   int fds[KVF_PROTO_MAX_FDS] = {0}; /* closed on every path: initialized for the compiler */
   kvf_mem_alloc *exported[KVF_PROTO_MAX_FDS];
   uint32_t num_fds = 0;
@@ -608,10 +611,12 @@ kvf_status kvf_client_register(kvf_client *client, const char *geometry_json, si
   st = client_call(client, &req, fds, num_fds, KVF_PROTO_REGISTER_REPLY, &rep);
   if (st != KVF_SUCCESS) goto out;
   if (out) {
-    out->registration_id = rep.u.register_reply.registration_id;
-    out->fingerprint = rep.u.register_reply.fingerprint;
-    out->imports = rep.u.register_reply.imports;
-    out->aliases = rep.u.register_reply.aliases;
+    kvf_client_registration got = KVF_CLIENT_REGISTRATION_INIT;
+    got.registration_id = rep.u.register_reply.registration_id;
+    got.fingerprint = rep.u.register_reply.fingerprint;
+    got.imports = rep.u.register_reply.imports;
+    got.aliases = rep.u.register_reply.aliases;
+    (void)KVF_VERSIONED_OUT(kvf_client_registration, out, &got); /* checked above */
   }
   kvf_proto_msg_clear(&rep);
 out:
@@ -655,18 +660,20 @@ kvf_status kvf_client_heartbeat(kvf_client *client, uint64_t *boot_token) {
   return client_heartbeat_once(client, boot_token);
 }
 
-/* STAT with `flags`; fills *out (may be NULL) and the client records. */
-static kvf_status client_stat(kvf_client *client, uint32_t flags, kvf_client_stats *out,
+/* STAT with `flags`; fills *caller (may be NULL) and the client records. */
+static kvf_status client_stat(kvf_client *client, uint32_t flags, kvf_client_stats *caller,
                               kvf_client_stat_record *records, uint32_t capacity, uint32_t *count) {
+  kvf_status st = caller ? KVF_VERSIONED_CHECK(kvf_client_stats, caller) : KVF_SUCCESS;
+  if (st != KVF_SUCCESS) return st;
+  kvf_client_stats local = KVF_CLIENT_STATS_INIT, *out = caller ? &local : NULL;
   kvf_proto_msg req, rep;
   memset(&req, 0, sizeof(req));
   req.type = KVF_PROTO_STAT;
   req.u.stat.flags = flags;
-  kvf_status st = client_call(client, &req, NULL, 0, KVF_PROTO_STAT_REPLY, &rep);
+  st = client_call(client, &req, NULL, 0, KVF_PROTO_STAT_REPLY, &rep);
   if (st != KVF_SUCCESS) return st;
   if (out) {
     const kvf_proto_counters *t = &rep.u.stat_reply.total;
-    memset(out, 0, sizeof(*out));
     out->boot_token = rep.u.stat_reply.boot_token;
     out->registering = t->registrations[KVF_PROTO_REG_REGISTERING];
     out->active = t->registrations[KVF_PROTO_REG_ACTIVE];
@@ -685,6 +692,7 @@ static kvf_status client_stat(kvf_client *client, uint32_t flags, kvf_client_sta
     out->retrieves_total = d->retrieves_total;
     out->in_flight = d->in_flight;
     out->lanes = d->lanes;
+    (void)KVF_VERSIONED_OUT(kvf_client_stats, caller, &local); /* checked above */
   }
   if (count) *count = rep.u.stat_reply.num_clients;
   for (uint32_t i = 0; records && i < rep.u.stat_reply.num_clients && i < capacity; i++) {

@@ -51,8 +51,10 @@ typedef struct kvf_client_options {
 } kvf_client_options;
 #define KVF_CLIENT_OPTIONS_INIT {sizeof(kvf_client_options), KVF_CLIENT_VERSION, NULL, NULL, 0, 0, 0}
 
-/* What the server said at connect. */
+/* What the server said at connect. Fill from KVF_CLIENT_INFO_INIT. */
 typedef struct kvf_client_info {
+  uint32_t struct_size;
+  uint32_t version;
   uint64_t client_id;  /* the server's name for this connection */
   uint64_t boot_token; /* the server's boot token */
   uint32_t server_pid;
@@ -60,6 +62,7 @@ typedef struct kvf_client_info {
   uint32_t heartbeat_timeout_ms; /* silent longer than this: reaped */
   uint16_t protocol_version;
 } kvf_client_info;
+#define KVF_CLIENT_INFO_INIT {sizeof(kvf_client_info), KVF_CLIENT_VERSION, 0, 0, 0, 0, 0, 0}
 
 /* One region of the geometry: bytes [offset, offset + length) of `alloc`
  * (created by kvf_mem_alloc_create or found by kvf_mem_alloc_find). Several
@@ -70,16 +73,21 @@ typedef struct kvf_client_region {
   uint64_t length;
 } kvf_client_region;
 
-/* What a registration got. */
+/* What a registration got. Fill from KVF_CLIENT_REGISTRATION_INIT. */
 typedef struct kvf_client_registration {
+  uint32_t struct_size;
+  uint32_t version;
   uint64_t registration_id;
   uint64_t fingerprint; /* the server's canonical fingerprint of the geometry */
   uint32_t imports;     /* mappings the server holds for this client */
   uint32_t aliases;     /* views of this client's active registration */
 } kvf_client_registration;
+#define KVF_CLIENT_REGISTRATION_INIT {sizeof(kvf_client_registration), KVF_CLIENT_VERSION, 0, 0, 0, 0}
 
-/* Server-wide counters (STAT). */
+/* Server-wide counters (STAT). Fill from KVF_CLIENT_STATS_INIT. */
 typedef struct kvf_client_stats {
+  uint32_t struct_size;
+  uint32_t version;
   uint64_t boot_token;
   uint32_t registering, active, draining; /* registrations by state now */
   uint32_t closed_total, failed_total;    /* since the server started */
@@ -90,9 +98,12 @@ typedef struct kvf_client_stats {
   uint64_t stores_total, retrieves_total, in_flight;
   uint32_t lanes;                 /* one per GPU served, plus the host lane */
 } kvf_client_stats;
+#define KVF_CLIENT_STATS_INIT \
+  {sizeof(kvf_client_stats), KVF_CLIENT_VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 
 /* Connect to the server of options->socket_dir and say HELLO. Returns
- * KVF_SUCCESS and *out (info, may be NULL, filled); KVF_ERR_NOT_FOUND (no
+ * KVF_SUCCESS and *out (info, may be NULL, filled: fill it from
+ * KVF_CLIENT_INFO_INIT first); KVF_ERR_NOT_FOUND (no
  * server runs there); KVF_ERR_PERMISSION; KVF_ERR_PROTOCOL (the server speaks
  * another protocol version: the message names both); KVF_ERR_TIMEOUT;
  * KVF_ERR_DISCONNECTED; KVF_ERR_INVALID_ARGUMENT; KVF_ERR_OUT_OF_MEMORY;
@@ -103,7 +114,7 @@ KVF_API kvf_status kvf_client_connect(const kvf_client_options *options, kvf_cli
  * region per geometry region, in order. `device` is the GPU the engine runs
  * on (-1: host). All or nothing on the server: on failure the previous
  * registration, if any, keeps serving. Returns KVF_SUCCESS and *out (may be
- * NULL); the server's status (KVF_ERR_INVALID_ARGUMENT, KVF_ERR_PARSE,
+ * NULL; fill it from KVF_CLIENT_REGISTRATION_INIT first); the server's status (KVF_ERR_INVALID_ARGUMENT, KVF_ERR_PARSE,
  * KVF_ERR_INVALID_GEOMETRY, KVF_ERR_PROTOCOL...: the message names the
  * field); KVF_ERR_TIMEOUT (no reply in time: the request is dropped, a late
  * reply is discarded, the connection stays usable); KVF_ERR_DISCONNECTED
@@ -132,7 +143,7 @@ typedef struct kvf_client_stat_record {
   uint64_t imports, aliases, leases;
 } kvf_client_stat_record;
 
-/* The server's counters. */
+/* The server's counters (*out filled from KVF_CLIENT_STATS_INIT first). */
 KVF_API kvf_status kvf_client_stat(kvf_client *client, kvf_client_stats *out);
 
 /* The server's counters (out may be NULL) and one record per connected
