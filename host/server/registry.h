@@ -252,8 +252,9 @@ typedef struct kvf_registry_stats {
   {sizeof(kvf_registry_stats), KVF_REGISTRY_VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 
 /* Counters for the whole registry. Returns KVF_SUCCESS;
- * KVF_ERR_INVALID_ARGUMENT (NULL, or out not filled from
- * KVF_REGISTRY_STATS_INIT). */
+ * KVF_ERR_INVALID_ARGUMENT (NULL, or an out that breaks the versioned-struct
+ * rule of kvferry/kvferry.h, which the internal structs follow too: fill it
+ * from KVF_REGISTRY_STATS_INIT). */
 kvf_status kvf_registry_stats_get(kvf_registry *r, kvf_registry_stats *out);
 
 /* Counters for one client. Same statuses, plus KVF_ERR_NOT_FOUND (unknown

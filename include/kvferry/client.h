@@ -66,7 +66,8 @@ typedef struct kvf_client_info {
 
 /* One region of the geometry: bytes [offset, offset + length) of `alloc`
  * (created by kvf_mem_alloc_create or found by kvf_mem_alloc_find). Several
- * regions may share one allocation: it is exported once. */
+ * regions may share one allocation: it is exported once. An array element:
+ * a fixed layout (kvferry/kvferry.h), never extended. */
 typedef struct kvf_client_region {
   kvf_mem_alloc *alloc;
   uint64_t offset;
@@ -134,7 +135,8 @@ KVF_API kvf_status kvf_client_unregister(kvf_client *client, uint64_t registrati
  * when it differs from the one at connect, the server restarted. */
 KVF_API kvf_status kvf_client_heartbeat(kvf_client *client, uint64_t *boot_token);
 
-/* One connected client in STAT. */
+/* One connected client in STAT. An array element: a fixed layout
+ * (kvferry/kvferry.h), never extended. */
 typedef struct kvf_client_stat_record {
   uint64_t client_id;
   uint32_t pid;                           /* what its HELLO said */

@@ -33,6 +33,8 @@
 extern "C" {
 #endif
 
+/* One group's block table. An array element: a fixed layout
+ * (kvferry/kvferry.h), never extended. */
 typedef struct kvf_group_blocks {
   const uint32_t *block_ids; /* count entries; NULL or count 0: the group does not move */
   uint64_t first_block;      /* local block index of block_ids[0] */
@@ -53,11 +55,14 @@ typedef struct kvf_copy_request {
 #define KVF_COPY_REQUEST_INIT \
   {sizeof(kvf_copy_request), KVF_DESC_VERSION, NULL, 0, 0, KVF_FORMAT_CANONICAL, NULL, NULL}
 
-/* Number of chunks (objects per object group) the request spans. */
+/* Number of chunks (objects per object group) the request spans; 0 for NULL
+ * pointers or a request that breaks the versioned-struct rule
+ * (kvferry/kvferry.h). */
 KVF_API uint64_t kvf_copy_request_chunks(const kvf_geometry *geometry, const kvf_copy_request *request);
 
 /* Check a request against a finalized geometry without moving anything:
- * token range, format, block ids (< num_blocks), region bases (present and
+ * its header (the versioned-struct rule of kvferry/kvferry.h), token range,
+ * format, block ids (< num_blocks), region bases (present and
  * aligned where a moving view lives), objects (present where a moving group
  * needs one), and for the native format whole blocks per chunk.
  * KVF_ERR_INVALID_ARGUMENT with a message naming the field

@@ -49,8 +49,8 @@ typedef struct kvf_cuda_info {
  *                             without CUDA, or KVF_CUDA_DISABLE=1
  *   KVF_ERR_NO_DEVICE         a driver but no visible device
  *   KVF_ERR_CUDA              the driver failed in another way
- *   KVF_ERR_INVALID_ARGUMENT  out is NULL, or its struct_size or version is not
- *                             one this library knows
+ *   KVF_ERR_INVALID_ARGUMENT  out is NULL, or breaks the versioned-struct rule
+ *                             (kvferry/kvferry.h; out is then untouched)
  * On failure kvf_last_error() holds the same text as out->message.
  */
 KVF_API kvf_status kvf_cuda_probe(kvf_cuda_info *out);

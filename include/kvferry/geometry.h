@@ -87,7 +87,8 @@ typedef struct kvf_group_desc {
 } kvf_group_desc;
 #define KVF_GROUP_DESC_INIT {sizeof(kvf_group_desc), KVF_DESC_VERSION, NULL, KVF_GROUP_FULL, 16, 0, 0, 0}
 
-/* One state tensor of a recurrent layer: bytes at an offset inside the slot. */
+/* One state tensor of a recurrent layer: bytes at an offset inside the slot.
+ * An array element: a fixed layout (kvferry/kvferry.h), never extended. */
 typedef struct kvf_state_desc {
   uint64_t offset; /* from the view's slot start */
   uint64_t bytes;
@@ -131,7 +132,9 @@ typedef struct kvf_object_policy {
 } kvf_object_policy;
 #define KVF_OBJECT_POLICY_INIT {sizeof(kvf_object_policy), KVF_DESC_VERSION, 256, KVF_FORMAT_CANONICAL, 1, 0}
 
-/* Detail of a validation failure: which group, layer and field, and why. */
+/* Detail of a validation failure: which group, layer and field, and why. A
+ * fixed layout without a header (kvferry/kvferry.h): it is filled on
+ * failure, when a header the caller forgot would hide the real error. */
 typedef struct kvf_geometry_error {
   kvf_status status;
   int32_t group;              /* -1 when the rule is not about one group */
@@ -152,8 +155,9 @@ KVF_API void kvf_geometry_destroy(kvf_geometry *geometry);
 
 /* Append a region; its index (0, 1, ...) is returned in *out_index (may be
  * NULL). Descriptor fields are checked at finalize, except struct_size and
- * version. Returns KVF_ERR_STATE after finalize, KVF_ERR_INVALID_ARGUMENT for
- * a NULL or unknown-version descriptor or too many regions. */
+ * version, which follow the versioned-struct rule (kvferry/kvferry.h).
+ * Returns KVF_ERR_STATE after finalize, KVF_ERR_INVALID_ARGUMENT for a NULL
+ * descriptor, one that breaks that rule, or too many regions. */
 KVF_API kvf_status kvf_geometry_add_region(kvf_geometry *geometry, const kvf_region_desc *desc,
                                            uint32_t *out_index);
 
@@ -240,7 +244,9 @@ KVF_API kvf_status kvf_geometry_group(const kvf_geometry *geometry, uint32_t ind
 KVF_API kvf_status kvf_geometry_object_group(const kvf_geometry *geometry, uint32_t index,
                                              kvf_object_group_info *out);
 
-/* Copy layer `layer` of group `group` into *out (name points into the geometry). */
+/* Copy layer `layer` of group `group` into *out (name points into the
+ * geometry). *out, and the policy's *out below, are filled from their _INIT
+ * macro and written by the versioned-struct rule (kvferry/kvferry.h). */
 KVF_API kvf_status kvf_geometry_view(const kvf_geometry *geometry, uint32_t group, uint32_t layer,
                                      kvf_view_desc *out);
 
@@ -318,7 +324,8 @@ KVF_API kvf_status kvf_geometry_object_segment(const kvf_geometry *geometry, kvf
                                                uint64_t *segment_bytes);
 
 /* Metadata stored with every object, so a retrieve into another geometry or
- * format fails clearly instead of scattering garbage. */
+ * format fails clearly instead of scattering garbage. A stored layout: fixed
+ * (kvferry/kvferry.h), never extended. */
 typedef struct kvf_object_header {
   uint32_t magic;          /* KVF_OBJECT_MAGIC */
   uint16_t header_version; /* 1 */

@@ -53,7 +53,7 @@ typedef enum kvf_mem_provider {
  * its mappings by (instance_id, allocation_id, generation); size, provider
  * and device_uuid must then agree with the mapping already held. A plain
  * struct of fixed-width fields (64 bytes), so it can be sent as it is
- * between processes of the same machine. */
+ * between processes of the same machine: a fixed layout (kvferry/kvferry.h). */
 typedef struct kvf_mem_identity {
   uint64_t instance_id;   /* the exporting process (kvf_mem_instance) */
   uint64_t allocation_id; /* unique within the instance, never reused */
@@ -228,7 +228,8 @@ typedef struct kvf_import_table_options {
 #define KVF_IMPORT_TABLE_OPTIONS_INIT {sizeof(kvf_import_table_options), KVF_MEM_VERSION, NULL, 0}
 
 /* One view of a registration: a byte range of an allocation a client
- * exported. Views with the same identity share one mapping. */
+ * exported. Views with the same identity share one mapping. An array
+ * element: a fixed layout (kvferry/kvferry.h), never extended. */
 typedef struct kvf_import_view {
   kvf_mem_identity identity;
   int fd;          /* the exported descriptor, or -1 when another view of this call carries one
@@ -247,7 +248,8 @@ typedef enum kvf_import_reg_state {
   KVF_IMPORT_REG_FAILED = 4,      /* (internal: a rolled-back attempt) */
 } kvf_import_reg_state;
 
-/* Where a registered view lives in this process. */
+/* Where a registered view lives in this process. Filled per view index, like
+ * an array element: a fixed layout (kvferry/kvferry.h), never extended. */
 typedef struct kvf_import_view_info {
   void *base;              /* the mapping's base (the allocation's first byte): a region base */
   void *ptr;               /* base + offset: the view's first byte */
@@ -331,8 +333,8 @@ KVF_API kvf_status kvf_import_table_unregister(kvf_import_table *table, kvf_impo
 KVF_API kvf_status kvf_import_table_collect(kvf_import_table *table);
 
 /* Counters for the whole table. Returns KVF_SUCCESS; KVF_ERR_INVALID_ARGUMENT
- * (NULL, or out->struct_size/version unknown: fill it from
- * KVF_IMPORT_STATS_INIT). */
+ * (NULL, or an out that breaks the versioned-struct rule, kvferry/kvferry.h:
+ * fill it from KVF_IMPORT_STATS_INIT). */
 KVF_API kvf_status kvf_import_table_stats(kvf_import_table *table, kvf_import_stats *out);
 
 /* Counters for one client's registrations (imports: distinct mappings its

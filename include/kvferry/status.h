@@ -10,6 +10,11 @@
  *   - Results come back through out-parameters; an out-parameter is left
  *     untouched on failure unless the function's comment says otherwise.
  *   - destroy(NULL) is always a no-op.
+ *   - Structs that start with struct_size and version are filled from their
+ *     _INIT macro and checked by one rule, the same for structs passed in
+ *     and structs the library fills: see "Versioned structs" in
+ *     kvferry/kvferry.h. A struct that breaks it is KVF_ERR_INVALID_ARGUMENT
+ *     naming the struct and the field.
  *
  * Threading: everything in this header is safe to call from any thread.
  */

@@ -92,17 +92,18 @@ KVF_API kvf_status kvf_topology_create(kvf_topology **out);
 KVF_API void kvf_topology_destroy(kvf_topology *topology);
 
 /* The machine summary. KVF_ERR_INVALID_ARGUMENT when a pointer is NULL or
- * out's struct_size or version is not one this library knows. */
+ * out breaks the versioned-struct rule (kvferry/kvferry.h). *out is untouched
+ * on failure, here and below. */
 KVF_API kvf_status kvf_topology_info_get(const kvf_topology *topology, kvf_topology_info *out);
 
 /* NUMA node `index` (0 .. num_numa_nodes-1, in hwloc's order).
- * KVF_ERR_INVALID_ARGUMENT for NULL pointers, an unknown struct version or an
- * index out of range. */
+ * KVF_ERR_INVALID_ARGUMENT for NULL pointers, an out that breaks the
+ * versioned-struct rule or an index out of range. */
 KVF_API kvf_status kvf_topology_numa_node(const kvf_topology *topology, uint32_t index, kvf_numa_node_info *out);
 
 /* The placement of GPU `index` (0 .. num_gpus-1; the index is the CUDA
- * ordinal). KVF_ERR_INVALID_ARGUMENT for NULL pointers, an unknown struct
- * version or an index out of range. */
+ * ordinal). KVF_ERR_INVALID_ARGUMENT for NULL pointers, an out that breaks the
+ * versioned-struct rule or an index out of range. */
 KVF_API kvf_status kvf_topology_gpu(const kvf_topology *topology, uint32_t index, kvf_gpu_placement *out);
 
 #ifdef __cplusplus

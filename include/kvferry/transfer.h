@@ -149,7 +149,10 @@ KVF_API kvf_status kvf_xfer_gather(kvf_xfer *xfer, const kvf_copy_request *reque
 /* Scatter: copy the request's objects into the cache blocks. Same rules. */
 KVF_API kvf_status kvf_xfer_scatter(kvf_xfer *xfer, const kvf_copy_request *request, kvf_stream stream);
 
-/* What the most recent successful call on this context did. */
+/* What the most recent successful call on this context did, into *out
+ * (filled from KVF_XFER_STATS_INIT). KVF_ERR_INVALID_ARGUMENT for NULL
+ * pointers or an out that breaks the versioned-struct rule
+ * (kvferry/kvferry.h; *out is then untouched). */
 KVF_API kvf_status kvf_xfer_last_stats(const kvf_xfer *xfer, kvf_xfer_stats *out);
 
 /* Human-readable name of a route ("d2h"). */
