@@ -920,7 +920,7 @@ TEST(XferStagePlan, BatchesAreWholeChunksThatFitOneBuffer) {
 
 uint32_t object_group_of(const kvf_geometry *g, uint32_t group) {
   for (uint32_t og = 0; og < kvf_geometry_num_object_groups(g); og++) {
-    kvf_object_group_info info;
+    kvf_object_group_info info = KVF_OBJECT_GROUP_INFO_INIT;
     EXPECT_EQ(kvf_geometry_object_group(g, og, &info), KVF_SUCCESS);
     for (uint32_t i = 0; i < info.num_groups; i++)
       if (info.groups[i] == group) return og;
@@ -938,7 +938,7 @@ TEST(XferStagePlan, GatherSendsObjectsItWritesInPartDirect) {
   const kvf_geometry *g = s.g();
   uint32_t nog = kvf_geometry_num_object_groups(g), og0 = object_group_of(g, 0);
   ASSERT_EQ(nog, 3u);
-  kvf_group_info g0;
+  kvf_group_info g0 = KVF_GROUP_INFO_INIT;
   ASSERT_EQ(kvf_geometry_group(g, 0, &g0), KVF_SUCCESS);
   ASSERT_NE(g0.kind, KVF_GROUP_RECURRENT);
   uint64_t per_chunk = chunk_tokens(g) / g0.block_size;
@@ -981,7 +981,7 @@ TEST(XferStagePlan, SpanIsThePartsTheRequestMoves) {
   ASSERT_NO_FATAL_FAILURE(setup_chunks("qwen3-next-like-hybrid", 2, 0, 9, &s));
   const kvf_geometry *g = s.g();
   ASSERT_EQ(kvf_geometry_num_object_groups(g), 1u);
-  kvf_object_group_info og;
+  kvf_object_group_info og = KVF_OBJECT_GROUP_INFO_INIT;
   ASSERT_EQ(kvf_geometry_object_group(g, 0, &og), KVF_SUCCESS);
   ASSERT_TRUE(og.has_attention && og.has_recurrent);
   uint64_t att = chunk_tokens(g) * og.bytes_per_token;
