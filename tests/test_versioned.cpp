@@ -25,6 +25,7 @@
 
 #include <kvferry/kvferry.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/versioned.h"
 #include "host/core/topology.h"
@@ -881,7 +882,7 @@ TEST(VersionedRegistry, RegistryStats) {
   ASSERT_EQ(kvf_import_table_create(nullptr, &t), KVF_SUCCESS);
   kvf_registry *r = nullptr;
   ASSERT_EQ(kvf_registry_create(t, nullptr, &r), KVF_SUCCESS);
-  ASSERT_EQ(kvf_registry_client_open(r, 7, kvf_registry_now_ns()), KVF_SUCCESS);
+  ASSERT_EQ(kvf_registry_client_open(r, 7, kvf_now_ns()), KVF_SUCCESS);
   const kvf_registry_stats init = KVF_REGISTRY_STATS_INIT;
   ExpectTheRule<kvf_registry_stats>("kvf_registry_stats", init,
                                     [&](kvf_registry_stats *s) { return kvf_registry_stats_get(r, s); }, KVF_SUCCESS);
