@@ -1,0 +1,145 @@
+"""Transfer contexts: gather and scatter on a GPU or on the host (kvferry/transfer.h).
+
+Stream rules (GPU): work is enqueued on the stream given; nothing
+synchronizes the device or the stream. The block ids and object pointers are
+read before the call returns. On the host backend the call returns when the
+copy is done.
+
+Threading: one context may be used from several threads at once (the C
+library serializes the staging of tables); ``close()`` waits for calls in
+flight on other threads, then destroys the context, which waits for the GPU
+work of its calls (their events, never a device synchronize).
+"""
+
+from __future__ import annotations
+
+import enum
+from ctypes import byref, c_void_p
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from . import _structs as S
+from ._buffers import stream_handle
+from ._errors import Status
+from ._handle import Handle
+from ._lib import fail, lib
+from .copy import CopyRequest
+from .geometry import Geometry
+
+__all__ = ["Route", "TransferStats", "Transfer", "DEVICE_HOST"]
+
+DEVICE_HOST = S.DEVICE_HOST
+
+
+class Route(enum.IntEnum):
+    """kvf_xfer_route: where a transfer's bytes travelled."""
+
+    HOST = 0          #: host backend: CPU copies
+    D2D = 1           #: cache and objects in this GPU's memory
+    D2H = 2           #: gather from this GPU into host memory
+    H2D = 3           #: scatter from host memory into this GPU
+    PEER = 4          #: one side in a peer GPU's memory
+    HOST_TO_HOST = 5  #: both sides in (pinned) host memory, copied by the GPU
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """kvf_xfer_stats: what the last successful call on a context did."""
+
+    route: Route
+    sms: int            #: CTAs launched (one per SM at most)
+    tasks: int          #: (layer, plane, block, slice) work items
+    payload_bytes: int  #: bytes moved (padding excluded)
+
+
+class Transfer:
+    """A transfer context (kvf_xfer) binding a finalized geometry to a backend.
+
+    Args:
+        geometry: the finalized :class:`Geometry`; it stays open while the
+            context is (its close() refuses until this one is closed).
+        device: a CUDA device ordinal, or -1 (``kvferry.DEVICE_HOST``) for the
+            host backend.
+        max_sms: cap on the SMs a launch uses; 0: the planner's default.
+        host_threads: host backend threads; 0: up to 8.
+
+    Raises KvferryError: NO_DRIVER / NO_DEVICE / UNSUPPORTED when a GPU is
+    asked for where there is none, INVALID_ARGUMENT for an unknown device.
+    """
+
+    def __init__(self, geometry: Geometry, device: int = DEVICE_HOST, *, max_sms: int = 0,
+                 host_threads: int = 0) -> None:
+        if not isinstance(geometry, Geometry):
+            raise fail(Status.INVALID_ARGUMENT, "a kvferry.Geometry is required", "geometry")
+        opts = S.kvf_xfer_options.init()
+        opts.device = int(device)
+        opts.max_sms = int(max_sms)
+        opts.host_threads = int(host_threads)
+        out = c_void_p()
+        with geometry._reading() as g:
+            lib.kvf_xfer_create(g, byref(opts), byref(out))
+        self.geometry = geometry
+        self.device = int(device)
+        self._handle = Handle(out.value, lib.kvf_xfer_destroy, "transfer context")
+        geometry._add_user(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._handle.closed
+
+    def _run(self, fn: Any, direction: str, request: CopyRequest, stream: Any) -> None:
+        if not isinstance(request, CopyRequest):
+            raise fail(Status.INVALID_ARGUMENT, "a kvferry.CopyRequest is required", "request")
+        if request.geometry is not self.geometry:
+            raise fail(Status.INVALID_ARGUMENT, "the request was built for another geometry "
+                       "than this context's", "request")
+        request._require(direction, host=self.device == DEVICE_HOST)
+        handle = stream_handle(stream)
+        with self._handle.use() as x:
+            fn(x, byref(request._c), handle or None)
+
+    def gather(self, request: CopyRequest, stream: Any = None) -> None:
+        """Copy the request's blocks from the cache into the objects, on
+        ``stream`` (None: the legacy default stream; an int handle, an object
+        with ``__cuda_stream__``, or a torch.cuda.Stream). Nothing is
+        enqueued on failure."""
+        self._run(lib.kvf_xfer_gather, "gather", request, stream)
+
+    def scatter(self, request: CopyRequest, stream: Any = None) -> None:
+        """Copy the request's objects into the cache blocks. Same rules as gather."""
+        self._run(lib.kvf_xfer_scatter, "scatter", request, stream)
+
+    def last_stats(self) -> TransferStats:
+        """What the most recent successful call did (kvf_xfer_last_stats)."""
+        stats = S.kvf_xfer_stats.init()
+        with self._handle.use() as x:
+            lib.kvf_xfer_last_stats(x, byref(stats))
+        return TransferStats(Route(stats.route), stats.sms, stats.tasks, stats.payload_bytes)
+
+    def close(self) -> None:
+        """Destroy the context (waits for its calls' GPU work). Idempotent."""
+        self._handle.close()
+
+    def __enter__(self) -> "Transfer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        handle = getattr(self, "_handle", None)
+        if handle is not None:
+            try:
+                handle.close()
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        where = "host" if self.device == DEVICE_HOST else "cuda:%d" % self.device
+        return "<kvferry.Transfer on %s%s>" % (where, " (closed)" if self.closed else "")
+
+
+def route_name(route: Optional[Route]) -> str:
+    """The library's short name of a route ("d2h")."""
+    raw = lib.kvf_xfer_route_name(int(route or 0))
+    return raw.decode() if raw else ""
