@@ -10,7 +10,8 @@ the objects a caller passes (DLPack, ``__cuda_array_interface__``,
 Every failing call raises :class:`KvferryError`, with ``.status`` (a
 :class:`Status`), ``.field`` and ``.message``.
 
-Modules: :mod:`kvferry.geometry` (geometries, presets), :mod:`kvferry.copy` (copy requests, the CPU
+Modules: :mod:`kvferry.geometry` (geometries, presets), :mod:`kvferry.tensors`
+(geometries from tensors), :mod:`kvferry.copy` (copy requests, the CPU
 reference), :mod:`kvferry.transfer` (transfer contexts),
 :mod:`kvferry.device` (the CUDA probe), :mod:`kvferry.memory` (exportable
 allocations), :mod:`kvferry.topology`. The kvferryd client will be
@@ -31,10 +32,15 @@ from .geometry import (BLOCK_SKIP, Geometry, Group, GroupKind, ObjectFormat, Obj
                        ObjectHeader, Policy, Region, State, View, preset_dirs, presets)
 from .memory import (Allocation, MemIdentity, MemProvider, device_from_uuid, mem_granularity,
                      mem_instance, set_mem_instance)
+from .tensors import (VLLM_CROSS_LAYER, VLLM_FLASH_ATTN, VLLM_FLASHINFER, VLLM_MLA, TensorGroup,
+                      from_tensors)
 from .topology import GpuPlacement, NumaNode, Topology, topology
 from .transfer import DEVICE_HOST, Route, Transfer, TransferStats
 
 __version__ = "0.1.0"
+
+Geometry.from_tensors = staticmethod(from_tensors)  # type: ignore[attr-defined]
+
 
 def version() -> str:
     """The library's version, "MAJOR.MINOR.PATCH" (kvf_version_string)."""
@@ -62,6 +68,8 @@ __all__ = [
     "KvferryError", "Status", "RawBuffer",
     "Geometry", "GroupKind", "ObjectFormat", "View", "State", "Region", "Group", "ObjectGroup",
     "Policy", "ObjectHeader", "BLOCK_SKIP", "preset_dirs", "presets",
+    "TensorGroup", "from_tensors", "VLLM_FLASH_ATTN", "VLLM_FLASHINFER", "VLLM_MLA",
+    "VLLM_CROSS_LAYER",
     "BlockTable", "CopyRequest", "reference_gather", "reference_scatter",
     "Transfer", "TransferStats", "Route", "DEVICE_HOST",
     "CudaInfo", "cuda_probe",
