@@ -20,7 +20,7 @@ class Handle:
     caller ("destroy must not race other calls").
     """
 
-    __slots__ = ("_ptr", "_destroy", "_what", "_cond", "_users")
+    __slots__ = ("_ptr", "_destroy", "_what", "_cond", "_users", "_pins", "_pinned_by")
 
     def __init__(self, ptr: int, destroy: Callable[[int], None], what: str) -> None:
         self._ptr: Optional[int] = ptr
@@ -28,6 +28,8 @@ class Handle:
         self._what = what
         self._cond = threading.Condition(threading.Lock())
         self._users = 0
+        self._pins = 0
+        self._pinned_by = ""
 
     @property
     def closed(self) -> bool:
@@ -56,11 +58,32 @@ class Handle:
                 if self._users == 0:
                     self._cond.notify_all()
 
+    def pin(self, by: str) -> int:
+        """Hold the handle open for another object's lifetime (a transfer
+        context holds its geometry): close() refuses while pins are held.
+        Returns the pointer; release with unpin()."""
+        with self._cond:
+            ptr = self._ptr
+            if ptr is None:
+                raise KvferryError(Status.STATE, "%s: closed" % self._what, field=self._what)
+            self._pins += 1
+            self._pinned_by = by
+            return ptr
+
+    def unpin(self) -> None:
+        with self._cond:
+            self._pins -= 1
+
     def close(self) -> None:
+        """Destroy the pointer once calls in flight are done. Raises
+        KvferryError (Status.STATE) while pins are held."""
         with self._cond:
             ptr = self._ptr
             if ptr is None:
                 return
+            if self._pins:
+                raise KvferryError(Status.STATE, "%s: %d %s(s) still use it: close them first"
+                                   % (self._what, self._pins, self._pinned_by), field=self._what)
             self._ptr = None
             while self._users:
                 self._cond.wait()

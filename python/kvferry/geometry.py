@@ -19,7 +19,6 @@ import enum
 import json as _json
 import os
 import sys
-import weakref
 from ctypes import byref, c_size_t, c_uint32, c_uint64, c_void_p
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -358,7 +357,7 @@ class Geometry:
     def __init__(self, name: str = "", description: str = "") -> None:
         out = c_void_p()
         lib.kvf_geometry_create(byref(out))
-        self._init(out.value, finalized=False)
+        self._init(out.value or 0, finalized=False)
         self._policy = Policy()
         if name or description:
             self.set_name(name, description)
@@ -366,7 +365,6 @@ class Geometry:
     def _init(self, ptr: int, finalized: bool) -> None:
         self._handle = Handle(ptr, lib.kvf_geometry_destroy, "geometry")
         self._finalized = finalized
-        self._users: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self.bases: Optional[Tuple[Any, ...]] = None
 
     @classmethod
@@ -393,7 +391,7 @@ class Geometry:
         st = lib.kvf_geometry_load_file(os.fsencode(path), byref(opts) if opts else None,
                                         byref(out), byref(err))
         check(st, err)
-        return cls._adopt(out.value)
+        return cls._adopt(out.value or 0)
 
     @classmethod
     def from_json(cls, text: Union[str, bytes, Mapping[str, Any]],
@@ -409,7 +407,7 @@ class Geometry:
         st = lib.kvf_geometry_load_buffer(data, len(data), byref(opts) if opts else None,
                                           byref(out), byref(err))
         check(st, err)
-        return cls._adopt(out.value)
+        return cls._adopt(out.value or 0)
 
     @classmethod
     def preset(cls, name: str, num_blocks: Optional[int] = None) -> "Geometry":
@@ -519,17 +517,11 @@ class Geometry:
         return self._handle.closed
 
     def close(self) -> None:
-        """Free the geometry. Refused (Status.STATE) while a Transfer made for
-        it is open. Closing twice does nothing."""
-        users = [u for u in self._users if not u.closed]
-        if users:
-            raise fail(Status.STATE, "%d transfer context(s) still use this geometry: close them "
-                       "first" % len(users), "geometry")
+        """Free the geometry, once reads in flight on other threads are done.
+        Refused (Status.STATE) while a Transfer made for it is open. Closing
+        twice does nothing."""
         self._handle.close()
         self.bases = None
-
-    def _add_user(self, user: Any) -> None:
-        self._users.add(user)
 
     def __enter__(self) -> "Geometry":
         return self
@@ -786,7 +778,7 @@ class Geometry:
         with self._reading() as g:
             lib.kvf_geometry_to_json(g, byref(out), byref(n))
         try:
-            return ctypes.string_at(out.value, n.value).decode("utf-8")
+            return ctypes.string_at(out.value or 0, n.value).decode("utf-8")
         finally:
             _lib.free(out)
 

@@ -75,13 +75,25 @@ class Transfer:
         opts.device = int(device)
         opts.max_sms = int(max_sms)
         opts.host_threads = int(host_threads)
-        out = c_void_p()
-        with geometry._reading() as g:
+        if not geometry.finalized:
+            raise fail(Status.STATE, "the geometry is not finalized", "geometry")
+        # The context reads the geometry until it is destroyed: hold it open.
+        g = geometry._handle.pin("transfer context")
+        try:
+            out = c_void_p()
             lib.kvf_xfer_create(g, byref(opts), byref(out))
+        except BaseException:
+            geometry._handle.unpin()
+            raise
         self.geometry = geometry
         self.device = int(device)
-        self._handle = Handle(out.value, lib.kvf_xfer_destroy, "transfer context")
-        geometry._add_user(self)
+        held = geometry._handle
+
+        def destroy(ptr: int) -> None:  # refers to the geometry's handle only: no cycle
+            lib.kvf_xfer_destroy(ptr)
+            held.unpin()
+
+        self._handle = Handle(out.value or 0, destroy, "transfer context")
 
     @property
     def closed(self) -> bool:

@@ -255,3 +255,41 @@ def test_gpu_max_sms_caps_the_launch(gpu):
         for d in device:
             d.free()
         g.close()
+
+
+def test_an_unclosed_context_releases_its_geometry_when_dropped():
+    g, _ = tiny_geometry()
+    xfer = kvferry.Transfer(g)
+    del xfer  # no reference cycle: freed at once, the geometry no longer held
+    g.close()
+    assert g.closed
+
+
+def test_closing_a_geometry_races_no_context_creation():
+    # Either the context is created first (close refuses) or the geometry is
+    # closed first (creation refuses): never a context on a freed geometry.
+    for _ in range(50):
+        g, _ = tiny_geometry()
+        made, refused = [], []
+
+        def create():
+            try:
+                made.append(kvferry.Transfer(g))
+            except KvferryError as exc:
+                refused.append(exc.status)
+
+        t = threading.Thread(target=create)
+        t.start()
+        try:
+            g.close()
+            closed = True
+        except KvferryError as exc:
+            assert exc.status == Status.STATE
+            closed = False
+        t.join()
+        if closed:
+            assert not made and refused == [Status.STATE]
+        else:
+            assert len(made) == 1
+            made[0].close()
+            g.close()
