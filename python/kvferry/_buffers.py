@@ -67,7 +67,7 @@ class BufferView:
     __slots__ = ("ptr", "shape", "strides", "itemsize", "dtype", "kind", "device",
                  "device_index", "readonly", "source", "keep")
 
-    def __init__(self, ptr: int, shape: Optional[Tuple[int, ...]], strides: Optional[Tuple[int, ...]],
+    def __init__(self, ptr: int, shape: Tuple[int, ...], strides: Tuple[int, ...],
                  itemsize: int, dtype: str, kind: str, device: str, device_index: Optional[int],
                  readonly: bool, source: str, keep: List[Any]) -> None:
         self.ptr = ptr
@@ -85,10 +85,8 @@ class BufferView:
     @property
     def span(self) -> Tuple[int, int]:
         """[lo, hi): the bytes the buffer's elements cover."""
-        if self.shape is None:
-            return self.ptr, self.ptr + self.itemsize
         lo = hi = self.ptr
-        for n, s in zip(self.shape, self.strides or ()):
+        for n, s in zip(self.shape, self.strides):
             if n == 0:
                 return self.ptr, self.ptr
             if s >= 0:
@@ -106,10 +104,8 @@ class BufferView:
     @property
     def contiguous(self) -> bool:
         """True when the elements are C-contiguous from ptr."""
-        if self.shape is None:
-            return True
         step = self.itemsize
-        for n, s in reversed(list(zip(self.shape, self.strides or ()))):
+        for n, s in reversed(list(zip(self.shape, self.strides))):
             if n != 1 and s != step:
                 return False
             step *= n
@@ -286,7 +282,7 @@ class _BufferExport:
     __slots__ = ("view", "__weakref__")
 
     def __init__(self, obj: Any) -> None:
-        self.view = _PyBuffer()
+        self.view: Optional[_PyBuffer] = _PyBuffer()
         _get_buffer(obj, ctypes.byref(self.view), _PYBUF_RECORDS_RO)
 
     def __del__(self) -> None:
@@ -298,6 +294,7 @@ class _BufferExport:
 def _from_buffer_protocol(obj: Any, what: str) -> BufferView:
     export = _BufferExport(obj)
     v = export.view
+    assert v is not None
     ndim = v.ndim
     shape = tuple(v.shape[i] for i in range(ndim)) if v.shape else (v.len // max(v.itemsize, 1),)
     strides = tuple(v.strides[i] for i in range(ndim)) if v.strides else _c_strides(shape, v.itemsize)
@@ -478,7 +475,7 @@ def block_ids(ids: Any, what: str) -> Tuple[Any, int, Any]:
         if not view.host_accessible:
             raise fail(Status.INVALID_ARGUMENT, "block ids must be in host memory (they are on "
                        "%s: copy them to the CPU first)" % view.where, what)
-        if view.shape is None or len(view.shape) != 1:
+        if len(view.shape) != 1:
             raise fail(Status.INVALID_ARGUMENT, "block ids must be one-dimensional (shape %s)"
                        % (view.shape,), what)
         ctype = _ELEMENT_TYPES.get((view.kind, view.itemsize))

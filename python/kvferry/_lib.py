@@ -49,7 +49,7 @@ def source_roots() -> List[Path]:
     if (here / "include" / "kvferry" / "kvferry.h").is_file():
         roots.append(here)
     try:
-        from . import _install_info  # written by python/setup.py at install
+        from . import _install_info  # type: ignore[attr-defined]  # written by setup.py
         recorded = Path(_install_info.SOURCE_ROOT)
         if (recorded / "include" / "kvferry" / "kvferry.h").is_file() and recorded not in roots:
             roots.append(recorded)

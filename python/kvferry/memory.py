@@ -143,7 +143,7 @@ class Allocation:
         opts.name = keep
         out = c_void_p()
         lib.kvf_mem_alloc_create(byref(opts), byref(out))
-        return cls(out.value, provider)
+        return cls(out.value or 0, provider)
 
     @classmethod
     def find(cls, ptr: Any, provider: Union[MemProvider, str] = MemProvider.CUMEM) -> "Allocation":
@@ -162,7 +162,7 @@ class Allocation:
             ptr = as_buffer(ptr, "ptr").ptr
         out = c_void_p()
         lib.kvf_mem_alloc_find(provider, ptr or None, byref(out))
-        return cls(out.value, provider)
+        return cls(out.value or 0, provider)
 
     @property
     def closed(self) -> bool:

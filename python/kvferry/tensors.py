@@ -118,7 +118,8 @@ class TensorGroup:
 
 # ---- reading tensors ------------------------------------------------------------
 
-def _parse_layout(layout: Any, ndim: int, what: str) -> Dict[str, int]:
+def _parse_layout(layout: Any, ndim: int, what: str) -> Tuple[Dict[str, int], List[int]]:
+    """{canonical name: dimension} and the dimensions named '_'."""
     if layout is None:
         raise fail(Status.INVALID_ARGUMENT, "a layout naming the tensor's dimensions is required "
                    "(for example kvferry.VLLM_FLASH_ATTN = %r)" % VLLM_FLASH_ATTN, what)
@@ -148,8 +149,7 @@ def _parse_layout(layout: Any, ndim: int, what: str) -> Dict[str, int]:
         if canon in out:
             raise fail(Status.INVALID_ARGUMENT, "layout names %r twice" % canon, what)
         out[canon] = index
-    out["_singles"] = singles  # type: ignore[assignment]
-    return out
+    return out, singles
 
 
 def _elem_bytes(itemsize: int, values: Sequence[int]) -> int:
@@ -177,6 +177,7 @@ class _Spec:
         self.region = -1
         self.offset = 0
         self.alias: Optional[Tuple[int, int]] = None
+        self.span_bytes: Tuple[int, int] = (0, 0)  # [lo, hi) of the view, set once sizes are known
 
     def span(self, num_blocks: int) -> Tuple[int, int]:
         f = self.fields
@@ -190,14 +191,12 @@ class _Spec:
         return self.ptr, hi
 
 
-def _check_strides(view: BufferView, dims: Dict[str, int], what: str) -> None:
+def _check_strides(view: BufferView, dims: Dict[str, int], singles: List[int], what: str) -> None:
     for name, i in dims.items():
-        if name == "_singles":
-            continue
         if view.strides[i] < 0 and view.shape[i] > 1:
             raise fail(Status.INVALID_ARGUMENT, "dimension %d (%s) has a negative stride" % (i, name),
                        what)
-    for i in dims["_singles"]:  # type: ignore[union-attr]
+    for i in singles:
         if view.shape[i] != 1:
             raise fail(Status.INVALID_ARGUMENT, "dimension %d is named '_' but has size %d"
                        % (i, view.shape[i]), what)
@@ -205,18 +204,17 @@ def _check_strides(view: BufferView, dims: Dict[str, int], what: str) -> None:
 
 def _attention_specs(obj: Any, name: Optional[str], layout: Any, what: str) -> List[_Spec]:
     view = as_buffer(obj, what)
-    if view.shape is None or not view.itemsize:
-        raise fail(Status.INVALID_ARGUMENT, "needs a shape and a whole-byte element type (dtype "
+    if not view.itemsize:
+        raise fail(Status.INVALID_ARGUMENT, "needs a whole-byte element type (dtype "
                    "%s); view sub-byte types as uint8" % view.dtype, what)
-    dims = _parse_layout(layout, len(view.shape), what)
+    dims, singles = _parse_layout(layout, len(view.shape), what)
     for need in ("blocks", "tokens", "head_size"):
         if need not in dims:
             raise fail(Status.INVALID_ARGUMENT, "the layout names no %r dimension" % need, what)
-    unknown = set(range(len(view.shape))) - set(v for k, v in dims.items() if k != "_singles") \
-        - set(dims["_singles"])  # type: ignore[arg-type]
+    unknown = set(range(len(view.shape))) - set(dims.values()) - set(singles)
     if unknown:
         raise fail(Status.INVALID_ARGUMENT, "dimensions %s are not named" % sorted(unknown), what)
-    _check_strides(view, dims, what)
+    _check_strides(view, dims, singles, what)
     shape, strides, e = view.shape, view.strides, view.itemsize
 
     def size(d: str) -> int:
@@ -277,11 +275,13 @@ def _recurrent_spec(obj: Any, name: Optional[str], layout: Any, what: str) -> _S
     if not tensors:
         raise fail(Status.INVALID_ARGUMENT, "a recurrent layer needs at least one state tensor",
                    what)
-    states, slot, num_blocks, views, e = [], None, None, [], None
+    states: List[Tuple[int, int]] = []
+    views: List[BufferView] = []
+    slot = num_blocks = e = 0
     for s, t in enumerate(tensors):
         swhat = "%s.states[%d]" % (what, s)
         view = as_buffer(t, swhat)
-        if view.shape is None or not view.shape or not view.itemsize:
+        if not view.shape or not view.itemsize:
             raise fail(Status.INVALID_ARGUMENT, "a state tensor needs a shape with a slot "
                        "dimension and a whole-byte element type", swhat)
         b = _slot_dim(layout, swhat)
@@ -297,7 +297,7 @@ def _recurrent_spec(obj: Any, name: Optional[str], layout: Any, what: str) -> _S
                            swhat)
             step *= view.shape[i]
         nbytes = step
-        if slot is None:
+        if s == 0:
             slot, num_blocks = view.strides[b], view.shape[b]
         elif view.strides[b] != slot or view.shape[b] != num_blocks:
             raise fail(Status.INVALID_ARGUMENT, "%d slots %d bytes apart, but state 0 has %d slots "
@@ -307,7 +307,7 @@ def _recurrent_spec(obj: Any, name: Optional[str], layout: Any, what: str) -> _S
             raise fail(Status.INVALID_ARGUMENT, "the slot dimension has a negative stride", swhat)
         states.append((view.ptr, nbytes))
         views.append(view)
-        e = view.itemsize if e is None else min(e, view.itemsize)
+        e = view.itemsize if s == 0 else min(e, view.itemsize)
     lo = min(p for p, _ in states)
     fields = {"block_stride": slot, "itemsize": e,
               "states": tuple((p - lo, n) for p, n in states)}
@@ -412,20 +412,17 @@ def from_tensors(groups: Sequence[TensorGroup], *, chunk_tokens: int = 256,
     flat: List[Tuple[int, _Spec]] = []
     for gi, specs in enumerate(all_specs):
         for s in specs:
-            span = s.span(sizes[gi][0])
-            s.span_bytes = span  # type: ignore[attr-defined]
-            lo, hi = _extent(s, alloc_views, span)
+            s.span_bytes = s.span(sizes[gi][0])
+            lo, hi = _extent(s, alloc_views, s.span_bytes)
             intervals.append((lo, hi, len(flat)))
             flat.append((gi, s))
-    order = sorted(intervals)
-    merged: List[List[int]] = []  # [lo, hi, first serial]
+    merged: List[List[int]] = []  # [lo, hi] of each set of overlapping intervals
     owner = [0] * len(flat)
-    for lo, hi, serial in order:
+    for lo, hi, serial in sorted(intervals):
         if merged and lo < merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], hi)
-            merged[-1][2] = min(merged[-1][2], serial)
         else:
-            merged.append([lo, hi, serial])
+            merged.append([lo, hi])
         owner[serial] = len(merged) - 1
     numbering: Dict[int, int] = {}
     for serial in range(len(flat)):
@@ -433,8 +430,8 @@ def from_tensors(groups: Sequence[TensorGroup], *, chunk_tokens: int = 256,
         if m not in numbering:
             numbering[m] = len(numbering)
     regions: List[Dict[str, Any]] = [dict() for _ in numbering]
-    for m, r in numbering.items():
-        regions[r] = {"lo": merged[m][0], "hi": merged[m][1], "device": None, "keep": []}
+    for m, index in numbering.items():
+        regions[index] = {"lo": merged[m][0], "hi": merged[m][1], "device": None, "keep": []}
     for serial, (gi, s) in enumerate(flat):
         r = numbering[owner[serial]]
         s.region = r
@@ -452,10 +449,10 @@ def from_tensors(groups: Sequence[TensorGroup], *, chunk_tokens: int = 256,
         seen: List[Tuple[int, int, _Spec]] = []  # (group, layer, spec) of earlier groups
         for gi, specs in enumerate(all_specs):
             for s in specs:
-                lo, hi = s.span_bytes  # type: ignore[attr-defined]
+                lo, hi = s.span_bytes
                 for g0, l0, t in seen:
                     if g0 < gi and t.region == s.region:
-                        tlo, thi = t.span_bytes  # type: ignore[attr-defined]
+                        tlo, thi = t.span_bytes
                         if lo < thi and tlo < hi:
                             s.alias = (g0, l0)
                             break
@@ -463,8 +460,8 @@ def from_tensors(groups: Sequence[TensorGroup], *, chunk_tokens: int = 256,
 
     geometry = Geometry(name, description)
     try:
-        for r in regions:
-            geometry.add_region(size=r["hi"] - r["lo"], align=_align(r["lo"]))
+        for region in regions:
+            geometry.add_region(size=region["hi"] - region["lo"], align=_align(region["lo"]))
         for gi, (group, specs) in enumerate(zip(groups, all_specs)):
             num_blocks, block_size = sizes[gi]
             recurrent = group.kind == GroupKind.RECURRENT
@@ -497,6 +494,6 @@ def from_tensors(groups: Sequence[TensorGroup], *, chunk_tokens: int = 256,
         geometry.close()
         raise
     geometry.bases = tuple(
-        RawBuffer(r["lo"], r["hi"] - r["lo"], device=r["device"][0], device_index=r["device"][1],
-                  owner=r["keep"]) for r in regions)
+        RawBuffer(x["lo"], x["hi"] - x["lo"], device=x["device"][0], device_index=x["device"][1],
+                  owner=x["keep"]) for x in regions)
     return geometry
