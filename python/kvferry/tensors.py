@@ -14,9 +14,11 @@ never by the caller.
   untyped storage, the array at the bottom of a numpy array's ``.base``
   chain), else the bytes its view spans; tensors whose allocations overlap
   share one region.
-- Aliases: a view that overlaps a view of an earlier group in the same
-  region is declared its alias (vLLM shares one tensor between the i-th
-  layers of its groups). Overlap inside one group is left to validation,
+- Aliases: a view that shares a byte with a view of an earlier group in the
+  same region is declared its alias (vLLM shares one tensor between the
+  i-th layers of its groups). The test is exact for views with one block
+  stride (block footprints compared at every block offset that can meet),
+  by spans otherwise. Overlap inside one group is left to validation,
   which rejects it.
 
 Layouts name the tensor's logical dimensions, outermost first, as a
@@ -333,6 +335,70 @@ def _extent(spec: _Spec, allocations: List[BufferView], span: Tuple[int, int]) -
     return lo, hi
 
 
+_MAX_FOOTPRINT_RUNS = 1 << 16
+
+
+def _footprint(spec: _Spec) -> Optional[List[Tuple[int, int]]]:
+    """The bytes one block (slot) of a view covers, as merged [lo, hi)
+    intervals from the view's block 0; None when there are too many runs to
+    list (the caller then compares spans)."""
+    f = spec.fields
+    if spec.states is not None:
+        runs = [(p - spec.ptr, p - spec.ptr + n) for p, n in spec.states]
+    else:
+        if f["planes"] * spec.block_size * f["heads"] > _MAX_FOOTPRINT_RUNS:
+            return None
+        runs = [(p * f["plane_stride"] + t * f["token_stride"] + h * f["head_stride"],
+                 p * f["plane_stride"] + t * f["token_stride"] + h * f["head_stride"]
+                 + f["head_bytes"][p])
+                for p in range(f["planes"]) for t in range(spec.block_size)
+                for h in range(f["heads"])]
+    runs.sort()
+    merged: List[Tuple[int, int]] = []
+    for lo, hi in runs:
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _overlaps(a: _Spec, a_blocks: int, b: _Spec, b_blocks: int) -> bool:
+    """Whether two views share a byte: exactly, block footprint against
+    block footprint, when they have one block stride (vLLM's shared and
+    interleaved tensors); by their spans otherwise."""
+    alo, ahi = a.span_bytes
+    blo, bhi = b.span_bytes
+    if not (alo < bhi and blo < ahi):
+        return False
+    stride = a.fields["block_stride"]
+    fa, fb = _footprint(a), _footprint(b)
+    if stride != b.fields["block_stride"] or fa is None or fb is None:
+        return True
+    delta = b.ptr - a.ptr  # b's block j starts at delta + j*stride from a's block 0
+    ext_a, ext_b = fa[-1][1], fb[-1][1]
+    if stride == 0:
+        shifts = [delta]
+    else:
+        # Block pairs (i, j) whose footprints can meet: k = j - i with
+        # -ext_b < delta + k*stride < ext_a.
+        k_lo = max(-(a_blocks - 1), (-ext_b - delta) // stride + 1)
+        k_hi = min(b_blocks - 1, -((delta - ext_a) // stride) - 1)
+        shifts = [delta + k * stride for k in range(k_lo, k_hi + 1)]
+    for shift in shifts:
+        i = j = 0
+        while i < len(fa) and j < len(fb):
+            lo = max(fa[i][0], fb[j][0] + shift)
+            hi = min(fa[i][1], fb[j][1] + shift)
+            if lo < hi:
+                return True
+            if fa[i][1] <= fb[j][1] + shift:
+                i += 1
+            else:
+                j += 1
+    return False
+
+
 def _align(base: int) -> int:
     a = 1
     while a < 256 and base % (a * 2) == 0:
@@ -449,13 +515,11 @@ def from_tensors(groups: Sequence[TensorGroup], *, chunk_tokens: int = 256,
         seen: List[Tuple[int, int, _Spec]] = []  # (group, layer, spec) of earlier groups
         for gi, specs in enumerate(all_specs):
             for s in specs:
-                lo, hi = s.span_bytes
                 for g0, l0, t in seen:
-                    if g0 < gi and t.region == s.region:
-                        tlo, thi = t.span_bytes
-                        if lo < thi and tlo < hi:
-                            s.alias = (g0, l0)
-                            break
+                    if g0 < gi and t.region == s.region and \
+                            _overlaps(t, sizes[g0][0], s, sizes[gi][0]):
+                        s.alias = (g0, l0)
+                        break
             seen.extend((gi, li, s) for li, s in enumerate(specs))
 
     geometry = Geometry(name, description)

@@ -268,3 +268,40 @@ def test_geometry_keeps_its_tensors_alive():
     got = np.stack([obj[p * 512 + 96:p * 512 + 128].view(np.uint16).reshape(2, 8) for p in (0, 1)])
     assert np.array_equal(got, want)
     g.close()
+
+
+def test_strided_views_into_one_shared_int8_buffer():
+    # vLLM's hybrid allocation: one int8 buffer for the layers of a group,
+    # block b of layer l at offset + l*layer_stride + b*block_stride, here
+    # two attention layers and two Mamba layers sharing the pages.
+    NB, BS, H, D, L = 6, 16, 2, 64, 4
+    page = 2 * BS * H * D * 2 + 512              # attention page, padded
+    offset, layer_stride, block_stride = 4096, page, L * page
+    raw = np.frombuffer(np.random.default_rng(1).bytes(offset + NB * block_stride), np.uint8).copy()
+    attn = [np.lib.stride_tricks.as_strided(
+        raw[offset + l * layer_stride:].view(np.uint16), (2, NB, BS, H, D),
+        (BS * H * D * 2, block_stride, H * D * 2, D * 2, 2)) for l in (0, 1)]
+    mamba = [[np.lib.stride_tricks.as_strided(raw[offset + l * layer_stride:].view(np.uint16),
+                                              (NB, 3, 64), (block_stride, 128, 2)),
+              np.lib.stride_tricks.as_strided(raw[offset + l * layer_stride + 384:].view(np.uint16),
+                                              (NB, 4, 32), (block_stride, 64, 2))] for l in (2, 3)]
+    g = kvferry.from_tensors([kvferry.TensorGroup(attn, kvferry.VLLM_FLASH_ATTN, name="attn"),
+                              kvferry.TensorGroup(mamba, kind="recurrent", name="mamba")],
+                             chunk_tokens=32)
+    assert g.num_regions == 1 and g.regions[0].size == raw.nbytes and g.num_aliases == 0
+    assert [v.offset for v in g.views(0) + g.views(1)] == [offset + l * page for l in range(L)]
+    assert {v.block_stride for v in g.views(0) + g.views(1)} == {block_stride}
+    assert g.view(0, 0).plane_stride == BS * H * D * 2
+    assert g.view(1, 0).states == (kvferry.State(0, 384), kvferry.State(384, 256))
+    objects = [np.zeros(g.object_size(og, 0, 32), np.uint8) for og in range(g.num_object_groups)]
+    kvferry.reference_gather(kvferry.CopyRequest(g, 0, 32, blocks=[[4, 1], [5]],
+                                                 objects=objects))
+    obj = objects[0]
+    seg = obj[:2 * 2 * 32 * H * D * 2].view(np.uint16).reshape(2, 2, 32, H, D)  # [P][L][T][H][D]
+    for layer in range(2):
+        for t in range(32):
+            assert (seg[:, layer, t] == attn[layer][:, [4, 1][t // BS], t % BS]).all()
+    states = obj[seg.nbytes:]
+    want = b"".join(np.ascontiguousarray(s[5]).tobytes() for layer in mamba for s in layer)
+    assert states.tobytes() == want
+    g.close()
