@@ -510,10 +510,12 @@ class Geometry:
 
     @property
     def finalized(self) -> bool:
+        """True once finalize() succeeded (loaded geometries are finalized)."""
         return self._finalized
 
     @property
     def closed(self) -> bool:
+        """True once close() freed the geometry."""
         return self._handle.closed
 
     def close(self) -> None:
@@ -554,26 +556,31 @@ class Geometry:
 
     @property
     def name(self) -> str:
+        """The geometry's name ("" when none was set)."""
         with self._handle.use() as g:
             return S.text(lib.kvf_geometry_name(g))
 
     @property
     def description(self) -> str:
+        """The geometry's description ("" when none was set)."""
         with self._handle.use() as g:
             return S.text(lib.kvf_geometry_description(g))
 
     @property
     def num_regions(self) -> int:
+        """Number of regions."""
         with self._reading() as g:
             return lib.kvf_geometry_num_regions(g)
 
     @property
     def num_groups(self) -> int:
+        """Number of groups."""
         with self._reading() as g:
             return lib.kvf_geometry_num_groups(g)
 
     @property
     def num_object_groups(self) -> int:
+        """Number of object groups (objects per chunk)."""
         with self._reading() as g:
             return lib.kvf_geometry_num_object_groups(g)
 
@@ -592,6 +599,7 @@ class Geometry:
 
     @property
     def regions(self) -> List[Region]:
+        """Every region, in index order."""
         return [self.region(i) for i in range(self.num_regions)]
 
     def group(self, index: Union[int, str]) -> Group:
@@ -606,6 +614,7 @@ class Geometry:
 
     @property
     def groups(self) -> List[Group]:
+        """Every group, in index order."""
         return [self.group(i) for i in range(self.num_groups)]
 
     def group_index(self, key: Union[int, str]) -> int:
@@ -631,6 +640,7 @@ class Geometry:
 
     @property
     def object_groups(self) -> List[ObjectGroup]:
+        """Every object group, in index order."""
         return [self.object_group(i) for i in range(self.num_object_groups)]
 
     def view(self, group: Union[int, str], layer: int) -> View:

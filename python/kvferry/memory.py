@@ -34,6 +34,7 @@ class MemProvider(enum.IntEnum):
 
     @classmethod
     def parse(cls, value: Union["MemProvider", str, int]) -> "MemProvider":
+        """A provider from its enum, its value or its name ("host", "cumem")."""
         if isinstance(value, cls):
             return value
         if isinstance(value, str) and value.upper() in cls.__members__:
@@ -166,6 +167,7 @@ class Allocation:
 
     @property
     def closed(self) -> bool:
+        """True once close() dropped this reference."""
         return self._handle.closed
 
     @property

@@ -97,6 +97,7 @@ class Transfer:
 
     @property
     def closed(self) -> bool:
+        """True once close() destroyed the context."""
         return self._handle.closed
 
     def _run(self, fn: Any, direction: str, request: CopyRequest, stream: Any) -> None:

@@ -197,3 +197,24 @@ def test_library_version_is_the_headers_version(layout_dump):
     assert kvferry.HEADER_VERSION == headers
     assert kvferry.version_info() == headers
     assert kvferry.version() == "%d.%d.%d" % headers
+
+
+def test_python_defaults_are_the_init_macros():
+    # What the builders put in a descriptor when given nothing is what the
+    # _INIT macro gives (which test_init_matches_init_macros ties to C).
+    import inspect
+    view, _ = kvferry.View()._to_c()
+    assert bytes(view) == bytes(S.kvf_view_desc.init())
+    assert bytes(kvferry.Policy()._to_c()) == bytes(S.kvf_object_policy.init())
+    region = inspect.signature(kvferry.Geometry.add_region).parameters
+    r = S.kvf_region_desc.init()
+    assert (region["size"].default, region["align"].default) == (r.size, r.align)
+    group = inspect.signature(kvferry.Geometry.add_group).parameters
+    d = S.kvf_group_desc.init()
+    assert (int(group["kind"].default), group["block_size"].default, group["num_blocks"].default,
+            group["window"].default, group["chunk"].default) == (d.kind, d.block_size,
+                                                                  d.num_blocks, d.window, d.chunk)
+    xfer = inspect.signature(kvferry.Transfer).parameters
+    o = S.kvf_xfer_options.init()
+    assert (xfer["device"].default, xfer["max_sms"].default, xfer["host_threads"].default) == (
+        o.device, o.max_sms, o.host_threads)
