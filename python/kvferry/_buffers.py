@@ -329,12 +329,15 @@ def as_buffer(obj: Any, what: str) -> BufferView:
             return _from_dlpack(obj, what)
         except (BufferError, TypeError, RuntimeError, ValueError) as exc:
             errors.append("__dlpack__: %s" % exc)
-    iface = getattr(obj, "__cuda_array_interface__", None)
-    if iface is not None:
-        return _from_interface(obj, iface, "cuda", "cuda_array_interface", what)
-    iface = getattr(obj, "__array_interface__", None)
-    if iface is not None:
-        return _from_interface(obj, iface, "cpu", "array_interface", what)
+    for attr, device, source in (("__cuda_array_interface__", "cuda", "cuda_array_interface"),
+                                 ("__array_interface__", "cpu", "array_interface")):
+        try:
+            iface = getattr(obj, attr, None)
+        except (RuntimeError, TypeError, ValueError) as exc:  # torch: a tensor that requires grad
+            errors.append("%s: %s" % (attr, exc))
+            continue
+        if iface is not None:
+            return _from_interface(obj, iface, device, source, what)
     try:
         return _from_buffer_protocol(obj, what)
     except (TypeError, BufferError, ValueError) as exc:

@@ -214,3 +214,18 @@ def test_sub_byte_dtypes_have_no_itemsize():
     with pytest.raises(KvferryError, match="whole-byte element type"):
         kvferry.from_tensors([kvferry.TensorGroup([t], "blocks,head_size")])
 
+
+
+def test_a_producer_that_refuses_every_protocol_is_reported_whole():
+    class RequiresGrad:  # what a torch tensor that requires grad does
+        def __dlpack__(self, **kwargs):
+            raise RuntimeError("Can't export tensors that require gradient")
+
+        @property
+        def __cuda_array_interface__(self):
+            raise RuntimeError("Can't get __cuda_array_interface__ on Variable that requires grad")
+
+    with pytest.raises(KvferryError) as e:
+        as_buffer(RequiresGrad(), "objects[0]")
+    assert e.value.field == "objects[0]"
+    assert "require gradient" in e.value.message and "requires grad" in e.value.message
