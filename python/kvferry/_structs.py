@@ -143,21 +143,24 @@ class kvf_geometry_error(_Struct):
 
 
 class kvf_region_info(_Struct):
-    _fields_ = [("name", c_char_p), ("size", c_uint64), ("align", c_uint64),
+    _fields_ = [("struct_size", c_uint32), ("version", c_uint32), ("name", c_char_p), ("size", c_uint64), ("align", c_uint64),
                 ("num_views", c_uint32)]
+    _init_version_ = DESC_VERSION
 
 
 class kvf_group_info(_Struct):
-    _fields_ = [("name", c_char_p), ("kind", c_enum), ("block_size", c_uint32),
+    _fields_ = [("struct_size", c_uint32), ("version", c_uint32), ("name", c_char_p), ("kind", c_enum), ("block_size", c_uint32),
                 ("num_blocks", c_uint32), ("window", c_uint32), ("chunk", c_uint32),
                 ("num_layers", c_uint32), ("object_group", c_uint32),
                 ("payload_per_block", c_uint64), ("max_block_stride", c_uint64)]
+    _init_version_ = DESC_VERSION
 
 
 class kvf_object_group_info(_Struct):
-    _fields_ = [("num_groups", c_uint32), ("groups", POINTER(c_uint32)),
+    _fields_ = [("struct_size", c_uint32), ("version", c_uint32), ("num_groups", c_uint32), ("groups", POINTER(c_uint32)),
                 ("has_attention", c_int), ("has_recurrent", c_int),
                 ("bytes_per_token", c_uint64), ("recurrent_bytes", c_uint64)]
+    _init_version_ = DESC_VERSION
 
 
 class kvf_object_header(_Struct):

@@ -592,7 +592,7 @@ class Geometry:
 
     def region(self, index: int) -> Region:
         """Region ``index`` (kvf_geometry_region)."""
-        info = S.kvf_region_info()
+        info = S.kvf_region_info.init()
         with self._reading() as g:
             lib.kvf_geometry_region(g, _uint(index, "index", 32), byref(info))
             return Region(index, S.text(info.name), info.size, info.align, info.num_views)
@@ -605,7 +605,7 @@ class Geometry:
     def group(self, index: Union[int, str]) -> Group:
         """Group ``index`` (kvf_geometry_group), by index or by name."""
         i = self.group_index(index)
-        info = S.kvf_group_info()
+        info = S.kvf_group_info.init()
         with self._reading() as g:
             lib.kvf_geometry_group(g, i, byref(info))
             return Group(i, S.text(info.name), GroupKind(info.kind), info.block_size,
@@ -620,7 +620,7 @@ class Geometry:
     def group_index(self, key: Union[int, str]) -> int:
         """The index of a group given by index or by name."""
         if isinstance(key, str):
-            info = S.kvf_group_info()
+            info = S.kvf_group_info.init()
             with self._reading() as g:
                 for i in range(lib.kvf_geometry_num_groups(g)):
                     lib.kvf_geometry_group(g, i, byref(info))
@@ -631,7 +631,7 @@ class Geometry:
 
     def object_group(self, index: int) -> ObjectGroup:
         """Object group ``index`` (kvf_geometry_object_group)."""
-        info = S.kvf_object_group_info()
+        info = S.kvf_object_group_info.init()
         with self._reading() as g:
             lib.kvf_geometry_object_group(g, _uint(index, "index", 32), byref(info))
             return ObjectGroup(index, tuple(info.groups[i] for i in range(info.num_groups)),

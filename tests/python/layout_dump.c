@@ -31,12 +31,12 @@
 #define L_kvf_object_policy(F) \
   F(struct_size) F(version) F(chunk_tokens) F(format) F(separate_windowed) F(separate_recurrent)
 #define L_kvf_geometry_error(F) F(status) F(group) F(layer) F(field) F(message)
-#define L_kvf_region_info(F) F(name) F(size) F(align) F(num_views)
+#define L_kvf_region_info(F) F(struct_size) F(version) F(name) F(size) F(align) F(num_views)
 #define L_kvf_group_info(F)                                                                     \
-  F(name) F(kind) F(block_size) F(num_blocks) F(window) F(chunk) F(num_layers) F(object_group) \
+  F(struct_size) F(version) F(name) F(kind) F(block_size) F(num_blocks) F(window) F(chunk) F(num_layers) F(object_group) \
   F(payload_per_block) F(max_block_stride)
 #define L_kvf_object_group_info(F) \
-  F(num_groups) F(groups) F(has_attention) F(has_recurrent) F(bytes_per_token) F(recurrent_bytes)
+  F(struct_size) F(version) F(num_groups) F(groups) F(has_attention) F(has_recurrent) F(bytes_per_token) F(recurrent_bytes)
 #define L_kvf_object_header(F)                                                                  \
   F(magic) F(header_version) F(format) F(fingerprint) F(object_group) F(dcp_rank) F(token_begin) \
   F(token_end) F(payload_bytes)
@@ -67,11 +67,11 @@
 #define L_kvf_client_options(F) \
   F(struct_size) F(version) F(socket_dir) F(name) F(timeout_ms) F(heartbeat_thread) F(heartbeat_period_ms)
 #define L_kvf_client_info(F) \
-  F(client_id) F(boot_token) F(server_pid) F(heartbeat_period_ms) F(heartbeat_timeout_ms) F(protocol_version)
+  F(struct_size) F(version) F(client_id) F(boot_token) F(server_pid) F(heartbeat_period_ms) F(heartbeat_timeout_ms) F(protocol_version)
 #define L_kvf_client_region(F) F(alloc) F(offset) F(length)
-#define L_kvf_client_registration(F) F(registration_id) F(fingerprint) F(imports) F(aliases)
+#define L_kvf_client_registration(F) F(struct_size) F(version) F(registration_id) F(fingerprint) F(imports) F(aliases)
 #define L_kvf_client_stats(F)                                                                         \
-  F(boot_token) F(registering) F(active) F(draining) F(closed_total) F(failed_total) F(imports)       \
+  F(struct_size) F(version) F(boot_token) F(registering) F(active) F(draining) F(closed_total) F(failed_total) F(imports)       \
   F(aliases) F(leases) F(l1_objects) F(l1_bytes) F(l1_pool_bytes) F(l1_evicted_total) F(stores_total) \
   F(retrieves_total) F(in_flight) F(lanes)
 #define L_kvf_client_stat_record(F) \

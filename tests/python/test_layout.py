@@ -75,7 +75,7 @@ def header_enums():
 def test_headers_are_parsed():
     structs = header_structs()
     assert "kvf_view_desc" in structs and "kvf_gpu_placement" in structs
-    assert structs["kvf_client_stats"][0][1:4] == ["registering", "active", "draining"]
+    assert structs["kvf_client_stats"][0][3:6] == ["registering", "active", "draining"]
     assert "kvf_status" in header_enums()
 
 
