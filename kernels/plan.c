@@ -247,7 +247,7 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
   /* Pointer alignment per object group lowers vector widths where needed. */
   uint64_t og_bits[KVF_MAX_GROUPS] = {0};
   for (uint64_t i = 0; i < nobj; i++) {
-    objects[i] = (uint64_t)(uintptr_t)r->objects[i];
+    objects[i] = r->objects ? (uint64_t)(uintptr_t)r->objects[i] : 0; /* NULL: no group moves (checked) */
     og_bits[i % g->num_object_groups] |= objects[i];
   }
 

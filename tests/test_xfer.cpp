@@ -758,6 +758,36 @@ TEST(XferHost, MoreThreadsThanWork) {
   }
 }
 
+// Every block skipped: nothing moves, so no object is needed and `objects`
+// may be NULL (kvf_copy_request_check accepts it). The launch blob must not
+// read the missing array.
+TEST(XferHost, AllBlocksSkippedNeedsNoObjects) {
+  GeometryPtr g = load_preset("llama-3.1-8b-fa-nhd", 8);
+  ASSERT_TRUE(g);
+  kvf_region_info ri = KVF_REGION_INFO_INIT;
+  ASSERT_EQ(kvf_geometry_region(g.get(), 0, &ri), KVF_SUCCESS);
+  std::vector<unsigned char> cache(ri.size + ri.align, 0x5a);
+  void *base = cache.data() + (ri.align - (uintptr_t)cache.data() % ri.align) % ri.align;
+  std::vector<void *> bases(kvf_geometry_num_regions(g.get()), base);
+  uint32_t ids[16];
+  for (uint32_t &id : ids) id = KVF_BLOCK_SKIP;
+  std::vector<kvf_group_blocks> groups(kvf_geometry_num_groups(g.get()));
+  for (kvf_group_blocks &t : groups) t = {ids, 0, 16};
+  kvf_copy_request r = KVF_COPY_REQUEST_INIT;
+  r.region_bases = bases.data();
+  r.token_begin = 0;
+  r.token_end = 256;
+  r.groups = groups.data();
+  r.objects = nullptr;
+  ASSERT_EQ(kvf_copy_request_check(g.get(), &r), KVF_SUCCESS) << kvf_last_error();
+  XferPtr x = make_xfer(g.get(), KVF_DEVICE_HOST);
+  ASSERT_TRUE(x);
+  EXPECT_EQ(kvf_xfer_gather(x.get(), &r, nullptr), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(kvf_xfer_scatter(x.get(), &r, nullptr), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(kvf_reference_gather(g.get(), &r), KVF_SUCCESS) << kvf_last_error();
+  for (unsigned char b : cache) ASSERT_EQ(b, 0x5a);
+}
+
 TEST(XferHost, ConcurrentCallsOnOneContext) {
   Prepared s;
   ASSERT_NO_FATAL_FAILURE(setup_standard("glm-like-hybrid", true, 21, &s));

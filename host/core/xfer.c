@@ -350,7 +350,8 @@ static kvf_status route_of(kvf_xfer *x, const kvf_copy_request *r, int gather, k
       cache_seen[k] = 1;
     }
   }
-  uint64_t n = kvf_copy_request_chunks(g, r) * g->num_object_groups;
+  /* objects may be NULL when nothing moves (every block skipped). */
+  uint64_t n = r->objects ? kvf_copy_request_chunks(g, r) * g->num_object_groups : 0;
   for (uint64_t i = 0; i < n; i++) {
     if (!r->objects[i]) continue;
     /* One attribute query per object: a single pageable one would fault. */

@@ -96,8 +96,9 @@ kvf_status kvf_stage_plan_objects(const kvf_geometry *g, const kvf_copy_request 
     uint64_t bytes = 0;
     for (uint32_t og = 0; og < nog; og++) {
       uint64_t i = k * nog + og, size = 0;
-      p->staged[i] = r->objects[i] && object_span(g, r, k, og, gather, &p->span[2 * i], &p->span[2 * i + 1]);
-      p->any_direct |= r->objects[i] && !p->staged[i];
+      int present = r->objects && r->objects[i];
+      p->staged[i] = present && object_span(g, r, k, og, gather, &p->span[2 * i], &p->span[2 * i + 1]);
+      p->any_direct |= present && !p->staged[i];
       if (!p->staged[i]) continue;
       kvf_geometry_object_size(g, og, r->token_begin / c + k, r->token_end, &size);
       p->size[i] = round_stage(size);
