@@ -1,7 +1,7 @@
 /* Internal: the thread-local detail message behind kvf_last_error(). Every
  * layer of the library reports failures through kvf_fail(). */
-#ifndef KVF_GEOMETRY_ERROR_H
-#define KVF_GEOMETRY_ERROR_H
+#ifndef KVF_COMMON_ERROR_H
+#define KVF_COMMON_ERROR_H
 
 #include <kvferry/status.h>
 

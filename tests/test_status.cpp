@@ -17,7 +17,7 @@
 #include <kvferry/kvferry.h>
 
 extern "C" {
-#include "common/error.h"  // has no C++ guards of its own
+#include "common/error.h"
 }
 #include "host/core/cudawrap.h"
 #include "host/core/log.h"

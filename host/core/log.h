@@ -23,11 +23,11 @@
 
 #include <kvferry/status.h>
 
+#include "common/error.h" /* KVF_PRINTF */
+
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-#include "common/error.h" /* KVF_PRINTF; inside the C block: it has no C++ guards */
 
 typedef enum kvf_log_level {
   KVF_LOG_NONE = 0,
