@@ -464,7 +464,6 @@ static void client_free(kvf_client *c) {
 
 kvf_status kvf_client_connect(const kvf_client_options *caller, kvf_client **out, kvf_client_info *info) {
   if (!caller || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_client_connect: NULL argument");
-  *out = NULL;
   kvf_client_options local = KVF_CLIENT_OPTIONS_INIT;
   const kvf_client_options *options = &local;
   kvf_status vs = KVF_VERSIONED_IN(kvf_client_options, &local, caller);

@@ -626,7 +626,6 @@ static kvf_status server_conn_service(kvf_server *s, kvf_server_conn *c, const c
 
 kvf_status kvf_server_create(const kvf_server_options *caller, kvf_server **out) {
   if (!caller || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_server_create: NULL argument");
-  *out = NULL;
   kvf_server_options local = KVF_SERVER_OPTIONS_INIT;
   const kvf_server_options *options = &local;
   kvf_status vs = KVF_VERSIONED_IN(kvf_server_options, &local, caller);

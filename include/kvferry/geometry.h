@@ -316,8 +316,9 @@ KVF_API kvf_status kvf_geometry_object_size(const kvf_geometry *geometry, uint32
  * local_tokens tokens. Canonical: the segment is [T][H][head_bytes] for that
  * layer and plane. Native: plane is ignored and the segment is the layer's
  * block payloads back to back. Recurrent layers: the layer's states back to
- * back (plane ignored). *row_bytes (may be NULL) gets the segment's bytes per
- * token (attention) or per object (recurrent). */
+ * back (plane ignored). *segment_bytes (may be NULL) gets the segment's
+ * length in bytes: local_tokens x its bytes per token (attention), or the
+ * layer's state bytes (recurrent). */
 KVF_API kvf_status kvf_geometry_object_segment(const kvf_geometry *geometry, kvf_object_format format,
                                                uint32_t group, uint32_t layer, uint32_t plane,
                                                uint64_t local_tokens, uint64_t *offset,
