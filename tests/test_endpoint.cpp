@@ -449,6 +449,55 @@ TEST_F(Endpoint, APartialFrameWaitsForTheRestAcrossCalls) {
   kvf_conn_close(&c);
 }
 
+// The event loop's read: at most max_bytes per call, saying whether the
+// socket ran dry; a held header reads nothing more until granted.
+TEST_F(Endpoint, ReadSomeKeepsToItsBudgetAndSaysWhenTheSocketIsDry) {
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  kvf_conn c;
+  kvf_conn_init(&c, sv[0], 0);
+  std::vector<uint8_t> f = heartbeat_frame(5);  // 24 + 8 bytes
+  std::vector<uint8_t> two = f;
+  two.insert(two.end(), f.begin(), f.end());
+  ASSERT_EQ(write(sv[1], two.data(), two.size()), (ssize_t)two.size());
+  kvf_proto_header h;
+  uint8_t *payload = nullptr;
+  uint32_t n = 0;
+  size_t got = 0;
+  int dry = -1;
+  EXPECT_EQ(kvf_conn_read_some(&c, 10, &got, &dry, &h, &payload, nullptr, 0, &n), KVF_ERR_TIMEOUT);
+  EXPECT_EQ(got, 10u);
+  EXPECT_EQ(dry, 0);  // stopped on the budget: more is waiting
+  ASSERT_EQ(kvf_conn_read_some(&c, 1 << 20, &got, &dry, &h, &payload, nullptr, 0, &n), KVF_SUCCESS)
+      << kvf_last_error();
+  EXPECT_EQ(got, f.size() - 10);  // never past the frame
+  EXPECT_EQ(dry, 0);
+  EXPECT_EQ(h.request_id, 5u);
+  free(payload);
+  ASSERT_EQ(kvf_conn_read_some(&c, 1 << 20, &got, &dry, &h, &payload, nullptr, 0, &n), KVF_SUCCESS);
+  free(payload);
+  EXPECT_EQ(kvf_conn_read_some(&c, 1 << 20, &got, &dry, &h, &payload, nullptr, 0, &n), KVF_ERR_TIMEOUT);
+  EXPECT_EQ(got, 0u);
+  EXPECT_EQ(dry, 1);
+  // Held: a payload over the hold limit waits, the socket untouched.
+  kvf_proto_reader_limit(&c.reader, 0, 4);
+  ASSERT_EQ(write(sv[1], f.data(), f.size()), (ssize_t)f.size());
+  EXPECT_EQ(kvf_conn_read_some(&c, 1 << 20, &got, &dry, &h, &payload, nullptr, 0, &n), KVF_ERR_TIMEOUT);
+  EXPECT_EQ(got, (size_t)KVF_PROTO_HEADER_SIZE);
+  EXPECT_EQ(kvf_proto_reader_held(&c.reader), 8u);
+  EXPECT_EQ(kvf_conn_read_some(&c, 1 << 20, &got, &dry, &h, &payload, nullptr, 0, &n), KVF_ERR_TIMEOUT);
+  EXPECT_EQ(got, 0u);
+  EXPECT_EQ(dry, 0);
+  ASSERT_EQ(kvf_conn_grant(&c), KVF_SUCCESS);
+  ASSERT_EQ(kvf_conn_read_some(&c, 1 << 20, &got, &dry, &h, &payload, nullptr, 0, &n), KVF_SUCCESS);
+  EXPECT_EQ(got, 8u);
+  EXPECT_EQ(h.payload_len, 8u);
+  free(payload);
+  close(sv[1]);
+  EXPECT_EQ(kvf_conn_read_some(&c, 1 << 20, &got, &dry, &h, &payload, nullptr, 0, &n), KVF_ERR_DISCONNECTED);
+  kvf_conn_close(&c);
+}
+
 TEST_F(Endpoint, AWriteThePeerDoesNotDrainTimesOutAndFailsTheConnection) {
   int sv[2];
   ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);

@@ -821,6 +821,57 @@ TEST(Protocol, ReaderRejectsOversizeBeforeAllocating) {
   kvf_proto_reader_reset(&r);
 }
 
+// A reader with a hold limit stops after the header of a larger frame,
+// allocating nothing, until its owner grants the buffer; smaller frames
+// pass as before, and new limits apply from the next header on.
+TEST(Protocol, ReaderHoldsALargeFrameUntilGranted) {
+  std::vector<uint8_t> small = Encode(Hello());
+  const uint32_t hold = (uint32_t)(small.size() - KVF_PROTO_HEADER_SIZE);
+  kvf_proto_reader r;
+  kvf_proto_reader_init(&r, 0);
+  kvf_proto_reader_limit(&r, 0, hold);
+  size_t consumed = 0;
+  int ready = 0;
+  // At the limit: not held.
+  ASSERT_EQ(kvf_proto_reader_feed(&r, small.data(), small.size(), &consumed, &ready), KVF_SUCCESS);
+  EXPECT_EQ(ready, 1);
+  EXPECT_EQ(kvf_proto_reader_held(&r), 0u);
+  kvf_proto_header h;
+  uint8_t *p = nullptr;
+  ASSERT_EQ(kvf_proto_reader_take(&r, &h, &p), KVF_SUCCESS);
+  free(p);
+  // One byte over it: held after the header, nothing allocated or consumed.
+  std::vector<uint8_t> big = small;
+  big.push_back(0);
+  FixLen(big);
+  ASSERT_EQ(kvf_proto_reader_feed(&r, big.data(), big.size(), &consumed, &ready), KVF_SUCCESS);
+  EXPECT_EQ(consumed, KVF_PROTO_HEADER_SIZE);
+  EXPECT_EQ(ready, 0);
+  EXPECT_EQ(kvf_proto_reader_held(&r), hold + 1);
+  EXPECT_EQ(r.payload, nullptr);
+  EXPECT_EQ(kvf_proto_reader_want(&r), 0u);
+  ASSERT_EQ(kvf_proto_reader_feed(&r, big.data() + consumed, 5, &consumed, &ready), KVF_SUCCESS);
+  EXPECT_EQ(consumed, 0u);  // still held
+  ASSERT_EQ(kvf_proto_reader_grant(&r), KVF_SUCCESS);
+  EXPECT_EQ(kvf_proto_reader_grant(&r), KVF_ERR_STATE);  // nothing held any more
+  EXPECT_EQ(kvf_proto_reader_want(&r), (size_t)hold + 1);
+  ASSERT_EQ(kvf_proto_reader_feed(&r, big.data() + KVF_PROTO_HEADER_SIZE, big.size() - KVF_PROTO_HEADER_SIZE,
+                                  &consumed, &ready),
+            KVF_SUCCESS);
+  EXPECT_EQ(ready, 1);
+  ASSERT_EQ(kvf_proto_reader_take(&r, &h, &p), KVF_SUCCESS);
+  EXPECT_EQ(h.payload_len, hold + 1);
+  free(p);
+  // A held empty-payload frame cannot exist: an empty payload is never over
+  // the limit. A lower max_payload refuses what was held before.
+  kvf_proto_reader_limit(&r, hold, 0);
+  EXPECT_EQ(kvf_proto_reader_feed(&r, big.data(), big.size(), &consumed, &ready), KVF_ERR_PROTOCOL);
+  EXPECT_NE(strstr(kvf_last_error(), "header.payload_len"), nullptr) << kvf_last_error();
+  EXPECT_EQ(kvf_proto_reader_held(&r), 0u);
+  kvf_proto_reader_reset(&r);
+  EXPECT_EQ(r.max_payload, hold);  // reset keeps the limits
+}
+
 TEST(Protocol, ReaderRejectsGarbageAndWrongVersion) {
   std::vector<uint8_t> garbage(64, 0x5A);
   kvf_proto_reader r;

@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -368,11 +369,17 @@ static void conn_failed_header(const kvf_conn *conn, kvf_proto_header *header) {
     *header = conn->reader.header;
 }
 
-kvf_status kvf_conn_read_frame(kvf_conn *conn, int timeout_ms, kvf_proto_header *header, uint8_t **payload,
-                               int *fds, uint32_t max_fds, uint32_t *num_fds) {
+/* kvf_conn_read_frame and kvf_conn_read_some: wait up to timeout_ms, read
+ * at most max_bytes; *bytes_read and *drained (both set) say how many came
+ * and whether the socket was found empty. */
+static kvf_status conn_read(kvf_conn *conn, int timeout_ms, size_t max_bytes, size_t *bytes_read, int *drained,
+                            kvf_proto_header *header, uint8_t **payload, int *fds, uint32_t max_fds,
+                            uint32_t *num_fds) {
   uint8_t buf[16384];
   kvf_status rc = KVF_SUCCESS;
 
+  *bytes_read = 0;
+  *drained = 0;
   if (payload) *payload = NULL;
   if (num_fds) *num_fds = 0;
   if (header) memset(header, 0, sizeof *header);
@@ -391,6 +398,10 @@ kvf_status kvf_conn_read_frame(kvf_conn *conn, int timeout_ms, kvf_proto_header 
     /* Never read past this frame: the next frame's descriptors ride on its
      * first byte, and a read stops at them only if we do not ask for it. */
     size_t want = kvf_proto_reader_want(&conn->reader);
+    if (want == 0) /* held: the owner grants the payload's buffer first (kvf_conn_grant) */
+      return kvf_fail(KVF_ERR_TIMEOUT, "connection: the frame waits for its buffer");
+    if (*bytes_read >= max_bytes) return kvf_fail(KVF_ERR_TIMEOUT, "connection: read budget spent");
+    if (want > max_bytes - *bytes_read) want = max_bytes - *bytes_read;
     if (want > sizeof buf) want = sizeof buf;
     uint32_t problems = 0;
     /* Room for a whole frame's worth: more than max_fds is then our error
@@ -403,7 +414,10 @@ kvf_status kvf_conn_read_frame(kvf_conn *conn, int timeout_ms, kvf_proto_header 
       if (e == EAGAIN) {
         int w = wait_fd(conn->fd, POLLIN, timeout_ms, deadline);
         if (w > 0) continue;
-        if (w == 0) return kvf_fail(KVF_ERR_TIMEOUT, "connection: no whole frame within %d ms", timeout_ms);
+        if (w == 0) {
+          *drained = 1;
+          return kvf_fail(KVF_ERR_TIMEOUT, "connection: no whole frame within %d ms", timeout_ms);
+        }
         rc = KVF_SYS_FAIL(KVF_ERR_SYSTEM, errno, "poll(connection)");
         goto fail;
       }
@@ -429,6 +443,7 @@ kvf_status kvf_conn_read_frame(kvf_conn *conn, int timeout_ms, kvf_proto_header 
       rc = conn_closed_status(conn);
       goto fail;
     }
+    *bytes_read += (size_t)n;
     size_t consumed = 0;
     int ready = 0;
     rc = kvf_proto_reader_feed(&conn->reader, buf, (size_t)n, &consumed, &ready);
@@ -450,6 +465,31 @@ fail:
   conn->failed = rc;
   conn_drop_fds(conn);
   conn_failed_header(conn, header);
+  return rc;
+}
+
+kvf_status kvf_conn_read_frame(kvf_conn *conn, int timeout_ms, kvf_proto_header *header, uint8_t **payload,
+                               int *fds, uint32_t max_fds, uint32_t *num_fds) {
+  size_t bytes = 0;
+  int drained = 0;
+  return conn_read(conn, timeout_ms, SIZE_MAX, &bytes, &drained, header, payload, fds, max_fds, num_fds);
+}
+
+kvf_status kvf_conn_read_some(kvf_conn *conn, size_t max_bytes, size_t *bytes_read, int *drained,
+                              kvf_proto_header *header, uint8_t **payload, int *fds, uint32_t max_fds,
+                              uint32_t *num_fds) {
+  size_t b = 0;
+  int d = 0;
+  kvf_status rc = conn_read(conn, 0, max_bytes, &b, &d, header, payload, fds, max_fds, num_fds);
+  if (bytes_read) *bytes_read = b;
+  if (drained) *drained = d;
+  return rc;
+}
+
+kvf_status kvf_conn_grant(kvf_conn *conn) {
+  if (conn == NULL) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_conn_grant: NULL argument");
+  kvf_status rc = kvf_proto_reader_grant(&conn->reader);
+  if (rc != KVF_SUCCESS && rc != KVF_ERR_STATE) conn->failed = rc;
   return rc;
 }
 

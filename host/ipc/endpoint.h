@@ -136,6 +136,25 @@ void kvf_conn_close(kvf_conn *conn);
 kvf_status kvf_conn_read_frame(kvf_conn *conn, int timeout_ms, kvf_proto_header *header, uint8_t **payload,
                                int *fds, uint32_t max_fds, uint32_t *num_fds);
 
+/* The event loop's read: like kvf_conn_read_frame with timeout 0 (only what
+ * has already arrived), but reading at most max_bytes from the socket in
+ * this call, so one connection's turn is bounded. *bytes_read (may be NULL)
+ * gets the bytes read; *drained (may be NULL) is 1 when the call stopped
+ * because the socket had nothing more, 0 when it stopped on max_bytes, on a
+ * whole frame or on a held header. Returns what kvf_conn_read_frame returns;
+ * KVF_ERR_TIMEOUT means no whole frame yet: a partial frame is kept, and
+ * when the reader holds the frame's header (kvf_proto_reader_limit: its
+ * payload is larger than the hold limit; kvf_proto_reader_held says how
+ * large) nothing more is read until kvf_conn_grant. */
+kvf_status kvf_conn_read_some(kvf_conn *conn, size_t max_bytes, size_t *bytes_read, int *drained,
+                              kvf_proto_header *header, uint8_t **payload, int *fds, uint32_t max_fds,
+                              uint32_t *num_fds);
+
+/* Allocate the payload buffer of the frame whose header conn's reader holds,
+ * so reading goes on. Returns KVF_SUCCESS; KVF_ERR_STATE (nothing held);
+ * KVF_ERR_OUT_OF_MEMORY (the connection has failed). */
+kvf_status kvf_conn_grant(kvf_conn *conn);
+
 /* Write the len bytes of one encoded frame, with num_fds descriptors
  * (SCM_RIGHTS) on its first byte, waiting up to timeout_ms in all
  * (negative: no limit). The descriptors stay the caller's. SIGPIPE is never

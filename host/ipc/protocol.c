@@ -893,22 +893,55 @@ kvf_status kvf_proto_negotiate(uint16_t min_version, uint16_t max_version, uint1
 
 /* ---- the incremental reader ------------------------------------------------ */
 
+static uint32_t reader_cap(uint32_t max_payload) {
+  return (max_payload == 0 || max_payload > KVF_PROTO_MAX_PAYLOAD) ? KVF_PROTO_MAX_PAYLOAD : max_payload;
+}
+
 void kvf_proto_reader_init(kvf_proto_reader *r, uint32_t max_payload) {
   memset(r, 0, sizeof *r);
-  r->max_payload = (max_payload == 0 || max_payload > KVF_PROTO_MAX_PAYLOAD) ? KVF_PROTO_MAX_PAYLOAD : max_payload;
+  r->max_payload = reader_cap(max_payload);
+}
+
+void kvf_proto_reader_limit(kvf_proto_reader *r, uint32_t max_payload, uint32_t hold_above) {
+  if (!r) return;
+  r->max_payload = reader_cap(max_payload);
+  r->hold_above = hold_above;
 }
 
 void kvf_proto_reader_reset(kvf_proto_reader *r) {
   if (!r) return;
-  uint32_t max = r->max_payload;
+  uint32_t max = r->max_payload, hold = r->hold_above;
   free(r->payload);
   kvf_proto_reader_init(r, max);
+  r->hold_above = hold;
 }
 
 size_t kvf_proto_reader_want(const kvf_proto_reader *r) {
-  if (r->failed || r->ready) return 0;
+  if (r->failed || r->ready || r->held) return 0;
   if (r->header_have < KVF_PROTO_HEADER_SIZE) return KVF_PROTO_HEADER_SIZE - r->header_have;
   return r->header.payload_len - r->payload_have;
+}
+
+uint32_t kvf_proto_reader_held(const kvf_proto_reader *r) { return r && r->held ? r->header.payload_len : 0; }
+
+/* The payload buffer of the checked header. */
+static kvf_status reader_alloc(kvf_proto_reader *r) {
+  r->payload = malloc(r->header.payload_len);
+  if (!r->payload) {
+    r->failed = KVF_ERR_OUT_OF_MEMORY;
+    return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "reader: out of memory for a %u-byte payload", r->header.payload_len);
+  }
+  return KVF_SUCCESS;
+}
+
+kvf_status kvf_proto_reader_grant(kvf_proto_reader *r) {
+  if (!r) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_proto_reader_grant: NULL argument");
+  if (r->failed) return kvf_fail(r->failed, "reader: the connection already failed; close it");
+  if (!r->held) return kvf_fail(KVF_ERR_STATE, "reader: no frame is held");
+  kvf_status st = reader_alloc(r);
+  if (st) return st;
+  r->held = 0;
+  return KVF_SUCCESS;
 }
 
 kvf_status kvf_proto_reader_feed(kvf_proto_reader *r, const uint8_t *data, size_t len, size_t *consumed,
@@ -919,7 +952,7 @@ kvf_status kvf_proto_reader_feed(kvf_proto_reader *r, const uint8_t *data, size_
   *ready = r->ready;
   if (r->failed) return kvf_fail(r->failed, "reader: the connection already failed; close it");
   size_t used = 0;
-  while (used < len && !r->ready) {
+  while (used < len && !r->ready && !r->held) {
     if (r->header_have < KVF_PROTO_HEADER_SIZE) {
       size_t n = KVF_PROTO_HEADER_SIZE - r->header_have;
       if (n > len - used) n = len - used;
@@ -935,16 +968,18 @@ kvf_status kvf_proto_reader_feed(kvf_proto_reader *r, const uint8_t *data, size_
         *consumed = used;
         return st;
       }
+      r->payload_have = 0;
+      if (r->hold_above && r->header.payload_len > r->hold_above) {
+        r->held = 1; /* the owner grants the buffer (kvf_proto_reader_grant) */
+        break;
+      }
       if (r->header.payload_len) {
-        r->payload = malloc(r->header.payload_len);
-        if (!r->payload) {
-          r->failed = KVF_ERR_OUT_OF_MEMORY;
+        st = reader_alloc(r);
+        if (st) {
           *consumed = used;
-          return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "reader: out of memory for a %u-byte payload",
-                          r->header.payload_len);
+          return st;
         }
       }
-      r->payload_have = 0;
     } else {
       size_t n = r->header.payload_len - r->payload_have;
       if (n > len - used) n = len - used;
@@ -955,7 +990,7 @@ kvf_status kvf_proto_reader_feed(kvf_proto_reader *r, const uint8_t *data, size_
     if (r->header_have == KVF_PROTO_HEADER_SIZE && r->payload_have == r->header.payload_len) r->ready = 1;
   }
   /* A header with an empty payload completes without another byte. */
-  if (!r->ready && r->header_have == KVF_PROTO_HEADER_SIZE && r->payload_have == r->header.payload_len)
+  if (!r->ready && !r->held && r->header_have == KVF_PROTO_HEADER_SIZE && r->payload_have == r->header.payload_len)
     r->ready = 1;
   *consumed = used;
   *ready = r->ready;

@@ -312,29 +312,53 @@ kvf_status kvf_proto_negotiate(uint16_t min_version, uint16_t max_version, uint1
  * any size; it reassembles one frame at a time. The payload buffer is
  * allocated only after the header has been checked, so an oversize frame is
  * refused before a byte of memory is spent on it. A failure is sticky: the
- * connection is out of step and should be closed. */
+ * connection is out of step and should be closed.
+ *
+ * A reader may also *hold* a large frame (hold_above, kvf_proto_reader_limit):
+ * once the header of a frame whose payload is larger has been checked, the
+ * reader stops there, allocating nothing and consuming nothing more, until
+ * its owner grants the buffer (kvf_proto_reader_grant). A server uses it to
+ * bound the memory that frames being received take over all connections. */
 typedef struct kvf_proto_reader {
   uint32_t max_payload;
+  uint32_t hold_above; /* 0: never hold; else payloads larger than this wait for a grant */
   uint8_t header_bytes[KVF_PROTO_HEADER_SIZE];
   size_t header_have;
   kvf_proto_header header; /* valid once header_have == KVF_PROTO_HEADER_SIZE */
   uint8_t *payload;
   size_t payload_have;
+  int held;            /* the header is checked, the payload waits for kvf_proto_reader_grant */
   int ready;           /* a whole frame is waiting for kvf_proto_reader_take */
   kvf_status failed;   /* sticky; KVF_SUCCESS while healthy */
 } kvf_proto_reader;
 
 /* Start a reader that accepts payloads up to max_payload bytes (0:
- * KVF_PROTO_MAX_PAYLOAD; capped at it). */
+ * KVF_PROTO_MAX_PAYLOAD; capped at it) and never holds. */
 void kvf_proto_reader_init(kvf_proto_reader *r, uint32_t max_payload);
 
-/* Free the reader's buffer and reset it to its initial state. */
+/* Change the limits for the frames whose header has not been checked yet:
+ * payloads up to max_payload bytes (0: KVF_PROTO_MAX_PAYLOAD; capped at it)
+ * are accepted, and those larger than hold_above (0: none) are held. The
+ * frame being read, if its header is checked, keeps the limits it had. */
+void kvf_proto_reader_limit(kvf_proto_reader *r, uint32_t max_payload, uint32_t hold_above);
+
+/* Free the reader's buffer and reset it to its initial state (keeping its
+ * limits). */
 void kvf_proto_reader_reset(kvf_proto_reader *r);
 
 /* Bytes the current frame still needs: a socket reader that reads at most
  * this many never reads into the next frame (nor past its descriptors). 0
- * when a frame is ready or the reader has failed. */
+ * when a frame is ready, held or the reader has failed. */
 size_t kvf_proto_reader_want(const kvf_proto_reader *r);
+
+/* The payload length of a held frame (header checked, no buffer yet); 0
+ * when the reader holds nothing. */
+uint32_t kvf_proto_reader_held(const kvf_proto_reader *r);
+
+/* Allocate the held frame's payload buffer, so feeding goes on. Returns
+ * KVF_SUCCESS; KVF_ERR_STATE (nothing is held); KVF_ERR_OUT_OF_MEMORY
+ * (sticky, as a failed feed). */
+kvf_status kvf_proto_reader_grant(kvf_proto_reader *r);
 
 /* Consume bytes from data[0..len): at most up to the end of the current
  * frame. *consumed says how many were taken; *ready is set to 1 when a frame
