@@ -37,13 +37,26 @@ typedef struct kvf_server_out {
 
 #define KVF_SERVER_QUEUE_MAX (64u << 20) /* unread reply bytes one client may hold */
 
+/* One turn of the loop (one poll) gives each readable connection at most
+ * this much reading: a client that keeps its socket full delays the others
+ * by a few requests' work per turn, never by its whole flood. New
+ * connections are accepted every turn, a bounded number at a time. */
+#define KVF_SERVER_TURN_FRAMES 8u
+#define KVF_SERVER_TURN_BYTES (256u << 10)
+#define KVF_SERVER_TURN_ACCEPTS 32u
+
 typedef struct kvf_server_conn {
   kvf_conn conn;
   uint64_t client_id;   /* the registry's client id; assigned at accept */
   int hello_done;
   uint32_t pid;         /* from HELLO (SO_PEERCRED's in conn.peer) */
   char name[KVF_PROTO_NAME_MAX];
-  uint64_t last_seen_ns; /* any valid frame counts as a heartbeat */
+  /* Alive as of then: the accept, or the last poll that found bytes from it
+   * waiting (read that turn or later: a client is never blamed for the
+   * loop's backlog). The reaper compares it with the time of the last poll,
+   * never with "now", so a heartbeat that arrived after that poll is not
+   * missed. */
+  uint64_t last_seen_ns;
   kvf_dp_binding *binding; /* the active registration's geometry on its lane, or NULL */
   /* Replies not written yet: written without blocking as the socket takes
    * them, so a client that stops reading never stalls the loop. */
@@ -557,8 +570,6 @@ static kvf_status server_dispatch(kvf_server *s, kvf_server_conn *c, const kvf_p
     server_send_error(s, c, h->request_id, st, NULL);
     goto out;
   }
-  c->last_seen_ns = kvf_now_ns(); /* any valid request proves the client alive */
-  if (c->hello_done) (void)kvf_registry_heartbeat(s->registry, c->client_id, c->last_seen_ns);
   switch (h->type) {
     case KVF_PROTO_HELLO: st = handle_hello(s, c, &m); break;
     case KVF_PROTO_REGISTER: st = handle_register(s, c, &m, fds, num_fds); break;
@@ -592,14 +603,20 @@ out:
   return st;
 }
 
-/* Read every whole frame c has waiting. Returns KVF_SUCCESS to keep it. */
+/* c's turn: read and dispatch what it has waiting, at most
+ * KVF_SERVER_TURN_FRAMES frames and KVF_SERVER_TURN_BYTES bytes (the rest
+ * waits for the next turn, after every other connection had its own).
+ * Returns KVF_SUCCESS to keep c. */
 static kvf_status server_conn_service(kvf_server *s, kvf_server_conn *c, const char **why) {
   int fds[KVF_PROTO_MAX_FDS];
-  for (;;) {
+  size_t budget = KVF_SERVER_TURN_BYTES;
+  for (uint32_t frames = 0; frames < KVF_SERVER_TURN_FRAMES && budget > 0; frames++) {
     kvf_proto_header h;
     uint8_t *payload = NULL;
     uint32_t num_fds = 0;
-    kvf_status st = kvf_conn_read_frame(&c->conn, 0, &h, &payload, fds, KVF_PROTO_MAX_FDS, &num_fds);
+    size_t got = 0;
+    kvf_status st = kvf_conn_read_some(&c->conn, budget, &got, NULL, &h, &payload, fds, KVF_PROTO_MAX_FDS, &num_fds);
+    budget -= got < budget ? got : budget;
     if (st == KVF_ERR_TIMEOUT) return KVF_SUCCESS;
     if (st == KVF_ERR_DISCONNECTED) {
       *why = "peer closed";
@@ -620,6 +637,14 @@ static kvf_status server_conn_service(kvf_server *s, kvf_server_conn *c, const c
       return st;
     }
   }
+  return KVF_SUCCESS;
+}
+
+/* Bytes from c were waiting at the poll of t_ns: it is alive as of then. */
+static void conn_seen(kvf_server *s, kvf_server_conn *c, uint64_t t_ns) {
+  if (t_ns <= c->last_seen_ns) return;
+  c->last_seen_ns = t_ns;
+  if (c->hello_done) (void)kvf_registry_heartbeat(s->registry, c->client_id, t_ns);
 }
 
 /* ---- the object ----------------------------------------------------------- */
@@ -727,7 +752,7 @@ kvf_status kvf_server_data_stats(kvf_server *s, kvf_dataplane_stats *out) {
 }
 
 static void server_accept(kvf_server *s) {
-  for (;;) {
+  for (uint32_t turn = 0; turn < KVF_SERVER_TURN_ACCEPTS; turn++) {
     kvf_conn conn;
     kvf_status st = kvf_endpoint_accept(s->ep, 0, 0, &conn);
     if (st == KVF_ERR_TIMEOUT) return;
@@ -756,9 +781,10 @@ static void server_accept(kvf_server *s) {
   }
 }
 
-/* Reap clients silent past the timeout: their connections are dropped (a
- * stopped or hung engine), and the registry's reaper catches the rest. */
-static void server_reap(kvf_server *s) {
+/* Reap clients silent past the timeout as of the last poll (poll_ns): their
+ * connections are dropped (a stopped or hung engine), and the registry's
+ * reaper catches the rest. */
+static void server_reap(kvf_server *s, uint64_t poll_ns) {
   uint64_t now = kvf_now_ns();
   uint64_t timeout_ns = (uint64_t)s->opt.heartbeat_timeout_ms * 1000000ull;
   for (uint32_t i = 0; i < s->num_conns;) {
@@ -771,16 +797,16 @@ static void server_reap(kvf_server *s) {
       server_conn_drop(s, i, "replies not read");
       continue;
     }
-    if (now > c->last_seen_ns && now - c->last_seen_ns > timeout_ns) {
+    if (poll_ns > c->last_seen_ns && poll_ns - c->last_seen_ns > timeout_ns) {
       KVF_WARN(SERVER, "client %llu (pid %d): silent for %llu ms, reaped", (unsigned long long)c->client_id,
-               (int)c->conn.peer.pid, (unsigned long long)((now - c->last_seen_ns) / 1000000ull));
+               (int)c->conn.peer.pid, (unsigned long long)((poll_ns - c->last_seen_ns) / 1000000ull));
       server_conn_drop(s, i, "heartbeat timeout");
       continue;
     }
     i++;
   }
   uint32_t reaped = 0;
-  kvf_status st = kvf_registry_reap(s->registry, now, timeout_ns, &reaped);
+  kvf_status st = kvf_registry_reap(s->registry, poll_ns, timeout_ns, &reaped);
   if (st != KVF_SUCCESS) KVF_WARN(SERVER, "reaper: %s", kvf_last_error());
   if (now - s->last_collect_ns > 1000000000ull) {
     s->last_collect_ns = now;
@@ -808,6 +834,7 @@ kvf_status kvf_server_run(kvf_server *s) {
       result = kvf_fail(KVF_ERR_SYSTEM, "server: poll: %s", strerror(errno));
       break;
     }
+    uint64_t poll_ns = kvf_now_ns();
     if (rc > 0) {
       if (s->pfds[0].revents) {
         char buf[64];
@@ -821,6 +848,7 @@ kvf_status kvf_server_run(kvf_server *s) {
         if (!ev) continue;
         kvf_server_conn *c = s->conns[i];
         const char *why = "";
+        if (ev & POLLIN) conn_seen(s, c, poll_ns);
         if ((ev & POLLOUT) && conn_flush(c) != KVF_SUCCESS) {
           server_conn_drop(s, i, "reply not delivered");
           continue;
@@ -836,7 +864,7 @@ kvf_status kvf_server_run(kvf_server *s) {
     server_flush_outbox(s);
     for (uint32_t i = s->num_conns; i-- > 0;)
       if (s->conns[i]->q_failed != KVF_SUCCESS) server_conn_drop(s, i, "reply not delivered");
-    server_reap(s);
+    server_reap(s, poll_ns);
   }
   /* Stop: drain every client and stop listening. Requests in flight finish
    * (their completion events) before their leases let the unmaps run. */

@@ -14,6 +14,13 @@
  * disturbed. A disconnect closes the client in the registry (drain, unmap);
  * each loop turn a client silent past the heartbeat timeout is reaped.
  *
+ * Fairness: each turn of the loop (one poll) gives every readable
+ * connection a bounded share, at most 8 frames and 256 KiB, and accepts up
+ * to 32 new connections, so a client that keeps its socket full delays the
+ * others by a few requests' work per turn. A client is alive as of the last
+ * poll that found bytes from it waiting, read then or later: one whose
+ * heartbeats sat unread behind the loop's backlog is never reaped for it.
+ *
  * STORE and RETRIEVE are admitted on the loop (host/dataplane.h: checks,
  * lease, L1 reservation or pins) and run on the lane of the registration's
  * device: a worker and a completion thread per GPU, plus the host lane.

@@ -1,0 +1,628 @@
+// One client can never stall or starve another (issue 12): kvferryd's event
+// loop under attack, with real processes. The server runs in a forked
+// process (as kvferryd would), each attacker in forked processes writing raw
+// frames over the socket, and a legitimate engine in the test process: a
+// kvf_client with its heartbeat thread and a registration of the tiny
+// host-backend geometry. During each attack the test measures the engine's
+// heartbeat round trip, and the time a new client takes to connect and get
+// a STAT answered, and holds them to a bound; the engine must never be
+// reaped, and the attacker gets an ERROR naming the field or is
+// disconnected.
+//
+// The bounds are stated once (kHeartbeatP99Ms and below) and hold on a
+// loaded 2-core machine under ASan: the attackers then compete with the
+// server for the CPU, so they are a few times what an idle machine shows,
+// and far below what an attack that works costs (seconds: the attack's
+// whole duration).
+#include <gtest/gtest.h>
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <poll.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <kvferry/client.h>
+#include <kvferry/geometry.h>
+#include <kvferry/memory.h>
+
+#include "host/core/log.h"
+#include "host/ipc/endpoint.h"
+#include "host/ipc/protocol.h"
+#include "host/server/server.h"
+
+#include "mem_test_util.h"
+#include "server_test_util.h"
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define KVF_TEST_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define KVF_TEST_SANITIZED 1
+#endif
+#endif
+
+namespace {
+
+using kvf_mem_test::fd_count;
+using kvf_server_test::kTinyGeometry;
+
+// ---- the bounds ----------------------------------------------------------------
+
+// The engine's heartbeat round trip (kvf_client_heartbeat) during an attack:
+// 99th percentile and worst case.
+constexpr double kHeartbeatP99Ms = 50.0;
+constexpr double kHeartbeatMaxMs = 250.0;
+// A new client: connect, HELLO, STAT, disconnect, worst case.
+constexpr double kConnectMaxMs = 500.0;
+
+// ---- time, processes, /proc -------------------------------------------------------
+
+int64_t mono_us() {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+int64_t mono_ms() { return mono_us() / 1000; }
+
+void sleep_ms(int64_t ms) {
+  if (ms <= 0) return;
+  struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+  }
+}
+
+int remove_one(const char *path, const struct stat *, int, struct FTW *) { return remove(path); }
+
+// A child's exit status, or 1000 + the signal that ended it; -1 if it still
+// runs after timeout_ms.
+int reap(pid_t pid, int timeout_ms) {
+  int64_t deadline = mono_ms() + timeout_ms;
+  for (;;) {
+    int status = 0;
+    pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 1000 + WTERMSIG(status);
+    if (r < 0 && errno != EINTR) return -2;
+    if (mono_ms() > deadline) return -1;
+    sleep_ms(2);
+  }
+}
+
+pid_t fork_clean() {
+  std::fflush(nullptr);
+  return fork();
+}
+
+// The value once it holds still for 100 ms (a dropped connection is closed a
+// moment after the peer notices), within 5 s.
+template <typename F>
+long steady(F read) {
+  long last = read(), same = 0;
+  for (int i = 0; i < 250 && same < 5; i++) {
+    sleep_ms(20);
+    long now = read();
+    same = now == last ? same + 1 : 0;
+    last = now;
+  }
+  return last;
+}
+
+// ---- latency -------------------------------------------------------------------
+
+struct Latency {
+  std::mutex mu;
+  std::vector<double> ms;
+  int failures = 0;
+  std::string first_failure;
+  void add(double v) {
+    std::lock_guard<std::mutex> g(mu);
+    ms.push_back(v);
+  }
+  void fail(const std::string &why) {
+    std::lock_guard<std::mutex> g(mu);
+    if (failures++ == 0) first_failure = why;
+  }
+  double pct(double p) {
+    std::lock_guard<std::mutex> g(mu);
+    if (ms.empty()) return 0;
+    std::vector<double> v = ms;
+    std::sort(v.begin(), v.end());
+    size_t i = (size_t)(p / 100.0 * (double)(v.size() - 1) + 0.5);
+    return v[std::min(i, v.size() - 1)];
+  }
+  double max() { return pct(100); }
+  size_t count() {
+    std::lock_guard<std::mutex> g(mu);
+    return ms.size();
+  }
+  std::string summary() {
+    char b[256];
+    snprintf(b, sizeof b, "%zu samples, p50 %.2f ms, p99 %.2f ms, max %.2f ms, %d failed%s%s", count(), pct(50),
+             pct(99), max(), failures, failures ? ": " : "", first_failure.c_str());
+    return b;
+  }
+};
+
+// ---- raw frames ------------------------------------------------------------------
+
+std::vector<uint8_t> encode(const kvf_proto_msg &m) {
+  uint8_t *f = nullptr;
+  size_t n = 0;
+  if (kvf_proto_encode(&m, &f, &n) != KVF_SUCCESS) return {};
+  std::vector<uint8_t> v(f, f + n);
+  free(f);
+  return v;
+}
+
+std::vector<uint8_t> hello_frame(uint64_t request_id) {
+  kvf_proto_msg m;
+  memset(&m, 0, sizeof m);
+  m.type = KVF_PROTO_HELLO;
+  m.request_id = request_id;
+  m.u.hello.min_version = m.u.hello.max_version = 1;
+  m.u.hello.pid = (uint32_t)getpid();
+  m.u.hello.instance_id = 0x4154544143ull; /* "ATTAC" */
+  snprintf(m.u.hello.name, sizeof m.u.hello.name, "attacker");
+  return encode(m);
+}
+
+std::vector<uint8_t> heartbeat_frame(uint64_t request_id) {
+  kvf_proto_msg m;
+  memset(&m, 0, sizeof m);
+  m.type = KVF_PROTO_HEARTBEAT;
+  m.request_id = request_id;
+  m.u.heartbeat.sequence = request_id;
+  return encode(m);
+}
+
+// A connected socket to dir's server (blocking, or not), or -1.
+int connect_raw(const std::string &dir, bool nonblocking) {
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | (nonblocking ? SOCK_NONBLOCK : 0), 0);
+  if (fd < 0) return -1;
+  struct sockaddr_un a;
+  memset(&a, 0, sizeof a);
+  a.sun_family = AF_UNIX;
+  snprintf(a.sun_path, sizeof a.sun_path, "%s/%s", dir.c_str(), KVF_ENDPOINT_SOCKET_NAME);
+  if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+bool write_all(int fd, const uint8_t *p, size_t n) {
+  while (n > 0) {
+    ssize_t w = write(fd, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    p += w;
+    n -= (size_t)w;
+  }
+  return true;
+}
+
+// Read one frame within timeout_ms and decode it; false on EOF, timeout or
+// garbage.
+bool read_msg(int fd, int timeout_ms, kvf_proto_msg *out) {
+  kvf_conn c;
+  kvf_conn_init(&c, fd, 0);
+  kvf_proto_header h;
+  uint8_t *payload = nullptr;
+  int fds[4];
+  uint32_t nfds = 0;
+  bool ok = kvf_conn_read_frame(&c, timeout_ms, &h, &payload, fds, 4, &nfds) == KVF_SUCCESS &&
+            kvf_proto_decode(&h, payload, out) == KVF_SUCCESS;
+  free(payload);
+  c.fd = -1; /* the socket stays the caller's */
+  kvf_conn_close(&c);
+  return ok;
+}
+
+// Wait for a byte on fd (the go signal); false when it closed first.
+bool wait_go(int fd) {
+  char b = 0;
+  for (;;) {
+    ssize_t n = read(fd, &b, 1);
+    if (n < 0 && errno == EINTR) continue;
+    return n == 1;
+  }
+}
+
+// ---- the server ------------------------------------------------------------------
+
+kvf_server *g_child_server;
+void child_on_term(int) { kvf_server_stop(g_child_server); }
+
+using Options = std::function<void(kvf_server_options *)>;
+
+// kvferryd's server object in a forked process. It exits 0 after SIGTERM only
+// if it drained cleanly (nothing mapped or leased) and holds as many
+// descriptors as before it was created.
+class ServerProcess {
+ public:
+  ~ServerProcess() { kill_now(); }
+  bool start(const std::string &dir, const Options &set) {
+    pid_ = fork_clean();
+    if (pid_ < 0) return false;
+    if (pid_ == 0) {
+      sigset_t term, old;
+      sigemptyset(&term);
+      sigaddset(&term, SIGTERM);
+      sigprocmask(SIG_BLOCK, &term, &old);
+      signal(SIGTERM, child_on_term);
+      signal(SIGPIPE, SIG_IGN);
+      int before = fd_count();
+      kvf_server_options o = KVF_SERVER_OPTIONS_INIT;
+      o.socket_dir = dir.c_str();
+      if (set) set(&o);
+      if (kvf_server_create(&o, &g_child_server) != KVF_SUCCESS) _exit(2);
+      sigprocmask(SIG_SETMASK, &old, nullptr);
+      kvf_status st = kvf_server_run(g_child_server);
+      kvf_registry_stats s = KVF_REGISTRY_STATS_INIT;
+      kvf_server_stats(g_child_server, &s);
+      kvf_server_destroy(g_child_server);
+      if (st != KVF_SUCCESS) _exit(3);
+      if (s.imports != 0 || s.aliases != 0 || s.active != 0 || s.leases != 0) _exit(4);
+      if (fd_count() != before) _exit(5);
+      _exit(0);
+    }
+    return wait_ready(dir);
+  }
+  // The real kvferryd binary, with extra flags.
+  bool start_binary(const std::string &binary, const std::string &dir, const std::vector<std::string> &flags) {
+    pid_ = fork_clean();
+    if (pid_ < 0) return false;
+    if (pid_ == 0) {
+      std::vector<const char *> argv = {binary.c_str(), "--socket-dir", dir.c_str(), "--devices", "none"};
+      for (const std::string &f : flags) argv.push_back(f.c_str());
+      argv.push_back(nullptr);
+      execv(binary.c_str(), (char *const *)argv.data());
+      _exit(127);
+    }
+    return wait_ready(dir);
+  }
+  // SIGTERM; the exit status (0: drained cleanly; 2 create, 3 run, 4 still
+  // mapped, 5 descriptors leaked).
+  int stop() {
+    if (pid_ <= 0) return -1;
+    kill(pid_, SIGTERM);
+    int st = reap(pid_, 20000);
+    if (st == -1) {
+      kill(pid_, SIGKILL);
+      st = 2000 + reap(pid_, 20000);
+    }
+    pid_ = -1;
+    return st;
+  }
+  void kill_now() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    reap(pid_, 20000);
+    pid_ = -1;
+  }
+  pid_t pid() const { return pid_; }
+
+ private:
+  bool wait_ready(const std::string &dir) {
+    for (int i = 0; i < 1000; i++) {
+      int fd = connect_raw(dir, false);
+      if (fd >= 0) {
+        close(fd);
+        return true;
+      }
+      if (reap(pid_, 0) >= 0) {
+        pid_ = -1;
+        return false;
+      }
+      sleep_ms(10);
+    }
+    return false;
+  }
+  pid_t pid_ = -1;
+};
+
+// ---- attackers -------------------------------------------------------------------
+
+// A forked attacker: it waits for go(), attacks, and exits with 0 when it
+// could attack (10+: the step that failed). stop() closes its control pipe.
+struct Attacker {
+  pid_t pid = -1;
+  int go_fd = -1;
+  void go() {
+    char b = 'g';
+    if (write(go_fd, &b, 1) != 1) ADD_FAILURE() << "the attacker is gone";
+  }
+  int finish(int timeout_ms = 20000) {
+    if (go_fd >= 0) close(go_fd);
+    go_fd = -1;
+    if (pid <= 0) return -1;
+    int st = reap(pid, timeout_ms);
+    if (st == -1) {
+      kill(pid, SIGKILL);
+      st = 2000 + reap(pid, 20000);
+    }
+    pid = -1;
+    return st;
+  }
+  ~Attacker() {
+    if (pid > 0) {
+      kill(pid, SIGKILL);
+      reap(pid, 20000);
+    }
+    if (go_fd >= 0) close(go_fd);
+  }
+};
+
+// body(go_fd) runs in the child; its return value is the exit status.
+void spawn(Attacker *a, const std::function<int(int)> &body) {
+  int p[2];
+  ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
+  pid_t pid = fork_clean();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    close(p[1]);
+    signal(SIGPIPE, SIG_IGN);
+    _exit(body(p[0]));
+  }
+  close(p[0]);
+  a->pid = pid;
+  a->go_fd = p[1];
+}
+
+// Flood: HELLO, then heartbeats as fast as the socket takes them for
+// duration_ms, while a second process reads every reply. Writes to `report`
+// how many heartbeats the server took ("frames\n").
+int flood_main(const std::string &dir, int go, int duration_ms, int report) {
+  std::vector<uint8_t> hello = hello_frame(1);
+  std::vector<uint8_t> burst;
+  for (int i = 0; i < 4096; i++) {
+    std::vector<uint8_t> f = heartbeat_frame(2 + (uint64_t)i);
+    burst.insert(burst.end(), f.begin(), f.end());
+  }
+  if (!wait_go(go)) return 10;
+  int fd = connect_raw(dir, false);
+  if (fd < 0) return 11;
+  if (!write_all(fd, hello.data(), hello.size())) return 12;
+  kvf_proto_msg m;
+  if (!read_msg(fd, 5000, &m) || m.type != KVF_PROTO_HELLO_REPLY) return 13;
+  kvf_proto_msg_clear(&m);
+  pid_t reader = fork();
+  if (reader == 0) {
+    static uint8_t sink[1 << 16];
+    for (;;) {
+      ssize_t n = read(fd, sink, sizeof sink);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) _exit(0);
+    }
+  }
+  if (reader < 0) return 14;
+  struct timeval tv = {0, 200000}; /* a write blocked this long: look at the clock */
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  int64_t end = mono_ms() + duration_ms;
+  size_t off = 0;
+  uint64_t written = 0;
+  while (mono_ms() < end) {
+    ssize_t w = write(fd, burst.data() + off, burst.size() - off);
+    if (w < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (w <= 0) break; /* dropped */
+    off = (off + (size_t)w) % burst.size();
+    written += (uint64_t)w;
+  }
+  dprintf(report, "%llu\n", (unsigned long long)(written / (burst.size() / 4096)));
+  close(fd);
+  kill(reader, SIGKILL);
+  waitpid(reader, nullptr, 0);
+  return 0;
+}
+
+// What an attacker wrote on its report pipe, within timeout_ms.
+std::string read_report(int fd, int timeout_ms) {
+  std::string out;
+  int64_t end = mono_ms() + timeout_ms;
+  while (mono_ms() < end && (out.empty() || out.back() != '\n')) {
+    struct pollfd p = {fd, POLLIN, 0};
+    if (poll(&p, 1, 50) != 1) continue;
+    char b[256];
+    ssize_t n = read(fd, b, sizeof b);
+    if (n <= 0) break;
+    out.append(b, (size_t)n);
+  }
+  return out;
+}
+
+// ---- the legitimate engine ----------------------------------------------------------
+
+uint64_t tiny_region_size() {
+  kvf_geometry *g = nullptr;
+  if (kvf_geometry_load_buffer(kTinyGeometry, strlen(kTinyGeometry), nullptr, &g, nullptr) != KVF_SUCCESS) return 0;
+  kvf_region_info info;
+  uint64_t size = kvf_geometry_region(g, 0, &info) == KVF_SUCCESS ? info.size : 0;
+  kvf_geometry_destroy(g);
+  return size;
+}
+
+// An engine in the test process: connected with a heartbeat thread,
+// registered (one host allocation, two regions).
+struct Engine {
+  kvf_client *c = nullptr;
+  kvf_mem_alloc *a = nullptr;
+  kvf_client_info info{};
+  kvf_status connect(const std::string &dir, uint32_t period_ms, uint32_t timeout_ms) {
+    kvf_client_options o = KVF_CLIENT_OPTIONS_INIT;
+    o.socket_dir = dir.c_str();
+    o.name = "engine";
+    o.heartbeat_thread = 1;
+    o.heartbeat_period_ms = period_ms;
+    o.timeout_ms = timeout_ms;
+    kvf_status st = kvf_client_connect(&o, &c, &info);
+    if (st != KVF_SUCCESS) return st;
+    uint64_t size = tiny_region_size();
+    kvf_mem_alloc_options ao = KVF_MEM_ALLOC_OPTIONS_INIT;
+    ao.size = 2 * size;
+    st = kvf_mem_alloc_create(&ao, &a);
+    if (st != KVF_SUCCESS) return st;
+    kvf_client_region regs[2] = {{a, 0, size}, {a, size, size}};
+    return kvf_client_register(c, kTinyGeometry, strlen(kTinyGeometry), -1, regs, 2, nullptr);
+  }
+  // Its own record in STAT: still there and still active (never reaped).
+  bool still_active(std::string *why) {
+    kvf_client_stat_record rec[64];
+    uint32_t n = 0;
+    kvf_status st = kvf_client_stat_clients(c, nullptr, rec, 64, &n);
+    if (st != KVF_SUCCESS) {
+      *why = std::string("STAT: ") + kvf_status_string(st) + ": " + kvf_last_error();
+      return false;
+    }
+    for (uint32_t i = 0; i < n && i < 64; i++)
+      if (rec[i].client_id == info.client_id) {
+        if (rec[i].active == 1) return true;
+        *why = "its registration is no longer active (reaped)";
+        return false;
+      }
+    *why = "the server no longer lists it (reaped)";
+    return false;
+  }
+  ~Engine() {
+    kvf_client_disconnect(c);
+    kvf_mem_alloc_destroy(a);
+  }
+};
+
+// Measure while an attack runs: the engine's heartbeat round trip every 10 ms,
+// and a new client's connect + STAT every 200 ms, until `stop`.
+struct Probe {
+  Latency heartbeat, connect;
+  std::atomic<bool> stop{false};
+  std::thread hb_thread, connect_thread;
+  void start(Engine *e, const std::string &dir) {
+    hb_thread = std::thread([this, e] {
+      while (!stop.load()) {
+        int64_t t0 = mono_us();
+        kvf_status st = kvf_client_heartbeat(e->c, nullptr);
+        double ms = (double)(mono_us() - t0) / 1000.0;
+        heartbeat.add(ms);
+        if (st != KVF_SUCCESS) heartbeat.fail(std::string(kvf_status_string(st)) + ": " + kvf_last_error());
+        sleep_ms(10);
+      }
+    });
+    connect_thread = std::thread([this, dir] {
+      while (!stop.load()) {
+        int64_t t0 = mono_us();
+        kvf_client_options o = KVF_CLIENT_OPTIONS_INIT;
+        o.socket_dir = dir.c_str();
+        o.name = "probe";
+        o.timeout_ms = 5000;
+        kvf_client *c = nullptr;
+        kvf_status st = kvf_client_connect(&o, &c, nullptr);
+        kvf_client_stats s;
+        if (st == KVF_SUCCESS) st = kvf_client_stat(c, &s);
+        std::string why = st == KVF_SUCCESS ? "" : std::string(kvf_status_string(st)) + ": " + kvf_last_error();
+        kvf_client_disconnect(c);
+        connect.add((double)(mono_us() - t0) / 1000.0);
+        if (st != KVF_SUCCESS) connect.fail(why);
+        sleep_ms(200);
+      }
+    });
+  }
+  void finish() {
+    stop = true;
+    if (hb_thread.joinable()) hb_thread.join();
+    if (connect_thread.joinable()) connect_thread.join();
+  }
+  ~Probe() { finish(); }
+  // The stated bounds, with the figures in the message.
+  void expect_bounds(const char *attack) {
+    SCOPED_TRACE(attack);
+    printf("[ %s ] engine heartbeat: %s\n", attack, heartbeat.summary().c_str());
+    printf("[ %s ] new client connect+STAT: %s\n", attack, connect.summary().c_str());
+    EXPECT_GT(heartbeat.count(), 10u);
+    EXPECT_EQ(heartbeat.failures, 0) << heartbeat.summary();
+    EXPECT_LT(heartbeat.pct(99), kHeartbeatP99Ms) << heartbeat.summary();
+    EXPECT_LT(heartbeat.max(), kHeartbeatMaxMs) << heartbeat.summary();
+    EXPECT_GT(connect.count(), 2u);
+    EXPECT_EQ(connect.failures, 0) << connect.summary();
+    EXPECT_LT(connect.max(), kConnectMaxMs) << connect.summary();
+  }
+};
+
+class ServerFairness : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/kvf_fairness_XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    base_ = tmpl;
+    dir_ = base_ + "/sock";
+    signal(SIGPIPE, SIG_IGN);
+    fds_before_ = fd_count();
+  }
+  void TearDown() override {
+    server_.kill_now();
+    nftw(base_.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS);
+    EXPECT_EQ(fd_count(), fds_before_) << "descriptors leaked in the test process";
+  }
+  std::string base_, dir_;
+  int fds_before_ = 0;
+  ServerProcess server_;
+};
+
+// Starvation: two clients keep their sockets full of heartbeats (their
+// replies read by another process) for 3 s. Before round-robin service the
+// loop read one of them until it would block, for the whole flood: nobody
+// else was answered or could connect, and the engine, heartbeating all
+// along, was reaped.
+TEST_F(ServerFairness, FloodingClientsDoNotStarveOthers) {
+  const uint32_t hb_timeout_ms = 1000;
+  ASSERT_TRUE(server_.start(dir_, [&](kvf_server_options *o) { o->heartbeat_timeout_ms = hb_timeout_ms; }));
+  const int flood_ms = 3000;
+  Attacker a[2];
+  int rep[2][2];
+  for (int i = 0; i < 2; i++) {
+    ASSERT_EQ(pipe2(rep[i], O_CLOEXEC), 0);
+    spawn(&a[i], [&](int go) { return flood_main(dir_, go, flood_ms, rep[i][1]); });
+    close(rep[i][1]);
+  }
+  Engine e;
+  ASSERT_EQ(e.connect(dir_, 100, 5000), KVF_SUCCESS) << kvf_last_error();
+  Probe p;
+  p.start(&e, dir_);
+  sleep_ms(200);
+  for (Attacker &x : a) x.go();
+  sleep_ms(flood_ms);
+  p.finish();
+  for (int i = 0; i < 2; i++) {
+    EXPECT_EQ(a[i].finish(), 0) << "10+: the attacker step that failed";
+    std::string r = read_report(rep[i][0], 5000);
+    close(rep[i][0]);
+    printf("[ flood ] attacker %d: the server took %s heartbeats in %d ms\n", i, r.empty() ? "?" : r.substr(0, r.size() - 1).c_str(), flood_ms);
+  }
+  p.expect_bounds("flood");
+  std::string why;
+  EXPECT_TRUE(e.still_active(&why)) << why;
+  EXPECT_EQ(kvf_client_heartbeat(e.c, nullptr), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_FALSE(kvf_client_server_restarted(e.c));
+  kvf_client_disconnect(e.c);
+  e.c = nullptr;
+  EXPECT_EQ(server_.stop(), 0) << "2 create, 3 run, 4 still mapped, 5 descriptors leaked";
+}
+
+}  // namespace
