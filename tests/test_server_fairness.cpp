@@ -113,6 +113,18 @@ pid_t fork_clean() {
   return fork();
 }
 
+int proc_fds(pid_t pid) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/fd", (int)pid);
+  DIR *d = opendir(path);
+  if (!d) return -1;
+  int n = 0;
+  while (struct dirent *e = readdir(d))
+    if (e->d_name[0] != '.') n++;
+  closedir(d);
+  return n;
+}
+
 // The value once it holds still for 100 ms (a dropped connection is closed a
 // moment after the peer notices), within 5 s.
 template <typename F>
@@ -435,6 +447,42 @@ int flood_main(const std::string &dir, int go, int duration_ms, int report) {
   return 0;
 }
 
+// Idle: hold up to `want` connections that never say HELLO for duration_ms;
+// a connection the server drops is replaced at once. Writes to `report` how
+// many it opened and how many the server dropped ("opened dropped\n").
+int idle_main(const std::string &dir, int go, size_t want, int duration_ms, int report) {
+  if (!wait_go(go)) return 10;
+  std::vector<int> fds;
+  std::vector<struct pollfd> pf;
+  long opened = 0, dropped = 0;
+  int64_t end = mono_ms() + duration_ms;
+  while (mono_ms() < end) {
+    while (fds.size() < want) {
+      int fd = connect_raw(dir, true);
+      if (fd < 0) break; /* the backlog is full: the server has not accepted yet */
+      fds.push_back(fd);
+      opened++;
+    }
+    pf.resize(fds.size());
+    for (size_t i = 0; i < fds.size(); i++) pf[i] = {fds[i], POLLIN, 0};
+    int rc = poll(pf.data(), pf.size(), 2);
+    if (rc < 0 && errno != EINTR) return 11;
+    for (size_t i = fds.size(); i-- > 0;) {
+      if (!pf[i].revents) continue;
+      char buf[4096];
+      ssize_t n = read(fds[i], buf, sizeof buf);
+      if (n > 0) continue; /* an ERROR: the close follows */
+      close(fds[i]);
+      fds[i] = fds.back();
+      fds.pop_back();
+      dropped++;
+    }
+  }
+  for (int fd : fds) close(fd);
+  dprintf(report, "%ld %ld\n", opened, dropped);
+  return 0;
+}
+
 // What an attacker wrote on its report pipe, within timeout_ms.
 std::string read_report(int fd, int timeout_ms) {
   std::string out;
@@ -620,6 +668,73 @@ TEST_F(ServerFairness, FloodingClientsDoNotStarveOthers) {
   EXPECT_TRUE(e.still_active(&why)) << why;
   EXPECT_EQ(kvf_client_heartbeat(e.c, nullptr), KVF_SUCCESS) << kvf_last_error();
   EXPECT_FALSE(kvf_client_server_restarted(e.c));
+  kvf_client_disconnect(e.c);
+  e.c = nullptr;
+  EXPECT_EQ(server_.stop(), 0) << "2 create, 3 run, 4 still mapped, 5 descriptors leaked";
+}
+
+// Exhaustion of slots: one process holds up to 1000 connections that never
+// say HELLO (every client slot, max_clients 256 by default), replacing each
+// one the server drops. An engine registered before keeps being served, and
+// new clients can always connect and be served: a newcomer takes the slot of
+// the oldest connection without HELLO. A connection that never says HELLO
+// is dropped after hello_timeout_ms with an ERROR naming connection.hello.
+TEST_F(ServerFairness, IdleConnectionsDoNotHoldEverySlot) {
+  const uint32_t hello_ms = 1000;
+  ASSERT_TRUE(server_.start(dir_, [&](kvf_server_options *o) {
+    o->heartbeat_timeout_ms = 10000;
+    o->hello_timeout_ms = hello_ms;
+  }));
+  const int idle_ms = 3000;
+  int rep[2];
+  ASSERT_EQ(pipe2(rep, O_CLOEXEC), 0);
+  Attacker a;
+  spawn(&a, [&](int go) { return idle_main(dir_, go, 1000, idle_ms, rep[1]); });
+  close(rep[1]);
+  Engine e;
+  ASSERT_EQ(e.connect(dir_, 100, 5000), KVF_SUCCESS) << kvf_last_error();
+  long fds_base = steady([&] { return (long)proc_fds(server_.pid()); });
+  Probe p;
+  a.go();
+  sleep_ms(300); /* the attacker holds every slot */
+  p.start(&e, dir_);
+  long fds_max = 0;
+  for (int64_t end = mono_ms() + idle_ms - 500; mono_ms() < end;) {
+    fds_max = std::max(fds_max, (long)proc_fds(server_.pid()));
+    sleep_ms(20);
+  }
+  p.finish();
+  EXPECT_EQ(a.finish(), 0) << "10+: the attacker step that failed";
+  std::string report = read_report(rep[0], 5000);
+  close(rep[0]);
+  long opened = 0, dropped = 0;
+  EXPECT_EQ(sscanf(report.c_str(), "%ld %ld", &opened, &dropped), 2) << report;
+  printf("[ idle ] attacker opened %ld connections, the server dropped %ld; server descriptors %ld before, "
+         "at most %ld during\n",
+         opened, dropped, fds_base, fds_max);
+  p.expect_bounds("idle");
+  std::string why;
+  EXPECT_TRUE(e.still_active(&why)) << why;
+  EXPECT_LE(fds_max, fds_base + 256 + 8) << "the server held more connections than max_clients";
+  EXPECT_LE(steady([&] { return (long)proc_fds(server_.pid()); }), fds_base) << "idle connections were not dropped";
+  // One idle connection alone: dropped at its HELLO deadline, with an ERROR.
+  int fd = connect_raw(dir_, false);
+  ASSERT_GE(fd, 0);
+  int64_t t0 = mono_ms();
+  kvf_proto_msg m;
+  ASSERT_TRUE(read_msg(fd, 5000, &m)) << "no ERROR before the connection closed";
+  int64_t waited = mono_ms() - t0;
+  EXPECT_EQ(m.type, KVF_PROTO_ERROR);
+  EXPECT_STREQ(m.u.error.field, "connection.hello") << m.u.error.message;
+  EXPECT_EQ(m.u.error.status, (uint32_t)KVF_ERR_TIMEOUT);
+  kvf_proto_msg_clear(&m);
+  char b;
+  EXPECT_EQ(read(fd, &b, 1), 0) << "then the server closes it";
+  close(fd);
+  printf("[ idle ] a lone connection without HELLO was dropped after %lld ms (hello_timeout_ms %u)\n",
+         (long long)waited, hello_ms);
+  EXPECT_GE(waited, (int64_t)hello_ms - 50);
+  EXPECT_LT(waited, (int64_t)hello_ms + 1000);
   kvf_client_disconnect(e.c);
   e.c = nullptr;
   EXPECT_EQ(server_.stop(), 0) << "2 create, 3 run, 4 still mapped, 5 descriptors leaked";

@@ -35,7 +35,12 @@ static void usage(FILE *f) {
           "                              is refused; a stale socket of a crashed one is replaced.\n"
           "  --heartbeat-timeout-ms N    a client silent for longer is reaped: its registrations\n"
           "                              drain and are unmapped (default 10000)\n"
-          "  --max-clients N             connections served at once (default 256)\n"
+          "  --max-clients N             connections served at once (default 256). When every slot\n"
+          "                              is taken, a new connection takes the slot of the oldest one\n"
+          "                              that has not said HELLO; only clients that said HELLO keep\n"
+          "                              a new one out\n"
+          "  --hello-timeout-ms N        a connection that has not said HELLO this long after\n"
+          "                              connecting is dropped (default 5000)\n"
           "  --devices LIST              CUDA devices to serve, each with its own L1 pool on the\n"
           "                              GPU's NUMA node and a worker and a completion thread on\n"
           "                              its local cores: \"all\" (default: every visible GPU),\n"
@@ -107,6 +112,9 @@ int main(int argc, char **argv) {
       i++;
     } else if (!strcmp(a, "--max-clients") && v) {
       if (parse_u32(a, v, &opt.max_clients) != 0) return 2;
+      i++;
+    } else if (!strcmp(a, "--hello-timeout-ms") && v) {
+      if (parse_u32(a, v, &opt.hello_timeout_ms) != 0) return 2;
       i++;
     } else if (!strcmp(a, "--devices") && v) {
       if (parse_devices(v, devices, &num_devices, &all_devices) != 0) return 2;

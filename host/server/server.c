@@ -48,6 +48,7 @@ typedef struct kvf_server_out {
 typedef struct kvf_server_conn {
   kvf_conn conn;
   uint64_t client_id;   /* the registry's client id; assigned at accept */
+  uint64_t accepted_ns; /* HELLO is due hello_timeout_ms after this */
   int hello_done;
   uint32_t pid;         /* from HELLO (SO_PEERCRED's in conn.peer) */
   char name[KVF_PROTO_NAME_MAX];
@@ -81,6 +82,8 @@ struct kvf_server {
   uint32_t num_conns;
   struct pollfd *pfds; /* [2 + max_clients] */
   uint64_t last_collect_ns;
+  uint64_t refused, evicted;   /* connections refused or evicted since the last warning about it */
+  uint64_t refused_warned_ns;  /* when that warning was last written (one a second at most) */
   kvf_topology *topology;
   kvf_dataplane *dp;
   int *devices;
@@ -666,6 +669,7 @@ kvf_status kvf_server_create(const kvf_server_options *caller, kvf_server **out)
   if (!s->opt.heartbeat_period_ms) s->opt.heartbeat_period_ms = s->opt.heartbeat_timeout_ms / 4 ? s->opt.heartbeat_timeout_ms / 4 : 1;
   if (!s->opt.max_clients) s->opt.max_clients = 256;
   if (!s->opt.write_timeout_ms) s->opt.write_timeout_ms = 2000;
+  if (!s->opt.hello_timeout_ms) s->opt.hello_timeout_ms = 5000;
   s->opt.socket_dir = NULL; /* not kept: only the endpoint needs it */
   s->next_client_id = 1;
   while (s->boot_token == 0) {
@@ -751,34 +755,71 @@ kvf_status kvf_server_data_stats(kvf_server *s, kvf_dataplane_stats *out) {
   return kvf_dataplane_stats_get(s->dp, out);
 }
 
+/* The slot of the oldest connection that has not said HELLO, or -1. */
+static int32_t oldest_without_hello(const kvf_server *s) {
+  int32_t best = -1;
+  for (uint32_t i = 0; i < s->num_conns; i++)
+    if (!s->conns[i]->hello_done && (best < 0 || s->conns[i]->accepted_ns < s->conns[best]->accepted_ns))
+      best = (int32_t)i;
+  return best;
+}
+
+/* Refusals and evictions come in floods when someone holds or churns
+ * connections: one warning a second says how many. */
+static void warn_slots(kvf_server *s, uint64_t now) {
+  if (!s->refused && !s->evicted) return;
+  if (s->refused_warned_ns && now - s->refused_warned_ns < 1000000000ull) return;
+  KVF_WARN(SERVER,
+           "every client slot is taken (max_clients %u): %llu connections refused, %llu idle ones (no HELLO) "
+           "dropped to make room since the last warning",
+           (unsigned)s->opt.max_clients, (unsigned long long)s->refused, (unsigned long long)s->evicted);
+  s->refused = s->evicted = 0;
+  s->refused_warned_ns = now;
+}
+
+/* Accept what is waiting, at most KVF_SERVER_TURN_ACCEPTS. Called between
+ * walks over the connections (it may drop one to make room). */
 static void server_accept(kvf_server *s) {
   for (uint32_t turn = 0; turn < KVF_SERVER_TURN_ACCEPTS; turn++) {
     kvf_conn conn;
     kvf_status st = kvf_endpoint_accept(s->ep, 0, 0, &conn);
-    if (st == KVF_ERR_TIMEOUT) return;
+    if (st == KVF_ERR_TIMEOUT) break;
     if (st == KVF_ERR_PERMISSION) continue; /* logged by the endpoint */
     if (st != KVF_SUCCESS) {
       KVF_WARN(SERVER, "accept: %s", kvf_last_error());
-      return;
+      break;
     }
+    uint64_t now = kvf_now_ns();
     if (s->num_conns >= s->opt.max_clients) {
-      kvf_conn_send_error(&conn, 0, KVF_ERR_BUSY, "server: too many clients", 100);
-      KVF_WARN(SERVER, "refused pid %d: %u clients already (max_clients)", (int)conn.peer.pid,
-               (unsigned)s->num_conns);
-      kvf_conn_close(&conn);
-      continue;
+      /* The reserve: a connection that has not said HELLO gives its slot to
+       * the newcomer, oldest first (an engine says HELLO as it connects). */
+      int32_t victim = oldest_without_hello(s);
+      if (victim < 0) {
+        kvf_conn_send_error(&conn, 0, KVF_ERR_BUSY,
+                            "server: every client slot is taken (max_clients) by clients that said HELLO", 100);
+        kvf_conn_close(&conn);
+        s->refused++;
+        continue;
+      }
+      kvf_server_conn *v = s->conns[victim];
+      (void)server_send_error(s, v, 0, KVF_ERR_BUSY,
+                              "server: every client slot is taken (max_clients); this connection had not said "
+                              "HELLO and gave its slot to a newer one");
+      server_conn_drop(s, (uint32_t)victim, "no HELLO yet, slot given to a new connection");
+      s->evicted++;
     }
     kvf_server_conn *c = calloc(1, sizeof(*c));
     if (!c) {
       kvf_conn_close(&conn);
-      return;
+      break;
     }
     c->conn = conn;
     c->client_id = s->next_client_id++;
-    c->last_seen_ns = kvf_now_ns();
+    c->accepted_ns = c->last_seen_ns = now;
     s->conns[s->num_conns++] = c;
     KVF_TRACE(SERVER, "client %llu: accepted pid %d", (unsigned long long)c->client_id, (int)conn.peer.pid);
   }
+  warn_slots(s, kvf_now_ns());
 }
 
 /* Reap clients silent past the timeout as of the last poll (poll_ns): their
@@ -787,8 +828,17 @@ static void server_accept(kvf_server *s) {
 static void server_reap(kvf_server *s, uint64_t poll_ns) {
   uint64_t now = kvf_now_ns();
   uint64_t timeout_ns = (uint64_t)s->opt.heartbeat_timeout_ms * 1000000ull;
+  uint64_t hello_ns = (uint64_t)s->opt.hello_timeout_ms * 1000000ull;
   for (uint32_t i = 0; i < s->num_conns;) {
     kvf_server_conn *c = s->conns[i];
+    if (!c->hello_done && poll_ns > c->accepted_ns && poll_ns - c->accepted_ns > hello_ns) {
+      /* Anything it sent by the last poll was read before this: no HELLO came. */
+      kvf_fail(KVF_ERR_TIMEOUT, "connection.hello: no HELLO within %u ms of connecting (hello_timeout_ms)",
+               (unsigned)s->opt.hello_timeout_ms);
+      (void)server_send_error(s, c, 0, KVF_ERR_TIMEOUT, NULL);
+      server_conn_drop(s, i, "no HELLO in time");
+      continue;
+    }
     if (c->q_head && now > c->q_stalled_since_ns &&
         now - c->q_stalled_since_ns > (uint64_t)s->opt.write_timeout_ms * 1000000ull) {
       KVF_WARN(SERVER, "client %llu (pid %d): %llu reply bytes unread for %u ms, dropped",

@@ -21,6 +21,13 @@
  * poll that found bytes from it waiting, read then or later: one whose
  * heartbeats sat unread behind the loop's backlog is never reaped for it.
  *
+ * Slots: max_clients connections at once. A connection must say HELLO
+ * within hello_timeout_ms of connecting or it is dropped, and while every
+ * slot is taken a new connection takes the slot of the oldest one that has
+ * not said HELLO (which gets an ERROR and is closed), so idle connections
+ * can never lock a new engine out; only when every slot holds a client that
+ * said HELLO is a new connection refused (ERROR, KVF_ERR_BUSY).
+ *
  * STORE and RETRIEVE are admitted on the loop (host/dataplane.h: checks,
  * lease, L1 reservation or pins) and run on the lane of the registration's
  * device: a worker and a completion thread per GPU, plus the host lane.
@@ -65,8 +72,12 @@ typedef struct kvf_server_options {
   uint32_t test_fail_step;       /* tests only: kvf_dataplane_options.test_fail_step */
   uint16_t test_fail_type;       /* tests only: kvf_dataplane_options.test_fail_type */
   uint32_t test_completion_delay_ms; /* tests only: kvf_dataplane_options.test_completion_delay_ms */
+  /* Deadlines and quotas: what one client may hold of the server (0: the default). */
+  uint32_t hello_timeout_ms;     /* a connection that has not said HELLO this long after connecting is
+                                    dropped; 0: 5000 */
 } kvf_server_options;
-#define KVF_SERVER_OPTIONS_INIT {sizeof(kvf_server_options), KVF_SERVER_VERSION, NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, 0, 0, 0}
+#define KVF_SERVER_OPTIONS_INIT \
+  {sizeof(kvf_server_options), KVF_SERVER_VERSION, NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, 0, 0, 0, 0}
 
 /* Create a server: an import table (no extra access devices), a registry
  * over it, and the endpoint listening on options->socket_dir. Returns
