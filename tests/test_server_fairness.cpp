@@ -113,6 +113,24 @@ pid_t fork_clean() {
   return fork();
 }
 
+// A field of /proc/<pid>/status ("VmRSS" in kB, "Threads"), or -1.
+long proc_status(pid_t pid, const char *field) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return -1;
+  char line[256];
+  long v = -1;
+  size_t n = strlen(field);
+  while (fgets(line, sizeof line, f))
+    if (!strncmp(line, field, n) && line[n] == ':') {
+      v = strtol(line + n + 1, nullptr, 10);
+      break;
+    }
+  fclose(f);
+  return v;
+}
+
 int proc_fds(pid_t pid) {
   char path[64];
   snprintf(path, sizeof path, "/proc/%d/fd", (int)pid);
@@ -483,6 +501,75 @@ int idle_main(const std::string &dir, int go, size_t want, int duration_ms, int 
   return 0;
 }
 
+// The 24-byte header of a STORE frame with payload_len bytes of payload.
+std::vector<uint8_t> store_header(uint64_t request_id, uint32_t payload_len) {
+  std::vector<uint8_t> h(KVF_PROTO_HEADER_SIZE, 0);
+  auto put = [&h](size_t at, uint64_t v, int n) {
+    for (int i = 0; i < n; i++) h[at + i] = (uint8_t)(v >> (8 * i));
+  };
+  put(0, KVF_PROTO_MAGIC, 4);
+  put(4, KVF_PROTO_VERSION, 2);
+  put(6, KVF_PROTO_STORE, 2);
+  put(8, request_id, 8);
+  put(16, payload_len, 4);
+  return h;
+}
+
+// Partial frames: n connections each say HELLO, then send the header of a
+// STORE of payload_len bytes and all its payload but the last byte, then hold
+// them until duration_ms has passed. Writes to `report` how many connections
+// the server dropped and the field of the first ERROR it sent
+// ("dropped field\n").
+int partial_main(const std::string &dir, int go, int n, uint32_t payload_len, int duration_ms, int report) {
+  std::vector<uint8_t> hello = hello_frame(1);
+  std::vector<uint8_t> frame = store_header(2, payload_len);
+  frame.resize(KVF_PROTO_HEADER_SIZE + payload_len - 1, 0);
+  if (!wait_go(go)) return 10;
+  std::vector<int> fds;
+  for (int i = 0; i < n; i++) {
+    int fd = connect_raw(dir, false);
+    if (fd < 0) return 11;
+    if (!write_all(fd, hello.data(), hello.size())) return 12;
+    kvf_proto_msg m;
+    if (!read_msg(fd, 5000, &m) || m.type != KVF_PROTO_HELLO_REPLY) return 13;
+    kvf_proto_msg_clear(&m);
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    fds.push_back(fd);
+  }
+  std::vector<size_t> off(fds.size(), 0);
+  std::vector<bool> gone(fds.size(), false);
+  std::string field = "-";
+  int dropped = 0;
+  int64_t end = mono_ms() + duration_ms;
+  while (mono_ms() < end) {
+    std::vector<struct pollfd> pf(fds.size());
+    for (size_t i = 0; i < fds.size(); i++)
+      pf[i] = {gone[i] ? -1 : fds[i], (short)(POLLIN | (off[i] < frame.size() ? POLLOUT : 0)), 0};
+    int rc = poll(pf.data(), pf.size(), 5);
+    if (rc < 0 && errno != EINTR) return 14;
+    for (size_t i = 0; i < fds.size(); i++) {
+      if (gone[i]) continue;
+      if (pf[i].revents & POLLOUT) {
+        ssize_t w = write(fds[i], frame.data() + off[i], frame.size() - off[i]);
+        if (w > 0) off[i] += (size_t)w;
+      }
+      if (pf[i].revents & (POLLIN | POLLHUP | POLLERR)) {
+        fcntl(fds[i], F_SETFL, fcntl(fds[i], F_GETFL) & ~O_NONBLOCK);
+        kvf_proto_msg m;
+        if (read_msg(fds[i], 1000, &m)) {
+          if (m.type == KVF_PROTO_ERROR && field == "-") field = m.u.error.field[0] ? m.u.error.field : "(none)";
+          kvf_proto_msg_clear(&m);
+        }
+        gone[i] = true;
+        dropped++;
+      }
+    }
+  }
+  for (int fd : fds) close(fd);
+  dprintf(report, "%d %s\n", dropped, field.c_str());
+  return 0;
+}
+
 // What an attacker wrote on its report pipe, within timeout_ms.
 std::string read_report(int fd, int timeout_ms) {
   std::string out;
@@ -737,6 +824,154 @@ TEST_F(ServerFairness, IdleConnectionsDoNotHoldEverySlot) {
   EXPECT_LT(waited, (int64_t)hello_ms + 1000);
   kvf_client_disconnect(e.c);
   e.c = nullptr;
+  EXPECT_EQ(server_.stop(), 0) << "2 create, 3 run, 4 still mapped, 5 descriptors leaked";
+}
+
+// Memory held by partial frames: 16 connections each send a 16 MiB frame one
+// byte short and hold it. The server's memory stays bounded (the frame
+// buffer pool), the engine is served throughout, the attackers are dropped
+// with an ERROR naming the frame once their deadline passes, and the
+// memory comes back.
+TEST_F(ServerFairness, PartialFramesDoNotHoldUnboundedMemory) {
+  const uint32_t frame_ms = 1000;
+  ASSERT_TRUE(server_.start(dir_, [&](kvf_server_options *o) {
+    o->heartbeat_timeout_ms = 10000;
+    o->frame_timeout_ms = frame_ms;
+  }));
+  const int hold_ms = 4000;
+  const int conns = 16;
+  const uint32_t payload = KVF_PROTO_MAX_PAYLOAD;
+  int rep[2];
+  ASSERT_EQ(pipe2(rep, O_CLOEXEC), 0);
+  Attacker a;
+  spawn(&a, [&](int go) { return partial_main(dir_, go, conns, payload, hold_ms, rep[1]); });
+  close(rep[1]);
+  Engine e;
+  ASSERT_EQ(e.connect(dir_, 100, 5000), KVF_SUCCESS) << kvf_last_error();
+  long rss_base = steady([&] { return proc_status(server_.pid(), "VmRSS"); });
+  Probe p;
+  p.start(&e, dir_);
+  a.go();
+  // Meanwhile a legitimate large frame: a REGISTER whose geometry is padded
+  // to 1 MiB. It waits its turn for the pool, then succeeds.
+  std::atomic<int> big_status{-1};
+  std::atomic<int64_t> big_ms{0};
+  std::thread big([&] {
+    sleep_ms(300); /* the attackers hold the pool by then */
+    int64_t t0 = mono_ms();
+    kvf_client_options o = KVF_CLIENT_OPTIONS_INIT;
+    o.socket_dir = dir_.c_str();
+    o.name = "big";
+    o.timeout_ms = 20000;
+    kvf_client *c = nullptr;
+    kvf_status st = kvf_client_connect(&o, &c, nullptr);
+    uint64_t size = tiny_region_size();
+    kvf_mem_alloc_options ao = KVF_MEM_ALLOC_OPTIONS_INIT;
+    ao.size = 2 * size;
+    kvf_mem_alloc *m = nullptr;
+    if (st == KVF_SUCCESS) st = kvf_mem_alloc_create(&ao, &m);
+    std::string json = kTinyGeometry;
+    json.append((1u << 20) - json.size(), ' ');
+    kvf_client_region regs[2] = {{m, 0, size}, {m, size, size}};
+    if (st == KVF_SUCCESS) st = kvf_client_register(c, json.data(), json.size(), -1, regs, 2, nullptr);
+    if (st == KVF_SUCCESS) st = kvf_client_unregister(c, 0, nullptr);
+    big_ms = mono_ms() - t0;
+    big_status = st;
+    kvf_client_disconnect(c);
+    kvf_mem_alloc_destroy(m);
+  });
+  long rss_max = 0;
+  for (int64_t end = mono_ms() + hold_ms; mono_ms() < end;) {
+    rss_max = std::max(rss_max, proc_status(server_.pid(), "VmRSS"));
+    sleep_ms(10);
+  }
+  p.finish();
+  big.join();
+  EXPECT_EQ(a.finish(), 0) << "10+: the attacker step that failed";
+  std::string report = read_report(rep[0], 5000);
+  close(rep[0]);
+  long rss_after = steady([&] { return proc_status(server_.pid(), "VmRSS"); });
+  printf("[ partial frames ] server VmRSS %ld kB before, %ld kB at most during (+%ld MiB), %ld kB after the "
+         "attackers left; attacker: dropped + first ERROR field: %s",
+         rss_base, rss_max, (rss_max - rss_base) / 1024, rss_after, report.c_str());
+  printf("[ partial frames ] a 1 MiB REGISTER meanwhile: %s after %lld ms\n",
+         kvf_status_string((kvf_status)big_status.load()), (long long)big_ms.load());
+  p.expect_bounds("partial frames");
+  std::string why;
+  EXPECT_TRUE(e.still_active(&why)) << why;
+  EXPECT_EQ(big_status.load(), (int)KVF_SUCCESS) << "the large legitimate frame was not served";
+  // 16 x 16 MiB = 256 MiB if every partial frame is held; the pool is 64 MiB.
+  EXPECT_LT(rss_max - rss_base, 96l << 10) << "partial frames held more than the frame buffer pool (64 MiB)";
+  int dropped = 0;
+  char field[128] = "";
+  EXPECT_EQ(sscanf(report.c_str(), "%d %127s", &dropped, field), 2) << report;
+  EXPECT_GE(dropped, 8) << "slow senders were not dropped at their frame deadline";
+  EXPECT_STREQ(field, "frame");
+  kvf_client_disconnect(e.c);
+  e.c = nullptr;
+  EXPECT_EQ(server_.stop(), 0) << "2 create, 3 run, 4 still mapped, 5 descriptors leaked";
+}
+
+// The frame limits one connection meets: before HELLO nothing larger than
+// a HELLO; after it max_frame_bytes (told in HELLO_REPLY.max_payload); a
+// frame begun and left unfinished is dropped at its deadline. Each time an
+// ERROR names the field and the connection closes.
+TEST_F(ServerFairness, FrameLimitsAndTheFrameDeadline) {
+  const uint32_t frame_ms = 500;
+  ASSERT_TRUE(server_.start(dir_, [&](kvf_server_options *o) {
+    o->heartbeat_timeout_ms = 10000;
+    o->frame_timeout_ms = frame_ms;
+    o->max_frame_bytes = 64u << 10;
+  }));
+  auto expect_error_then_close = [](int fd, const char *field, uint32_t status) {
+    kvf_proto_msg m;
+    ASSERT_TRUE(read_msg(fd, 5000, &m)) << "no ERROR before the connection closed";
+    EXPECT_EQ(m.type, KVF_PROTO_ERROR);
+    EXPECT_STREQ(m.u.error.field, field) << m.u.error.message;
+    EXPECT_EQ(m.u.error.status, status) << m.u.error.message;
+    printf("[ limits ] %s: %s\n", m.u.error.field, m.u.error.message);
+    kvf_proto_msg_clear(&m);
+    char b;
+    EXPECT_EQ(read(fd, &b, 1), 0) << "then the server closes it";
+  };
+  // Before HELLO: a 16 MiB header is refused before a byte is buffered.
+  int fd = connect_raw(dir_, false);
+  ASSERT_GE(fd, 0);
+  std::vector<uint8_t> h = store_header(3, KVF_PROTO_MAX_PAYLOAD);
+  ASSERT_TRUE(write_all(fd, h.data(), h.size()));
+  expect_error_then_close(fd, "header.payload_len", KVF_ERR_PROTOCOL);
+  close(fd);
+  // After HELLO: the server says its limit, and holds to it.
+  fd = connect_raw(dir_, false);
+  ASSERT_GE(fd, 0);
+  std::vector<uint8_t> hello = hello_frame(1);
+  ASSERT_TRUE(write_all(fd, hello.data(), hello.size()));
+  kvf_proto_msg m;
+  ASSERT_TRUE(read_msg(fd, 5000, &m));
+  ASSERT_EQ(m.type, KVF_PROTO_HELLO_REPLY);
+  EXPECT_EQ(m.u.hello_reply.max_payload, 64u << 10);
+  kvf_proto_msg_clear(&m);
+  h = store_header(4, (64u << 10) + 1);
+  ASSERT_TRUE(write_all(fd, h.data(), h.size()));
+  expect_error_then_close(fd, "header.payload_len", KVF_ERR_PROTOCOL);
+  close(fd);
+  // A header trickled and left short, and a payload left one byte short.
+  for (int payload : {0, 1}) {
+    fd = connect_raw(dir_, false);
+    ASSERT_GE(fd, 0);
+    ASSERT_TRUE(write_all(fd, hello.data(), hello.size()));
+    ASSERT_TRUE(read_msg(fd, 5000, &m));
+    kvf_proto_msg_clear(&m);
+    std::vector<uint8_t> f = store_header(5, 1000);
+    f.resize(payload ? f.size() + 999 : 10, 0);
+    int64_t t0 = mono_ms();
+    ASSERT_TRUE(write_all(fd, f.data(), f.size()));
+    expect_error_then_close(fd, "frame", KVF_ERR_TIMEOUT);
+    int64_t waited = mono_ms() - t0;
+    EXPECT_GE(waited, (int64_t)frame_ms - 50);
+    EXPECT_LT(waited, (int64_t)frame_ms + 1000);
+    close(fd);
+  }
   EXPECT_EQ(server_.stop(), 0) << "2 create, 3 run, 4 still mapped, 5 descriptors leaked";
 }
 

@@ -41,6 +41,14 @@ static void usage(FILE *f) {
           "                              a new one out\n"
           "  --hello-timeout-ms N        a connection that has not said HELLO this long after\n"
           "                              connecting is dropped (default 5000)\n"
+          "  --frame-timeout-ms N        a frame must be whole this long after its first byte\n"
+          "                              arrived (time the server held it back not counted): a\n"
+          "                              slower sender is dropped (default 5000)\n"
+          "  --max-frame-kb N            per client: the largest frame payload, in KiB, from 4 to\n"
+          "                              16384 (default 16384, the protocol's limit)\n"
+          "  --max-buffered-mb N         server-wide: frames over 64 KiB being received share this\n"
+          "                              much memory, in MiB; one that does not fit waits, unread,\n"
+          "                              while smaller frames of every client go on (default 64)\n"
           "  --devices LIST              CUDA devices to serve, each with its own L1 pool on the\n"
           "                              GPU's NUMA node and a worker and a completion thread on\n"
           "                              its local cores: \"all\" (default: every visible GPU),\n"
@@ -115,6 +123,27 @@ int main(int argc, char **argv) {
       i++;
     } else if (!strcmp(a, "--hello-timeout-ms") && v) {
       if (parse_u32(a, v, &opt.hello_timeout_ms) != 0) return 2;
+      i++;
+    } else if (!strcmp(a, "--frame-timeout-ms") && v) {
+      if (parse_u32(a, v, &opt.frame_timeout_ms) != 0) return 2;
+      i++;
+    } else if (!strcmp(a, "--max-frame-kb") && v) {
+      uint32_t kb = 0;
+      if (parse_u32(a, v, &kb) != 0) return 2;
+      if (kb < 4 || kb > 16384) {
+        fprintf(stderr, "kvferryd: --max-frame-kb: %u is not from 4 to 16384\n", kb);
+        return 2;
+      }
+      opt.max_frame_bytes = kb << 10;
+      i++;
+    } else if (!strcmp(a, "--max-buffered-mb") && v) {
+      uint32_t mb = 0;
+      if (parse_u32(a, v, &mb) != 0) return 2;
+      if (mb == 0) {
+        fprintf(stderr, "kvferryd: --max-buffered-mb: must be at least 1\n");
+        return 2;
+      }
+      opt.max_buffered_bytes = (uint64_t)mb << 20;
       i++;
     } else if (!strcmp(a, "--devices") && v) {
       if (parse_devices(v, devices, &num_devices, &all_devices) != 0) return 2;

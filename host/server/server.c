@@ -45,6 +45,16 @@ typedef struct kvf_server_out {
 #define KVF_SERVER_TURN_BYTES (256u << 10)
 #define KVF_SERVER_TURN_ACCEPTS 32u
 
+/* Frame memory. Before HELLO a connection may send nothing larger than a
+ * HELLO (this much payload). After it, a frame whose payload is at most
+ * KVF_SERVER_SMALL_FRAME (heartbeats, STAT, most STORE/RETRIEVE) is always
+ * read: max_clients x this is the allowance's bound. A larger frame is held
+ * after its header until the server-wide pool (max_buffered_bytes) has room
+ * for its whole payload, first come first served; until then the connection
+ * is not read. */
+#define KVF_SERVER_HELLO_MAX_PAYLOAD 4096u
+#define KVF_SERVER_SMALL_FRAME (64u << 10)
+
 typedef struct kvf_server_conn {
   kvf_conn conn;
   uint64_t client_id;   /* the registry's client id; assigned at accept */
@@ -65,6 +75,12 @@ typedef struct kvf_server_conn {
   uint64_t q_bytes;
   uint64_t q_stalled_since_ns; /* last progress while the queue was not empty */
   kvf_status q_failed;         /* a write failed: drop the connection */
+  /* The frame being read. */
+  uint64_t frame_started_ns; /* its first byte (or its grant) arrived then; 0 between frames */
+  uint32_t granted;          /* bytes of the frame pool (s->buffered) its payload holds */
+  uint64_t wait_seq;         /* nonzero: its header is held, waiting for the pool (order of arrival) */
+  int dry;                   /* its last read found the socket empty: the sender is behind, not us */
+  int paused;                /* it was not readable at the last poll (conn_readable) */
 } kvf_server_conn;
 
 
@@ -84,6 +100,9 @@ struct kvf_server {
   uint64_t last_collect_ns;
   uint64_t refused, evicted;   /* connections refused or evicted since the last warning about it */
   uint64_t refused_warned_ns;  /* when that warning was last written (one a second at most) */
+  uint64_t buffered;           /* frame pool: payload bytes granted to frames being read */
+  uint32_t waiting;            /* connections whose frame waits for the pool */
+  uint64_t wait_next;          /* the next wait_seq */
   kvf_topology *topology;
   kvf_dataplane *dp;
   int *devices;
@@ -107,8 +126,19 @@ static void conn_queue_free(kvf_server_conn *c) {
   c->q_bytes = 0;
 }
 
+/* Give c's share of the frame pool back (its frame was taken, or c goes). */
+static void conn_pool_release(kvf_server *s, kvf_server_conn *c) {
+  s->buffered -= c->granted;
+  c->granted = 0;
+  if (c->wait_seq) {
+    c->wait_seq = 0;
+    s->waiting--;
+  }
+}
+
 static void server_conn_drop(kvf_server *s, uint32_t index, const char *why) {
   kvf_server_conn *c = s->conns[index];
+  conn_pool_release(s, c);
   (void)conn_flush(c); /* a last ERROR, if the socket takes it now */
   conn_queue_free(c);
   KVF_INFO(SERVER, "client %llu (pid %u, '%s') disconnected: %s", (unsigned long long)c->client_id,
@@ -292,6 +322,8 @@ static kvf_status handle_hello(kvf_server *s, kvf_server_conn *c, const kvf_prot
     return st;
   }
   c->hello_done = 1;
+  /* From the next frame on: up to max_frame_bytes, the larger ones through the pool. */
+  kvf_proto_reader_limit(&c->conn.reader, s->opt.max_frame_bytes, KVF_SERVER_SMALL_FRAME);
   c->pid = m->u.hello.pid;
   snprintf(c->name, sizeof(c->name), "%s", m->u.hello.name);
   KVF_INFO(SERVER, "client %llu: HELLO from pid %u (peer pid %d) '%s', version %u",
@@ -306,7 +338,7 @@ static kvf_status handle_hello(kvf_server *s, kvf_server_conn *c, const kvf_prot
   r.u.hello_reply.client_id = c->client_id;
   r.u.hello_reply.heartbeat_period_ms = s->opt.heartbeat_period_ms;
   r.u.hello_reply.heartbeat_timeout_ms = s->opt.heartbeat_timeout_ms;
-  r.u.hello_reply.max_payload = KVF_PROTO_MAX_PAYLOAD;
+  r.u.hello_reply.max_payload = s->opt.max_frame_bytes;
   return server_send(s, c, &r);
 }
 
@@ -606,6 +638,58 @@ out:
   return st;
 }
 
+/* Whether the loop reads c now. Not while its frame waits for the frame
+ * pool. (Anything else that must hold c's reading, such as work started for
+ * its last frame that has to finish before the next is read, belongs here
+ * too: the loop then neither reads c nor blames it for silence or slowness,
+ * and a paused connection's clocks restart when it resumes.) */
+static int conn_readable(const kvf_server_conn *c) { return c->wait_seq == 0; }
+
+/* c's header asks for `len` bytes of the pool: grant them now if they fit
+ * and nobody waits ahead, else queue c (it is not read until granted). */
+static kvf_status conn_pool_ask(kvf_server *s, kvf_server_conn *c, uint32_t len) {
+  if (s->waiting == 0 && s->buffered + len <= s->opt.max_buffered_bytes) {
+    kvf_status st = kvf_conn_grant(&c->conn);
+    if (st != KVF_SUCCESS) return st;
+    c->granted = len;
+    s->buffered += len;
+    return KVF_SUCCESS;
+  }
+  c->wait_seq = ++s->wait_next;
+  s->waiting++;
+  KVF_INFO(SERVER, "client %llu: a %u-byte frame waits for buffer memory (%llu of %llu bytes in use, %u waiting)",
+           (unsigned long long)c->client_id, len, (unsigned long long)s->buffered,
+           (unsigned long long)s->opt.max_buffered_bytes, (unsigned)s->waiting);
+  return KVF_SUCCESS;
+}
+
+/* Grant the pool to waiting frames, oldest first, while the oldest fits. */
+static void server_pool_grant(kvf_server *s, uint64_t now) {
+  while (s->waiting > 0) {
+    kvf_server_conn *first = NULL;
+    for (uint32_t i = 0; i < s->num_conns; i++) {
+      kvf_server_conn *c = s->conns[i];
+      if (c->wait_seq && (!first || c->wait_seq < first->wait_seq)) first = c;
+    }
+    if (!first) { /* cannot happen: every waiting connection is listed */
+      s->waiting = 0;
+      return;
+    }
+    uint32_t len = kvf_proto_reader_held(&first->conn.reader);
+    if (s->buffered + len > s->opt.max_buffered_bytes) return;
+    first->wait_seq = 0;
+    s->waiting--;
+    if (kvf_conn_grant(&first->conn) != KVF_SUCCESS) {
+      /* Out of memory: the connection has failed; its next read says so. */
+      KVF_WARN(SERVER, "client %llu: %s", (unsigned long long)first->client_id, kvf_last_error());
+      continue;
+    }
+    first->granted = len;
+    s->buffered += len;
+    first->frame_started_ns = now; /* its deadline runs from the grant */
+  }
+}
+
 /* c's turn: read and dispatch what it has waiting, at most
  * KVF_SERVER_TURN_FRAMES frames and KVF_SERVER_TURN_BYTES bytes (the rest
  * waits for the next turn, after every other connection had its own).
@@ -613,14 +697,31 @@ out:
 static kvf_status server_conn_service(kvf_server *s, kvf_server_conn *c, const char **why) {
   int fds[KVF_PROTO_MAX_FDS];
   size_t budget = KVF_SERVER_TURN_BYTES;
-  for (uint32_t frames = 0; frames < KVF_SERVER_TURN_FRAMES && budget > 0; frames++) {
+  uint64_t now = kvf_now_ns();
+  c->dry = 0;
+  for (uint32_t frames = 0; frames < KVF_SERVER_TURN_FRAMES && budget > 0 && conn_readable(c);) {
     kvf_proto_header h;
     uint8_t *payload = NULL;
     uint32_t num_fds = 0;
     size_t got = 0;
-    kvf_status st = kvf_conn_read_some(&c->conn, budget, &got, NULL, &h, &payload, fds, KVF_PROTO_MAX_FDS, &num_fds);
+    int drained = 0;
+    kvf_status st =
+        kvf_conn_read_some(&c->conn, budget, &got, &drained, &h, &payload, fds, KVF_PROTO_MAX_FDS, &num_fds);
     budget -= got < budget ? got : budget;
-    if (st == KVF_ERR_TIMEOUT) return KVF_SUCCESS;
+    if (st == KVF_ERR_TIMEOUT) {
+      if (c->conn.reader.header_have > 0 && !c->frame_started_ns) c->frame_started_ns = now;
+      uint32_t held = kvf_proto_reader_held(&c->conn.reader);
+      if (held && !c->wait_seq) {
+        st = conn_pool_ask(s, c, held);
+        if (st != KVF_SUCCESS) {
+          *why = "out of memory for a frame";
+          return st;
+        }
+        continue; /* granted: read on; queued: the loop stops */
+      }
+      c->dry = drained;
+      return KVF_SUCCESS;
+    }
     if (st == KVF_ERR_DISCONNECTED) {
       *why = "peer closed";
       return st;
@@ -633,8 +734,11 @@ static kvf_status server_conn_service(kvf_server *s, kvf_server_conn *c, const c
       *why = "bad frame";
       return st;
     }
+    frames++;
+    c->frame_started_ns = 0;
     st = server_dispatch(s, c, &h, payload, fds, num_fds);
     free(payload);
+    conn_pool_release(s, c);
     if (st != KVF_SUCCESS) {
       *why = "bad request or reply not delivered";
       return st;
@@ -670,6 +774,21 @@ kvf_status kvf_server_create(const kvf_server_options *caller, kvf_server **out)
   if (!s->opt.max_clients) s->opt.max_clients = 256;
   if (!s->opt.write_timeout_ms) s->opt.write_timeout_ms = 2000;
   if (!s->opt.hello_timeout_ms) s->opt.hello_timeout_ms = 5000;
+  if (!s->opt.frame_timeout_ms) s->opt.frame_timeout_ms = 5000;
+  if (!s->opt.max_frame_bytes) s->opt.max_frame_bytes = KVF_PROTO_MAX_PAYLOAD;
+  if (!s->opt.max_buffered_bytes) s->opt.max_buffered_bytes = 64ull << 20;
+  if (s->opt.max_frame_bytes < KVF_SERVER_HELLO_MAX_PAYLOAD || s->opt.max_frame_bytes > KVF_PROTO_MAX_PAYLOAD) {
+    st = kvf_fail(KVF_ERR_INVALID_ARGUMENT, "options.max_frame_bytes: %u is not within %u .. %u (the protocol's limit)",
+                  (unsigned)s->opt.max_frame_bytes, KVF_SERVER_HELLO_MAX_PAYLOAD, KVF_PROTO_MAX_PAYLOAD);
+    goto fail;
+  }
+  if (s->opt.max_buffered_bytes < s->opt.max_frame_bytes) {
+    st = kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                  "options.max_buffered_bytes: %llu is less than max_frame_bytes %u: a frame that large could never "
+                  "be read",
+                  (unsigned long long)s->opt.max_buffered_bytes, (unsigned)s->opt.max_frame_bytes);
+    goto fail;
+  }
   s->opt.socket_dir = NULL; /* not kept: only the endpoint needs it */
   s->next_client_id = 1;
   while (s->boot_token == 0) {
@@ -814,6 +933,8 @@ static void server_accept(kvf_server *s) {
       break;
     }
     c->conn = conn;
+    /* Until HELLO nothing larger than a HELLO; nothing is held. */
+    kvf_proto_reader_limit(&c->conn.reader, KVF_SERVER_HELLO_MAX_PAYLOAD, 0);
     c->client_id = s->next_client_id++;
     c->accepted_ns = c->last_seen_ns = now;
     s->conns[s->num_conns++] = c;
@@ -829,8 +950,28 @@ static void server_reap(kvf_server *s, uint64_t poll_ns) {
   uint64_t now = kvf_now_ns();
   uint64_t timeout_ns = (uint64_t)s->opt.heartbeat_timeout_ms * 1000000ull;
   uint64_t hello_ns = (uint64_t)s->opt.hello_timeout_ms * 1000000ull;
+  uint64_t frame_ns = (uint64_t)s->opt.frame_timeout_ms * 1000000ull;
   for (uint32_t i = 0; i < s->num_conns;) {
     kvf_server_conn *c = s->conns[i];
+    int readable = conn_readable(c) && !c->paused;
+    /* A frame begun and not finished, with the socket dry at our last read
+     * (the sender is behind, not the loop): a slow sender, dropped. */
+    if (readable && c->frame_started_ns && c->dry && poll_ns > c->frame_started_ns &&
+        poll_ns - c->frame_started_ns > frame_ns) {
+      const kvf_proto_reader *r = &c->conn.reader;
+      if (r->header_have < KVF_PROTO_HEADER_SIZE)
+        kvf_fail(KVF_ERR_TIMEOUT, "frame: only %zu of the header's %u bytes arrived in %u ms (frame_timeout_ms)",
+                 r->header_have, KVF_PROTO_HEADER_SIZE, (unsigned)s->opt.frame_timeout_ms);
+      else
+        kvf_fail(KVF_ERR_TIMEOUT, "frame: only %zu of the payload's %u bytes arrived in %u ms (frame_timeout_ms)",
+                 r->payload_have, r->header.payload_len, (unsigned)s->opt.frame_timeout_ms);
+      KVF_INFO(SERVER, "client %llu (pid %d): %s", (unsigned long long)c->client_id, (int)c->conn.peer.pid,
+               kvf_last_error());
+      (void)server_send_error(s, c, r->header_have == KVF_PROTO_HEADER_SIZE ? r->header.request_id : 0,
+                              KVF_ERR_TIMEOUT, NULL);
+      server_conn_drop(s, i, "frame not finished in time");
+      continue;
+    }
     if (!c->hello_done && poll_ns > c->accepted_ns && poll_ns - c->accepted_ns > hello_ns) {
       /* Anything it sent by the last poll was read before this: no HELLO came. */
       kvf_fail(KVF_ERR_TIMEOUT, "connection.hello: no HELLO within %u ms of connecting (hello_timeout_ms)",
@@ -847,7 +988,7 @@ static void server_reap(kvf_server *s, uint64_t poll_ns) {
       server_conn_drop(s, i, "replies not read");
       continue;
     }
-    if (poll_ns > c->last_seen_ns && poll_ns - c->last_seen_ns > timeout_ns) {
+    if (readable && poll_ns > c->last_seen_ns && poll_ns - c->last_seen_ns > timeout_ns) {
       KVF_WARN(SERVER, "client %llu (pid %d): silent for %llu ms, reaped", (unsigned long long)c->client_id,
                (int)c->conn.peer.pid, (unsigned long long)((poll_ns - c->last_seen_ns) / 1000000ull));
       server_conn_drop(s, i, "heartbeat timeout");
@@ -875,10 +1016,22 @@ kvf_status kvf_server_run(kvf_server *s) {
   while (!__atomic_load_n(&s->stop_flag, __ATOMIC_SEQ_CST)) {
     s->pfds[0] = (struct pollfd){.fd = s->stop_pipe[0], .events = POLLIN};
     s->pfds[1] = (struct pollfd){.fd = kvf_endpoint_fd(s->ep), .events = POLLIN};
+    server_pool_grant(s, kvf_now_ns());
     uint32_t n = s->num_conns;
-    for (uint32_t i = 0; i < n; i++)
-      s->pfds[2 + i] = (struct pollfd){.fd = s->conns[i]->conn.fd,
-                                       .events = (short)(POLLIN | (s->conns[i]->q_head ? POLLOUT : 0))};
+    uint64_t setup_ns = kvf_now_ns();
+    for (uint32_t i = 0; i < n; i++) {
+      kvf_server_conn *c = s->conns[i];
+      int readable = conn_readable(c);
+      if (readable && c->paused) {
+        /* Resumed: the time it was held back is not its silence or slowness. */
+        if (c->frame_started_ns) c->frame_started_ns = setup_ns;
+        if (c->last_seen_ns < setup_ns) c->last_seen_ns = setup_ns;
+      }
+      c->paused = !readable;
+      short events = (short)((readable ? POLLIN : 0) | (c->q_head ? POLLOUT : 0));
+      /* A held connection is still polled for its peer hanging up. */
+      s->pfds[2 + i] = (struct pollfd){.fd = c->conn.fd, .events = events};
+    }
     int rc = poll(s->pfds, 2 + n, tick);
     if (rc < 0 && errno != EINTR) {
       result = kvf_fail(KVF_ERR_SYSTEM, "server: poll: %s", strerror(errno));
@@ -903,7 +1056,12 @@ kvf_status kvf_server_run(kvf_server *s) {
           server_conn_drop(s, i, "reply not delivered");
           continue;
         }
-        if ((ev & ~POLLOUT) && server_conn_service(s, c, &why) != KVF_SUCCESS) {
+        if ((ev & ~POLLOUT) && !conn_readable(c)) {
+          if (ev & (POLLHUP | POLLERR)) {
+            server_conn_drop(s, i, "peer closed");
+            continue;
+          }
+        } else if ((ev & ~POLLOUT) && server_conn_service(s, c, &why) != KVF_SUCCESS) {
           server_conn_drop(s, i, why);
           continue;
         }

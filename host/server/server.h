@@ -28,6 +28,17 @@
  * can never lock a new engine out; only when every slot holds a client that
  * said HELLO is a new connection refused (ERROR, KVF_ERR_BUSY).
  *
+ * Frame memory: before HELLO a connection may send nothing larger than a
+ * HELLO (4 KiB of payload); after it, frames up to max_frame_bytes. A frame
+ * of at most 64 KiB of payload is always read (max_clients x 64 KiB bounds
+ * them); a larger one is held after its header until the server-wide pool
+ * of max_buffered_bytes has room for its payload, first come first served,
+ * and its connection is not read meanwhile, so other clients' heartbeats,
+ * STATs and small requests go on. A frame must be whole within
+ * frame_timeout_ms of its first byte (or of its grant), counting only time
+ * the sender was behind: a slow sender gets an ERROR naming the frame and
+ * is closed, and its memory returns to the pool.
+ *
  * STORE and RETRIEVE are admitted on the loop (host/dataplane.h: checks,
  * lease, L1 reservation or pins) and run on the lane of the registration's
  * device: a worker and a completion thread per GPU, plus the host lane.
@@ -75,9 +86,15 @@ typedef struct kvf_server_options {
   /* Deadlines and quotas: what one client may hold of the server (0: the default). */
   uint32_t hello_timeout_ms;     /* a connection that has not said HELLO this long after connecting is
                                     dropped; 0: 5000 */
+  uint32_t frame_timeout_ms;     /* a frame whose first byte arrived must be whole this long after (the
+                                    time the server holds it back does not count); 0: 5000 */
+  uint32_t max_frame_bytes;      /* per client: the largest payload, told in HELLO_REPLY.max_payload;
+                                    4096 .. 16 MiB; 0: 16 MiB */
+  uint64_t max_buffered_bytes;   /* server-wide: payload bytes of frames over 64 KiB being received at
+                                    once; a frame that does not fit waits; >= max_frame_bytes; 0: 64 MiB */
 } kvf_server_options;
 #define KVF_SERVER_OPTIONS_INIT \
-  {sizeof(kvf_server_options), KVF_SERVER_VERSION, NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, 0, 0, 0, 0}
+  {sizeof(kvf_server_options), KVF_SERVER_VERSION, NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 
 /* Create a server: an import table (no extra access devices), a registry
  * over it, and the endpoint listening on options->socket_dir. Returns
