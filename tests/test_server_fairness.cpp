@@ -570,6 +570,54 @@ int partial_main(const std::string &dir, int go, int n, uint32_t payload_len, in
   return 0;
 }
 
+// Never reads: HELLO, then STATs with a record per client (a reply ten
+// times the request) as fast as the socket takes them, never reading a
+// reply, for duration_ms. Writes to `report` how many bytes of requests the
+// server took and whether it closed the connection ("bytes closed\n").
+int unread_main(const std::string &dir, int go, int duration_ms, int report) {
+  std::vector<uint8_t> hello = hello_frame(1);
+  kvf_proto_msg m;
+  memset(&m, 0, sizeof m);
+  m.type = KVF_PROTO_STAT;
+  m.u.stat.flags = KVF_PROTO_STAT_PER_CLIENT;
+  std::vector<uint8_t> burst;
+  for (int i = 0; i < 4096; i++) {
+    m.request_id = 2 + (uint64_t)i;
+    std::vector<uint8_t> f = encode(m);
+    burst.insert(burst.end(), f.begin(), f.end());
+  }
+  if (!wait_go(go)) return 10;
+  int fd = connect_raw(dir, false);
+  if (fd < 0) return 11;
+  if (!write_all(fd, hello.data(), hello.size())) return 12;
+  kvf_proto_msg r;
+  if (!read_msg(fd, 5000, &r) || r.type != KVF_PROTO_HELLO_REPLY) return 13;
+  kvf_proto_msg_clear(&r);
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  uint64_t written = 0;
+  size_t off = 0;
+  int closed = 0;
+  int64_t end = mono_ms() + duration_ms;
+  while (mono_ms() < end && !closed) {
+    ssize_t w = write(fd, burst.data() + off, burst.size() - off);
+    if (w > 0) {
+      written += (uint64_t)w;
+      off = (off + (size_t)w) % burst.size();
+      continue;
+    }
+    if (w < 0 && errno != EAGAIN && errno != EINTR) {
+      closed = 1;
+      break;
+    }
+    struct pollfd p = {fd, POLLOUT, 0};
+    poll(&p, 1, 5);
+    if (p.revents & (POLLHUP | POLLERR)) closed = 1;
+  }
+  close(fd);
+  dprintf(report, "%llu %d\n", (unsigned long long)written, closed);
+  return 0;
+}
+
 // What an attacker wrote on its report pipe, within timeout_ms.
 std::string read_report(int fd, int timeout_ms) {
   std::string out;
@@ -972,6 +1020,153 @@ TEST_F(ServerFairness, FrameLimitsAndTheFrameDeadline) {
     EXPECT_LT(waited, (int64_t)frame_ms + 1000);
     close(fd);
   }
+  EXPECT_EQ(server_.stop(), 0) << "2 create, 3 run, 4 still mapped, 5 descriptors leaked";
+}
+
+// STOREs that stay in flight (each completion held back), submitted as
+// fast as the client library sends them, without waiting.
+struct Pipeline {
+  std::vector<uint64_t> ids;      // admitted or refused, in order of submission
+  std::vector<kvf_status> status; // what kvf_client_wait said
+  std::vector<std::string> why;
+};
+
+// Submit n STOREs of distinct one-chunk keys on e's registration, then wait
+// for each.
+Pipeline store_many(Engine &e, uint32_t n, uint64_t key_base) {
+  Pipeline p;
+  uint32_t block = 0;
+  kvf_group_blocks g = {&block, 0, 1};
+  for (uint32_t i = 0; i < n; i++) {
+    uint64_t key = key_base + i;
+    kvf_client_xfer x = KVF_CLIENT_XFER_INIT;
+    x.token_begin = 0;
+    x.token_end = 16;
+    x.chunk_keys = &key;
+    x.num_chunk_keys = 1;
+    x.groups = &g;
+    x.num_groups = 1;
+    uint64_t id = 0;
+    kvf_status st = kvf_client_submit(e.c, KVF_CLIENT_STORE, &x, &id);
+    if (st != KVF_SUCCESS) {
+      p.ids.push_back(0);
+      p.status.push_back(st);
+      p.why.push_back(std::string("submit: ") + kvf_last_error());
+      continue;
+    }
+    p.ids.push_back(id);
+  }
+  for (size_t i = 0; i < p.ids.size(); i++) {
+    if (!p.ids[i]) continue;
+    kvf_client_result r = KVF_CLIENT_RESULT_INIT;
+    kvf_status st = kvf_client_wait(e.c, p.ids[i], 20000, &r);
+    if (st == KVF_SUCCESS) st = r.status;
+    p.status.push_back(st);
+    p.why.push_back(st == KVF_SUCCESS ? "" : kvf_last_error());
+  }
+  return p;
+}
+
+// Requests in flight per client: a client pipelining STOREs whose
+// completions are held back gets an ERROR naming quota.requests_in_flight
+// beyond max_requests_in_flight, and is served again once replies come; a
+// pipeline of 512 under the default limit is never refused.
+TEST_F(ServerFairness, RequestsInFlightAreCappedPerClient) {
+  const uint32_t limit = 16;
+  ASSERT_TRUE(server_.start(dir_, [&](kvf_server_options *o) {
+    o->heartbeat_timeout_ms = 10000;
+    o->test_completion_delay_ms = 20;
+    o->max_requests_in_flight = limit;
+  }));
+  Engine e;
+  ASSERT_EQ(e.connect(dir_, 100, 20000), KVF_SUCCESS) << kvf_last_error();
+  Pipeline p = store_many(e, 3 * limit, 1000);
+  uint32_t done = 0, refused = 0;
+  std::string first_refusal;
+  for (size_t i = 0; i < p.status.size(); i++) {
+    if (p.status[i] == KVF_SUCCESS) done++;
+    else if (p.status[i] == KVF_ERR_BUSY && p.why[i].find("quota.requests_in_flight") != std::string::npos) {
+      if (!refused++) first_refusal = p.why[i];
+    } else
+      ADD_FAILURE() << "request " << i << ": " << kvf_status_string(p.status[i]) << ": " << p.why[i];
+  }
+  printf("[ in flight ] %u STOREs submitted at once, limit %u: %u done, %u refused (%s)\n", 3 * limit, limit, done,
+         refused, first_refusal.c_str());
+  EXPECT_GE(done, limit) << "the first requests up to the limit are admitted";
+  EXPECT_GT(refused, 0u) << "nothing refused: the limit was not enforced";
+  EXPECT_LE(done, 2 * limit) << "far more than the limit were admitted while the first were held";
+  // Served again once replies came back.
+  p = store_many(e, limit, 5000);
+  for (size_t i = 0; i < p.status.size(); i++)
+    EXPECT_EQ(p.status[i], KVF_SUCCESS) << "request " << i << ": " << p.why[i];
+  kvf_client_disconnect(e.c);
+  e.c = nullptr;
+  EXPECT_EQ(server_.stop(), 0) << "2 create, 3 run, 4 still mapped, 5 descriptors leaked";
+}
+
+// The default limit leaves room for an engine pipelining a few hundred.
+TEST_F(ServerFairness, AFewHundredRequestsInFlightAreWithinTheDefaults) {
+  ASSERT_TRUE(server_.start(dir_, [&](kvf_server_options *o) {
+    o->heartbeat_timeout_ms = 10000;
+    o->test_completion_delay_ms = 1;
+  }));
+  Engine e;
+  ASSERT_EQ(e.connect(dir_, 100, 30000), KVF_SUCCESS) << kvf_last_error();
+  Pipeline p = store_many(e, 512, 1000);
+  uint32_t done = 0;
+  for (size_t i = 0; i < p.status.size(); i++) {
+    EXPECT_EQ(p.status[i], KVF_SUCCESS) << "request " << i << ": " << p.why[i];
+    done += p.status[i] == KVF_SUCCESS;
+  }
+  EXPECT_EQ(done, 512u);
+  kvf_client_disconnect(e.c);
+  e.c = nullptr;
+  EXPECT_EQ(server_.stop(), 0) << "2 create, 3 run, 4 still mapped, 5 descriptors leaked";
+}
+
+// Queued reply bytes: a client that sends STATs and never reads a reply.
+// The server stops reading it once its unread replies reach half of
+// max_reply_queue_bytes, so what it holds for it stays bounded, and drops
+// it after write_timeout_ms without progress; the engine is served
+// throughout.
+TEST_F(ServerFairness, AClientThatDoesNotReadItsRepliesHoldsBoundedMemory) {
+  ASSERT_TRUE(server_.start(dir_, [&](kvf_server_options *o) { o->heartbeat_timeout_ms = 10000; }));
+  const int unread_ms = 3500;
+  int rep[2];
+  ASSERT_EQ(pipe2(rep, O_CLOEXEC), 0);
+  Attacker a;
+  spawn(&a, [&](int go) { return unread_main(dir_, go, unread_ms, rep[1]); });
+  close(rep[1]);
+  Engine e;
+  ASSERT_EQ(e.connect(dir_, 100, 5000), KVF_SUCCESS) << kvf_last_error();
+  long rss_base = steady([&] { return proc_status(server_.pid(), "VmRSS"); });
+  Probe p;
+  p.start(&e, dir_);
+  a.go();
+  long rss_max = 0;
+  for (int64_t end = mono_ms() + unread_ms; mono_ms() < end;) {
+    rss_max = std::max(rss_max, proc_status(server_.pid(), "VmRSS"));
+    sleep_ms(10);
+  }
+  p.finish();
+  EXPECT_EQ(a.finish(), 0) << "10+: the attacker step that failed";
+  std::string report = read_report(rep[0], 5000);
+  close(rep[0]);
+  unsigned long long written = 0;
+  int closed = 0;
+  EXPECT_EQ(sscanf(report.c_str(), "%llu %d", &written, &closed), 2) << report;
+  printf("[ unread replies ] the server took %llu bytes of STAT requests, %s; server VmRSS %ld kB before, %ld kB "
+         "at most during (+%ld MiB)\n",
+         written, closed ? "then closed the connection" : "and kept the connection", rss_base, rss_max,
+         (rss_max - rss_base) / 1024);
+  p.expect_bounds("unread replies");
+  std::string why;
+  EXPECT_TRUE(e.still_active(&why)) << why;
+  EXPECT_TRUE(closed) << "a client that never reads its replies must be dropped (write_timeout_ms)";
+  // The default max_reply_queue_bytes is 16 MiB: reading stops at 8 MiB queued.
+  EXPECT_LT(rss_max - rss_base, 24l << 10) << "the server held far more unread replies than its limit";
+  kvf_client_disconnect(e.c);
+  e.c = nullptr;
   EXPECT_EQ(server_.stop(), 0) << "2 create, 3 run, 4 still mapped, 5 descriptors leaked";
 }
 

@@ -49,6 +49,12 @@ static void usage(FILE *f) {
           "  --max-buffered-mb N         server-wide: frames over 64 KiB being received share this\n"
           "                              much memory, in MiB; one that does not fit waits, unread,\n"
           "                              while smaller frames of every client go on (default 64)\n"
+          "  --max-requests-in-flight N  per client: STORE/RETRIEVE admitted and not answered; one\n"
+          "                              more gets an ERROR naming quota.requests_in_flight\n"
+          "                              (default 1024)\n"
+          "  --max-reply-queue-mb N      per client: replies it has not read, in MiB; at half of it\n"
+          "                              the server stops reading the client's requests, and a\n"
+          "                              client that reads nothing for 2 s is dropped (default 16)\n"
           "  --devices LIST              CUDA devices to serve, each with its own L1 pool on the\n"
           "                              GPU's NUMA node and a worker and a completion thread on\n"
           "                              its local cores: \"all\" (default: every visible GPU),\n"
@@ -144,6 +150,18 @@ int main(int argc, char **argv) {
         return 2;
       }
       opt.max_buffered_bytes = (uint64_t)mb << 20;
+      i++;
+    } else if (!strcmp(a, "--max-requests-in-flight") && v) {
+      if (parse_u32(a, v, &opt.max_requests_in_flight) != 0) return 2;
+      i++;
+    } else if (!strcmp(a, "--max-reply-queue-mb") && v) {
+      uint32_t mb = 0;
+      if (parse_u32(a, v, &mb) != 0) return 2;
+      if (mb == 0) {
+        fprintf(stderr, "kvferryd: --max-reply-queue-mb: must be at least 1\n");
+        return 2;
+      }
+      opt.max_reply_queue_bytes = (uint64_t)mb << 20;
       i++;
     } else if (!strcmp(a, "--devices") && v) {
       if (parse_devices(v, devices, &num_devices, &all_devices) != 0) return 2;

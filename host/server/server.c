@@ -31,11 +31,24 @@
 typedef struct kvf_server_out {
   struct kvf_server_out *next;
   uint64_t client_id;
+  uint64_t request_id; /* outbox: the STORE or RETRIEVE it answers */
   size_t len, sent;
   uint8_t *frame;
 } kvf_server_out;
 
-#define KVF_SERVER_QUEUE_MAX (64u << 20) /* unread reply bytes one client may hold */
+/* What one queued reply costs besides its frame: the entry and the
+ * allocator's headers of both. A client's queue is charged this much. */
+#define KVF_SERVER_OUT_OVERHEAD (sizeof(kvf_server_out) + 32u)
+
+/* The request ids of a client's STORE/RETRIEVE admitted and not answered:
+ * an open-addressing set (linear probing, backward-shift deletion), grown
+ * as needed up to the in-flight limit. */
+typedef struct kvf_id_set {
+  uint64_t *ids;
+  uint8_t *used;
+  uint32_t cap; /* a power of two, or 0 */
+  uint32_t count;
+} kvf_id_set;
 
 /* One turn of the loop (one poll) gives each readable connection at most
  * this much reading: a client that keeps its socket full delays the others
@@ -72,7 +85,7 @@ typedef struct kvf_server_conn {
   /* Replies not written yet: written without blocking as the socket takes
    * them, so a client that stops reading never stalls the loop. */
   kvf_server_out *q_head, *q_tail;
-  uint64_t q_bytes;
+  uint64_t q_bytes;            /* memory the queue holds: frames + KVF_SERVER_OUT_OVERHEAD each */
   uint64_t q_stalled_since_ns; /* last progress while the queue was not empty */
   kvf_status q_failed;         /* a write failed: drop the connection */
   /* The frame being read. */
@@ -81,6 +94,7 @@ typedef struct kvf_server_conn {
   uint64_t wait_seq;         /* nonzero: its header is held, waiting for the pool (order of arrival) */
   int dry;                   /* its last read found the socket empty: the sender is behind, not us */
   int paused;                /* it was not readable at the last poll (conn_readable) */
+  kvf_id_set in_flight;      /* its STORE/RETRIEVE admitted and not answered */
 } kvf_server_conn;
 
 
@@ -112,6 +126,67 @@ struct kvf_server {
 };
 
 /* ---- helpers -------------------------------------------------------------- */
+
+static uint32_t id_slot(const kvf_id_set *set, uint64_t id) {
+  id ^= id >> 33; /* splitmix64's finalizer: client ids are often sequential */
+  id *= 0xff51afd7ed558ccdull;
+  id ^= id >> 33;
+  return (uint32_t)id & (set->cap - 1);
+}
+
+static int id_set_has(const kvf_id_set *set, uint64_t id) {
+  if (!set->cap) return 0;
+  for (uint32_t i = id_slot(set, id); set->used[i]; i = (i + 1) & (set->cap - 1))
+    if (set->ids[i] == id) return 1;
+  return 0;
+}
+
+static kvf_status id_set_add(kvf_id_set *set, uint64_t id) {
+  if ((set->count + 1) * 2 > set->cap) { /* keep it at most half full */
+    kvf_id_set bigger = {NULL, NULL, set->cap ? set->cap * 2 : 16, 0};
+    bigger.ids = malloc(sizeof(*bigger.ids) * bigger.cap);
+    bigger.used = calloc(bigger.cap, 1);
+    if (!bigger.ids || !bigger.used) {
+      free(bigger.ids);
+      free(bigger.used);
+      return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "requests in flight: out of memory");
+    }
+    for (uint32_t i = 0; i < set->cap; i++)
+      if (set->used[i]) (void)id_set_add(&bigger, set->ids[i]);
+    free(set->ids);
+    free(set->used);
+    *set = bigger;
+  }
+  uint32_t i = id_slot(set, id);
+  while (set->used[i]) i = (i + 1) & (set->cap - 1);
+  set->ids[i] = id;
+  set->used[i] = 1;
+  set->count++;
+  return KVF_SUCCESS;
+}
+
+static void id_set_remove(kvf_id_set *set, uint64_t id) {
+  if (!set->cap) return;
+  uint32_t mask = set->cap - 1, i = id_slot(set, id);
+  while (set->used[i] && set->ids[i] != id) i = (i + 1) & mask;
+  if (!set->used[i]) return;
+  /* Shift back the entries of the run after i that may live in its place. */
+  for (uint32_t j = (i + 1) & mask; set->used[j]; j = (j + 1) & mask) {
+    uint32_t home = id_slot(set, set->ids[j]);
+    if (((j - home) & mask) >= ((j - i) & mask)) { /* i lies between home and j */
+      set->ids[i] = set->ids[j];
+      i = j;
+    }
+  }
+  set->used[i] = 0;
+  set->count--;
+}
+
+static void id_set_free(kvf_id_set *set) {
+  free(set->ids);
+  free(set->used);
+  memset(set, 0, sizeof(*set));
+}
 
 static kvf_status conn_flush(kvf_server_conn *c);
 
@@ -149,6 +224,7 @@ static void server_conn_drop(kvf_server *s, uint32_t index, const char *why) {
              kvf_last_error());
   kvf_conn_close(&c->conn);
   kvf_dataplane_unbind(c->binding);
+  id_set_free(&c->in_flight);
   free(c);
   s->conns[index] = s->conns[s->num_conns - 1];
   s->num_conns--;
@@ -169,11 +245,11 @@ static kvf_status conn_flush(kvf_server_conn *c) {
       return c->q_failed;
     }
     o->sent += (size_t)n;
-    c->q_bytes -= (uint64_t)n;
     c->q_stalled_since_ns = kvf_now_ns();
     if (o->sent == o->len) {
       c->q_head = o->next;
       if (!c->q_head) c->q_tail = NULL;
+      c->q_bytes -= o->len + KVF_SERVER_OUT_OVERHEAD;
       free(o->frame);
       free(o);
     }
@@ -182,17 +258,20 @@ static kvf_status conn_flush(kvf_server_conn *c) {
 }
 
 /* Queue an encoded frame for c (ownership moves) and write what the socket
- * takes now. Returns KVF_SUCCESS, or why c must be dropped. */
-static kvf_status conn_queue(kvf_server_conn *c, uint8_t *frame, size_t len) {
+ * takes now. Returns KVF_SUCCESS, or why c must be dropped: a queue over
+ * max_reply_queue_bytes (the loop stops reading c at half of it, so only
+ * replies to requests already admitted can get it there). */
+static kvf_status conn_queue(kvf_server *s, kvf_server_conn *c, uint8_t *frame, size_t len) {
   kvf_server_out *o = calloc(1, sizeof(*o));
   if (!o) {
     free(frame);
     return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "reply: out of memory");
   }
-  if (c->q_bytes + len > KVF_SERVER_QUEUE_MAX) {
+  if (c->q_bytes + len + KVF_SERVER_OUT_OVERHEAD > s->opt.max_reply_queue_bytes) {
     free(frame);
     free(o);
-    c->q_failed = kvf_fail(KVF_ERR_BUSY, "connection: more than %u MiB of replies unread", KVF_SERVER_QUEUE_MAX >> 20);
+    c->q_failed = kvf_fail(KVF_ERR_BUSY, "quota.reply_queue_bytes: more than %llu bytes of replies unread",
+                           (unsigned long long)s->opt.max_reply_queue_bytes);
     return c->q_failed;
   }
   o->frame = frame;
@@ -203,18 +282,17 @@ static kvf_status conn_queue(kvf_server_conn *c, uint8_t *frame, size_t len) {
   else
     c->q_head = o;
   c->q_tail = o;
-  c->q_bytes += len;
+  c->q_bytes += len + KVF_SERVER_OUT_OVERHEAD;
   return conn_flush(c);
 }
 
 /* Send `msg` to c (queued; never blocks). A failure means c must be dropped. */
 static kvf_status server_send(kvf_server *s, kvf_server_conn *c, const kvf_proto_msg *msg) {
-  (void)s;
   uint8_t *frame = NULL;
   size_t len = 0;
   kvf_status st = kvf_proto_encode(msg, &frame, &len);
   if (st != KVF_SUCCESS) return st;
-  return conn_queue(c, frame, len);
+  return conn_queue(s, c, frame, len);
 }
 
 /* Answer request_id with an ERROR (detail NULL: kvf_last_error()). */
@@ -237,6 +315,7 @@ static void server_post_reply(void *ctx, uint64_t client_id, const kvf_proto_msg
     return;
   }
   o->client_id = client_id;
+  o->request_id = reply->request_id;
   pthread_mutex_lock(&s->out_mu);
   if (s->out_tail)
     s->out_tail->next = o;
@@ -271,7 +350,8 @@ static void server_flush_outbox(kvf_server *s) {
     uint32_t index = 0;
     kvf_server_conn *c = conn_by_client(s, o->client_id, &index);
     if (c) {
-      (void)conn_queue(c, o->frame, o->len); /* a failure marks c (q_failed): dropped by the sweep */
+      id_set_remove(&c->in_flight, o->request_id); /* answered */
+      (void)conn_queue(s, c, o->frame, o->len); /* a failure marks c (q_failed): dropped by the sweep */
     } else {
       free(o->frame); /* the client is gone */
     }
@@ -621,14 +701,31 @@ static kvf_status server_dispatch(kvf_server *s, kvf_server_conn *c, const kvf_p
     }
     case KVF_PROTO_STAT: st = handle_stat(s, c, &m); break;
     case KVF_PROTO_STORE:
-    case KVF_PROTO_RETRIEVE:
+    case KVF_PROTO_RETRIEVE: {
+      /* A retry of a request still in flight gets no second reply: it is
+       * neither counted again nor refused. */
+      int known = id_set_has(&c->in_flight, h->request_id);
+      if (!known && c->in_flight.count >= s->opt.max_requests_in_flight) {
+        st = kvf_fail(KVF_ERR_BUSY,
+                      "quota.requests_in_flight: %u STORE/RETRIEVE in flight, the limit is %u "
+                      "(max_requests_in_flight); wait for a reply",
+                      (unsigned)c->in_flight.count, (unsigned)s->opt.max_requests_in_flight);
+        st = server_send_error(s, c, h->request_id, st, NULL);
+        break;
+      }
+      if (!known && (st = id_set_add(&c->in_flight, h->request_id)) != KVF_SUCCESS) {
+        st = server_send_error(s, c, h->request_id, st, NULL);
+        break;
+      }
       st = kvf_dataplane_submit(s->dp, c->binding, c->client_id, &m);
       if (st != KVF_SUCCESS) {
+        if (!known) id_set_remove(&c->in_flight, h->request_id);
         KVF_INFO(SERVER, "client %llu: %s %llu refused: %s", (unsigned long long)c->client_id,
                  kvf_proto_type_name(h->type), (unsigned long long)h->request_id, kvf_last_error());
         st = server_send_error(s, c, h->request_id, st, NULL);
       }
       break;
+    }
     default:
       st = server_send_error(s, c, h->request_id, KVF_ERR_UNSUPPORTED, "header.type: not a request");
       break;
@@ -639,11 +736,14 @@ out:
 }
 
 /* Whether the loop reads c now. Not while its frame waits for the frame
- * pool. (Anything else that must hold c's reading, such as work started for
+ * pool, nor while its unread replies hold half its reply quota (a client
+ * that does not read is not read either). (Anything else that must hold c's reading, such as work started for
  * its last frame that has to finish before the next is read, belongs here
  * too: the loop then neither reads c nor blames it for silence or slowness,
  * and a paused connection's clocks restart when it resumes.) */
-static int conn_readable(const kvf_server_conn *c) { return c->wait_seq == 0; }
+static int conn_readable(const kvf_server *s, const kvf_server_conn *c) {
+  return c->wait_seq == 0 && c->q_bytes < s->opt.max_reply_queue_bytes / 2;
+}
 
 /* c's header asks for `len` bytes of the pool: grant them now if they fit
  * and nobody waits ahead, else queue c (it is not read until granted). */
@@ -699,7 +799,7 @@ static kvf_status server_conn_service(kvf_server *s, kvf_server_conn *c, const c
   size_t budget = KVF_SERVER_TURN_BYTES;
   uint64_t now = kvf_now_ns();
   c->dry = 0;
-  for (uint32_t frames = 0; frames < KVF_SERVER_TURN_FRAMES && budget > 0 && conn_readable(c);) {
+  for (uint32_t frames = 0; frames < KVF_SERVER_TURN_FRAMES && budget > 0 && conn_readable(s, c);) {
     kvf_proto_header h;
     uint8_t *payload = NULL;
     uint32_t num_fds = 0;
@@ -777,6 +877,13 @@ kvf_status kvf_server_create(const kvf_server_options *caller, kvf_server **out)
   if (!s->opt.frame_timeout_ms) s->opt.frame_timeout_ms = 5000;
   if (!s->opt.max_frame_bytes) s->opt.max_frame_bytes = KVF_PROTO_MAX_PAYLOAD;
   if (!s->opt.max_buffered_bytes) s->opt.max_buffered_bytes = 64ull << 20;
+  if (!s->opt.max_requests_in_flight) s->opt.max_requests_in_flight = 1024;
+  if (!s->opt.max_reply_queue_bytes) s->opt.max_reply_queue_bytes = 16ull << 20;
+  if (s->opt.max_reply_queue_bytes < (1u << 20)) {
+    st = kvf_fail(KVF_ERR_INVALID_ARGUMENT, "options.max_reply_queue_bytes: %llu is less than 1 MiB (a STAT reply "
+                  "may take 200 KiB)", (unsigned long long)s->opt.max_reply_queue_bytes);
+    goto fail;
+  }
   if (s->opt.max_frame_bytes < KVF_SERVER_HELLO_MAX_PAYLOAD || s->opt.max_frame_bytes > KVF_PROTO_MAX_PAYLOAD) {
     st = kvf_fail(KVF_ERR_INVALID_ARGUMENT, "options.max_frame_bytes: %u is not within %u .. %u (the protocol's limit)",
                   (unsigned)s->opt.max_frame_bytes, KVF_SERVER_HELLO_MAX_PAYLOAD, KVF_PROTO_MAX_PAYLOAD);
@@ -953,7 +1060,7 @@ static void server_reap(kvf_server *s, uint64_t poll_ns) {
   uint64_t frame_ns = (uint64_t)s->opt.frame_timeout_ms * 1000000ull;
   for (uint32_t i = 0; i < s->num_conns;) {
     kvf_server_conn *c = s->conns[i];
-    int readable = conn_readable(c) && !c->paused;
+    int readable = conn_readable(s, c) && !c->paused;
     /* A frame begun and not finished, with the socket dry at our last read
      * (the sender is behind, not the loop): a slow sender, dropped. */
     if (readable && c->frame_started_ns && c->dry && poll_ns > c->frame_started_ns &&
@@ -1021,7 +1128,7 @@ kvf_status kvf_server_run(kvf_server *s) {
     uint64_t setup_ns = kvf_now_ns();
     for (uint32_t i = 0; i < n; i++) {
       kvf_server_conn *c = s->conns[i];
-      int readable = conn_readable(c);
+      int readable = conn_readable(s, c);
       if (readable && c->paused) {
         /* Resumed: the time it was held back is not its silence or slowness. */
         if (c->frame_started_ns) c->frame_started_ns = setup_ns;
@@ -1056,7 +1163,7 @@ kvf_status kvf_server_run(kvf_server *s) {
           server_conn_drop(s, i, "reply not delivered");
           continue;
         }
-        if ((ev & ~POLLOUT) && !conn_readable(c)) {
+        if ((ev & ~POLLOUT) && !conn_readable(s, c)) {
           if (ev & (POLLHUP | POLLERR)) {
             server_conn_drop(s, i, "peer closed");
             continue;
@@ -1090,6 +1197,8 @@ void kvf_server_destroy(kvf_server *s) {
   for (uint32_t i = 0; i < s->num_conns; i++) {
     kvf_conn_close(&s->conns[i]->conn);
     kvf_dataplane_unbind(s->conns[i]->binding);
+    conn_queue_free(s->conns[i]);
+    id_set_free(&s->conns[i]->in_flight);
     free(s->conns[i]);
   }
   kvf_endpoint_close(s->ep);

@@ -39,6 +39,14 @@
  * the sender was behind: a slow sender gets an ERROR naming the frame and
  * is closed, and its memory returns to the pool.
  *
+ * Quotas: at most max_requests_in_flight STORE/RETRIEVE of one client
+ * admitted and not answered (one more gets an ERROR naming
+ * quota.requests_in_flight; the connection stays), and at most
+ * max_reply_queue_bytes of its replies unread: the loop stops reading a
+ * client whose unread replies reach half of it (it is not blamed for the
+ * silence meanwhile), and one that makes no progress reading for
+ * write_timeout_ms is dropped.
+ *
  * STORE and RETRIEVE are admitted on the loop (host/dataplane.h: checks,
  * lease, L1 reservation or pins) and run on the lane of the registration's
  * device: a worker and a completion thread per GPU, plus the host lane.
@@ -92,9 +100,13 @@ typedef struct kvf_server_options {
                                     4096 .. 16 MiB; 0: 16 MiB */
   uint64_t max_buffered_bytes;   /* server-wide: payload bytes of frames over 64 KiB being received at
                                     once; a frame that does not fit waits; >= max_frame_bytes; 0: 64 MiB */
+  uint32_t max_requests_in_flight; /* per client: STORE/RETRIEVE admitted and not answered; one more
+                                      gets an ERROR naming quota.requests_in_flight; 0: 1024 */
+  uint64_t max_reply_queue_bytes;  /* per client: replies not yet read (with their bookkeeping); the
+                                      loop stops reading a client at half of it; >= 1 MiB; 0: 16 MiB */
 } kvf_server_options;
 #define KVF_SERVER_OPTIONS_INIT \
-  {sizeof(kvf_server_options), KVF_SERVER_VERSION, NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+  {sizeof(kvf_server_options), KVF_SERVER_VERSION, NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 
 /* Create a server: an import table (no extra access devices), a registry
  * over it, and the endpoint listening on options->socket_dir. Returns
