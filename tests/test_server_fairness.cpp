@@ -1170,6 +1170,57 @@ TEST_F(ServerFairness, AClientThatDoesNotReadItsRepliesHoldsBoundedMemory) {
   EXPECT_EQ(server_.stop(), 0) << "2 create, 3 run, 4 still mapped, 5 descriptors leaked";
 }
 
+// The frame pool hands memory out first come first served, and a frame's
+// deadline holds from its grant: two senders each take half the pool and
+// stall one byte short, a third sends only a header and waits; once the
+// first two are dropped at their deadline it gets the memory, and having
+// sent nothing more it is dropped one deadline later.
+TEST_F(ServerFairness, AHeldFrameKeepsItsDeadlineOnceGranted) {
+  const uint32_t frame_ms = 500;
+  ASSERT_TRUE(server_.start(dir_, [&](kvf_server_options *o) {
+    o->heartbeat_timeout_ms = 10000;
+    o->frame_timeout_ms = frame_ms;
+    o->max_frame_bytes = 128u << 10;
+    o->max_buffered_bytes = 256u << 10;
+  }));
+  std::vector<uint8_t> hello = hello_frame(1);
+  int fd[3];
+  for (int i = 0; i < 3; i++) {
+    fd[i] = connect_raw(dir_, false);
+    ASSERT_GE(fd[i], 0);
+    ASSERT_TRUE(write_all(fd[i], hello.data(), hello.size()));
+    kvf_proto_msg m;
+    ASSERT_TRUE(read_msg(fd[i], 5000, &m));
+    kvf_proto_msg_clear(&m);
+  }
+  const uint32_t len = 100u << 10; /* over the 64 KiB every frame gets: through the pool */
+  int64_t t0 = mono_ms();
+  for (int i = 0; i < 2; i++) {
+    std::vector<uint8_t> f = store_header(2, len);
+    f.resize(f.size() + len - 1, 0);
+    ASSERT_TRUE(write_all(fd[i], f.data(), f.size()));
+  }
+  sleep_ms(50);
+  std::vector<uint8_t> h = store_header(3, len);
+  ASSERT_TRUE(write_all(fd[2], h.data(), h.size()));
+  int64_t dropped_ms[3];
+  for (int i = 0; i < 3; i++) {
+    kvf_proto_msg m;
+    ASSERT_TRUE(read_msg(fd[i], 5000, &m)) << "connection " << i << ": no ERROR";
+    dropped_ms[i] = mono_ms() - t0;
+    EXPECT_EQ(m.type, KVF_PROTO_ERROR);
+    EXPECT_STREQ(m.u.error.field, "frame") << m.u.error.message;
+    kvf_proto_msg_clear(&m);
+    close(fd[i]);
+  }
+  printf("[ pool ] two senders stalled in the pool dropped after %lld and %lld ms, the one that waited and sent "
+         "nothing after %lld ms (frame_timeout_ms %u)\n",
+         (long long)dropped_ms[0], (long long)dropped_ms[1], (long long)dropped_ms[2], frame_ms);
+  EXPECT_GE(dropped_ms[2], dropped_ms[0] + (int64_t)frame_ms - 50) << "its deadline ran while it waited";
+  EXPECT_LT(dropped_ms[2], dropped_ms[0] + (int64_t)frame_ms + 1000);
+  EXPECT_EQ(server_.stop(), 0) << "2 create, 3 run, 4 still mapped, 5 descriptors leaked";
+}
+
 #ifdef KVF_KVFERRYD_PATH
 // What the server holds of the machine, from /proc.
 struct Snapshot {

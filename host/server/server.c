@@ -800,7 +800,10 @@ static void server_pool_grant(kvf_server *s, uint64_t now) {
     }
     first->granted = len;
     s->buffered += len;
-    first->frame_started_ns = now; /* its deadline runs from the grant */
+    /* Its deadline runs from the grant, and it is behind until a read finds
+     * more of it waiting (a sender that never sends the payload is dropped). */
+    first->frame_started_ns = now;
+    first->dry = 1;
   }
 }
 
@@ -1157,7 +1160,10 @@ kvf_status kvf_server_run(kvf_server *s) {
       int readable = conn_readable(s, c);
       if (readable && c->paused) {
         /* Resumed: the time it was held back is not its silence or slowness. */
-        if (c->frame_started_ns) c->frame_started_ns = setup_ns;
+        if (c->frame_started_ns) {
+          c->frame_started_ns = setup_ns;
+          c->dry = 1; /* until a read finds more of the frame waiting */
+        }
         if (c->last_seen_ns < setup_ns) c->last_seen_ns = setup_ns;
       }
       c->paused = !readable;
