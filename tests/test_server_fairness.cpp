@@ -75,6 +75,14 @@ constexpr double kHeartbeatP99Ms = 50.0;
 constexpr double kHeartbeatMaxMs = 250.0;
 // A new client: connect, HELLO, STAT, disconnect, worst case.
 constexpr double kConnectMaxMs = 500.0;
+// The server's VmRSS says what it holds, except under a sanitizer: ASan
+// keeps freed blocks in quarantine (256 MiB) and both add shadow memory, so
+// there the memory bounds are printed, not asserted.
+#ifdef KVF_TEST_SANITIZED
+constexpr bool kRssBounds = false;
+#else
+constexpr bool kRssBounds = true;
+#endif
 
 // ---- time, processes, /proc -------------------------------------------------------
 
@@ -949,7 +957,9 @@ TEST_F(ServerFairness, PartialFramesDoNotHoldUnboundedMemory) {
   EXPECT_TRUE(e.still_active(&why)) << why;
   EXPECT_EQ(big_status.load(), (int)KVF_SUCCESS) << "the large legitimate frame was not served";
   // 16 x 16 MiB = 256 MiB if every partial frame is held; the pool is 64 MiB.
-  EXPECT_LT(rss_max - rss_base, 96l << 10) << "partial frames held more than the frame buffer pool (64 MiB)";
+  if (kRssBounds) {
+    EXPECT_LT(rss_max - rss_base, 96l << 10) << "partial frames held more than the frame buffer pool (64 MiB)";
+  }
   int dropped = 0;
   char field[128] = "";
   EXPECT_EQ(sscanf(report.c_str(), "%d %127s", &dropped, field), 2) << report;
@@ -1164,7 +1174,9 @@ TEST_F(ServerFairness, AClientThatDoesNotReadItsRepliesHoldsBoundedMemory) {
   EXPECT_TRUE(e.still_active(&why)) << why;
   EXPECT_TRUE(closed) << "a client that never reads its replies must be dropped (write_timeout_ms)";
   // The default max_reply_queue_bytes is 16 MiB: reading stops at 8 MiB queued.
-  EXPECT_LT(rss_max - rss_base, 24l << 10) << "the server held far more unread replies than its limit";
+  if (kRssBounds) {
+    EXPECT_LT(rss_max - rss_base, 24l << 10) << "the server held far more unread replies than its limit";
+  }
   kvf_client_disconnect(e.c);
   e.c = nullptr;
   EXPECT_EQ(server_.stop(), 0) << "2 create, 3 run, 4 still mapped, 5 descriptors leaked";
@@ -1238,7 +1250,7 @@ Snapshot steady_snapshot(pid_t pid) {
 // this build (release in a release build), then every attacker gone. The
 // server's descriptors and threads come back to where they were exactly,
 // and its VmRSS stays within the pools' bounds during and comes back near
-// where it was after (glibc keeps some of what was freed; sanitizer builds
+// where it was after (the loop trims what glibc keeps; sanitizer builds
 // keep freed memory in quarantine, so only their descriptors and threads
 // are held to it). With KVF_FAIRNESS_TRIM_PROBE=1 and gdb installed, the
 // test then calls malloc_trim(0) in the server and reports what that gives
@@ -1300,11 +1312,11 @@ TEST_F(ServerFairness, MemoryDescriptorsAndThreadsReturnAfterTheAttacks) {
   EXPECT_EQ(after.threads, base.threads) << "threads did not come back";
   // During: the frame pool (64 MiB), the frames' allowance, one client's
   // reply queue (16 MiB) and slack; 256 MiB when partial frames were unbounded.
-  EXPECT_LT(rss_peak - base.rss_kb, 128l << 10);
-#ifndef KVF_TEST_SANITIZED
-  // The loop trims what glibc keeps (13.7 MiB after the unread-reply attack without it).
-  EXPECT_LT(after.rss_kb - base.rss_kb, 8l << 10) << "the server kept much of what the attacks made it allocate";
-#endif
+  if (kRssBounds) {
+    EXPECT_LT(rss_peak - base.rss_kb, 128l << 10);
+    // The loop trims what glibc keeps (13.7 MiB after the unread-reply attack without it).
+    EXPECT_LT(after.rss_kb - base.rss_kb, 8l << 10) << "the server kept much of what the attacks made it allocate";
+  }
   const char *probe = getenv("KVF_FAIRNESS_TRIM_PROBE");
   if (probe && *probe == '1' && access("/usr/bin/gdb", X_OK) == 0) {
     char cmd[256];
