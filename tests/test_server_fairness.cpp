@@ -646,7 +646,7 @@ std::string read_report(int fd, int timeout_ms) {
 uint64_t tiny_region_size() {
   kvf_geometry *g = nullptr;
   if (kvf_geometry_load_buffer(kTinyGeometry, strlen(kTinyGeometry), nullptr, &g, nullptr) != KVF_SUCCESS) return 0;
-  kvf_region_info info;
+  kvf_region_info info = KVF_REGION_INFO_INIT;
   uint64_t size = kvf_geometry_region(g, 0, &info) == KVF_SUCCESS ? info.size : 0;
   kvf_geometry_destroy(g);
   return size;
@@ -657,7 +657,7 @@ uint64_t tiny_region_size() {
 struct Engine {
   kvf_client *c = nullptr;
   kvf_mem_alloc *a = nullptr;
-  kvf_client_info info{};
+  kvf_client_info info = KVF_CLIENT_INFO_INIT;
   kvf_status connect(const std::string &dir, uint32_t period_ms, uint32_t timeout_ms) {
     kvf_client_options o = KVF_CLIENT_OPTIONS_INIT;
     o.socket_dir = dir.c_str();
@@ -725,7 +725,7 @@ struct Probe {
         o.timeout_ms = 5000;
         kvf_client *c = nullptr;
         kvf_status st = kvf_client_connect(&o, &c, nullptr);
-        kvf_client_stats s;
+        kvf_client_stats s = KVF_CLIENT_STATS_INIT;
         if (st == KVF_SUCCESS) st = kvf_client_stat(c, &s);
         std::string why = st == KVF_SUCCESS ? "" : std::string(kvf_status_string(st)) + ": " + kvf_last_error();
         kvf_client_disconnect(c);
