@@ -120,6 +120,15 @@ if [[ -x $prefix/bin/kvferry ]]; then
   env -u LD_LIBRARY_PATH "$prefix/bin/kvferry" version || fail "installed bin/kvferry does not run"
 fi
 
+step "installed torch allocator module"
+# Installed beside libkvferry.so.0, which its $ORIGIN run path must find.
+module=$libdir/libkvferry_torch_alloc.so
+[[ -f $module ]] || fail "libkvferry_torch_alloc.so was not installed in $libdir"
+dep=$(env -u LD_LIBRARY_PATH ldd "$module" | awk '$1 ~ /^libkvferry\.so/ {print $3}')
+if [[ -z $dep ]] || ! same_dir "$(dirname "$dep")" "$libdir"; then
+  fail "the installed libkvferry_torch_alloc.so loads libkvferry from '$dep', not $libdir"
+fi
+
 step "symbols of the installed libraries"
 "$here/symbols.sh" "$here/../../host/server" "$so" "$libdir/libkvferry.a" || fail "symbols of the installed libraries"
 
