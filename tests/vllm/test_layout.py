@@ -1,7 +1,9 @@
 """Geometries from vLLM's own objects: the registered KV cache tensors and the
 KV cache config vLLM plans (kvferry.vllm._layout), and the objects they give."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -185,3 +187,18 @@ def test_importing_kvferry_vllm_imports_neither_vllm_nor_torch():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "0.33.0"
 
+
+def test_documented_transfer_configs_are_the_tested_ones():
+    """The --kv-transfer-config lines of docs/vllm.md are what the tests run,
+    and vLLM's KVTransferConfig takes them."""
+    from vllm.config import KVTransferConfig
+
+    text = (ROOT / "docs" / "vllm.md").read_text()
+    lines = re.findall(r"--kv-transfer-config '(\{.*?\})'", text)
+    assert len(lines) >= 2, "docs/vllm.md lost its --kv-transfer-config lines"
+    documented = [json.loads(line) for line in lines]
+    gib = 64 << 30
+    assert kvferry.vllm.offloading_transfer_config(gib) in documented
+    assert kvferry.vllm.offloading_transfer_config(gib, report_failures=False) in documented
+    for config in documented:
+        KVTransferConfig(**config)
