@@ -103,20 +103,24 @@ def mamba_specs(block_size=16):
     return specs
 
 
-def test_store_lookup_load_mamba_padded_pages():
+@pytest.mark.parametrize("connector", sorted(CONNECTORS))
+def test_store_lookup_load_mamba_padded_pages(connector):
     """Attention and Mamba layers over one allocation, Mamba pages padded to
     the attention page (vLLM's hybrid planning): the states move without
     their padding, each Mamba group its own object group."""
-    engine = Engine(transfer(True), mamba_specs(), mamba=True)
+    engine = Engine(transfer(CONNECTORS[connector]), mamba_specs(), mamba=True)
     try:
         layout = engine.offloader.layout
-        assert [g.kind.name for g in layout.groups] == ["FULL"] + ["RECURRENT"] * 3
-        assert len(layout.units) == 1
-        geometry = layout.units[0].geometry
-        assert geometry.num_object_groups == 4
-        mamba = geometry.view(1, 0)
-        assert mamba.block_stride == 8192 and [s.bytes for s in mamba.states] == [576, 4096]
         assert layout.groups[1].object_bytes == 4672      # the page's padding stays behind
+        if CONNECTORS[connector]:
+            assert [g.kind.name for g in layout.groups] == ["FULL"] + ["RECURRENT"] * 3
+            assert len(layout.units) == 1
+            geometry = layout.units[0].geometry
+            assert geometry.num_object_groups == 4
+            mamba = geometry.view(1, 0)
+            assert mamba.block_stride == 8192 and [s.bytes for s in mamba.states] == [576, 4096]
+        else:
+            assert len(layout.units) == 4                 # pages: a unit per group
         prompt = [(i * 41) % 900 + 5 for i in range(100)]
         engine.add(prompt)
         engine.run()
