@@ -497,8 +497,10 @@ static int cmp_interval(const void *a, const void *b) {
 
 /* The bytes one block of a view touches, as sorted merged intervals. Returns
  * the count, or 0 when it would exceed `cap` (the caller then falls back to a
- * conservative extent check). */
-static uint32_t block_footprint(const kvf_geometry *g, const kvf_view *v, interval *out, uint32_t cap) {
+ * conservative extent check). *work grows by the steps spent (the intervals
+ * made, and a sort's n log n when they did not come out sorted). */
+static uint32_t block_footprint(const kvf_geometry *g, const kvf_view *v, interval *out, uint32_t cap,
+                                uint64_t *work) {
   uint32_t n = 0;
   const kvf_view_desc *d = &v->desc;
   if (v->is_recurrent) {
@@ -525,7 +527,17 @@ static uint32_t block_footprint(const kvf_geometry *g, const kvf_view *v, interv
         }
     }
   }
-  qsort(out, n, sizeof *out, cmp_interval);
+  *work += n;
+  /* Within a plane the runs come out in address order (each stride steps
+   * over everything the smaller ones span); planes may interleave. */
+  int sorted = 1;
+  for (uint32_t i = 1; i < n && sorted; i++) sorted = out[i - 1].lo <= out[i].lo;
+  if (!sorted) {
+    qsort(out, n, sizeof *out, cmp_interval);
+    uint64_t lg = 1;
+    while ((1ull << lg) < n) lg++;
+    *work += (uint64_t)n * lg;
+  }
   uint32_t m = 0;
   for (uint32_t i = 0; i < n; i++) {
     if (m && out[i].lo <= out[m - 1].hi) {
@@ -537,30 +549,87 @@ static uint32_t block_footprint(const kvf_geometry *g, const kvf_view *v, interv
   return m;
 }
 
-static int64_t floor_div(int64_t a, int64_t b) {
-  int64_t q = a / b;
+__extension__ typedef __int128 i128; /* offsets and products of 64-bit values, signed */
+
+static i128 floor_div128(i128 a, i128 b) {
+  i128 q = a / b;
   if ((a % b != 0) && ((a < 0) != (b < 0))) q--;
   return q;
 }
 
-/* Do views a and b (same region, same block_stride S) share a byte? Block
- * b1 of a meets block b2 of b iff some interval pair meets at d = b1 - b2. */
-static int periodic_overlap(const kvf_geometry *g, const kvf_view *a, const interval *fa, uint32_t na,
-                            const kvf_view *b, const interval *fb, uint32_t nb) {
-  int64_t S = (int64_t)a->desc.block_stride;
-  int64_t dmin = -(int64_t)(g->groups[b->group].desc.num_blocks - 1);
-  int64_t dmax = (int64_t)(g->groups[a->group].desc.num_blocks - 1);
-  int64_t oa = (int64_t)a->desc.offset, ob = (int64_t)b->desc.offset;
+/* Views a and b of one region with the same block_stride S: block b1 of a
+ * meets block b2 of b iff their per-block footprints (sorted, merged) meet
+ * at d = b1 - b2, d in [dmin, dmax]. Two ways to find out:
+ *   - per pair of runs, the one d that could make them meet (na x nb steps);
+ *   - per d whose spans meet, one merge of the two sorted lists
+ *     (nd x (na + nb) steps), nd being small unless a view's block
+ *     footprint spans many block strides.
+ * pair_cost() says what the cheaper one costs, overlap_same_stride() runs it. */
+typedef struct pair_plan {
+  int by_merge;      /* 1: merge per d in [dlo, dhi]; 0: per pair of runs */
+  int64_t dlo, dhi;  /* merge: the d whose spans meet, clamped to [dmin, dmax] */
+  uint64_t cost;     /* steps (saturated) */
+} pair_plan;
+
+static pair_plan plan_pair(const kvf_geometry *g, const kvf_view *a, const interval *fa, uint32_t na,
+                           const kvf_view *b, const interval *fb, uint32_t nb) {
+  pair_plan p = {0, 0, -1, 0};
+  i128 S = (i128)a->desc.block_stride;
+  i128 dmin = -(i128)(g->groups[b->group].desc.num_blocks - 1);
+  i128 dmax = (i128)(g->groups[a->group].desc.num_blocks - 1);
+  i128 base = (i128)b->desc.offset - (i128)a->desc.offset; /* b's frame minus a's */
+  i128 dlo = 0, dhi = 0;
+  if (S != 0) {
+    /* Spans meet iff  base + fb_lo - fa_hi < d*S < base + fb_hi - fa_lo. */
+    i128 L = base + (i128)fb[0].lo - (i128)fa[na - 1].hi;
+    i128 U = base + (i128)fb[nb - 1].hi - (i128)fa[0].lo;
+    dlo = floor_div128(L, S) + 1;
+    dhi = -floor_div128(-U, S) - 1; /* ceil(U / S) - 1 */
+    if (dlo < dmin) dlo = dmin;
+    if (dhi > dmax) dhi = dmax;
+  }
+  i128 nd = dhi >= dlo ? dhi - dlo + 1 : 0;
+  i128 merge = nd * ((i128)na + nb), pairs = (i128)na * nb;
+  i128 cost = merge <= pairs ? merge : pairs;
+  p.by_merge = merge <= pairs;
+  p.dlo = (int64_t)dlo; /* both within [dmin, dmax]: below 2^31 in magnitude */
+  p.dhi = (int64_t)dhi;
+  p.cost = cost > (i128)UINT64_MAX ? UINT64_MAX : (uint64_t)cost;
+  return p;
+}
+
+static int overlap_same_stride(const kvf_geometry *g, const pair_plan *p, const kvf_view *a, const interval *fa,
+                               uint32_t na, const kvf_view *b, const interval *fb, uint32_t nb) {
+  i128 S = (i128)a->desc.block_stride;
+  i128 oa = (i128)a->desc.offset, ob = (i128)b->desc.offset;
+  if (p->by_merge) {
+    for (int64_t d = p->dlo; d <= p->dhi; d++) {
+      i128 shift = oa + (i128)d * S - ob; /* a's run r sits at [r.lo + shift, r.hi + shift) in b's frame */
+      uint32_t i = 0, j = 0;
+      while (i < na && j < nb) {
+        i128 alo = (i128)fa[i].lo + shift, ahi = (i128)fa[i].hi + shift;
+        if (ahi <= (i128)fb[j].lo)
+          i++;
+        else if ((i128)fb[j].hi <= alo)
+          j++;
+        else
+          return 1;
+      }
+    }
+    return 0;
+  }
+  i128 dmin = -(i128)(g->groups[b->group].desc.num_blocks - 1);
+  i128 dmax = (i128)(g->groups[a->group].desc.num_blocks - 1);
   for (uint32_t i = 0; i < na; i++) {
     for (uint32_t j = 0; j < nb; j++) {
       /* Need lo < d*S < hi. */
-      int64_t lo = ob + (int64_t)fb[j].lo - oa - (int64_t)fa[i].hi;
-      int64_t hi = ob + (int64_t)fb[j].hi - oa - (int64_t)fa[i].lo;
+      i128 lo = ob + (i128)fb[j].lo - oa - (i128)fa[i].hi;
+      i128 hi = ob + (i128)fb[j].hi - oa - (i128)fa[i].lo;
       if (S == 0) {
         if (lo < 0 && 0 < hi) return 1;
         continue;
       }
-      int64_t d = floor_div(lo, S) + 1;
+      i128 d = floor_div128(lo, S) + 1;
       if (d < dmin) d = dmin;
       if (d <= dmax && d * S < hi && d * S > lo) return 1;
     }
@@ -594,13 +663,16 @@ static int cmp_view_start(const void *a, const void *b) {
 }
 
 /* Views sorted by (region, first byte): each view is compared only with the
- * later ones whose extent starts before its own ends. */
+ * later ones whose extent starts before its own ends. Every step (a run of
+ * a footprint made, a pair of runs or a merge step compared) is charged to
+ * KVF_GEOMETRY_OVERLAP_BUDGET, so the check costs a bounded time whatever
+ * the geometry; one that needs more is refused, naming the pair. */
 static kvf_status check_overlaps(kvf_geometry *g, kvf_geometry_error *err) {
   kvf_status st = KVF_SUCCESS;
   interval *fa = malloc(sizeof(interval) * MAX_FOOTPRINT);
   interval *fb = malloc(sizeof(interval) * MAX_FOOTPRINT);
   view_start *order = malloc(sizeof(view_start) * (g->num_views ? g->num_views : 1));
-  uint64_t pairs = 0;
+  uint64_t pairs = 0, work = 0;
   if (!fa || !fb || !order) {
     st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "geometry: out of memory checking view overlap");
     goto out;
@@ -623,19 +695,32 @@ static kvf_status check_overlaps(kvf_geometry *g, kvf_geometry_error *err) {
         goto out;
       }
       if (b->alias_root == a->alias_root) continue;
+      work += 4; /* the pair itself: the scan, the plan */
+      /* Report against the later-registered view, naming the earlier one. */
+      const kvf_view *early = order[i].view < order[j].view ? a : b, *late = order[i].view < order[j].view ? b : a;
       if (!a_done) {
-        na = block_footprint(g, a, fa, MAX_FOOTPRINT);
+        na = block_footprint(g, a, fa, MAX_FOOTPRINT, &work);
         a_done = 1;
       }
-      uint32_t nb = block_footprint(g, b, fb, MAX_FOOTPRINT);
-      int overlap;
-      if (a->desc.block_stride == b->desc.block_stride && na && nb)
-        overlap = periodic_overlap(g, a, fa, na, b, fb, nb);
-      else
-        overlap = 1; /* different strides or huge footprints: extents meet, so be conservative */
+      uint32_t nb = block_footprint(g, b, fb, MAX_FOOTPRINT, &work);
+      int overlap = 1; /* different strides or huge footprints: extents meet, so be conservative */
+      if (a->desc.block_stride == b->desc.block_stride && na && nb) {
+        pair_plan plan = plan_pair(g, a, fa, na, b, fb, nb);
+        if (plan.cost > KVF_GEOMETRY_OVERLAP_BUDGET - (work < KVF_GEOMETRY_OVERLAP_BUDGET ? work : KVF_GEOMETRY_OVERLAP_BUDGET)) {
+          const kvf_group *ge = &g->groups[early->group];
+          st = invalid(g, err, KVF_ERR_INVALID_GEOMETRY, (int32_t)late->group, (int32_t)late->layer,
+                       "offset %llu: checking overlap with group %u ('%s') layer %u (%u and %u runs per block, "
+                       "%llu steps) exceeds the validation budget of %llu steps; declare alias_of if the views share "
+                       "memory on purpose, or give interleaved layers fewer, longer runs",
+                       (unsigned long long)late->desc.offset, early->group, ge->name, early->layer,
+                       early == a ? na : nb, early == a ? nb : na, (unsigned long long)plan.cost,
+                       (unsigned long long)KVF_GEOMETRY_OVERLAP_BUDGET);
+          goto out;
+        }
+        work += plan.cost;
+        overlap = overlap_same_stride(g, &plan, a, fa, na, b, fb, nb);
+      }
       if (overlap) {
-        /* Report against the later-registered view, naming the earlier one. */
-        const kvf_view *early = order[i].view < order[j].view ? a : b, *late = order[i].view < order[j].view ? b : a;
         const kvf_group *ge = &g->groups[early->group];
         st = invalid(g, err, KVF_ERR_INVALID_GEOMETRY, (int32_t)late->group, (int32_t)late->layer,
                      "offset %llu: overlaps group %u ('%s') layer %u in region %u; declare alias_of if the engine "

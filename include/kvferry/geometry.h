@@ -44,6 +44,11 @@ extern "C" {
 #define KVF_MAX_DCP_WORLD 1024u
 #define KVF_MAX_CHUNK_TOKENS (1u << 24)
 #define KVF_NAME_MAX 64u
+/* Steps kvf_geometry_finalize may spend checking that views of one region do
+ * not overlap (runs of block footprints built and compared); a geometry
+ * that needs more is refused naming the pair of views (docs/geometry.md,
+ * rule 10). Real layouts need a few thousand; this is tens of milliseconds. */
+#define KVF_GEOMETRY_OVERLAP_BUDGET (1ull << 25)
 
 /* A block id that means "no block here": nothing is read or written for it. */
 #define KVF_BLOCK_SKIP UINT32_MAX
