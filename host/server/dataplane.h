@@ -32,9 +32,11 @@
  * from the completion table; a retry of a request still in flight is
  * ignored (its reply answers both).
  *
- * Threading: submit, bind and unbind are called from one thread (the
- * server's loop); the reply callback runs on completion threads and on the
- * submitting thread; stats from any thread.
+ * Threading: submit is called from one thread (the server's loop); bind
+ * and unbind from any thread (bind reads only the lanes fixed at create and
+ * builds a context of its own; bindings are reference counted, and the last
+ * unbind may come from a completion thread); the reply callback runs on
+ * completion threads and on the submitting thread; stats from any thread.
  */
 #ifndef KVF_HOST_DATAPLANE_H
 #define KVF_HOST_DATAPLANE_H

@@ -25,6 +25,7 @@
 #include "common/error.h"
 #include "common/versioned.h"
 #include "host/server/dataplane.h"
+#include "host/server/register.h"
 #include "host/ipc/endpoint.h"
 #include "host/core/log.h"
 #include "host/ipc/protocol.h"
@@ -107,6 +108,10 @@ typedef struct kvf_server_conn {
   int dry;                   /* its last read found the socket empty: the sender is behind, not us */
   int paused;                /* it was not readable at the last poll (conn_readable) */
   kvf_id_set in_flight;      /* its STORE/RETRIEVE admitted and not answered */
+  /* Paused: its REGISTER is with the registration worker. No further frame
+   * of it is read (its requests stay in order) and it is not reaped until
+   * server_finish_registers() queues the reply. */
+  int register_busy;
 } kvf_server_conn;
 
 
@@ -137,6 +142,8 @@ struct kvf_server {
   pthread_mutex_t out_mu; /* the outbox */
   int out_mu_init;
   kvf_server_out *out_head, *out_tail;
+  kvf_register_worker *reg_worker;
+  kvf_register_req *reg_done_head, *reg_done_tail; /* finished REGISTERs for the loop (out_mu) */
 };
 
 /* ---- helpers -------------------------------------------------------------- */
@@ -374,6 +381,63 @@ static void server_flush_outbox(kvf_server *s) {
   }
 }
 
+/* The registration worker's callback (its thread): hand the finished
+ * REGISTER to the loop through the outbox's lock and wake-up. */
+static void server_post_register(void *ctx, kvf_register_req *req) {
+  kvf_server *s = ctx;
+  req->next = NULL;
+  pthread_mutex_lock(&s->out_mu);
+  if (s->reg_done_tail)
+    s->reg_done_tail->next = req;
+  else
+    s->reg_done_head = req;
+  s->reg_done_tail = req;
+  pthread_mutex_unlock(&s->out_mu);
+  char b = 1;
+  ssize_t n = write(s->stop_pipe[1], &b, 1); /* full pipe: a wake-up is already pending */
+  (void)n;
+}
+
+/* Finish the REGISTERs the worker is done with (loop thread): the new
+ * binding replaces the connection's, the reply is queued and the connection
+ * is read again. A connection gone meanwhile has its registration drained
+ * (closing a client is idempotent, and its id is never reused). */
+static void server_finish_registers(kvf_server *s) {
+  pthread_mutex_lock(&s->out_mu);
+  kvf_register_req *req = s->reg_done_head;
+  s->reg_done_head = s->reg_done_tail = NULL;
+  pthread_mutex_unlock(&s->out_mu);
+  uint64_t now = kvf_now_ns();
+  while (req) {
+    kvf_register_req *next = req->next;
+    uint32_t index = 0;
+    kvf_server_conn *c = conn_by_client(s, req->client_id, &index);
+    if (c && c->register_busy) {
+      if (req->binding) {
+        kvf_dataplane_unbind(c->binding);
+        c->binding = req->binding;
+        req->binding = NULL;
+      }
+      c->register_busy = 0;
+      c->last_seen_ns = now; /* the time the REGISTER took does not count as silence */
+      (void)kvf_registry_heartbeat(s->registry, c->client_id, now);
+      if (req->frame) {
+        (void)conn_queue(c, req->frame, req->frame_len); /* a failure marks c: dropped by the sweep */
+        req->frame = NULL;
+      } else {
+        c->q_failed = kvf_fail(KVF_ERR_INTERNAL, "register: no reply could be encoded");
+      }
+    } else {
+      kvf_status st = kvf_registry_client_close(s->registry, req->client_id);
+      if (st != KVF_SUCCESS && st != KVF_ERR_BUSY)
+        KVF_WARN(SERVER, "client %llu (gone during its REGISTER): close left registrations draining: %s",
+                 (unsigned long long)req->client_id, kvf_last_error());
+    }
+    kvf_register_req_free(req);
+    req = next;
+  }
+}
+
 static void close_fds(int *fds, uint32_t n) {
   for (uint32_t i = 0; i < n; i++)
     if (fds[i] >= 0) {
@@ -436,173 +500,30 @@ static kvf_status handle_hello(kvf_server *s, kvf_server_conn *c, const kvf_prot
   return server_send(s, c, &r);
 }
 
-/* Check REGISTER against its geometry and build the views. On failure every
- * descriptor is closed and kvf_last_error() names the field. On success the
- * views own the descriptors they name (fds[] entries moved there are -1) and
- * descriptors no region uses are closed. */
-static kvf_status register_prepare(const kvf_proto_register *rg, int *fds, uint32_t num_fds, kvf_geometry **geom_out,
-                                   kvf_import_view **views_out) {
-  kvf_status st;
-  kvf_geometry *g = NULL;
-  kvf_import_view *views = NULL;
-  int *claimed = NULL; /* per descriptor: 1 + the region that first named it, or 0 */
-  *geom_out = NULL;
-  *views_out = NULL;
-  if (rg->num_fds != num_fds) {
-    st = kvf_fail(KVF_ERR_PROTOCOL, "payload.num_fds: the frame says %u descriptors, %u arrived",
-                  (unsigned)rg->num_fds, (unsigned)num_fds);
-    goto out;
+/* REGISTER goes to the registration worker (host/server/register.h) with
+ * its descriptors; the connection is paused (no further frame of it is read,
+ * so its requests stay in order) until server_finish_registers() queues the
+ * reply. Returns KVF_SUCCESS, or why the connection must be dropped. */
+static kvf_status handle_register(kvf_server *s, kvf_server_conn *c, kvf_proto_msg *m, int *fds, uint32_t num_fds) {
+  kvf_register_req *req = calloc(1, sizeof(*req));
+  if (!req) {
+    close_fds(fds, num_fds);
+    return server_send_error(s, c, m->request_id, KVF_ERR_OUT_OF_MEMORY, "register: out of memory");
   }
-  kvf_geometry_error gerr;
-  st = kvf_geometry_load_buffer(rg->geometry_json, rg->geometry_json_len, NULL, &g, &gerr);
-  if (st != KVF_SUCCESS) {
-    kvf_error_prefix("payload.geometry_json: ");
-    goto out;
+  req->client_id = c->client_id;
+  req->request_id = m->request_id;
+  req->peer_pid = c->conn.peer.pid;
+  req->reg = m->u.reg; /* ownership of the geometry text and the regions moves */
+  m->u.reg.geometry_json = NULL;
+  m->u.reg.regions = NULL;
+  for (uint32_t i = 0; i < num_fds; i++) {
+    req->fds[i] = fds[i];
+    fds[i] = -1;
   }
-  uint32_t nreg = kvf_geometry_num_regions(g);
-  if (rg->num_regions != nreg) {
-    st = kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.num_regions: %u regions sent, the geometry has %u",
-                  (unsigned)rg->num_regions, (unsigned)nreg);
-    goto out;
-  }
-  views = calloc(nreg ? nreg : 1, sizeof(*views));
-  claimed = calloc(num_fds ? num_fds : 1, sizeof(*claimed));
-  if (!views || !claimed) {
-    st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "register: out of memory");
-    goto out;
-  }
-  for (uint32_t i = 0; i < nreg; i++) {
-    const kvf_proto_region *pr = &rg->regions[i];
-    kvf_region_info info = KVF_REGION_INFO_INIT;
-    st = kvf_geometry_region(g, i, &info);
-    if (st != KVF_SUCCESS) goto out;
-    if (pr->provider != KVF_MEM_PROVIDER_HOST && pr->provider != KVF_MEM_PROVIDER_CUMEM) {
-      st = kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.regions[%u].provider: %u is not a provider (1 host, 2 cumem)",
-                    (unsigned)i, (unsigned)pr->provider);
-      goto out;
-    }
-    if (pr->fd_index >= num_fds) {
-      st = kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.regions[%u].fd_index: %u, but %u descriptors came",
-                    (unsigned)i, (unsigned)pr->fd_index, (unsigned)num_fds);
-      goto out;
-    }
-    if (pr->length < info.size) {
-      st = kvf_fail(KVF_ERR_INVALID_ARGUMENT,
-                    "payload.regions[%u].length: %llu bytes, the geometry's region '%s' needs %llu", (unsigned)i,
-                    (unsigned long long)pr->length, info.name, (unsigned long long)info.size);
-      goto out;
-    }
-    uint64_t end = 0;
-    if (!kvf_add_u64(pr->offset, pr->length, &end) || end > pr->size) {
-      st = kvf_fail(KVF_ERR_INVALID_ARGUMENT,
-                    "payload.regions[%u].length: offset %llu + length %llu exceeds the allocation's %llu bytes",
-                    (unsigned)i, (unsigned long long)pr->offset, (unsigned long long)pr->length,
-                    (unsigned long long)pr->size);
-      goto out;
-    }
-    if (info.align > 1 && (pr->offset % info.align) != 0) {
-      st = kvf_fail(KVF_ERR_INVALID_ARGUMENT,
-                    "payload.regions[%u].offset: %llu is not a multiple of the region's alignment %llu", (unsigned)i,
-                    (unsigned long long)pr->offset, (unsigned long long)info.align);
-      goto out;
-    }
-    kvf_import_view *v = &views[i];
-    memset(v, 0, sizeof(*v));
-    v->identity.instance_id = pr->instance_id;
-    v->identity.allocation_id = pr->allocation_id;
-    v->identity.generation = pr->generation;
-    v->identity.size = pr->size;
-    memcpy(v->identity.device_uuid, pr->device_uuid, sizeof(v->identity.device_uuid));
-    v->identity.provider = pr->provider;
-    v->offset = pr->offset;
-    v->size = pr->length;
-    v->fd = -1;
-    /* One descriptor goes to the first view that names it; the import table
-     * maps it once per identity (views of one identity may share it). */
-    if (claimed[pr->fd_index] == 0) {
-      claimed[pr->fd_index] = (int)i + 1;
-      v->fd = fds[pr->fd_index];
-    } else {
-      const kvf_proto_region *first = &rg->regions[claimed[pr->fd_index] - 1];
-      if (first->instance_id != pr->instance_id || first->allocation_id != pr->allocation_id ||
-          first->generation != pr->generation) {
-        st = kvf_fail(KVF_ERR_INVALID_ARGUMENT,
-                      "payload.regions[%u].fd_index: descriptor %u already names another allocation (region %d)",
-                      (unsigned)i, (unsigned)pr->fd_index, claimed[pr->fd_index] - 1);
-        goto out;
-      }
-    }
-  }
-  /* Ownership moves: descriptors named by a view now belong to the views
-   * (the registry's commit closes them); the others are closed here. */
-  for (uint32_t f = 0; f < num_fds; f++) {
-    if (claimed[f] == 0) close(fds[f]);
-    fds[f] = -1;
-  }
-  *geom_out = g;
-  *views_out = views;
-  g = NULL;
-  views = NULL;
-  st = KVF_SUCCESS;
-out:
-  if (st != KVF_SUCCESS) close_fds(fds, num_fds);
-  free(claimed);
-  free(views);
-  kvf_geometry_destroy(g);
-  return st;
-}
-
-static kvf_status handle_register(kvf_server *s, kvf_server_conn *c, const kvf_proto_msg *m, int *fds,
-                                  uint32_t num_fds) {
-  const kvf_proto_register *rg = &m->u.reg;
-  kvf_geometry *g = NULL;
-  kvf_import_view *views = NULL;
-  kvf_status st = register_prepare(rg, fds, num_fds, &g, &views);
-  if (st != KVF_SUCCESS) goto fail;
-  kvf_registry_reg *attempt = NULL;
-  kvf_dp_binding *binding = NULL;
-  st = kvf_registry_register_begin(s->registry, c->client_id, kvf_now_ns(), &attempt);
-  if (st == KVF_SUCCESS) {
-    /* The lane first: a device this server does not serve is refused
-     * before anything is mapped. The binding owns the geometry from here. */
-    st = kvf_dataplane_bind(s->dp, g, rg->device, kvf_registry_reg_id(attempt), &binding);
-    g = NULL;
-    if (st != KVF_SUCCESS) (void)kvf_registry_register_abort(s->registry, attempt);
-  }
-  if (st != KVF_SUCCESS) {
-    for (uint32_t i = 0; i < rg->num_regions; i++)
-      if (views[i].fd >= 0) close(views[i].fd);
-    goto fail;
-  }
-  uint64_t id = kvf_registry_reg_id(attempt);
-  st = kvf_registry_register_commit(s->registry, attempt, views, rg->num_regions);
-  if (st != KVF_SUCCESS) {
-    kvf_dataplane_unbind(binding);
-    kvf_error_prefix("payload.regions: registration failed, the previous one stays: ");
-    goto fail;
-  }
-  kvf_dataplane_unbind(c->binding);
-  c->binding = binding;
-  free(views);
-  kvf_registry_stats cs = KVF_REGISTRY_STATS_INIT;
-  (void)kvf_registry_client_stats(s->registry, c->client_id, &cs);
-  KVF_INFO(SERVER, "client %llu: registration %llu active (%u regions, %llu imports, %llu aliases)",
-           (unsigned long long)c->client_id, (unsigned long long)id, (unsigned)rg->num_regions,
-           (unsigned long long)cs.imports, (unsigned long long)cs.aliases);
-  kvf_proto_msg r;
-  memset(&r, 0, sizeof(r));
-  r.type = KVF_PROTO_REGISTER_REPLY;
-  r.request_id = m->request_id;
-  r.u.register_reply.registration_id = id;
-  r.u.register_reply.fingerprint = kvf_geometry_fingerprint(kvf_dp_binding_geometry(c->binding), KVF_FORMAT_CANONICAL);
-  r.u.register_reply.imports = cs.imports > UINT32_MAX ? UINT32_MAX : (uint32_t)cs.imports;
-  r.u.register_reply.aliases = cs.aliases > UINT32_MAX ? UINT32_MAX : (uint32_t)cs.aliases;
-  return server_send(s, c, &r);
-fail:
-  KVF_INFO(SERVER, "client %llu: REGISTER refused: %s", (unsigned long long)c->client_id, kvf_last_error());
-  free(views);
-  kvf_geometry_destroy(g);
-  return server_send_error(s, c, m->request_id, st, NULL);
+  req->num_fds = num_fds;
+  c->register_busy = 1;
+  kvf_register_submit(s->reg_worker, req);
+  return KVF_SUCCESS;
 }
 
 static kvf_status handle_unregister(kvf_server *s, kvf_server_conn *c, const kvf_proto_msg *m) {
@@ -756,7 +677,7 @@ out:
  * too: the loop then neither reads c nor blames it for silence or slowness,
  * and a paused connection's clocks restart when it resumes.) */
 static int conn_readable(const kvf_server *s, const kvf_server_conn *c) {
-  return c->wait_seq == 0 && c->q_bytes < s->opt.max_reply_queue_bytes / 2;
+  return !c->register_busy && c->wait_seq == 0 && c->q_bytes < s->opt.max_reply_queue_bytes / 2;
 }
 
 /* c's header asks for `len` bytes of the pool: grant them now if they fit
@@ -860,6 +781,7 @@ static kvf_status server_conn_service(kvf_server *s, kvf_server_conn *c, const c
       *why = "bad request or reply not delivered";
       return st;
     }
+    if (c->register_busy) return KVF_SUCCESS; /* paused: the rest waits for the REGISTER's reply */
   }
   return KVF_SUCCESS;
 }
@@ -960,6 +882,14 @@ kvf_status kvf_server_create(const kvf_server_options *caller, kvf_server **out)
   dpo.test_fail_type = options->test_fail_type;
   dpo.test_completion_delay_ms = options->test_completion_delay_ms;
   st = kvf_dataplane_create(&dpo, &s->dp);
+  if (st != KVF_SUCCESS) goto fail;
+  kvf_register_options ro;
+  memset(&ro, 0, sizeof(ro));
+  ro.registry = s->registry;
+  ro.dp = s->dp;
+  ro.done = server_post_register;
+  ro.done_ctx = s;
+  st = kvf_register_worker_create(&ro, &s->reg_worker);
   if (st != KVF_SUCCESS) goto fail;
   st = kvf_endpoint_listen(options->socket_dir, 0, &s->ep);
   if (st != KVF_SUCCESS) goto fail;
@@ -1104,6 +1034,10 @@ static void server_reap(kvf_server *s, uint64_t poll_ns) {
       server_conn_drop(s, i, "no HELLO in time");
       continue;
     }
+    if (c->register_busy) { /* alive: waiting for its REGISTER (the registry's reaper too) */
+      c->last_seen_ns = now;
+      (void)kvf_registry_heartbeat(s->registry, c->client_id, now);
+    }
     if (c->q_head && now > c->q_stalled_since_ns &&
         now - c->q_stalled_since_ns > (uint64_t)s->opt.write_timeout_ms * 1000000ull) {
       KVF_WARN(SERVER, "client %llu (pid %d): %llu reply bytes unread for %u ms, dropped",
@@ -1209,6 +1143,7 @@ kvf_status kvf_server_run(kvf_server *s) {
       if (s->pfds[1].revents) server_accept(s);
     }
     server_flush_outbox(s);
+    server_finish_registers(s);
     for (uint32_t i = s->num_conns; i-- > 0;)
       if (s->conns[i]->q_failed != KVF_SUCCESS) server_conn_drop(s, i, "reply not delivered");
     server_reap(s, poll_ns);
@@ -1234,6 +1169,16 @@ void kvf_server_destroy(kvf_server *s) {
     free(s->conns[i]);
   }
   kvf_endpoint_close(s->ep);
+  /* The registration worker first (it uses the registry and the data
+   * plane); REGISTERs it finished that the loop never took are undone. */
+  kvf_register_worker_destroy(s->reg_worker);
+  for (kvf_register_req *req = s->reg_done_head; req;) {
+    kvf_register_req *next = req->next;
+    (void)kvf_registry_client_close(s->registry, req->client_id);
+    kvf_register_req_free(req);
+    req = next;
+  }
+  s->reg_done_head = s->reg_done_tail = NULL;
   /* The data plane retires every request (releasing its lease) before the
    * registry unmaps what is left. */
   kvf_dataplane_destroy(s->dp);

@@ -47,6 +47,12 @@
  * silence meanwhile), and one that makes no progress reading for
  * write_timeout_ms is dropped.
  *
+ * REGISTER is checked and mapped off the loop, on the registration worker
+ * (host/server/register.h): the loop hands it the frame and its descriptors
+ * and stops reading that connection until the reply is queued, so a
+ * geometry that is expensive to validate, or an import that is slow to map,
+ * delays only its sender.
+ *
  * STORE and RETRIEVE are admitted on the loop (host/dataplane.h: checks,
  * lease, L1 reservation or pins) and run on the lane of the registration's
  * device: a worker and a completion thread per GPU, plus the host lane.

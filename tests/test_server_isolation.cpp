@@ -1,0 +1,683 @@
+// One client of kvferryd can never stall it for the others, write into
+// another client's memory, or exhaust the server (issue 12), tried as a
+// hostile client would: real processes, raw frames with real descriptors
+// over the real socket, the server in a forked process as kvferryd runs.
+//
+//   - a REGISTER whose geometry is as expensive to check as one can make
+//     it: a heartbeating engine keeps its latency under 50 ms throughout,
+//     and a STAT on a new connection is answered meanwhile;
+//   - a REGISTER naming another client's allocation identity, with a pipe
+//     or with a memfd of its own: refused naming the field, and the owner's
+//     memory is never written;
+//   - REGISTERs claiming sparse allocations until the address space is
+//     full: refused by the mapped-bytes quotas, and an engine still
+//     registers.
+// Each test ends with the server's descriptors and memfd mappings back at
+// their count before the attack and a clean stop.
+#include <gtest/gtest.h>
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <kvferry/client.h>
+#include <kvferry/geometry.h>
+#include <kvferry/memory.h>
+
+#include "host/ipc/endpoint.h"
+#include "host/ipc/protocol.h"
+#include "host/server/server.h"
+
+#include "mem_test_util.h"
+#include "server_test_util.h"
+
+namespace {
+
+using kvf_mem_test::fd_count;
+using kvf_server_test::kTinyGeometry;
+
+// ---- processes, pipes, /proc --------------------------------------------------
+
+int64_t mono_us() {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+int64_t mono_ms() { return mono_us() / 1000; }
+
+void sleep_ms(int64_t ms) {
+  if (ms <= 0) return;
+  struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+  }
+}
+
+int remove_one(const char *path, const struct stat *, int, struct FTW *) { return remove(path); }
+
+pid_t fork_clean() {
+  std::fflush(nullptr);
+  return fork();
+}
+
+// A child's exit status, or 1000 + the signal that ended it; -1 if it is
+// still running after timeout_ms.
+int reap(pid_t pid, int timeout_ms) {
+  int64_t deadline = mono_ms() + timeout_ms;
+  for (;;) {
+    int status = 0;
+    pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 1000 + WTERMSIG(status);
+    if (r < 0 && errno != EINTR) return -2;
+    if (mono_ms() > deadline) return -1;
+    sleep_ms(5);
+  }
+}
+
+bool put(int fd, const void *p, size_t n) {
+  const char *b = static_cast<const char *>(p);
+  while (n > 0) {
+    ssize_t w = write(fd, b, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    b += w;
+    n -= (size_t)w;
+  }
+  return true;
+}
+
+// Read exactly n bytes within timeout_ms; false on timeout or end of file.
+bool get(int fd, void *p, size_t n, int timeout_ms) {
+  char *b = static_cast<char *>(p);
+  int64_t deadline = mono_ms() + timeout_ms;
+  while (n > 0) {
+    struct pollfd pf = {fd, POLLIN, 0};
+    int left = (int)std::max<int64_t>(0, deadline - mono_ms());
+    int rc = poll(&pf, 1, left);
+    if (rc < 0 && errno == EINTR) continue;
+    if (rc <= 0) return false;
+    ssize_t r = read(fd, b, n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    b += r;
+    n -= (size_t)r;
+  }
+  return true;
+}
+
+int proc_entries(const std::string &path) {
+  DIR *d = opendir(path.c_str());
+  if (d == nullptr) return -1;
+  int n = 0;
+  while (struct dirent *e = readdir(d))
+    if (e->d_name[0] != '.') n++;
+  closedir(d);
+  return n;
+}
+
+// Mappings of memfds in a process (the host provider's imports).
+int memfd_mappings(const std::string &maps_path) {
+  std::ifstream f(maps_path);
+  std::string line;
+  int n = 0;
+  while (std::getline(f, line))
+    if (line.find("/memfd:") != std::string::npos) n++;
+  return n;
+}
+
+// The count once it holds still for 60 ms.
+int steady(const std::function<int()> &count) {
+  int last = count(), same = 0;
+  for (int i = 0; i < 250 && same < 3; i++) {
+    sleep_ms(20);
+    int now = count();
+    same = now == last ? same + 1 : 0;
+    last = now;
+  }
+  return last;
+}
+
+// ---- the server, in a process of its own ------------------------------------------
+
+kvf_server *g_child_server;
+void child_on_term(int) { kvf_server_stop(g_child_server); }
+
+// Exit codes of the server process: 0 a clean stop with nothing left mapped
+// and the descriptors and memfd mappings it started with.
+constexpr const char *kServerCodes =
+    "2 create, 3 run, 4 still mapped or registered, 5 descriptors leaked, 6 memfd mappings leaked";
+
+struct ServerProcess {
+  pid_t pid = -1;
+  ~ServerProcess() { kill_now(); }
+  bool start(const std::string &dir, uint32_t heartbeat_timeout_ms,
+             const std::function<void(kvf_server_options &)> &tweak = nullptr) {
+    pid = fork_clean();
+    if (pid < 0) return false;
+    if (pid == 0) {
+      int fds = fd_count(), maps = memfd_mappings("/proc/self/maps");
+      kvf_server_options o = KVF_SERVER_OPTIONS_INIT;
+      o.socket_dir = dir.c_str();
+      o.heartbeat_timeout_ms = heartbeat_timeout_ms;
+      if (tweak) tweak(o);
+      if (kvf_server_create(&o, &g_child_server) != KVF_SUCCESS) {
+        std::fprintf(stderr, "server: %s\n", kvf_last_error());
+        _exit(2);
+      }
+      signal(SIGTERM, child_on_term);
+      signal(SIGPIPE, SIG_IGN);
+      kvf_status st = kvf_server_run(g_child_server);
+      kvf_registry_stats s = KVF_REGISTRY_STATS_INIT;
+      kvf_server_stats(g_child_server, &s);
+      kvf_server_destroy(g_child_server);
+      if (st != KVF_SUCCESS) _exit(3);
+      if (s.imports != 0 || s.aliases != 0 || s.active != 0 || s.draining != 0) _exit(4);
+      if (fd_count() != fds) _exit(5);
+      if (memfd_mappings("/proc/self/maps") != maps) _exit(6);
+      _exit(0);
+    }
+    for (int i = 0; i < 500; i++) {
+      kvf_conn c;
+      if (kvf_endpoint_connect(dir.c_str(), 0, &c) == KVF_SUCCESS) {
+        kvf_conn_close(&c);
+        return true;
+      }
+      sleep_ms(10);
+    }
+    return false;
+  }
+  std::string proc(const char *what) const { return "/proc/" + std::to_string(pid) + "/" + what; }
+  int fds() const { return steady([this] { return proc_entries(proc("fd")); }); }
+  int memfd_maps() const { return steady([this] { return memfd_mappings(proc("maps")); }); }
+  // SIGTERM and the exit status (see kServerCodes).
+  int stop() {
+    if (pid <= 0) return -1;
+    kill(pid, SIGTERM);
+    int st = reap(pid, 60000);
+    if (st != -1) pid = -1;
+    return st;
+  }
+  void kill_now() {
+    if (pid > 0) {
+      kill(pid, SIGKILL);
+      reap(pid, 10000);
+      pid = -1;
+    }
+  }
+};
+
+// ---- raw frames ------------------------------------------------------------------
+
+// A connection speaking frames directly, to send what the client library
+// never would.
+class RawConn {
+ public:
+  RawConn() = default;
+  RawConn(const RawConn &) = delete;
+  RawConn &operator=(const RawConn &) = delete;
+  ~RawConn() { close(); }
+  void close() {
+    if (open_) kvf_conn_close(&conn_);
+    open_ = false;
+  }
+  // Connect and say HELLO with this process's instance (or the one given).
+  kvf_status open(const std::string &dir, uint64_t instance = 0, uint64_t generation = 0) {
+    kvf_status st = kvf_endpoint_connect(dir.c_str(), 0, &conn_);
+    if (st != KVF_SUCCESS) return st;
+    open_ = true;
+    kvf_proto_msg m;
+    std::memset(&m, 0, sizeof m);
+    m.type = KVF_PROTO_HELLO;
+    m.u.hello.min_version = m.u.hello.max_version = KVF_PROTO_VERSION;
+    m.u.hello.pid = (uint32_t)getpid();
+    kvf_mem_instance(&m.u.hello.instance_id, &m.u.hello.generation);
+    if (instance) m.u.hello.instance_id = instance;
+    if (generation) m.u.hello.generation = generation;
+    kvf_proto_msg reply;
+    st = call(&m, nullptr, 0, &reply);
+    if (st == KVF_SUCCESS && reply.type != KVF_PROTO_HELLO_REPLY) st = (kvf_status)reply.u.error.status;
+    kvf_proto_msg_clear(&reply);
+    return st;
+  }
+  // Send and read the reply (an ERROR is a reply too). The descriptors stay
+  // the caller's.
+  kvf_status call(kvf_proto_msg *m, const int *fds, uint32_t num_fds, kvf_proto_msg *reply, int timeout_ms = 60000) {
+    std::memset(reply, 0, sizeof(*reply));
+    m->request_id = next_++;
+    kvf_status st = kvf_conn_send(&conn_, m, fds, num_fds, 10000);
+    if (st != KVF_SUCCESS) return st;
+    kvf_proto_header h;
+    uint8_t *payload = nullptr;
+    int rfds[4];
+    uint32_t n = 0;
+    st = kvf_conn_read_frame(&conn_, timeout_ms, &h, &payload, rfds, 4, &n);
+    if (st != KVF_SUCCESS) return st;
+    for (uint32_t i = 0; i < n; i++) ::close(rfds[i]);
+    st = kvf_proto_decode(&h, payload, reply);
+    std::free(payload);
+    if (st == KVF_SUCCESS && reply->request_id != m->request_id) st = KVF_ERR_PROTOCOL;
+    return st;
+  }
+  kvf_status simple(uint16_t type, kvf_proto_msg *reply) {
+    kvf_proto_msg m;
+    std::memset(&m, 0, sizeof m);
+    m.type = type;
+    return call(&m, nullptr, 0, reply);
+  }
+  kvf_conn *conn() { return &conn_; }
+
+ private:
+  kvf_conn conn_{};
+  bool open_ = false;
+  uint64_t next_ = 1;
+};
+
+// A region of a REGISTER frame for `id`, bytes [offset, offset + length),
+// carried by descriptor fd_index.
+kvf_proto_region region_of(const kvf_mem_identity &id, uint64_t offset, uint64_t length, uint32_t fd_index) {
+  kvf_proto_region r;
+  std::memset(&r, 0, sizeof r);
+  r.instance_id = id.instance_id;
+  r.allocation_id = id.allocation_id;
+  r.generation = id.generation;
+  r.size = id.size;
+  std::memcpy(r.device_uuid, id.device_uuid, sizeof r.device_uuid);
+  r.provider = id.provider;
+  r.offset = offset;
+  r.length = length;
+  r.fd_index = fd_index;
+  return r;
+}
+
+// REGISTER `json` with `regions` and `fds` on c; the reply in *reply.
+kvf_status register_raw(RawConn &c, const std::string &json, std::vector<kvf_proto_region> regions,
+                        const std::vector<int> &fds, kvf_proto_msg *reply) {
+  std::vector<char> text(json.begin(), json.end());
+  text.push_back('\0');
+  kvf_proto_msg m;
+  std::memset(&m, 0, sizeof m);
+  m.type = KVF_PROTO_REGISTER;
+  m.u.reg.device = -1;
+  m.u.reg.num_fds = (uint32_t)fds.size();
+  m.u.reg.geometry_json = text.data();
+  m.u.reg.geometry_json_len = (uint32_t)json.size();
+  m.u.reg.regions = regions.data();
+  m.u.reg.num_regions = (uint32_t)regions.size();
+  return c.call(&m, fds.data(), (uint32_t)fds.size(), reply);
+}
+
+// "field: message" of an ERROR reply, or what the reply was instead.
+std::string describe(const kvf_proto_msg &r) {
+  if (r.type == KVF_PROTO_ERROR) return std::string(r.u.error.field) + ": " + r.u.error.message;
+  char b[64];
+  std::snprintf(b, sizeof b, "reply type 0x%04x", r.type);
+  return b;
+}
+
+// The regions' sizes of a geometry text (0 on failure).
+std::vector<uint64_t> region_sizes(const std::string &json) {
+  std::vector<uint64_t> sizes;
+  kvf_geometry *g = nullptr;
+  if (kvf_geometry_load_buffer(json.data(), json.size(), nullptr, &g, nullptr) != KVF_SUCCESS) return sizes;
+  for (uint32_t i = 0; i < kvf_geometry_num_regions(g); i++) {
+    kvf_region_info info;
+    sizes.push_back(kvf_geometry_region(g, i, &info) == KVF_SUCCESS ? info.size : 0);
+  }
+  kvf_geometry_destroy(g);
+  return sizes;
+}
+
+uint64_t round_page(uint64_t n) {
+  uint64_t p = (uint64_t)sysconf(_SC_PAGESIZE);
+  return (n + p - 1) / p * p;
+}
+
+// ---- the heartbeating engine --------------------------------------------------
+
+// What an engine says when it is told to stop.
+struct EngineReport {
+  int32_t status;       // of its registration (then of its last failed call)
+  uint32_t heartbeats;  // answered
+  uint32_t failures;    // heartbeats that failed
+  double max_ms, mean_ms;
+  uint64_t instance_id, allocation_id, generation, size;  // its allocation's identity
+  char message[256];
+};
+
+// An engine: register the tiny geometry over one host allocation filled
+// with `fill`, report (status, identity) on `report`, then heartbeat every
+// 2 ms, timing each, until `control` gives a byte; then check that its
+// memory still holds `fill` everywhere (status KVF_ERR_INTERNAL if not),
+// unregister, report the figures and exit 0.
+[[noreturn]] void engine_main(const std::string &dir, int control, int report, uint8_t fill) {
+  EngineReport rep;
+  std::memset(&rep, 0, sizeof rep);
+  kvf_client_options o = KVF_CLIENT_OPTIONS_INIT;
+  o.socket_dir = dir.c_str();
+  o.name = "engine";
+  kvf_client *c = nullptr;
+  uint64_t size = region_sizes(kTinyGeometry).at(0);
+  kvf_mem_alloc_options ao = KVF_MEM_ALLOC_OPTIONS_INIT;
+  ao.size = 2 * size;
+  kvf_mem_alloc *a = nullptr;
+  kvf_status st = kvf_client_connect(&o, &c, nullptr);
+  if (st == KVF_SUCCESS) st = kvf_mem_alloc_create(&ao, &a);
+  if (st == KVF_SUCCESS) {
+    std::memset(kvf_mem_alloc_ptr(a), fill, 2 * size);
+    kvf_mem_identity id;
+    kvf_mem_alloc_identity(a, &id);
+    rep.instance_id = id.instance_id;
+    rep.allocation_id = id.allocation_id;
+    rep.generation = id.generation;
+    rep.size = id.size;
+    kvf_client_region regs[2] = {{a, 0, size}, {a, size, size}};
+    st = kvf_client_register(c, kTinyGeometry, strlen(kTinyGeometry), -1, regs, 2, nullptr);
+  }
+  rep.status = st;
+  if (st != KVF_SUCCESS) std::snprintf(rep.message, sizeof rep.message, "%s", kvf_last_error());
+  if (!put(report, &rep, sizeof rep) || st != KVF_SUCCESS) _exit(10);
+  double total = 0;
+  for (;;) {
+    struct pollfd p = {control, POLLIN, 0};
+    if (poll(&p, 1, 2) != 0) break;
+    int64_t t0 = mono_us();
+    st = kvf_client_heartbeat(c, nullptr);
+    double ms = (double)(mono_us() - t0) / 1000.0;
+    if (st != KVF_SUCCESS) {
+      if (rep.failures++ == 0) std::snprintf(rep.message, sizeof rep.message, "heartbeat: %s", kvf_last_error());
+      rep.status = st;
+      continue;
+    }
+    rep.heartbeats++;
+    total += ms;
+    rep.max_ms = std::max(rep.max_ms, ms);
+  }
+  rep.mean_ms = rep.heartbeats ? total / rep.heartbeats : 0;
+  const uint8_t *mem = static_cast<const uint8_t *>(kvf_mem_alloc_ptr(a));
+  for (uint64_t i = 0; i < 2 * size; i++)
+    if (mem[i] != fill) {
+      rep.status = KVF_ERR_INTERNAL;
+      std::snprintf(rep.message, sizeof rep.message, "byte %" PRIu64 " of the engine's memory is 0x%02x, not 0x%02x",
+                    i, mem[i], fill);
+      break;
+    }
+  if (rep.failures == 0 && rep.status == KVF_SUCCESS) {
+    uint32_t state = 0;
+    st = kvf_client_unregister(c, 0, &state);
+    if (st != KVF_SUCCESS) {
+      rep.status = st;
+      std::snprintf(rep.message, sizeof rep.message, "unregister: %s", kvf_last_error());
+    }
+  }
+  kvf_client_disconnect(c);
+  kvf_mem_alloc_destroy(a);
+  put(report, &rep, sizeof rep);
+  _exit(0);
+}
+
+struct Child {
+  pid_t pid = -1;
+  int control = -1, report = -1;
+};
+
+// ---- the fixture -------------------------------------------------------------------
+
+class Isolation : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    signal(SIGPIPE, SIG_IGN);
+    char tmpl[] = "/tmp/kvf-isolation-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    base_ = tmpl;
+    dir_ = base_ + "/sock";
+    fds_before_ = fd_count();
+  }
+  void TearDown() override {
+    for (Child &c : children_) {
+      if (c.pid > 0) {
+        kill(c.pid, SIGKILL);
+        reap(c.pid, 10000);
+      }
+      if (c.control >= 0) close(c.control);
+      if (c.report >= 0) close(c.report);
+    }
+    server_.kill_now();
+    nftw(base_.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS);
+    EXPECT_EQ(fd_count(), fds_before_) << "descriptors leaked in the test process";
+  }
+
+  // Fork `body(control, report)`: its exit status is its return value.
+  Child &spawn(const std::function<int(int, int)> &body) {
+    int ctl[2], rep[2];
+    EXPECT_EQ(pipe(ctl), 0);
+    EXPECT_EQ(pipe(rep), 0);
+    pid_t pid = fork_clean();
+    if (pid == 0) {
+      close(ctl[1]);
+      close(rep[0]);
+      _exit(body(ctl[0], rep[1]));
+    }
+    close(ctl[0]);
+    close(rep[1]);
+    children_.push_back(Child{pid, ctl[1], rep[0]});
+    return children_.back();
+  }
+  int finish(Child &c, int timeout_ms = 30000) {
+    int st = reap(c.pid, timeout_ms);
+    if (st != -1) c.pid = -1;
+    return st;
+  }
+
+  // A heartbeating engine, registered (its first report checked).
+  Child &start_engine(uint8_t fill, EngineReport *first) {
+    Child &e = spawn([this, fill](int ctl, int rep) -> int { engine_main(dir_, ctl, rep, fill); });
+    std::memset(first, 0, sizeof *first);
+    EXPECT_TRUE(get(e.report, first, sizeof *first, 20000)) << "the engine did not report";
+    EXPECT_EQ(first->status, KVF_SUCCESS) << first->message;
+    return e;
+  }
+  // Tell an engine to stop; its final report.
+  EngineReport stop_engine(Child &e) {
+    EngineReport r;
+    std::memset(&r, 0, sizeof r);
+    r.status = -1;
+    EXPECT_TRUE(put(e.control, "q", 1));
+    EXPECT_TRUE(get(e.report, &r, sizeof r, 30000)) << "no final report from the engine";
+    EXPECT_EQ(finish(e), 0);
+    return r;
+  }
+
+  // STAT over a new connection: the totals, and how long it took.
+  kvf_client_stats stat_now(double *ms = nullptr) {
+    kvf_client_stats s;
+    std::memset(&s, 0, sizeof s);
+    int64_t t0 = mono_us();
+    kvf_client_options o = KVF_CLIENT_OPTIONS_INIT;
+    o.socket_dir = dir_.c_str();
+    kvf_client *c = nullptr;
+    EXPECT_EQ(kvf_client_connect(&o, &c, nullptr), KVF_SUCCESS) << kvf_last_error();
+    if (c) {
+      EXPECT_EQ(kvf_client_stat(c, &s), KVF_SUCCESS) << kvf_last_error();
+      kvf_client_disconnect(c);
+    }
+    if (ms) *ms = (double)(mono_us() - t0) / 1000.0;
+    return s;
+  }
+
+  std::string base_, dir_;
+  ServerProcess server_;
+  std::deque<Child> children_;  // a deque: references stay valid as children are added
+  int fds_before_ = 0;
+};
+
+// ---- 1. a REGISTER that is expensive to check ------------------------------------
+
+// Geometries as expensive to validate as one can make them.
+struct Heavy {
+  const char *what;
+  std::string json;
+  uint64_t region_size;  // of its one region (computed here, not by loading it: that is the slow part)
+};
+
+std::string interleaved_json(uint32_t layers) {
+  // Layers interleaved byte by byte: 4096 one-byte runs per block each.
+  char b[1024];
+  std::snprintf(b, sizeof b,
+                R"({"format":"kvferry-geometry","version":1,"name":"stall","regions":[{"name":"r","size":0}],)"
+                R"("groups":[{"name":"g","kind":"full","block_size":1,"num_blocks":2,"layers":[{"count":%u,)"
+                R"("region":"r","offset":0,"offset_step":1,"elem_bytes":1,"block_stride":%u,"planes":1,)"
+                R"("heads":4096,"head_bytes":1,"plane_stride":0,"token_stride":%u,"head_stride":%u}]}],)"
+                R"("objects":{"chunk_tokens":1,"format":"canonical"}})",
+                layers, 4096 * layers, 4096 * layers, layers);
+  return b;
+}
+
+std::string many_pairs_json() {
+  // 64 x 1024 views of one region whose extents all meet: the pair cap.
+  std::string j = R"({"format":"kvferry-geometry","version":1,"name":"pairs","regions":[{"name":"kv","size":0}],"groups":[)";
+  for (int gi = 0; gi < 64; gi++) {
+    char b[512];
+    std::snprintf(b, sizeof b,
+                  R"(%s{"name":"g%d","kind":"full","block_size":1,"num_blocks":4,"layers":[{"count":1024,)"
+                  R"("region":"kv","offset":%d,"offset_step":16,"elem_bytes":1,"block_stride":1048576,"planes":1,)"
+                  R"("heads":1,"head_bytes":16,"plane_stride":0,"token_stride":16,"head_stride":16}]})",
+                  gi ? "," : "", gi, gi * 1024 * 16);
+    j += b;
+  }
+  j += R"(],"objects":{"chunk_tokens":64,"format":"canonical"}})";
+  return j;
+}
+
+std::vector<Heavy> heavy_geometries() {
+  // Interleaved: 2 blocks of 4096 x layers bytes; the pairs: 4 blocks of 1 MiB.
+  return {{"24 layers interleaved byte by byte (the 454-byte frame of the issue)", interleaved_json(24), 2 * 4096 * 24},
+          {"64 layers interleaved byte by byte (valid: the most work under the budget)", interleaved_json(64),
+           2 * 4096 * 64},
+          {"1024 layers interleaved byte by byte (past the budget)", interleaved_json(1024), 2 * 4096 * 1024},
+          {"65536 views whose extents all meet (past the pair cap)", many_pairs_json(), 4u << 20}};
+}
+
+struct AttackReport {
+  uint32_t sent, answered, registered, refused;
+  double max_ms;
+  char last[256];
+};
+
+// REGISTER each heavy geometry in turn over one connection for `ms`, with
+// sealed memfds of the regions' sizes; every REGISTER must be answered.
+int heavy_attacker(const std::string &dir, int64_t ms, int report) {
+  AttackReport rep;
+  std::memset(&rep, 0, sizeof rep);
+  RawConn c;
+  if (c.open(dir) != KVF_SUCCESS) return 20;
+  std::vector<Heavy> heavy = heavy_geometries();
+  int64_t end = mono_ms() + ms;
+  for (size_t k = 0; mono_ms() < end || rep.sent < heavy.size(); k++) {
+    const Heavy &h = heavy[k % heavy.size()];
+    uint64_t size = round_page(h.region_size);
+    kvf_mem_alloc_options o = KVF_MEM_ALLOC_OPTIONS_INIT;
+    o.size = size;
+    kvf_mem_alloc *a = nullptr;
+    if (kvf_mem_alloc_create(&o, &a) != KVF_SUCCESS) return 21;
+    kvf_mem_identity id;
+    int fd = -1;
+    if (kvf_mem_alloc_export(a, &fd, &id) != KVF_SUCCESS) return 22;
+    kvf_proto_msg reply;
+    int64_t t0 = mono_us();
+    rep.sent++;
+    kvf_status st = register_raw(c, h.json, {region_of(id, 0, size, 0)}, {fd}, &reply);
+    close(fd);
+    kvf_mem_alloc_destroy(a);
+    if (st != KVF_SUCCESS) {
+      std::snprintf(rep.last, sizeof rep.last, "%s: no reply: %s", h.what, kvf_status_string(st));
+      break;
+    }
+    rep.answered++;
+    rep.max_ms = std::max(rep.max_ms, (double)(mono_us() - t0) / 1000.0);
+    if (reply.type == KVF_PROTO_REGISTER_REPLY)
+      rep.registered++;
+    else
+      rep.refused++;
+    std::snprintf(rep.last, sizeof rep.last, "%s: %s", h.what, describe(reply).c_str());
+    kvf_proto_msg_clear(&reply);
+  }
+  return put(report, &rep, sizeof rep) ? 0 : 23;
+}
+
+TEST_F(Isolation, ARegisterThatIsExpensiveToCheckDelaysOnlyItsSender) {
+  // How long the worst geometries take to check, here, on one thread.
+  for (const Heavy &h : heavy_geometries()) {
+    int64_t t0 = mono_us();
+    kvf_geometry *g = nullptr;
+    kvf_status st = kvf_geometry_load_buffer(h.json.data(), h.json.size(), nullptr, &g, nullptr);
+    std::printf("%s: %zu bytes, %s in %.1f ms\n", h.what, h.json.size(), st == KVF_SUCCESS ? "valid" : "refused",
+                (double)(mono_us() - t0) / 1000.0);
+    if (st == KVF_SUCCESS) {
+      EXPECT_EQ(region_sizes(h.json).at(0), h.region_size) << h.what;
+    }
+    kvf_geometry_destroy(g);
+  }
+  // A short heartbeat timeout: an engine the loop stops answering is reaped.
+  ASSERT_TRUE(server_.start(dir_, 1000));
+  int fds0 = server_.fds(), maps0 = server_.memfd_maps();
+  EngineReport first;
+  Child &engine = start_engine(0x5a, &first);
+  ASSERT_EQ(first.status, KVF_SUCCESS);
+  Child &attacker = spawn([this](int, int rep) { return heavy_attacker(dir_, 3000, rep); });
+
+  // Meanwhile a STAT on a new connection, again and again.
+  double stat_max = 0;
+  int stats = 0;
+  AttackReport ar;
+  std::memset(&ar, 0, sizeof ar);
+  bool reported = false;
+  for (int64_t end = mono_ms() + 120000; mono_ms() < end && !reported;) {
+    double ms = 0;
+    kvf_client_stats s = stat_now(&ms);
+    EXPECT_EQ(s.active >= 1, true) << "the engine's registration is gone";
+    stat_max = std::max(stat_max, ms);
+    stats++;
+    struct pollfd p = {attacker.report, POLLIN, 0};
+    if (poll(&p, 1, 20) == 1) reported = get(attacker.report, &ar, sizeof ar, 1000);
+  }
+  ASSERT_TRUE(reported) << "the attacker never finished";
+  EXPECT_EQ(finish(attacker), 0);
+  EngineReport er = stop_engine(engine);
+  std::printf("attacker: %u REGISTERs, %u answered (%u registered, %u refused), slowest %.1f ms; last: %s\n",
+              ar.sent, ar.answered, ar.registered, ar.refused, ar.max_ms, ar.last);
+  std::printf("engine: %u heartbeats meanwhile, mean %.3f ms, max %.1f ms, %u failed%s%s\n", er.heartbeats,
+              er.mean_ms, er.max_ms, er.failures, er.failures ? ": " : "", er.failures ? er.message : "");
+  std::printf("STAT on a new connection: %d, max %.1f ms\n", stats, stat_max);
+  EXPECT_EQ(ar.answered, ar.sent) << ar.last;
+  EXPECT_GE(ar.sent, 4u);
+  EXPECT_GT(ar.refused, 0u);
+  EXPECT_GT(ar.registered, 0u);
+  EXPECT_EQ(er.status, KVF_SUCCESS) << er.message;
+  EXPECT_EQ(er.failures, 0u) << er.message;
+  EXPECT_GT(er.heartbeats, 100u);
+  EXPECT_LT(er.max_ms, 50.0) << "a heartbeat waited behind another client's REGISTER";
+  EXPECT_LT(stat_max, 100.0) << "a STAT waited behind another client's REGISTER";
+  EXPECT_EQ(server_.fds(), fds0) << "the server kept descriptors";
+  EXPECT_EQ(server_.memfd_maps(), maps0) << "the server kept mappings";
+  EXPECT_EQ(server_.stop(), 0) << kServerCodes;
+}
+
+}  // namespace
