@@ -401,6 +401,75 @@ TEST_P(MemoryTest, DisagreeingIdentityOfALiveMappingIsAProtocolError) {
   ASSERT_EQ(kvf_import_table_unregister(t, r1), KVF_SUCCESS);
 }
 
+// A descriptor sent for an identity the table maps must be that allocation:
+// a pipe, or another allocation's descriptor, is refused naming the view's
+// descriptor, and the live mapping is untouched. (cumem: another
+// allocation on the same device passes until the driver's export inodes
+// are known to be stable: MemoryGpu.ExportInodes; the pipe does not.)
+TEST_P(MemoryTest, ADescriptorForAMappedIdentityMustBeThatAllocation) {
+  AllocPtr a = make_alloc(provider(), gran_), b = make_alloc(provider(), gran_);
+  kvf_import_table *t = nullptr;
+  ASSERT_EQ(kvf_import_table_create(nullptr, &t), KVF_SUCCESS);
+  TablePtr table(t);
+  std::vector<kvf_import_view> v = whole_views({a.get()});
+  kvf_import_reg *r1 = nullptr, *r2 = nullptr;
+  ASSERT_EQ(kvf_import_table_register(t, 1, v.data(), 1, &r1), KVF_SUCCESS) << kvf_last_error();
+  std::vector<int> wrong;
+  int p[2];
+  ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
+  close(p[1]);
+  wrong.push_back(p[0]);
+  if (provider() == KVF_MEM_PROVIDER_HOST) {
+    std::vector<kvf_import_view> vb = whole_views({b.get()});
+    wrong.push_back(vb[0].fd);
+  }
+  for (int fd : wrong) {
+    v = whole_views({a.get()});
+    close(v[0].fd);
+    v[0].fd = fd;
+    EXPECT_EQ(kvf_import_table_register(t, 1, v.data(), 1, &r2), KVF_ERR_PROTOCOL) << kvf_last_error();
+    EXPECT_NE(std::string(kvf_last_error()).find("views[0].fd: "), std::string::npos) << kvf_last_error();
+    EXPECT_FALSE(fd_is_open(fd));
+    kvf_import_stats s = table_stats(t);
+    EXPECT_EQ(s.imports, 1u);
+    EXPECT_EQ(s.aliases, 1u);
+  }
+  // Its own descriptor again: an alias.
+  v = whole_views({a.get()});
+  ASSERT_EQ(kvf_import_table_register(t, 1, v.data(), 1, &r2), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(table_stats(t).aliases, 2u);
+  EXPECT_TRUE(moves_data(r1, {a.get()}, 11));
+  ASSERT_EQ(kvf_import_table_unregister(t, r2), KVF_SUCCESS);
+  ASSERT_EQ(kvf_import_table_unregister(t, r1), KVF_SUCCESS);
+}
+
+// A new identity whose descriptor is not what the provider exports is
+// refused before anything of the registration is mapped, naming the view:
+// here the second of two allocations comes with a pipe.
+TEST_P(MemoryTest, AWrongDescriptorIsRefusedBeforeAnythingIsMapped) {
+  AllocPtr a = make_alloc(provider(), gran_), b = make_alloc(provider(), gran_);
+  kvf_import_table *t = nullptr;
+  ASSERT_EQ(kvf_import_table_create(nullptr, &t), KVF_SUCCESS);
+  TablePtr table(t);
+  std::vector<kvf_import_view> v = whole_views({a.get(), b.get()});
+  int p[2];
+  ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
+  close(p[1]);
+  close(v[1].fd);
+  v[1].fd = p[0];
+  kvf_import_reg *reg = nullptr;
+  arm(0);  // count calls
+  kvf_status st = kvf_import_table_register(t, 1, v.data(), 2, &reg);
+  long reserves = calls_of(env_.reserve_call());
+  disarm();
+  EXPECT_NE(st, KVF_SUCCESS);
+  EXPECT_NE(std::string(kvf_last_error()).find("views[1].fd: "), std::string::npos) << kvf_last_error();
+  EXPECT_EQ(reserves, 0) << "an address range was reserved before every descriptor was looked at";
+  EXPECT_FALSE(fd_is_open(v[0].fd));
+  EXPECT_FALSE(fd_is_open(p[0]));
+  EXPECT_EQ(held(table_stats(t)), zero_held());
+}
+
 // Each close step is recorded: a failed unmap leaves the registration
 // closing; the retry does only what is left, with no device reset.
 TEST_P(MemoryTest, UnregisterIsRetryableStepByStep) {

@@ -23,6 +23,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -677,6 +678,148 @@ TEST_F(Isolation, ARegisterThatIsExpensiveToCheckDelaysOnlyItsSender) {
   EXPECT_LT(stat_max, 100.0) << "a STAT waited behind another client's REGISTER";
   EXPECT_EQ(server_.fds(), fds0) << "the server kept descriptors";
   EXPECT_EQ(server_.memfd_maps(), maps0) << "the server kept mappings";
+  EXPECT_EQ(server_.stop(), 0) << kServerCodes;
+}
+
+// ---- 2. descriptors and identities ---------------------------------------------
+
+// A sealed host allocation for the tiny geometry (both its regions).
+struct HostAlloc {
+  kvf_mem_alloc *a = nullptr;
+  kvf_mem_identity id{};
+  uint64_t region = 0;  // bytes of one region of the tiny geometry
+  explicit HostAlloc(uint8_t fill = 0) {
+    region = region_sizes(kTinyGeometry).at(0);
+    kvf_mem_alloc_options o = KVF_MEM_ALLOC_OPTIONS_INIT;
+    o.size = 2 * region;
+    EXPECT_EQ(kvf_mem_alloc_create(&o, &a), KVF_SUCCESS) << kvf_last_error();
+    if (a) {
+      kvf_mem_alloc_identity(a, &id);
+      std::memset(kvf_mem_alloc_ptr(a), fill, 2 * region);
+    }
+  }
+  HostAlloc(const HostAlloc &) = delete;
+  HostAlloc &operator=(const HostAlloc &) = delete;
+  ~HostAlloc() { kvf_mem_alloc_destroy(a); }
+  int fd() const {
+    int f = -1;
+    EXPECT_EQ(kvf_mem_alloc_export(a, &f, nullptr), KVF_SUCCESS);
+    return f;
+  }
+};
+
+// REGISTER the tiny geometry with both regions in allocation `id` (one
+// descriptor), closing fd.
+kvf_status register_tiny(RawConn &c, const kvf_mem_identity &id, uint64_t region, int fd, kvf_proto_msg *reply) {
+  kvf_status st = register_raw(c, kTinyGeometry, {region_of(id, 0, region, 0), region_of(id, region, region, 0)},
+                               {fd}, reply);
+  close(fd);
+  return st;
+}
+
+// Descriptors that are not a sealed memfd of `size` bytes.
+std::vector<std::pair<const char *, int>> wrong_descriptors(const std::string &dir, uint64_t size) {
+  std::vector<std::pair<const char *, int>> out;
+  int p[2];
+  EXPECT_EQ(pipe2(p, O_CLOEXEC), 0);
+  close(p[1]);
+  out.push_back({"a pipe", p[0]});
+  int sv[2];
+  EXPECT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  close(sv[1]);
+  out.push_back({"a socket", sv[0]});
+  std::string path = dir + "/regular-file";
+  int f = open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  EXPECT_GE(f, 0);
+  EXPECT_EQ(ftruncate(f, (off_t)size), 0);
+  unlink(path.c_str());
+  out.push_back({"a regular file of the right size", f});
+  int m = memfd_create("kvf-unsealed", MFD_CLOEXEC);
+  EXPECT_EQ(ftruncate(m, (off_t)size), 0);
+  out.push_back({"a memfd of the right size without seals", m});
+  return out;
+}
+
+TEST_F(Isolation, ADescriptorMustBeTheAllocationItsIdentityNames) {
+  ASSERT_TRUE(server_.start(dir_, 30000));
+  HostAlloc a(1), b(2), c(3);
+  RawConn conn;
+  ASSERT_EQ(conn.open(dir_), KVF_SUCCESS);
+  kvf_proto_msg reply;
+  ASSERT_EQ(register_tiny(conn, a.id, a.region, a.fd(), &reply), KVF_SUCCESS);
+  ASSERT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
+  kvf_proto_msg_clear(&reply);
+  int fds0 = server_.fds(), maps0 = server_.memfd_maps();
+  auto still_serving = [&](const char *what) {
+    kvf_proto_msg r;
+    ASSERT_EQ(conn.simple(KVF_PROTO_HEARTBEAT, &r), KVF_SUCCESS) << what << ": the connection must stay";
+    EXPECT_EQ(r.type, KVF_PROTO_HEARTBEAT_REPLY) << what;
+    kvf_proto_msg_clear(&r);
+    kvf_client_stats s = stat_now();
+    EXPECT_EQ(s.active, 1u) << what;
+    EXPECT_EQ(s.imports, 1u) << what << ": only a's mapping";
+    EXPECT_EQ(s.aliases, 2u) << what;
+    EXPECT_EQ(server_.fds(), fds0) << what << ": the server kept the descriptor";
+    EXPECT_EQ(server_.memfd_maps(), maps0) << what << ": the server kept a mapping";
+  };
+  auto expect_refused = [&](const char *what, const char *field, const kvf_proto_msg &r) {
+    ASSERT_EQ(r.type, KVF_PROTO_ERROR) << what << ": " << describe(r);
+    EXPECT_EQ(r.u.error.status, (uint32_t)KVF_ERR_PROTOCOL) << what << ": " << describe(r);
+    EXPECT_STREQ(r.u.error.field, field) << what << ": " << describe(r);
+    std::printf("%s: %s\n", what, describe(r).c_str());
+  };
+
+  // a's identity (mapped: this connection registered it) with other descriptors.
+  std::vector<std::pair<const char *, int>> wrong = wrong_descriptors(base_, a.id.size);
+  wrong.push_back({"another sealed memfd of the same size (b's)", b.fd()});
+  for (auto &w : wrong) {
+    SCOPED_TRACE(std::string("a's identity with ") + w.first);
+    ASSERT_EQ(register_tiny(conn, a.id, a.region, w.second, &reply), KVF_SUCCESS);
+    expect_refused(w.first, "payload.regions[0].fd_index", reply);
+    kvf_proto_msg_clear(&reply);
+    still_serving(w.first);
+  }
+  // b's identity (new) with descriptors that are not a sealed memfd of its size.
+  wrong = wrong_descriptors(base_, b.id.size);
+  for (auto &w : wrong) {
+    SCOPED_TRACE(std::string("b's identity with ") + w.first);
+    ASSERT_EQ(register_tiny(conn, b.id, b.region, w.second, &reply), KVF_SUCCESS);
+    expect_refused(w.first, "payload.regions[0].fd_index", reply);
+    kvf_proto_msg_clear(&reply);
+    still_serving(w.first);
+  }
+  {
+    SCOPED_TRACE("b's memfd, its identity claiming twice its size");
+    kvf_mem_identity big = b.id;
+    big.size *= 2;
+    ASSERT_EQ(register_tiny(conn, big, b.region, b.fd(), &reply), KVF_SUCCESS);
+    expect_refused("an identity larger than its memfd", "payload.regions[0].size", reply);
+    kvf_proto_msg_clear(&reply);
+    still_serving("an identity larger than its memfd");
+  }
+  {
+    // Region 0 in c (fine), region 1 in b with a pipe: nothing of c is mapped.
+    int p[2];
+    ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
+    close(p[1]);
+    int cfd = c.fd();
+    ASSERT_EQ(register_raw(conn, kTinyGeometry, {region_of(c.id, 0, c.region, 0), region_of(b.id, 0, b.region, 1)},
+                           {cfd, p[0]}, &reply),
+              KVF_SUCCESS);
+    close(cfd);
+    close(p[0]);
+    expect_refused("the second of two allocations with a pipe", "payload.regions[1].fd_index", reply);
+    kvf_proto_msg_clear(&reply);
+    still_serving("the second of two allocations with a pipe");
+  }
+  // a's own descriptor again: re-registered (an alias of its mapping).
+  ASSERT_EQ(register_tiny(conn, a.id, a.region, a.fd(), &reply), KVF_SUCCESS);
+  EXPECT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
+  kvf_proto_msg_clear(&reply);
+  ASSERT_EQ(conn.simple(KVF_PROTO_UNREGISTER, &reply), KVF_SUCCESS);
+  EXPECT_EQ(reply.type, KVF_PROTO_UNREGISTER_REPLY) << describe(reply);
+  kvf_proto_msg_clear(&reply);
+  conn.close();
   EXPECT_EQ(server_.stop(), 0) << kServerCodes;
 }
 

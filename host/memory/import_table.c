@@ -25,6 +25,7 @@
 #include "common/error.h"
 #include "common/versioned.h"
 #include "host/core/log.h"
+#include "host/memory/import_table.h"
 #include "host/memory/provider.h"
 #include "host/core/syscalls.h"
 
@@ -167,12 +168,14 @@ static kvf_status kvf_views_check(const kvf_import_view *views, uint32_t n) {
   return KVF_SUCCESS;
 }
 
-/* The identity a view states must agree with the mapping held for its key. */
-static kvf_status kvf_mapping_agrees(const kvf_import_mapping *m, const kvf_mem_identity *id, uint32_t index) {
+/* The identity a view states must agree with the mapping held for its key;
+ * *field gets the identity field that disagrees. */
+static kvf_status kvf_mapping_agrees(const kvf_import_mapping *m, const kvf_mem_identity *id, const char **field) {
   char a[128], b[128];
+  *field = m->id.size != id->size ? "size" : m->id.provider != id->provider ? "provider" : "device_uuid";
   if (m->id.size != id->size || m->id.provider != id->provider ||
       memcmp(m->id.device_uuid, id->device_uuid, sizeof id->device_uuid) != 0)
-    return kvf_fail(KVF_ERR_PROTOCOL, "views[%u].identity %s disagrees with the mapping held for it (%s)", index,
+    return kvf_fail(KVF_ERR_PROTOCOL, "%s: identity %s disagrees with the mapping held for it (%s)", *field,
                     kvf_mem_identity_format(id, a, sizeof a), kvf_mem_identity_format(&m->id, b, sizeof b));
   return KVF_SUCCESS;
 }
@@ -218,15 +221,51 @@ static void kvf_reg_free(kvf_import_reg *reg) {
   free(reg);
 }
 
+/* Record that view `view` is at fault in `field`: *fault (when given) gets
+ * the field and the reason (the current message without a leading
+ * "field: "), and the thread's message names the view. Returns st. */
+static kvf_status kvf_view_fault(kvf_import_fault *fault, uint32_t view, const char *field, kvf_status st) {
+  char reason[512];
+  const char *text = kvf_last_error();
+  size_t n = strlen(field);
+  if (strncmp(text, field, n) == 0 && text[n] == ':' && text[n + 1] == ' ') text += n + 2;
+  snprintf(reason, sizeof reason, "%s", text);
+  if (fault != NULL) {
+    fault->view = view;
+    fault->field = field;
+    snprintf(fault->message, sizeof fault->message, "%s", reason);
+  }
+  return kvf_fail(st, "views[%u].%s: %s", view, field, reason);
+}
+
+/* The field a provider's refusal names ("fd: ...", "size: ..."), or NULL. */
+static const char *kvf_provider_field(void) {
+  const char *text = kvf_last_error();
+  if (strncmp(text, "fd: ", 4) == 0) return "fd";
+  if (strncmp(text, "size: ", 6) == 0) return "size";
+  return NULL;
+}
+
 kvf_status kvf_import_table_register(kvf_import_table *t, uint64_t client, const kvf_import_view *views,
                                      uint32_t n, kvf_import_reg **out) {
+  return kvf_import_table_register_ex(t, client, views, n, out, NULL);
+}
+
+kvf_status kvf_import_table_register_ex(kvf_import_table *t, uint64_t client, const kvf_import_view *views,
+                                        uint32_t n, kvf_import_reg **out, kvf_import_fault *fault) {
   kvf_status st = KVF_SUCCESS;
   kvf_import_reg *reg = NULL;
   uint8_t *consumed = NULL;
-  kvf_import_mapping **fresh = NULL; /* mappings this attempt created, in order */
+  kvf_import_mapping **fresh = NULL; /* mappings this attempt creates, in order */
+  uint32_t *fresh_view = NULL;       /* the view whose descriptor each is imported from */
   uint32_t num_fresh = 0, dedup = 0;
   int locked = 0;
 
+  if (fault != NULL) {
+    fault->view = KVF_IMPORT_NO_VIEW;
+    fault->field = NULL;
+    fault->message[0] = '\0';
+  }
   if (views == NULL) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_import_table_register: views is NULL");
   if (t == NULL || out == NULL || n == 0) {
     st = kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_import_table_register: %s",
@@ -238,13 +277,14 @@ kvf_status kvf_import_table_register(kvf_import_table *t, uint64_t client, const
   reg = calloc(1, sizeof *reg);
   consumed = calloc(n, 1);
   fresh = calloc(n, sizeof *fresh);
+  fresh_view = calloc(n, sizeof *fresh_view);
   if (reg != NULL) {
     reg->views = calloc(n, sizeof *reg->views);
     reg->maps = calloc(n, sizeof *reg->maps);
     reg->closer = calloc(n, 1);
   }
-  if (reg == NULL || consumed == NULL || fresh == NULL || reg->views == NULL || reg->maps == NULL ||
-      reg->closer == NULL) {
+  if (reg == NULL || consumed == NULL || fresh == NULL || fresh_view == NULL || reg->views == NULL ||
+      reg->maps == NULL || reg->closer == NULL) {
     st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_import_table_register: no memory for %u views", n);
     goto fail;
   }
@@ -255,16 +295,34 @@ kvf_status kvf_import_table_register(kvf_import_table *t, uint64_t client, const
 
   pthread_mutex_lock(&t->lock);
   locked = 1;
+  /* 1. Every view's mapping: one of this attempt, one the table holds, or
+   *    a new one (imported below). A descriptor sent for an identity the
+   *    table maps must be that allocation. Nothing is imported yet. */
   for (uint32_t i = 0; i < n; i++) {
     const kvf_mem_identity *id = &views[i].identity;
     kvf_import_mapping *m = NULL;
     for (uint32_t k = 0; k < num_fresh && m == NULL; k++)
       if (kvf_id_same_key(&fresh[k]->id, id)) m = fresh[k];
-    if (m == NULL && (m = kvf_list_find(t->live, id)) != NULL) dedup++;
+    int live = 0;
+    if (m == NULL && (m = kvf_list_find(t->live, id)) != NULL) {
+      live = 1;
+      dedup++;
+    }
     if (m != NULL) {
-      if ((st = kvf_mapping_agrees(m, id, i)) != KVF_SUCCESS) goto fail;
+      const char *field = NULL;
+      if ((st = kvf_mapping_agrees(m, id, &field)) != KVF_SUCCESS) {
+        st = kvf_view_fault(fault, i, field, st);
+        goto fail;
+      }
+      int fd = views[i].fd, seen = 0;
+      for (uint32_t j = 0; j < i && !seen; j++) seen = fd >= 0 && views[j].fd == fd;
+      if (live && fd >= 0 && !seen && (st = m->ops->same(fd, id, &m->res)) != KVF_SUCCESS) {
+        const char *pf = kvf_provider_field();
+        if (pf != NULL) st = kvf_view_fault(fault, i, pf, st);
+        goto fail;
+      }
     } else {
-      /* A new identity: import it from the first view of it carrying a descriptor. */
+      /* A new identity: imported from the first view of it carrying a descriptor. */
       uint32_t j = i;
       while (j < n && !(views[j].fd >= 0 && kvf_id_same_key(&views[j].identity, id))) j++;
       if (j == n) {
@@ -272,6 +330,11 @@ kvf_status kvf_import_table_register(kvf_import_table *t, uint64_t client, const
         st = kvf_fail(KVF_ERR_INVALID_ARGUMENT,
                       "views[%u]: no descriptor for %s, which this table does not map yet (send its fd)", i,
                       kvf_mem_identity_format(id, idtext, sizeof idtext));
+        if (fault != NULL) {
+          fault->view = i;
+          fault->field = "fd";
+          snprintf(fault->message, sizeof fault->message, "%s", kvf_last_error() + strcspn(kvf_last_error(), " ") + 1);
+        }
         goto fail;
       }
       m = calloc(1, sizeof *m);
@@ -283,19 +346,35 @@ kvf_status kvf_import_table_register(kvf_import_table *t, uint64_t client, const
       m->ops = kvf_provider_get(id->provider);
       m->res.fd = -1;
       m->res.device = -1;
+      fresh_view[num_fresh] = j;
       fresh[num_fresh++] = m;
-      int fd = views[j].fd;
-      kvf_views_consume(views, n, fd, consumed); /* import always takes the descriptor */
-      if ((st = m->ops->import(fd, id, &m->res)) != KVF_SUCCESS) goto fail;
-      if ((st = m->ops->reserve(&m->res)) != KVF_SUCCESS) goto fail;
-      if ((st = m->ops->map(&m->res)) != KVF_SUCCESS) goto fail;
-      if ((st = m->ops->set_access(&m->res, t->access_devices, t->num_access_devices)) != KVF_SUCCESS) goto fail;
-      /* The mapping keeps the memory alive: the handle is not needed any more. */
-      if ((st = m->ops->release(&m->res)) != KVF_SUCCESS) goto fail;
     }
     reg->views[i].m = m;
     reg->views[i].offset = views[i].offset;
     reg->views[i].size = views[i].size;
+  }
+  /* 2. Import every new identity: the provider looks at its descriptor (a
+   *    sealed memfd of the identity's size; a driver export of memory on
+   *    the identity's GPU) and refuses what is not, before anything of this
+   *    registration is mapped. */
+  for (uint32_t k = 0; k < num_fresh; k++) {
+    kvf_import_mapping *m = fresh[k];
+    int fd = views[fresh_view[k]].fd;
+    kvf_views_consume(views, n, fd, consumed); /* import always takes the descriptor */
+    if ((st = m->ops->import(fd, &m->id, &m->res)) != KVF_SUCCESS) {
+      const char *pf = kvf_provider_field();
+      if (pf != NULL) st = kvf_view_fault(fault, fresh_view[k], pf, st);
+      goto fail;
+    }
+  }
+  /* 3. Map them. */
+  for (uint32_t k = 0; k < num_fresh; k++) {
+    kvf_import_mapping *m = fresh[k];
+    if ((st = m->ops->reserve(&m->res)) != KVF_SUCCESS) goto fail;
+    if ((st = m->ops->map(&m->res)) != KVF_SUCCESS) goto fail;
+    if ((st = m->ops->set_access(&m->res, t->access_devices, t->num_access_devices)) != KVF_SUCCESS) goto fail;
+    /* The mapping keeps the memory alive: the handle is not needed any more. */
+    if ((st = m->ops->release(&m->res)) != KVF_SUCCESS) goto fail;
   }
   /* Descriptors of identities already mapped, and duplicates. */
   kvf_views_close_fds(views, n, consumed);
@@ -323,6 +402,7 @@ kvf_status kvf_import_table_register(kvf_import_table *t, uint64_t client, const
            reg->num_maps, num_fresh, reg->num_maps - num_fresh);
   free(consumed);
   free(fresh);
+  free(fresh_view);
   *out = reg;
   return KVF_SUCCESS;
 
@@ -358,6 +438,7 @@ fail:
   kvf_reg_free(reg);
   free(consumed);
   free(fresh);
+  free(fresh_view);
   return st;
 }
 

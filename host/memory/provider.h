@@ -35,6 +35,9 @@ typedef struct kvf_import_res {
   uint64_t align;  /* cumem: granularity used for the reservation */
   int device;      /* cumem: ordinal of the device holding the memory; host: -1 */
   unsigned held;   /* KVF_RES_* bits */
+  /* The first descriptor imported, as fstat saw it: a later descriptor sent
+   * for the same identity must be the same object (`same`). */
+  uint64_t st_dev, st_ino;
 } kvf_import_res;
 
 /* The exporter's live allocation (one per distinct allocation in this
@@ -65,8 +68,22 @@ typedef struct kvf_provider_ops {
   void (*destroy)(kvf_mem_alloc *a);
 
   /* Import `fd` (always consumed: closed or kept as the handle) as the
-   * allocation `id` says; fills r->size, device, align; sets HANDLE. */
+   * allocation `id` says; fills r->size, device, align, st_dev, st_ino;
+   * sets HANDLE. Maps nothing: a descriptor that is not what the provider
+   * exports, or not as large as id->size says, is refused here, before any
+   * mapping of the registration is made. A refusal that is the sender's
+   * fault is KVF_ERR_PROTOCOL with a message that starts with the field:
+   * "fd: ..." (the descriptor) or "size: ..." (the identity's size). */
   kvf_status (*import)(int fd, const kvf_mem_identity *id, kvf_import_res *r);
+  /* Is `fd` (not consumed) the allocation mapped as `r` for identity `id`?
+   * host: fstat's device and inode equal r's, and the size id->size.
+   * cumem: the descriptor imports (the handle is released at once) as
+   * device memory of r's device; fstat's inode is recorded, not compared
+   * (whether the driver gives every export of one allocation one inode is
+   * not established: tests/test_memory_gpu.cpp reports it). Returns
+   * KVF_SUCCESS, or KVF_ERR_PROTOCOL ("fd: ...") and the driver's or the
+   * system's status. */
+  kvf_status (*same)(int fd, const kvf_mem_identity *id, const kvf_import_res *r);
   kvf_status (*reserve)(kvf_import_res *r);
   kvf_status (*map)(kvf_import_res *r);
   kvf_status (*set_access)(kvf_import_res *r, const int *devices, uint32_t num_devices);

@@ -21,6 +21,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "common/error.h"
 #include "host/core/cudawrap.h"
@@ -296,6 +297,20 @@ kvf_status kvf_mem_device_from_uuid(const uint8_t uuid[16], int *device) {
   return kvf_cumem_find_uuid(uuid, device);
 }
 
+/* Whether an imported handle is device memory of device `ordinal`, as the
+ * identity (its device UUID) says. */
+static kvf_status kvf_cumem_check_props(const CUmemAllocationProp *prop, int ordinal) {
+  if (prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+    return kvf_fail(KVF_ERR_PROTOCOL,
+                    "fd: the identity names a GPU but the descriptor's memory is not device memory (location type %d)",
+                    (int)prop->location.type);
+  if (prop->location.id != ordinal)
+    return kvf_fail(KVF_ERR_PROTOCOL,
+                    "fd: the descriptor's memory is on device %d, the identity's GPU (by UUID) is device %d",
+                    prop->location.id, ordinal);
+  return KVF_SUCCESS;
+}
+
 static kvf_status kvf_cumem_import(int fd, const kvf_mem_identity *id, kvf_import_res *r) {
   kvf_status st;
   int ordinal = -1;
@@ -303,6 +318,7 @@ static kvf_status kvf_cumem_import(int fd, const kvf_mem_identity *id, kvf_impor
   CUmemAllocationProp prop;
   size_t gran = 0;
   CUresult cr;
+  struct stat sb;
 
   if ((st = kvf_cuda_ready()) != KVF_SUCCESS) goto out;
   if ((st = kvf_cumem_find_uuid(id->device_uuid, &ordinal)) != KVF_SUCCESS) {
@@ -313,6 +329,15 @@ static kvf_status kvf_cumem_import(int fd, const kvf_mem_identity *id, kvf_impor
     }
     goto out;
   }
+  /* Recorded, for telling later descriptors of this identity apart (see
+   * kvf_cumem_same). */
+  if (KVF_SYS(fstat)(fd, &sb) != 0) {
+    st = KVF_SYS_FAIL(errno == EBADF ? KVF_ERR_INVALID_ARGUMENT : KVF_ERR_SYSTEM, errno,
+                      "fstat of an imported cumem descriptor");
+    goto out;
+  }
+  r->st_dev = (uint64_t)sb.st_dev;
+  r->st_ino = (uint64_t)sb.st_ino;
   if ((st = kvf_cumem_bind(ordinal)) != KVF_SUCCESS) goto out;
   cr = KVF_CU(cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
   /* The descriptor has done its work either way. */
@@ -320,26 +345,20 @@ static kvf_status kvf_cumem_import(int fd, const kvf_mem_identity *id, kvf_impor
   fd = -1;
   if (cr != CUDA_SUCCESS) {
     st = kvf_cu_fail(cr, "cuMemImportFromShareableHandle", __FILE__, __LINE__);
+    kvf_error_prefix("fd: ");
     goto out;
   }
   r->handle = (uint64_t)h;
   r->device = ordinal;
   r->held |= KVF_RES_HANDLE;
   KVF_CU_CHECK_GOTO(st, out, cuMemGetAllocationPropertiesFromHandle, &prop, h);
-  if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE) {
-    st = kvf_fail(KVF_ERR_PROTOCOL,
-                  "cumem import: the identity names a GPU but the memory is not device memory (location type %d)",
-                  (int)prop.location.type);
-    goto out;
-  }
-  /* The UUID is what identifies the GPU across processes with different
-   * CUDA_VISIBLE_DEVICES; an ordinal that disagrees is only worth a note. */
-  if (prop.location.id != ordinal)
-    KVF_INFO(MEM, "cumem import: the driver reports device %d for memory of the GPU that is device %d by UUID",
-             prop.location.id, ordinal);
+  /* The UUID is what identifies the GPU; the driver reports the imported
+   * memory's location in this process's ordinals, which must be the
+   * device that UUID is here. */
+  if ((st = kvf_cumem_check_props(&prop, ordinal)) != KVF_SUCCESS) goto out;
   KVF_CU_CHECK_GOTO(st, out, cuMemGetAllocationGranularity, &gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
   if (gran == 0 || id->size == 0 || id->size % gran != 0 || id->size > (uint64_t)SIZE_MAX) {
-    st = kvf_fail(KVF_ERR_PROTOCOL, "cumem import: identity size %" PRIu64 " is not a multiple of the granularity %zu",
+    st = kvf_fail(KVF_ERR_PROTOCOL, "size: identity size %" PRIu64 " is not a multiple of the granularity %zu",
                   id->size, gran);
     goto out;
   }
@@ -347,6 +366,46 @@ static kvf_status kvf_cumem_import(int fd, const kvf_mem_identity *id, kvf_impor
   r->align = gran;
 out:
   kvf_sys_close(fd);
+  return st;
+}
+
+/* A descriptor sent for an identity this process maps already: import it
+ * (the handle is released at once) and check that it is device memory of
+ * the mapping's device. Its inode is not compared: whether every export of
+ * one allocation has the same inode (and exports of different allocations
+ * different ones) is not established for the NVIDIA driver; the GPU test
+ * MemoryGpu.ExportInodes reports it. Until then a descriptor of another
+ * allocation on the same GPU passes this check: the table's ownership rule
+ * (only the importing client may alias a mapping) is what keeps another
+ * client out. */
+static kvf_status kvf_cumem_same(int fd, const kvf_mem_identity *id, const kvf_import_res *r) {
+  (void)id;
+  kvf_status st = KVF_SUCCESS;
+  CUmemGenericAllocationHandle h = 0;
+  CUmemAllocationProp prop;
+  struct stat sb;
+  if (KVF_SYS(fstat)(fd, &sb) != 0)
+    return KVF_SYS_FAIL(errno == EBADF ? KVF_ERR_INVALID_ARGUMENT : KVF_ERR_SYSTEM, errno,
+                        "fstat of a cumem descriptor for a mapped identity");
+  if (S_ISFIFO(sb.st_mode) || S_ISSOCK(sb.st_mode) || S_ISDIR(sb.st_mode))
+    return kvf_fail(KVF_ERR_PROTOCOL, "fd: descriptor %d is %s, not a cuMem export", fd,
+                    S_ISFIFO(sb.st_mode) ? "a pipe" : S_ISSOCK(sb.st_mode) ? "a socket" : "a directory");
+  if ((st = kvf_cumem_bind(r->device)) != KVF_SUCCESS) return st;
+  CUresult cr =
+      KVF_CU(cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  if (cr != CUDA_SUCCESS) {
+    st = kvf_cu_fail(cr, "cuMemImportFromShareableHandle", __FILE__, __LINE__);
+    kvf_error_prefix("fd: descriptor %d for a mapped identity: ", fd);
+    return st;
+  }
+  cr = KVF_CU(cuMemGetAllocationPropertiesFromHandle)(&prop, h);
+  if (cr != CUDA_SUCCESS)
+    st = kvf_cu_fail(cr, "cuMemGetAllocationPropertiesFromHandle", __FILE__, __LINE__);
+  else
+    st = kvf_cumem_check_props(&prop, r->device);
+  /* A release that fails is tried once more; then the handle is lost (logged). */
+  if (KVF_CU(cuMemRelease)(h) != CUDA_SUCCESS && KVF_CU(cuMemRelease)(h) != CUDA_SUCCESS)
+    KVF_WARN(MEM, "cumem: the handle imported to check a descriptor could not be released (leaked)");
   return st;
 }
 
@@ -443,6 +502,12 @@ static kvf_status kvf_cumem_import(int fd, const kvf_mem_identity *id, kvf_impor
   kvf_sys_close(fd);
   return kvf_cumem_none();
 }
+static kvf_status kvf_cumem_same(int fd, const kvf_mem_identity *id, const kvf_import_res *r) {
+  (void)fd;
+  (void)id;
+  (void)r;
+  return kvf_cumem_none();
+}
 static kvf_status kvf_cumem_step(kvf_import_res *r) {
   (void)r;
   return kvf_cumem_none();
@@ -480,6 +545,7 @@ const kvf_provider_ops kvf_provider_cumem = {
     .export_fd = kvf_cumem_export,
     .destroy = kvf_cumem_destroy,
     .import = kvf_cumem_import,
+    .same = kvf_cumem_same,
     .reserve = kvf_cumem_reserve,
     .map = kvf_cumem_map,
     .set_access = kvf_cumem_set_access,

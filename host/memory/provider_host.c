@@ -80,6 +80,12 @@ static void kvf_host_destroy(kvf_mem_alloc *a) {
   a->fd = -1;
 }
 
+/* What a host descriptor is, for messages. */
+static const char *kvf_host_kind(mode_t m) {
+  return S_ISFIFO(m) ? "a pipe" : S_ISSOCK(m) ? "a socket" : S_ISDIR(m) ? "a directory" : S_ISCHR(m) ? "a device"
+         : S_ISBLK(m) ? "a block device" : "not a regular file";
+}
+
 static kvf_status kvf_host_import(int fd, const kvf_mem_identity *id, kvf_import_res *r) {
   kvf_status st = KVF_SUCCESS;
   struct stat s;
@@ -90,24 +96,29 @@ static kvf_status kvf_host_import(int fd, const kvf_mem_identity *id, kvf_import
     goto out;
   }
   if (!S_ISREG(s.st_mode)) {
-    st = kvf_fail(KVF_ERR_PROTOCOL, "host import: descriptor %d is not a memfd (not a regular file)", fd);
+    st = kvf_fail(KVF_ERR_PROTOCOL, "fd: descriptor %d is %s, not a memfd (host provider)", fd, kvf_host_kind(s.st_mode));
     goto out;
   }
   if ((uint64_t)s.st_size != id->size || id->size % page != 0 || id->size > (uint64_t)SIZE_MAX) {
     st = kvf_fail(KVF_ERR_PROTOCOL,
-                  "host import: identity size %" PRIu64 " does not match the descriptor's %lld bytes (or is not a "
+                  "size: identity size %" PRIu64 " does not match the descriptor's %lld bytes (or is not a "
                   "multiple of the page size %" PRIu64 ")",
                   id->size, (long long)s.st_size, page);
     goto out;
   }
   int seals = KVF_SYS(fcntl)(fd, F_GET_SEALS, 0);
+  if (seals < 0 && errno == EINVAL) {
+    st = kvf_fail(KVF_ERR_PROTOCOL, "fd: descriptor %d is a file that cannot be sealed, not a memfd (host provider)",
+                  fd);
+    goto out;
+  }
   if (seals < 0) {
     st = KVF_SYS_FAIL(KVF_ERR_SYSTEM, errno, "fcntl(F_GET_SEALS) on an imported host descriptor");
     goto out;
   }
   if (!(seals & F_SEAL_SHRINK)) {
     st = kvf_fail(KVF_ERR_PROTOCOL,
-                  "host import: the memfd is not sealed against shrinking (F_SEAL_SHRINK); a shrink would turn "
+                  "fd: the memfd is not sealed against shrinking (F_SEAL_SHRINK); a shrink would turn "
                   "reads of the mapping into SIGBUS. Allocate with kvf_mem_alloc_create");
     goto out;
   }
@@ -115,11 +126,32 @@ static kvf_status kvf_host_import(int fd, const kvf_mem_identity *id, kvf_import
   r->size = id->size;
   r->align = page;
   r->device = -1;
+  r->st_dev = (uint64_t)s.st_dev;
+  r->st_ino = (uint64_t)s.st_ino;
   r->held |= KVF_RES_HANDLE;
   fd = -1;
 out:
   kvf_sys_close(fd);
   return st;
+}
+
+static kvf_status kvf_host_same(int fd, const kvf_mem_identity *id, const kvf_import_res *r) {
+  struct stat s;
+  if (KVF_SYS(fstat)(fd, &s) != 0)
+    return KVF_SYS_FAIL(errno == EBADF ? KVF_ERR_INVALID_ARGUMENT : KVF_ERR_SYSTEM, errno,
+                        "fstat of a host descriptor for a mapped identity");
+  if (!S_ISREG(s.st_mode))
+    return kvf_fail(KVF_ERR_PROTOCOL, "fd: descriptor %d is %s, not the memfd mapped for this identity", fd,
+                    kvf_host_kind(s.st_mode));
+  if ((uint64_t)s.st_dev != r->st_dev || (uint64_t)s.st_ino != r->st_ino)
+    return kvf_fail(KVF_ERR_PROTOCOL,
+                    "fd: descriptor %d (inode %" PRIu64 " on device %" PRIu64 ") is not the memfd mapped for this "
+                    "identity (inode %" PRIu64 " on device %" PRIu64 ")",
+                    fd, (uint64_t)s.st_ino, (uint64_t)s.st_dev, r->st_ino, r->st_dev);
+  if ((uint64_t)s.st_size != id->size)
+    return kvf_fail(KVF_ERR_PROTOCOL, "size: identity size %" PRIu64 " does not match the descriptor's %lld bytes",
+                    id->size, (long long)s.st_size);
+  return KVF_SUCCESS;
 }
 
 static kvf_status kvf_host_reserve(kvf_import_res *r) {
@@ -186,6 +218,7 @@ const kvf_provider_ops kvf_provider_host = {
     .export_fd = kvf_host_export,
     .destroy = kvf_host_destroy,
     .import = kvf_host_import,
+    .same = kvf_host_same,
     .reserve = kvf_host_reserve,
     .map = kvf_host_map,
     .set_access = kvf_host_set_access,

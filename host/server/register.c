@@ -151,6 +151,13 @@ out:
   return st;
 }
 
+/* The REGISTER region field an import fault names (host/memory/import_table.h). */
+static const char *region_field(const char *import_field) {
+  if (!strcmp(import_field, "identity")) return "instance_id";
+  if (!strcmp(import_field, "fd")) return "fd_index";
+  return import_field; /* size, provider, device_uuid: the same names */
+}
+
 /* Encode `msg` as req's reply. */
 static void set_reply(kvf_register_req *req, const kvf_proto_msg *msg) {
   free(req->frame);
@@ -196,11 +203,16 @@ static void register_run(kvf_register_worker *w, kvf_register_req *req) {
     goto fail;
   }
   uint64_t id = kvf_registry_reg_id(attempt);
-  st = kvf_registry_register_commit(registry, attempt, views, rg->num_regions);
+  kvf_import_fault fault;
+  st = kvf_registry_register_commit_ex(registry, attempt, views, rg->num_regions, &fault);
   if (st != KVF_SUCCESS) {
     kvf_dataplane_unbind(binding);
     binding = NULL;
-    kvf_error_prefix("payload.regions: registration failed, the previous one stays: ");
+    if (fault.field != NULL && fault.view < rg->num_regions)
+      kvf_fail(st, "payload.regions[%u].%s: %s; the previous registration stays", (unsigned)fault.view,
+               region_field(fault.field), fault.message);
+    else
+      kvf_error_prefix("payload.regions: registration failed, the previous one stays: ");
     goto fail;
   }
   free(views);

@@ -39,6 +39,8 @@
 #include <kvferry/memory.h>
 #include <kvferry/status.h>
 
+#include "host/memory/import_table.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -133,6 +135,11 @@ kvf_status kvf_registry_register_begin(kvf_registry *r, uint64_t client, uint64_
  * KVF_ERR_STATE; any status of kvf_import_table_register. */
 kvf_status kvf_registry_register_commit(kvf_registry *r, kvf_registry_reg *attempt,
                                         const kvf_import_view *views, uint32_t num_views);
+
+/* kvf_registry_register_commit, with the import's fault (why a view was
+ * refused, host/memory/import_table.h) in *fault (may be NULL). */
+kvf_status kvf_registry_register_commit_ex(kvf_registry *r, kvf_registry_reg *attempt, const kvf_import_view *views,
+                                           uint32_t num_views, kvf_import_fault *fault);
 
 /* Give up an attempt before its views were registered (a bad frame, missing
  * descriptors): it becomes failed and is freed; the previous registration

@@ -1,0 +1,42 @@
+/*
+ * Internal: what a cache server asks of the import table beyond
+ * kvferry/memory.h (host/memory/import_table.c; kvferryd uses it).
+ *
+ * A registration's failure can be attributed: which view and which field
+ * ("identity", "fd", "size"), so a server can name the frame's field
+ * (payload.regions[3].fd_index).
+ *
+ * Threading: as the table (serialized on its lock).
+ */
+#ifndef KVF_HOST_IMPORT_TABLE_H
+#define KVF_HOST_IMPORT_TABLE_H
+
+#include <stdint.h>
+
+#include <kvferry/memory.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVF_IMPORT_NO_VIEW UINT32_MAX
+
+/* Why a registration failed, when it is the sender's doing. */
+typedef struct kvf_import_fault {
+  uint32_t view;     /* the view at fault, or KVF_IMPORT_NO_VIEW */
+  const char *field; /* static: "identity", "fd" or "size" (of that view); NULL: not attributed (a
+                        system or driver failure, an argument error) */
+  char message[512]; /* the reason, without the field in front */
+} kvf_import_fault;
+
+/* kvf_import_table_register, with *fault (may be NULL) filled on failure.
+ * The message (kvf_last_error) names the view as kvf_import_table_register
+ * does. */
+kvf_status kvf_import_table_register_ex(kvf_import_table *table, uint64_t client, const kvf_import_view *views,
+                                        uint32_t num_views, kvf_import_reg **out, kvf_import_fault *fault);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVF_HOST_IMPORT_TABLE_H */
