@@ -823,4 +823,174 @@ TEST_F(Isolation, ADescriptorMustBeTheAllocationItsIdentityNames) {
   EXPECT_EQ(server_.stop(), 0) << kServerCodes;
 }
 
+// STORE or RETRIEVE tokens [0, 16) of the tiny geometry (one chunk, key
+// `key`, block 0) on c's live registration; the reply.
+kvf_status xfer_block0(RawConn &c, uint16_t type, uint64_t key, kvf_proto_msg *reply) {
+  uint64_t keys[1] = {key};
+  uint32_t ids[1] = {0};
+  kvf_proto_group g;
+  std::memset(&g, 0, sizeof g);
+  g.first_block = 0;
+  g.block_ids = ids;
+  g.count = 1;
+  kvf_proto_msg m;
+  std::memset(&m, 0, sizeof m);
+  m.type = type;
+  m.u.xfer.token_begin = 0;
+  m.u.xfer.token_end = 16;
+  m.u.xfer.chunk_keys = keys;
+  m.u.xfer.num_chunk_keys = 1;
+  m.u.xfer.groups = &g;
+  m.u.xfer.num_groups = 1;
+  return c.call(&m, nullptr, 0, reply);
+}
+
+// What the identity attacker saw, per attempt.
+struct IdentityAttempt {
+  uint16_t type;    // of the REGISTER's reply
+  uint32_t status;  // ERROR's
+  char field[KVF_PROTO_FIELD_MAX];
+  char message[KVF_PROTO_MESSAGE_MAX];
+  uint64_t restored;  // bytes a RETRIEVE then moved through the registration it got, if any
+};
+constexpr int kIdentityAttempts = 3;
+const char *const kIdentityAttemptNames[kIdentityAttempts] = {
+    "its own instance in HELLO, the engine's identity, a pipe",
+    "the engine's instance and generation in HELLO, the engine's identity, a pipe",
+    "the engine's instance and generation in HELLO, the engine's identity, a sealed memfd of its own"};
+
+// Store block 0 of its own memory (0xa7 bytes) under key 0x5eed, then try
+// to register the engine's allocation three ways; whenever a REGISTER is
+// granted, RETRIEVE that key through it (into the engine's memory).
+int identity_attacker(const std::string &dir, const EngineReport &victim, int report) {
+  IdentityAttempt out[kIdentityAttempts];
+  std::memset(out, 0, sizeof out);
+  HostAlloc own(0xa7), other(0xa7);
+  RawConn mine;
+  if (mine.open(dir) != KVF_SUCCESS) return 30;
+  kvf_proto_msg reply;
+  if (register_tiny(mine, own.id, own.region, own.fd(), &reply) != KVF_SUCCESS ||
+      reply.type != KVF_PROTO_REGISTER_REPLY)
+    return 31;
+  kvf_proto_msg_clear(&reply);
+  if (xfer_block0(mine, KVF_PROTO_STORE, 0x5eed, &reply) != KVF_SUCCESS || reply.type != KVF_PROTO_STORE_REPLY ||
+      reply.u.xfer_reply.outcome != 1)
+    return 32;
+  kvf_proto_msg_clear(&reply);
+  kvf_mem_identity theirs = own.id;
+  theirs.instance_id = victim.instance_id;
+  theirs.allocation_id = victim.allocation_id;
+  theirs.generation = victim.generation;
+  theirs.size = victim.size;
+  RawConn as_victim;
+  if (as_victim.open(dir, victim.instance_id, victim.generation) != KVF_SUCCESS) return 33;
+  for (int k = 0; k < kIdentityAttempts; k++) {
+    RawConn &c = k == 0 ? mine : as_victim;
+    int fd = -1;
+    if (k < 2) {
+      int p[2];
+      if (pipe2(p, O_CLOEXEC) != 0) return 34;
+      close(p[1]);
+      fd = p[0];
+    } else {
+      fd = other.fd();
+    }
+    if (register_tiny(c, theirs, own.region, fd, &reply) != KVF_SUCCESS) return 35;
+    out[k].type = reply.type;
+    if (reply.type == KVF_PROTO_ERROR) {
+      out[k].status = reply.u.error.status;
+      std::snprintf(out[k].field, sizeof out[k].field, "%s", reply.u.error.field);
+      std::snprintf(out[k].message, sizeof out[k].message, "%s", reply.u.error.message);
+    }
+    bool granted = reply.type == KVF_PROTO_REGISTER_REPLY;
+    kvf_proto_msg_clear(&reply);
+    if (granted) {
+      if (xfer_block0(c, KVF_PROTO_RETRIEVE, 0x5eed, &reply) != KVF_SUCCESS) return 36;
+      if (reply.type == KVF_PROTO_RETRIEVE_REPLY) out[k].restored = reply.u.xfer_reply.bytes_done;
+      kvf_proto_msg_clear(&reply);
+    }
+  }
+  return put(report, out, sizeof out) ? 0 : 37;
+}
+
+TEST_F(Isolation, AnotherClientsAllocationIsRefusedWhateverTheDescriptor) {
+  ASSERT_TRUE(server_.start(dir_, 30000));
+  int fds0 = server_.fds(), maps0 = server_.memfd_maps();
+  EngineReport victim;
+  Child &engine = start_engine(0x5a, &victim);
+  ASSERT_EQ(victim.status, KVF_SUCCESS);
+  Child &attacker = spawn([this, &victim](int, int rep) { return identity_attacker(dir_, victim, rep); });
+  IdentityAttempt out[kIdentityAttempts];
+  ASSERT_TRUE(get(attacker.report, out, sizeof out, 30000)) << "the attacker stopped: " << finish(attacker);
+  EXPECT_EQ(finish(attacker), 0);
+  for (int k = 0; k < kIdentityAttempts; k++) {
+    SCOPED_TRACE(kIdentityAttemptNames[k]);
+    std::printf("%s: %s%s%s%s\n", kIdentityAttemptNames[k],
+                out[k].type == KVF_PROTO_ERROR ? out[k].field : "REGISTERED",
+                out[k].type == KVF_PROTO_ERROR ? ": " : "", out[k].message,
+                out[k].restored ? " -- and its RETRIEVE wrote into the engine's memory" : "");
+    EXPECT_EQ(out[k].type, KVF_PROTO_ERROR);
+    EXPECT_EQ(out[k].status, (uint32_t)KVF_ERR_PERMISSION) << out[k].message;
+    EXPECT_STREQ(out[k].field, "payload.regions[0].instance_id") << out[k].message;
+    EXPECT_EQ(out[k].restored, 0u);
+  }
+  // The engine's memory holds its own bytes, and it was served throughout.
+  EngineReport er = stop_engine(engine);
+  EXPECT_EQ(er.status, KVF_SUCCESS) << er.message;
+  EXPECT_EQ(er.failures, 0u) << er.message;
+  // Once the engine is gone its instance is free again: a new process of it
+  // (a restart with the same generation, new memory) registers.
+  Child &restart = spawn([this, &victim](int, int) {
+    HostAlloc fresh(1);
+    RawConn c;
+    if (c.open(dir_, victim.instance_id, victim.generation) != KVF_SUCCESS) return 40;
+    kvf_mem_identity id = fresh.id;
+    id.instance_id = victim.instance_id;
+    id.generation = victim.generation;
+    id.allocation_id = victim.allocation_id + 1000;
+    kvf_proto_msg reply;
+    if (register_tiny(c, id, fresh.region, fresh.fd(), &reply) != KVF_SUCCESS) return 41;
+    int ok = reply.type == KVF_PROTO_REGISTER_REPLY;
+    if (!ok) std::fprintf(stderr, "restart: %s\n", describe(reply).c_str());
+    kvf_proto_msg_clear(&reply);
+    return ok ? 0 : 42;
+  });
+  EXPECT_EQ(finish(restart), 0) << "the engine's instance stayed bound after it left";
+  EXPECT_EQ(server_.fds(), fds0) << "the server kept descriptors";
+  EXPECT_EQ(server_.memfd_maps(), maps0) << "the server kept mappings";
+  EXPECT_EQ(server_.stop(), 0) << kServerCodes;
+}
+
+// Two connections of one process share its instance, but a mapping belongs
+// to the connection that imported it: the other one's REGISTER of that
+// allocation is refused even with the allocation's own descriptor, and its
+// own allocations register.
+TEST_F(Isolation, AMappingBelongsToTheConnectionThatImportedIt) {
+  ASSERT_TRUE(server_.start(dir_, 30000));
+  HostAlloc a(1), b(2);
+  RawConn one, two;
+  ASSERT_EQ(one.open(dir_), KVF_SUCCESS);
+  ASSERT_EQ(two.open(dir_), KVF_SUCCESS);
+  kvf_proto_msg reply;
+  ASSERT_EQ(register_tiny(one, a.id, a.region, a.fd(), &reply), KVF_SUCCESS);
+  ASSERT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
+  kvf_proto_msg_clear(&reply);
+  ASSERT_EQ(register_tiny(two, a.id, a.region, a.fd(), &reply), KVF_SUCCESS);
+  std::printf("the other connection, a's own descriptor: %s\n", describe(reply).c_str());
+  ASSERT_EQ(reply.type, KVF_PROTO_ERROR) << describe(reply);
+  EXPECT_EQ(reply.u.error.status, (uint32_t)KVF_ERR_PERMISSION);
+  EXPECT_STREQ(reply.u.error.field, "payload.regions[0].instance_id");
+  kvf_proto_msg_clear(&reply);
+  ASSERT_EQ(register_tiny(two, b.id, b.region, b.fd(), &reply), KVF_SUCCESS);
+  EXPECT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
+  kvf_proto_msg_clear(&reply);
+  kvf_client_stats s = stat_now();
+  EXPECT_EQ(s.active, 2u);
+  EXPECT_EQ(s.imports, 2u);
+  EXPECT_EQ(s.aliases, 4u);
+  one.close();
+  two.close();
+  EXPECT_EQ(server_.stop(), 0) << kServerCodes;
+}
+
 }  // namespace

@@ -35,6 +35,7 @@ typedef struct kvf_import_mapping {
   kvf_import_res res;
   uint64_t aliases;             /* views of active registrations using it */
   struct kvf_import_reg *owner; /* closing list: the registration that closes it, or NULL */
+  uint64_t owner_client;        /* the client whose registration imported it */
   uint64_t mark;                /* per-client counting */
   struct kvf_import_mapping *next;
 } kvf_import_mapping;
@@ -68,6 +69,7 @@ struct kvf_import_table {
   uint64_t imports_total;
   uint64_t dedup_total;
   uint64_t rollbacks_total;
+  kvf_import_policy policy;
 };
 
 static int kvf_id_same_key(const kvf_mem_identity *a, const kvf_mem_identity *b) {
@@ -308,6 +310,15 @@ kvf_status kvf_import_table_register_ex(kvf_import_table *t, uint64_t client, co
       live = 1;
       dedup++;
     }
+    if (m != NULL && live && t->policy.owned && m->owner_client != client) {
+      char idtext[128];
+      kvf_fail(KVF_ERR_PERMISSION,
+               "%s is mapped for client %" PRIu64 ", which imported it; a client aliases only the allocations it "
+               "imported itself",
+               kvf_mem_identity_format(id, idtext, sizeof idtext), m->owner_client);
+      st = kvf_view_fault(fault, i, "identity", KVF_ERR_PERMISSION);
+      goto fail;
+    }
     if (m != NULL) {
       const char *field = NULL;
       if ((st = kvf_mapping_agrees(m, id, &field)) != KVF_SUCCESS) {
@@ -343,6 +354,7 @@ kvf_status kvf_import_table_register_ex(kvf_import_table *t, uint64_t client, co
         goto fail;
       }
       m->id = *id;
+      m->owner_client = client;
       m->ops = kvf_provider_get(id->provider);
       m->res.fd = -1;
       m->res.device = -1;
@@ -440,6 +452,15 @@ fail:
   free(fresh);
   free(fresh_view);
   return st;
+}
+
+kvf_status kvf_import_table_set_policy(kvf_import_table *t, const kvf_import_policy *policy) {
+  if (t == NULL || policy == NULL)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_import_table_set_policy: %s is NULL", t ? "policy" : "table");
+  pthread_mutex_lock(&t->lock);
+  t->policy = *policy;
+  pthread_mutex_unlock(&t->lock);
+  return KVF_SUCCESS;
 }
 
 kvf_status kvf_import_table_unregister(kvf_import_table *t, kvf_import_reg *reg) {

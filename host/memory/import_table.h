@@ -2,6 +2,13 @@
  * Internal: what a cache server asks of the import table beyond
  * kvferry/memory.h (host/memory/import_table.c; kvferryd uses it).
  *
+ * A policy makes the table refuse what a server must not give one client
+ * of another: with `owned`, every mapping belongs to the client
+ * (connection) whose registration imported it, and a view of another
+ * client naming its identity is refused (KVF_ERR_PERMISSION), whatever
+ * descriptor comes with it. Without a policy (kvf_import_table_create's
+ * table) any client's views alias any mapping, as kvferry/memory.h says.
+ *
  * A registration's failure can be attributed: which view and which field
  * ("identity", "fd", "size"), so a server can name the frame's field
  * (payload.regions[3].fd_index).
@@ -18,6 +25,14 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+typedef struct kvf_import_policy {
+  int owned; /* 1: only the client that imported a mapping may alias it */
+} kvf_import_policy;
+
+/* Set the table's policy (none at create); later registrations follow it.
+ * Returns KVF_SUCCESS; KVF_ERR_INVALID_ARGUMENT (NULL). */
+kvf_status kvf_import_table_set_policy(kvf_import_table *table, const kvf_import_policy *policy);
 
 #define KVF_IMPORT_NO_VIEW UINT32_MAX
 

@@ -26,6 +26,7 @@
 #include "common/versioned.h"
 #include "host/server/dataplane.h"
 #include "host/server/register.h"
+#include "host/memory/import_table.h"
 #include "host/ipc/endpoint.h"
 #include "host/core/log.h"
 #include "host/ipc/protocol.h"
@@ -80,6 +81,7 @@ typedef struct kvf_id_set {
  * clients (reply queues, the frame pool) has fallen this far below its
  * high-water mark, the loop trims, at most once a second. */
 #define KVF_SERVER_TRIM_BYTES (8ull << 20)
+#define KVF_SERVER_MAX_GENERATIONS 8u /* generations of its instance one connection may register */
 
 typedef struct kvf_server_conn {
   kvf_conn conn;
@@ -112,6 +114,12 @@ typedef struct kvf_server_conn {
    * of it is read (its requests stay in order) and it is not reaped until
    * server_finish_registers() queues the reply. */
   int register_busy;
+  /* Identities (DESIGN.md §9): the instance HELLO named, and the
+   * generations of it this connection has registered. While it is
+   * connected, no other process may register them. */
+  uint64_t instance_id, generation;
+  uint64_t bound_gen[KVF_SERVER_MAX_GENERATIONS];
+  uint32_t num_bound;
 } kvf_server_conn;
 
 
@@ -483,6 +491,8 @@ static kvf_status handle_hello(kvf_server *s, kvf_server_conn *c, const kvf_prot
   /* From the next frame on: up to max_frame_bytes, the larger ones through the pool. */
   kvf_proto_reader_limit(&c->conn.reader, s->opt.max_frame_bytes, KVF_SERVER_SMALL_FRAME);
   c->pid = m->u.hello.pid;
+  c->instance_id = m->u.hello.instance_id;
+  c->generation = m->u.hello.generation;
   snprintf(c->name, sizeof(c->name), "%s", m->u.hello.name);
   KVF_INFO(SERVER, "client %llu: HELLO from pid %u (peer pid %d) '%s', version %u",
            (unsigned long long)c->client_id, (unsigned)c->pid, (int)c->conn.peer.pid, c->name, (unsigned)version);
@@ -500,11 +510,71 @@ static kvf_status handle_hello(kvf_server *s, kvf_server_conn *c, const kvf_prot
   return server_send(s, c, &r);
 }
 
+/* Whether c may register the allocations its regions name: each region's
+ * instance is c's (its HELLO's), and each generation of it is registered
+ * by no live connection of another process. Binds the generations to c.
+ * Returns KVF_SUCCESS, or KVF_ERR_PERMISSION with kvf_last_error() naming
+ * the region. Cost: regions + connections x generations, bounded. */
+static kvf_status register_claim(kvf_server *s, kvf_server_conn *c, const kvf_proto_register *rg) {
+  uint64_t gens[KVF_SERVER_MAX_GENERATIONS];
+  uint32_t first[KVF_SERVER_MAX_GENERATIONS], ng = 0;
+  for (uint32_t i = 0; i < rg->num_regions; i++) {
+    const kvf_proto_region *r = &rg->regions[i];
+    if (r->instance_id != c->instance_id)
+      return kvf_fail(KVF_ERR_PERMISSION,
+                      "payload.regions[%u].instance_id: %016llx is not this connection's instance %016llx (its "
+                      "HELLO): a client registers only the allocations it exported itself",
+                      (unsigned)i, (unsigned long long)r->instance_id, (unsigned long long)c->instance_id);
+    uint32_t g = 0;
+    while (g < ng && gens[g] != r->generation) g++;
+    if (g == ng) {
+      if (ng == KVF_SERVER_MAX_GENERATIONS)
+        return kvf_fail(KVF_ERR_PERMISSION, "payload.regions[%u].generation: more than %u generations in one REGISTER",
+                        (unsigned)i, KVF_SERVER_MAX_GENERATIONS);
+      gens[ng] = r->generation;
+      first[ng++] = i;
+    }
+  }
+  for (uint32_t g = 0; g < ng; g++) {
+    for (uint32_t k = 0; k < s->num_conns; k++) {
+      const kvf_server_conn *d = s->conns[k];
+      if (d == c || d->instance_id != c->instance_id || d->conn.peer.pid == c->conn.peer.pid) continue;
+      for (uint32_t b = 0; b < d->num_bound; b++)
+        if (d->bound_gen[b] == gens[g])
+          return kvf_fail(KVF_ERR_PERMISSION,
+                          "payload.regions[%u].instance_id: instance %016llx generation %llu is bound to client %llu "
+                          "(pid %d), which registered it first and is still connected; a restarted engine counts its "
+                          "generation up (kvf_mem_instance_set)",
+                          (unsigned)first[g], (unsigned long long)c->instance_id, (unsigned long long)gens[g],
+                          (unsigned long long)d->client_id, (int)d->conn.peer.pid);
+    }
+  }
+  for (uint32_t g = 0; g < ng; g++) {
+    uint32_t b = 0;
+    while (b < c->num_bound && c->bound_gen[b] != gens[g]) b++;
+    if (b == c->num_bound) {
+      if (c->num_bound == KVF_SERVER_MAX_GENERATIONS)
+        return kvf_fail(KVF_ERR_PERMISSION,
+                        "payload.regions[%u].generation: this connection registered %u generations already",
+                        (unsigned)first[g], KVF_SERVER_MAX_GENERATIONS);
+      c->bound_gen[c->num_bound++] = gens[g];
+    }
+  }
+  return KVF_SUCCESS;
+}
+
 /* REGISTER goes to the registration worker (host/server/register.h) with
  * its descriptors; the connection is paused (no further frame of it is read,
  * so its requests stay in order) until server_finish_registers() queues the
  * reply. Returns KVF_SUCCESS, or why the connection must be dropped. */
 static kvf_status handle_register(kvf_server *s, kvf_server_conn *c, kvf_proto_msg *m, int *fds, uint32_t num_fds) {
+  kvf_status st = register_claim(s, c, &m->u.reg);
+  if (st != KVF_SUCCESS) {
+    close_fds(fds, num_fds);
+    KVF_INFO(SERVER, "client %llu (pid %d): REGISTER refused: %s", (unsigned long long)c->client_id,
+             (int)c->conn.peer.pid, kvf_last_error());
+    return server_send_error(s, c, m->request_id, st, NULL);
+  }
   kvf_register_req *req = calloc(1, sizeof(*req));
   if (!req) {
     close_fds(fds, num_fds);
@@ -854,6 +924,12 @@ kvf_status kvf_server_create(const kvf_server_options *caller, kvf_server **out)
     goto fail;
   }
   st = kvf_import_table_create(NULL, &s->table);
+  if (st != KVF_SUCCESS) goto fail;
+  /* A mapping belongs to the connection that imported it (DESIGN.md §9). */
+  kvf_import_policy policy;
+  memset(&policy, 0, sizeof(policy));
+  policy.owned = 1;
+  st = kvf_import_table_set_policy(s->table, &policy);
   if (st != KVF_SUCCESS) goto fail;
   st = kvf_registry_create(s->table, NULL, &s->registry);
   if (st != KVF_SUCCESS) goto fail;
