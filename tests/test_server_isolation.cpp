@@ -993,4 +993,235 @@ TEST_F(Isolation, AMappingBelongsToTheConnectionThatImportedIt) {
   EXPECT_EQ(server_.stop(), 0) << kServerCodes;
 }
 
+// ---- 3. exhaustion ----------------------------------------------------------------
+
+// A sparse memfd of `size` bytes sealed against shrinking and growing: what
+// the host provider imports, costing almost nothing until touched.
+int sparse_memfd(uint64_t size) {
+  int fd = memfd_create("kvf-sparse", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return -1;
+  if (ftruncate(fd, (off_t)size) != 0 || fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+struct FloodReport {
+  uint32_t registers, granted, refused, connections;
+  uint64_t granted_bytes;  // claimed by the REGISTERs granted and still held
+  uint32_t quota_refusals;
+  char first_refusal[320], last_refusal[320];
+};
+
+// Claim sparse allocations from 64 TiB halving down to 32 KiB, each granted
+// one held by its own connection (one registration each), the same size
+// again while it is granted: the server's address space fills up. Report,
+// then hold everything until `control` closes.
+int flood_attacker(const std::string &dir, int control, int report) {
+  FloodReport rep;
+  std::memset(&rep, 0, sizeof rep);
+  std::deque<RawConn> conns;
+  uint64_t region = region_sizes(kTinyGeometry).at(0);
+  conns.emplace_back();
+  if (conns.back().open(dir) != KVF_SUCCESS) return 50;
+  uint64_t next_id = 1u << 20;
+  uint64_t instance = 0, generation = 0;
+  kvf_mem_instance(&instance, &generation);
+  for (uint64_t size = 64ull << 40; size >= (32u << 10) && rep.registers < 200 && conns.size() < 200;) {
+    int fd = sparse_memfd(size);
+    if (fd < 0) return 51;
+    kvf_mem_identity id;
+    std::memset(&id, 0, sizeof id);
+    id.instance_id = instance;
+    id.generation = generation;
+    id.allocation_id = next_id++;
+    id.size = size;
+    id.provider = KVF_MEM_PROVIDER_HOST;
+    kvf_proto_msg reply;
+    rep.registers++;
+    if (register_tiny(conns.back(), id, region, fd, &reply) != KVF_SUCCESS) return 52;
+    if (reply.type == KVF_PROTO_REGISTER_REPLY) {
+      rep.granted++;
+      rep.granted_bytes += size;
+      conns.emplace_back();  // the next claim on a connection of its own
+      if (conns.back().open(dir) != KVF_SUCCESS) return 53;
+    } else {
+      rep.refused++;
+      std::string d = describe(reply);
+      if (std::strncmp(reply.u.error.field, "quota.", 6) == 0) rep.quota_refusals++;
+      if (rep.refused == 1) std::snprintf(rep.first_refusal, sizeof rep.first_refusal, "%s", d.c_str());
+      std::snprintf(rep.last_refusal, sizeof rep.last_refusal, "%s", d.c_str());
+      size /= 2;
+    }
+    kvf_proto_msg_clear(&reply);
+  }
+  rep.connections = (uint32_t)conns.size();
+  if (!put(report, &rep, sizeof rep)) return 54;
+  char b;
+  while (read(control, &b, 1) > 0) {
+  }
+  return 0;
+}
+
+TEST_F(Isolation, ClaimsOfHugeSparseAllocationsAreCappedAndAnEngineStillRegisters) {
+  // The per-process default is max(2 TiB, 2 x RAM): 1 TiB here, so the
+  // figures do not depend on the machine.
+  ASSERT_TRUE(server_.start(dir_, 30000, [](kvf_server_options &o) { o.max_client_mapped_bytes = 1ull << 40; }));
+  int fds0 = server_.fds(), maps0 = server_.memfd_maps();
+  Child &attacker = spawn([this](int ctl, int rep) { return flood_attacker(dir_, ctl, rep); });
+  FloodReport fr;
+  ASSERT_TRUE(get(attacker.report, &fr, sizeof fr, 120000)) << "the attacker stopped: " << finish(attacker, 1000);
+  std::printf("attacker: %u REGISTERs over %u connections: %u granted (%.1f TiB claimed and held), %u refused "
+              "(%u by a quota)\n  first refusal: %s\n  last refusal: %s\n",
+              fr.registers, fr.connections, fr.granted, (double)fr.granted_bytes / (double)(1ull << 40), fr.refused,
+              fr.quota_refusals, fr.first_refusal, fr.last_refusal);
+  // An engine registers meanwhile, and is served.
+  EngineReport first;
+  Child &engine = start_engine(0x5a, &first);
+  EXPECT_EQ(first.status, KVF_SUCCESS) << "the engine could not register: " << first.message;
+  if (first.status == KVF_SUCCESS) {
+    EngineReport er = stop_engine(engine);
+    EXPECT_EQ(er.status, KVF_SUCCESS) << er.message;
+  }
+  EXPECT_GT(fr.quota_refusals, 0u);
+  EXPECT_NE(std::strstr(fr.first_refusal, "quota.mapped_bytes: "), nullptr) << fr.first_refusal;
+  EXPECT_LE(fr.granted_bytes, 1ull << 40) << "one process holds more than its limit";
+  // The attacker leaves: everything it held is unmapped.
+  close(attacker.control);
+  attacker.control = -1;
+  EXPECT_EQ(finish(attacker), 0);
+  kvf_client_stats s = stat_now();
+  for (int i = 0; i < 100 && s.imports != 0; i++) {
+    sleep_ms(20);
+    s = stat_now();
+  }
+  EXPECT_EQ(s.imports, 0u);
+  EXPECT_EQ(server_.fds(), fds0) << "the server kept descriptors";
+  EXPECT_EQ(server_.memfd_maps(), maps0) << "the server kept mappings";
+  EXPECT_EQ(server_.stop(), 0) << kServerCodes;
+}
+
+// Register a sparse allocation of `size` bytes (both tiny regions in it) on c.
+kvf_status register_sparse(RawConn &c, uint64_t size, uint64_t allocation_id, kvf_proto_msg *reply) {
+  uint64_t region = region_sizes(kTinyGeometry).at(0);
+  int fd = sparse_memfd(size);
+  if (fd < 0) return KVF_ERR_SYSTEM;
+  kvf_mem_identity id;
+  std::memset(&id, 0, sizeof id);
+  kvf_mem_instance(&id.instance_id, &id.generation);
+  id.allocation_id = allocation_id;
+  id.size = size;
+  id.provider = KVF_MEM_PROVIDER_HOST;
+  return register_tiny(c, id, region, fd, reply);
+}
+
+// The server-wide cap on mapped bytes holds across processes, and a
+// client's registrations, live and draining (held by requests in flight),
+// are capped.
+TEST_F(Isolation, TheServerWideCapAndTheRegistrationCapHold) {
+  ASSERT_TRUE(server_.start(dir_, 30000, [](kvf_server_options &o) {
+    o.max_mapped_bytes = 4ull << 30;
+    o.max_client_mapped_bytes = 3ull << 30;
+    o.max_client_registrations = 3;
+    o.test_completion_delay_ms = 1500;  // a STORE holds its lease that long
+  }));
+  int fds0 = server_.fds(), maps0 = server_.memfd_maps();
+  // Another process holds 3 GiB.
+  Child &holder = spawn([this](int ctl, int rep) {
+    RawConn c;
+    kvf_proto_msg reply;
+    if (c.open(dir_) != KVF_SUCCESS || register_sparse(c, 3ull << 30, 1, &reply) != KVF_SUCCESS) return 60;
+    char ok = reply.type == KVF_PROTO_REGISTER_REPLY ? 'y' : 'n';
+    kvf_proto_msg_clear(&reply);
+    if (!put(rep, &ok, 1)) return 61;
+    char b;
+    while (read(ctl, &b, 1) > 0) {
+    }
+    return 0;
+  });
+  char ok = 0;
+  ASSERT_TRUE(get(holder.report, &ok, 1, 20000));
+  ASSERT_EQ(ok, 'y');
+  RawConn c;
+  ASSERT_EQ(c.open(dir_), KVF_SUCCESS);
+  kvf_proto_msg reply;
+  ASSERT_EQ(register_sparse(c, 2ull << 30, 2, &reply), KVF_SUCCESS);
+  std::printf("2 GiB beside another process's 3 GiB: %s\n", describe(reply).c_str());
+  ASSERT_EQ(reply.type, KVF_PROTO_ERROR);
+  EXPECT_EQ(reply.u.error.status, (uint32_t)KVF_ERR_BUSY);
+  EXPECT_STREQ(reply.u.error.field, "quota.server_mapped_bytes");
+  kvf_proto_msg_clear(&reply);
+  ASSERT_EQ(register_sparse(c, 512ull << 20, 3, &reply), KVF_SUCCESS);
+  EXPECT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
+  kvf_proto_msg_clear(&reply);
+  // The holder leaves: its 3 GiB are unmapped, and 2 GiB fit now.
+  close(holder.control);
+  holder.control = -1;
+  EXPECT_EQ(finish(holder), 0);
+  kvf_status st = KVF_SUCCESS;
+  for (int i = 0; i < 100; i++) {
+    ASSERT_EQ(register_sparse(c, 2ull << 30, 4 + i, &reply), KVF_SUCCESS);
+    st = reply.type == KVF_PROTO_REGISTER_REPLY ? KVF_SUCCESS : (kvf_status)reply.u.error.status;
+    kvf_proto_msg_clear(&reply);
+    if (st == KVF_SUCCESS) break;
+    sleep_ms(20);
+  }
+  EXPECT_EQ(st, KVF_SUCCESS) << "the holder's bytes were not given back";
+  c.close();
+
+  // Registrations: live + draining at most 3. Each STORE holds a lease on
+  // the registration it was admitted on for 1.5 s, so the one it replaces
+  // drains until then.
+  kvf_client_options co = KVF_CLIENT_OPTIONS_INIT;
+  co.socket_dir = dir_.c_str();
+  kvf_client *cl = nullptr;
+  ASSERT_EQ(kvf_client_connect(&co, &cl, nullptr), KVF_SUCCESS) << kvf_last_error();
+  HostAlloc a(7);
+  kvf_client_region regs[2] = {{a.a, 0, a.region}, {a.a, a.region, a.region}};
+  uint32_t block0[1] = {0};
+  kvf_group_blocks g = {block0, 0, 1};
+  std::vector<uint64_t> requests;
+  kvf_status last = KVF_SUCCESS;
+  std::string refusal;
+  for (int k = 0; k < 4; k++) {
+    last = kvf_client_register(cl, kTinyGeometry, strlen(kTinyGeometry), -1, regs, 2, nullptr);
+    if (last != KVF_SUCCESS) {
+      refusal = kvf_last_error();
+      break;
+    }
+    uint64_t key = 0x100 + (uint64_t)k;
+    kvf_client_xfer x = KVF_CLIENT_XFER_INIT;
+    x.token_begin = 0;
+    x.token_end = 16;
+    x.chunk_keys = &key;
+    x.num_chunk_keys = 1;
+    x.groups = &g;
+    x.num_groups = 1;
+    uint64_t id = 0;
+    ASSERT_EQ(kvf_client_submit(cl, KVF_CLIENT_STORE, &x, &id), KVF_SUCCESS) << kvf_last_error();
+    requests.push_back(id);
+  }
+  std::printf("a fourth registration while three are held: %s\n", refusal.c_str());
+  EXPECT_EQ(last, KVF_ERR_BUSY);
+  EXPECT_EQ(refusal.rfind("quota.registrations: ", 0), 0u) << refusal;
+  EXPECT_EQ(requests.size(), 3u);
+  for (uint64_t id : requests) {
+    kvf_client_result r = KVF_CLIENT_RESULT_INIT;
+    EXPECT_EQ(kvf_client_wait(cl, id, 30000, &r), KVF_SUCCESS) << kvf_last_error();
+  }
+  // Once their requests retire the draining ones go: it registers again.
+  for (int i = 0; i < 100; i++) {
+    last = kvf_client_register(cl, kTinyGeometry, strlen(kTinyGeometry), -1, regs, 2, nullptr);
+    if (last == KVF_SUCCESS) break;
+    sleep_ms(20);
+  }
+  EXPECT_EQ(last, KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(kvf_client_unregister(cl, 0, nullptr), KVF_SUCCESS) << kvf_last_error();
+  kvf_client_disconnect(cl);
+  EXPECT_EQ(server_.fds(), fds0) << "the server kept descriptors";
+  EXPECT_EQ(server_.memfd_maps(), maps0) << "the server kept mappings";
+  EXPECT_EQ(server_.stop(), 0) << kServerCodes;
+}
+
 }  // namespace

@@ -67,6 +67,15 @@ static void usage(FILE *f) {
           "  --request-timeout-ms N      a STORE or RETRIEVE not complete by then is reported\n"
           "                              timed out (its memory is released only once the work\n"
           "                              is proven done) (default 60000)\n"
+          "  --max-client-mapped-gb N    GiB of engine memory one client process (all its\n"
+          "                              connections) may have mapped; a REGISTER claiming more is\n"
+          "                              refused (quota.mapped_bytes) (default: 2 x physical\n"
+          "                              memory, at least 2048)\n"
+          "  --max-mapped-gb N           GiB of engine memory the server may have mapped in all\n"
+          "                              (quota.server_mapped_bytes) (default 65536: half of a\n"
+          "                              47-bit address space)\n"
+          "  --max-client-registrations N  live and draining registrations per connection\n"
+          "                              (quota.registrations) (default 8)\n"
           "  --log-level LEVEL           none, warn, info or trace (default: KVF_DEBUG, else warn)\n"
           "  --help                      this text\n"
           "\n"
@@ -186,6 +195,21 @@ int main(int argc, char **argv) {
       i++;
     } else if (!strcmp(a, "--request-timeout-ms") && v) {
       if (parse_u32(a, v, &opt.request_timeout_ms) != 0) return 2;
+      i++;
+    } else if ((!strcmp(a, "--max-client-mapped-gb") || !strcmp(a, "--max-mapped-gb")) && v) {
+      uint32_t gb = 0;
+      if (parse_u32(a, v, &gb) != 0) return 2;
+      if (gb == 0) {
+        fprintf(stderr, "kvferryd: %s: must be at least 1\n", a);
+        return 2;
+      }
+      if (!strcmp(a, "--max-mapped-gb"))
+        opt.max_mapped_bytes = (uint64_t)gb << 30;
+      else
+        opt.max_client_mapped_bytes = (uint64_t)gb << 30;
+      i++;
+    } else if (!strcmp(a, "--max-client-registrations") && v) {
+      if (parse_u32(a, v, &opt.max_client_registrations) != 0) return 2;
       i++;
     } else if (!strcmp(a, "--log-level") && v) {
       kvf_log_level level;

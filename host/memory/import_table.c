@@ -36,6 +36,7 @@ typedef struct kvf_import_mapping {
   uint64_t aliases;             /* views of active registrations using it */
   struct kvf_import_reg *owner; /* closing list: the registration that closes it, or NULL */
   uint64_t owner_client;        /* the client whose registration imported it */
+  uint64_t account;             /* its quota account */
   uint64_t mark;                /* per-client counting */
   struct kvf_import_mapping *next;
 } kvf_import_mapping;
@@ -248,13 +249,64 @@ static const char *kvf_provider_field(void) {
   return NULL;
 }
 
-kvf_status kvf_import_table_register(kvf_import_table *t, uint64_t client, const kvf_import_view *views,
-                                     uint32_t n, kvf_import_reg **out) {
-  return kvf_import_table_register_ex(t, client, views, n, out, NULL);
+/* Under the lock: bytes of the mappings that count for `account` (all of
+ * them when all is set): from import to address free. */
+static uint64_t kvf_bytes_held(const kvf_import_table *t, uint64_t account, int all) {
+  uint64_t sum = 0;
+  for (int pass = 0; pass < 2; pass++)
+    for (const kvf_import_mapping *m = pass ? t->closing : t->live; m != NULL; m = m->next)
+      if (m->res.held != 0 && (all || m->account == account) && __builtin_add_overflow(sum, m->id.size, &sum))
+        return UINT64_MAX;
+  return sum;
 }
 
-kvf_status kvf_import_table_register_ex(kvf_import_table *t, uint64_t client, const kvf_import_view *views,
-                                        uint32_t n, kvf_import_reg **out, kvf_import_fault *fault) {
+void kvf_import_table_mapped_bytes(kvf_import_table *t, uint64_t account, uint64_t *account_bytes,
+                                   uint64_t *total_bytes) {
+  if (t == NULL) return;
+  pthread_mutex_lock(&t->lock);
+  if (account_bytes != NULL) *account_bytes = kvf_bytes_held(t, account, 0);
+  if (total_bytes != NULL) *total_bytes = kvf_bytes_held(t, 0, 1);
+  pthread_mutex_unlock(&t->lock);
+}
+
+/* Under the lock: whether `fresh` new bytes fit the quotas; *fault and the
+ * message name the one that does not. */
+static kvf_status kvf_quota_check(kvf_import_table *t, uint64_t account, uint64_t fresh, kvf_import_fault *fault) {
+  const char *field = NULL;
+  uint64_t held = 0, limit = 0;
+  if (t->policy.max_account_bytes != 0) {
+    held = kvf_bytes_held(t, account, 0);
+    limit = t->policy.max_account_bytes;
+    if (held > limit || fresh > limit - held) field = "quota.mapped_bytes";
+  }
+  if (field == NULL && t->policy.max_total_bytes != 0) {
+    held = kvf_bytes_held(t, 0, 1);
+    limit = t->policy.max_total_bytes;
+    if (held > limit || fresh > limit - held) field = "quota.server_mapped_bytes";
+  }
+  if (field == NULL) return KVF_SUCCESS;
+  char reason[384];
+  int account_wide = field[6] == 'm';
+  snprintf(reason, sizeof reason,
+           "%s %" PRIu64 " bytes mapped and this registration claims %" PRIu64 " more, over the limit of %" PRIu64
+           " bytes",
+           account_wide ? "this account has" : "the server has", held, fresh, limit);
+  if (fault != NULL) {
+    fault->view = KVF_IMPORT_NO_VIEW;
+    fault->field = field;
+    snprintf(fault->message, sizeof fault->message, "%s", reason);
+  }
+  return kvf_fail(KVF_ERR_BUSY, "%s: %s", field, reason);
+}
+
+kvf_status kvf_import_table_register(kvf_import_table *t, uint64_t client, const kvf_import_view *views,
+                                     uint32_t n, kvf_import_reg **out) {
+  return kvf_import_table_register_ex(t, client, 0, views, n, out, NULL);
+}
+
+kvf_status kvf_import_table_register_ex(kvf_import_table *t, uint64_t client, uint64_t account,
+                                        const kvf_import_view *views, uint32_t n, kvf_import_reg **out,
+                                        kvf_import_fault *fault) {
   kvf_status st = KVF_SUCCESS;
   kvf_import_reg *reg = NULL;
   uint8_t *consumed = NULL;
@@ -275,6 +327,7 @@ kvf_status kvf_import_table_register_ex(kvf_import_table *t, uint64_t client, co
     goto fail;
   }
   if ((st = kvf_views_check(views, n)) != KVF_SUCCESS) goto fail;
+  if (account == 0) account = client;
 
   reg = calloc(1, sizeof *reg);
   consumed = calloc(n, 1);
@@ -355,6 +408,7 @@ kvf_status kvf_import_table_register_ex(kvf_import_table *t, uint64_t client, co
       }
       m->id = *id;
       m->owner_client = client;
+      m->account = account;
       m->ops = kvf_provider_get(id->provider);
       m->res.fd = -1;
       m->res.device = -1;
@@ -365,6 +419,11 @@ kvf_status kvf_import_table_register_ex(kvf_import_table *t, uint64_t client, co
     reg->views[i].offset = views[i].offset;
     reg->views[i].size = views[i].size;
   }
+  /* The quotas, on what the new identities claim, before anything is imported. */
+  uint64_t claimed = 0;
+  for (uint32_t k = 0; k < num_fresh; k++)
+    if (__builtin_add_overflow(claimed, fresh[k]->id.size, &claimed)) claimed = UINT64_MAX;
+  if ((st = kvf_quota_check(t, account, claimed, fault)) != KVF_SUCCESS) goto fail;
   /* 2. Import every new identity: the provider looks at its descriptor (a
    *    sealed memfd of the identity's size; a driver export of memory on
    *    the identity's GPU) and refuses what is not, before anything of this

@@ -189,6 +189,23 @@ static void register_run(kvf_register_worker *w, kvf_register_req *req) {
   uint64_t t0 = kvf_now_ns();
   kvf_status st = register_prepare(rg, req->fds, req->num_fds, &g, &views);
   if (st != KVF_SUCCESS) goto fail;
+  if (w->opt.max_client_registrations != 0) {
+    /* Live and draining ones (a draining one waits for its requests in
+     * flight): each holds its mappings and its lane binding. */
+    kvf_registry_stats cs = KVF_REGISTRY_STATS_INIT;
+    (void)kvf_registry_client_stats(registry, req->client_id, &cs);
+    if (cs.active + cs.draining + cs.registering + 1 > w->opt.max_client_registrations) {
+      for (uint32_t i = 0; i < rg->num_regions; i++)
+        if (views[i].fd >= 0) close(views[i].fd);
+      st = kvf_fail(KVF_ERR_BUSY,
+                    "quota.registrations: the client holds %llu live and %llu draining registrations; with this one "
+                    "it would be over its limit of %u (a draining one goes once its requests in flight retire; "
+                    "kvferryd --max-client-registrations)",
+                    (unsigned long long)cs.active, (unsigned long long)cs.draining,
+                    (unsigned)w->opt.max_client_registrations);
+      goto fail;
+    }
+  }
   st = kvf_registry_register_begin(registry, req->client_id, kvf_now_ns(), &attempt);
   if (st == KVF_SUCCESS) {
     /* The lane first: a device this server does not serve is refused
@@ -204,13 +221,20 @@ static void register_run(kvf_register_worker *w, kvf_register_req *req) {
   }
   uint64_t id = kvf_registry_reg_id(attempt);
   kvf_import_fault fault;
-  st = kvf_registry_register_commit_ex(registry, attempt, views, rg->num_regions, &fault);
+  /* Mapped bytes are counted per client process (SO_PEERCRED), however
+   * many connections it opens. */
+  uint64_t account = req->peer_pid > 0 ? (uint64_t)req->peer_pid : req->client_id;
+  st = kvf_registry_register_commit_ex(registry, attempt, account, views, rg->num_regions, &fault);
   if (st != KVF_SUCCESS) {
     kvf_dataplane_unbind(binding);
     binding = NULL;
     if (fault.field != NULL && fault.view < rg->num_regions)
       kvf_fail(st, "payload.regions[%u].%s: %s; the previous registration stays", (unsigned)fault.view,
                region_field(fault.field), fault.message);
+    else if (fault.field != NULL && !strncmp(fault.field, "quota.", 6))
+      kvf_fail(st, "%s: %s (%s; kvferryd %s); the previous registration stays", fault.field, fault.message,
+               !strcmp(fault.field, "quota.mapped_bytes") ? "counted per client process" : "the whole server",
+               !strcmp(fault.field, "quota.mapped_bytes") ? "--max-client-mapped-gb" : "--max-mapped-gb");
     else
       kvf_error_prefix("payload.regions: registration failed, the previous one stays: ");
     goto fail;

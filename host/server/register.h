@@ -65,6 +65,7 @@ typedef struct kvf_register_req {
 typedef struct kvf_register_options {
   kvf_registry *registry;
   kvf_dataplane *dp;
+  uint32_t max_client_registrations; /* live + draining per client, the new one included; 0: no limit */
   /* Called on the worker thread with each request it finished; ownership
    * moves to the callee. */
   void (*done)(void *ctx, kvf_register_req *req);

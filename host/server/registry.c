@@ -470,11 +470,11 @@ static int is_attempt_locked(const kvf_registry_reg *e) {
 
 kvf_status kvf_registry_register_commit(kvf_registry *r, kvf_registry_reg *attempt,
                                         const kvf_import_view *views, uint32_t num_views) {
-  return kvf_registry_register_commit_ex(r, attempt, views, num_views, NULL);
+  return kvf_registry_register_commit_ex(r, attempt, 0, views, num_views, NULL);
 }
 
-kvf_status kvf_registry_register_commit_ex(kvf_registry *r, kvf_registry_reg *attempt, const kvf_import_view *views,
-                                           uint32_t num_views, kvf_import_fault *fault) {
+kvf_status kvf_registry_register_commit_ex(kvf_registry *r, kvf_registry_reg *attempt, uint64_t account,
+                                           const kvf_import_view *views, uint32_t num_views, kvf_import_fault *fault) {
   if (r == NULL || attempt == NULL)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "registry: '%s' is NULL", r == NULL ? "r" : "attempt");
   pthread_mutex_lock(&r->lock);
@@ -486,7 +486,7 @@ kvf_status kvf_registry_register_commit_ex(kvf_registry *r, kvf_registry_reg *at
   /* Outside the lock: mapping may be slow, and the attempt is ours alone
    * (only commit or abort finish it, and the caller calls one). */
   kvf_import_reg *ireg = NULL;
-  kvf_status st = kvf_import_table_register_ex(r->table, client, views, num_views, &ireg, fault);
+  kvf_status st = kvf_import_table_register_ex(r->table, client, account, views, num_views, &ireg, fault);
 
   pthread_mutex_lock(&r->lock);
   kvf_reg_client *c = attempt->client;

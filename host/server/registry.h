@@ -136,10 +136,11 @@ kvf_status kvf_registry_register_begin(kvf_registry *r, uint64_t client, uint64_
 kvf_status kvf_registry_register_commit(kvf_registry *r, kvf_registry_reg *attempt,
                                         const kvf_import_view *views, uint32_t num_views);
 
-/* kvf_registry_register_commit, with the import's fault (why a view was
- * refused, host/memory/import_table.h) in *fault (may be NULL). */
-kvf_status kvf_registry_register_commit_ex(kvf_registry *r, kvf_registry_reg *attempt, const kvf_import_view *views,
-                                           uint32_t num_views, kvf_import_fault *fault);
+/* kvf_registry_register_commit, with the import's quota account (0: the
+ * client) and its fault (why a view was refused, or which quota,
+ * host/memory/import_table.h) in *fault (may be NULL). */
+kvf_status kvf_registry_register_commit_ex(kvf_registry *r, kvf_registry_reg *attempt, uint64_t account,
+                                           const kvf_import_view *views, uint32_t num_views, kvf_import_fault *fault);
 
 /* Give up an attempt before its views were registered (a bad frame, missing
  * descriptors): it becomes failed and is freed; the previous registration

@@ -905,6 +905,16 @@ kvf_status kvf_server_create(const kvf_server_options *caller, kvf_server **out)
                   (unsigned long long)s->opt.max_buffered_bytes, (unsigned)s->opt.max_frame_bytes);
     goto fail;
   }
+  if (!s->opt.max_mapped_bytes) s->opt.max_mapped_bytes = 64ull << 40;
+  if (!s->opt.max_client_mapped_bytes) {
+    /* An H200 engine maps ~141 GB per GPU (twice that while it re-registers
+     * new memory); a host-backend engine may map most of the RAM. */
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    uint64_t ram = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
+    s->opt.max_client_mapped_bytes = 2 * ram > (2ull << 40) ? 2 * ram : 2ull << 40;
+  }
+  if (s->opt.max_client_mapped_bytes > s->opt.max_mapped_bytes) s->opt.max_client_mapped_bytes = s->opt.max_mapped_bytes;
+  if (!s->opt.max_client_registrations) s->opt.max_client_registrations = 8;
   s->opt.socket_dir = NULL; /* not kept: only the endpoint needs it */
   s->next_client_id = 1;
   while (s->boot_token == 0) {
@@ -929,6 +939,8 @@ kvf_status kvf_server_create(const kvf_server_options *caller, kvf_server **out)
   kvf_import_policy policy;
   memset(&policy, 0, sizeof(policy));
   policy.owned = 1;
+  policy.max_account_bytes = s->opt.max_client_mapped_bytes;
+  policy.max_total_bytes = s->opt.max_mapped_bytes;
   st = kvf_import_table_set_policy(s->table, &policy);
   if (st != KVF_SUCCESS) goto fail;
   st = kvf_registry_create(s->table, NULL, &s->registry);
@@ -963,6 +975,7 @@ kvf_status kvf_server_create(const kvf_server_options *caller, kvf_server **out)
   memset(&ro, 0, sizeof(ro));
   ro.registry = s->registry;
   ro.dp = s->dp;
+  ro.max_client_registrations = s->opt.max_client_registrations;
   ro.done = server_post_register;
   ro.done_ctx = s;
   st = kvf_register_worker_create(&ro, &s->reg_worker);
@@ -971,6 +984,9 @@ kvf_status kvf_server_create(const kvf_server_options *caller, kvf_server **out)
   if (st != KVF_SUCCESS) goto fail;
   KVF_INFO(SERVER, "listening on %s (heartbeat timeout %u ms, boot token %016llx)", kvf_endpoint_socket_path(s->ep),
            (unsigned)s->opt.heartbeat_timeout_ms, (unsigned long long)s->boot_token);
+  KVF_INFO(SERVER, "quotas: %llu GiB mapped per client process, %llu GiB in all, %u registrations per client",
+           (unsigned long long)(s->opt.max_client_mapped_bytes >> 30), (unsigned long long)(s->opt.max_mapped_bytes >> 30),
+           (unsigned)s->opt.max_client_registrations);
   *out = s;
   return KVF_SUCCESS;
 fail:

@@ -110,9 +110,17 @@ typedef struct kvf_server_options {
                                       gets an ERROR naming quota.requests_in_flight; 0: 1024 */
   uint64_t max_reply_queue_bytes;  /* per client: replies not yet read (with their bookkeeping); the
                                       loop stops reading a client at half of it; >= 1 MiB; 0: 16 MiB */
+  /* Quotas on what REGISTER may claim (refused naming quota.*, the previous
+   * registration stays). Mapped bytes are the address space of imported
+   * allocations, counted at their identity's size from import to address
+   * free. */
+  uint64_t max_client_mapped_bytes;  /* per client process (SO_PEERCRED pid, all its connections);
+                                        0: max(2 TiB, 2 x physical memory), at most max_mapped_bytes */
+  uint64_t max_mapped_bytes;         /* the whole server; 0: 64 TiB (half of a 47-bit address space) */
+  uint32_t max_client_registrations; /* live + draining registrations per connection; 0: 8 */
 } kvf_server_options;
 #define KVF_SERVER_OPTIONS_INIT \
-  {sizeof(kvf_server_options), KVF_SERVER_VERSION, NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+  {sizeof(kvf_server_options), KVF_SERVER_VERSION, NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 
 /* Create a server: an import table (no extra access devices), a registry
  * over it, and the endpoint listening on options->socket_dir. Returns
