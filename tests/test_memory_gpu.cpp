@@ -12,6 +12,7 @@
 //   MemoryGpu.CudaMallocMemoryIsRefusedWithAdvice
 //   MemoryGpu.FindsTheAllocationUnderAnInteriorPointer
 //   MemoryGpu.FaultSweepOverTheRealDriver              every driver call of register/unregister
+//   MemoryGpu.ExportInodes                             what fstat says of the driver's exports (reported)
 //   MemoryGpuRole.Exporter                             the child's role (skips when run directly)
 //
 // Every case skips with the reason when kvf_cuda_probe finds no driver or GPU.
@@ -20,6 +21,7 @@
 #include <limits.h>
 #include <spawn.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/time.h>
 #include <sys/wait.h>
 
@@ -433,6 +435,100 @@ TEST(MemoryGpu, FindsTheAllocationUnderAnInteriorPointer) {
 // In one process (export and import of the same allocations), every driver
 // call and system call of register and of unregister fails in turn; after
 // each, nothing leaked and the earlier registration still works.
+// Whether the driver gives every POSIX-FD export of one allocation the same
+// inode, and exports of different allocations different ones. Only if both
+// held (on every driver we support) could the cumem provider's check of a
+// descriptor sent for a mapped identity (kvf_cumem_same,
+// host/memory/provider_cumem.c) compare the inode recorded at the first
+// import, as the host provider does; it checks only that the descriptor
+// imports as memory of the mapping's device. Reported (stdout, the test's
+// properties), not asserted: run it on each driver and read the verdict.
+// Driver 580.159.04 on an H200 (the same calls, in a standalone program):
+// every export, of one allocation or of another, is an open of
+// /dev/nvidiactl, dev 6 ino 142 mode 020666: the inode does NOT identify the
+// allocation.
+TEST(MemoryGpu, ExportInodes) {
+  KVF_REQUIRE_GPUS(1);
+  uint64_t gran = 0;
+  ASSERT_EQ(kvf_mem_granularity(KVF_MEM_PROVIDER_CUMEM, 0, &gran), KVF_SUCCESS) << kvf_last_error();
+  kvf_mem_alloc *a = nullptr, *b = nullptr;
+  kvf_mem_alloc_options o = KVF_MEM_ALLOC_OPTIONS_INIT;
+  o.provider = KVF_MEM_PROVIDER_CUMEM;
+  o.device = 0;
+  o.size = gran;
+  ASSERT_EQ(kvf_mem_alloc_create(&o, &a), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_EQ(kvf_mem_alloc_create(&o, &b), KVF_SUCCESS) << kvf_last_error();
+  struct Export {
+    const char *what = "";
+    int fd = -1;
+    struct stat st {};
+    std::string link;
+  };
+  Export ex[4];
+  ex[0].what = "allocation A, export 1";
+  ex[1].what = "allocation A, export 2";
+  ex[2].what = "allocation B, export 1";
+  ex[3].what = "allocation A, export 3 (after A's exports 1 and 2 were closed)";
+  kvf_mem_alloc *of[4] = {a, a, b, a};
+  for (int i = 0; i < 4; i++) {
+    if (i == 3) {
+      close(ex[0].fd);
+      close(ex[1].fd);
+      ex[0].fd = ex[1].fd = -1;
+    }
+    ASSERT_EQ(kvf_mem_alloc_export(of[i], &ex[i].fd, nullptr), KVF_SUCCESS) << kvf_last_error();
+    ASSERT_EQ(fstat(ex[i].fd, &ex[i].st), 0);
+    char path[64], target[PATH_MAX] = "";
+    std::snprintf(path, sizeof path, "/proc/self/fd/%d", ex[i].fd);
+    ssize_t n = readlink(path, target, sizeof target - 1);
+    if (n > 0) target[n] = '\0';
+    ex[i].link = target;
+    std::printf("%-60s dev %llu ino %llu mode 0%o rdev %llu size %lld -> %s\n", ex[i].what,
+                (unsigned long long)ex[i].st.st_dev, (unsigned long long)ex[i].st.st_ino, (unsigned)ex[i].st.st_mode,
+                (unsigned long long)ex[i].st.st_rdev, (long long)ex[i].st.st_size, ex[i].link.c_str());
+  }
+  auto same = [](const struct stat &x, const struct stat &y) { return x.st_dev == y.st_dev && x.st_ino == y.st_ino; };
+  bool one_allocation_one_inode = same(ex[0].st, ex[1].st) && same(ex[0].st, ex[3].st);
+  bool two_allocations_two_inodes = !same(ex[0].st, ex[2].st);
+  std::printf("verdict: exports of one allocation share an inode: %s; different allocations have different "
+              "inodes: %s => the inode %s identify the allocation\n",
+              one_allocation_one_inode ? "yes" : "no", two_allocations_two_inodes ? "yes" : "no",
+              one_allocation_one_inode && two_allocations_two_inodes ? "does" : "does NOT");
+  ::testing::Test::RecordProperty("one_allocation_one_inode", one_allocation_one_inode ? 1 : 0);
+  ::testing::Test::RecordProperty("two_allocations_two_inodes", two_allocations_two_inodes ? 1 : 0);
+  // What the table does with them today: A's export 3 aliases A's mapping;
+  // B's export, sent for A's identity, imports as memory of the same device
+  // and passes (the documented gap while the verdict is unknown).
+  kvf_import_table *t = nullptr;
+  ASSERT_EQ(kvf_import_table_create(nullptr, &t), KVF_SUCCESS);
+  TablePtr table(t);
+  kvf_mem_identity ida;
+  ASSERT_EQ(kvf_mem_alloc_identity(a, &ida), KVF_SUCCESS);
+  int fda = -1;
+  ASSERT_EQ(kvf_mem_alloc_export(a, &fda, nullptr), KVF_SUCCESS);
+  kvf_import_view v = {ida, fda, 0, gran};
+  kvf_import_reg *r1 = nullptr, *r2 = nullptr, *r3 = nullptr;
+  ASSERT_EQ(kvf_import_table_register(t, 1, &v, 1, &r1), KVF_SUCCESS) << kvf_last_error();
+  v.fd = ex[3].fd;
+  ex[3].fd = -1;
+  EXPECT_EQ(kvf_import_table_register(t, 1, &v, 1, &r2), KVF_SUCCESS) << kvf_last_error();
+  v.fd = ex[2].fd;
+  ex[2].fd = -1;
+  kvf_status st = kvf_import_table_register(t, 1, &v, 1, &r3);
+  std::printf("B's export sent for A's identity: %s%s\n", kvf_status_string(st),
+              st == KVF_SUCCESS ? " (passes: the device matches)" : "");
+  for (kvf_import_reg *r : {r1, r2, r3}) {
+    if (r) {
+      EXPECT_EQ(kvf_import_table_unregister(t, r), KVF_SUCCESS) << kvf_last_error();
+    }
+  }
+  for (auto &e : ex)
+    if (e.fd >= 0) close(e.fd);
+  table.reset();
+  kvf_mem_alloc_destroy(a);
+  kvf_mem_alloc_destroy(b);
+}
+
 TEST(MemoryGpu, FaultSweepOverTheRealDriver) {
   KVF_REQUIRE_GPUS(1);
   CUDA_OK(cudaSetDevice(0));

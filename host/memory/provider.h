@@ -78,9 +78,9 @@ typedef struct kvf_provider_ops {
   /* Is `fd` (not consumed) the allocation mapped as `r` for identity `id`?
    * host: fstat's device and inode equal r's, and the size id->size.
    * cumem: the descriptor imports (the handle is released at once) as
-   * device memory of r's device; fstat's inode is recorded, not compared
-   * (whether the driver gives every export of one allocation one inode is
-   * not established: tests/test_memory_gpu.cpp reports it). Returns
+   * device memory of r's device; fstat's inode is not compared (every
+   * export of the NVIDIA driver is an open of /dev/nvidiactl:
+   * MemoryGpu.ExportInodes in tests/test_memory_gpu.cpp reports it). Returns
    * KVF_SUCCESS, or KVF_ERR_PROTOCOL ("fd: ...") and the driver's or the
    * system's status. */
   kvf_status (*same)(int fd, const kvf_mem_identity *id, const kvf_import_res *r);

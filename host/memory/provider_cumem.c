@@ -329,8 +329,7 @@ static kvf_status kvf_cumem_import(int fd, const kvf_mem_identity *id, kvf_impor
     }
     goto out;
   }
-  /* Recorded, for telling later descriptors of this identity apart (see
-   * kvf_cumem_same). */
+  /* Recorded for diagnostics; not an identity (see kvf_cumem_same). */
   if (KVF_SYS(fstat)(fd, &sb) != 0) {
     st = KVF_SYS_FAIL(errno == EBADF ? KVF_ERR_INVALID_ARGUMENT : KVF_ERR_SYSTEM, errno,
                       "fstat of an imported cumem descriptor");
@@ -371,13 +370,13 @@ out:
 
 /* A descriptor sent for an identity this process maps already: import it
  * (the handle is released at once) and check that it is device memory of
- * the mapping's device. Its inode is not compared: whether every export of
- * one allocation has the same inode (and exports of different allocations
- * different ones) is not established for the NVIDIA driver; the GPU test
- * MemoryGpu.ExportInodes reports it. Until then a descriptor of another
- * allocation on the same GPU passes this check: the table's ownership rule
- * (only the importing client may alias a mapping) is what keeps another
- * client out. */
+ * the mapping's device. Its inode cannot tell allocations apart: with the
+ * NVIDIA driver every POSIX-FD export is an open of /dev/nvidiactl (driver
+ * 580.159.04 on an H200: exports of one allocation and of another all
+ * fstat as dev 6, ino 142, a character device), and MemoryGpu.ExportInodes
+ * reports it for each driver. So a descriptor of another allocation on the
+ * same GPU passes this check: the table's ownership rule (only the client
+ * that imported a mapping may alias it) is what keeps another client out. */
 static kvf_status kvf_cumem_same(int fd, const kvf_mem_identity *id, const kvf_import_res *r) {
   (void)id;
   kvf_status st = KVF_SUCCESS;
