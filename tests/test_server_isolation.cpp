@@ -339,7 +339,7 @@ std::vector<uint64_t> region_sizes(const std::string &json) {
   kvf_geometry *g = nullptr;
   if (kvf_geometry_load_buffer(json.data(), json.size(), nullptr, &g, nullptr) != KVF_SUCCESS) return sizes;
   for (uint32_t i = 0; i < kvf_geometry_num_regions(g); i++) {
-    kvf_region_info info;
+    kvf_region_info info = KVF_REGION_INFO_INIT;
     sizes.push_back(kvf_geometry_region(g, i, &info) == KVF_SUCCESS ? info.size : 0);
   }
   kvf_geometry_destroy(g);
@@ -508,8 +508,7 @@ class Isolation : public ::testing::Test {
 
   // STAT over a new connection: the totals, and how long it took.
   kvf_client_stats stat_now(double *ms = nullptr) {
-    kvf_client_stats s;
-    std::memset(&s, 0, sizeof s);
+    kvf_client_stats s = KVF_CLIENT_STATS_INIT;
     int64_t t0 = mono_us();
     kvf_client_options o = KVF_CLIENT_OPTIONS_INIT;
     o.socket_dir = dir_.c_str();

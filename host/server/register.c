@@ -72,7 +72,7 @@ static kvf_status register_prepare(const kvf_proto_register *rg, int *fds, uint3
   }
   for (uint32_t i = 0; i < nreg; i++) {
     const kvf_proto_region *pr = &rg->regions[i];
-    kvf_region_info info;
+    kvf_region_info info = KVF_REGION_INFO_INIT;
     st = kvf_geometry_region(g, i, &info);
     if (st != KVF_SUCCESS) goto out;
     if (pr->provider != KVF_MEM_PROVIDER_HOST && pr->provider != KVF_MEM_PROVIDER_CUMEM) {

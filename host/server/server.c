@@ -430,7 +430,7 @@ static void server_finish_registers(kvf_server *s) {
       c->last_seen_ns = now; /* the time the REGISTER took does not count as silence */
       (void)kvf_registry_heartbeat(s->registry, c->client_id, now);
       if (req->frame) {
-        (void)conn_queue(c, req->frame, req->frame_len); /* a failure marks c: dropped by the sweep */
+        (void)conn_queue(s, c, req->frame, req->frame_len); /* a failure marks c: dropped by the sweep */
         req->frame = NULL;
       } else {
         c->q_failed = kvf_fail(KVF_ERR_INTERNAL, "register: no reply could be encoded");
