@@ -9,6 +9,7 @@
 #ifndef KVF_KERNELS_LAUNCH_H
 #define KVF_KERNELS_LAUNCH_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include <cuda_runtime_api.h>
@@ -20,6 +21,18 @@ extern "C" {
 /* Threads per CTA of the gather/scatter kernel. */
 int kvf_kernel_threads(void);
 
+/* The largest launch blob the kernel takes in its parameters (CUDA 12.1+
+ * allows 32764 bytes of kernel parameters on every GPU kvferry supports). */
+#define KVF_KERNEL_PARAM_MAX 32752
+
+/* Bytes of parameters a blob of blob_bytes is launched with (the smallest
+ * variant that holds it), 0 when it is larger than KVF_KERNEL_PARAM_MAX. */
+size_t kvf_kernel_param_room(size_t blob_bytes);
+
+/* Load every kernel variant's module now (module loading is lazy): a
+ * context's first call then pays no loading. */
+cudaError_t kvf_kernel_preload(void);
+
 /* Launch the kernel on `stream` over the launch blob at `device_blob`
  * (kernels/plan.h, already in device memory in stream order) with at most
  * *ctas CTAs (one per SM at most); *ctas is lowered to what total_tasks can
@@ -27,6 +40,15 @@ int kvf_kernel_threads(void);
  * enqueued); with KVF_DEBUG_SYNC it also synchronizes `stream` and returns
  * the kernel's error. The stream is the last argument. */
 cudaError_t kvf_kernel_launch(const void *device_blob, uint64_t total_tasks, uint32_t *ctas, cudaStream_t stream);
+
+/* The same launch with the blob in the kernel's parameters: host_blob is a
+ * host copy of a blob of blob_bytes (at most KVF_KERNEL_PARAM_MAX), readable
+ * for kvf_kernel_param_room(blob_bytes) bytes; the launch copies it when it
+ * is called, so nothing needs to stay alive after it returns, and a graph
+ * that captures the launch keeps its own copy. Returns cudaErrorInvalidValue
+ * for a blob too large (nothing launched). */
+cudaError_t kvf_kernel_launch_params(const void *host_blob, size_t blob_bytes, uint64_t total_tasks, uint32_t *ctas,
+                                     cudaStream_t stream);
 
 #ifdef __cplusplus
 }

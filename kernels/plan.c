@@ -98,7 +98,8 @@ kvf_status kvf_plan_build(const kvf_geometry *g, kvf_object_format format, kvf_p
                                .region = d->region,
                                .group = gi,
                                .object_group = gr->object_group,
-                               .recurrent = 1};
+                               .recurrent = 1,
+                               .view = gr->views[l]};
           before += d->states[s].bytes;
         }
         continue;
@@ -117,7 +118,8 @@ kvf_status kvf_plan_build(const kvf_geometry *g, kvf_object_format format, kvf_p
                              .tokens = gr->desc.block_size,
                              .region = d->region,
                              .group = gi,
-                             .object_group = gr->object_group};
+                             .object_group = gr->object_group,
+                             .view = gr->views[l]};
         if (format == KVF_FORMAT_CANONICAL) {
           uint64_t before = 0;
           for (uint32_t q = 0; q < p; q++) before += og->plane_bytes_per_token[q];
@@ -195,14 +197,29 @@ static void moved_range(const kvf_geometry *g, const kvf_copy_request *r, uint32
 
 static uint64_t round16(uint64_t x) { return (x + 15) & ~(uint64_t)15; }
 
+static int seg_in(const kvf_blob_opts *opts, uint32_t s) { return !opts || !opts->segments || opts->segments[s]; }
+
+/* Bytes one block of a segment moves (a recurrent state: its run). */
+static uint64_t seg_block_bytes(const kvf_segment *s) { return (uint64_t)s->run * s->heads * s->tokens; }
+
+/* Slice bytes as the build takes them: a multiple of 16, at least the minimum. */
+static uint32_t slice_of(uint32_t slice_bytes) {
+  if (slice_bytes == 0) return KVF_SLICE_BYTES;
+  slice_bytes &= ~15u;
+  return slice_bytes < KVF_SLICE_MIN_BYTES ? KVF_SLICE_MIN_BYTES : slice_bytes;
+}
+
 /* Where the blob's arrays go: counts its entries and ids first. */
-static void blob_layout(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r, kvf_blob_header *h) {
+static void blob_layout(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r,
+                        const kvf_blob_opts *opts, kvf_blob_header *h) {
   uint64_t entries = 0, ids = 0;
   for (uint32_t gi = 0; gi < g->num_groups; gi++) {
-    uint64_t b0, b1;
+    uint64_t b0, b1, n = 0;
     moved_range(g, r, gi, &b0, &b1);
     if (b0 == b1) continue;
-    entries += plan->group_first[gi + 1] - plan->group_first[gi];
+    for (uint32_t s = plan->group_first[gi]; s < plan->group_first[gi + 1]; s++) n += seg_in(opts, s);
+    if (!n) continue;
+    entries += n;
     ids += b1 - b0;
   }
   uint64_t objects = kvf_copy_request_chunks(g, r) * g->num_object_groups;
@@ -213,15 +230,24 @@ static void blob_layout(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
   h->size = h->off_objects + objects * sizeof(uint64_t);
 }
 
-uint64_t kvf_blob_size(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r) {
+uint64_t kvf_blob_size(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r,
+                       const kvf_blob_opts *opts) {
   kvf_blob_header h;
-  blob_layout(g, plan, r, &h);
+  blob_layout(g, plan, r, opts, &h);
   return h.size;
 }
 
+/* An entry's slices for `slice` bytes per task. */
+static void entry_slices(kvf_blob_entry *x, uint32_t slice) {
+  uint64_t block_units = seg_block_bytes(&x->seg) / x->vec;
+  x->slice_units = slice / x->vec;
+  x->slices = (uint32_t)((block_units + x->slice_units - 1) / x->slice_units);
+}
+
 uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r, int gather,
-                        void *out) {
+                        const kvf_blob_opts *opts, void *out) {
   kvf_blob_header *h = out;
+  uint32_t slice = slice_of(opts ? opts->slice_bytes : 0);
   memset(h, 0, sizeof *h);
   uint64_t c = g->policy.chunk_tokens;
   h->lt_begin = kvf_local_token(g, r->token_begin);
@@ -235,7 +261,7 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
   h->gather = gather ? 1 : 0;
   for (uint32_t gi = 0; gi < g->num_groups; gi++)
     if (g->groups[gi].desc.num_blocks > h->num_blocks_max) h->num_blocks_max = g->groups[gi].desc.num_blocks;
-  blob_layout(g, plan, r, h);
+  blob_layout(g, plan, r, opts, h);
 
   char *base = out;
   kvf_blob_entry *e = (kvf_blob_entry *)(base + h->off_entries);
@@ -254,24 +280,26 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
   uint64_t tasks = 0, at_ids = 0;
   uint32_t ne = 0;
   for (uint32_t gi = 0; gi < g->num_groups; gi++) {
-    uint64_t b0, b1;
+    uint64_t b0, b1, group_payload = 0;
     moved_range(g, r, gi, &b0, &b1);
     if (b0 == b1) continue;
+    for (uint32_t s = plan->group_first[gi]; s < plan->group_first[gi + 1]; s++)
+      if (seg_in(opts, s)) group_payload += seg_block_bytes(&plan->segments[s]);
+    if (!group_payload) continue;
     const kvf_group_blocks *t = &r->groups[gi];
     memcpy(id_out + at_ids, t->block_ids + (b0 - t->first_block), (b1 - b0) * sizeof(uint32_t));
-    /* Payload: moving blocks x block payload, less the missing tokens of a
-     * partial last block. */
+    /* Payload: moving blocks x the blob's block bytes, less the missing
+     * tokens of a partial last block. */
     uint64_t moving = 0;
     for (uint64_t b = b0; b < b1; b++) moving += id_out[at_ids + b - b0] != KVF_BLOCK_SKIP;
     const kvf_group *gr = &g->groups[gi];
-    uint64_t group_payload = 0;
-    for (uint32_t l = 0; l < gr->num_views; l++) group_payload += g->views[gr->views[l]].block_payload;
     h->payload_bytes += moving * group_payload;
     if (gr->desc.kind != KVF_GROUP_RECURRENT && id_out[at_ids + b1 - 1 - b0] != KVF_BLOCK_SKIP) {
       uint64_t end_tokens = (b1) * gr->desc.block_size;
       if (end_tokens > h->lt_end) h->payload_bytes -= (end_tokens - h->lt_end) * (group_payload / gr->desc.block_size);
     }
     for (uint32_t s = plan->group_first[gi]; s < plan->group_first[gi + 1]; s++) {
+      if (!seg_in(opts, s)) continue;
       const kvf_segment *seg = &plan->segments[s];
       kvf_blob_entry *x = &e[ne++];
       memset(x, 0, sizeof *x);
@@ -282,13 +310,28 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
       x->vec = min_u32(seg->align, min_u32(align_of(regions[seg->region]), align_of(og_bits[seg->object_group])));
       x->units_per_run = seg->run / x->vec;
       x->units_per_token = (uint64_t)x->units_per_run * seg->heads;
-      uint64_t block_bytes = (uint64_t)seg->run * seg->heads * seg->tokens;
-      x->slices = (uint32_t)((block_bytes + KVF_SLICE_BYTES - 1) / KVF_SLICE_BYTES);
+      entry_slices(x, slice);
       tasks += (b1 - b0) * x->slices;
     }
     at_ids += b1 - b0;
   }
   h->num_entries = ne;
+  h->total_tasks = tasks;
+  return tasks;
+}
+
+uint64_t kvf_blob_reslice(void *blob, uint32_t slice_bytes) {
+  kvf_blob_header *h = blob;
+  kvf_blob_entry *e = (kvf_blob_entry *)((char *)blob + h->off_entries);
+  uint32_t slice = slice_of(slice_bytes);
+  uint64_t tasks = 0;
+  for (uint32_t i = 0; i < h->num_entries; i++) {
+    uint64_t end = i + 1 < h->num_entries ? e[i + 1].first_task : h->total_tasks;
+    uint64_t blocks = (end - e[i].first_task) / e[i].slices; /* read before first_task is rewritten */
+    e[i].first_task = tasks;
+    entry_slices(&e[i], slice);
+    tasks += blocks * e[i].slices;
+  }
   h->total_tasks = tasks;
   return tasks;
 }
@@ -316,44 +359,103 @@ static uint32_t find_entry(const kvf_blob_header *h, const kvf_blob_entry *e, ui
   return lo;
 }
 
+/* Block j of entry e: its object index, object offset and units; 0 when it
+ * moves nothing (a skipped block, a block past the request's end). The same
+ * formulas as the kernel's decode (xfer_kernel.cu). */
+static int block_of(const kvf_blob_header *h, const kvf_blob_entry *e, uint64_t j, uint32_t *id_out,
+                    uint64_t *obj_index, uint64_t *obj_off, uint64_t *units) {
+  const char *blob = (const char *)h;
+  const uint32_t *ids = (const uint32_t *)(blob + h->off_ids);
+  const kvf_segment *s = &e->seg;
+  uint32_t id = ids[e->ids_offset + j];
+  if (id == KVF_BLOCK_SKIP || id >= h->num_blocks_max) return 0;
+  uint64_t lb = e->lb_begin + j, k;
+  if (s->recurrent) {
+    k = lb - h->chunk_begin;
+    *units = e->units_per_run;
+    *obj_off = h->chunk_local * s->dst_per_token + s->dst_const;
+  } else {
+    uint64_t rel = lb * s->tokens - h->lt_begin, chunk_start;
+    k = rel / h->chunk_local;
+    chunk_start = h->lt_begin + k * h->chunk_local;
+    uint64_t n = h->lt_end - chunk_start < h->chunk_local ? h->lt_end - chunk_start : h->chunk_local;
+    uint64_t valid = h->lt_end - lb * s->tokens;
+    if (valid > s->tokens) valid = s->tokens;
+    *units = valid * e->units_per_token;
+    *obj_off = n * s->dst_per_token + s->dst_const + ((rel % h->chunk_local) / s->tokens) * s->dst_block;
+  }
+  *id_out = id;
+  *obj_index = k * h->num_object_groups + s->object_group;
+  return *units > 0;
+}
+
 static int decode(const kvf_blob_header *h, uint64_t task, task_view *tv) {
   const char *blob = (const char *)h;
   const kvf_blob_entry *entries = (const kvf_blob_entry *)(blob + h->off_entries);
   const kvf_blob_entry *e = &entries[find_entry(h, entries, task)];
   const uint64_t *regions = (const uint64_t *)(blob + h->off_regions);
-  const uint32_t *ids = (const uint32_t *)(blob + h->off_ids);
   const uint64_t *objects = (const uint64_t *)(blob + h->off_objects);
   const kvf_segment *s = &e->seg;
   uint64_t local = task - e->first_task, j = local / e->slices, slice = local % e->slices;
-  uint32_t id = ids[e->ids_offset + j];
-  if (id == KVF_BLOCK_SKIP || id >= h->num_blocks_max) return 0;
-  uint64_t lb = e->lb_begin + j, k, n, units, obj_off;
-  if (s->recurrent) {
-    k = lb - h->chunk_begin;
-    n = h->chunk_local;
-    units = e->units_per_run;
-    obj_off = n * s->dst_per_token + s->dst_const;
-  } else {
-    uint64_t rel = lb * s->tokens - h->lt_begin, chunk_start;
-    k = rel / h->chunk_local;
-    chunk_start = h->lt_begin + k * h->chunk_local;
-    n = h->lt_end - chunk_start < h->chunk_local ? h->lt_end - chunk_start : h->chunk_local;
-    uint64_t valid = h->lt_end - lb * s->tokens;
-    if (valid > s->tokens) valid = s->tokens;
-    units = valid * e->units_per_token;
-    obj_off = n * s->dst_per_token + s->dst_const + ((rel % h->chunk_local) / s->tokens) * s->dst_block;
-  }
-  uint64_t slice_units = KVF_SLICE_BYTES / e->vec;
+  uint64_t oi, obj_off, units;
+  uint32_t id;
+  if (!block_of(h, e, j, &id, &oi, &obj_off, &units)) return 0;
+  uint64_t slice_units = e->slice_units;
   tv->unit_begin = slice * slice_units;
   tv->unit_end = tv->unit_begin + slice_units < units ? tv->unit_begin + slice_units : units;
   if (tv->unit_begin >= tv->unit_end) return 0;
   /* An object left out of this blob (another leg of the call moves it). */
-  uint64_t object = objects[k * h->num_object_groups + s->object_group];
+  uint64_t object = objects[oi];
   if (object == 0) return 0;
   tv->e = e;
   tv->cache = (char *)(uintptr_t)regions[s->region] + s->src_offset + (uint64_t)id * s->src_block;
   tv->object = (char *)(uintptr_t)object + obj_off;
   return 1;
+}
+
+uint64_t kvf_blob_blocks(const void *blob, kvf_blob_block *out, uint64_t cap) {
+  const kvf_blob_header *h = blob;
+  const char *b = blob;
+  const kvf_blob_entry *entries = (const kvf_blob_entry *)(b + h->off_entries);
+  const uint64_t *regions = (const uint64_t *)(b + h->off_regions);
+  const uint64_t *objects = (const uint64_t *)(b + h->off_objects);
+  uint64_t n = 0;
+  for (uint32_t i = 0; i < h->num_entries; i++) {
+    const kvf_blob_entry *e = &entries[i];
+    uint64_t end = i + 1 < h->num_entries ? entries[i + 1].first_task : h->total_tasks;
+    uint64_t blocks = (end - e->first_task) / e->slices;
+    for (uint64_t j = 0; j < blocks; j++) {
+      uint64_t oi, obj_off, units;
+      uint32_t id;
+      if (!block_of(h, e, j, &id, &oi, &obj_off, &units) || objects[oi] == 0) continue;
+      if (n < cap) {
+        out[n].entry = i;
+        out[n].object_index = oi;
+        out[n].cache = (char *)(uintptr_t)regions[e->seg.region] + e->seg.src_offset + (uint64_t)id * e->seg.src_block;
+        out[n].object = (char *)(uintptr_t)objects[oi] + obj_off;
+        out[n].units = units;
+      }
+      n++;
+    }
+  }
+  return n;
+}
+
+int kvf_blob_entry_linear(const kvf_blob_entry *e) {
+  const kvf_segment *s = &e->seg;
+  return s->heads == 1 && (s->tokens == 1 || (s->src_token == s->run && s->dst_token == s->run));
+}
+
+uint64_t kvf_blob_object_extent(const kvf_blob_entry *e, uint64_t units) {
+  if (units == 0) return 0;
+  if (kvf_blob_entry_linear(e)) return units * e->vec;
+  const kvf_segment *s = &e->seg;
+  /* Offsets are affine with nonnegative strides in (token, head, unit):
+   * the last unit has each index at its largest. */
+  uint64_t u = units - 1, t = u / e->units_per_token, r = u % e->units_per_token;
+  uint64_t hh = r / e->units_per_run, c = r % e->units_per_run;
+  uint64_t last = t * s->dst_token + hh * s->dst_head + c * e->vec + e->vec;
+  return last;
 }
 
 void kvf_blob_run_cpu(const void *blob, uint64_t first, uint64_t end) {

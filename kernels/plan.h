@@ -15,9 +15,11 @@
  * A request becomes a "launch blob": a header, the region bases, one entry
  * per moving segment (the segment plus its group's block range and its first
  * task), the block ids and the object pointers. A task is (entry, block,
- * slice of at most KVF_SLICE_BYTES); one warp (GPU) or one loop (CPU) copies
- * a task. The blob is plain data: the host builds it, the kernel reads it
- * from device memory, the CPU path from host memory.
+ * slice of at most the blob's slice bytes, KVF_SLICE_BYTES unless the build
+ * asks for smaller ones); one warp (GPU) or one loop (CPU) copies a task. The
+ * blob is plain data: the host builds it, the kernel reads it from device
+ * memory or from its own parameters (small blobs), the CPU path from host
+ * memory. A build may take only some segments (a staged call's pieces).
  *
  * Nothing here includes a CUDA header: plan.c is C, xfer_kernel.cu includes
  * this file too. */
@@ -32,9 +34,12 @@
 extern "C" {
 #endif
 
-/* Bytes one task moves at most: small enough to spread a one-chunk request
- * over every SM, large enough that a task's setup is a small share. */
+/* Bytes one task moves at most by default: small enough to spread a
+ * one-chunk request over every SM, large enough that a task's setup is a
+ * small share. A build may ask for smaller slices (kvf_blob_opts). */
 #define KVF_SLICE_BYTES 8192u
+/* The smallest slice a build takes: one 16-byte unit per lane of a warp. */
+#define KVF_SLICE_MIN_BYTES 512u
 
 typedef struct kvf_segment {
   uint64_t src_offset;    /* from the region base, block 0 */
@@ -54,6 +59,8 @@ typedef struct kvf_segment {
   uint32_t object_group;
   uint32_t recurrent;
   uint32_t align;         /* largest power of two <= 16 dividing run, offsets and strides */
+  uint32_t view;          /* the geometry's view (layer) it belongs to: a view's segments are consecutive */
+  uint32_t pad_;
 } kvf_segment;
 
 /* Segments of a geometry for one format, in group, layer, plane/state order. */
@@ -78,7 +85,7 @@ typedef struct kvf_blob_entry {
   uint32_t units_per_run;   /* run / vec */
   uint32_t slices;       /* tasks per block */
   uint32_t vec;          /* bytes per access: 16, 8, 4, 2 or 1 */
-  uint32_t pad_;
+  uint32_t slice_units;  /* units one task moves at most (the blob's slice bytes / vec) */
 } kvf_blob_entry;
 
 typedef struct kvf_blob_header {
@@ -103,18 +110,59 @@ typedef struct kvf_blob_header {
   uint64_t off_objects;   /* uint64_t[num_chunks * num_object_groups] */
 } kvf_blob_header;
 
-/* Size of the blob a request needs (0 with a status on a bad request is
- * not possible: the request is checked first by the caller). */
-uint64_t kvf_blob_size(const kvf_geometry *geometry, const kvf_plan *plan, const kvf_copy_request *request);
+/* How one blob is built; NULL means every segment, KVF_SLICE_BYTES slices. */
+typedef struct kvf_blob_opts {
+  uint32_t slice_bytes;          /* most bytes a task moves: a multiple of 16 from KVF_SLICE_MIN_BYTES
+                                    (smaller values are raised to it); 0: KVF_SLICE_BYTES */
+  const unsigned char *segments; /* [plan->num_segments]: 1 = the segment moves in this blob; NULL: all */
+} kvf_blob_opts;
+
+/* Size of the blob a request needs (the request is checked first by the
+ * caller). opts as for kvf_blob_build (only its segment mask matters). */
+uint64_t kvf_blob_size(const kvf_geometry *geometry, const kvf_plan *plan, const kvf_copy_request *request,
+                       const kvf_blob_opts *opts);
 
 /* Build the blob for a checked request into `out` (at least kvf_blob_size
  * bytes, 16-byte aligned). Vector widths follow the alignment of the region
  * bases and object pointers. A NULL object pointer in the request is kept as
  * 0 in the blob and its tasks move nothing: a call may split its objects
- * between blobs. payload_bytes counts every moving block as if its objects
- * were present. Returns the number of tasks, 0 when nothing moves. */
+ * between blobs. Segments left out by opts->segments get no entry: a call
+ * may split its segments between blobs too. payload_bytes counts every
+ * moving block of the blob's segments as if its objects were present.
+ * Returns the number of tasks, 0 when nothing moves. */
 uint64_t kvf_blob_build(const kvf_geometry *geometry, const kvf_plan *plan, const kvf_copy_request *request,
-                        int gather, void *out);
+                        int gather, const kvf_blob_opts *opts, void *out);
+
+/* Re-cut a built blob's tasks into slices of at most slice_bytes (as in
+ * kvf_blob_opts): rewrites slice_units, slices, first_task and total_tasks,
+ * nothing else. Returns the new task count. */
+uint64_t kvf_blob_reslice(void *blob, uint32_t slice_bytes);
+
+/* One (entry, block) pair of a blob that moves something. */
+typedef struct kvf_blob_block {
+  uint32_t entry;        /* index into the blob's entries */
+  uint64_t object_index; /* chunk * object groups + object group: the request's objects[] index */
+  char *cache;           /* the block's first run (token 0, head 0) */
+  char *object;          /* where that run goes in (comes from) the object */
+  uint64_t units;        /* units of the entry's vec the block moves (valid tokens x heads x run) */
+} kvf_blob_block;
+
+/* The blob's (entry, block) pairs that move something, in task order
+ * (skipped blocks and left-out objects are not listed). Writes at most cap
+ * of them into out (which may be NULL with cap 0) and returns how many there
+ * are. */
+uint64_t kvf_blob_blocks(const void *blob, kvf_blob_block *out, uint64_t cap);
+
+/* Whether an entry's blocks are each one contiguous run on both sides (one
+ * fused run per token, tokens back to back, or a recurrent state): then a
+ * block moves units*vec bytes from cache to object as a single copy. */
+int kvf_blob_entry_linear(const kvf_blob_entry *entry);
+
+/* One past the largest object-side byte offset, from the block's object
+ * pointer, that a block moving `units` units of entry e writes (gather) or
+ * reads (scatter). The bytes below it that the block does not touch are
+ * holes: units*vec == extent means none. */
+uint64_t kvf_blob_object_extent(const kvf_blob_entry *entry, uint64_t units);
 
 /* Copy the tasks [first, end) of a blob on the CPU (the host backend). */
 void kvf_blob_run_cpu(const void *blob, uint64_t first, uint64_t end);

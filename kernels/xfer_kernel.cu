@@ -1,9 +1,13 @@
 // The gather/scatter kernel: one launch moves a whole request.
 //
 // Work is a flat list of tasks (entry, block, slice), described by the launch
-// blob (kernels/plan.h) in device memory. Each warp takes tasks in a
-// grid-stride loop; a task is at most KVF_SLICE_BYTES of one block of one
-// segment (layer x plane, or layer x state). Lanes copy consecutive units of
+// blob (kernels/plan.h), read from device memory (kvf_xfer_kernel) or, for
+// blobs of at most KVF_KERNEL_PARAM_MAX bytes, from the kernel's own
+// parameters (kvf_xfer_kernel_p<N>: no upload before the launch, and a graph
+// node keeps its copy). Both read the blob through generic loads, so one
+// body serves both. Each warp takes tasks in a grid-stride loop; a task is
+// at most the entry's slice_units of one block of one segment (layer x
+// plane, or layer x state). Lanes copy consecutive units of
 // `vec` bytes (16 where the run, strides and pointers allow, narrower for
 // rows like 132 or 561 bytes), several loads in flight before the stores, so
 // a few SMs keep a PCIe or NVLink link busy. The same formulas as the CPU
@@ -38,7 +42,7 @@ __device__ __forceinline__ uint32_t find_entry(const kvf_blob_entry *entries, ui
   uint32_t lo = 0, hi = n;
   while (hi - lo > 1) {
     uint32_t mid = (lo + hi) / 2;
-    if (__ldg(&entries[mid].first_task) <= task)
+    if (entries[mid].first_task <= task)
       lo = mid;
     else
       hi = mid;
@@ -55,7 +59,7 @@ __device__ __forceinline__ bool decode(const kvf_blob_header *h, const char *blo
   const uint32_t *ids = reinterpret_cast<const uint32_t *>(blob + h->off_ids);
   const uint64_t *objects = reinterpret_cast<const uint64_t *>(blob + h->off_objects);
   uint64_t local = task - e->first_task, j = local / e->slices, slice = local - j * e->slices;
-  uint32_t id = __ldg(&ids[e->ids_offset + j]);
+  uint32_t id = ids[e->ids_offset + j];
   // The host checked every id; this bound keeps a corrupted table harmless.
   if (id == KVF_BLOCK_SKIP || id >= h->num_blocks_max) return false;
   uint64_t lb = e->lb_begin + j, k, units, obj_off;
@@ -72,7 +76,7 @@ __device__ __forceinline__ bool decode(const kvf_blob_header *h, const char *blo
     units = valid * e->units_per_token;
     obj_off = n * s.dst_per_token + s.dst_const + ((rel - k * h->chunk_local) / s.tokens) * s.dst_block;
   }
-  uint64_t slice_units = KVF_SLICE_BYTES / e->vec;
+  uint64_t slice_units = e->slice_units;
   t->unit_begin = slice * slice_units;
   t->unit_end = min(t->unit_begin + slice_units, units);
   if (t->unit_begin >= t->unit_end) return false;
@@ -134,7 +138,8 @@ __device__ __forceinline__ void copy_task(const Task &t, bool gather, int lane) 
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) kvf_xfer_kernel(const char *blob) {
+// The body of every variant: blob is generic (device memory or parameters).
+__device__ __forceinline__ void run_blob(const char *blob) {
   const kvf_blob_header *h = reinterpret_cast<const kvf_blob_header *>(blob);
   const int lane = threadIdx.x & 31;
   const uint64_t warp = (uint64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
@@ -154,6 +159,46 @@ __global__ void __launch_bounds__(kThreads, 1) kvf_xfer_kernel(const char *blob)
   }
 }
 
+__global__ void __launch_bounds__(kThreads, 1) kvf_xfer_kernel(const char *blob) { run_blob(blob); }
+
+// A blob carried in the kernel's parameters: N bytes of them (the launch
+// copies all N, so a few sizes keep small blobs cheap).
+template <int N> struct alignas(16) ParamBlob {
+  char bytes[N];
+};
+
+template <int N>
+__global__ void __launch_bounds__(kThreads, 1) kvf_xfer_kernel_p(const __grid_constant__ ParamBlob<N> p) {
+  run_blob(p.bytes);
+}
+
+constexpr int kParamSizes[] = {2048, 8192, 16384, KVF_KERNEL_PARAM_MAX};
+static_assert(KVF_KERNEL_PARAM_MAX % 16 == 0 && KVF_KERNEL_PARAM_MAX <= 32764, "kernel parameters hold at most 32764 bytes");
+
+uint32_t lower_ctas(uint64_t total_tasks, uint32_t ctas) {
+  uint64_t useful = (total_tasks + kWarps - 1) / kWarps;  // more CTAs than that would idle
+  return useful < ctas ? (uint32_t)(useful ? useful : 1) : ctas;
+}
+
+cudaError_t finish_launch(cudaStream_t stream) {
+  cudaError_t err = cudaGetLastError();
+#ifdef KVF_DEBUG_SYNC
+  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+#else
+  (void)stream;
+#endif
+  return err;
+}
+
+template <int N> cudaError_t launch_p(const void *blob, size_t bytes, uint32_t ctas, cudaStream_t stream) {
+  // The launch copies the parameters when it is called: blob may be reused
+  // at once. Bytes past the blob are copied too and never read.
+  const ParamBlob<N> *pb = static_cast<const ParamBlob<N> *>(blob);
+  (void)bytes;
+  kvf_xfer_kernel_p<N><<<ctas, kThreads, 0, stream>>>(*pb);
+  return finish_launch(stream);
+}
+
 }  // namespace
 
 extern "C" int kvf_kernel_threads(void) { return kThreads; }
@@ -161,12 +206,37 @@ extern "C" int kvf_kernel_threads(void) { return kThreads; }
 // Declared in kernels/launch.h (which says what it does).
 extern "C" cudaError_t kvf_kernel_launch(const void *device_blob, uint64_t total_tasks, uint32_t *ctas,
                                          cudaStream_t stream) {
-  uint64_t useful = (total_tasks + kWarps - 1) / kWarps;  // more CTAs than that would idle
-  if (useful < *ctas) *ctas = (uint32_t)(useful ? useful : 1);
+  *ctas = lower_ctas(total_tasks, *ctas);
   kvf_xfer_kernel<<<*ctas, kThreads, 0, stream>>>(static_cast<const char *>(device_blob));
-  cudaError_t err = cudaGetLastError();
-#ifdef KVF_DEBUG_SYNC
-  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
-#endif
-  return err;
+  return finish_launch(stream);
+}
+
+extern "C" size_t kvf_kernel_param_room(size_t blob_bytes) {
+  for (int n : kParamSizes)
+    if (blob_bytes <= (size_t)n) return (size_t)n;
+  return 0;
+}
+
+extern "C" cudaError_t kvf_kernel_launch_params(const void *host_blob, size_t blob_bytes, uint64_t total_tasks,
+                                                uint32_t *ctas, cudaStream_t stream) {
+  *ctas = lower_ctas(total_tasks, *ctas);
+  switch (kvf_kernel_param_room(blob_bytes)) {
+    case kParamSizes[0]: return launch_p<kParamSizes[0]>(host_blob, blob_bytes, *ctas, stream);
+    case kParamSizes[1]: return launch_p<kParamSizes[1]>(host_blob, blob_bytes, *ctas, stream);
+    case kParamSizes[2]: return launch_p<kParamSizes[2]>(host_blob, blob_bytes, *ctas, stream);
+    case kParamSizes[3]: return launch_p<kParamSizes[3]>(host_blob, blob_bytes, *ctas, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+extern "C" cudaError_t kvf_kernel_preload(void) {
+  // Module loading is lazy by default (CUDA_MODULE_LOADING=LAZY): querying
+  // each variant's attributes loads it now rather than at a first call.
+  cudaFuncAttributes a;
+  cudaError_t e = cudaFuncGetAttributes(&a, kvf_xfer_kernel);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_xfer_kernel_p<kParamSizes[0]>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_xfer_kernel_p<kParamSizes[1]>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_xfer_kernel_p<kParamSizes[2]>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_xfer_kernel_p<kParamSizes[3]>);
+  return e;
 }

@@ -1037,6 +1037,200 @@ TEST(XferStagePlan, SpanIsThePartsTheRequestMoves) {
   }
 }
 
+// ---- pieces, task sizes and blocks (kernels/plan.h) ------------------------------
+//
+// What the staged route's pieces and the copy-engine batch route build on,
+// checked on the CPU: a request's moving segments split into pieces of whole
+// views, each piece's blob (with tasks cut small) copied by the CPU path
+// must together give the reference's bytes exactly, and a gather piece's
+// copies (its runs) cover exactly the bytes its tasks write; the blocks a
+// blob lists, copied one contiguous run each, give the reference's bytes
+// too wherever every entry is linear.
+
+struct PlanHolder {
+  kvf_plan p{};
+  PlanHolder() = default;
+  PlanHolder(const PlanHolder &) = delete;
+  PlanHolder &operator=(const PlanHolder &) = delete;
+  ~PlanHolder() { kvf_plan_free(&p); }
+};
+
+// Runs every task of a blob on the CPU.
+void run_blob(const std::vector<uint8_t> &blob) {
+  const auto *h = reinterpret_cast<const kvf_blob_header *>(blob.data());
+  kvf_blob_run_cpu(blob.data(), 0, h->total_tasks);
+}
+
+std::vector<uint8_t> build_blob(const kvf_geometry *g, const kvf_plan &plan, const kvf_copy_request *r, bool gather,
+                                const kvf_blob_opts *o) {
+  std::vector<uint8_t> b(kvf_blob_size(g, &plan, r, o) + 64);
+  // 16-byte alignment: vector storage from new is at least that.
+  kvf_blob_build(g, &plan, r, gather ? 1 : 0, o, b.data());
+  return b;
+}
+
+class XferPieces : public ::testing::TestWithParam<HostCase> {};
+
+TEST_P(XferPieces, PiecesOfSmallTasksMatchTheReference) {
+  const HostCase &c = GetParam();
+  const bool gather = c.dir == Dir::Gather;
+  uint64_t seed = seed_of(c.preset, 555 + (uint64_t)c.format * 2 + (uint64_t)c.dir);
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_standard(c.preset, c.format == KVF_FORMAT_CANONICAL, seed, &s));
+  const kvf_geometry *g = s.g();
+  std::mt19937_64 rng(seed + 1);
+  Data in = make_inputs(g, s.plan, c.dir, 0, rng), want = clone(in);
+  ASSERT_EQ(reference(g, s.plan, c.format, c.dir, want), KVF_SUCCESS) << kvf_last_error();
+  PlanHolder plan;
+  ASSERT_EQ(kvf_plan_build(g, c.format, &plan.p), KVF_SUCCESS) << kvf_last_error();
+  const uint32_t ns = plan.p.num_segments;
+  for (uint32_t pieces : {1u, 2u, 4u, 16u}) {
+    SCOPED_TRACE("pieces " + std::to_string(pieces));
+    Data got = clone(in);
+    Req r(s.plan, c.format, payloads(got.cache), payloads(got.objs));
+    std::vector<unsigned char> masks((size_t)pieces * ns);
+    uint32_t made = kvf_stage_piece_masks(g, &plan.p, r.get(), gather, pieces, masks.data());
+    ASSERT_GE(made, 1u);
+    ASSERT_LE(made, pieces);
+    // Every segment of a moving group in exactly one piece, a view's
+    // segments in the same one.
+    std::vector<int> owner(ns, -1);
+    for (uint32_t p = 0; p < made; p++)
+      for (uint32_t i = 0; i < ns; i++)
+        if (masks[(size_t)p * ns + i]) {
+          EXPECT_EQ(owner[i], -1) << "segment " << i << " in two pieces";
+          owner[i] = (int)p;
+        }
+    for (uint32_t i = 1; i < ns; i++)
+      if (plan.p.segments[i].view == plan.p.segments[i - 1].view) {
+        EXPECT_EQ(owner[i], owner[i - 1]) << "segments " << i - 1 << " and " << i << " of one view split";
+      }
+    for (uint32_t p = 0; p < made; p++) {
+      bool any = false;
+      for (uint32_t i = 0; i < ns; i++) any = any || masks[(size_t)p * ns + i];
+      EXPECT_TRUE(any) << "piece " << p << " is empty";
+    }
+    // The pieces' blobs, tasks cut to 512 bytes, copied on the CPU.
+    uint64_t payload = 0;
+    std::vector<uint64_t> base;
+    for (void *o : r.objects) base.push_back(reinterpret_cast<uint64_t>(o));
+    for (uint32_t p = 0; p < made; p++) {
+      kvf_blob_opts o = {512, made > 1 ? masks.data() + (size_t)p * ns : nullptr};
+      std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, &o);
+      const auto *h = reinterpret_cast<const kvf_blob_header *>(blob.data());
+      payload += h->payload_bytes;
+      run_blob(blob);
+      // A piece's copies: when it has no holes they hold exactly the bytes
+      // its tasks move.
+      kvf_stage_run *runs = nullptr;
+      uint64_t n = 0, bytes = 0;
+      int holes = 0;
+      ASSERT_EQ(kvf_stage_blob_runs(blob.data(), base.data(), &runs, &n, &holes), KVF_SUCCESS);
+      for (uint64_t i = 0; i < n; i++) {
+        bytes += runs[i].bytes;
+        if (i > 0 && runs[i].object == runs[i - 1].object) {
+          EXPECT_GT(runs[i].offset, runs[i - 1].offset + runs[i - 1].bytes) << "runs are merged where they touch";
+        }
+        EXPECT_LE(runs[i].offset + runs[i].bytes, r.objects[runs[i].object] ? got.objs[runs[i].object].size : 0)
+            << "a run past its object";
+      }
+      free(runs);
+      if (!holes) {
+        EXPECT_EQ(bytes, h->payload_bytes) << "piece " << p << ": its runs must hold exactly the bytes it moves";
+      } else {
+        EXPECT_GT(bytes, h->payload_bytes);
+      }
+    }
+    EXPECT_EQ(payload, plan_payload(g, s.plan));
+    EXPECT_EQ(diff("cache region", got.cache, want.cache), "");
+    EXPECT_EQ(diff("object", got.objs, want.objs), "");
+  }
+  // Reslicing a built blob gives the same bytes, and kvf_blob_blocks' blocks
+  // copied as single runs too where every entry is linear.
+  for (uint32_t slice : {0u, 512u, 1000u, 65536u}) {
+    SCOPED_TRACE("reslice " + std::to_string(slice));
+    Data got = clone(in);
+    Req r(s.plan, c.format, payloads(got.cache), payloads(got.objs));
+    std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, nullptr);
+    uint64_t tasks = kvf_blob_reslice(blob.data(), slice);
+    EXPECT_EQ(tasks, reinterpret_cast<const kvf_blob_header *>(blob.data())->total_tasks);
+    run_blob(blob);
+    EXPECT_EQ(diff("cache region", got.cache, want.cache), "");
+    EXPECT_EQ(diff("object", got.objs, want.objs), "");
+  }
+  {
+    Data got = clone(in);
+    Req r(s.plan, c.format, payloads(got.cache), payloads(got.objs));
+    std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, nullptr);
+    const auto *h = reinterpret_cast<const kvf_blob_header *>(blob.data());
+    const auto *e = reinterpret_cast<const kvf_blob_entry *>(blob.data() + h->off_entries);
+    bool linear = true;
+    for (uint32_t i = 0; i < h->num_entries; i++) linear = linear && kvf_blob_entry_linear(&e[i]);
+    uint64_t n = kvf_blob_blocks(blob.data(), nullptr, 0);
+    std::vector<kvf_blob_block> blocks(n);
+    ASSERT_EQ(kvf_blob_blocks(blob.data(), blocks.data(), n), n);
+    uint64_t bytes = 0;
+    for (const kvf_blob_block &b : blocks) {
+      bytes += b.units * e[b.entry].vec;
+      EXPECT_GE(kvf_blob_object_extent(&e[b.entry], b.units), b.units * e[b.entry].vec);
+      if (linear) {
+        size_t len = b.units * e[b.entry].vec;
+        if (gather)
+          std::memcpy(b.object, b.cache, len);
+        else
+          std::memcpy(b.cache, b.object, len);
+      }
+    }
+    EXPECT_EQ(bytes, plan_payload(g, s.plan));
+    if (linear) {
+      EXPECT_EQ(diff("cache region (blocks as runs)", got.cache, want.cache), "");
+      EXPECT_EQ(diff("object (blocks as runs)", got.objs, want.objs), "");
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, XferPieces, ::testing::ValuesIn(host_cases(false)), host_case_name);
+
+// Piece shares grow 1:2:4 for a gather (its first kernel is the part the
+// copy engine waits for) and shrink for a scatter.
+TEST(XferPieces, GatherPiecesGrowScatterPiecesShrink) {
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_chunks("deepseek-v3-mla-bf16", 1, 0, 17, &s));
+  const kvf_geometry *g = s.g();
+  PlanHolder plan;
+  ASSERT_EQ(kvf_plan_build(g, KVF_FORMAT_CANONICAL, &plan.p), KVF_SUCCESS);
+  Req r(s.plan, KVF_FORMAT_CANONICAL, fake_bases(g), fake_objects(g, s.plan));
+  const uint32_t ns = plan.p.num_segments;
+  ASSERT_EQ(ns, 61u);
+  for (int gather : {1, 0}) {
+    SCOPED_TRACE(gather ? "gather" : "scatter");
+    std::vector<unsigned char> masks(4 * ns);
+    ASSERT_EQ(kvf_stage_piece_masks(g, &plan.p, r.get(), gather, 4, masks.data()), 4u);
+    std::vector<int> count(4, 0);
+    for (uint32_t p = 0; p < 4; p++)
+      for (uint32_t i = 0; i < ns; i++) count[p] += masks[p * ns + i];
+    for (uint32_t p = 0; p + 1 < 4; p++) {
+      if (gather) {
+        EXPECT_LT(count[p], count[p + 1]) << "piece " << p;
+      } else {
+        EXPECT_GT(count[p], count[p + 1]) << "piece " << p;
+      }
+    }
+    EXPECT_LE(gather ? count[0] : count[3], 61 / 15 + 1) << "the exposed piece holds about a fifteenth";
+  }
+  // More pieces than views: one view each.
+  std::vector<unsigned char> masks(16 * ns);
+  Prepared one;
+  ASSERT_NO_FATAL_FAILURE(setup_chunks("glm-like-hybrid", 1, 0, 19, &one));
+  PlanHolder p1;
+  ASSERT_EQ(kvf_plan_build(one.g(), KVF_FORMAT_CANONICAL, &p1.p), KVF_SUCCESS);
+  Req r1(one.plan, KVF_FORMAT_CANONICAL, fake_bases(one.g()), fake_objects(one.g(), one.plan));
+  std::vector<unsigned char> m1(16 * p1.p.num_segments);
+  uint32_t views = 0;
+  for (uint32_t i = 0; i < p1.p.num_segments; i++) views += i == 0 || p1.p.segments[i].view != p1.p.segments[i - 1].view;
+  EXPECT_EQ(kvf_stage_piece_masks(one.g(), &p1.p, r1.get(), 1, 16, m1.data()), std::min<uint32_t>(views, 16));
+}
+
 // The injection hook belongs to the staged route: the host backend has no
 // batches, and a host context has no staging or internal stream.
 TEST(XferHost, TheStagedFailureHookLeavesTheHostBackendAlone) {

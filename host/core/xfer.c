@@ -548,10 +548,10 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
     part.objects = r->objects + sp.batches[bi].k0 * nog; /* sizes depend only on counts */
     batches[bi].blob_off = blob_bytes;
     batches[bi].buf = (x->next_stage + (uint32_t)bi) & 1;
-    blob_bytes += round256(kvf_blob_size(g, plan, &part));
+    blob_bytes += round256(kvf_blob_size(g, plan, &part, NULL));
   }
   direct_off = blob_bytes;
-  if (sp.any_direct) blob_bytes += round256(kvf_blob_size(g, plan, r));
+  if (sp.any_direct) blob_bytes += round256(kvf_blob_size(g, plan, r, NULL));
   slot = &x->slots[x->next_slot];
   if (slot->in_use && cudaEventSynchronize(slot->done) != cudaSuccess) {
     e = cudaGetLastError();
@@ -566,7 +566,7 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
     for (uint64_t i = pb->k0 * nog; i < pb->k1 * nog; i++)
       sub[i] = sp.staged[i] ? (char *)x->stage[batches[bi].buf] + sp.offset[i] : NULL;
     part.objects = sub + pb->k0 * nog;
-    batches[bi].tasks = kvf_blob_build(g, plan, &part, gather, (char *)slot->pinned + batches[bi].blob_off);
+    batches[bi].tasks = kvf_blob_build(g, plan, &part, gather, NULL, (char *)slot->pinned + batches[bi].blob_off);
     payload += ((const kvf_blob_header *)((char *)slot->pinned + batches[bi].blob_off))->payload_bytes;
     tasks += batches[bi].tasks;
   }
@@ -574,7 +574,7 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
     for (uint64_t i = 0; i < n; i++) sub[i] = sp.staged[i] ? NULL : r->objects[i];
     part = *r;
     part.objects = sub;
-    direct_tasks = kvf_blob_build(g, plan, &part, gather, (char *)slot->pinned + direct_off);
+    direct_tasks = kvf_blob_build(g, plan, &part, gather, NULL, (char *)slot->pinned + direct_off);
     tasks += direct_tasks;
   }
 
@@ -687,7 +687,7 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
   int stageable = 0;
   kvf_status st = route_of(x, r, gather, &route, &stageable);
   if (st) return st;
-  size_t size = (size_t)kvf_blob_size(g, plan, r);
+  size_t size = (size_t)kvf_blob_size(g, plan, r, NULL);
   enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cudaError_t e = cudaStreamIsCapturing(stream, &capture);
   if (e != cudaSuccess) {
@@ -733,7 +733,7 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
     s->in_use = 0;
     if ((st = grow_staging(x, s, size))) return st;
   }
-  uint64_t tasks = kvf_blob_build(g, plan, r, gather, s->pinned);
+  uint64_t tasks = kvf_blob_build(g, plan, r, gather, NULL, s->pinned);
   const kvf_blob_header *h = s->pinned;
   uint32_t ctas = (uint32_t)x->sm_count;
   if (route == KVF_ROUTE_D2H || route == KVF_ROUTE_H2D || route == KVF_ROUTE_HOST_TO_HOST) ctas = pcie_sms;
@@ -775,7 +775,7 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
 
 static kvf_status run_host(kvf_xfer *x, const kvf_copy_request *r, int gather) {
   const kvf_plan *plan = &x->plan[r->format];
-  size_t size = (size_t)kvf_blob_size(x->geometry, plan, r);
+  size_t size = (size_t)kvf_blob_size(x->geometry, plan, r, NULL);
   if (size > x->host_blob_cap) {
     void *p = aligned_alloc(64, (size + 63) & ~(size_t)63);
     if (!p) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "host transfer: out of memory for %zu bytes of tables", size);
@@ -783,7 +783,7 @@ static kvf_status run_host(kvf_xfer *x, const kvf_copy_request *r, int gather) {
     x->host_blob = p;
     x->host_blob_cap = size;
   }
-  uint64_t tasks = kvf_blob_build(x->geometry, plan, r, gather, x->host_blob);
+  uint64_t tasks = kvf_blob_build(x->geometry, plan, r, gather, NULL, x->host_blob);
   run_on_cpu(x, x->host_blob);
   const kvf_blob_header *h = x->host_blob;
   x->last.route = KVF_ROUTE_HOST;

@@ -24,6 +24,8 @@
 #include <kvferry/copy.h>
 #include <kvferry/transfer.h>
 
+#include "kernels/plan.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -68,6 +70,40 @@ void kvf_stage_plan_batches(kvf_stage_plan *plan, uint64_t cap);
 
 /* Free what kvf_stage_plan_objects allocated; the plan is then empty. */
 void kvf_stage_plan_free(kvf_stage_plan *plan);
+
+/* ---- pieces: the copy engine starts after a batch's first piece ---------- */
+
+/* Most kernel launches (pieces) one staged batch is split into. */
+#define KVF_STAGE_MAX_PIECES 16
+
+/* Split the segments a request moves into at most `pieces` pieces of whole
+ * views (a view's planes or states stay together, so the bytes of an object
+ * that a piece writes interleave with no other piece's), in plan order.
+ * Piece sizes grow geometrically (1, 2, 4, ... parts) for a gather, whose
+ * first piece's kernel runs before the copy engine can start, and shrink for
+ * a scatter, whose last piece's kernel runs after the copy engine is done.
+ * masks is [pieces][plan->num_segments]; piece p takes segment s when
+ * masks[p * num_segments + s] is 1 (segments of groups the request does not
+ * move are in none). Returns the number of pieces made (at least 1, at most
+ * the number of moving views). */
+uint32_t kvf_stage_piece_masks(const kvf_geometry *geometry, const kvf_plan *plan, const kvf_copy_request *request,
+                               int gather, uint32_t pieces, unsigned char *masks);
+
+/* A contiguous byte range of one object. */
+typedef struct kvf_stage_run {
+  uint64_t object; /* index into the request's objects */
+  uint64_t offset; /* from the object's start */
+  uint64_t bytes;
+} kvf_stage_run;
+
+/* The object byte ranges a blob's tasks write (gather) or read (scatter),
+ * merged where they touch and sorted by (object, offset). object_base[i] is
+ * the address the blob holds for object i (its place in a staging buffer)
+ * and is where offsets count from. *holes is set when a merged range holds
+ * bytes no task touches (a gather must not copy such a range back). *runs is
+ * allocated (free it); returns KVF_SUCCESS or KVF_ERR_OUT_OF_MEMORY. */
+kvf_status kvf_stage_blob_runs(const void *blob, const uint64_t *object_base, kvf_stage_run **runs, uint64_t *count,
+                               int *holes);
 
 /* ---- test hooks (the CUDA backend) --------------------------------------- */
 

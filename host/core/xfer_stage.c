@@ -8,6 +8,7 @@
 #include "common/error.h"
 #include "geometry/geometry_internal.h"
 #include "host/core/xfer_internal.h"
+#include "kernels/plan.h"
 
 /* How a request moves the blocks of one group in one chunk. */
 typedef enum coverage { COVER_NONE, COVER_PARTIAL, COVER_FULL } coverage;
@@ -129,4 +130,121 @@ void kvf_stage_plan_batches(kvf_stage_plan *p, uint64_t cap) {
     b->bytes = used;
   }
   p->num_batches = nb;
+}
+
+/* ---- pieces ---------------------------------------------------------------- */
+
+/* Whether the request moves any block of group gi (the blob's own test). */
+static int group_moves(const kvf_geometry *g, const kvf_copy_request *r, uint32_t gi) {
+  const kvf_group_blocks *t = &r->groups[gi];
+  if (!t->block_ids || !t->count) return 0;
+  uint64_t c = g->policy.chunk_tokens, lo, hi;
+  if (g->groups[gi].desc.kind == KVF_GROUP_RECURRENT) {
+    lo = r->token_begin / c;
+    hi = r->token_end / c;
+  } else {
+    uint64_t bs = g->groups[gi].desc.block_size;
+    lo = kvf_local_token(g, r->token_begin) / bs;
+    hi = (kvf_local_token(g, r->token_end) + bs - 1) / bs;
+  }
+  if (t->first_block > lo) lo = t->first_block;
+  if (t->first_block + t->count < hi) hi = t->first_block + t->count;
+  return lo < hi;
+}
+
+uint32_t kvf_stage_piece_masks(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r, int gather,
+                               uint32_t pieces, unsigned char *masks) {
+  uint32_t ns = plan->num_segments;
+  if (pieces < 1) pieces = 1;
+  if (pieces > KVF_STAGE_MAX_PIECES) pieces = KVF_STAGE_MAX_PIECES;
+  memset(masks, 0, (size_t)pieces * ns);
+  /* Moving views and their weights (bytes per token, or a state's bytes). */
+  double total = 0;
+  uint32_t views = 0;
+  for (uint32_t s = 0; s < ns; s++) {
+    const kvf_segment *seg = &plan->segments[s];
+    if (!group_moves(g, r, seg->group)) continue;
+    total += seg->recurrent ? (double)seg->run : (double)seg->run * seg->heads;
+    if (s == 0 || plan->segments[s - 1].view != seg->view || !group_moves(g, r, plan->segments[s - 1].group)) views++;
+  }
+  if (views == 0) return 1;
+  if (pieces > views) pieces = views;
+  /* Shares 1, 2, 4, ... (a scatter: the reverse); boundary p ends at the
+   * cumulative share of pieces 0..p. */
+  double weight[KVF_STAGE_MAX_PIECES], sum = 0;
+  for (uint32_t p = 0; p < pieces; p++) {
+    weight[p] = (double)(1u << (gather ? p : pieces - 1 - p));
+    sum += weight[p];
+  }
+  double acc = 0, bound = total * weight[0] / sum;
+  uint32_t p = 0, seen = 0;
+  for (uint32_t s = 0; s < ns; s++) {
+    const kvf_segment *seg = &plan->segments[s];
+    if (!group_moves(g, r, seg->group)) continue;
+    int first_of_view = s == 0 || plan->segments[s - 1].view != seg->view;
+    if (first_of_view) {
+      /* Close the piece once it holds its share, keeping one view for each
+       * piece still to come. */
+      if (seen > 0 && p + 1 < pieces && (acc >= bound || views - seen == pieces - 1 - p)) {
+        p++;
+        bound += total * weight[p] / sum;
+      }
+      seen++;
+    }
+    masks[(size_t)p * ns + s] = 1;
+    acc += seg->recurrent ? (double)seg->run : (double)seg->run * seg->heads;
+  }
+  return p + 1;
+}
+
+typedef struct extent {
+  uint64_t object, lo, hi, touched;
+} extent;
+
+static int extent_cmp(const void *a, const void *b) {
+  const extent *x = a, *y = b;
+  if (x->object != y->object) return x->object < y->object ? -1 : 1;
+  return x->lo < y->lo ? -1 : x->lo > y->lo;
+}
+
+kvf_status kvf_stage_blob_runs(const void *blob, const uint64_t *object_base, kvf_stage_run **runs, uint64_t *count,
+                               int *holes) {
+  const kvf_blob_header *h = blob;
+  const kvf_blob_entry *entries = (const kvf_blob_entry *)((const char *)blob + h->off_entries);
+  uint64_t n = kvf_blob_blocks(blob, NULL, 0);
+  kvf_blob_block *blocks = malloc(sizeof *blocks * (n ? n : 1));
+  extent *ex = malloc(sizeof *ex * (n ? n : 1));
+  *runs = malloc(sizeof **runs * (n ? n : 1));
+  *count = 0;
+  *holes = 0;
+  if (!blocks || !ex || !*runs) {
+    free(blocks);
+    free(ex);
+    free(*runs);
+    *runs = NULL;
+    return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
+  }
+  kvf_blob_blocks(blob, blocks, n);
+  for (uint64_t i = 0; i < n; i++) {
+    const kvf_blob_entry *e = &entries[blocks[i].entry];
+    uint64_t lo = (uint64_t)(uintptr_t)blocks[i].object - object_base[blocks[i].object_index];
+    ex[i] = (extent){blocks[i].object_index, lo, lo + kvf_blob_object_extent(e, blocks[i].units),
+                     blocks[i].units * e->vec};
+  }
+  free(blocks);
+  qsort(ex, n, sizeof *ex, extent_cmp);
+  uint64_t m = 0;
+  for (uint64_t i = 0; i < n;) {
+    extent cur = ex[i++];
+    while (i < n && ex[i].object == cur.object && ex[i].lo <= cur.hi) {
+      if (ex[i].hi > cur.hi) cur.hi = ex[i].hi;
+      cur.touched += ex[i].touched;
+      i++;
+    }
+    if (cur.touched < cur.hi - cur.lo) *holes = 1;
+    (*runs)[m++] = (kvf_stage_run){cur.object, cur.lo, cur.hi - cur.lo};
+  }
+  free(ex);
+  *count = m;
+  return KVF_SUCCESS;
 }
