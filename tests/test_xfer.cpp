@@ -26,6 +26,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -1432,6 +1433,10 @@ struct GpuConfig {
   bool legacy_stream = false;  // pass NULL (the legacy default stream)
   bool check_route = true;
   kvf_xfer_route route = KVF_ROUTE_D2D;
+  // Applied to the context's tuning before the call (host/core/xfer_internal.h).
+  std::function<void(kvf_xfer_tuning &)> tune;
+  // Checked against kvf_xfer_last_path after the call.
+  std::function<void(const kvf_xfer_path_info &)> check_path;
 };
 
 kvf_xfer_route expected_route(Mem obj, Dir dir) {
@@ -1462,6 +1467,12 @@ void run_gpu_case(const kvf_geometry *g, const Plan &p, kvf_object_format fmt, D
   ASSERT_NO_FATAL_FAILURE(upload_new(in.objs, cfg.obj_kind, device_of(cfg.obj_kind, cfg.obj_device), &dobjs));
   XferPtr x = make_xfer(g, 0, 0, cfg.max_sms);
   ASSERT_TRUE(x);
+  if (cfg.tune) {
+    kvf_xfer_tuning t;
+    kvf_xfer_get_tuning(x.get(), &t);
+    cfg.tune(t);
+    ASSERT_EQ(kvf_xfer_set_tuning(x.get(), &t), KVF_SUCCESS) << kvf_last_error();
+  }
   Stream stream;
   cudaStream_t s = cfg.legacy_stream ? nullptr : stream.s;
 
@@ -1485,8 +1496,15 @@ void run_gpu_case(const kvf_geometry *g, const Plan &p, kvf_object_format fmt, D
                                        << kvf_xfer_route_name(cfg.route);
   }
   EXPECT_EQ(st_out.payload_bytes, payload);
-  EXPECT_GE(st_out.sms, 1u);
+  kvf_xfer_path_info path;
+  kvf_xfer_last_path(x.get(), &path);
+  if (path.path == KVF_PATH_COPY_BATCH) {
+    EXPECT_EQ(st_out.sms, 0u) << "the copy-engine batch route uses no SM";
+  } else {
+    EXPECT_GE(st_out.sms, 1u);
+  }
   EXPECT_GE(st_out.tasks, 1u);
+  if (cfg.check_path) cfg.check_path(path);
   if (stats_out) *stats_out = st_out;
 }
 
@@ -1564,6 +1582,174 @@ std::vector<GpuCase> gpu_window_cases() {
 INSTANTIATE_TEST_SUITE_P(Presets, XferGpuConformance, ::testing::ValuesIn(gpu_cases()), gpu_case_name);
 INSTANTIATE_TEST_SUITE_P(Presets, XferGpuMisaligned, ::testing::ValuesIn(gpu_misaligned_cases()), gpu_case_name);
 INSTANTIATE_TEST_SUITE_P(Presets, XferGpuWindow, ::testing::ValuesIn(gpu_window_cases()), gpu_case_name);
+
+// ---- routes: every route the planner can take, forced through the tuning ------
+//
+// The same byte-exact comparison with the CPU reference, once per route:
+// tables uploaded or in kernel parameters, tiny tasks, the copy-engine batch
+// route, staged batches in many pieces (their copies as one batch call or
+// one memcpy each, tables in parameters or uploaded).
+
+struct RouteVariant {
+  const char *name;
+  bool pinned_only;
+  void (*tune)(kvf_xfer_tuning &);
+  void (*check)(const kvf_xfer_path_info &, Mem);
+};
+
+const RouteVariant kRouteVariants[] = {
+    {"upload", false,
+     [](kvf_xfer_tuning &t) {
+       t.param_bytes = 0;
+       t.batch_max_runs = 0;
+       t.stage_pieces = 1;
+     },
+     [](const kvf_xfer_path_info &p, Mem m) {
+       EXPECT_EQ(p.path, m == Mem::Pinned ? KVF_PATH_STAGED : KVF_PATH_KERNEL) << kvf_xfer_path_name(p.path);
+       EXPECT_EQ(p.param_launches, 0u);
+       EXPECT_GE(p.uploads, 1u);
+     }},
+    {"params_small_tasks", false,
+     [](kvf_xfer_tuning &t) {
+       t.task_bytes = 512;
+       t.batch_max_runs = 0;
+       t.stage_pieces = 1;
+     },
+     [](const kvf_xfer_path_info &p, Mem m) {
+       EXPECT_EQ(p.path, m == Mem::Pinned ? KVF_PATH_STAGED : KVF_PATH_KERNEL) << kvf_xfer_path_name(p.path);
+       EXPECT_EQ(p.uploads, 0u) << "small tables ride in the kernel parameters";
+       EXPECT_EQ(p.param_launches, p.launches);
+       EXPECT_EQ(p.slice_bytes, 512u);
+     }},
+    {"copy_batch", true,
+     [](kvf_xfer_tuning &t) {
+       t.batch_min_run = 0;
+       t.batch_max_runs = 1 << 30;
+     },
+     [](const kvf_xfer_path_info &p, Mem) {
+       EXPECT_TRUE(p.path == KVF_PATH_COPY_BATCH || p.path == KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
+       if (p.path == KVF_PATH_COPY_BATCH) {
+         EXPECT_EQ(p.launches, 0u);
+         EXPECT_EQ(p.dma_ops, 1u);
+       }
+     }},
+    {"pieces", true,
+     [](kvf_xfer_tuning &t) {
+       t.batch_max_runs = 0;
+       t.stage_pieces = 16;
+       t.task_waves = 8;
+     },
+     [](const kvf_xfer_path_info &p, Mem) {
+       EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
+       EXPECT_GE(p.pieces, 1u);
+       EXPECT_EQ(p.uploads, 0u);
+     }},
+    {"pieces_memcpy_uploaded", true,
+     [](kvf_xfer_tuning &t) {
+       t.batch_max_runs = 0;
+       t.stage_pieces = 3;
+       t.stage_dma_batch = 0;
+       t.param_bytes = 0;
+     },
+     [](const kvf_xfer_path_info &p, Mem) {
+       EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
+       EXPECT_EQ(p.uploads, 1u);
+       EXPECT_EQ(p.param_launches, 0u);
+     }},
+};
+
+struct RouteCase {
+  std::string preset;
+  kvf_object_format format;
+  Dir dir;
+  Mem obj_kind;
+  size_t variant;
+};
+
+void PrintTo(const RouteCase &c, std::ostream *os) {
+  *os << c.preset << "/" << format_name(c.format) << "/" << dir_name(c.dir) << "/" << mem_name(c.obj_kind) << "/"
+      << kRouteVariants[c.variant].name;
+}
+
+std::string route_case_name(const ::testing::TestParamInfo<RouteCase> &info) {
+  const RouteCase &c = info.param;
+  return sanitize(c.preset + "_" + format_name(c.format) + "_" + dir_name(c.dir) + "_" + mem_name(c.obj_kind) + "_" +
+                  kRouteVariants[c.variant].name);
+}
+
+class XferGpuRoutes : public ::testing::TestWithParam<RouteCase> {};
+
+TEST_P(XferGpuRoutes, MatchesTheReferenceByteForByte) {
+  REQUIRE_GPU();
+  const RouteCase &c = GetParam();
+  const RouteVariant &v = kRouteVariants[c.variant];
+  uint64_t seed = seed_of(c.preset, 5000 + c.variant * 64 + (uint64_t)c.format * 8 + (uint64_t)c.dir * 2 +
+                                        (c.obj_kind == Mem::Pinned));
+  Prepared s;
+  // The standard request (a full object and a partial one): several chunks'
+  // worth of batches and pieces, partial blocks and objects included.
+  ASSERT_NO_FATAL_FAILURE(setup_standard(c.preset, c.format == KVF_FORMAT_CANONICAL, seed, &s, false));
+  GpuConfig cfg;
+  cfg.obj_kind = c.obj_kind;
+  cfg.route = expected_route(c.obj_kind, c.dir);
+  cfg.tune = v.tune;
+  Mem m = c.obj_kind;
+  cfg.check_path = [&v, m](const kvf_xfer_path_info &p) { v.check(p, m); };
+  run_gpu_case(s.g(), s.plan, c.format, c.dir, 0, seed + 1, cfg);
+}
+
+std::vector<RouteCase> route_cases() {
+  std::vector<RouteCase> v;
+  for (const std::string &p : preset_names())
+    for (kvf_object_format f : {KVF_FORMAT_CANONICAL, KVF_FORMAT_NATIVE})
+      for (Dir d : {Dir::Gather, Dir::Scatter})
+        for (Mem m : {Mem::Device, Mem::Pinned})
+          for (size_t i = 0; i < sizeof kRouteVariants / sizeof kRouteVariants[0]; i++)
+            if (m == Mem::Pinned || !kRouteVariants[i].pinned_only) v.push_back({p, f, d, m, i});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, XferGpuRoutes, ::testing::ValuesIn(route_cases()), route_case_name);
+
+// The routes the default tuning picks for one chunk: the copy-engine batch
+// API for long runs (a Llama NHD chunk: 1024 runs of 32 KiB), staged pieces
+// for short ones (HND: 256-byte runs), tables in kernel parameters on the
+// device, and the staged route on the legacy stream, which
+// cudaMemcpyBatchAsync refuses.
+TEST(XferGpu, DefaultRoutesForOneChunk) {
+  REQUIRE_GPU();
+  struct Want {
+    const char *preset;
+    Mem obj;
+    bool legacy;
+    kvf_xfer_path path;
+  };
+  const Want wants[] = {{"llama-3.1-8b-fa-nhd", Mem::Pinned, false, KVF_PATH_COPY_BATCH},
+                        {"deepseek-v3-mla-bf16", Mem::Pinned, false, KVF_PATH_COPY_BATCH},
+                        {"llama-3.1-8b-fa-hnd", Mem::Pinned, false, KVF_PATH_STAGED},
+                        {"llama-3.1-8b-fa-nhd", Mem::Pinned, true, KVF_PATH_STAGED},
+                        {"llama-3.1-8b-fa-nhd", Mem::Device, false, KVF_PATH_KERNEL},
+                        {"deepseek-v3-mla-bf16", Mem::Device, false, KVF_PATH_KERNEL}};
+  for (const Want &w : wants)
+    for (Dir d : {Dir::Gather, Dir::Scatter}) {
+      SCOPED_TRACE(std::string(w.preset) + " " + mem_name(w.obj) + (w.legacy ? " legacy stream " : " ") + dir_name(d));
+      Prepared s;
+      ASSERT_NO_FATAL_FAILURE(setup_chunks(w.preset, 1, 0, 23, &s));
+      GpuConfig cfg;
+      cfg.obj_kind = w.obj;
+      cfg.legacy_stream = w.legacy;
+      cfg.route = expected_route(w.obj, d);
+      kvf_xfer_path want = w.path;
+      cfg.check_path = [want](const kvf_xfer_path_info &p) {
+        EXPECT_EQ(p.path, want) << kvf_xfer_path_name(p.path);
+        EXPECT_EQ(p.uploads, 0u) << "one chunk's tables fit the kernel parameters";
+        if (want == KVF_PATH_STAGED) {
+          EXPECT_GT(p.pieces, 1u) << "one chunk's batch is split so the copy engine starts early";
+        }
+      };
+      run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 24 + (uint64_t)d, cfg);
+    }
+}
 
 TEST(XferGpu, HostRegisteredObjects) {
   REQUIRE_GPU();
@@ -1732,7 +1918,8 @@ struct Graph {
   }
 };
 
-void graph_case(Dir dir) {
+void graph_case(Dir dir, bool upload_tables) {
+  SCOPED_TRACE(upload_tables ? "tables uploaded" : "tables in kernel parameters");
   Prepared s;
   ASSERT_NO_FATAL_FAILURE(setup_standard("glm-like-hybrid", true, 71 + (uint64_t)dir, &s, true));
   const kvf_geometry *g = s.g();
@@ -1747,6 +1934,12 @@ void graph_case(Dir dir) {
   ASSERT_NO_FATAL_FAILURE(upload_new(in1.objs, Mem::Device, 0, &dobjs));
   XferPtr x = make_xfer(g, 0);
   ASSERT_TRUE(x);
+  if (upload_tables) {
+    kvf_xfer_tuning t;
+    kvf_xfer_get_tuning(x.get(), &t);
+    t.param_bytes = 0;
+    ASSERT_EQ(kvf_xfer_set_tuning(x.get(), &t), KVF_SUCCESS);
+  }
   Stream stream;
   Graph graph;
 
@@ -1786,12 +1979,52 @@ void graph_case(Dir dir) {
 
 TEST(XferGpu, GatherCapturedInAGraphReplaysTwice) {
   REQUIRE_GPU();
-  graph_case(Dir::Gather);
+  for (bool upload : {false, true}) graph_case(Dir::Gather, upload);
 }
 
 TEST(XferGpu, ScatterCapturedInAGraphReplaysTwice) {
   REQUIRE_GPU();
-  graph_case(Dir::Scatter);
+  for (bool upload : {false, true}) graph_case(Dir::Scatter, upload);
+}
+
+// Host objects while capturing: neither the batch API nor the staged route
+// can be captured; the direct kernel is, and replays exactly.
+TEST(XferGpu, PinnedObjectsCapturedInAGraphTakeTheDirectKernel) {
+  REQUIRE_GPU();
+  for (Dir dir : {Dir::Gather, Dir::Scatter}) {
+    SCOPED_TRACE(dir_name(dir));
+    Prepared s;
+    ASSERT_NO_FATAL_FAILURE(setup_chunks("llama-3.1-8b-fa-nhd", 1, 0, 75, &s));
+    const kvf_geometry *g = s.g();
+    std::mt19937_64 rng(76 + (uint64_t)dir);
+    Data in = make_inputs(g, s.plan, dir, 0, rng), want = clone(in);
+    ASSERT_EQ(reference(g, s.plan, KVF_FORMAT_CANONICAL, dir, want), KVF_SUCCESS);
+    DevSet dcache, dobjs;
+    ASSERT_NO_FATAL_FAILURE(upload_new(in.cache, Mem::Device, 0, &dcache));
+    ASSERT_NO_FATAL_FAILURE(upload_new(in.objs, Mem::Pinned, 0, &dobjs));
+    XferPtr x = make_xfer(g, 0);
+    ASSERT_TRUE(x);
+    Stream stream;
+    Graph graph;
+    CUDA_OK(cudaStreamBeginCapture(stream.s, cudaStreamCaptureModeGlobal));
+    Req r(s.plan, KVF_FORMAT_CANONICAL, dcache.payloads(), dobjs.payloads());
+    kvf_status st = call(x.get(), dir, r.get(), stream.s);
+    std::string msg = kvf_last_error();
+    cudaError_t end = cudaStreamEndCapture(stream.s, &graph.graph);
+    ASSERT_EQ(st, KVF_SUCCESS) << msg;
+    CUDA_OK(end);
+    kvf_xfer_path_info path;
+    kvf_xfer_last_path(x.get(), &path);
+    EXPECT_EQ(path.path, KVF_PATH_KERNEL) << kvf_xfer_path_name(path.path);
+    CUDA_OK(cudaGraphInstantiate(&graph.exec, graph.graph, 0));
+    CUDA_OK(cudaGraphLaunch(graph.exec, stream.s));
+    CUDA_OK(cudaStreamSynchronize(stream.s));
+    Data got = clone(in);
+    ASSERT_NO_FATAL_FAILURE(download(dcache, got.cache));
+    ASSERT_NO_FATAL_FAILURE(download(dobjs, got.objs));
+    EXPECT_EQ(diff("cache region", got.cache, want.cache), "");
+    EXPECT_EQ(diff("object", got.objs, want.objs), "");
+  }
 }
 
 // Behind a ~200 ms kernel on the same stream, the call must return at once,
@@ -1965,6 +2198,12 @@ TEST(XferGpu, StagedCallRefusedAtABatchKeepsTheBatchesBeforeIt) {
     ASSERT_NO_FATAL_FAILURE(upload_new(in.objs, Mem::Pinned, 0, &dobjs));
     XferPtr x = make_xfer(g, 0);
     ASSERT_TRUE(x);
+    {
+      kvf_xfer_tuning t;  // the staged route, not the copy-engine batch API
+      kvf_xfer_get_tuning(x.get(), &t);
+      t.batch_max_runs = 0;
+      ASSERT_EQ(kvf_xfer_set_tuning(x.get(), &t), KVF_SUCCESS);
+    }
     Stream stream;
     auto download_all = [&](Data *out) {
       *out = clone(in);

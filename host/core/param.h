@@ -32,7 +32,21 @@ extern "C" {
   X(xfer_staging_mb, "KVF_XFER_STAGING_MB", 16,                                          \
     "MiB of each of the two device buffers that stage objects for the copy engine (0: kernels write host memory directly)") \
   X(xfer_stage_sms, "KVF_XFER_STAGE_SMS", 16,                                             \
-    "SM cap of the on-GPU gather/scatter between the cache and the staging buffers")
+    "SM cap of the on-GPU gather/scatter between the cache and the staging buffers")     \
+  X(xfer_stage_pieces, "KVF_XFER_STAGE_PIECES", 4,                                       \
+    "kernel launches per staged batch, whole layers each, growing 1:2:4 (a gather) so the copy engine starts after the first (1: one per batch)") \
+  X(xfer_stage_dma_batch, "KVF_XFER_STAGE_DMA_BATCH", 1,                                 \
+    "1: a staged piece's copies go to the copy engine as one cudaMemcpyBatchAsync; 0: one cudaMemcpyAsync each") \
+  X(xfer_param_table_bytes, "KVF_XFER_PARAM_TABLE_BYTES", 32752,                         \
+    "launch tables up to this many bytes ride in the kernel's parameters instead of a separate upload (0: always upload; at most 32752)") \
+  X(xfer_task_bytes, "KVF_XFER_TASK_BYTES", 8192,                                        \
+    "most bytes one warp task moves (a multiple of 16, 16..65536)")                      \
+  X(xfer_task_waves, "KVF_XFER_TASK_WAVES", 4,                                           \
+    "tasks per warp a launch aims at: smaller tasks (down to 512 bytes) for small requests (0: always KVF_XFER_TASK_BYTES)") \
+  X(xfer_batch_min_run, "KVF_XFER_BATCH_MIN_RUN", 32768,                                 \
+    "host<->device requests whose contiguous runs are at least this many bytes go to the copy engine's batch API (cudaMemcpyBatchAsync), no kernel") \
+  X(xfer_batch_max_runs, "KVF_XFER_BATCH_MAX_RUNS", 16384,                               \
+    "... and have at most this many runs (0: never use the batch API route)")
 
 /* A value no parameter may take: marks "not read yet" in the caches. */
 #define KVF_PARAM_UNSET INT64_MIN

@@ -13,6 +13,7 @@
 #include "common/error.h"
 #include "common/versioned.h"
 #include "geometry/geometry_internal.h"
+#include "common/clock.h"
 #include "host/core/cudawrap.h"
 #include "host/core/log.h"
 #include "host/core/param.h"
@@ -53,8 +54,10 @@ struct kvf_xfer {
   uint32_t host_threads;
   kvf_plan plan[2];
   pthread_mutex_t lock; /* guards everything below */
+  kvf_xfer_tuning tune;
   kvf_xfer_stats last;
-  void *host_blob;
+  kvf_xfer_path_info path; /* how the last successful call moved its bytes */
+  void *host_blob;         /* tables built on the host: the host backend's, and those launched in kernel parameters */
   size_t host_blob_cap;
 #ifdef KVF_WITH_CUDA
   int cuda_ready; /* the device was valid and set: destroy has CUDA work to undo */
@@ -101,6 +104,61 @@ kvf_stream kvf_xfer_test_ce_stream(const kvf_xfer *x) {
   (void)x;
   return NULL;
 #endif
+}
+
+/* ---- tuning (host/core/xfer_internal.h) ------------------------------------ */
+
+void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
+  *t = (kvf_xfer_tuning){.pcie_sms = kvf_param_xfer_pcie_sms(),
+                         .staging_mb = kvf_param_xfer_staging_mb(),
+                         .stage_sms = kvf_param_xfer_stage_sms(),
+                         .stage_pieces = kvf_param_xfer_stage_pieces(),
+                         .stage_dma_batch = kvf_param_xfer_stage_dma_batch(),
+                         .param_bytes = kvf_param_xfer_param_table_bytes(),
+                         .task_bytes = kvf_param_xfer_task_bytes(),
+                         .task_waves = kvf_param_xfer_task_waves(),
+                         .batch_min_run = kvf_param_xfer_batch_min_run(),
+                         .batch_max_runs = kvf_param_xfer_batch_max_runs()};
+  /* Out-of-range values from the environment fall back to the defaults'
+   * behaviour rather than failing every call. */
+  if (t->task_bytes < 16 || t->task_bytes > 65536 || t->task_bytes % 16) t->task_bytes = KVF_SLICE_BYTES;
+  if (t->stage_pieces < 1) t->stage_pieces = 1;
+  if (t->stage_pieces > KVF_STAGE_MAX_PIECES) t->stage_pieces = KVF_STAGE_MAX_PIECES;
+}
+
+kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
+  if (!x || !t) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_set_tuning: NULL argument");
+  if (t->pcie_sms < 0 || t->staging_mb < 0 || t->stage_sms < 0 || t->stage_pieces < 1 ||
+      t->stage_pieces > KVF_STAGE_MAX_PIECES || t->param_bytes < 0 || t->task_bytes < 16 || t->task_bytes > 65536 ||
+      t->task_bytes % 16 || t->task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->stage_dma_batch < 0)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_set_tuning: a value is out of range");
+  pthread_mutex_lock(&x->lock);
+  x->tune = *t;
+  pthread_mutex_unlock(&x->lock);
+  return KVF_SUCCESS;
+}
+
+void kvf_xfer_get_tuning(const kvf_xfer *x, kvf_xfer_tuning *out) {
+  pthread_mutex_lock((pthread_mutex_t *)&x->lock);
+  *out = x->tune;
+  pthread_mutex_unlock((pthread_mutex_t *)&x->lock);
+}
+
+const char *kvf_xfer_path_name(kvf_xfer_path path) {
+  switch (path) {
+  case KVF_PATH_NONE: return "none";
+  case KVF_PATH_HOST: return "host";
+  case KVF_PATH_KERNEL: return "kernel";
+  case KVF_PATH_STAGED: return "staged";
+  case KVF_PATH_COPY_BATCH: return "copy-batch";
+  }
+  return "unknown";
+}
+
+void kvf_xfer_last_path(const kvf_xfer *x, kvf_xfer_path_info *out) {
+  pthread_mutex_lock((pthread_mutex_t *)&x->lock);
+  *out = x->path;
+  pthread_mutex_unlock((pthread_mutex_t *)&x->lock);
 }
 
 const char *kvf_xfer_route_name(kvf_xfer_route route) {
@@ -157,6 +215,22 @@ static void run_on_cpu(const kvf_xfer *x, const void *blob) {
 
 /* ---- creation ------------------------------------------------------------ */
 
+#ifdef KVF_WITH_CUDA
+static kvf_status grow_stage(kvf_xfer *x, size_t need);
+
+/* Staging room of the largest chunk: every object group's full-chunk
+ * object, each rounded as the staged plan rounds it. */
+static size_t largest_chunk(const kvf_geometry *g) {
+  uint64_t total = 0, c = g->policy.chunk_tokens;
+  for (uint32_t og = 0; og < g->num_object_groups; og++) {
+    uint64_t size = 0;
+    if (kvf_geometry_object_size(g, og, 0, c, &size) == KVF_SUCCESS)
+      total += (size + KVF_STAGE_ALIGN - 1) / KVF_STAGE_ALIGN * KVF_STAGE_ALIGN;
+  }
+  return (size_t)total;
+}
+#endif
+
 kvf_status kvf_xfer_create(const kvf_geometry *g, const kvf_xfer_options *options, kvf_xfer **out) {
   kvf_xfer_options local = KVF_XFER_OPTIONS_INIT;
   const kvf_xfer_options *opt = &local;
@@ -177,6 +251,7 @@ kvf_status kvf_xfer_create(const kvf_geometry *g, const kvf_xfer_options *option
   x->device = opt->device;
   x->max_sms = opt->max_sms;
   x->host_threads = opt->host_threads;
+  kvf_xfer_tuning_from_params(&x->tune);
   pthread_mutex_init(&x->lock, NULL);
   kvf_xfer_stats stats = KVF_XFER_STATS_INIT;
   x->last = stats;
@@ -210,12 +285,22 @@ kvf_status kvf_xfer_create(const kvf_geometry *g, const kvf_xfer_options *option
   }
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&x->fork, cudaEventDisableTiming);
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&x->join, cudaEventDisableTiming);
-  cudaSetDevice(prev);
+  /* Ready before the first call: the kernels' modules (loaded lazily by
+   * default) and the staging buffers, sized for the largest chunk, so a
+   * first call is as fast as later ones (a served STORE right after a
+   * registration measured 21 GB/s against 46 later, first-use setup). */
+  if (e == cudaSuccess) e = kvf_kernel_preload();
   if (e != cudaSuccess) {
+    cudaSetDevice(prev);
     st = kvf_fail(KVF_ERR_CUDA, "kvf_xfer_create: device %d: %s", x->device, cudaGetErrorString(e));
     cudaGetLastError();
     goto fail;
   }
+  if (x->tune.staging_mb > 0 && (st = grow_stage(x, largest_chunk(g)))) {
+    cudaSetDevice(prev);
+    goto fail;
+  }
+  cudaSetDevice(prev);
   KVF_INFO(XFER, "transfer context on device %d: %d SMs, %u + %u segments", x->device, x->sm_count,
            x->plan[0].num_segments, x->plan[1].num_segments);
   *out = x;
@@ -334,27 +419,38 @@ static kvf_status classify(kvf_xfer *x, const void *ptr, const char *field, uint
   }
 }
 
-/* The route of a request: where its source and destination live. */
+/* The route of a request: where its source and destination live. Each
+ * region the request reads or writes is queried once per call (a 61-layer
+ * cache has 61 views of one region kind: one query per region, not per
+ * view); every object is queried (a single pageable one would fault). */
 static kvf_status route_of(kvf_xfer *x, const kvf_copy_request *r, int gather, kvf_xfer_route *route,
                            int *stageable) {
   const kvf_geometry *g = x->geometry;
   int cache_seen[3] = {0, 0, 0}, obj_seen[3] = {0, 0, 0};
   kvf_status st;
   mem_kind k = MEM_LOCAL;
+  unsigned char small[256], *done = g->num_regions <= sizeof small ? small : calloc(g->num_regions, 1);
+  if (!done) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
+  if (done == small) memset(small, 0, g->num_regions);
   for (uint32_t gi = 0; gi < g->num_groups; gi++) {
     if (!r->groups[gi].block_ids || !r->groups[gi].count) continue;
     const kvf_group *gr = &g->groups[gi];
     for (uint32_t l = 0; l < gr->num_views; l++) {
       uint32_t reg = g->views[gr->views[l]].desc.region;
-      if ((st = classify(x, r->region_bases[reg], "region_bases", reg, &k))) return st;
+      if (done[reg]) continue;
+      done[reg] = 1;
+      if ((st = classify(x, r->region_bases[reg], "region_bases", reg, &k))) {
+        if (done != small) free(done);
+        return st;
+      }
       cache_seen[k] = 1;
     }
   }
+  if (done != small) free(done);
   /* objects may be NULL when nothing moves (every block skipped). */
   uint64_t n = r->objects ? kvf_copy_request_chunks(g, r) * g->num_object_groups : 0;
   for (uint64_t i = 0; i < n; i++) {
     if (!r->objects[i]) continue;
-    /* One attribute query per object: a single pageable one would fault. */
     if ((st = classify(x, r->objects[i], "objects", i, &k))) return st;
     obj_seen[k] = 1;
   }
@@ -371,22 +467,182 @@ static kvf_status route_of(kvf_xfer *x, const kvf_copy_request *r, int gather, k
   else
     *route = KVF_ROUTE_D2D;
   /* Cache on this GPU, objects in host memory: the copy engine can do the
-   * PCIe leg from a staging buffer. */
+   * PCIe leg (from a staging buffer, or straight between them). */
   *stageable = cache_seen[MEM_LOCAL] && !cache_seen[MEM_HOST] && !cache_seen[MEM_PEER] && obj_seen[MEM_HOST] &&
                !obj_seen[MEM_LOCAL] && !obj_seen[MEM_PEER];
   return KVF_SUCCESS;
 }
 
-/* ---- the copy-engine path ------------------------------------------------ */
+/* ---- tables: in kernel parameters, or uploaded through a slot ------------- */
 
 static kvf_status grow_staging(kvf_xfer *x, staging *s, size_t size);
 
 static uint64_t round256(uint64_t x) { return (x + 255) & ~(uint64_t)255; }
 
+/* The host buffer tables are built in when they go in kernel parameters:
+ * at least `size` bytes (readable past a blob up to its parameter room). */
+static kvf_status grow_host_blob(kvf_xfer *x, size_t size) {
+  if (size <= x->host_blob_cap) return KVF_SUCCESS;
+  size_t cap = x->host_blob_cap ? x->host_blob_cap : 64 << 10;
+  while (cap < size) cap *= 2;
+  void *p = aligned_alloc(64, cap);
+  if (!p) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory for %zu bytes of tables", cap);
+  free(x->host_blob);
+  x->host_blob = p;
+  x->host_blob_cap = cap;
+  return KVF_SUCCESS;
+}
+
+/* Tables of `size` bytes go in the kernel's parameters. */
+static int fits_params(const kvf_xfer *x, size_t size) {
+  return x->tune.param_bytes > 0 && size <= (size_t)x->tune.param_bytes && kvf_kernel_param_room(size) > 0;
+}
+
+/* Take the next slot of the ring for an upload of `size` bytes: waits for
+ * the call eight uploads ago (its event), never for the device. */
+static kvf_status take_slot(kvf_xfer *x, size_t size, staging **out) {
+  staging *s = &x->slots[x->next_slot];
+  if (s->in_use && cudaEventSynchronize(s->done) != cudaSuccess) {
+    cudaError_t e = cudaGetLastError();
+    return kvf_fail(KVF_ERR_CUDA, "waiting for an earlier transfer: %s", cudaGetErrorString(e));
+  }
+  s->in_use = 0;
+  kvf_status st = grow_staging(x, s, size);
+  if (st) return st;
+  *out = s;
+  return KVF_SUCCESS;
+}
+
+/* Task size for a launch of `ctas` CTAs moving `payload` bytes: the largest
+ * halving of task_bytes that still gives every warp task_waves tasks
+ * (KVF_XFER_TASK_WAVES; 0 keeps task_bytes). */
+static uint32_t choose_slice(const kvf_xfer *x, uint64_t payload, uint32_t ctas) {
+  uint32_t slice = (uint32_t)x->tune.task_bytes;
+  if (x->tune.task_waves <= 0 || ctas == 0) return slice;
+  uint64_t warps = (uint64_t)ctas * (uint64_t)(kvf_kernel_threads() / 32);
+  uint64_t want = payload / (warps * (uint64_t)x->tune.task_waves);
+  while (slice / 2 >= KVF_SLICE_MIN_BYTES && slice / 2 >= want) slice /= 2;
+  return slice;
+}
+
+/* ---- the copy-engine batch route ------------------------------------------ */
+
+/* The request's runs for cudaMemcpyBatchAsync, when every block of every
+ * entry is one contiguous run on both sides and the runs are few and long
+ * enough (KVF_XFER_BATCH_MIN_RUN, KVF_XFER_BATCH_MAX_RUNS). Runs that
+ * continue each other on both sides are merged. Returns 1 with the arrays
+ * filled (free them), 0 when the route does not fit, -1 out of memory. */
+static int batch_runs(const kvf_xfer *x, const void *blob, int gather, void ***dst, const void ***src, size_t **size,
+                      size_t *count) {
+  const kvf_blob_header *h = blob;
+  const kvf_blob_entry *entries = (const kvf_blob_entry *)((const char *)blob + h->off_entries);
+  for (uint32_t i = 0; i < h->num_entries; i++)
+    if (!kvf_blob_entry_linear(&entries[i])) return 0;
+  uint64_t n = kvf_blob_blocks(blob, NULL, 0);
+  if (n == 0 || (x->tune.batch_max_runs > 0 && n > (uint64_t)x->tune.batch_max_runs * 4)) return 0;
+  kvf_blob_block *b = malloc(sizeof *b * n);
+  *dst = malloc(sizeof **dst * n);
+  *src = malloc(sizeof **src * n);
+  *size = malloc(sizeof **size * n);
+  if (!b || !*dst || !*src || !*size) {
+    free(b);
+    free(*dst);
+    free(*src);
+    free(*size);
+    return -1;
+  }
+  kvf_blob_blocks(blob, b, n);
+  size_t m = 0;
+  uint64_t shortest = UINT64_MAX;
+  for (uint64_t i = 0; i < n; i++) {
+    size_t bytes = (size_t)(b[i].units * entries[b[i].entry].vec);
+    char *from = gather ? b[i].cache : b[i].object, *to = gather ? b[i].object : b[i].cache;
+    if (m > 0 && (const char *)(*src)[m - 1] + (*size)[m - 1] == from && (char *)(*dst)[m - 1] + (*size)[m - 1] == to) {
+      (*size)[m - 1] += bytes;
+      continue;
+    }
+    (*src)[m] = from;
+    (*dst)[m] = to;
+    (*size)[m] = bytes;
+    m++;
+  }
+  for (size_t i = 0; i < m; i++)
+    if ((*size)[i] < shortest) shortest = (*size)[i];
+  free(b);
+  /* A partial last block's run is short by nature: judge the runs by the
+   * second shortest when there is more than one. */
+  if (m > 1) {
+    uint64_t second = UINT64_MAX;
+    int skipped = 0;
+    for (size_t i = 0; i < m; i++) {
+      if (!skipped && (*size)[i] == shortest) {
+        skipped = 1;
+        continue;
+      }
+      if ((*size)[i] < second) second = (*size)[i];
+    }
+    shortest = second;
+  }
+  if (shortest < (uint64_t)x->tune.batch_min_run || m > (uint64_t)x->tune.batch_max_runs) {
+    free(*dst);
+    free(*src);
+    free(*size);
+    return 0;
+  }
+  *count = m;
+  return 1;
+}
+
+/* The copy engine moves the request's runs straight between the cache and
+ * the host objects, on the caller's stream: one call, no kernel, no SM
+ * (measured on an H200, perf/results/2026-11-29-h200/curve.json: 55.1-55.3
+ * GB/s, the memcpy limit, for runs of 32-72 KiB up to 16384 runs: one
+ * 256-token Llama-3.1-8B chunk, 1024 runs of 32 KiB, 55.1 of 55.2 GB/s;
+ * 38.5 GB/s at 65472 runs; 0.3-0.6 GB/s for 256-byte runs). Returns
+ * KVF_ERR_UNSUPPORTED (nothing enqueued) when the request does not fit. */
+static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream) {
+  const kvf_plan *plan = &x->plan[r->format];
+  size_t size = (size_t)kvf_blob_size(x->geometry, plan, r, NULL);
+  kvf_status st = grow_host_blob(x, size);
+  if (st) return st;
+  kvf_blob_build(x->geometry, plan, r, gather, NULL, x->host_blob);
+  void **dst = NULL;
+  const void **src = NULL;
+  size_t *sizes = NULL, count = 0;
+  int fit = batch_runs(x, x->host_blob, gather, &dst, &src, &sizes, &count);
+  if (fit < 0) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
+  if (fit == 0) return KVF_ERR_UNSUPPORTED;
+  struct cudaMemcpyAttributes attr;
+  memset(&attr, 0, sizeof attr);
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream; /* after the work before it on the stream */
+  size_t attr_idx = 0;
+  cudaError_t e = cudaMemcpyBatchAsync(dst, src, sizes, count, &attr, &attr_idx, 1, stream);
+  free(dst);
+  free(src);
+  free(sizes);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return kvf_fail(KVF_ERR_CUDA,
+                    "copy-engine %s of %zu runs: cudaMemcpyBatchAsync: %s; its copies may have been enqueued in part: "
+                    "the request's %s are unspecified until the stream's work completes",
+                    gather ? "gather" : "scatter", count, cudaGetErrorString(e), gather ? "objects" : "blocks");
+  }
+  const kvf_blob_header *h = x->host_blob;
+  x->last.route = gather ? KVF_ROUTE_D2H : KVF_ROUTE_H2D;
+  x->last.sms = 0;
+  x->last.tasks = (uint32_t)count;
+  x->last.payload_bytes = h->payload_bytes;
+  x->path = (kvf_xfer_path_info){.path = KVF_PATH_COPY_BATCH, .dma_ops = 1, .dma_runs = count};
+  return KVF_SUCCESS;
+}
+
+/* ---- the staged route -------------------------------------------------- */
+
 /* Make both staging buffers at least `need` bytes (at least the configured
- * size). Growing waits for the buffers' last users: it is rare. */
+ * size). Growing waits for the buffers' last users: it is rare (the context
+ * sizes them for the largest chunk when it is created). */
 static kvf_status grow_stage(kvf_xfer *x, size_t need) {
-  size_t want = (size_t)kvf_param_xfer_staging_mb() << 20;
+  size_t want = (size_t)x->tune.staging_mb << 20;
   if (want < need) want = need;
   if (x->stage_cap >= want) return KVF_SUCCESS;
   cudaError_t e = cudaSuccess;
@@ -409,11 +665,19 @@ static kvf_status grow_stage(kvf_xfer *x, size_t need) {
   return KVF_SUCCESS;
 }
 
+/* One kernel launch of a staged call: a piece of a batch, or the direct
+ * launch for objects written in part. */
+typedef struct launch {
+  uint64_t blob_off; /* in the call's tables (x->host_blob, and the slot when uploaded) */
+  uint64_t blob_size;
+  uint64_t tasks;
+  uint32_t slice;
+} launch;
+
 /* A batch's CUDA side; its chunks and bytes are the plan's kvf_stage_batch. */
 typedef struct batch {
-  uint64_t blob_off;  /* where its blob sits in the call's tables */
-  uint64_t tasks;
-  uint32_t buf;       /* staging buffer */
+  uint32_t buf;        /* staging buffer */
+  uint32_t first;      /* its pieces: launches [first, first + pieces) */
 } batch;
 
 /* The token range of a batch's chunks inside request r. */
@@ -423,66 +687,156 @@ static void batch_tokens(const kvf_copy_request *r, const kvf_stage_batch *b, ui
   part->token_end = r->token_end - part->token_begin > span ? part->token_begin + span : r->token_end;
 }
 
-/* The kernel of batch bi (the test hook may refuse it, see xfer_internal.h). */
-static cudaError_t launch_batch(uint64_t bi, const batch *b, const staging *slot, uint32_t stage_sms,
-                                uint32_t *used_sms, cudaStream_t stream) {
-  if ((int64_t)bi == __atomic_load_n(&test_fail_at_batch, __ATOMIC_RELAXED)) return cudaErrorLaunchOutOfResources;
-  if (!b->tasks) return cudaSuccess;
-  uint32_t ctas = stage_sms;
-  cudaError_t e = kvf_kernel_launch((char *)slot->device + b->blob_off, b->tasks, &ctas, stream);
-  if (e == cudaSuccess && ctas > *used_sms) *used_sms = ctas;
+/* Everything one staged call enqueues, built before its first enqueue. */
+typedef struct staged_call {
+  kvf_stage_plan sp;
+  uint32_t pieces;          /* per batch (1: one launch and the objects' spans, as before pieces) */
+  unsigned char *masks;     /* [pieces][segments] */
+  launch *launches;         /* [batches * pieces (+ 1 direct)] */
+  uint64_t num_launches;
+  batch *batches;
+  kvf_stage_run *runs;      /* pieces > 1: every piece's copies, host object offsets */
+  uint64_t *run_first;      /* [batches * pieces + 1] into runs */
+  uint64_t num_runs, runs_cap;
+  int uploaded;             /* tables uploaded through a slot (some launch's are too large for parameters) */
+  staging *slot;
+  int any_direct;
+  uint64_t direct;          /* index of the direct launch */
+} staged_call;
+
+static void staged_call_free(staged_call *c) {
+  kvf_stage_plan_free(&c->sp);
+  free(c->masks);
+  free(c->launches);
+  free(c->batches);
+  free(c->runs);
+  free(c->run_first);
+}
+
+/* Launch l of a staged call on `stream` (the test hook may refuse the
+ * first launch of batch `hook_batch`, see xfer_internal.h). */
+static cudaError_t staged_launch(kvf_xfer *x, const staged_call *c, const launch *l, uint32_t sms, int64_t hook_batch,
+                                 uint32_t *used_sms, cudaStream_t stream) {
+  if (hook_batch >= 0 && hook_batch == __atomic_load_n(&test_fail_at_batch, __ATOMIC_RELAXED))
+    return cudaErrorLaunchOutOfResources;
+  if (!l->tasks) return cudaSuccess;
+  uint32_t ctas = sms;
+  cudaError_t e;
+  if (c->uploaded) {
+    e = kvf_kernel_launch((char *)c->slot->device + l->blob_off, l->tasks, &ctas, stream);
+  } else {
+    e = kvf_kernel_launch_params((char *)x->host_blob + l->blob_off, l->blob_size, l->tasks, &ctas, stream);
+    if (e == cudaSuccess) x->path.param_launches++;
+  }
+  if (e == cudaSuccess) {
+    x->path.launches++;
+    x->path.slice_bytes = l->slice;
+    if (ctas > *used_sms) *used_sms = ctas;
+  }
+  return e;
+}
+
+/* The copy-engine leg of piece p of batch bi on ce_stream: the objects'
+ * spans (one piece) or the piece's runs. */
+static cudaError_t staged_dma(kvf_xfer *x, const kvf_copy_request *r, const staged_call *c, uint64_t bi, uint32_t p,
+                              int gather) {
+  const kvf_stage_plan *sp = &c->sp;
+  const kvf_stage_batch *pb = &sp->batches[bi];
+  uint64_t nog = sp->num_objects / sp->num_chunks;
+  char *buf = x->stage[c->batches[bi].buf];
+  enum cudaMemcpyKind kind = gather ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
+  cudaError_t e = cudaSuccess;
+  if (c->pieces == 1) {
+    for (uint64_t i = pb->k0 * nog; i < pb->k1 * nog && e == cudaSuccess; i++) {
+      uint64_t lo = sp->span[2 * i], hi = sp->span[2 * i + 1];
+      if (!sp->staged[i] || hi == lo) continue;
+      char *host = (char *)r->objects[i] + lo, *dev = buf + sp->offset[i] + lo;
+      e = cudaMemcpyAsync(gather ? host : dev, gather ? dev : host, hi - lo, kind, x->ce_stream);
+      x->path.dma_ops++;
+      x->path.dma_runs++;
+    }
+    return e;
+  }
+  uint64_t a = c->run_first[bi * c->pieces + p], b = c->run_first[bi * c->pieces + p + 1];
+  if (a == b) return cudaSuccess;
+  if (b - a == 1 || !x->tune.stage_dma_batch) {
+    for (uint64_t i = a; i < b && e == cudaSuccess; i++) {
+      const kvf_stage_run *run = &c->runs[i];
+      char *host = (char *)r->objects[run->object] + run->offset, *dev = buf + sp->offset[run->object] + run->offset;
+      e = cudaMemcpyAsync(gather ? host : dev, gather ? dev : host, run->bytes, kind, x->ce_stream);
+      x->path.dma_ops++;
+    }
+    x->path.dma_runs += b - a;
+    return e;
+  }
+  void *dst[64];
+  const void *src[64];
+  size_t size[64];
+  struct cudaMemcpyAttributes attr;
+  memset(&attr, 0, sizeof attr);
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  for (uint64_t i = a; i < b && e == cudaSuccess;) {
+    size_t n = 0, attr_idx = 0;
+    for (; i < b && n < 64; i++, n++) {
+      const kvf_stage_run *run = &c->runs[i];
+      char *host = (char *)r->objects[run->object] + run->offset, *dev = buf + sp->offset[run->object] + run->offset;
+      dst[n] = gather ? host : dev;
+      src[n] = gather ? dev : host;
+      size[n] = run->bytes;
+    }
+    e = cudaMemcpyBatchAsync(dst, src, size, n, &attr, &attr_idx, 1, x->ce_stream);
+    x->path.dma_ops++;
+    x->path.dma_runs += n;
+  }
   return e;
 }
 
 /* Enqueue batch bi of a staged call. Stops at the first enqueue the runtime
  * refuses and returns its error; what was enqueued before it stays. */
-static cudaError_t enqueue_batch(kvf_xfer *x, const kvf_copy_request *r, const kvf_stage_plan *sp, uint64_t bi,
-                                 const batch *b, int gather, const staging *slot, uint32_t stage_sms,
-                                 uint32_t *used_sms, cudaStream_t stream) {
-  const kvf_stage_batch *pb = &sp->batches[bi];
-  uint64_t nog = sp->num_objects / sp->num_chunks;
-  char *buf = x->stage[b->buf];
+static cudaError_t enqueue_batch(kvf_xfer *x, const kvf_copy_request *r, const staged_call *c, uint64_t bi, int gather,
+                                 uint32_t stage_sms, uint32_t *used_sms, cudaStream_t stream) {
+  uint32_t buf = c->batches[bi].buf;
   cudaError_t e;
   if (gather) {
-    /* kernel: cache -> buffer, after the buffer's previous copy-out */
-    e = cudaStreamWaitEvent(stream, x->stage_free[b->buf], 0);
-    if (e == cudaSuccess) e = launch_batch(bi, b, slot, stage_sms, used_sms, stream);
-    if (e == cudaSuccess) e = cudaEventRecord(x->stage_ready[b->buf], stream);
-    if (e == cudaSuccess) e = cudaStreamWaitEvent(x->ce_stream, x->stage_ready[b->buf], 0);
-    for (uint64_t i = pb->k0 * nog; i < pb->k1 * nog && e == cudaSuccess; i++) {
-      uint64_t lo = sp->span[2 * i], hi = sp->span[2 * i + 1];
-      if (!sp->staged[i] || hi == lo) continue;
-      e = cudaMemcpyAsync((char *)r->objects[i] + lo, buf + sp->offset[i] + lo, hi - lo, cudaMemcpyDeviceToHost,
-                          x->ce_stream);
+    /* kernels: cache -> buffer after the buffer's previous copy-out; each
+     * piece's copy-out starts as soon as its kernel is done */
+    e = cudaStreamWaitEvent(stream, x->stage_free[buf], 0);
+    for (uint32_t p = 0; e == cudaSuccess && p < c->pieces; p++) {
+      e = staged_launch(x, c, &c->launches[c->batches[bi].first + p], stage_sms, p == 0 ? (int64_t)bi : -1, used_sms,
+                        stream);
+      if (e == cudaSuccess) e = cudaEventRecord(x->stage_ready[buf], stream);
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(x->ce_stream, x->stage_ready[buf], 0);
+      if (e == cudaSuccess) e = staged_dma(x, r, c, bi, p, 1);
     }
-    if (e == cudaSuccess) e = cudaEventRecord(x->stage_free[b->buf], x->ce_stream);
+    if (e == cudaSuccess) e = cudaEventRecord(x->stage_free[buf], x->ce_stream);
   } else {
-    /* copy engine: objects -> buffer, after the buffer's previous reader */
-    e = cudaStreamWaitEvent(x->ce_stream, x->stage_free[b->buf], 0);
-    for (uint64_t i = pb->k0 * nog; i < pb->k1 * nog && e == cudaSuccess; i++) {
-      uint64_t lo = sp->span[2 * i], hi = sp->span[2 * i + 1];
-      if (!sp->staged[i] || hi == lo) continue;
-      e = cudaMemcpyAsync(buf + sp->offset[i] + lo, (char *)r->objects[i] + lo, hi - lo, cudaMemcpyHostToDevice,
-                          x->ce_stream);
+    /* copy engine: objects -> buffer after the buffer's previous reader;
+     * each piece's kernel starts as soon as its fill is done */
+    e = cudaStreamWaitEvent(x->ce_stream, x->stage_free[buf], 0);
+    for (uint32_t p = 0; e == cudaSuccess && p < c->pieces; p++) {
+      e = staged_dma(x, r, c, bi, p, 0);
+      if (e == cudaSuccess) e = cudaEventRecord(x->stage_ready[buf], x->ce_stream);
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, x->stage_ready[buf], 0);
+      if (e == cudaSuccess)
+        e = staged_launch(x, c, &c->launches[c->batches[bi].first + p], stage_sms, p == 0 ? (int64_t)bi : -1,
+                          used_sms, stream);
     }
-    if (e == cudaSuccess) e = cudaEventRecord(x->stage_ready[b->buf], x->ce_stream);
-    if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, x->stage_ready[b->buf], 0);
-    if (e == cudaSuccess) e = launch_batch(bi, b, slot, stage_sms, used_sms, stream);
-    if (e == cudaSuccess) e = cudaEventRecord(x->stage_free[b->buf], stream);
+    if (e == cudaSuccess) e = cudaEventRecord(x->stage_free[buf], stream);
   }
   return e;
 }
 
 /* End a staged call in stream order, after its last enqueue or after one the
  * runtime refused (what was enqueued then stays and will run): the
- * copy-engine stream joins the caller's stream, and the tables' slot becomes
- * free only once everything the call enqueued has run. After a refusal both
- * staging buffers' free events move there too: the refused batch may have
- * left work on a buffer that its event does not cover. Every step is tried
- * and the first error returned. On a healthy context none of these fails
- * (the handles are the context's own, the stream just took work); a failure
- * means a broken context (a sticky error), and then the internal stream is
- * waited for, so none of the call's work is left running unjoined. */
+ * copy-engine stream joins the caller's stream, and the tables' slot (when
+ * the call uploaded its tables) becomes free only once everything the call
+ * enqueued has run. After a refusal both staging buffers' free events move
+ * there too: the refused batch may have left work on a buffer that its event
+ * does not cover. Every step is tried and the first error returned. On a
+ * healthy context none of these fails (the handles are the context's own,
+ * the stream just took work); a failure means a broken context (a sticky
+ * error), and then the internal stream is waited for, so none of the call's
+ * work is left running unjoined. */
 static cudaError_t finish_staged(kvf_xfer *x, cudaStream_t stream, staging *slot, int forked, int refused) {
   cudaError_t first = cudaSuccess, e;
   if (forked) {
@@ -495,108 +849,217 @@ static cudaError_t finish_staged(kvf_xfer *x, cudaStream_t stream, staging *slot
   }
   for (int i = 0; refused && i < 2; i++)
     if ((e = cudaEventRecord(x->stage_free[i], stream)) != cudaSuccess && first == cudaSuccess) first = e;
-  if ((e = cudaEventRecord(slot->done, stream)) != cudaSuccess && first == cudaSuccess) first = e;
-  slot->in_use = 1;
-  x->next_slot = (x->next_slot + 1) % KVF_STAGING_SLOTS;
+  if (slot) {
+    if ((e = cudaEventRecord(slot->done, stream)) != cudaSuccess && first == cudaSuccess) first = e;
+    slot->in_use = 1;
+    x->next_slot = (x->next_slot + 1) % KVF_STAGING_SLOTS;
+  }
   cudaGetLastError();
   return first;
 }
 
+/* Add a piece blob's copies (host object offsets) to the call's runs; 1 when
+ * a gather's piece would copy bytes no task writes (then the call is planned
+ * again with one piece per batch). */
+static kvf_status add_piece_runs(staged_call *c, const void *blob, const uint64_t *base, int gather, int *bad) {
+  kvf_stage_run *runs = NULL;
+  uint64_t n = 0;
+  int holes = 0;
+  kvf_status st = kvf_stage_blob_runs(blob, base, &runs, &n, &holes);
+  if (st) return st;
+  if (holes && gather) *bad = 1;
+  if (c->num_runs + n > c->runs_cap) {
+    uint64_t cap = c->runs_cap ? c->runs_cap : 64;
+    while (cap < c->num_runs + n) cap *= 2;
+    kvf_stage_run *p = realloc(c->runs, sizeof *p * cap);
+    if (!p) {
+      free(runs);
+      return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
+    }
+    c->runs = p;
+    c->runs_cap = cap;
+  }
+  memcpy(c->runs + c->num_runs, runs, sizeof *runs * n);
+  c->num_runs += n;
+  free(runs);
+  return KVF_SUCCESS;
+}
+
+/* Plan a staged call with `pieces` pieces per batch: the batches, each
+ * piece's tables (built in x->host_blob; uploaded through a slot only when
+ * one is too large for the kernel parameters) and copies. *retry is set
+ * when pieces do not fit the request (a gather with holes): plan again with
+ * one piece. */
+static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather, uint32_t pieces, uint32_t stage_sms,
+                              uint32_t pcie_sms, staged_call *c, int *retry) {
+  const kvf_geometry *g = x->geometry;
+  const kvf_plan *plan = &x->plan[r->format];
+  uint64_t nog = g->num_object_groups, cc = g->policy.chunk_tokens, ns = plan->num_segments;
+  kvf_copy_request part = *r;
+  void **sub = NULL;
+  uint64_t *base = NULL;
+  kvf_status st;
+  *retry = 0;
+  memset(c, 0, sizeof *c);
+  if ((st = kvf_stage_plan_objects(g, r, gather, &c->sp))) return st;
+  if ((st = grow_stage(x, c->sp.max_chunk))) return st;
+  kvf_stage_plan_batches(&c->sp, x->stage_cap);
+  uint64_t nb = c->sp.num_batches, n = c->sp.num_objects;
+  c->masks = malloc((size_t)(ns ? ns : 1) * (pieces ? pieces : 1));
+  if (!c->masks) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
+  c->pieces = pieces > 1 ? kvf_stage_piece_masks(g, plan, r, gather, pieces, c->masks) : 1;
+  c->any_direct = c->sp.any_direct;
+  c->num_launches = nb * c->pieces + (c->any_direct ? 1 : 0);
+  c->launches = calloc(c->num_launches ? c->num_launches : 1, sizeof *c->launches);
+  c->batches = calloc(nb ? nb : 1, sizeof *c->batches);
+  c->run_first = calloc(nb * c->pieces + 1, sizeof *c->run_first);
+  sub = malloc(sizeof *sub * (n ? n : 1));
+  base = malloc(sizeof *base * (n ? n : 1));
+  if (!c->launches || !c->batches || !c->run_first || !sub || !base) {
+    st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
+    goto out;
+  }
+  /* Sizes first: every blob of the call in one table buffer, each with room
+   * for its parameter copy when they all go in kernel parameters. */
+  uint64_t off = 0;
+  int all_params = 1;
+  for (uint64_t bi = 0, l = 0; bi < nb; bi++) {
+    batch_tokens(r, &c->sp.batches[bi], cc, &part);
+    part.objects = r->objects + c->sp.batches[bi].k0 * nog; /* sizes depend only on counts */
+    c->batches[bi].buf = (x->next_stage + (uint32_t)bi) & 1;
+    c->batches[bi].first = (uint32_t)l;
+    for (uint32_t p = 0; p < c->pieces; p++, l++) {
+      kvf_blob_opts o = {0, c->pieces > 1 ? c->masks + (size_t)p * ns : NULL};
+      c->launches[l].blob_size = kvf_blob_size(g, plan, &part, &o);
+      all_params &= fits_params(x, c->launches[l].blob_size);
+    }
+  }
+  if (c->any_direct) {
+    c->direct = nb * c->pieces;
+    c->launches[c->direct].blob_size = kvf_blob_size(g, plan, r, NULL);
+    all_params &= fits_params(x, c->launches[c->direct].blob_size);
+  }
+  for (uint64_t l = 0; l < c->num_launches; l++) {
+    c->launches[l].blob_off = off;
+    off += round256(all_params ? kvf_kernel_param_room(c->launches[l].blob_size) : c->launches[l].blob_size);
+  }
+  if ((st = grow_host_blob(x, off))) goto out;
+  c->uploaded = !all_params;
+  /* Build. */
+  for (uint64_t bi = 0; bi < nb; bi++) {
+    const kvf_stage_batch *pb = &c->sp.batches[bi];
+    batch_tokens(r, pb, cc, &part);
+    for (uint64_t i = 0; i < n; i++) sub[i] = NULL;
+    for (uint64_t i = pb->k0 * nog; i < pb->k1 * nog; i++) {
+      sub[i] = c->sp.staged[i] ? (char *)x->stage[c->batches[bi].buf] + c->sp.offset[i] : NULL;
+      base[i] = (uint64_t)(uintptr_t)sub[i];
+    }
+    part.objects = sub + pb->k0 * nog;
+    for (uint32_t p = 0; p < c->pieces; p++) {
+      launch *l = &c->launches[c->batches[bi].first + p];
+      kvf_blob_opts o = {0, c->pieces > 1 ? c->masks + (size_t)p * ns : NULL};
+      void *blob = (char *)x->host_blob + l->blob_off;
+      l->tasks = kvf_blob_build(g, plan, &part, gather, &o, blob);
+      l->slice = choose_slice(x, ((const kvf_blob_header *)blob)->payload_bytes, stage_sms);
+      if (l->slice != KVF_SLICE_BYTES) l->tasks = kvf_blob_reslice(blob, l->slice);
+      if (c->pieces > 1) {
+        int bad = 0;
+        /* The piece's objects are indexed like the batch's request. */
+        if ((st = add_piece_runs(c, blob, base + pb->k0 * nog, gather, &bad))) goto out;
+        if (bad) {
+          *retry = 1;
+          goto out;
+        }
+        /* Run object indices are the batch's: make them the call's. */
+        for (uint64_t i = c->run_first[bi * c->pieces + p]; i < c->num_runs; i++) c->runs[i].object += pb->k0 * nog;
+        c->run_first[bi * c->pieces + p + 1] = c->num_runs;
+      }
+    }
+  }
+  if (c->any_direct) {
+    for (uint64_t i = 0; i < n; i++) sub[i] = c->sp.staged[i] ? NULL : r->objects[i];
+    part = *r;
+    part.objects = sub;
+    launch *l = &c->launches[c->direct];
+    void *blob = (char *)x->host_blob + l->blob_off;
+    l->tasks = kvf_blob_build(g, plan, &part, gather, NULL, blob);
+    l->slice = choose_slice(x, ((const kvf_blob_header *)blob)->payload_bytes, pcie_sms);
+    if (l->slice != KVF_SLICE_BYTES) l->tasks = kvf_blob_reslice(blob, l->slice);
+  }
+  /* Tables too large for parameters: one upload of them all, through a
+   * slot of the ring (waited for, before anything is enqueued). */
+  if (c->uploaded) {
+    if ((st = take_slot(x, off, &c->slot))) goto out;
+    memcpy(c->slot->pinned, x->host_blob, off);
+  }
+out:
+  free(sub);
+  free(base);
+  return st;
+}
+
 /* Host<->device through the staging buffers: batches of whole chunks,
  * alternating between the two buffers so the kernel fills one while the
- * copy engine drains the other (or the reverse for a scatter). Objects a
+ * copy engine drains the other (or the reverse for a scatter), each batch
+ * in pieces (KVF_XFER_STAGE_PIECES) so the copy engine starts after the
+ * first piece's kernel rather than after the whole batch's (a scatter's
+ * last kernel waits only for the last piece's fill). Measured on an H200
+ * (perf/results/2026-11-29-h200/NOTES.md): with one launch per batch, the
+ * first batch's gather did not overlap the copy engine: one 256-token
+ * chunk reached 75-85% of memcpy at 16 SMs and 47-65% at 4. Objects a
  * gather would write only in part go straight to host memory with the
  * direct kernel, after the batches. The plan is host/core/xfer_stage.c's.
  *
  * Everything the call needs is checked and reserved before its first
- * enqueue: the plan, the host arrays, both staging buffers, the tables' slot
- * (waited for) and the tables themselves; pointers were classified by
- * route_of. A failure up to there leaves nothing enqueued. After it, only an
- * enqueue the CUDA runtime refuses can fail: batches before the refused one
- * stay enqueued whole, nothing after it is enqueued, and finish_staged joins
- * the internal stream back (include/kvferry/transfer.h states this). */
+ * enqueue: the plan, the host arrays, both staging buffers, the tables
+ * (in kernel parameters, or a slot waited for and filled) ; pointers were
+ * classified by route_of. A failure up to there leaves nothing enqueued.
+ * After it, only an enqueue the CUDA runtime refuses can fail: batches
+ * before the refused one stay enqueued whole, nothing after it is enqueued,
+ * and finish_staged joins the internal stream back (include/kvferry/
+ * transfer.h states this). */
 static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream,
                                 uint32_t stage_sms, uint32_t pcie_sms) {
-  const kvf_geometry *g = x->geometry;
-  const kvf_plan *plan = &x->plan[r->format];
   const char *dir = gather ? "gather" : "scatter";
-  uint64_t nog = g->num_object_groups, c = g->policy.chunk_tokens;
-  uint64_t n = 0, nb = 0, bi = 0, blob_bytes = 0, direct_off = 0, payload = 0, tasks = 0, direct_tasks = 0;
-  kvf_stage_plan sp;
-  kvf_copy_request part = *r;
-  staging *slot = NULL;
-  batch *batches = NULL;
-  void **sub = NULL;
+  uint64_t nb = 0, bi = 0, payload = 0, tasks = 0;
   uint32_t used_sms = 0;
-  int forked = 0;
+  int forked = 0, retry = 0;
   cudaError_t e = cudaSuccess;
-  kvf_status st = kvf_stage_plan_objects(g, r, gather, &sp);
-  if (st) return st;
-  n = sp.num_objects;
-  sub = malloc(sizeof(void *) * (n ? n : 1));
-  batches = malloc(sizeof(batch) * (sp.num_chunks ? sp.num_chunks : 1));
-  if (!sub || !batches) {
-    st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
-    goto out;
+  staged_call c;
+  uint32_t pieces = x->tune.stage_pieces > 1 ? (uint32_t)x->tune.stage_pieces : 1;
+  kvf_status st = plan_staged(x, r, gather, pieces, stage_sms, pcie_sms, &c, &retry);
+  if (!st && retry) {
+    staged_call_free(&c);
+    st = plan_staged(x, r, gather, 1, stage_sms, pcie_sms, &c, &retry);
   }
-  if ((st = grow_stage(x, sp.max_chunk))) goto out;
-  kvf_stage_plan_batches(&sp, x->stage_cap);
-  nb = sp.num_batches;
-  /* Every blob of the call in one staging slot: sizes first. */
-  for (bi = 0; bi < nb; bi++) {
-    batch_tokens(r, &sp.batches[bi], c, &part);
-    part.objects = r->objects + sp.batches[bi].k0 * nog; /* sizes depend only on counts */
-    batches[bi].blob_off = blob_bytes;
-    batches[bi].buf = (x->next_stage + (uint32_t)bi) & 1;
-    blob_bytes += round256(kvf_blob_size(g, plan, &part, NULL));
+  if (st) goto out;
+  nb = c.sp.num_batches;
+  for (uint64_t l = 0; l < c.num_launches; l++) {
+    tasks += c.launches[l].tasks;
+    payload += ((const kvf_blob_header *)((char *)x->host_blob + c.launches[l].blob_off))->payload_bytes;
   }
-  direct_off = blob_bytes;
-  if (sp.any_direct) blob_bytes += round256(kvf_blob_size(g, plan, r, NULL));
-  slot = &x->slots[x->next_slot];
-  if (slot->in_use && cudaEventSynchronize(slot->done) != cudaSuccess) {
-    e = cudaGetLastError();
-    st = kvf_fail(KVF_ERR_CUDA, "waiting for an earlier transfer: %s", cudaGetErrorString(e));
-    goto out;
-  }
-  slot->in_use = 0;
-  if ((st = grow_staging(x, slot, blob_bytes))) goto out;
-  for (bi = 0; bi < nb; bi++) {
-    const kvf_stage_batch *pb = &sp.batches[bi];
-    batch_tokens(r, pb, c, &part);
-    for (uint64_t i = pb->k0 * nog; i < pb->k1 * nog; i++)
-      sub[i] = sp.staged[i] ? (char *)x->stage[batches[bi].buf] + sp.offset[i] : NULL;
-    part.objects = sub + pb->k0 * nog;
-    batches[bi].tasks = kvf_blob_build(g, plan, &part, gather, NULL, (char *)slot->pinned + batches[bi].blob_off);
-    payload += ((const kvf_blob_header *)((char *)slot->pinned + batches[bi].blob_off))->payload_bytes;
-    tasks += batches[bi].tasks;
-  }
-  if (sp.any_direct) {
-    for (uint64_t i = 0; i < n; i++) sub[i] = sp.staged[i] ? NULL : r->objects[i];
-    part = *r;
-    part.objects = sub;
-    direct_tasks = kvf_blob_build(g, plan, &part, gather, NULL, (char *)slot->pinned + direct_off);
-    tasks += direct_tasks;
-  }
+  x->path = (kvf_xfer_path_info){.path = KVF_PATH_STAGED, .batches = (uint32_t)nb, .pieces = c.pieces};
 
   /* Enqueue. The copy-engine stream forks from the caller's stream (it sees
    * everything enqueued before this call) and joins it at the end. bi ends
    * as the batch whose enqueue was refused, or nb. */
-  e = cudaMemcpyAsync(slot->device, slot->pinned, blob_bytes, cudaMemcpyHostToDevice, stream);
+  if (c.uploaded) {
+    const launch *last = &c.launches[c.num_launches - 1];
+    e = cudaMemcpyAsync(c.slot->device, c.slot->pinned, last->blob_off + last->blob_size, cudaMemcpyHostToDevice,
+                        stream);
+    x->path.uploads = 1;
+  }
   if (e == cudaSuccess) e = cudaEventRecord(x->fork, stream);
   if (e == cudaSuccess) e = cudaStreamWaitEvent(x->ce_stream, x->fork, 0);
   forked = e == cudaSuccess;
   for (bi = 0; e == cudaSuccess && bi < nb;) {
-    e = enqueue_batch(x, r, &sp, bi, &batches[bi], gather, slot, stage_sms, &used_sms, stream);
+    e = enqueue_batch(x, r, &c, bi, gather, stage_sms, &used_sms, stream);
     if (e == cudaSuccess) bi++;
   }
-  if (e == cudaSuccess && direct_tasks) {
-    uint32_t ctas = pcie_sms;
-    e = kvf_kernel_launch((char *)slot->device + direct_off, direct_tasks, &ctas, stream);
-    if (e == cudaSuccess && ctas > used_sms) used_sms = ctas;
-  }
+  if (e == cudaSuccess && c.any_direct) e = staged_launch(x, &c, &c.launches[c.direct], pcie_sms, -1, &used_sms, stream);
   if (e != cudaSuccess) {
     cudaGetLastError();
-    cudaError_t ej = finish_staged(x, stream, slot, forked, 1);
+    cudaError_t ej = finish_staged(x, stream, c.slot, forked, 1);
     char done[96], joined[160] = "";
     if (bi == 0)
       snprintf(done, sizeof done, "no batch was enqueued");
@@ -615,8 +1078,8 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
       st = kvf_fail(KVF_ERR_CUDA,
                     "staged %s: enqueueing batch %llu of %llu (chunks %llu..%llu): %s; %s, batch %llu at most in "
                     "part, nothing after it%s",
-                    dir, (unsigned long long)bi, (unsigned long long)nb, (unsigned long long)sp.batches[bi].k0,
-                    (unsigned long long)sp.batches[bi].k1 - 1, cudaGetErrorString(e), done, (unsigned long long)bi,
+                    dir, (unsigned long long)bi, (unsigned long long)nb, (unsigned long long)c.sp.batches[bi].k0,
+                    (unsigned long long)c.sp.batches[bi].k1 - 1, cudaGetErrorString(e), done, (unsigned long long)bi,
                     joined);
     else
       st = kvf_fail(KVF_ERR_CUDA,
@@ -625,7 +1088,7 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
                     dir, cudaGetErrorString(e), done, joined);
     goto out;
   }
-  e = finish_staged(x, stream, slot, forked, 0);
+  e = finish_staged(x, stream, c.slot, forked, 0);
   if (e != cudaSuccess) {
     st = kvf_fail(KVF_ERR_CUDA,
                   "staged %s: ending the call (joining the internal stream, recording its event): %s; all %llu "
@@ -639,9 +1102,7 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
   x->last.tasks = (uint32_t)tasks;
   x->last.payload_bytes = payload;
 out:
-  kvf_stage_plan_free(&sp);
-  free(sub);
-  free(batches);
+  staged_call_free(&c);
   return st;
 }
 
@@ -680,32 +1141,42 @@ static void keep_captured(kvf_xfer *x, retired *node, const staging *captured) {
   x->retired = node;
 }
 
-static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream) {
+/* One kernel launch moves the whole request. Tables that fit the kernel's
+ * parameters (KVF_XFER_PARAM_TABLE_BYTES) ride with the launch: no upload
+ * before it, no slot, and a captured launch keeps its own copy. Larger ones
+ * are uploaded through a slot of the ring (a captured call's through
+ * buffers of its own, kept until destroy). */
+static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream,
+                             kvf_xfer_route route, uint32_t ctas, enum cudaStreamCaptureStatus capture) {
   const kvf_geometry *g = x->geometry;
   const kvf_plan *plan = &x->plan[r->format];
-  kvf_xfer_route route;
-  int stageable = 0;
-  kvf_status st = route_of(x, r, gather, &route, &stageable);
-  if (st) return st;
   size_t size = (size_t)kvf_blob_size(g, plan, r, NULL);
-  enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  cudaError_t e = cudaStreamIsCapturing(stream, &capture);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return kvf_fail(KVF_ERR_CUDA, "stream: %s", cudaGetErrorString(e));
-  }
-  uint32_t pcie_sms = (uint32_t)x->sm_count;
-  int64_t param = kvf_param_xfer_pcie_sms();
-  if (param > 0 && (uint64_t)param < pcie_sms) pcie_sms = (uint32_t)param;
-  if (x->max_sms && x->max_sms < pcie_sms) pcie_sms = x->max_sms;
-  /* Host<->device moves through the copy engine unless staging is off or
-   * the call is being captured (a graph gets the direct kernel). */
-  if (stageable && capture == cudaStreamCaptureStatusNone && kvf_param_xfer_staging_mb() > 0) {
-    uint32_t stage_sms = (uint32_t)x->sm_count;
-    int64_t sp = kvf_param_xfer_stage_sms();
-    if (sp > 0 && (uint64_t)sp < stage_sms) stage_sms = (uint32_t)sp;
-    if (x->max_sms && x->max_sms < stage_sms) stage_sms = x->max_sms;
-    return launch_staged(x, r, gather, stream, stage_sms, pcie_sms);
+  kvf_status st;
+  cudaError_t e;
+  x->path = (kvf_xfer_path_info){.path = KVF_PATH_KERNEL};
+  if (fits_params(x, size)) {
+    if ((st = grow_host_blob(x, size + KVF_KERNEL_PARAM_MAX))) return st;
+    uint64_t tasks = kvf_blob_build(g, plan, r, gather, NULL, x->host_blob);
+    const kvf_blob_header *h = x->host_blob;
+    uint32_t slice = choose_slice(x, h->payload_bytes, ctas);
+    if (slice != KVF_SLICE_BYTES) tasks = kvf_blob_reslice(x->host_blob, slice);
+    if (tasks) {
+      e = kvf_kernel_launch_params(x->host_blob, size, tasks, &ctas, stream);
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        return kvf_fail(KVF_ERR_CUDA, "enqueueing the %s transfer: %s; nothing was enqueued",
+                        gather ? "gather" : "scatter", cudaGetErrorString(e));
+      }
+      x->path.launches = x->path.param_launches = 1;
+    } else {
+      ctas = 0;
+    }
+    x->path.slice_bytes = slice;
+    x->last.route = route;
+    x->last.sms = ctas;
+    x->last.tasks = (uint32_t)tasks;
+    x->last.payload_bytes = h->payload_bytes;
+    return KVF_SUCCESS;
   }
   staging captured = {0}, *s;
   retired *keep = NULL; /* a captured call's tables, kept until destroy */
@@ -725,19 +1196,12 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
       return st;
     }
   } else {
-    s = &x->slots[x->next_slot];
-    if (s->in_use && cudaEventSynchronize(s->done) != cudaSuccess) { /* the call 8 calls ago */
-      e = cudaGetLastError();
-      return kvf_fail(KVF_ERR_CUDA, "waiting for an earlier transfer: %s", cudaGetErrorString(e));
-    }
-    s->in_use = 0;
-    if ((st = grow_staging(x, s, size))) return st;
+    if ((st = take_slot(x, size, &s))) return st;
   }
   uint64_t tasks = kvf_blob_build(g, plan, r, gather, NULL, s->pinned);
   const kvf_blob_header *h = s->pinned;
-  uint32_t ctas = (uint32_t)x->sm_count;
-  if (route == KVF_ROUTE_D2H || route == KVF_ROUTE_H2D || route == KVF_ROUTE_HOST_TO_HOST) ctas = pcie_sms;
-  if (x->max_sms && x->max_sms < ctas) ctas = x->max_sms;
+  uint32_t slice = choose_slice(x, h->payload_bytes, ctas);
+  if (slice != KVF_SLICE_BYTES) tasks = kvf_blob_reslice(s->pinned, slice);
   if (tasks) {
     e = cudaMemcpyAsync(s->device, s->pinned, h->size, cudaMemcpyHostToDevice, stream);
     int uploaded = e == cudaSuccess, launched = 0;
@@ -759,15 +1223,58 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
                       : uploaded ? "only the upload of the call's tables was enqueued"
                                  : "nothing was enqueued");
     }
+    x->path.launches = 1;
+    x->path.uploads = 1;
   } else {
     ctas = 0;
   }
   if (keep) keep_captured(x, keep, &captured);
+  x->path.slice_bytes = slice;
   x->last.route = route;
   x->last.sms = ctas;
   x->last.tasks = (uint32_t)tasks;
   x->last.payload_bytes = h->payload_bytes;
   return KVF_SUCCESS;
+}
+
+/* The legacy default stream (NULL, cudaStreamLegacy) and the per-thread one,
+ * which cudaMemcpyBatchAsync refuses or may refuse. */
+static int default_stream(cudaStream_t s) { return s == NULL || s == cudaStreamLegacy || s == cudaStreamPerThread; }
+
+static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream) {
+  kvf_xfer_route route;
+  int stageable = 0;
+  kvf_status st = route_of(x, r, gather, &route, &stageable);
+  if (st) return st;
+  enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t e = cudaStreamIsCapturing(stream, &capture);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return kvf_fail(KVF_ERR_CUDA, "stream: %s", cudaGetErrorString(e));
+  }
+  uint32_t pcie_sms = (uint32_t)x->sm_count;
+  if (x->tune.pcie_sms > 0 && (uint64_t)x->tune.pcie_sms < pcie_sms) pcie_sms = (uint32_t)x->tune.pcie_sms;
+  if (x->max_sms && x->max_sms < pcie_sms) pcie_sms = x->max_sms;
+  /* Host<->device: the copy engine's batch API when the request is a few
+   * long runs (it cannot be captured and refuses the legacy stream), else
+   * the staged route unless staging is off or the call is being captured
+   * (a graph gets the direct kernel). */
+  if (stageable && capture == cudaStreamCaptureStatusNone) {
+    if (x->tune.batch_max_runs > 0 && !default_stream(stream)) {
+      st = launch_copy_batch(x, r, gather, stream);
+      if (st != KVF_ERR_UNSUPPORTED) return st;
+    }
+    if (x->tune.staging_mb > 0) {
+      uint32_t stage_sms = (uint32_t)x->sm_count;
+      if (x->tune.stage_sms > 0 && (uint64_t)x->tune.stage_sms < stage_sms) stage_sms = (uint32_t)x->tune.stage_sms;
+      if (x->max_sms && x->max_sms < stage_sms) stage_sms = x->max_sms;
+      return launch_staged(x, r, gather, stream, stage_sms, pcie_sms);
+    }
+  }
+  uint32_t ctas = (uint32_t)x->sm_count;
+  if (route == KVF_ROUTE_D2H || route == KVF_ROUTE_H2D || route == KVF_ROUTE_HOST_TO_HOST) ctas = pcie_sms;
+  if (x->max_sms && x->max_sms < ctas) ctas = x->max_sms;
+  return launch_one(x, r, gather, stream, route, ctas, capture);
 }
 #endif
 
@@ -790,11 +1297,13 @@ static kvf_status run_host(kvf_xfer *x, const kvf_copy_request *r, int gather) {
   x->last.sms = 0;
   x->last.tasks = (uint32_t)tasks;
   x->last.payload_bytes = h->payload_bytes;
+  x->path = (kvf_xfer_path_info){.path = KVF_PATH_HOST};
   return KVF_SUCCESS;
 }
 
 static kvf_status transfer(kvf_xfer *x, const kvf_copy_request *request, kvf_stream stream, int gather) {
   if (!x) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "transfer context is NULL");
+  uint64_t t0 = kvf_now_ns();
   kvf_copy_request local;
   const kvf_copy_request *r = &local;
   kvf_status st = kvf_copy_request_check_local(x->geometry, request, &local);
@@ -814,6 +1323,7 @@ static kvf_status transfer(kvf_xfer *x, const kvf_copy_request *request, kvf_str
     st = kvf_fail(KVF_ERR_NO_DRIVER, "this build of kvferry has no CUDA");
 #endif
   }
+  if (st == KVF_SUCCESS) x->path.host_us = (double)(kvf_now_ns() - t0) / 1e3;
   pthread_mutex_unlock(&x->lock);
   return st;
 }

@@ -105,6 +105,56 @@ typedef struct kvf_stage_run {
 kvf_status kvf_stage_blob_runs(const void *blob, const uint64_t *object_base, kvf_stage_run **runs, uint64_t *count,
                                int *holes);
 
+/* ---- tuning: the parameters a context's routes follow --------------------- */
+
+/* Read once from the KVF_* parameters (host/core/param.h) at context
+ * creation; the benchmark and tests override them per context to measure
+ * crossovers and to force a route. */
+typedef struct kvf_xfer_tuning {
+  int64_t pcie_sms;        /* KVF_XFER_PCIE_SMS: SM cap of direct host<->device launches */
+  int64_t staging_mb;      /* KVF_XFER_STAGING_MB: each staging buffer (0: no staged route) */
+  int64_t stage_sms;       /* KVF_XFER_STAGE_SMS: SM cap of the staged route's kernels */
+  int64_t stage_pieces;    /* KVF_XFER_STAGE_PIECES: kernel launches per staged batch (1: one) */
+  int64_t stage_dma_batch; /* KVF_XFER_STAGE_DMA_BATCH: 1: a piece's copies are one cudaMemcpyBatchAsync */
+  int64_t param_bytes;     /* KVF_XFER_PARAM_TABLE_BYTES: tables up to this size go in kernel parameters */
+  int64_t task_bytes;      /* KVF_XFER_TASK_BYTES: most bytes a task moves */
+  int64_t task_waves;      /* KVF_XFER_TASK_WAVES: tasks per warp a launch aims at (0: always task_bytes) */
+  int64_t batch_min_run;   /* KVF_XFER_BATCH_MIN_RUN: smallest run for the copy-engine batch route */
+  int64_t batch_max_runs;  /* KVF_XFER_BATCH_MAX_RUNS: most runs for it (0: the route is off) */
+} kvf_xfer_tuning;
+
+void kvf_xfer_tuning_from_params(kvf_xfer_tuning *out);
+
+/* Replace a context's tuning (not while calls run on it; KVF_ERR_INVALID_ARGUMENT
+ * for values out of range: negative, or task_bytes not 16..65536). */
+kvf_status kvf_xfer_set_tuning(kvf_xfer *xfer, const kvf_xfer_tuning *tuning);
+void kvf_xfer_get_tuning(const kvf_xfer *xfer, kvf_xfer_tuning *out);
+
+/* How the last successful call on a context moved its bytes. */
+typedef enum kvf_xfer_path {
+  KVF_PATH_NONE = 0,
+  KVF_PATH_HOST,           /* host backend */
+  KVF_PATH_KERNEL,         /* one kernel launch */
+  KVF_PATH_STAGED,         /* kernels through the staging buffers and the copy engine */
+  KVF_PATH_COPY_BATCH      /* cudaMemcpyBatchAsync of the request's runs, no kernel */
+} kvf_xfer_path;
+
+typedef struct kvf_xfer_path_info {
+  kvf_xfer_path path;
+  uint32_t launches;       /* kernel launches */
+  uint32_t param_launches; /* of those, with their tables in the kernel parameters */
+  uint32_t uploads;        /* table uploads (host -> device copies before a launch) */
+  uint32_t batches;        /* staged batches */
+  uint32_t pieces;         /* staged pieces per batch */
+  uint64_t dma_ops;        /* copy-engine calls (memcpy or batch calls) */
+  uint64_t dma_runs;       /* byte ranges they copy */
+  uint32_t slice_bytes;    /* task size of the (last) launch */
+  double host_us;          /* host time of the call, from entering to returning */
+} kvf_xfer_path_info;
+
+const char *kvf_xfer_path_name(kvf_xfer_path path);
+void kvf_xfer_last_path(const kvf_xfer *xfer, kvf_xfer_path_info *out);
+
 /* ---- test hooks (the CUDA backend) --------------------------------------- */
 
 /* Make every later staged call refuse the kernel launch of its batch `batch`

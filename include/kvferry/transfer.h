@@ -22,12 +22,17 @@
  * destroyed. The legacy default stream (NULL) is accepted.
  *
  * Routes (CUDA backend): device<->device and peer calls, host-to-host calls
- * and captured calls are one kernel launch. Between a cache on the GPU and
- * objects in pinned host memory the call is staged: the kernel gathers into
- * (scatters from) two device staging buffers in batches of whole chunks,
- * and the copy engine drains (fills) them on an internal stream forked from
- * the caller's stream and joined back into it (KVF_XFER_STAGING_MB=0: one
- * direct launch instead).
+ * and captured calls are one kernel launch (its tables in the kernel's
+ * parameters when they fit, else uploaded first). Between a cache on the GPU
+ * and objects in pinned host memory the copy engine moves the PCIe leg:
+ * with its batch API (cudaMemcpyBatchAsync on the caller's stream, no
+ * kernel) when the request is a few long contiguous runs, else staged: the
+ * kernel gathers into (scatters from) two device staging buffers in batches
+ * of whole chunks, each batch in pieces of whole layers, and the copy engine
+ * drains (fills) them on an internal stream forked from the caller's stream
+ * and joined back into it (KVF_XFER_STAGING_MB=0: one direct launch
+ * instead). The legacy default stream and captured calls never take the
+ * batch API.
  *
  * Failures (CUDA backend): a call checks and reserves everything it needs
  * before its first enqueue: the request, the memory kind of every pointer,
@@ -39,12 +44,18 @@
  * which cannot be checked ahead. The call then returns KVF_ERR_CUDA,
  * kvf_last_error() says how far it got, and what was enqueued stays and
  * will run:
- *   - one-launch routes: the upload of the call's tables, which writes
- *     nothing of the caller's; the kernel too only when the launch was
- *     accepted and recording the call's event after it was refused.
+ *   - one-launch routes: with tables in kernel parameters, nothing; with
+ *     uploaded tables, the upload, which writes nothing of the caller's;
+ *     the kernel too only when the launch was accepted and recording the
+ *     call's event after it was refused.
+ *   - the copy engine's batch route: its copies may have been enqueued in
+ *     part; the request's objects (gather) or blocks (scatter) are
+ *     unspecified until the stream's work completes, and nothing else was
+ *     enqueued.
  *   - staged calls: when batch k of n is refused (the message names it and
  *     its chunks; a refused upload of the call's tables is said so and
- *     counts as k = 0), batches 0..k-1 were enqueued whole and will complete,
+ *     counts as k = 0; a batch's pieces count as the batch), batches 0..k-1
+ *     were enqueued whole and will complete,
  *     writing their objects (gather) or blocks (scatter) exactly as a
  *     successful call does; batch k's objects or blocks are unspecified;
  *     nothing after batch k was enqueued, so later chunks' objects or blocks
@@ -119,7 +130,9 @@ typedef struct kvf_xfer_stats {
 #define KVF_XFER_STATS_INIT {sizeof(kvf_xfer_stats), KVF_DESC_VERSION, KVF_ROUTE_HOST, 0, 0, 0}
 
 /* Create a transfer context for a finalized geometry. For a CUDA device this
- * uploads the layer table to that device (the current device is restored
+ * loads the kernels and allocates the two staging buffers of the host<->device
+ * route (KVF_XFER_STAGING_MB each, at least one chunk's objects), so that a
+ * first call costs what later ones do (the current device is restored
  * before returning). options may be NULL (host backend).
  * Returns KVF_ERR_INVALID_ARGUMENT (NULL pointers, unknown device, bad
  * options, unfinalized geometry: KVF_ERR_STATE), KVF_ERR_NO_DRIVER /
