@@ -1,7 +1,9 @@
 /* perf/kvf_runs_check.cpp - proves the benchmark's run lists (bench_plan.cpp)
  * move exactly the bytes the CPU reference moves, for every preset, both
  * formats and both directions, so the baselines time the same copy kvferry
- * does. Host only; runs anywhere (ctest: perf_runs_check).
+ * does; and that the peers' tables (bench_peers_plan.cpp), walked on the CPU
+ * the way each design's kernel walks them, do too wherever a design applies.
+ * Host only; runs anywhere (ctest: perf_runs_check).
  *
  *   kvf_runs_check [PRESET_DIR] [TOKENS...]   default: the build's presets, 256 1000 2048 */
 #include <algorithm>
@@ -14,6 +16,7 @@
 
 #include <kvferry/copy.h>
 
+#include "bench_peers_plan.h"
 #include "bench_plan.h"
 
 #ifndef KVF_PRESET_DIR_BUILD
@@ -111,6 +114,8 @@ int check_one(const std::string &path, kvf_object_format format, uint64_t tokens
   Runs runs;
   char *oa = nullptr, *ob = nullptr;
   uint64_t payload = 0;
+  int peers_ok = 0;
+  std::string peers_na;
   if (!plan_tables(g, tokens, pool, &next, &t) || !plan_objects(g, tokens, t, 256, &lay) ||
       !alloc_cache(g, &ca, 11) || !alloc_cache(g, &cb, 11)) {
     fprintf(stderr, "%s: planning or allocation failed\n", path.c_str());
@@ -179,6 +184,41 @@ int check_one(const std::string &path, kvf_object_format format, uint64_t tokens
             (unsigned long long)payload, (unsigned long long)runs.bytes);
     bad = 1;
   }
+  /* The peers' designs over their tables, both directions. */
+  for (const char *design : {"mp", "legacy", "sglang"})
+    for (int gather : {1, 0}) {
+      std::string why;
+      PeerHostTables pt;
+      if (gather) {
+        fill(oa, lay.span, 77);
+        memcpy(ob, oa, lay.span);
+        req.region_bases = ca.bases.data();
+        req.objects = pa.data();
+        kvf_reference_gather(g, &req);
+      } else {
+        fill(oa, lay.span, 555);
+        memcpy(ob, oa, lay.span);
+        req.region_bases = ca.bases.data();
+        req.objects = pa.data();
+        kvf_reference_scatter(g, &req);
+      }
+      req.region_bases = cb.bases.data();
+      req.objects = pb.data();
+      if (!peer_tables(g, req, gather, &pt, &why)) {
+        if (!strcmp(design, "mp") && gather) peers_na = why;
+        continue;
+      }
+      if (!strcmp(design, "mp") && (peer_mp_unit(pt) == 0 || pt.max_heads > 32)) continue;
+      peer_walk_cpu(pt, design);
+      bool same = gather ? memcmp(oa, ob, lay.span) == 0 : true;
+      for (size_t r = 0; !gather && r < ca.bases.size(); r++) same = same && !memcmp(ca.bases[r], cb.bases[r], ca.sizes[r]);
+      if (!same) {
+        fprintf(stderr, "%s %s %llu tokens: peer design %s %s differs from the reference\n", path.c_str(),
+                kvf_object_format_name(format), (unsigned long long)tokens, design, gather ? "gather" : "scatter");
+        bad = 1;
+      }
+      peers_ok++;
+    }
   {
     /* The sampler and rebasing used by the benchmark keep bytes consistent. */
     double frac;
@@ -191,11 +231,12 @@ int check_one(const std::string &path, kvf_object_format format, uint64_t tokens
     for (size_t i = 0; i < runs.count() && !bad; i++)
       if (back.src[i] != runs.src[i] || back.dst[i] != runs.dst[i]) bad = 1;
   }
-  printf("%-40s %-9s %6llu tokens: %8llu runs (%9llu unmerged), %11llu payload bytes, avg run %8.0f B, %3llu objects: %s\n",
+  printf("%-40s %-9s %6llu tokens: %8llu runs (%9llu unmerged), %11llu payload bytes, avg run %8.0f B, %3llu objects, "
+         "%d peer walks%s%s: %s\n",
          kvf_geometry_name(g), kvf_object_format_name(format), (unsigned long long)tokens,
          (unsigned long long)runs.count(), (unsigned long long)runs.raw_runs, (unsigned long long)runs.bytes,
-         runs.count() ? (double)runs.bytes / (double)runs.count() : 0.0, (unsigned long long)lay.objects,
-         bad ? "FAIL" : "ok");
+         runs.count() ? (double)runs.bytes / (double)runs.count() : 0.0, (unsigned long long)lay.objects, peers_ok,
+         peers_na.empty() ? "" : " (peers: ", peers_na.empty() ? "" : (peers_na + ")").c_str(), bad ? "FAIL" : "ok");
 out:
   free(oa);
   free(ob);
