@@ -7,7 +7,11 @@
  *             same direction (what the link or memory can do);
  *   memcpy    one cudaMemcpyAsync per contiguous run (what engines do today);
  *   batch     cudaMemcpyBatchAsync over the same runs;
- *   cub       cub::DeviceMemcpy::Batched over the same runs.
+ *   cub       cub::DeviceMemcpy::Batched over the same runs;
+ *   peers     our implementations of LMCache's and SGLang's transfer kernels
+ *             (bench_peers.h), on the same tables and objects.
+ * kvferry also runs under tuning variants (--tune) that move the crossovers
+ * the planner's routes follow, so one run measures where they lie.
  * Bandwidths count payload bytes only (padding never counted). Sources hold
  * random data; buffer sets rotate so that the working set is well above L2.
  * kvferry's result is checked byte for byte against the CPU reference once per
@@ -50,7 +54,9 @@
 #include <kvferry/transfer.h>
 
 #include "bench_json.h"
+#include "bench_peers.h"
 #include "bench_plan.h"
+#include "host/core/xfer_internal.h"
 
 #ifndef KVF_PRESET_DIR_BUILD
 #define KVF_PRESET_DIR_BUILD ""
@@ -119,6 +125,10 @@ struct Options {
   std::string out = "kvf_bench.json";
   std::string label;
   bool plan = false;
+  std::string peers = "all";          /* bench_peers.h names */
+  uint64_t peers_max_tokens = 16384;  /* peers run at sizes up to this */
+  std::vector<std::string> tunes;     /* kvferry tuning variants */
+  int enqueue_reps = 15;              /* synchronized calls for the host enqueue time */
   std::vector<std::string> argv;
 };
 
@@ -161,6 +171,15 @@ void usage(FILE *f) {
           "  --samples N               interference samples (default 7)\n"
           "  --out FILE                JSON output (default kvf_bench.json)\n"
           "  --label TEXT              free text stored in the JSON\n"
+          "  --peers LIST              peer kernels: lmcache-mp,lmcache-mp-staged,lmcache-legacy,sglang-q<N>,\n"
+          "                            sglang-qsm | all | none (default all; sweep and interference)\n"
+          "  --peers-max-tokens N      run the peers at request sizes up to N tokens (default 16384)\n"
+          "  --tune SPEC               also time kvferry with tuning SPEC = key=value[,key=value...] (repeatable);\n"
+          "                            keys: pieces, dma_batch, param_bytes, task_bytes, task_waves, batch_min_run,\n"
+          "                            batch_max_runs, stage_sms, pcie_sms, staging_mb (host/core/xfer_internal.h),\n"
+          "                            cap (the context's max_sms). Variants are checked like every contender.\n"
+          "  --enqueue-reps N          synchronized calls timing the host enqueue of each kvferry entry (default 15;\n"
+          "                            0: off)\n"
           "  --list                    list the presets and exit\n"
           "  --plan                    print what a run would measure (sizes, sets, payload, runs, memory)\n"
           "                            and a rough time estimate, without touching a GPU\n");
@@ -319,6 +338,16 @@ void parse_args(int argc, char **argv) {
       o.out = need(i);
     } else if (a == "--label") {
       o.label = need(i);
+    } else if (a == "--peers") {
+      o.peers = need(i);
+    } else if (a == "--no-peers") {
+      o.peers = "none";
+    } else if (a == "--peers-max-tokens") {
+      o.peers_max_tokens = parse_u64(need(i), a.c_str());
+    } else if (a == "--tune") {
+      o.tunes.push_back(need(i));
+    } else if (a == "--enqueue-reps") {
+      o.enqueue_reps = (int)parse_u64(need(i), a.c_str());
     } else {
       throw BenchError("unknown option '" + a + "' (see --help)");
     }
@@ -718,7 +747,7 @@ struct Preset {
   Buffer arena[3];                  /* objects, by Mem */
   size_t arena_bytes = 0;
   uint64_t cache_bytes = 0, max_align = 256;
-  std::map<int, kvf_xfer *> ctx;    /* by SM cap */
+  std::map<std::string, kvf_xfer *> ctx; /* by SM cap and tuning variant */
   double setup_s = 0;
   ~Preset() {
     for (auto &c : ctx) kvf_xfer_destroy(c.second);
@@ -873,16 +902,57 @@ Buffer &preset_arena(Preset &p, Mem kind) {
   return b;
 }
 
-kvf_xfer *preset_ctx(Preset &p, int cap) {
-  auto it = p.ctx.find(cap);
+/* A tuning variant (--tune): key=value pairs over the context's tuning
+ * (host/core/xfer_internal.h) and its SM cap. */
+void apply_tune(const std::string &spec, kvf_xfer_tuning *t, int *cap) {
+  for (const std::string &kv : split(spec)) {
+    size_t eq = kv.find('=');
+    if (eq == std::string::npos) throw BenchError("--tune: '" + kv + "' is not key=value");
+    std::string k = kv.substr(0, eq);
+    int64_t v = (int64_t)parse_u64(kv.substr(eq + 1), "--tune");
+    if (k == "pieces") t->stage_pieces = v;
+    else if (k == "dma_batch") t->stage_dma_batch = v;
+    else if (k == "param_bytes") t->param_bytes = v;
+    else if (k == "task_bytes") t->task_bytes = v;
+    else if (k == "task_waves") t->task_waves = v;
+    else if (k == "batch_min_run") t->batch_min_run = v;
+    else if (k == "batch_max_runs") t->batch_max_runs = v;
+    else if (k == "stage_sms") t->stage_sms = v;
+    else if (k == "pcie_sms") t->pcie_sms = v;
+    else if (k == "staging_mb") t->staging_mb = v;
+    else if (k == "cap") *cap = (int)v;
+    else throw BenchError("--tune: unknown key '" + k + "'");
+  }
+}
+
+/* The context for SM cap `cap` (0: the planner's default, -1: all SMs) and
+ * tuning variant `tune` ("" : the library's defaults). */
+kvf_xfer *preset_ctx(Preset &p, int cap, const std::string &tune = "") {
+  std::string key = std::to_string(cap) + "|" + tune;
+  auto it = p.ctx.find(key);
   if (it != p.ctx.end()) return it->second;
   kvf_xfer_options xo = KVF_XFER_OPTIONS_INIT;
   xo.device = g_gpu.dev;
   xo.max_sms = cap < 0 ? (uint32_t)g_gpu.prop.multiProcessorCount : (uint32_t)cap;
   kvf_xfer *x = nullptr;
   kvf_check(kvf_xfer_create(p.g, &xo, &x), "kvf_xfer_create");
-  p.ctx[cap] = x;
+  p.ctx[key] = x;
+  if (!tune.empty()) {
+    kvf_xfer_tuning t;
+    kvf_xfer_get_tuning(x, &t);
+    int ignored = 0;
+    apply_tune(tune, &t, &ignored);
+    kvf_check(kvf_xfer_set_tuning(x, &t), "--tune " + tune);
+  }
   return x;
+}
+
+/* The SM cap a variant asks for (cap=N in its spec), else 0. */
+int tune_cap(const std::string &spec) {
+  kvf_xfer_tuning t{};
+  int cap = 0;
+  apply_tune(spec, &t, &cap);
+  return cap;
 }
 
 void refresh_mirror(Preset &p) {
@@ -960,21 +1030,31 @@ struct Verify {
 /* Run kvferry once on set 0 and compare with the CPU reference: for a gather
  * the whole object span (poisoned first, so unwritten bytes show); for a
  * scatter the whole cache (so padding and other blocks must stay untouched). */
-Verify verify(Config &c) {
+/* run0 enqueues the contender on set 0 on g_gpu.stream (default: kvferry's
+ * default context). */
+Verify verify(Config &c, std::function<void()> run0 = {}) {
   Verify v;
   v.ran = true;
   double t0 = now_s();
   Preset &p = *c.p;
   SizePlan &s = *c.s;
   size_t span = s.layout.span;
-  kvf_xfer *x = preset_ctx(p, 0);
+  if (!run0) {
+    kvf_xfer *x = preset_ctx(p, 0);
+    bool gather = c.d.gather;
+    run0 = [x, &c, gather] {
+      kvf_status st = gather ? kvf_xfer_gather(x, &c.req[0], (kvf_stream)g_gpu.stream)
+                             : kvf_xfer_scatter(x, &c.req[0], (kvf_stream)g_gpu.stream);
+      kvf_check(st, gather ? "kvf_xfer_gather" : "kvf_xfer_scatter");
+    };
+  }
   if (c.d.gather) {
     fill_random(c.arena->p, span, g_opt.seed ^ 0x9015011, c.arena->device()); /* poison */
     v.expect = std::make_shared<HostBuf>();
     HostBuf &expect = *v.expect, got;
     expect.ensure(span);
     CK(cudaMemcpy(expect.get(), c.arena->p, span, cudaMemcpyDefault));
-    kvf_check(kvf_xfer_gather(x, &c.req[0], (kvf_stream)g_gpu.stream), "kvf_xfer_gather");
+    run0();
     CK(cudaStreamSynchronize(g_gpu.stream));
     const char *result = c.arena->p;
     if (c.arena->kind != Mem::Host) {
@@ -1008,7 +1088,7 @@ Verify verify(Config &c) {
       CK(cudaMemcpy(src.get(), c.arena->p, span, cudaMemcpyDefault));
       objects = src.get();
     }
-    kvf_check(kvf_xfer_scatter(x, &c.req[0], (kvf_stream)g_gpu.stream), "kvf_xfer_scatter");
+    run0();
     CK(cudaStreamSynchronize(g_gpu.stream));
     p.mirror_valid = false;
     std::vector<void *> objs = plan_object_pointers(s.layout, (char *)objects);
@@ -1069,11 +1149,31 @@ std::function<void(int)> op_limit(Config &c, cudaStream_t s) {
 /* A compact record of one transfer configuration's results. */
 struct KvfResult {
   int cap;
+  std::string tune; /* "" : the library's defaults */
   Timing t;
   kvf_xfer_stats stats = KVF_XFER_STATS_INIT;
   bool stats_ok = false;
   bool checked = false; /* this cap's output was compared with the reference */
+  kvf_xfer_path_info path{};
+  bool path_ok = false;
+  double enqueue_alone_us = NAN, enqueue_alone_p90_us = NAN; /* host time of a call with nothing queued */
 };
+
+/* Host time of one call with nothing in flight: enqueue_reps calls, each
+ * synchronized before the next (what an engine's thread pays per chunk). */
+void enqueue_alone(const std::function<void(int)> &op, cudaStream_t s, double *median, double *p90) {
+  if (g_opt.enqueue_reps <= 0) return;
+  std::vector<double> t;
+  for (int i = 0; i < g_opt.enqueue_reps; i++) {
+    CK(cudaStreamSynchronize(s));
+    double a = now_s();
+    op(i);
+    t.push_back((now_s() - a) * 1e6);
+  }
+  CK(cudaStreamSynchronize(s));
+  *median = pct(t, 0.5);
+  *p90 = pct(t, 0.9);
+}
 
 std::string cap_label(int cap) { return cap == 0 ? "default" : cap < 0 ? "all" : std::to_string(cap); }
 
@@ -1082,6 +1182,11 @@ void write_config_head(JsonWriter &j, Config &c) {
   j.key("memory").begin_object().kv("cache", "device").kv("objects", mem_name(c.d.objects)).end_object();
   j.kv("format", kvf_object_format_name(g_opt.format));
   j.kv("tokens", c.s->tokens).kv("tokens_requested", c.s->tokens_requested);
+  {
+    kvf_object_policy pol;
+    kvf_geometry_policy(c.p->g, &pol);
+    j.kv("chunk_tokens", (uint64_t)pol.chunk_tokens);
+  }
   j.kv("payload_bytes", c.payload).kv("runs", (uint64_t)c.runs[0].count()).kv("runs_unmerged", c.runs[0].raw_runs);
   j.kv("avg_run_bytes", c.runs[0].count() ? (double)c.payload / (double)c.runs[0].count() : 0.0);
   j.kv("objects", c.s->layout.objects).kv("sets", c.s->sets);
@@ -1107,10 +1212,18 @@ void write_kvf(JsonWriter &j, const std::vector<KvfResult> &kr, uint64_t payload
   j.key("kvferry").begin_array();
   for (const KvfResult &r : kr) {
     j.begin_object().kv("sms_cap", r.cap).kv("sms_cap_label", cap_label(r.cap));
+    if (!r.tune.empty()) j.kv("tune", r.tune);
     if (r.stats_ok) {
       j.kv("sms_used", r.stats.sms).kv("route", kvf_xfer_route_name(r.stats.route)).kv("tasks", r.stats.tasks);
       j.kv("stats_payload_bytes", r.stats.payload_bytes);
     }
+    if (r.path_ok) {
+      j.key("path").begin_object().kv("name", kvf_xfer_path_name(r.path.path)).kv("launches", r.path.launches);
+      j.kv("param_launches", r.path.param_launches).kv("uploads", r.path.uploads).kv("batches", r.path.batches);
+      j.kv("pieces", r.path.pieces).kv("dma_ops", r.path.dma_ops).kv("dma_runs", r.path.dma_runs);
+      j.kv("slice_bytes", r.path.slice_bytes).kv("host_us", r.path.host_us).end_object();
+    }
+    if (std::isfinite(r.enqueue_alone_us)) j.kv("enqueue_alone_us", r.enqueue_alone_us).kv("enqueue_alone_p90_us", r.enqueue_alone_p90_us);
     j.kv("output_checked", r.checked);
     write_timing(j, r.t, payload);
     /* Ratios of times: > 1 means kvferry is faster (vs_limit: the share of the limit reached). */
@@ -1125,36 +1238,62 @@ void write_kvf(JsonWriter &j, const std::vector<KvfResult> &kr, uint64_t payload
   j.end_array();
 }
 
-/* Time kvferry at every cap; stats come from the last call. For a gather
- * whose verification kept the expected objects, each cap's own output (set 0,
- * written by its timed calls, nothing else writes there meanwhile) is compared
- * with them too, so every SM cap's kernel is checked, not just the default. */
+/* Compare set 0's objects (a gather's output) with the expected bytes. */
+bool objects_match(Config &c, const Verify &v, size_t *bad) {
+  size_t span = c.s->layout.span;
+  const char *result = c.arena->p;
+  HostBuf got;
+  if (c.arena->kind != Mem::Host) {
+    got.ensure(span);
+    CK(cudaMemcpy(got.get(), c.arena->p, span, cudaMemcpyDefault));
+    result = got.get();
+  }
+  *bad = pcompare(result, v.expect->get(), span);
+  return *bad == SIZE_MAX;
+}
+
+/* Time kvferry at every cap, then under every tuning variant (--tune); stats
+ * and the path come from the last call. For a gather whose verification
+ * kept the expected objects, each entry's own output (set 0, written by its
+ * timed calls, nothing else writes there meanwhile) is compared with them
+ * too, so every SM cap's and variant's kernels are checked, not just the
+ * default; a variant's scatter is verified on its own before it is timed. */
 std::vector<KvfResult> run_kvferry(Config &c, const std::vector<int> &caps, const Verify &v) {
   std::vector<KvfResult> out;
-  for (int cap : caps) {
+  std::vector<std::pair<int, std::string>> runs;
+  for (int cap : caps) runs.push_back({cap, ""});
+  for (const std::string &t : g_opt.tunes) runs.push_back({tune_cap(t), t});
+  for (const auto &[cap, tune] : runs) {
     KvfResult r;
     r.cap = cap;
+    r.tune = tune;
     try {
-      kvf_xfer *x = preset_ctx(*c.p, cap);
+      kvf_xfer *x = preset_ctx(*c.p, cap, tune);
+      /* A variant's scatter is checked on its own when the cache is small
+       * enough to compare cheaply (test_xfer's XferGpuRoutes checks every
+       * route's scatter on every preset in any case). */
+      if (!tune.empty() && !c.d.gather && g_opt.verify && c.p->cache.bytes <= (128ull << 20)) {
+        Verify vv = verify(c, [x, &c] {
+          kvf_check(kvf_xfer_scatter(x, &c.req[0], (kvf_stream)g_gpu.stream), "kvf_xfer_scatter");
+        });
+        r.checked = true;
+        if (!vv.ok) throw BenchError("variant " + tune + ": " + vv.detail);
+      }
       r.t = measure(op_kvferry(c, x, g_gpu.stream), g_gpu.stream);
       r.stats_ok = kvf_xfer_last_stats(x, &r.stats) == KVF_SUCCESS;
       if (c.d.gather && v.expect) {
-        size_t span = c.s->layout.span;
-        const char *result = c.arena->p;
-        HostBuf got;
-        if (c.arena->kind != Mem::Host) {
-          got.ensure(span);
-          CK(cudaMemcpy(got.get(), c.arena->p, span, cudaMemcpyDefault));
-          result = got.get();
-        }
-        size_t bad = pcompare(result, v.expect->get(), span);
+        size_t bad;
         r.checked = true;
-        if (bad != SIZE_MAX) {
+        if (!objects_match(c, v, &bad)) {
           r.t.ok = false;
-          r.t.error = fmt("at SM cap %s the objects differ from the reference at byte %zu of set 0",
-                          cap_label(cap).c_str(), bad);
+          r.t.error = fmt("at SM cap %s%s the objects differ from the reference at byte %zu of set 0",
+                          cap_label(cap).c_str(), tune.empty() ? "" : (" tune " + tune).c_str(), bad);
         }
       }
+      if (r.t.ok && r.t.median_us < 20000)
+        enqueue_alone(op_kvferry(c, x, g_gpu.stream), g_gpu.stream, &r.enqueue_alone_us, &r.enqueue_alone_p90_us);
+      kvf_xfer_last_path(x, &r.path);
+      r.path_ok = true;
     } catch (const std::exception &e) {
       if (!cuda_healthy()) throw;
       r.t.ok = false;
@@ -1163,6 +1302,93 @@ std::vector<KvfResult> run_kvferry(Config &c, const std::vector<int> &caps, cons
     out.push_back(r);
   }
   return out;
+}
+
+/* The peers on this configuration: tables per set, each peer checked
+ * against the reference on set 0 (as kvferry is), then timed. */
+struct PeerResult {
+  std::string name, shape, error;
+  Verify v;
+  Timing t;
+};
+
+std::vector<PeerResult> run_peers(Config &c, const Verify &kv) {
+  std::vector<PeerResult> out;
+  std::vector<Peer> peers = peers_from_list(g_opt.peers, g_gpu.prop.multiProcessorCount);
+  if (peers.empty() || c.s->tokens > g_opt.peers_max_tokens) return out;
+  bool host = c.arena->kind == Mem::Host;
+  std::vector<PeerTablesPtr> tables;
+  std::string why;
+  for (uint32_t k = 0; k < c.s->sets; k++) {
+    tables.push_back(peer_prepare(c.p->g, c.req[k], c.d.gather, host, c.arena->p + (size_t)k * c.s->layout.span,
+                                  c.s->layout, &why));
+    if (!tables.back()) break;
+  }
+  for (const Peer &peer : peers) {
+    PeerResult r;
+    r.name = peer.name;
+    if (tables.empty() || !tables.back()) {
+      r.error = "not applicable: " + why;
+      out.push_back(r);
+      continue;
+    }
+    r.shape = peer_shape(peer, *tables[0]);
+    try {
+      std::string na = peer_launch(peer, *tables[0], g_gpu.stream); /* probe: applicability */
+      CK(cudaStreamSynchronize(g_gpu.stream));
+      if (!na.empty()) {
+        r.error = "not applicable: " + na;
+        out.push_back(r);
+        continue;
+      }
+      if (g_opt.verify && c.d.gather && kv.expect) {
+        /* kvferry's verification left the expected objects of set 0: poison
+         * them the same way, run the peer, compare. */
+        double t0 = now_s();
+        fill_random(c.arena->p, c.s->layout.span, g_opt.seed ^ 0x9015011, c.arena->device());
+        peer_launch(peer, *tables[0], g_gpu.stream);
+        CK(cudaStreamSynchronize(g_gpu.stream));
+        size_t bad;
+        r.v.ran = true;
+        r.v.ok = objects_match(c, kv, &bad);
+        r.v.compared_bytes = c.s->layout.span;
+        r.v.seconds = now_s() - t0;
+        if (!r.v.ok) r.v.detail = fmt("objects differ from the reference at byte %zu of set 0", bad);
+      } else if (g_opt.verify) {
+        r.v = verify(c, [&] { peer_launch(peer, *tables[0], g_gpu.stream); });
+      }
+      if (g_opt.verify && !r.v.ok) {
+        r.error = "verification failed: " + r.v.detail;
+        out.push_back(r);
+        continue;
+      }
+      r.t = measure([&](int i) { peer_launch(peer, *tables[(size_t)i % tables.size()], g_gpu.stream); }, g_gpu.stream);
+    } catch (const std::exception &e) {
+      if (!cuda_healthy()) throw;
+      r.t.ok = false;
+      r.error = e.what();
+    }
+    out.push_back(r);
+  }
+  if (!c.d.gather) c.p->mirror_valid = false;
+  return out;
+}
+
+void write_peers(JsonWriter &j, const std::vector<PeerResult> &pr, uint64_t payload, double limit_us) {
+  j.key("peers").begin_object();
+  for (const PeerResult &r : pr) {
+    j.key(r.name).begin_object();
+    if (!r.shape.empty()) j.kv("shape", r.shape);
+    if (!r.error.empty()) {
+      j.kv("ok", false).kv("error", r.error);
+    } else {
+      write_verify(j, r.v);
+      write_timing(j, r.t, payload);
+      if (r.t.ok && std::isfinite(limit_us)) j.kv("vs_limit", limit_us / r.t.median_us);
+    }
+    j.end_object();
+  }
+  j.end_object();
 }
 
 /* Device copies of each set's run list for cub. */
@@ -1186,6 +1412,7 @@ void sweep_config(Config &c, const std::vector<int> &caps) {
   Verify v;
   if (g_opt.verify) v = verify(c);
   std::vector<KvfResult> kr;
+  std::vector<PeerResult> peers;
   Timing limit, mem, batch, cub;
   double mem_fraction = 1, batch_fraction = 1;
   size_t mem_runs = 0, batch_runs = 0;
@@ -1254,6 +1481,7 @@ void sweep_config(Config &c, const std::vector<int> &caps) {
           },
           g_gpu.stream);
     });
+    peers = run_peers(c, v);
   }
   if (!c.d.gather) c.p->mirror_valid = false; /* timed scatters rewrote the cache */
 
@@ -1267,6 +1495,7 @@ void sweep_config(Config &c, const std::vector<int> &caps) {
   if (batch.ok) bt.batch = batch.median_us / batch_fraction;
   if (cub.ok) bt.cub = cub.median_us;
   write_kvf(j, kr, c.payload, bt);
+  write_peers(j, peers, c.payload, bt.limit);
   j.key("baselines").begin_object();
   if (g_opt.base_limit) {
     j.key("limit").begin_object();
@@ -1305,10 +1534,21 @@ void sweep_config(Config &c, const std::vector<int> &caps) {
   if (mem.ok) printf("  memcpy %.2f", gbps(c.payload, mem.median_us / mem_fraction));
   if (batch.ok) printf("  batch %.2f", gbps(c.payload, batch.median_us / batch_fraction));
   if (cub.ok) printf("  cub %.1f", gbps(c.payload, cub.median_us));
+  for (const PeerResult &pr : peers)
+    if (pr.error.empty() && pr.t.ok) printf("  %s %.1f", pr.name.c_str(), gbps(c.payload, pr.t.median_us));
   printf(" GB/s\n");
+  for (const KvfResult &r : kr)
+    if (r.path_ok)
+      printf("    kvf[%s%s%s]: %s, %u launches (%u params, %u uploads), %u batches x %u pieces, %llu dma ops, "
+             "%u-byte tasks, enqueue %.1f us alone\n",
+             cap_label(r.cap).c_str(), r.tune.empty() ? "" : " ", r.tune.c_str(), kvf_xfer_path_name(r.path.path),
+             r.path.launches, r.path.param_launches, r.path.uploads, r.path.batches, r.path.pieces,
+             (unsigned long long)r.path.dma_ops, r.path.slice_bytes, r.enqueue_alone_us);
+  for (const PeerResult &pr : peers)
+    if (!pr.error.empty()) printf("    %s: %s\n", pr.name.c_str(), pr.error.c_str());
   if (v.ran && !v.ok) printf("    verify: %s\n", v.detail.c_str());
   for (const KvfResult &r : kr)
-    if (!r.t.ok) printf("    kvferry[%s]: %s\n", cap_label(r.cap).c_str(), r.t.error.c_str());
+    if (!r.t.ok) printf("    kvferry[%s%s%s]: %s\n", cap_label(r.cap).c_str(), r.tune.empty() ? "" : " ", r.tune.c_str(), r.t.error.c_str());
   fflush(stdout);
 }
 
@@ -1507,7 +1747,8 @@ std::vector<double> workload_alone(Workload &w, int samples) {
 }
 
 struct Interference {
-  std::string what; /* "kvferry" or "memcpy" */
+  std::string what; /* "kvferry", "memcpy" or "peer" */
+  std::string name; /* a peer's name, or kvferry's tuning variant */
   int cap = 0;
   bool ok = false;
   std::string error;
@@ -1603,31 +1844,74 @@ void interference_run(Preset &p, SizePlan &s, const std::vector<Direction> &dirs
       row_dirs.push_back(d.name);
       row_payload.push_back(c.payload);
     }
-    for (int cap : g_opt.sms) {
+    size_t memcpy_row = rows.size() - 1;
+    std::vector<std::pair<int, std::string>> runs;
+    for (int cap : g_opt.sms) runs.push_back({cap, ""});
+    for (const std::string &t : g_opt.tunes) runs.push_back({tune_cap(t), t});
+    for (const auto &[cap, tune] : runs) {
       Interference r;
-      r.what = "kvferry";
-      r.cap = cap;
       try {
-        kvf_xfer *x = preset_ctx(p, cap);
+        kvf_xfer *x = preset_ctx(p, cap, tune);
         r = interfere(c, w, alone, op_kvferry(c, x, g_gpu.stream), S);
-        r.what = "kvferry";
-        r.cap = cap;
         kvf_xfer_stats st = KVF_XFER_STATS_INIT;
         if (kvf_xfer_last_stats(x, &st) == KVF_SUCCESS) r.sms_used = st.sms;
       } catch (const BenchError &e) {
         r.ok = false;
         r.error = e.what();
       }
+      r.what = "kvferry";
+      r.cap = cap;
+      r.name = tune;
       rows.push_back(r);
       row_dirs.push_back(d.name);
       row_payload.push_back(c.payload);
-      printf("interference %-24s %-4s kvferry[%s]%s: workload %+.2f%%  transfer %.1f GB/s during (%.1f alone)%s\n",
-             p.name.c_str(), d.name.c_str(), cap_label(cap).c_str(),
+      printf("interference %-24s %-4s kvferry[%s%s%s]%s: workload %+.2f%%  transfer %.1f GB/s during (%.1f alone)%s\n",
+             p.name.c_str(), d.name.c_str(), cap_label(cap).c_str(), tune.empty() ? "" : " ", tune.c_str(),
              r.sms_used ? fmt("(%usm)", r.sms_used).c_str() : "", r.slowdown * 100, r.xfer_gbps_during,
              r.xfer_gbps_alone, r.ok ? "" : (" ERROR " + r.error).c_str());
       fflush(stdout);
     }
-    const Interference &m = rows[rows.size() - g_opt.sms.size() - 1];
+    /* The peers: their own grids (none takes an SM cap), writing host memory
+     * directly except lmcache-mp-staged; each checked on set 0 first. */
+    std::vector<Peer> peers = peers_from_list(g_opt.peers, g_gpu.prop.multiProcessorCount);
+    std::vector<PeerTablesPtr> tables;
+    std::string why;
+    for (uint32_t k = 0; k < s.sets && !peers.empty(); k++) {
+      tables.push_back(peer_prepare(p.g, c.req[k], d.gather, c.arena->kind == Mem::Host,
+                                    c.arena->p + (size_t)k * s.layout.span, s.layout, &why));
+      if (!tables.back()) break;
+    }
+    for (const Peer &peer : peers) {
+      Interference r;
+      r.what = "peer";
+      r.name = peer.name;
+      try {
+        if (tables.empty() || !tables.back()) throw BenchError("not applicable: " + why);
+        std::string na = peer_launch(peer, *tables[0], g_gpu.stream);
+        CK(cudaStreamSynchronize(g_gpu.stream));
+        if (!na.empty()) throw BenchError("not applicable: " + na);
+        if (g_opt.verify) {
+          Verify pv = verify(c, [&] { peer_launch(peer, *tables[0], g_gpu.stream); });
+          if (!pv.ok) throw BenchError("verification failed: " + pv.detail);
+        }
+        r = interfere(c, w, alone, [&](int i) { peer_launch(peer, *tables[(size_t)i % tables.size()], g_gpu.stream); },
+                      S);
+        r.what = "peer";
+        r.name = peer.name;
+      } catch (const std::exception &e) {
+        if (!cuda_healthy()) throw;
+        r.ok = false;
+        r.error = e.what();
+      }
+      rows.push_back(r);
+      row_dirs.push_back(d.name);
+      row_payload.push_back(c.payload);
+      printf("interference %-24s %-4s peer %s: workload %+.2f%%  transfer %.1f GB/s during (%.1f alone)%s\n",
+             p.name.c_str(), d.name.c_str(), peer.name.c_str(), r.slowdown * 100, r.xfer_gbps_during,
+             r.xfer_gbps_alone, r.ok ? "" : (" ERROR " + r.error).c_str());
+      fflush(stdout);
+    }
+    const Interference &m = rows[memcpy_row];
     printf("interference %-24s %-4s memcpy (copy engine): workload %+.2f%%  transfer %.1f GB/s during\n",
            p.name.c_str(), d.name.c_str(), m.slowdown * 100, m.xfer_gbps_during);
     if (!d.gather) p.mirror_valid = false;
@@ -1635,6 +1919,11 @@ void interference_run(Preset &p, SizePlan &s, const std::vector<Direction> &dirs
   std::vector<double> after = workload_alone(w, S);
   JsonWriter j;
   j.begin_object().kv("kind", "interference").kv("preset", p.name).kv("tokens", s.tokens);
+  {
+    kvf_object_policy pol;
+    kvf_geometry_policy(p.g, &pol);
+    j.kv("chunk_tokens", (uint64_t)pol.chunk_tokens);
+  }
   j.key("workload").begin_object().kv("desc", w.desc).kv("cublas", w.cublas).kv("ops_per_sample", w.per_sample);
   j.kv("alone_us", alone).kv("alone_after_us", pct(after, 0.5));
   j.kv("alone_spread", (pct(before, 0.9) - pct(before, 0.1)) / alone);
@@ -1646,6 +1935,8 @@ void interference_run(Preset &p, SizePlan &s, const std::vector<Direction> &dirs
     const Interference &r = rows[i];
     j.begin_object().kv("direction", row_dirs[i]).kv("transfer", r.what).kv("payload_bytes", row_payload[i]);
     if (r.what == "kvferry") j.kv("sms_cap", r.cap).kv("sms_cap_label", cap_label(r.cap)).kv("sms_used", r.sms_used);
+    if (r.what == "kvferry" && !r.name.empty()) j.kv("tune", r.name);
+    if (r.what == "peer") j.kv("peer", r.name);
     j.kv("ok", r.ok);
     if (!r.ok) j.kv("error", r.error);
     j.kv("transfers_per_sample", r.transfers_per_sample).kv("transfer_alone_us", r.xfer_alone_us);
