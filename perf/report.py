@@ -6,6 +6,9 @@ summary against the performance targets of the kernels issue.
                              write DIR/results.md, DIR/bandwidth.png, DIR/smcaps.png, DIR/presets.png
   report.py --install DIR    copy DIR/*.json (and bench.log) into perf/results/<date>-<gpu>/
                              first, then render there (the committed layout)
+  report.py --brief DIR      also print, on stdout, one line per measured (preset, direction,
+                             size) against every baseline and peer and issue 15's verdicts
+                             (what perf/run_issue15.sh prints last)
 
 Without matplotlib the markdown is still written and the plots are skipped.
 Runs on any machine with python3; no GPU needed.
@@ -94,7 +97,23 @@ def ok(x):
 
 
 def kvf_entries(r):
-    return [e for e in r.get("kvferry", []) if ok(e)]
+    """kvferry's measurements with the library's own tuning (tuning variants, --tune, are left out)."""
+    return [e for e in r.get("kvferry", []) if ok(e) and not e.get("tune")]
+
+
+def kvf_variants(r):
+    """kvferry under tuning variants (--tune): the crossover sweeps."""
+    return [e for e in r.get("kvferry", []) if e.get("tune")]
+
+
+def peers_of(r):
+    """{peer name: its measurement} for the peers that ran (ok or not)."""
+    return r.get("peers", {}) or {}
+
+
+def is_one_chunk(r):
+    c = r.get("chunk_tokens")
+    return r.get("tokens") == c if c else r.get("tokens", 0) <= 544
 
 
 def kvf_default(r):
@@ -142,7 +161,11 @@ def ratio(a, b):
 
 def is_smcap_sweep(r):
     """An SM-cap sweep: several caps, no baseline but the limit."""
-    return len(r.get("kvferry", [])) >= 3 and not any(base(r, k) for k in ("memcpy_per_run", "batch", "cub"))
+    return len(kvf_all_caps(r)) >= 3 and not any(base(r, k) for k in ("memcpy_per_run", "batch", "cub"))
+
+
+def kvf_all_caps(r):
+    return [e for e in r.get("kvferry", []) if not e.get("tune")]
 
 
 def sweep_records(d, include_smcaps=False):
@@ -161,7 +184,7 @@ def sweep_records(d, include_smcaps=False):
 
 
 def smcap_records(d):
-    return [r for r in d.transfers if len(r.get("kvferry", [])) >= 3]
+    return [r for r in d.transfers if len(kvf_all_caps(r)) >= 3]
 
 
 def all_records(d):
@@ -373,6 +396,303 @@ def evaluate(d):
     return verdicts
 
 
+# ---- issue 15: one chunk at the link's limit ------------------------------------------------------
+
+I15_PCIE_DEFAULT = 0.95   # one chunk, d2h/h2d, default SM cap
+I15_PCIE_4SM = 0.90       # ... at a 4-SM cap
+I15_LARGE_PCIE = 0.98     # >= 4096 tokens d2h/h2d: stay at the limit
+I15_D2D_SMALL = 0.85      # d2d below 4096 tokens
+I15_D2D_LARGE = 0.92      # d2d at 4096 tokens and above
+I15_SLOWDOWN = 0.03       # the concurrent GEMM slows by less than this
+I15_ENQUEUE_US = 10.0     # host time to enqueue one chunk
+I15_LAT_PCIE = 1.05       # one MLA chunk's latency over a memcpy of the same bytes, d2h/h2d
+I15_LAT_D2D = 1.3
+I15_NOISE = 0.02          # kvferry >= batch / cub within this (run-to-run noise)
+I15_LAT_PRESET = "deepseek-v3-mla-bf16"
+
+
+def kvf_cap(r, cap):
+    for e in kvf_entries(r):
+        if e.get("sms_cap") == cap:
+            return e
+    return None
+
+
+def others(r):
+    """[(name, gbps)] of every baseline but the limit, and every peer that ran and passed."""
+    out = []
+    for k, label in (("batch", "cudaMemcpyBatchAsync"), ("cub", "cub::DeviceMemcpy::Batched"),
+                     ("memcpy_per_run", "memcpy per run")):
+        b = base(r, k)
+        if b:
+            out.append((label, b["gbps"]))
+    for name, p in sorted(peers_of(r).items()):
+        if ok(p):
+            out.append((name, p["gbps"]))
+    return out
+
+
+def evaluate15(d):
+    recs = sweep_records(d)
+    vs = []
+
+    def judge(v, rows, floor):
+        """rows: (label, value, detail); met when every value >= floor."""
+        vals = [x for x in rows if x[1] is not None]
+        if not vals:
+            return
+        miss = [x for x in vals if x[1] < floor]
+        v.met = not miss
+        v.lines.append(f"{len(vals) - len(miss)} of {len(vals)} rows meet it.")
+        for lab, val, det in sorted(miss, key=lambda x: x[1]):
+            v.lines.append(f"missed: {lab}: {fpct(val)} ({det}); short by {(floor - val) * 100:.1f} points")
+        if not miss:
+            lab, val, det = min(vals, key=lambda x: x[1])
+            v.lines.append(f"tightest: {lab}: {fpct(val)} ({det})")
+
+    v = Verdict(f"One chunk D2H/H2D: ≥ {I15_PCIE_DEFAULT:.0%} of memcpy at the default SM cap, every preset")
+    rows = []
+    for r in recs:
+        if r["direction"] in PCIE and is_one_chunk(r):
+            e, lim = kvf_default(r), base(r, "limit")
+            if e and lim:
+                rows.append((f"{r['preset']} {r['direction']}", ratio(e["gbps"], lim["gbps"]),
+                             f"{fg(e['gbps'])} of {fg(lim['gbps'])} GB/s, {(e.get('path') or {}).get('name', '?')}, "
+                             f"{sms_of(e) or 0} SMs"))
+    judge(v, rows, I15_PCIE_DEFAULT)
+    vs.append(v)
+
+    v = Verdict(f"One chunk D2H/H2D: ≥ {I15_PCIE_4SM:.0%} of memcpy at a 4-SM cap, every preset")
+    rows = []
+    for r in recs:
+        if r["direction"] in PCIE and is_one_chunk(r):
+            e, lim = kvf_cap(r, 4), base(r, "limit")
+            if e and lim:
+                rows.append((f"{r['preset']} {r['direction']}", ratio(e["gbps"], lim["gbps"]),
+                             f"{fg(e['gbps'])} of {fg(lim['gbps'])} GB/s, {(e.get('path') or {}).get('name', '?')}"))
+    judge(v, rows, I15_PCIE_4SM)
+    vs.append(v)
+
+    v = Verdict(f"Large D2H/H2D stay at the limit: ≥ {I15_LARGE_PCIE:.0%} at ≥ 4096 tokens (default cap)")
+    rows = []
+    for r in recs:
+        if r["direction"] in PCIE and r["tokens"] >= 4096:
+            e, lim = kvf_default(r), base(r, "limit")
+            if e and lim:
+                rows.append((f"{r['preset']} {r['direction']} {r['tokens']}", ratio(e["gbps"], lim["gbps"]),
+                             f"{fg(e['gbps'])} of {fg(lim['gbps'])} GB/s"))
+    judge(v, rows, I15_LARGE_PCIE)
+    vs.append(v)
+
+    v = Verdict(f"D2D: ≥ {I15_D2D_SMALL:.0%} below 4096 tokens, ≥ {I15_D2D_LARGE:.0%} at 4096 and above, every preset")
+    rows_s, rows_l = [], []
+    for r in recs:
+        if r["direction"] in ("d2d", "d2d-scatter"):
+            e, lim = kvf_default(r), base(r, "limit")
+            if e and lim:
+                (rows_l if r["tokens"] >= 4096 else rows_s).append(
+                    (f"{r['preset']} {r['direction']} {r['tokens']}", ratio(e["gbps"], lim["gbps"]),
+                     f"{fg(e['gbps'])} of {fg(lim['gbps'])} GB/s"))
+    a, b = Verdict("small"), Verdict("large")
+    judge(a, rows_s, I15_D2D_SMALL)
+    judge(b, rows_l, I15_D2D_LARGE)
+    if a.met is not None or b.met is not None:
+        v.met = (a.met is not False) and (b.met is not False)
+        v.lines += [f"below 4096: {x}" for x in a.lines] + [f"4096 and above: {x}" for x in b.lines]
+    vs.append(v)
+
+    v = Verdict(f"Host time to enqueue one chunk ≤ {I15_ENQUEUE_US:.0f} µs (each call alone, kvferry's default)")
+    rows = []
+    for r in recs:
+        e = kvf_default(r)
+        if is_one_chunk(r) and e and e.get("enqueue_alone_us") is not None:
+            rows.append((f"{r['preset']} {r['direction']}", I15_ENQUEUE_US / e["enqueue_alone_us"],
+                         f"{e['enqueue_alone_us']:.1f} µs, {(e.get('path') or {}).get('name', '?')}"))
+    vals = [x for x in rows]
+    if vals:
+        miss = [x for x in vals if x[1] < 1]
+        v.met = not miss
+        v.lines.append(f"{len(vals) - len(miss)} of {len(vals)} rows meet it.")
+        for lab, val, det in sorted(miss, key=lambda x: x[1]):
+            v.lines.append(f"missed: {lab}: {det}")
+        worst = min(vals, key=lambda x: x[1])
+        v.lines.append(f"slowest: {worst[0]}: {worst[2]}")
+    vs.append(v)
+
+    v = Verdict(f"Latency of one {I15_LAT_PRESET} chunk: D2H/H2D ≤ {I15_LAT_PCIE}x a memcpy of the same bytes, "
+                f"D2D ≤ {I15_LAT_D2D}x (wall time)")
+    judged = []
+    for r in d.latency:
+        if r["preset"] != I15_LAT_PRESET:
+            continue
+        k, m_ = r.get("kvferry", {}), r.get("memcpy_same_bytes", {})
+        x = ratio(k.get("wall_us"), m_.get("wall_us"))
+        if x is None:
+            continue
+        lim = I15_LAT_PCIE if r["direction"] in PCIE else I15_LAT_D2D
+        judged.append(x <= lim)
+        v.lines.append(f"{'met' if x <= lim else 'MISSED'}: {r['direction']}: {fus(k.get('wall_us'))} µs against "
+                       f"{fus(m_.get('wall_us'))} µs, {x:.2f}x (target {lim}x; GPU {fus(k.get('gpu_us'))} vs "
+                       f"{fus(m_.get('gpu_us'))} µs, enqueue {fus(k.get('enqueue_us'))} µs)")
+    if judged:
+        v.met = all(judged)
+    vs.append(v)
+
+    v = Verdict(f"Interference: the concurrent GEMM slows by < {I15_SLOWDOWN:.0%} while one-chunk D2H/H2D run "
+                "(kvferry at the default cap and at 4 SMs)")
+    judged = []
+    for it in d.interference:
+        one = it.get("tokens") == it.get("chunk_tokens") if it.get("chunk_tokens") else it.get("tokens", 0) <= 544
+        for row in it.get("rows", []):
+            if not row.get("ok"):
+                continue
+            who = row.get("transfer")
+            s_ = row.get("slowdown")
+            label = (f"{it['preset']} {it['tokens']} {row['direction']} " +
+                     (f"kvferry cap {row.get('sms_cap_label')}" + (f" tune {row['tune']}" if row.get("tune") else "")
+                      if who == "kvferry" else row.get("peer", "memcpy") if who == "peer" else "memcpy (copy engine)"))
+            txt = (f"{fpct(s_, True)}; {fg(row.get('transfer_gbps_during'))} GB/s during, "
+                   f"{fg(row.get('transfer_gbps_alone'))} alone")
+            if who == "kvferry" and not row.get("tune") and one and row.get("sms_cap") in (0, 4):
+                good = s_ is not None and s_ < I15_SLOWDOWN
+                judged.append(good)
+                v.lines.append(f"{'met' if good else 'MISSED'}: {label}: {txt}")
+            else:
+                v.lines.append(f"({label}: {txt})")
+        wl = it.get("workload", {})
+        if wl:
+            v.lines.append(f"workload: {wl.get('desc')}; spread p10–p90 {fpct(wl.get('alone_spread'))} "
+                           "(slowdowns below that are noise)")
+    if judged:
+        v.met = all(judged)
+    vs.append(v)
+
+    v = Verdict(f"kvferry ≥ cudaMemcpyBatchAsync and ≥ cub::DeviceMemcpy::Batched on every row (within {I15_NOISE:.0%})")
+    total, misses = 0, []
+    for r in recs:
+        e = kvf_default(r)
+        if not e:
+            continue
+        for k, label in (("batch", "cudaMemcpyBatchAsync"), ("cub", "cub::DeviceMemcpy::Batched")):
+            b = base(r, k)
+            if not b:
+                continue
+            total += 1
+            x = ratio(e["gbps"], b["gbps"])
+            if x is not None and x < 1 - I15_NOISE:
+                misses.append((x, f"missed: {r['preset']} {r['direction']} {r['tokens']}: {fx(x)} {label} "
+                                  f"({fg(e['gbps'])} vs {fg(b['gbps'])} GB/s), behind by {(1 - x) * 100:.1f}%"))
+    if total:
+        v.met = not misses
+        v.lines.append(f"{total - len(misses)} of {total} comparisons meet it.")
+        v.lines += [m for _, m in sorted(misses)]
+    vs.append(v)
+
+    v = Verdict("kvferry ahead of every peer on every row (LMCache MP block, MP staged, legacy; SGLang HiCache IO)")
+    total, misses = 0, []
+    for r in recs:
+        e = kvf_default(r)
+        if not e:
+            continue
+        for name, p in sorted(peers_of(r).items()):
+            if not ok(p):
+                continue
+            total += 1
+            x = ratio(e["gbps"], p["gbps"])
+            if x is not None and x < 1:
+                misses.append((x, f"behind: {r['preset']} {r['direction']} {r['tokens']}: {name} {fg(p['gbps'])} vs "
+                                  f"kvferry {fg(e['gbps'])} GB/s ({(1 - x) * 100:.1f}% behind)"))
+    if total:
+        v.met = not misses
+        v.lines.append(f"ahead in {total - len(misses)} of {total} comparisons.")
+        v.lines += [m for _, m in sorted(misses)]
+    na = sorted({f"{n}: {p.get('error')}" for r in recs for n, p in peers_of(r).items() if not ok(p) and p.get("error")})
+    for x in na[:12]:
+        v.lines.append(f"(not compared: {x})")
+    vs.append(v)
+    return vs
+
+
+def size_tables(d):
+    """One table per request size: every (preset, direction) row against every baseline and peer."""
+    recs = sweep_records(d)
+    peer_names = sorted({n for r in recs for n, p in peers_of(r).items()})
+    out = []
+    for tok in sorted({r["tokens"] for r in recs}):
+        rows = []
+        for r in sorted((r for r in recs if r["tokens"] == tok), key=lambda r: (r["preset"], dir_key(r["direction"]))):
+            e, lim, e4 = kvf_default(r), base(r, "limit"), kvf_cap(r, 4)
+            best = max(others(r), key=lambda x: x[1], default=None)
+            cells = [r["preset"], r["direction"], fbytes(r.get("payload_bytes")), fg(gbps(lim)),
+                     f"{fg(gbps(e))} ({fpct(ratio(gbps(e), gbps(lim)))})" if e else "–",
+                     f"{fg(gbps(e4))} ({fpct(ratio(gbps(e4), gbps(lim)))})" if e4 and r["direction"] in PCIE else "–",
+                     (e or {}).get("path", {}).get("name", "–") if e else "–",
+                     f"{e['enqueue_alone_us']:.1f}" if e and e.get("enqueue_alone_us") is not None else "–",
+                     fg(gbps(base(r, "batch"))), fg(gbps(base(r, "cub")))]
+            for n in peer_names:
+                p = peers_of(r).get(n)
+                cells.append(fg(p["gbps"]) if ok(p) else ("n/a" if p and "not applicable" in (p.get("error") or "")
+                                                          else ("FAIL" if p else "–")))
+            cells.append(f"{best[0]} {fg(best[1])}" if best else "–")
+            cells.append(fx(ratio(gbps(e), best[1])) if best and e else "–")
+            rows.append(cells)
+        out.append((tok, md_table(["preset", "dir", "payload", "limit", "kvferry (vs limit)", "kvferry 4 SMs", "path",
+                                   "enqueue µs", "batch", "cub"] + peer_names + ["fastest other", "kvferry ÷ it"], rows)))
+    return out
+
+
+def crossover_table(d):
+    rows = []
+    for r in sorted(d.transfers, key=lambda r: (r["preset"], dir_key(r["direction"]), r["tokens"])):
+        var = kvf_variants(r)
+        if not var:
+            continue
+        lim = base(r, "limit")
+        de = kvf_default(r)
+        for e in [de] + var if de else var:
+            if e is None:
+                continue
+            g = gbps(e) if ok(e) else None
+            p = e.get("path") or {}
+            rows.append([r["preset"], r["direction"], r["tokens"], e.get("tune") or "(default)",
+                         f"{fg(g)}" if g else ("FAIL: " + (e.get("error") or "")[:60]), fpct(ratio(g, gbps(lim))),
+                         fx(ratio(g, gbps(de))) if de and g else "–", p.get("name", "–"),
+                         f"{p.get('batches', 0)}x{p.get('pieces', 0)}", p.get("launches", "–"), p.get("slice_bytes", "–"),
+                         f"{e['enqueue_alone_us']:.1f}" if e.get("enqueue_alone_us") is not None else "–"])
+    if not rows:
+        return ""
+    return md_table(["preset", "dir", "tokens", "variant", "GB/s", "vs limit", "vs default", "path", "batches x pieces",
+                     "launches", "task bytes", "enqueue µs"], rows)
+
+
+def brief(d, verdicts15):
+    """A compact text summary for the end of a GPU run's output."""
+    lines = []
+    recs = sweep_records(d)
+    for r in sorted(recs, key=lambda r: (r["tokens"], r["preset"], dir_key(r["direction"]))):
+        e, lim, e4 = kvf_default(r), base(r, "limit"), kvf_cap(r, 4)
+        best = max(others(r), key=lambda x: x[1], default=None)
+        p = (e or {}).get("path") or {}
+        lines.append(f"{r['preset'][:26]:26} {r['direction']:4} {r['tokens']:>6} lim {fg(gbps(lim)):>5} "
+                     f"kvf {fg(gbps(e)):>5} {fpct(ratio(gbps(e), gbps(lim))):>6}"
+                     + (f" 4sm {fpct(ratio(gbps(e4), gbps(lim))):>6}" if e4 and r["direction"] in PCIE else " " * 11)
+                     + f" {p.get('name', '-')[:10]:10}"
+                     + (f" enq {e['enqueue_alone_us']:5.1f}" if e and e.get("enqueue_alone_us") is not None else "")
+                     + (f" | {best[0][:18]} {fg(best[1])} x{ratio(gbps(e), best[1]):.2f}" if best and e else ""))
+    lines.append("")
+    for v in verdicts15:
+        lines.append(f"{v.status().replace('*', ''):>12}  {v.name}")
+        shown = 0
+        for line in v.lines:
+            if line.startswith(("missed", "MISSED", "behind", "tightest", "slowest")) or "meet it" in line or "ahead in" in line:
+                if shown < 6:
+                    lines.append(f"              {line}")
+                shown += 1
+        if shown > 6:
+            lines.append(f"              ... and {shown - 6} more in results.md")
+    return "\n".join(lines)
+
+
 # ---- markdown ------------------------------------------------------------------------------------------
 
 def md_table(header, rows):
@@ -382,7 +702,7 @@ def md_table(header, rows):
     return "\n".join(out)
 
 
-def render_markdown(d, verdicts, pngs):
+def render_markdown(d, verdicts, pngs, verdicts15=()):
     m = d.meta
     out = [f"# kvferry transfer benchmark: {m.get('gpu', '?')}, {(m.get('date') or '?')[:10]}", ""]
     out.append(md_table(["", ""], [
@@ -417,7 +737,39 @@ def render_markdown(d, verdicts, pngs):
         out.extend(sorted(set(mism)))
         out.append("")
 
-    out.append("## Targets")
+    if verdicts15:
+        out.append("## Issue 15 targets (one chunk at the link's limit)")
+        out.append("")
+        for v in verdicts15:
+            out.append(f"- {v.name}: {v.status()}")
+            for line in v.lines:
+                out.append(f"  - {line}")
+        out.append("")
+    tables = size_tables(d)
+    if tables:
+        out.append("## One table per request size")
+        out.append("")
+        out.append("GB/s of payload; *kvferry*: the library's default routes and SM cap, with the share of a contiguous "
+                   "memcpy of the same bytes; *path*: the route the call took (copy-batch: cudaMemcpyBatchAsync, no kernel; "
+                   "staged: kernels through device staging buffers and the copy engine; kernel: one launch); *enqueue*: "
+                   "host time of one call alone. Peers: our implementations of LMCache's and SGLang's kernels "
+                   "(perf/bench_peers.h), checked against the CPU reference like kvferry; n/a: outside the design.")
+        out.append("")
+        for tok, tab in tables:
+            out.append(f"### {tok} tokens")
+            out.append("")
+            out.append(tab)
+            out.append("")
+    cross = crossover_table(d)
+    if cross:
+        out.append("## Crossovers: kvferry under tuning variants")
+        out.append("")
+        out.append("Each variant (`--tune`, host/core/xfer_internal.h's kvf_xfer_tuning; the KVF_* parameters of the "
+                   "README) against the default on the same configuration. *vs default* > 1: the variant is faster.")
+        out.append("")
+        out.append(cross)
+        out.append("")
+    out.append("## Targets of the kernels issue")
     out.append("")
     for v in verdicts:
         out.append(f"- {v.name}: {v.status()}")
@@ -470,7 +822,7 @@ def render_markdown(d, verdicts, pngs):
         out.append("")
         labels = []
         for r in caps:
-            for e in r["kvferry"]:
+            for e in kvf_all_caps(r):
                 if e.get("sms_cap_label") not in labels:
                     labels.append(e.get("sms_cap_label"))
         rows = []
@@ -478,7 +830,7 @@ def render_markdown(d, verdicts, pngs):
             lim = base(r, "limit")
             cells = []
             for lab in labels:
-                e = next((x for x in r["kvferry"] if x.get("sms_cap_label") == lab and ok(x)), None)
+                e = next((x for x in kvf_all_caps(r) if x.get("sms_cap_label") == lab and ok(x)), None)
                 cells.append(f"{fg(gbps(e))} ({sms_of(e)}, {fpct(ratio(gbps(e), gbps(lim)))})" if e else "–")
             rows.append([r["preset"], r["direction"], r["tokens"], fg(gbps(lim))] + cells)
         out.append(md_table(["preset", "direction", "tokens", "limit"] + [f"cap {x}" for x in labels], rows))
@@ -513,7 +865,9 @@ def render_markdown(d, verdicts, pngs):
         out.append("")
         rows = []
         for row in it.get("rows", []):
-            what = "cudaMemcpyAsync (copy engine)" if row.get("transfer") == "memcpy" else f"kvferry cap {row.get('sms_cap_label')}"
+            what = ("cudaMemcpyAsync (copy engine)" if row.get("transfer") == "memcpy"
+                    else f"peer {row.get('peer')}" if row.get("transfer") == "peer"
+                    else f"kvferry cap {row.get('sms_cap_label')}" + (f" tune {row['tune']}" if row.get("tune") else ""))
             rows.append([row.get("direction"), what, row.get("sms_used") or "–",
                          fg(row.get("transfer_gbps_alone")), fg(row.get("transfer_gbps_during")),
                          fpct(row.get("slowdown"), True), fpct(row.get("covered")),
@@ -691,6 +1045,8 @@ def main(argv=None):
     ap.add_argument("dir", help="directory holding kvf_bench JSON files")
     ap.add_argument("--install", action="store_true",
                     help="copy the JSON into perf/results/<date>-<gpu>/ of this checkout and render there")
+    ap.add_argument("--brief", action="store_true",
+                    help="also print one line per measured row and issue 15's verdicts on stdout")
     ap.add_argument("--results-root", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                     help="where --install puts results (default: perf/results next to this script)")
     args = ap.parse_args(argv)
@@ -708,13 +1064,17 @@ def main(argv=None):
                 shutil.copyfile(p, dst)
         d = load(out_dir)
     verdicts = evaluate(d)
+    verdicts15 = evaluate15(d)
     pngs = plot_all(d, out_dir)
-    md = render_markdown(d, verdicts, pngs)
+    md = render_markdown(d, verdicts, pngs, verdicts15)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(md + "\n")
     print(f"report.py: wrote {os.path.join(out_dir, 'results.md')}" + (f" and {', '.join(pngs)}" if pngs else ""))
-    for v in verdicts:
-        print(f"  {v.status().replace('*', ''):>12}  {v.name}")
+    if args.brief:
+        print(brief(d, verdicts15))
+    else:
+        for v in verdicts15 + verdicts:
+            print(f"  {v.status().replace('*', ''):>12}  {v.name}")
     return 0
 
 

@@ -106,6 +106,47 @@ def synthetic(directory):
         json.dump(doc, f)
 
 
+def issue15_doc():
+    """Synthetic runs for issue 15's verdicts: one-chunk rows with peers,
+    tuning variants, enqueue times, an MLA latency record, interference with
+    peers. Planted: llama-hnd d2h one chunk at 92.6% (default cap), its
+    enqueue at 14 us, lmcache-mp ahead of kvferry on llama-nhd d2h, the MLA
+    D2D latency at 1.5x."""
+    meta = {"gpu": "NVIDIA H200", "date": "2026-12-01", "sm_count": 132}
+    results = []
+    for p, kvf, enq in (("llama-nhd", 52.0, 6.0), ("llama-hnd", 50.0, 14.0)):
+        for dr in ("d2h", "h2d"):
+            r = transfer(p, dr, 256, kvf if dr == "d2h" else 53.0, small=50.0)
+            r["chunk_tokens"] = 256
+            for e in r["kvferry"]:
+                e["enqueue_alone_us"] = enq if dr == "d2h" else 5.0
+                e["path"] = {"name": "staged", "batches": 1, "pieces": 4, "launches": 4, "slice_bytes": 2048}
+            r["peers"] = {"lmcache-mp": dict(shape="x", **timing(53.0 if p == "llama-nhd" else 40.0, r["payload_bytes"])),
+                          "sglang-q2": {"ok": False, "error": "not applicable: rows not a multiple of 8 bytes"}}
+            if p == "llama-nhd" and dr == "d2h":
+                r["kvferry"].append(dict(sms_cap=0, sms_cap_label="default", tune="batch_max_runs=0,pieces=8",
+                                         path={"name": "staged", "pieces": 8}, **timing(53.5, r["payload_bytes"])))
+            results.append(r)
+        r = transfer(p, "d2d", 4096, 1950.0)
+        r["chunk_tokens"] = 256
+        results.append(r)
+    results.append({"kind": "latency", "preset": "deepseek-v3-mla-bf16", "direction": "d2d", "tokens": 256,
+                    "kvferry": {"ok": True, "gpu_us": 25.0, "wall_us": 30.0, "enqueue_us": 5.0},
+                    "memcpy_same_bytes": {"ok": True, "gpu_us": 15.0, "wall_us": 20.0}})
+    results.append({"kind": "latency", "preset": "deepseek-v3-mla-bf16", "direction": "d2h", "tokens": 256,
+                    "kvferry": {"ok": True, "gpu_us": 335.0, "wall_us": 345.0, "enqueue_us": 5.0},
+                    "memcpy_same_bytes": {"ok": True, "gpu_us": 330.0, "wall_us": 340.0}})
+    rows = [{"direction": "d2h", "transfer": "memcpy", "ok": True, "slowdown": 0.004},
+            {"direction": "d2h", "transfer": "kvferry", "sms_cap": 0, "sms_cap_label": "default", "ok": True,
+             "slowdown": 0.01},
+            {"direction": "d2h", "transfer": "kvferry", "sms_cap": 4, "sms_cap_label": "4", "ok": True, "slowdown": 0.02},
+            {"direction": "d2h", "transfer": "peer", "peer": "lmcache-legacy", "ok": True, "slowdown": 0.5}]
+    results.append({"kind": "interference", "preset": "llama-nhd", "tokens": 256, "chunk_tokens": 256,
+                    "workload": {"desc": "synthetic", "alone_spread": 0.01}, "rows": rows})
+    return {"schema": "kvferry-bench/1", "complete": True, "meta": meta, "results": results, "skipped": [],
+            "errors": []}
+
+
 def main():
     failures = []
 
@@ -152,6 +193,35 @@ def main():
         vs = report.evaluate(report.load(tmp))
         check(vs[0].met is True and vs[2].met is True and vs[4].met is True, "clean data should meet the targets")
         check(vs[1].met is None, "no interference data: not measured")
+    # Issue 15's verdicts, per-size tables, crossovers and the brief summary.
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "i15.json"), "w") as f:
+            json.dump(issue15_doc(), f)
+        rc = report.main([tmp])
+        check(rc == 0, f"report.main (issue 15) returned {rc}")
+        md = open(os.path.join(tmp, "results.md")).read()
+        d = report.load(tmp)
+        v15 = report.evaluate15(d)
+        by = {v.name.split(":")[0] + str(i): v for i, v in enumerate(v15)}
+        vs = list(by.values())
+        check(vs[0].met is False, "one-chunk default-cap target should be missed (llama-hnd d2h 92.6%)")
+        check(any("llama-hnd d2h" in x and "short by 2.4 points" in x for x in vs[0].lines),
+              "one-chunk miss should name the row and the shortfall: " + repr(vs[0].lines))
+        check(vs[1].met is True, "4-SM target: every one-chunk row at 50 GB/s (91.7-92.6%) meets 90%")
+        check(vs[4].met is False and any("llama-hnd d2h" in x for x in vs[4].lines), "enqueue miss (14 us)")
+        check(vs[5].met is False and any("MISSED: d2d" in x for x in vs[5].lines), "MLA D2D latency 1.5x missed")
+        check(any("met: d2h" in x for x in vs[5].lines), "MLA D2H latency met")
+        check(vs[6].met is True, "interference: kvferry rows at 1% and 2% meet < 3%")
+        check(any("lmcache-legacy" in x for x in vs[6].lines), "interference lists the peers' rows")
+        check(vs[8].met is False and any("behind: llama-nhd d2h 256: lmcache-mp" in x for x in vs[8].lines),
+              "peer ahead of kvferry is reported: " + repr(vs[8].lines))
+        check(any("not applicable" in x for x in vs[8].lines), "a peer outside its design is listed")
+        for section in ("## Issue 15 targets", "## One table per request size", "### 256 tokens", "### 4096 tokens",
+                        "## Crossovers", "batch_max_runs=0,pieces=8"):
+            check(section in md, f"markdown section {section}")
+        check("lmcache-mp" in md and "n/a" in md, "peers in the per-size tables")
+        b = report.brief(d, v15)
+        check("llama-hnd" in b and "missed" in b and len(b) < 12000, "brief summary")
     if failures:
         for f in failures:
             print("FAIL:", f)
