@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# perf/make_issue15_bundle.sh - gather what perf/run_issue15.sh needs on the GPU
+# machine into one folder that the device tool carries (nothing is built there):
+#
+#   perf/make_issue15_bundle.sh [BUILD_DIR] DEST
+#
+# DEST gets bin/ (test_xfer, kvf_bench), lib/ (shared libraries the binaries
+# need that the GPU image may lack: libjansson.so.4), presets/ (the geometry
+# presets), run_issue15.sh and report.py. Run there as: bash DEST/run_issue15.sh
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(cd "$here/.." && pwd)
+if (($# == 2)); then build=$1; dest=$2; else build=$root/build/rel; dest=${1:?usage: make_issue15_bundle.sh [BUILD_DIR] DEST}; fi
+mkdir -p "$dest/bin" "$dest/lib" "$dest/presets"
+for b in tests/test_xfer perf/kvf_bench; do
+  [[ -x $build/$b ]] || { echo "make_issue15_bundle.sh: $build/$b not built" >&2; exit 2; }
+  cp "$build/$b" "$dest/bin/"
+done
+for b in "$dest"/bin/*; do
+  ldd "$b" | awk '/libjansson|libhwloc/ {print $3}' | while read -r lib; do [[ -f $lib ]] && cp -L "$lib" "$dest/lib/"; done
+done
+cp "$root"/geometry/presets/*.json "$dest/presets/"
+cp "$here/run_issue15.sh" "$here/report.py" "$dest/"
+git -C "$root" rev-parse --short=12 HEAD > "$dest/COMMIT" 2>/dev/null || true
+du -sh "$dest"

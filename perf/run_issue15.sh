@@ -1,0 +1,273 @@
+#!/usr/bin/env bash
+# perf/run_issue15.sh - one GPU session for issue 15 ("one chunk at the link's
+# limit"): conformance of the new routes first, then the benchmark steps the
+# issue's targets need, JSON and logs into OUTDIR, a short table last.
+#
+#   perf/run_issue15.sh [--explore|--full] [--steps LIST] [--bundle DIR] [OUTDIR]
+#
+# Binaries are prebuilt (nothing is built here): test_xfer and kvf_bench from
+# BUNDLE/bin (a folder made by perf/make_issue15_bundle.sh, carried to the GPU
+# machine: it holds bin/, lib/, presets/ and these scripts), else from the
+# build tree (build/rel). OUTDIR defaults to $OUT (the device tool's folder)
+# or ./issue15-out.
+#
+# Steps (--steps, comma-separated; default: all of the mode's):
+#   conf      test_xfer: every case once (GPU conformance of every route, every
+#             preset, format, direction, memory kind, misaligned, windows, SM caps,
+#             graph capture), then compute-sanitizer memcheck and racecheck on the
+#             new routes' cases for three presets
+#   chunk     every preset at one chunk (256 tokens; whole chunks) and 4096 tokens,
+#             d2h h2d d2d, SM caps default and 4, every baseline and every peer
+#   cross     crossover sweeps on llama nhd / hnd and the 61-layer MLA cache at one
+#             chunk and 4096 tokens: pieces per staged batch, tables in kernel
+#             parameters or uploaded, task sizes, the batch-API route on/off and
+#             its run thresholds, one batch call or memcpys per piece; caps default and 4
+#   large     16384 and 32768 tokens on the same three presets (they must stay at the
+#             limit), caps default and 4, limit/batch/cub (peers at 16384)
+#   latency   one chunk alone, synchronized: MLA, llama nhd, llama hnd; every direction
+#   interf    a cuBLAS bf16 GEMM (or the FMA kernel) on another stream while one-chunk
+#             and 4096-token d2h / h2d transfers run: kvferry at caps default, 4, 16,
+#             staged variants, every peer, and the copy engine's memcpy
+#   summary   report.py's per-size tables of what was measured (stdout, and OUTDIR/results.md)
+# --explore (default): shorter timing, fewer presets at 4096 tokens, conformance
+# sanitizer subsets smaller; about 4 minutes on one H200. --full: about 8.
+#
+# Environment: KVF_CUBLAS (libcublas.so.13), COMPUTE_SANITIZER, KVF_BENCH_EXTRA
+# (extra kvf_bench arguments for every bench step), ISSUE15_BUDGET (seconds the
+# whole script may take, default 500: each step's time limit is cut to what is
+# left, keeping 15 s for the summary, and a step with under 20 s left is skipped).
+set -uo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+mode=explore
+steps=""
+bundle=""
+outdir=""
+while (($#)); do
+  case "$1" in
+    --explore) mode=explore ;;
+    --full) mode=full ;;
+    --steps) steps=$2; shift ;;
+    --bundle) bundle=$2; shift ;;
+    -h|--help) sed -n '2,40p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "run_issue15.sh: unknown option $1" >&2; exit 2 ;;
+    *) outdir=$1 ;;
+  esac
+  shift
+done
+[[ -z $steps ]] && steps="conf,chunk,cross,large,latency,interf,summary"
+[[ -z $outdir ]] && outdir=${OUT:-./issue15-out}
+mkdir -p "$outdir" || exit 2
+# Everything is written under a work folder and packed after every step into
+# OUTDIR/issue15-results.tar.gz (the device tool brings back at most 8 files):
+# OUTDIR ends with that archive, issue15.log and results.md.
+work=${ISSUE15_WORK:-$(mktemp -d /tmp/issue15-work.XXXXXX)}
+mkdir -p "$work" || exit 2
+pack() { tar czf "$outdir/issue15-results.tar.gz.tmp" -C "$work" . 2>/dev/null &&
+         mv "$outdir/issue15-results.tar.gz.tmp" "$outdir/issue15-results.tar.gz"; }
+
+# Where things are: a bundle (bin/ lib/ presets/ next to this script, or
+# --bundle), else the source tree and its build.
+if [[ -z $bundle && -x $here/bin/kvf_bench ]]; then bundle=$here; fi
+if [[ -n $bundle ]]; then
+  bin=$bundle/bin
+  presets=$bundle/presets
+  report=$bundle/report.py
+  export LD_LIBRARY_PATH="$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+else
+  root=$(cd "$here/.." && pwd)
+  bin=""
+  for d in "$root/build/rel" "$root/build-perf" "$root/build"; do
+    if [[ -x $d/perf/kvf_bench ]]; then bin=$d/bin-issue15; mkdir -p "$bin"
+      ln -sf "$d/perf/kvf_bench" "$bin/kvf_bench"; ln -sf "$d/tests/test_xfer" "$bin/test_xfer"; break; fi
+  done
+  [[ -n $bin ]] || { echo "run_issue15.sh: no build with perf/kvf_bench found" >&2; exit 2; }
+  presets=$root/geometry/presets
+  report=$here/report.py
+  export LD_LIBRARY_PATH="$root/.gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+bench=$bin/kvf_bench
+tests=$bin/test_xfer
+export KVF_PRESET_DIR=$presets KVF_TEST_PRESET_DIR=$presets
+log=$outdir/issue15.log
+: > "$log"
+say() { echo "$*" | tee -a "$log"; }
+
+# cuBLAS for the interference step (loaded by kvf_bench at run time).
+if [[ -z ${KVF_CUBLAS:-} ]]; then
+  for c in /usr/local/cuda/lib64/libcublas.so.13 /usr/local/cuda/targets/x86_64-linux/lib/libcublas.so.13 \
+           $(ldconfig -p 2>/dev/null | awk '/libcublas\.so\.13 /{print $NF}'); do
+    [[ -e $c ]] && { export KVF_CUBLAS=$c; break; }
+  done
+fi
+if [[ -z ${KVF_CUBLAS:-} ]] && command -v python3 >/dev/null 2>&1; then
+  c=$(python3 -c 'import glob,site,os
+for d in site.getsitepackages():
+    for p in glob.glob(os.path.join(d,"nvidia","**","libcublas.so.13"),recursive=True): print(p); raise SystemExit' 2>/dev/null)
+  [[ -n $c ]] && export KVF_CUBLAS=$c
+fi
+[[ -n ${KVF_CUBLAS:-} ]] && export LD_LIBRARY_PATH="$(dirname "$KVF_CUBLAS"):$LD_LIBRARY_PATH"
+
+SAN=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer 2>/dev/null || true)}
+[[ -z $SAN && -x /usr/local/cuda/bin/compute-sanitizer ]] && SAN=/usr/local/cuda/bin/compute-sanitizer
+
+{
+  echo "mode $mode, steps $steps, out $outdir"
+  echo "bench $bench; tests $tests; presets $presets"
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.sm --format=csv,noheader 2>&1
+  ldd "$bench" "$tests" 2>&1 | grep -i "not found"
+  [[ -n $SAN ]] && "$SAN" --version 2>&1 | tail -n 1
+} | tee -a "$log"
+
+want() { [[ ",$steps," == *",$1,"* ]]; }
+t_all=$SECONDS
+failed=0
+budget=${ISSUE15_BUDGET:-500}
+# limit_for SECONDS: the step's limit cut to the budget left (0: skip it).
+limit_for() {
+  local left=$((budget - (SECONDS - t_all) - 15))
+  if ((left < 20)); then echo 0; elif (($1 < left)); then echo "$1"; else echo "$left"; fi
+}
+
+# ---- conformance -----------------------------------------------------------------
+# gtest filters: the new routes' cases for three presets (every format,
+# direction and memory kind), the default-route, graph and failure-contract
+# cases; racecheck only the kernels' cases (no host-only suites).
+san_presets="llama_3_1_8b_fa_hnd*:*deepseek_v3_mla_fp8_656*:*glm_like_hybrid*"
+if [[ $mode == explore ]]; then
+  san_routes="*XferGpuRoutes*llama_3_1_8b_fa_hnd_canonical*:*XferGpuRoutes*glm_like_hybrid_native*"
+else
+  san_routes="*XferGpuRoutes*llama_3_1_8b_fa_hnd*:*XferGpuRoutes*deepseek_v3_mla_fp8_656*:*XferGpuRoutes*glm_like_hybrid*"
+fi
+san_filter="$san_routes:*XferGpu.DefaultRoutesForOneChunk*:*XferGpu.*Graph*:*XferGpu.StagedCallRefused*:*XferGpu.MaxSmsCapsTheLaunch*"
+conf_run() { # NAME LIMIT FILTER [sanitizer...]
+  local name=$1 limit filter=$3 rc t0=$SECONDS
+  limit=$(limit_for "$2")
+  shift 3
+  if ((limit == 0)); then say "conf $name: skipped (time budget spent)"; failed=1; return; fi
+  timeout -k 10 "$limit" "$@" "$tests" --gtest_filter="$filter" --gtest_brief=1 \
+    --gtest_output="xml:$work/conf-$name.xml" > "$work/conf-$name.log" 2>&1
+  rc=$?
+  local summary
+  summary=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) +\]' "$work/conf-$name.log" | grep -v '^\[  FAILED  \] .*\.' | tr '\n' ' ')
+  case $name in
+    memcheck) summary+=" $(grep -o 'ERROR SUMMARY: [0-9]* errors\{0,1\}' "$work/conf-$name.log" | tail -n 1)" ;;
+    racecheck) summary+=" $(grep -o 'RACECHECK SUMMARY: .*' "$work/conf-$name.log" | tail -n 1)" ;;
+  esac
+  say "conf $name: rc=$rc after $((SECONDS - t0)) s: $summary"
+  if ((rc != 0)); then
+    failed=1
+    grep -E '^\[  FAILED  \] .*\.|Failure|Expected|Which is|=+ (Invalid|Race|ERROR|Error)' "$work/conf-$name.log" | head -n 25 | tee -a "$log"
+  fi
+  pack
+}
+if want conf; then
+  # explore: the GPU cases and the planner's CPU cases; full: everything.
+  conf_run plain $([[ $mode == explore ]] && echo 130 || echo 200) \
+    "$([[ $mode == explore ]] && echo '*XferGpu*:*XferPieces*:*XferStage*' || echo '*')"
+  if [[ -n $SAN ]]; then
+    conf_run memcheck $([[ $mode == explore ]] && echo 70 || echo 150) "$san_filter" \
+      "$SAN" --tool memcheck --error-exitcode 1 --print-limit 30
+    conf_run racecheck $([[ $mode == explore ]] && echo 45 || echo 100) \
+      "*XferGpuRoutes*llama_3_1_8b_fa_hnd*pinned*:*XferGpu.DefaultRoutesForOneChunk*" \
+      "$SAN" --tool racecheck --error-exitcode 1 --print-limit 30
+  else
+    say "conf: compute-sanitizer not found: memcheck and racecheck not run"
+    failed=1
+  fi
+fi
+
+# ---- benchmark --------------------------------------------------------------------
+extra=(${KVF_BENCH_EXTRA:-})
+if [[ $mode == explore ]]; then
+  common=(--target-ms 12 --min-reps 3 --max-reps 60 --warmup 1 --max-memcpy-runs 1024 --max-batch-runs 16384
+          --enqueue-reps 9)
+  chunk_big=llama-3.1-8b-fa-nhd,llama-3.1-8b-fa-hnd,deepseek-v3-mla-bf16
+  cross_tokens=256
+  large_tokens=16384
+  large_peers=none
+  samples=3
+else
+  common=(--target-ms 30 --min-reps 5 --max-reps 150 --warmup 2 --max-memcpy-runs 4096 --max-batch-runs 32768
+          --enqueue-reps 15)
+  chunk_big=""
+  cross_tokens=256,4096
+  large_tokens=16384,32768
+  large_peers=all
+  samples=5
+fi
+curve=llama-3.1-8b-fa-nhd,llama-3.1-8b-fa-hnd,deepseek-v3-mla-bf16
+all=$("$bench" --list | paste -sd, -)
+step() { # NAME LIMIT ARGS...
+  local name=$1 limit t0=$SECONDS rc
+  limit=$(limit_for "$2")
+  shift 2
+  if ((limit == 0)); then say "== $name: skipped (time budget spent)"; failed=1; return; fi
+  say "== $name: kvf_bench $* ${common[*]} ${extra[*]}"
+  timeout --signal=INT --kill-after=15 "$limit" "$bench" "$@" "${common[@]}" "${extra[@]}" \
+    --out "$work/$name.json" --label "run_issue15.sh $mode $name" > "$work/$name.log" 2>&1
+  rc=$?
+  grep -E '^kvf_bench|ERROR|FAIL|differ|kvf_bench: ' "$work/$name.log" | head -n 12 | tee -a "$log"
+  say "== $name: exit $rc after $((SECONDS - t0)) s"
+  ((rc == 0)) || failed=1
+  pack
+}
+
+if want chunk; then
+  # One chunk on every preset (with every peer); 4096 tokens on all (full) or a few (explore).
+  step chunk-256 $([[ $mode == explore ]] && echo 90 || echo 150) --preset "$all" --tokens 256 \
+    --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all
+  step chunk-4096 $([[ $mode == explore ]] && echo 60 || echo 120) --preset "${chunk_big:-$all}" --tokens 4096 \
+    --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all
+fi
+
+if want cross; then
+  # Every variant against the default on the same configuration (the default
+  # is the kvferry[default] entry itself). The staged variants turn the batch
+  # route off so they measure the staged route even where the batch API wins.
+  tunes=(
+    --tune batch_max_runs=0,pieces=1 --tune batch_max_runs=0,pieces=2 --tune batch_max_runs=0,pieces=4
+    --tune batch_max_runs=0,pieces=8 --tune batch_max_runs=0,pieces=16
+    --tune batch_max_runs=0,pieces=4,dma_batch=0
+    --tune batch_max_runs=0,pieces=1,cap=4 --tune batch_max_runs=0,pieces=4,cap=4 --tune batch_max_runs=0,pieces=8,cap=4
+    --tune batch_max_runs=0,pieces=4,stage_sms=8 --tune batch_max_runs=0,pieces=4,stage_sms=32
+    --tune batch_min_run=0,batch_max_runs=1000000
+    --tune param_bytes=0 --tune task_waves=0 --tune task_waves=2 --tune task_waves=8 --tune task_waves=16
+    --tune task_bytes=16384,task_waves=0
+  )
+  step cross $([[ $mode == explore ]] && echo 60 || echo 160) --preset "$curve" --tokens "$cross_tokens" \
+    --directions d2h,h2d,d2d --sms-pcie 0 --sms-device 0 --baselines limit,batch --peers none "${tunes[@]}"
+fi
+
+if want large; then
+  step large $([[ $mode == explore ]] && echo 45 || echo 120) --preset "$curve" --tokens "$large_tokens" \
+    --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines limit,batch,cub --peers "$large_peers" \
+    --peers-max-tokens 16384 --max-batch-runs 16384
+fi
+
+if want latency; then
+  step latency 40 --mode latency --preset deepseek-v3-mla-bf16,llama-3.1-8b-fa-nhd,llama-3.1-8b-fa-hnd --tokens 256 \
+    --directions d2h,h2d,d2d --latency-reps $([[ $mode == explore ]] && echo 60 || echo 200)
+fi
+
+if want interf; then
+  step interference-256 $([[ $mode == explore ]] && echo 60 || echo 110) --mode interference \
+    --preset llama-3.1-8b-fa-nhd,llama-3.1-8b-fa-hnd --tokens 256 --directions d2h,h2d --sms 0,4,16 \
+    --samples "$samples" --peers all \
+    --tune batch_max_runs=0 --tune batch_max_runs=0,cap=4
+  [[ $mode == full ]] && step interference-4096 100 --mode interference --preset llama-3.1-8b-fa-nhd --tokens 4096 \
+    --directions d2h,h2d --sms 0,4 --samples "$samples" --peers all
+fi
+
+say "run_issue15.sh: benchmark and conformance done in $((SECONDS - t_all)) s$( ((failed)) && echo ' (some steps failed: see issue15.log)')"
+if want summary; then
+  if command -v python3 >/dev/null 2>&1; then
+    python3 "$report" --brief "$work" 2>&1 | tee -a "$log"
+    cp "$work/results.md" "$outdir/results.md" 2>/dev/null
+  else
+    say "summary: python3 not found"
+  fi
+fi
+cp "$log" "$work/" 2>/dev/null
+pack
+exit $failed
