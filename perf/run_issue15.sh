@@ -145,7 +145,9 @@ conf_run() { # NAME LIMIT FILTER [sanitizer...]
   limit=$(limit_for "$2")
   shift 3
   if ((limit == 0)); then say "conf $name: skipped (time budget spent)"; failed=1; return; fi
-  timeout -k 10 "$limit" "$@" "$tests" --gtest_filter="$filter" --gtest_brief=1 \
+  # 1 MiB staging buffers: requests of several chunks take several batches
+  # (and the failure-contract case needs them; contexts read it at creation).
+  KVF_XFER_STAGING_MB=1 timeout -k 10 "$limit" "$@" "$tests" --gtest_filter="$filter" --gtest_brief=1 \
     --gtest_output="xml:$work/conf-$name.xml" > "$work/conf-$name.log" 2>&1
   rc=$?
   local summary
