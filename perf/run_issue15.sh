@@ -74,6 +74,7 @@ if [[ -n $bundle ]]; then
   presets=$bundle/presets
   report=$bundle/report.py
   export LD_LIBRARY_PATH="$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  [[ -f $bundle/COMMIT ]] && export KVF_GIT_COMMIT=$(cat "$bundle/COMMIT")
 else
   root=$(cd "$here/.." && pwd)
   bin=""
