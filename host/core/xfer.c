@@ -1034,9 +1034,14 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
   }
   if (st) goto out;
   nb = c.sp.num_batches;
+  /* A blob's payload counts its blocks as if all its objects were present
+   * (kernels/plan.h), so the batches' blobs already count the bytes of the
+   * objects the direct launch moves: the call's payload is theirs alone
+   * (adding the direct blob's counted those objects twice). */
   for (uint64_t l = 0; l < c.num_launches; l++) {
     tasks += c.launches[l].tasks;
-    payload += ((const kvf_blob_header *)((char *)x->host_blob + c.launches[l].blob_off))->payload_bytes;
+    if (!c.any_direct || l != c.direct)
+      payload += ((const kvf_blob_header *)((char *)x->host_blob + c.launches[l].blob_off))->payload_bytes;
   }
   x->path = (kvf_xfer_path_info){.path = KVF_PATH_STAGED, .batches = (uint32_t)nb, .pieces = c.pieces};
 
