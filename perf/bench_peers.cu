@@ -30,6 +30,10 @@ struct PeerTables : PeerHostTables {
   char *temp = nullptr; /* staged design: device copies of the objects */
   std::vector<std::pair<char *, uint64_t>> objects; /* host object, bytes (staged design) */
   std::vector<uint64_t> object_temp;                 /* offset in temp */
+  /* A gather leaves bytes of some host object unwritten (skipped blocks of
+   * a sliding window, a partial chunk's padding): the staged design copies
+   * whole objects back and would overwrite them with the temporaries'. */
+  bool objects_in_part = false;
   ~PeerTables() {
     cudaFree(d_entries);
     cudaFree(d_items);
@@ -91,6 +95,21 @@ PeerTablesPtr peer_prepare(const kvf_geometry *g, const kvf_copy_request &r, boo
         t->objects.push_back({arena + layout.offset[i], layout.size[i]});
         t->object_temp.push_back(layout.offset[i]);
       }
+    /* Bytes each object's items write, against the object's size. */
+    std::vector<std::pair<uint64_t, size_t>> by_offset;
+    for (size_t i = 0; i < layout.offset.size(); i++)
+      if (layout.offset[i] != UINT64_MAX && r.objects[i]) by_offset.push_back({layout.offset[i], i});
+    std::sort(by_offset.begin(), by_offset.end());
+    std::vector<uint64_t> written(layout.offset.size(), 0);
+    for (const DevItem &it : t->items) {
+      uint64_t off = (uint64_t)(it.object - arena);
+      auto at = std::upper_bound(by_offset.begin(), by_offset.end(), std::make_pair(off, SIZE_MAX));
+      if (at == by_offset.begin()) continue;
+      const DevEntry &e = t->entries[it.entry];
+      written[std::prev(at)->second] += (uint64_t)it.valid * e.heads * e.head_bytes;
+    }
+    for (const auto &[off, i] : by_offset)
+      if (written[i] < layout.size[i]) t->objects_in_part = true;
     std::vector<DevItem> rebased = t->items;
     for (DevItem &it : rebased) it.object = t->temp + (it.object - arena);
     ck(cudaMalloc(&t->d_items_temp, sizeof(DevItem) * std::max<size_t>(rebased.size(), 1)), "cudaMalloc");
@@ -282,6 +301,8 @@ std::string peer_launch(const Peer &p, const PeerTables &t, cudaStream_t s) {
       if (t.max_heads > 32) return "more than 32 heads";
       bool staged = p.design == PeerDesign::LmcacheMpStaged;
       if (staged && !t.host) return "objects in device memory: the staged design is for host objects";
+      if (staged && t.gather && t.objects_in_part)
+        return "objects written in part (skipped blocks): the staged design copies whole objects back";
       if (staged && !t.gather)
         for (size_t i = 0; i < t.objects.size(); i++)
           ck(cudaMemcpyAsync(t.temp + t.object_temp[i], t.objects[i].first, t.objects[i].second,

@@ -1080,6 +1080,13 @@ Verify verify(Config &c, std::function<void()> run0 = {}) {
     }
   } else {
     fill_random(c.arena->p, span, g_opt.seed ^ 0x5ca77e4, c.arena->device()); /* fresh objects */
+    /* The mirror must be the cache as it is now: every timed scatter since
+     * the last verification (kvferry's, the baselines', a peer's, the
+     * limit's contiguous copy into the cache) rewrote it, and none of them
+     * clears the flag. The first run's peers failed on exactly this (the
+     * first peer after the baselines: "cache differs from the reference at
+     * region 0 byte 0", where the limit's memcpy had written). */
+    p.mirror_valid = false;
     refresh_mirror(p);
     HostBuf src;
     const char *objects = c.arena->p;
