@@ -36,10 +36,13 @@ cudaError_t kvf_kernel_preload(void);
 /* Launch the kernel on `stream` over the launch blob at `device_blob`
  * (kernels/plan.h, already in device memory in stream order) with at most
  * *ctas CTAs (one per SM at most); *ctas is lowered to what total_tasks can
- * use and returned. Returns the launch's error (cudaSuccess when it was
- * enqueued); with KVF_DEBUG_SYNC it also synchronizes `stream` and returns
- * the kernel's error. The stream is the last argument. */
-cudaError_t kvf_kernel_launch(const void *device_blob, uint64_t total_tasks, uint32_t *ctas, cudaStream_t stream);
+ * use and returned. walk: 1 for the warp walk (kernels/walk.h), 0 for the
+ * grid-stride walk of one task per step. Returns the launch's error
+ * (cudaSuccess when it was enqueued); with KVF_DEBUG_SYNC it also
+ * synchronizes `stream` and returns the kernel's error. The stream is the
+ * last argument. */
+cudaError_t kvf_kernel_launch(const void *device_blob, uint64_t total_tasks, uint32_t *ctas, int walk,
+                              cudaStream_t stream);
 
 /* The same launch with the blob in the kernel's parameters: host_blob is a
  * host copy of a blob of blob_bytes (at most KVF_KERNEL_PARAM_MAX), readable
@@ -48,7 +51,7 @@ cudaError_t kvf_kernel_launch(const void *device_blob, uint64_t total_tasks, uin
  * that captures the launch keeps its own copy. Returns cudaErrorInvalidValue
  * for a blob too large (nothing launched). */
 cudaError_t kvf_kernel_launch_params(const void *host_blob, size_t blob_bytes, uint64_t total_tasks, uint32_t *ctas,
-                                     cudaStream_t stream);
+                                     int walk, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

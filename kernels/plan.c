@@ -145,13 +145,26 @@ kvf_status kvf_plan_build(const kvf_geometry *g, kvf_object_format format, kvf_p
   }
   out->group_first[g->num_groups] = at;
   out->num_segments = at;
+  if (at > 65535) { /* a blob's task -> entry table holds 16-bit entry indices */
+    kvf_plan_free(out);
+    return kvf_fail(KVF_ERR_UNSUPPORTED, "the geometry has %u segments (layers x planes, states): at most 65535", at);
+  }
   for (uint32_t i = 0; i < at; i++) {
-    /* The kernel indexes a block's units in 32 bits. */
+    /* The kernel indexes a block's units in 32 bits, with room for a lane's
+     * last step past the end. */
     const kvf_segment *s = &out->segments[i];
-    if ((uint64_t)s->run * s->heads * s->tokens > UINT32_MAX) {
+    if ((uint64_t)s->run * s->heads * s->tokens > (UINT32_MAX >> 1)) {
       kvf_plan_free(out);
-      return kvf_fail(KVF_ERR_UNSUPPORTED, "group %u: one block of one layer holds more than 4 GiB", s->group);
+      return kvf_fail(KVF_ERR_UNSUPPORTED, "group %u: one block of one layer holds 2 GiB or more", s->group);
     }
+  }
+  for (uint32_t i = 0; i < at; i++) {
+    const kvf_segment *s = &out->segments[i];
+    uint64_t t = s->tokens ? s->tokens - 1 : 0, h = s->heads ? s->heads - 1 : 0;
+    uint64_t src = t * s->src_token + h * s->src_head + s->run, dst = t * s->dst_token + h * s->dst_head + s->run;
+    if (src > UINT32_MAX || dst > UINT32_MAX || s->src_token > UINT32_MAX || s->src_head > UINT32_MAX ||
+        s->dst_token > UINT32_MAX || s->dst_head > UINT32_MAX)
+      out->wide++;
   }
   for (uint32_t i = 0; i < at; i++) {
     kvf_segment *s = &out->segments[i];
@@ -197,6 +210,8 @@ static void moved_range(const kvf_geometry *g, const kvf_copy_request *r, uint32
 
 static uint64_t round16(uint64_t x) { return (x + 15) & ~(uint64_t)15; }
 
+static void blob_buckets(kvf_blob_header *h);
+
 static int seg_in(const kvf_blob_opts *opts, uint32_t s) { return !opts || !opts->segments || opts->segments[s]; }
 
 /* Bytes one block of a segment moves (a recurrent state: its run). */
@@ -223,7 +238,8 @@ static void blob_layout(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
     ids += b1 - b0;
   }
   uint64_t objects = kvf_copy_request_chunks(g, r) * g->num_object_groups;
-  h->off_entries = round16(sizeof *h);
+  h->off_buckets = round16(sizeof *h);
+  h->off_entries = h->off_buckets + round16(KVF_BLOB_BUCKETS * sizeof(uint16_t));
   h->off_regions = h->off_entries + round16(entries * sizeof(kvf_blob_entry));
   h->off_ids = h->off_regions + round16(g->num_regions * sizeof(uint64_t));
   h->off_objects = h->off_ids + round16(ids * sizeof(uint32_t));
@@ -317,7 +333,33 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
   }
   h->num_entries = ne;
   h->total_tasks = tasks;
+  blob_buckets(h);
   return tasks;
+}
+
+/* Fill the blob's task -> entry table from its entries' first tasks. */
+static void blob_buckets(kvf_blob_header *h) {
+  const kvf_blob_entry *e = (const kvf_blob_entry *)((const char *)h + h->off_entries);
+  uint16_t *b = (uint16_t *)((char *)h + h->off_buckets);
+  uint32_t shift = 0;
+  while ((h->total_tasks >> shift) >= KVF_BLOB_BUCKETS) shift++;
+  h->bucket_shift = shift;
+  h->num_buckets = (uint32_t)(h->total_tasks >> shift) + 1;
+  uint32_t at = 0;
+  for (uint32_t i = 0; i < h->num_buckets; i++) {
+    uint64_t task = (uint64_t)i << shift;
+    while (at + 1 < h->num_entries && e[at + 1].first_task <= task) at++;
+    b[i] = (uint16_t)at;
+  }
+}
+
+uint32_t kvf_blob_entry_of(const void *blob, uint64_t task) {
+  const kvf_blob_header *h = blob;
+  const kvf_blob_entry *e = (const kvf_blob_entry *)((const char *)blob + h->off_entries);
+  const uint16_t *b = (const uint16_t *)((const char *)blob + h->off_buckets);
+  uint32_t at = b[task >> h->bucket_shift];
+  while (at + 1 < h->num_entries && e[at + 1].first_task <= task) at++;
+  return at;
 }
 
 uint64_t kvf_blob_reslice(void *blob, uint32_t slice_bytes) {
@@ -333,6 +375,7 @@ uint64_t kvf_blob_reslice(void *blob, uint32_t slice_bytes) {
     tasks += blocks * e[i].slices;
   }
   h->total_tasks = tasks;
+  blob_buckets(h);
   return tasks;
 }
 
@@ -346,18 +389,6 @@ typedef struct task_view {
   char *object;      /* its place in the object */
   uint64_t unit_begin, unit_end;
 } task_view;
-
-static uint32_t find_entry(const kvf_blob_header *h, const kvf_blob_entry *e, uint64_t task) {
-  uint32_t lo = 0, hi = h->num_entries;
-  while (hi - lo > 1) {
-    uint32_t mid = (lo + hi) / 2;
-    if (e[mid].first_task <= task)
-      lo = mid;
-    else
-      hi = mid;
-  }
-  return lo;
-}
 
 /* Block j of entry e: its object index, object offset and units; 0 when it
  * moves nothing (a skipped block, a block past the request's end). The same
@@ -392,7 +423,7 @@ static int block_of(const kvf_blob_header *h, const kvf_blob_entry *e, uint64_t 
 static int decode(const kvf_blob_header *h, uint64_t task, task_view *tv) {
   const char *blob = (const char *)h;
   const kvf_blob_entry *entries = (const kvf_blob_entry *)(blob + h->off_entries);
-  const kvf_blob_entry *e = &entries[find_entry(h, entries, task)];
+  const kvf_blob_entry *e = &entries[kvf_blob_entry_of(h, task)];
   const uint64_t *regions = (const uint64_t *)(blob + h->off_regions);
   const uint64_t *objects = (const uint64_t *)(blob + h->off_objects);
   const kvf_segment *s = &e->seg;

@@ -69,6 +69,8 @@ typedef struct kvf_plan {
   uint32_t num_segments;
   uint32_t *group_first;  /* [num_groups + 1]: segments of group g are [group_first[g], group_first[g+1]) */
   uint32_t num_groups;
+  uint32_t wide;          /* segments whose byte offsets inside one block need more than 32 bits (the warp
+                             walk's addressing, kernels/walk.h, does not take them) */
 } kvf_plan;
 
 kvf_status kvf_plan_build(const kvf_geometry *geometry, kvf_object_format format, kvf_plan *out);
@@ -103,12 +105,24 @@ typedef struct kvf_blob_header {
   uint32_t gather;        /* 1: cache -> objects, 0: objects -> cache */
   uint32_t num_blocks_max;/* largest group block count: the kernel's own bound check */
   uint64_t payload_bytes; /* bytes the blob moves (padding and skipped blocks excluded) */
+  uint32_t bucket_shift;  /* task t's entry is at or after buckets[t >> bucket_shift] */
+  uint32_t num_buckets;   /* (total_tasks >> bucket_shift) + 1 at most KVF_BLOB_BUCKETS */
   /* Byte offsets of the arrays inside the blob. */
+  uint64_t off_buckets;   /* uint16_t[KVF_BLOB_BUCKETS]: the entry holding task b << bucket_shift */
   uint64_t off_entries;   /* kvf_blob_entry[num_entries] */
   uint64_t off_regions;   /* uint64_t[num_regions] (base addresses) */
   uint64_t off_ids;       /* uint32_t[] */
   uint64_t off_objects;   /* uint64_t[num_chunks * num_object_groups] */
 } kvf_blob_header;
+
+/* Entries of the task -> entry lookup table at the head of a blob: a walker
+ * finds the entry of any task with one table read and a short forward scan
+ * instead of a binary search over the entries (each probe a dependent load). */
+#define KVF_BLOB_BUCKETS 128u
+
+/* The entry holding task t of a blob (t < total_tasks): the last entry whose
+ * first_task is at most t. */
+uint32_t kvf_blob_entry_of(const void *blob, uint64_t task);
 
 /* How one blob is built; NULL means every segment, KVF_SLICE_BYTES slices. */
 typedef struct kvf_blob_opts {

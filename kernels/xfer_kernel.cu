@@ -1,4 +1,7 @@
-// The gather/scatter kernel: one launch moves a whole request.
+// The gather/scatter kernel: one launch moves a whole request. Two walks of
+// the same blobs: the warp walk (kernels/walk.h, the default) and the
+// original grid-stride walk below, one task per step (KVF_XFER_KERNEL=1),
+// kept to measure one against the other.
 //
 // Work is a flat list of tasks (entry, block, slice), described by the launch
 // blob (kernels/plan.h), read from device memory (kvf_xfer_kernel) or, for
@@ -17,6 +20,7 @@
 
 #include "kernels/launch.h"
 #include "kernels/plan.h"
+#include "kernels/walk.h"
 
 namespace {
 
@@ -172,6 +176,20 @@ __global__ void __launch_bounds__(kThreads, 1) kvf_xfer_kernel_p(const __grid_co
   run_blob(p.bytes);
 }
 
+// The warp walk (kernels/walk.h): contiguous task ranges per warp, one
+// decode per block, stepped addressing. Same blobs, same bytes moved.
+__device__ __forceinline__ void walk_blob(const char *blob) {
+  kvf_walk::run_warp(blob, (uint64_t)blockIdx.x * kWarps + (threadIdx.x >> 5), (uint64_t)gridDim.x * kWarps,
+                     threadIdx.x & 31);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) kvf_walk_kernel(const char *blob) { walk_blob(blob); }
+
+template <int N>
+__global__ void __launch_bounds__(kThreads, 1) kvf_walk_kernel_p(const __grid_constant__ ParamBlob<N> p) {
+  walk_blob(p.bytes);
+}
+
 constexpr int kParamSizes[] = {2048, 8192, 16384, KVF_KERNEL_PARAM_MAX};
 static_assert(KVF_KERNEL_PARAM_MAX % 16 == 0 && KVF_KERNEL_PARAM_MAX <= 32764, "kernel parameters hold at most 32764 bytes");
 
@@ -190,12 +208,16 @@ cudaError_t finish_launch(cudaStream_t stream) {
   return err;
 }
 
-template <int N> cudaError_t launch_p(const void *blob, size_t bytes, uint32_t ctas, cudaStream_t stream) {
+template <int N>
+cudaError_t launch_p(const void *blob, size_t bytes, uint32_t ctas, int walk, cudaStream_t stream) {
   // The launch copies the parameters when it is called: blob may be reused
   // at once. Bytes past the blob are copied too and never read.
   const ParamBlob<N> *pb = static_cast<const ParamBlob<N> *>(blob);
   (void)bytes;
-  kvf_xfer_kernel_p<N><<<ctas, kThreads, 0, stream>>>(*pb);
+  if (walk)
+    kvf_walk_kernel_p<N><<<ctas, kThreads, 0, stream>>>(*pb);
+  else
+    kvf_xfer_kernel_p<N><<<ctas, kThreads, 0, stream>>>(*pb);
   return finish_launch(stream);
 }
 
@@ -204,10 +226,13 @@ template <int N> cudaError_t launch_p(const void *blob, size_t bytes, uint32_t c
 extern "C" int kvf_kernel_threads(void) { return kThreads; }
 
 // Declared in kernels/launch.h (which says what it does).
-extern "C" cudaError_t kvf_kernel_launch(const void *device_blob, uint64_t total_tasks, uint32_t *ctas,
+extern "C" cudaError_t kvf_kernel_launch(const void *device_blob, uint64_t total_tasks, uint32_t *ctas, int walk,
                                          cudaStream_t stream) {
   *ctas = lower_ctas(total_tasks, *ctas);
-  kvf_xfer_kernel<<<*ctas, kThreads, 0, stream>>>(static_cast<const char *>(device_blob));
+  if (walk)
+    kvf_walk_kernel<<<*ctas, kThreads, 0, stream>>>(static_cast<const char *>(device_blob));
+  else
+    kvf_xfer_kernel<<<*ctas, kThreads, 0, stream>>>(static_cast<const char *>(device_blob));
   return finish_launch(stream);
 }
 
@@ -218,13 +243,13 @@ extern "C" size_t kvf_kernel_param_room(size_t blob_bytes) {
 }
 
 extern "C" cudaError_t kvf_kernel_launch_params(const void *host_blob, size_t blob_bytes, uint64_t total_tasks,
-                                                uint32_t *ctas, cudaStream_t stream) {
+                                                uint32_t *ctas, int walk, cudaStream_t stream) {
   *ctas = lower_ctas(total_tasks, *ctas);
   switch (kvf_kernel_param_room(blob_bytes)) {
-    case kParamSizes[0]: return launch_p<kParamSizes[0]>(host_blob, blob_bytes, *ctas, stream);
-    case kParamSizes[1]: return launch_p<kParamSizes[1]>(host_blob, blob_bytes, *ctas, stream);
-    case kParamSizes[2]: return launch_p<kParamSizes[2]>(host_blob, blob_bytes, *ctas, stream);
-    case kParamSizes[3]: return launch_p<kParamSizes[3]>(host_blob, blob_bytes, *ctas, stream);
+    case kParamSizes[0]: return launch_p<kParamSizes[0]>(host_blob, blob_bytes, *ctas, walk, stream);
+    case kParamSizes[1]: return launch_p<kParamSizes[1]>(host_blob, blob_bytes, *ctas, walk, stream);
+    case kParamSizes[2]: return launch_p<kParamSizes[2]>(host_blob, blob_bytes, *ctas, walk, stream);
+    case kParamSizes[3]: return launch_p<kParamSizes[3]>(host_blob, blob_bytes, *ctas, walk, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -238,5 +263,10 @@ extern "C" cudaError_t kvf_kernel_preload(void) {
   if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_xfer_kernel_p<kParamSizes[1]>);
   if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_xfer_kernel_p<kParamSizes[2]>);
   if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_xfer_kernel_p<kParamSizes[3]>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel_p<kParamSizes[0]>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel_p<kParamSizes[1]>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel_p<kParamSizes[2]>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel_p<kParamSizes[3]>);
   return e;
 }

@@ -42,6 +42,7 @@
 #include "conformance_util.h"
 #include "host/core/param.h"
 #include "host/core/xfer_internal.h"
+#include "kernels/walk.h"
 
 #if KVF_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -1192,6 +1193,132 @@ TEST_P(XferPieces, PiecesOfSmallTasksMatchTheReference) {
 
 INSTANTIATE_TEST_SUITE_P(Presets, XferPieces, ::testing::ValuesIn(host_cases(false)), host_case_name);
 
+// ---- the kernel's warp walk, run on the CPU --------------------------------
+
+// Every lane of `warps` warps runs kernels/walk.h's warp walk over the blob,
+// one after another: the kernel's exact code for the host (lanes share no
+// registers, sources and destinations never overlap, so the order is free).
+void run_walk(const std::vector<uint8_t> &blob, uint64_t warps) {
+  for (uint64_t w = 0; w < warps; w++)
+    for (uint32_t lane = 0; lane < kvf_walk::kLanes; lane++)
+      kvf_walk::run_warp(reinterpret_cast<const char *>(blob.data()), w, warps, lane);
+}
+
+// The warp walk against the reference: every preset, format, direction,
+// several grid sizes (one warp; a prime; a full H200 at 512 threads), task
+// sizes (512 bytes, the default, 64 KiB, odd ones), the staged route's
+// pieces, objects split between two blobs (a staged call's batches and its
+// direct launch), and misaligned objects (8-, 4-, 2- and 1-byte units).
+class XferWalk : public ::testing::TestWithParam<HostCase> {};
+
+TEST_P(XferWalk, WarpWalkMatchesTheReference) {
+  const HostCase &c = GetParam();
+  const bool gather = c.dir == Dir::Gather;
+  uint64_t seed = seed_of(c.preset, 777 + (uint64_t)c.format * 2 + (uint64_t)c.dir);
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_standard(c.preset, c.format == KVF_FORMAT_CANONICAL, seed, &s));
+  const kvf_geometry *g = s.g();
+  PlanHolder plan;
+  ASSERT_EQ(kvf_plan_build(g, c.format, &plan.p), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_EQ(plan.p.wide, 0u) << "every preset's in-block offsets fit 32 bits";
+  const uint32_t ns = plan.p.num_segments;
+  for (size_t misalign : {0, 8, 4, 6, 1}) {
+    std::mt19937_64 rng(seed + misalign);
+    Data in = make_inputs(g, s.plan, c.dir, misalign, rng), want = clone(in);
+    ASSERT_EQ(reference(g, s.plan, c.format, c.dir, want), KVF_SUCCESS) << kvf_last_error();
+    struct Shape {
+      uint32_t slice, pieces;
+      uint64_t warps;
+    };
+    std::vector<Shape> shapes = {{0, 1, 2112}, {512, 1, 2112}, {512, 4, 7}, {65536, 1, 1}, {1040, 1, 64}, {8192, 4, 132}};
+    if (misalign) shapes = {{0, 1, 2112}, {512, 4, 5}};
+    for (const Shape &sh : shapes) {
+      SCOPED_TRACE("misalign " + std::to_string(misalign) + ", slice " + std::to_string(sh.slice) + ", pieces " +
+                   std::to_string(sh.pieces) + ", warps " + std::to_string(sh.warps));
+      Data got = clone(in);
+      Req r(s.plan, c.format, payloads(got.cache), payloads(got.objs));
+      std::vector<unsigned char> masks((size_t)sh.pieces * ns);
+      uint32_t made = sh.pieces > 1 ? kvf_stage_piece_masks(g, &plan.p, r.get(), gather, sh.pieces, masks.data()) : 1;
+      for (uint32_t p = 0; p < made; p++) {
+        kvf_blob_opts o = {sh.slice, made > 1 ? masks.data() + (size_t)p * ns : nullptr};
+        std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, &o);
+        run_walk(blob, sh.warps);
+      }
+      EXPECT_EQ(diff("cache region", got.cache, want.cache), "");
+      EXPECT_EQ(diff("object", got.objs, want.objs), "");
+    }
+    // Objects split between two blobs: the even ones, then the odd ones.
+    {
+      SCOPED_TRACE("misalign " + std::to_string(misalign) + ", objects in two blobs");
+      Data got = clone(in);
+      Req r(s.plan, c.format, payloads(got.cache), payloads(got.objs));
+      std::vector<void *> all = r.objects;
+      for (int half = 0; half < 2; half++) {
+        for (size_t i = 0; i < all.size(); i++) r.objects[i] = (int)(i % 2) == half ? all[i] : nullptr;
+        r.rebind();
+        kvf_blob_opts o = {4096, nullptr};
+        std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, &o);
+        run_walk(blob, 2112);
+      }
+      EXPECT_EQ(diff("cache region", got.cache, want.cache), "");
+      EXPECT_EQ(diff("object", got.objs, want.objs), "");
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, XferWalk, ::testing::ValuesIn(host_cases(false)), host_case_name);
+
+// The task -> entry table finds the same entry as a search over every task.
+TEST(XferWalk, TaskTableFindsEveryTasksEntry) {
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_standard("llama-3.1-70b-tp4-rank2-slice", true, 5, &s));
+  const kvf_geometry *g = s.g();
+  PlanHolder plan;
+  ASSERT_EQ(kvf_plan_build(g, KVF_FORMAT_CANONICAL, &plan.p), KVF_SUCCESS);
+  Data in = [&] {
+    std::mt19937_64 rng(6);
+    return make_inputs(g, s.plan, Dir::Gather, 0, rng);
+  }();
+  Req r(s.plan, KVF_FORMAT_CANONICAL, payloads(in.cache), payloads(in.objs));
+  for (uint32_t slice : {0u, 512u, 1040u, 65536u}) {
+    kvf_blob_opts o = {slice, nullptr};
+    std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), true, &o);
+    for (uint32_t reslice : {slice, 2048u}) {
+      kvf_blob_reslice(blob.data(), reslice);
+      const auto *h = reinterpret_cast<const kvf_blob_header *>(blob.data());
+      const auto *e = reinterpret_cast<const kvf_blob_entry *>(blob.data() + h->off_entries);
+      ASSERT_LE(h->num_buckets, KVF_BLOB_BUCKETS);
+      uint32_t want = 0;
+      for (uint64_t t = 0; t < h->total_tasks; t++) {
+        while (want + 1 < h->num_entries && e[want + 1].first_task <= t) want++;
+        ASSERT_EQ(kvf_blob_entry_of(blob.data(), t), want) << "task " << t << " of " << h->total_tasks;
+      }
+    }
+  }
+}
+
+// The walk's 32-unit step is the division it replaces, for every run shape.
+TEST(XferWalk, StepsAgreeWithDivision) {
+  for (uint32_t upr : {1u, 2u, 3u, 5u, 8u, 16u, 31u, 32u, 33u, 36u, 64u, 72u, 100u})
+    for (uint32_t heads : {1u, 2u, 3u, 7u, 8u, 32u, 40u}) {
+      kvf_walk::Shape sh = kvf_walk::shape_of(upr, heads);
+      const uint32_t ts = 100003, hs = 1009, vec = 4;  // strides: distinct digits of the offset
+      kvf_walk::Deltas d = kvf_walk::deltas_of(sh, ts, hs, vec);
+      for (uint32_t lane = 0; lane < 32; lane++) {
+        uint32_t u = lane, tok = u / sh.upt, r = u % sh.upt;
+        kvf_walk::Pos p = {r / upr, r % upr, tok * ts + (r / upr) * hs + (r % upr) * vec};
+        for (int k = 0; k < 40; k++) {
+          u += 32;
+          kvf_walk::step(sh, d, p);
+          uint32_t t2 = u / sh.upt, r2 = u % sh.upt;
+          ASSERT_EQ(p.hd, r2 / upr) << "upr " << upr << " heads " << heads << " unit " << u;
+          ASSERT_EQ(p.c, r2 % upr) << "upr " << upr << " heads " << heads << " unit " << u;
+          ASSERT_EQ(p.off, t2 * ts + (r2 / upr) * hs + (r2 % upr) * vec) << "upr " << upr << " heads " << heads;
+        }
+      }
+    }
+}
+
 // Piece shares grow 1:2:4 for a gather (its first kernel is the part the
 // copy engine waits for) and shrink for a scatter.
 TEST(XferPieces, GatherPiecesGrowScatterPiecesShrink) {
@@ -1643,6 +1770,12 @@ const RouteVariant kRouteVariants[] = {
        EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
        EXPECT_GE(p.pieces, 1u);
        EXPECT_EQ(p.uploads, 0u);
+     }},
+    {"grid_stride_walk", false, [](kvf_xfer_tuning &t) { t.kernel = 1; },
+     [](const kvf_xfer_path_info &p, Mem m) {
+       if (m == Mem::Device) {
+         EXPECT_EQ(p.path, KVF_PATH_KERNEL) << kvf_xfer_path_name(p.path);
+       }
      }},
     {"pieces_memcpy_uploaded", true,
      [](kvf_xfer_tuning &t) {

@@ -46,7 +46,9 @@ extern "C" {
   X(xfer_batch_min_run, "KVF_XFER_BATCH_MIN_RUN", 32768,                                 \
     "host<->device requests whose contiguous runs are at least this many bytes go to the copy engine's batch API (cudaMemcpyBatchAsync), no kernel") \
   X(xfer_batch_max_runs, "KVF_XFER_BATCH_MAX_RUNS", 16384,                               \
-    "... and have at most this many runs (0: never use the batch API route)")
+    "... and have at most this many runs (0: never use the batch API route)")                \
+  X(xfer_kernel, "KVF_XFER_KERNEL", 2,                                                   \
+    "the transfer kernel's walk: 2 each warp a contiguous range of tasks, one decode per block, stepped addressing; 1 the grid-stride walk of one task per step")
 
 /* A value no parameter may take: marks "not read yet" in the caches. */
 #define KVF_PARAM_UNSET INT64_MIN

@@ -125,7 +125,8 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
                          .task_bytes = kvf_param_xfer_task_bytes(),
                          .task_waves = kvf_param_xfer_task_waves(),
                          .batch_min_run = kvf_param_xfer_batch_min_run(),
-                         .batch_max_runs = kvf_param_xfer_batch_max_runs()};
+                         .batch_max_runs = kvf_param_xfer_batch_max_runs(),
+                         .kernel = kvf_param_xfer_kernel()};
   /* Out-of-range values from the environment fall back to the defaults'
    * behaviour rather than failing every call. */
   if (t->task_bytes < 16 || t->task_bytes > 65536 || t->task_bytes % 16) t->task_bytes = KVF_SLICE_BYTES;
@@ -137,7 +138,8 @@ kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
   if (!x || !t) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_set_tuning: NULL argument");
   if (t->pcie_sms < 0 || t->staging_mb < 0 || t->stage_sms < 0 || t->stage_pieces < 1 ||
       t->stage_pieces > KVF_STAGE_MAX_PIECES || t->param_bytes < 0 || t->task_bytes < 16 || t->task_bytes > 65536 ||
-      t->task_bytes % 16 || t->task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->stage_dma_batch < 0)
+      t->task_bytes % 16 || t->task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->stage_dma_batch < 0 ||
+      t->kernel < 0 || t->kernel > 2)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_set_tuning: a value is out of range");
   pthread_mutex_lock(&x->lock);
   x->tune = *t;
@@ -523,6 +525,10 @@ static kvf_status grow_host_blob(kvf_xfer *x, size_t size) {
   return KVF_SUCCESS;
 }
 
+/* Which walk the kernel takes (KVF_XFER_KERNEL): 1 for the grid-stride walk
+ * of one task per step, else the warp walk (kernels/walk.h). */
+static int walk_of(const kvf_xfer *x) { return x->tune.kernel != 1 && !x->plan[0].wide && !x->plan[1].wide; }
+
 /* Tables of `size` bytes go in the kernel's parameters. */
 static int fits_params(const kvf_xfer *x, size_t size) {
   return x->tune.param_bytes > 0 && size <= (size_t)x->tune.param_bytes && kvf_kernel_param_room(size) > 0;
@@ -753,9 +759,10 @@ static cudaError_t staged_launch(kvf_xfer *x, const staged_call *c, const launch
   uint32_t ctas = sms;
   cudaError_t e;
   if (c->uploaded) {
-    e = kvf_kernel_launch((char *)c->slot->device + l->blob_off, l->tasks, &ctas, stream);
+    e = kvf_kernel_launch((char *)c->slot->device + l->blob_off, l->tasks, &ctas, walk_of(x), stream);
   } else {
-    e = kvf_kernel_launch_params((char *)x->host_blob + l->blob_off, l->blob_size, l->tasks, &ctas, stream);
+    e = kvf_kernel_launch_params((char *)x->host_blob + l->blob_off, l->blob_size, l->tasks, &ctas, walk_of(x),
+                                 stream);
     if (e == cudaSuccess) x->path.param_launches++;
   }
   if (e == cudaSuccess) {
@@ -1196,7 +1203,7 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
     uint32_t slice = choose_slice(x, h->payload_bytes, ctas);
     if (slice != KVF_SLICE_BYTES) tasks = kvf_blob_reslice(x->host_blob, slice);
     if (tasks) {
-      e = kvf_kernel_launch_params(x->host_blob, size, tasks, &ctas, stream);
+      e = kvf_kernel_launch_params(x->host_blob, size, tasks, &ctas, walk_of(x), stream);
       if (e != cudaSuccess) {
         cudaGetLastError();
         return kvf_fail(KVF_ERR_CUDA, "enqueueing the %s transfer: %s; nothing was enqueued",
@@ -1240,7 +1247,7 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
   if (tasks) {
     e = cudaMemcpyAsync(s->device, s->pinned, h->size, cudaMemcpyHostToDevice, stream);
     int uploaded = e == cudaSuccess, launched = 0;
-    if (e == cudaSuccess) launched = (e = kvf_kernel_launch(s->device, tasks, &ctas, stream)) == cudaSuccess;
+    if (e == cudaSuccess) launched = (e = kvf_kernel_launch(s->device, tasks, &ctas, walk_of(x), stream)) == cudaSuccess;
     if (uploaded && s != &captured) {
       /* Also after a refused launch: the upload is enqueued and reads the
        * slot's tables, so the slot is free only after it. */

@@ -1,0 +1,294 @@
+// Internal: the warp walk of a launch blob (kernels/plan.h), shared by the
+// CUDA kernel (kernels/xfer_kernel.cu) and a CPU emulation in the tests, which
+// compile this very code for the host and run it lane by lane.
+//
+// Work split: warp w of W takes the contiguous task range
+// [T*w/W, T*(w+1)/W) of the blob's T tasks, not every W-th task. Its first
+// task's entry comes from the blob's task -> entry table (one read and a
+// short forward scan), and consecutive tasks of one block (its slices) are
+// one unit range copied in one loop: a warp decodes each block it touches
+// once, where the grid-stride walk decoded every task (a binary search over
+// the entries, the id, the object: a chain of dependent loads per 512 to
+// 8192 bytes; the first H200 run measured one-chunk D2D 6-10% faster with
+// 16 KiB tasks than with 4 KiB, and 30-40% slower with 1 KiB:
+// perf/results/2026-12-01-h200-run1/cross.json, task_waves variants).
+//
+// Addressing: lanes copy consecutive units of `vec` bytes, 32 apart per
+// unrolled step, so the warp's accesses stay coalesced. A run-contiguous
+// entry (heads fused, tokens back to back on both sides) puts unit u at
+// u*vec on both sides. Otherwise unit u is (token, head, column) of the
+// block; each lane divides once per block and then steps 32 units with two
+// compares and adds, instead of two 32-bit divisions per unit and side (the
+// grid-stride kernel spent about 120 instructions per 16-byte unit there:
+// HND's 256-byte runs reached 13 GB/s per SM, 1095 of 1660 GB/s D2D at one
+// chunk, 53 GB/s at 4 SMs; NHD's contiguous runs 35 GB/s per SM).
+//
+// Every lane of a warp computes the same block decode (uniform values); no
+// lane reads another's registers, so running lanes one after another on the
+// CPU is exactly the GPU's result (sources and destinations never overlap).
+#ifndef KVF_KERNELS_WALK_H
+#define KVF_KERNELS_WALK_H
+
+#include <stdint.h>
+
+#include "kernels/plan.h"
+
+#if defined(__CUDACC__)
+#include <vector_types.h>
+#endif
+
+#if defined(__CUDACC__)
+#define KVF_WALK_FN __host__ __device__ __forceinline__
+#define KVF_WALK_UNROLL _Pragma("unroll")
+#else
+#define KVF_WALK_FN inline
+#define KVF_WALK_UNROLL
+#endif
+
+namespace kvf_walk {
+
+constexpr uint32_t kLanes = 32;
+
+#if defined(__CUDACC__)
+using Vec16 = uint4;
+using Vec8 = uint2;
+#else
+struct alignas(16) Vec16 {
+  uint32_t x, y, z, w;
+};
+struct alignas(8) Vec8 {
+  uint32_t x, y;
+};
+#endif
+
+template <int V> struct Unit;
+template <> struct Unit<16> { using T = Vec16; };
+template <> struct Unit<8> { using T = Vec8; };
+template <> struct Unit<4> { using T = uint32_t; };
+template <> struct Unit<2> { using T = uint16_t; };
+template <> struct Unit<1> { using T = uint8_t; };
+
+KVF_WALK_FN uint64_t min64(uint64_t a, uint64_t b) { return a < b ? a : b; }
+
+// A non-contiguous block's units: unit u is (token, head, column) with
+// u = (token*heads + head)*upr + column, at byte offset
+// token*tok_stride + head*head_stride + column*vec on one side. Offsets
+// inside one block fit 32 bits (plan.c marks segments where they do not,
+// and such requests take the grid-stride kernel).
+struct Shape {
+  uint32_t upr, heads, upt;  // units per run, runs per token, units per token
+  uint32_t sh, sc;           // 32 units = some tokens + sh heads + sc columns
+};
+
+KVF_WALK_FN Shape shape_of(uint32_t upr, uint32_t heads) {
+  Shape s;
+  s.upr = upr;
+  s.heads = heads;
+  s.upt = upr * heads;
+  uint32_t sr = kLanes % s.upt;
+  s.sh = sr / upr;
+  s.sc = sr - s.sh * upr;
+  return s;
+}
+
+// One side's offset deltas (mod 2^32): a 32-unit step, a column carry
+// (column - upr, head + 1), a head carry (head - heads, token + 1).
+struct Deltas {
+  uint32_t step, col, head;
+};
+
+KVF_WALK_FN Deltas deltas_of(const Shape &s, uint32_t tok_stride, uint32_t head_stride, uint32_t vec) {
+  Deltas d;
+  d.step = (kLanes / s.upt) * tok_stride + s.sh * head_stride + s.sc * vec;
+  d.col = head_stride - s.upr * vec;
+  d.head = tok_stride - s.heads * head_stride;
+  return d;
+}
+
+// Where a lane is: head and column of its unit, and the unit's offset on
+// the side being walked.
+struct Pos {
+  uint32_t hd, c, off;
+};
+
+// p + 32 units: c + sc < 2*upr and hd + sh + 1 < 2*heads (sh < heads, as
+// 32 mod upt < heads*upr), so at most one carry each.
+KVF_WALK_FN void step(const Shape &s, const Deltas &d, Pos &p) {
+  p.c += s.sc;
+  p.hd += s.sh;
+  p.off += d.step;
+  if (p.c >= s.upr) {
+    p.c -= s.upr;
+    p.hd++;
+    p.off += d.col;
+  }
+  if (p.hd >= s.heads) {
+    p.hd -= s.heads;
+    p.off += d.head;
+  }
+}
+
+// The strides one block's units need: token and head strides of both
+// sides (32 bits: see Shape), and the run's shape.
+struct Strides {
+  uint32_t src_token, src_head, dst_token, dst_head;
+  uint32_t upr, heads;
+};
+
+// Loads in flight per lane before its stores: 8 of 16 bytes (128 bytes a
+// lane, 4 KiB a warp), 16 of narrower units (rows like 132 or 656 bytes).
+template <int V> struct Depth { static constexpr int n = V >= 16 ? 8 : 16; };
+
+// Units [ub, ue) of one block, this lane's share; linear: unit u at u*V on
+// both sides. Slots past the end are predicated off, not broken out of: a
+// `break` in the unrolled loop made ptxas keep the narrow units' values in
+// local memory, each load waited for by its spill store.
+template <int V>
+KVF_WALK_FN void copy_units(Strides st, bool linear, const char *src, char *dst, bool gather, uint32_t ub,
+                              uint32_t ue, uint32_t lane) {
+  using T = typename Unit<V>::T;
+  constexpr int U = Depth<V>::n;
+  const uint32_t first = ub + lane;
+  if (first >= ue) return;
+  if (linear) {
+    for (uint32_t base = first; base < ue; base += kLanes * U) {
+      T v[U];
+KVF_WALK_UNROLL
+      for (int i = 0; i < U; i++) {
+        uint32_t u = base + i * kLanes;
+        T x = {};  // defined on every path: no value carried between rounds
+        if (u < ue) x = *reinterpret_cast<const T *>(src + (uint64_t)u * V);
+        v[i] = x;
+      }
+KVF_WALK_UNROLL
+      for (int i = 0; i < U; i++) {
+        uint32_t u = base + i * kLanes;
+        if (u < ue) *reinterpret_cast<T *>(dst + (uint64_t)u * V) = v[i];
+      }
+    }
+    return;
+  }
+  // The source side walked in the load phase, the destination side in the
+  // store phase, both from the round's first position.
+  const uint32_t s_tok = gather ? st.src_token : st.dst_token, s_head = gather ? st.src_head : st.dst_head;
+  const uint32_t d_tok = gather ? st.dst_token : st.src_token, d_head = gather ? st.dst_head : st.src_head;
+  const Shape sh = shape_of(st.upr, st.heads);
+  const Deltas ds = deltas_of(sh, s_tok, s_head, V), dd = deltas_of(sh, d_tok, d_head, V);
+  const uint32_t tok = first / sh.upt, r = first - tok * sh.upt, hd = r / sh.upr, c = r - hd * sh.upr;
+  Pos at_s = {hd, c, tok * s_tok + hd * s_head + c * (uint32_t)V};
+  Pos at_d = {hd, c, tok * d_tok + hd * d_head + c * (uint32_t)V};
+  for (uint32_t base = first; base < ue; base += kLanes * U) {
+    T v[U];
+    Pos p = at_s;
+KVF_WALK_UNROLL
+    for (int i = 0; i < U; i++) {
+      uint32_t u = base + i * kLanes;
+      T x = {};
+      if (u < ue) x = *reinterpret_cast<const T *>(src + p.off);
+      v[i] = x;
+      step(sh, ds, p);
+    }
+    at_s = p;  // U steps on: the next round's start (when there is one)
+    p = at_d;
+KVF_WALK_UNROLL
+    for (int i = 0; i < U; i++) {
+      uint32_t u = base + i * kLanes;
+      if (u < ue) *reinterpret_cast<T *>(dst + p.off) = v[i];
+      step(sh, dd, p);
+    }
+    at_d = p;
+  }
+}
+
+// 64-bit quotient, through 32 bits when both fit (one block's decode).
+KVF_WALK_FN uint64_t div64(uint64_t a, uint64_t b) {
+  if (((a | b) >> 32) == 0) return (uint32_t)a / (uint32_t)b;
+  return a / b;
+}
+
+// Tasks [s0, s1) of block j of entry x (its slices): decode the block once,
+// then copy the units those slices cover. The same formulas as plan.c's
+// block_of and the grid-stride kernel's decode.
+KVF_WALK_FN void copy_block(const kvf_blob_header *h, const char *blob, const kvf_blob_entry *x, uint64_t j,
+                            uint64_t s0, uint64_t s1, uint32_t lane) {
+  const uint32_t *ids = reinterpret_cast<const uint32_t *>(blob + h->off_ids);
+  uint32_t id = ids[x->ids_offset + j];
+  // The host checked every id; this bound keeps a corrupted table harmless.
+  if (id == KVF_BLOCK_SKIP || id >= h->num_blocks_max) return;
+  const kvf_segment *seg = &x->seg;
+  const uint32_t tokens = seg->tokens;
+  uint64_t lb = x->lb_begin + j, k, units, obj_off;
+  if (seg->recurrent) {
+    k = lb - h->chunk_begin;
+    units = x->units_per_run;
+    obj_off = h->chunk_local * seg->dst_per_token + seg->dst_const;
+  } else {
+    const uint64_t cl = h->chunk_local, rel = lb * tokens - h->lt_begin;
+    k = div64(rel, cl);
+    uint64_t chunk_start = h->lt_begin + k * cl;
+    uint64_t n = min64(h->lt_end - chunk_start, cl);
+    uint64_t valid = min64(h->lt_end - lb * tokens, (uint64_t)tokens);
+    units = valid * x->units_per_token;
+    obj_off = n * seg->dst_per_token + seg->dst_const + div64(rel - k * cl, tokens) * seg->dst_block;
+  }
+  const uint64_t su = x->slice_units;
+  const uint64_t ub = s0 * su, ue = min64(s1 * su, units);
+  if (ub >= ue) return;
+  const uint64_t *objects = reinterpret_cast<const uint64_t *>(blob + h->off_objects);
+  uint64_t object = objects[k * h->num_object_groups + seg->object_group];
+  // An object left out of this blob (another leg of the call moves it).
+  if (object == 0) return;
+  const uint64_t *regions = reinterpret_cast<const uint64_t *>(blob + h->off_regions);
+  char *cache = reinterpret_cast<char *>(regions[seg->region]) + seg->src_offset + (uint64_t)id * seg->src_block;
+  char *obj = reinterpret_cast<char *>(object) + obj_off;
+  const bool gather = h->gather != 0;
+  const uint32_t heads = seg->heads, run = seg->run;
+  const bool linear = heads == 1 && (tokens == 1 || (seg->src_token == run && seg->dst_token == run));
+  Strides st;
+  st.src_token = (uint32_t)seg->src_token;
+  st.src_head = (uint32_t)seg->src_head;
+  st.dst_token = (uint32_t)seg->dst_token;
+  st.dst_head = (uint32_t)seg->dst_head;
+  st.upr = x->units_per_run;
+  st.heads = heads;
+  const char *src = gather ? cache : obj;
+  char *dst = gather ? obj : cache;
+  const uint32_t b = (uint32_t)ub, e = (uint32_t)ue;
+  switch (x->vec) {
+    case 16: copy_units<16>(st, linear, src, dst, gather, b, e, lane); break;
+    case 8: copy_units<8>(st, linear, src, dst, gather, b, e, lane); break;
+    case 4: copy_units<4>(st, linear, src, dst, gather, b, e, lane); break;
+    case 2: copy_units<2>(st, linear, src, dst, gather, b, e, lane); break;
+    default: copy_units<1>(st, linear, src, dst, gather, b, e, lane); break;
+  }
+}
+
+// Warp `warp` of `warps`: its contiguous range of the blob's tasks, block by
+// block. `lane` is this thread's lane (0..31).
+KVF_WALK_FN void run_warp(const char *blob, uint64_t warp, uint64_t warps, uint32_t lane) {
+  const kvf_blob_header *h = reinterpret_cast<const kvf_blob_header *>(blob);
+  const uint64_t total = h->total_tasks;
+  // total * warp fits 64 bits: tasks are at least 16 bytes, warps a few thousand.
+  uint64_t t = total * warp / warps;
+  const uint64_t t1 = total * (warp + 1) / warps;
+  if (t >= t1) return;
+  const kvf_blob_entry *entries = reinterpret_cast<const kvf_blob_entry *>(blob + h->off_entries);
+  const uint16_t *buckets = reinterpret_cast<const uint16_t *>(blob + h->off_buckets);
+  const uint32_t n = h->num_entries;
+  uint32_t e = buckets[t >> h->bucket_shift];
+  while (t < t1) {
+    // The entry holding task t: forward from the table's (or the last) one.
+    while (e + 1 < n && entries[e + 1].first_task <= t) e++;
+    const kvf_blob_entry *x = &entries[e];
+    const uint64_t slices = x->slices;
+    const uint64_t local = t - x->first_task, j = div64(local, slices), s = local - j * slices;
+    // This block's remaining slices, up to the warp's last task.
+    const uint64_t next = min64(t1, x->first_task + (j + 1) * slices);
+    copy_block(h, blob, x, j, s, s + (next - t), lane);
+    t = next;
+  }
+}
+
+}  // namespace kvf_walk
+
+#endif
