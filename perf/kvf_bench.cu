@@ -175,8 +175,9 @@ void usage(FILE *f) {
           "                            sglang-qsm | all | none (default all; sweep and interference)\n"
           "  --peers-max-tokens N      run the peers at request sizes up to N tokens (default 16384)\n"
           "  --tune SPEC               also time kvferry with tuning SPEC = key=value[,key=value...] (repeatable);\n"
-          "                            keys: pieces, dma_batch, param_bytes, task_bytes, task_waves, batch_min_run,\n"
-          "                            batch_max_runs, stage_sms, pcie_sms, staging_mb (host/core/xfer_internal.h),\n"
+          "                            keys: pieces, growth, dma_batch, param_bytes, task_bytes, task_waves,\n"
+          "                            batch_min_run, batch_max_runs, stage_sms, pcie_sms, staging_mb, kernel\n"
+          "                            (host/core/xfer_internal.h),\n"
           "                            cap (the context's max_sms). Variants are checked like every contender.\n"
           "  --enqueue-reps N          synchronized calls timing the host enqueue of each kvferry entry (default 15;\n"
           "                            0: off)\n"
@@ -911,6 +912,8 @@ void apply_tune(const std::string &spec, kvf_xfer_tuning *t, int *cap) {
     std::string k = kv.substr(0, eq);
     int64_t v = (int64_t)parse_u64(kv.substr(eq + 1), "--tune");
     if (k == "pieces") t->stage_pieces = v;
+    else if (k == "growth") t->stage_growth = v;
+    else if (k == "kernel") t->kernel = v;
     else if (k == "dma_batch") t->stage_dma_batch = v;
     else if (k == "param_bytes") t->param_bytes = v;
     else if (k == "task_bytes") t->task_bytes = v;

@@ -1345,6 +1345,22 @@ TEST(XferPieces, GatherPiecesGrowScatterPiecesShrink) {
       }
     }
     EXPECT_LE(gather ? count[0] : count[3], 61 / 15 + 1) << "the exposed piece holds about a fifteenth";
+    // Growth 8 over 3 pieces: 1:8:64 of 61 layers, the exposed one a single layer.
+    std::vector<unsigned char> m8(3 * ns);
+    ASSERT_EQ(kvf_stage_piece_masks_growth(g, &plan.p, r.get(), gather, 3, 8, m8.data()), 3u);
+    std::vector<int> c8(3, 0);
+    for (uint32_t p = 0; p < 3; p++)
+      for (uint32_t i = 0; i < ns; i++) c8[p] += m8[p * ns + i];
+    EXPECT_EQ(c8[0] + c8[1] + c8[2], 61);
+    EXPECT_EQ(gather ? c8[0] : c8[2], 1) << "the exposed piece";
+    EXPECT_LE(std::abs(c8[1] - 61 * 8 / 73), 1);
+    // Growth 1: equal pieces.
+    ASSERT_EQ(kvf_stage_piece_masks_growth(g, &plan.p, r.get(), gather, 3, 1, m8.data()), 3u);
+    for (uint32_t p = 0; p < 3; p++) {
+      int n = 0;
+      for (uint32_t i = 0; i < ns; i++) n += m8[p * ns + i];
+      EXPECT_LE(std::abs(n - 61 / 3), 1) << "piece " << p;
+    }
   }
   // More pieces than views: one view each.
   std::vector<unsigned char> masks(16 * ns);

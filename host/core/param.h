@@ -34,7 +34,9 @@ extern "C" {
   X(xfer_stage_sms, "KVF_XFER_STAGE_SMS", 16,                                             \
     "SM cap of the on-GPU gather/scatter between the cache and the staging buffers")     \
   X(xfer_stage_pieces, "KVF_XFER_STAGE_PIECES", 4,                                       \
-    "kernel launches per staged batch, whole layers each, growing 1:2:4 (a gather) so the copy engine starts after the first (1: one per batch)") \
+    "kernel launches per staged batch, whole layers each, growing (a gather) so the copy engine starts after the first (1: one per batch)") \
+  X(xfer_stage_growth, "KVF_XFER_STAGE_GROWTH", 2,                                       \
+    "size ratio of consecutive staged pieces (1..16): a gather's grow, a scatter's shrink") \
   X(xfer_stage_dma_batch, "KVF_XFER_STAGE_DMA_BATCH", 1,                                 \
     "1: a staged piece's copies go to the copy engine as one cudaMemcpyBatchAsync; 0: one cudaMemcpyAsync each") \
   X(xfer_param_table_bytes, "KVF_XFER_PARAM_TABLE_BYTES", 32752,                         \

@@ -120,6 +120,7 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
                          .staging_mb = kvf_param_xfer_staging_mb(),
                          .stage_sms = kvf_param_xfer_stage_sms(),
                          .stage_pieces = kvf_param_xfer_stage_pieces(),
+                         .stage_growth = kvf_param_xfer_stage_growth(),
                          .stage_dma_batch = kvf_param_xfer_stage_dma_batch(),
                          .param_bytes = kvf_param_xfer_param_table_bytes(),
                          .task_bytes = kvf_param_xfer_task_bytes(),
@@ -132,6 +133,7 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
   if (t->task_bytes < 16 || t->task_bytes > 65536 || t->task_bytes % 16) t->task_bytes = KVF_SLICE_BYTES;
   if (t->stage_pieces < 1) t->stage_pieces = 1;
   if (t->stage_pieces > KVF_STAGE_MAX_PIECES) t->stage_pieces = KVF_STAGE_MAX_PIECES;
+  if (t->stage_growth < 1 || t->stage_growth > 16) t->stage_growth = 2;
 }
 
 kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
@@ -139,7 +141,7 @@ kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
   if (t->pcie_sms < 0 || t->staging_mb < 0 || t->stage_sms < 0 || t->stage_pieces < 1 ||
       t->stage_pieces > KVF_STAGE_MAX_PIECES || t->param_bytes < 0 || t->task_bytes < 16 || t->task_bytes > 65536 ||
       t->task_bytes % 16 || t->task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->stage_dma_batch < 0 ||
-      t->kernel < 0 || t->kernel > 2)
+      t->kernel < 0 || t->kernel > 2 || t->stage_growth < 1 || t->stage_growth > 16)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_set_tuning: a value is out of range");
   pthread_mutex_lock(&x->lock);
   x->tune = *t;
@@ -944,7 +946,9 @@ static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather
   uint64_t nb = c->sp.num_batches, n = c->sp.num_objects;
   c->masks = malloc((size_t)(ns ? ns : 1) * (pieces ? pieces : 1));
   if (!c->masks) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
-  c->pieces = pieces > 1 ? kvf_stage_piece_masks(g, plan, r, gather, pieces, c->masks) : 1;
+  c->pieces = pieces > 1 ? kvf_stage_piece_masks_growth(g, plan, r, gather, pieces, (uint32_t)x->tune.stage_growth,
+                                                        c->masks)
+                         : 1;
   c->any_direct = c->sp.any_direct;
   c->num_launches = nb * c->pieces + (c->any_direct ? 1 : 0);
   c->launches = calloc(c->num_launches ? c->num_launches : 1, sizeof *c->launches);

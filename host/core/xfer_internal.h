@@ -89,6 +89,12 @@ void kvf_stage_plan_free(kvf_stage_plan *plan);
 uint32_t kvf_stage_piece_masks(const kvf_geometry *geometry, const kvf_plan *plan, const kvf_copy_request *request,
                                int gather, uint32_t pieces, unsigned char *masks);
 
+/* The same with sizes growing by `growth` from one piece to the next (1:
+ * equal pieces; kvf_stage_piece_masks is growth 2). */
+uint32_t kvf_stage_piece_masks_growth(const kvf_geometry *geometry, const kvf_plan *plan,
+                                      const kvf_copy_request *request, int gather, uint32_t pieces, uint32_t growth,
+                                      unsigned char *masks);
+
 /* A contiguous byte range of one object. */
 typedef struct kvf_stage_run {
   uint64_t object; /* index into the request's objects */
@@ -115,6 +121,7 @@ typedef struct kvf_xfer_tuning {
   int64_t staging_mb;      /* KVF_XFER_STAGING_MB: each staging buffer (0: no staged route) */
   int64_t stage_sms;       /* KVF_XFER_STAGE_SMS: SM cap of the staged route's kernels */
   int64_t stage_pieces;    /* KVF_XFER_STAGE_PIECES: kernel launches per staged batch (1: one) */
+  int64_t stage_growth;    /* KVF_XFER_STAGE_GROWTH: size ratio of consecutive pieces (1..16) */
   int64_t stage_dma_batch; /* KVF_XFER_STAGE_DMA_BATCH: 1: a piece's copies are one cudaMemcpyBatchAsync */
   int64_t param_bytes;     /* KVF_XFER_PARAM_TABLE_BYTES: tables up to this size go in kernel parameters */
   int64_t task_bytes;      /* KVF_XFER_TASK_BYTES: most bytes a task moves */

@@ -154,6 +154,12 @@ static int group_moves(const kvf_geometry *g, const kvf_copy_request *r, uint32_
 
 uint32_t kvf_stage_piece_masks(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r, int gather,
                                uint32_t pieces, unsigned char *masks) {
+  return kvf_stage_piece_masks_growth(g, plan, r, gather, pieces, 2, masks);
+}
+
+uint32_t kvf_stage_piece_masks_growth(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r,
+                                      int gather, uint32_t pieces, uint32_t growth, unsigned char *masks) {
+  if (growth < 1) growth = 1;
   uint32_t ns = plan->num_segments;
   if (pieces < 1) pieces = 1;
   if (pieces > KVF_STAGE_MAX_PIECES) pieces = KVF_STAGE_MAX_PIECES;
@@ -169,11 +175,13 @@ uint32_t kvf_stage_piece_masks(const kvf_geometry *g, const kvf_plan *plan, cons
   }
   if (views == 0) return 1;
   if (pieces > views) pieces = views;
-  /* Shares 1, 2, 4, ... (a scatter: the reverse); boundary p ends at the
+  /* Shares 1, g, g^2, ... (a scatter: the reverse); boundary p ends at the
    * cumulative share of pieces 0..p. */
   double weight[KVF_STAGE_MAX_PIECES], sum = 0;
   for (uint32_t p = 0; p < pieces; p++) {
-    weight[p] = (double)(1u << (gather ? p : pieces - 1 - p));
+    uint32_t e = gather ? p : pieces - 1 - p;
+    weight[p] = 1;
+    for (uint32_t k = 0; k < e; k++) weight[p] *= (double)growth;
     sum += weight[p];
   }
   double acc = 0, bound = total * weight[0] / sum;
