@@ -1873,7 +1873,9 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
     bool legacy;
     kvf_xfer_path path;
   };
-  const Want wants[] = {{"llama-3.1-8b-fa-nhd", Mem::Pinned, false, KVF_PATH_COPY_BATCH},
+  // One Llama chunk is 1024 runs: over KVF_XFER_BATCH_MAX_RUNS (the batch
+  // API's host cost), staged; the MLA chunk's 244 runs take the batch API.
+  const Want wants[] = {{"llama-3.1-8b-fa-nhd", Mem::Pinned, false, KVF_PATH_STAGED},
                         {"deepseek-v3-mla-bf16", Mem::Pinned, false, KVF_PATH_COPY_BATCH},
                         {"llama-3.1-8b-fa-hnd", Mem::Pinned, false, KVF_PATH_STAGED},
                         {"llama-3.1-8b-fa-nhd", Mem::Pinned, true, KVF_PATH_STAGED},

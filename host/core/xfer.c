@@ -636,8 +636,15 @@ static int batch_runs(const kvf_xfer *x, const void *blob, int gather, void ***d
  * (measured on an H200, perf/results/2026-11-29-h200/curve.json: 55.1-55.3
  * GB/s, the memcpy limit, for runs of 32-72 KiB up to 16384 runs: one
  * 256-token Llama-3.1-8B chunk, 1024 runs of 32 KiB, 55.1 of 55.2 GB/s;
- * 38.5 GB/s at 65472 runs; 0.3-0.6 GB/s for 256-byte runs). Returns
- * KVF_ERR_UNSUPPORTED (nothing enqueued) when the request does not fit. */
+ * 38.5 GB/s at 65472 runs; 0.3-0.6 GB/s for 256-byte runs). The call's host
+ * time grows with its runs (perf/results/2026-12-01-h200-run1/
+ * chunk-256.json and chunk-4096.json, enqueue_alone_us d2h/h2d: 61 runs
+ * 36/40 us, 84 runs 85/53, 244 runs 117/123, 1024 runs 453-868, 3904 runs
+ * 3597/3019, 16384 runs 7437/7601), so KVF_XFER_BATCH_MAX_RUNS keeps it to
+ * 256 runs (the MLA chunk's 244); a Llama chunk's 1024 go staged instead
+ * (95.8% / 95.1% of memcpy d2h / h2d with 4 pieces there, cross.json).
+ * Returns KVF_ERR_UNSUPPORTED (nothing enqueued) when the request does not
+ * fit. */
 static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream) {
   const kvf_plan *plan = &x->plan[r->format];
   size_t size = (size_t)kvf_blob_size(x->geometry, plan, r, NULL);
