@@ -16,7 +16,10 @@
  * median of submit-to-reply over the requests of those rounds. In the same
  * run: kvf_xfer gather/scatter of one request's bytes into pinned objects in
  * this process (the in-process kernel), and cudaMemcpy of the same bytes
- * between one device buffer and one pinned buffer (the link's limit).
+ * between one device buffer and one pinned buffer (the link's limit); with
+ * --device -1, the host backend in this process and a memcpy of the same
+ * bytes between two touched buffers. First, the first STORE after the
+ * registration against the four after it ("served-first").
  * Results: one JSON object per line (--json, else stdout). */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -267,13 +270,85 @@ static double round_run(bench *b, kvf_client_op op, int q, int total, uint64_t k
   return dt;
 }
 
+/* The host backend's baselines (--device -1): kvf_xfer of one request's
+ * bytes between the memfd cache and objects in this process's memory, and a
+ * memcpy of the same bytes between two buffers, interleaved so both see the
+ * same machine load. Every buffer is touched first: first-touch page faults
+ * are the served path's to avoid, not the baselines'. */
+static int host_baselines(bench *b, double *inproc_store, double *inproc_retrieve, double *memcpy_gbps,
+                          uint64_t *request_bytes) {
+  kvf_xfer_options xo = KVF_XFER_OPTIONS_INIT;
+  xo.device = KVF_DEVICE_HOST;
+  kvf_xfer *x = NULL;
+  if (kvf_xfer_create(b->g, &xo, &x)) return -1;
+  uint32_t nog = kvf_geometry_num_object_groups(b->g);
+  uint64_t chunks = (b->tokens_per_request + b->chunk_tokens - 1) / b->chunk_tokens, total = 0;
+  void **objs = calloc(chunks * nog, sizeof *objs);
+  if (!objs) return -1;
+  for (uint64_t k = 0; k < chunks; k++)
+    for (uint32_t og = 0; og < nog; og++) {
+      uint64_t s = 0;
+      kvf_geometry_object_size(b->g, og, k, b->tokens_per_request, &s);
+      objs[k * nog + og] = aligned_alloc(4096, (s + 4095) / 4096 * 4096);
+      if (!objs[k * nog + og]) return -1;
+      memset(objs[k * nog + og], 0x33, s);
+      total += s;
+    }
+  *request_bytes = total;
+  uint32_t nreg = kvf_geometry_num_regions(b->g);
+  void *bases[64];
+  for (uint32_t r = 0; r < nreg; r++) bases[r] = (char *)kvf_mem_alloc_ptr(b->alloc) + b->offsets[r];
+  kvf_group_blocks gb[64];
+  for (uint32_t gidx = 0; gidx < b->num_groups; gidx++) {
+    kvf_group_info gi;
+    kvf_geometry_group(b->g, gidx, &gi);
+    gb[gidx] = (kvf_group_blocks){b->ids[gidx], 0, (uint32_t)((b->tokens_per_request + gi.block_size - 1) / gi.block_size)};
+  }
+  kvf_copy_request req = KVF_COPY_REQUEST_INIT;
+  req.region_bases = bases;
+  req.token_begin = 0;
+  req.token_end = b->tokens_per_request;
+  req.groups = gb;
+  req.objects = objs;
+  char *src = aligned_alloc(4096, (total + 4095) / 4096 * 4096), *dst = aligned_alloc(4096, (total + 4095) / 4096 * 4096);
+  if (!src || !dst) return -1;
+  memset(src, 1, total);
+  memset(dst, 2, total);
+  enum { REPS = 15 };
+  double v[3][REPS];
+  for (int rep = -2; rep < REPS; rep++) { /* two warm-ups */
+    double t = now_s();
+    if (kvf_xfer_gather(x, &req, NULL)) return -1;
+    if (rep >= 0) v[0][rep] = now_s() - t;
+    t = now_s();
+    if (kvf_xfer_scatter(x, &req, NULL)) return -1;
+    if (rep >= 0) v[1][rep] = now_s() - t;
+    t = now_s();
+    memcpy(dst, src, total);
+    if (rep >= 0) v[2][rep] = now_s() - t;
+  }
+  *inproc_store = (double)total / median(v[0], REPS) / 1e9;
+  *inproc_retrieve = (double)total / median(v[1], REPS) / 1e9;
+  *memcpy_gbps = (double)total / median(v[2], REPS) / 1e9;
+  free(src);
+  free(dst);
+  for (uint64_t i = 0; i < chunks * nog; i++) free(objs[i]);
+  free(objs);
+  kvf_xfer_destroy(x);
+  return 0;
+}
+
 /* In-process: kvf_xfer of one request's bytes into pinned objects, and a
  * contiguous cudaMemcpy of the same bytes. Medians of `reps`. */
 static int baselines(bench *b, double *inproc_store, double *inproc_retrieve, double *memcpy_d2h, double *memcpy_h2d,
                      uint64_t *request_bytes) {
   *inproc_store = *inproc_retrieve = *memcpy_d2h = *memcpy_h2d = 0;
+  if (b->device < 0) {
+    int rc = host_baselines(b, inproc_store, inproc_retrieve, memcpy_d2h, request_bytes);
+    *memcpy_h2d = *memcpy_d2h;
+    return rc;
+  }
 #ifdef KVF_WITH_CUDA
-  if (b->device < 0) return 0;
   cudaSetDevice(b->device);
   kvf_xfer_options xo = KVF_XFER_OPTIONS_INIT;
   xo.device = b->device;
@@ -407,6 +482,27 @@ int main(int argc, char **argv) {
   char when[32];
   time_t now = time(NULL);
   strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", gmtime(&now));
+  {
+    /* The first STORE after the registration, alone, then four more: the
+     * first must cost what later ones do (nothing left to set up on first use). */
+    double first[5];
+    uint64_t bytes = 0;
+    for (int i = 0; i < 5; i++) {
+      double dt = round_run(&b, KVF_CLIENT_STORE, 1, 1, ((uint64_t)(b.device + 2) << 52) + (0xf1ull << 40) + (uint64_t)i,
+                            &first[i], &bytes);
+      if (dt <= 0) goto out;
+    }
+    double later = median(first + 1, 4);
+    fprintf(b.out,
+            "{\"date\": \"%s\", \"bench\": \"served-first\", \"geometry\": \"%s\", \"device\": %d, "
+            "\"tokens_per_request\": %" PRIu64 ", \"bytes_per_request\": %" PRIu64
+            ", \"first_store_ms\": %.3f, \"later_store_ms_p50\": %.3f, \"first_over_later\": %.3f}\n",
+            when, kvf_geometry_name(b.g), b.device, b.tokens_per_request, bytes / 5, first[0] * 1e3, later * 1e3,
+            later > 0 ? first[0] / later : 0);
+    fflush(b.out);
+    fprintf(stderr, "served first store %.3f ms, the next four %.3f ms (median): %.2fx\n", first[0] * 1e3, later * 1e3,
+            later > 0 ? first[0] / later : 0);
+  }
   for (int qi = 0; qi < b.num_inflight; qi++) {
     int q = b.inflight[qi];
     for (int dir = 0; dir < 2; dir++) {
