@@ -181,6 +181,10 @@ uint64_t kvf_blob_object_extent(const kvf_blob_entry *entry, uint64_t units);
 /* Copy the tasks [first, end) of a blob on the CPU (the host backend). */
 void kvf_blob_run_cpu(const void *blob, uint64_t first, uint64_t end);
 
+/* The same; stream: write with streaming (non-temporal) stores where the
+ * CPU has them, for transfers much larger than the caches. */
+void kvf_blob_run_cpu_opt(const void *blob, uint64_t first, uint64_t end, int stream);
+
 /* Payload bytes a blob moves (sum over its non-skipped tasks). */
 uint64_t kvf_blob_payload(const void *blob);
 

@@ -28,7 +28,9 @@ extern "C" {
   X(xfer_pcie_sms, "KVF_XFER_PCIE_SMS", 4,                                               \
     "default SM cap for transfers between a GPU and host memory (measured: the fewest that reach the link)") \
   X(xfer_host_threads, "KVF_XFER_HOST_THREADS", 8,                                       \
-    "most CPU threads one host-backend transfer uses")                                   \
+    "most CPU threads one host-backend transfer uses (and at most one per online CPU)")  \
+  X(xfer_host_stream_mb, "KVF_XFER_HOST_STREAM_MB", 4,                                   \
+    "host-backend transfers of at least this many MiB write with streaming (non-temporal) stores (0: never)") \
   X(xfer_staging_mb, "KVF_XFER_STAGING_MB", 16,                                          \
     "MiB of each of the two device buffers that stage objects for the copy engine (0: kernels write host memory directly)") \
   X(xfer_stage_sms, "KVF_XFER_STAGE_SMS", 16,                                             \

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <kvferry/transfer.h>
 
@@ -189,37 +190,57 @@ const char *kvf_xfer_route_name(kvf_xfer_route route) {
 typedef struct cpu_work {
   const void *blob;
   uint64_t first, end;
+  int stream;
 } cpu_work;
 
 static void *cpu_worker(void *arg) {
   cpu_work *w = arg;
-  kvf_blob_run_cpu(w->blob, w->first, w->end);
+  kvf_blob_run_cpu_opt(w->blob, w->first, w->end, w->stream);
   return NULL;
 }
 
-/* Threads pay off only for large copies: one thread per 4 MiB, capped. */
+/* CPUs this process may run on (at least 1), read once. */
+static uint64_t online_cpus(void) {
+  static long n = 0;
+  long v = __atomic_load_n(&n, __ATOMIC_RELAXED);
+  if (v <= 0) {
+    v = sysconf(_SC_NPROCESSORS_ONLN);
+    if (v <= 0) v = 1;
+    __atomic_store_n(&n, v, __ATOMIC_RELAXED);
+  }
+  return (uint64_t)v;
+}
+
+/* Threads pay off only for large copies: one thread per 4 MiB, capped by
+ * KVF_XFER_HOST_THREADS (or the context's host_threads) and, unless the
+ * context asked for a count, by the CPUs: a memory copy gains nothing from
+ * more threads than cores (8 threads on a 2-core VM ran no faster than 2).
+ * Transfers of KVF_XFER_HOST_STREAM_MB or more write with streaming stores. */
 static void run_on_cpu(const kvf_xfer *x, const void *blob) {
   const kvf_blob_header *h = blob;
   uint64_t cap = x->host_threads ? x->host_threads : (uint64_t)kvf_param_xfer_host_threads();
+  if (!x->host_threads && cap > online_cpus()) cap = online_cpus();
   uint64_t n = h->payload_bytes / (4u << 20) + 1;
+  int64_t stream_mb = kvf_param_xfer_host_stream_mb();
+  int stream = stream_mb > 0 && h->payload_bytes >= ((uint64_t)stream_mb << 20);
   if (n > cap) n = cap;
   if (n > 64) n = 64;
   if (n > h->total_tasks) n = h->total_tasks;
   if (n <= 1) {
-    kvf_blob_run_cpu(blob, 0, h->total_tasks);
+    kvf_blob_run_cpu_opt(blob, 0, h->total_tasks, stream);
     return;
   }
   pthread_t tid[64];
   cpu_work work[64];
   int joined[64] = {0};
   for (uint64_t i = 0; i < n; i++) {
-    work[i] = (cpu_work){blob, h->total_tasks * i / n, h->total_tasks * (i + 1) / n};
+    work[i] = (cpu_work){blob, h->total_tasks * i / n, h->total_tasks * (i + 1) / n, stream};
     /* The calling thread takes share 0; a share whose thread cannot start
      * is done here too. */
     if (i > 0 && pthread_create(&tid[i], NULL, cpu_worker, &work[i]) == 0) joined[i] = 1;
   }
   for (uint64_t i = 0; i < n; i++)
-    if (!joined[i]) kvf_blob_run_cpu(blob, work[i].first, work[i].end);
+    if (!joined[i]) kvf_blob_run_cpu_opt(blob, work[i].first, work[i].end, stream);
   for (uint64_t i = 1; i < n; i++)
     if (joined[i]) pthread_join(tid[i], NULL);
 }
