@@ -27,6 +27,8 @@ extern "C" {
     "1: never load the CUDA driver; GPU calls return KVF_ERR_NO_DRIVER (host backend only)") \
   X(xfer_pcie_sms, "KVF_XFER_PCIE_SMS", 4,                                               \
     "default SM cap for transfers between a GPU and host memory (measured: the fewest that reach the link)") \
+  X(server_l1_prefault_mb, "KVF_SERVER_L1_PREFAULT_MB", 65536,                           \
+    "kvferryd populates this many MiB of an L1 pool that is not pinned at start, so no STORE pays first-touch page faults (0: never)") \
   X(xfer_host_threads, "KVF_XFER_HOST_THREADS", 8,                                       \
     "most CPU threads one host-backend transfer uses (and at most one per online CPU)")  \
   X(xfer_host_stream_mb, "KVF_XFER_HOST_STREAM_MB", 4,                                   \

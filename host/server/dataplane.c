@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,6 +19,7 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "host/core/log.h"
+#include "host/core/param.h"
 #include "host/server/server_cuda.h"
 
 #define DP_MAX_LANES 65u
@@ -1003,6 +1005,25 @@ static void *lane_completer(void *arg) {
   return NULL;
 }
 
+/* A pool that is not pinned (the host lane without GPUs) is anonymous memory
+ * the kernel maps on first touch: a STORE into fresh L1 then ran at the
+ * page-fault rate (0.55-1.0 GB/s on a 2-core VM against 4-10 GB/s for a
+ * memcpy of the same bytes, perf/results/2026-12-01-cpu-host), and the first
+ * STOREs after a start were the slowest. Populating it here, before the first
+ * request, costs about 0.36 s per GiB once (4 KiB pages: asking for huge
+ * pages first made it 2.2 s, compaction) and holds the pool resident, as a
+ * cache is once warm. KVF_SERVER_L1_PREFAULT_MB bounds it (0: never). */
+static void prefault_pool(dp_lane *lane) {
+  int64_t cap = kvf_param_server_l1_prefault_mb();
+  if (cap <= 0) return;
+  uint64_t bytes = lane->pool_bytes, max = (uint64_t)cap << 20;
+  if (bytes > max) bytes = max;
+#ifdef MADV_POPULATE_WRITE
+  if (madvise(lane->pool, bytes, MADV_POPULATE_WRITE) == 0) return;
+#endif
+  for (uint64_t off = 0; off < bytes; off += 4096) ((volatile char *)lane->pool)[off] = 0;
+}
+
 static kvf_status lane_start(kvf_dataplane *dp, dp_lane *lane, int device) {
   lane->dp = dp;
   lane->device = device;
@@ -1028,6 +1049,7 @@ static kvf_status lane_start(kvf_dataplane *dp, dp_lane *lane, int device) {
   lane->pin_device = device >= 0 ? device : (dp->opt.num_devices ? dp->first_device : -1);
   st = kvf_scuda_pool_alloc(lane->pin_device, lane->numa_node, lane->pool_bytes, &lane->pool);
   if (st != KVF_SUCCESS) return st;
+  if (lane->pin_device < 0) prefault_pool(lane);
   KVF_INFO(SERVER, "lane %d: %llu MiB of L1 on NUMA node %d, worker on cpu %d, completion on cpu %d", device,
            (unsigned long long)(lane->pool_bytes >> 20), lane->numa_node, lane->worker_cpu, lane->completion_cpu);
   return KVF_SUCCESS;
