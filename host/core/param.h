@@ -29,6 +29,8 @@ extern "C" {
     "default SM cap for transfers between a GPU and host memory (measured: the fewest that reach the link)") \
   X(server_l1_prefault_mb, "KVF_SERVER_L1_PREFAULT_MB", 65536,                           \
     "kvferryd populates this many MiB of an L1 pool that is not pinned at start, so no STORE pays first-touch page faults (0: never)") \
+  X(server_spin_us, "KVF_SERVER_SPIN_US", 2000,                                          \
+    "a kvferryd lane thread pinned to its own core polls for its next request this long before it sleeps (0: never)") \
   X(xfer_host_threads, "KVF_XFER_HOST_THREADS", 8,                                       \
     "most CPU threads one host-backend transfer uses (and at most one per online CPU)")  \
   X(xfer_host_stream_mb, "KVF_XFER_HOST_STREAM_MB", 4,                                   \

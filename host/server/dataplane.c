@@ -76,6 +76,7 @@ typedef struct dp_job {
 typedef struct dp_queue {
   dp_job *head, *tail;
   uint32_t length;
+  uint32_t pushes; /* atomic: bumped by every push, watched by a spinning waiter */
 } dp_queue;
 
 struct dp_lane {
@@ -177,6 +178,7 @@ static void queue_push(dp_queue *q, dp_job *j) {
     q->head = j;
   q->tail = j;
   q->length++;
+  __atomic_add_fetch(&q->pushes, 1, __ATOMIC_RELEASE);
 }
 
 static dp_job *queue_pop(dp_queue *q) {
@@ -918,13 +920,33 @@ static void lane_run(dp_lane *lane, dp_job *j) {
   }
 }
 
+/* Wait for a push onto q (dp->mu held, released while waiting). A lane
+ * thread pinned to a core of its own polls the queue for up to
+ * KVF_SERVER_SPIN_US first: one request in flight hands off from the loop to
+ * the worker and from the worker to the completion thread, and a futex wake
+ * was tens of microseconds of the 0.16 ms a served 256-token request took
+ * over the in-process call (perf/results/2026-11-29-h200x2-served/NOTES.md).
+ * The condition variable after that, so an idle server sleeps. */
+static void queue_wait(kvf_dataplane *dp, dp_queue *q, pthread_cond_t *cv, int pinned) {
+  int64_t spin_us = pinned ? kvf_param_server_spin_us() : 0;
+  if (spin_us > 0) {
+    uint32_t seen = __atomic_load_n(&q->pushes, __ATOMIC_ACQUIRE);
+    pthread_mutex_unlock(&dp->mu);
+    uint64_t until = kvf_now_ns() + (uint64_t)spin_us * 1000ull;
+    while (__atomic_load_n(&q->pushes, __ATOMIC_ACQUIRE) == seen && kvf_now_ns() < until) sched_yield();
+    pthread_mutex_lock(&dp->mu);
+    if (q->head || dp->stopping) return;
+  }
+  pthread_cond_wait(cv, &dp->mu);
+}
+
 static void *lane_worker(void *arg) {
   dp_lane *lane = arg;
   kvf_dataplane *dp = lane->dp;
   pin_thread(lane->worker_cpu);
   pthread_mutex_lock(&dp->mu);
   for (;;) {
-    while (!lane->todo.head && !dp->stopping) pthread_cond_wait(&lane->todo_cv, &dp->mu);
+    while (!lane->todo.head && !dp->stopping) queue_wait(dp, &lane->todo, &lane->todo_cv, lane->worker_cpu >= 0);
     dp_job *j = queue_pop(&lane->todo);
     if (!j) break; /* stopping and nothing left */
     int cancel = dp->stopping;
@@ -961,7 +983,8 @@ static void *lane_completer(void *arg) {
   (void)prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
   pthread_mutex_lock(&dp->mu);
   for (;;) {
-    while (!lane->flight.head && !(dp->stopping && !lane->worker_started)) pthread_cond_wait(&lane->flight_cv, &dp->mu);
+    while (!lane->flight.head && !(dp->stopping && !lane->worker_started))
+      queue_wait(dp, &lane->flight, &lane->flight_cv, lane->completion_cpu >= 0);
     dp_job *j = queue_pop(&lane->flight);
     if (!j) break;
     pthread_mutex_unlock(&dp->mu);
