@@ -5,7 +5,8 @@
 
 Writes OUTDIR/served.json (every row, one JSON array), OUTDIR/served.md (a
 table: served GB/s, its ratio to the in-process kernel and to a contiguous
-memcpy of the same bytes measured in the same run, p50 latency) and
+memcpy of the same bytes measured in the same run, p50 latency; and the
+first STORE after a registration against later ones) and
 OUTDIR/served.png (GB/s against requests in flight; skipped without
 matplotlib).
 """
@@ -72,19 +73,29 @@ def main():
         print(__doc__, file=sys.stderr)
         return 2
     outdir, paths = sys.argv[1], sys.argv[2:]
-    rows = load(paths)
+    every = load(paths)
+    rows = [r for r in every if r.get("bench", "served") == "served"]
+    firsts = [r for r in every if r.get("bench") == "served-first"]
     if not rows:
         print("report_served.py: no rows", file=sys.stderr)
         return 1
     os.makedirs(outdir, exist_ok=True)
     with open(os.path.join(outdir, "served.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump(every, f, indent=1)
     with open(os.path.join(outdir, "served.md"), "w") as f:
         f.write("# kvferryd served STORE / RETRIEVE (%s)\n\n" % rows[0]["date"])
         f.write("Each row: the median over its rounds of payload bytes / wall time for its requests (counts per "
                 "row in served.json); ratios are to figures measured in the same run. Rendered by "
                 "perf/report_served.py.\n\n")
         f.write(table(rows))
+        if firsts:
+            f.write("\nThe first STORE after a registration against the four after it (one request at a time):\n\n")
+            f.write("| GPU | tokens/request | first STORE ms | next four, median ms | first / later |\n")
+            f.write("|---:|---:|---:|---:|---:|\n")
+            for r in firsts:
+                f.write("| %d | %d | %.3f | %.3f | %.2fx |\n" % (r["device"], r["tokens_per_request"],
+                                                             r["first_store_ms"], r["later_store_ms_p50"],
+                                                             r["first_over_later"]))
     plot(rows, os.path.join(outdir, "served.png"))
     return 0
 
