@@ -4,15 +4,16 @@
 #
 #   perf/make_issue15_bundle.sh [BUILD_DIR] DEST
 #
-# DEST gets bin/ (test_xfer, kvf_bench), lib/ (shared libraries the binaries
-# need that the GPU image may lack: libjansson.so.4), presets/ (the geometry
-# presets), run_issue15.sh and report.py. Run there as: bash DEST/run_issue15.sh
+# DEST gets bin/ (test_xfer, kvf_bench, kvf_served_bench, kvferryd), lib/
+# (shared libraries the binaries need that the GPU image may lack:
+# libjansson.so.4, libhwloc), presets/ (the geometry presets), run_issue15.sh,
+# report.py and report_served.py. Run there as: bash DEST/run_issue15.sh
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/.." && pwd)
 if (($# == 2)); then build=$1; dest=$2; else build=$root/build/rel; dest=${1:?usage: make_issue15_bundle.sh [BUILD_DIR] DEST}; fi
 mkdir -p "$dest/bin" "$dest/lib" "$dest/presets"
-for b in tests/test_xfer perf/kvf_bench; do
+for b in tests/test_xfer perf/kvf_bench perf/kvf_served_bench tools/kvferryd; do
   [[ -x $build/$b ]] || { echo "make_issue15_bundle.sh: $build/$b not built" >&2; exit 2; }
   cp "$build/$b" "$dest/bin/"
 done
@@ -20,6 +21,6 @@ for b in "$dest"/bin/*; do
   ldd "$b" | awk '/libjansson|libhwloc/ {print $3}' | while read -r lib; do [[ -f $lib ]] && cp -L "$lib" "$dest/lib/"; done
 done
 cp "$root"/geometry/presets/*.json "$dest/presets/"
-cp "$here/run_issue15.sh" "$here/report.py" "$dest/"
+cp "$here/run_issue15.sh" "$here/report.py" "$here/report_served.py" "$dest/"
 git -C "$root" rev-parse --short=12 HEAD > "$dest/COMMIT" 2>/dev/null || true
 du -sh "$dest"

@@ -27,14 +27,19 @@
 #   latency   one chunk alone, synchronized: MLA, llama nhd, llama hnd; every direction
 #   interf    a cuBLAS bf16 GEMM (or the FMA kernel) on another stream while one-chunk
 #             and 4096-token d2h / h2d transfers run: kvferry at caps default, 4, 16,
-#             staged variants, every peer, and the copy engine's memcpy
-#   summary   report.py's per-size tables of what was measured (stdout, and OUTDIR/results.md)
+#             the grid-stride kernel, every peer, and the copy engine's memcpy
+#   served    kvf_served_bench through kvferryd on GPU 0 (llama nhd, 256 tokens at 1 and 8
+#             in flight, 4096 at 1; the first STORE after a registration against later ones)
+#   summary   report.py's per-size tables of what was measured (stdout, and OUTDIR/results.md),
+#             report_served.py's table, and a short table last
+# If the plain conformance run fails on the warp-walk kernel (the default) but not on
+# the grid-stride one, the benchmark steps run with KVF_XFER_KERNEL=1 and say so.
 # --explore (default): shorter timing, fewer presets at 4096 tokens, conformance
-# sanitizer subsets smaller; about 4 minutes on one H200. --full: about 8.
+# sanitizer subsets smaller; about 5 minutes on one H200. --full: about 9.
 #
 # Environment: KVF_CUBLAS (libcublas.so.13), COMPUTE_SANITIZER, KVF_BENCH_EXTRA
 # (extra kvf_bench arguments for every bench step), ISSUE15_BUDGET (seconds the
-# whole script may take, default 500: each step's time limit is cut to what is
+# whole script may take, default 330: each step's time limit is cut to what is
 # left, keeping 15 s for the summary, and a step with under 20 s left is skipped).
 set -uo pipefail
 
@@ -55,7 +60,7 @@ while (($#)); do
   esac
   shift
 done
-[[ -z $steps ]] && steps="conf,chunk,cross,large,latency,interf,summary"
+[[ -z $steps ]] && steps="conf,chunk,cross,large,latency,interf,served,summary"
 [[ -z $outdir ]] && outdir=${OUT:-./issue15-out}
 mkdir -p "$outdir" || exit 2
 # Everything is written under a work folder and packed after every step into
@@ -73,6 +78,7 @@ if [[ -n $bundle ]]; then
   bin=$bundle/bin
   presets=$bundle/presets
   report=$bundle/report.py
+  report_served=$bundle/report_served.py
   export LD_LIBRARY_PATH="$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   [[ -f $bundle/COMMIT ]] && export KVF_GIT_COMMIT=$(cat "$bundle/COMMIT")
 else
@@ -80,11 +86,13 @@ else
   bin=""
   for d in "$root/build/rel" "$root/build-perf" "$root/build"; do
     if [[ -x $d/perf/kvf_bench ]]; then bin=$d/bin-issue15; mkdir -p "$bin"
-      ln -sf "$d/perf/kvf_bench" "$bin/kvf_bench"; ln -sf "$d/tests/test_xfer" "$bin/test_xfer"; break; fi
+      ln -sf "$d/perf/kvf_bench" "$bin/kvf_bench"; ln -sf "$d/tests/test_xfer" "$bin/test_xfer"
+      ln -sf "$d/perf/kvf_served_bench" "$bin/kvf_served_bench"; ln -sf "$d/tools/kvferryd" "$bin/kvferryd"; break; fi
   done
   [[ -n $bin ]] || { echo "run_issue15.sh: no build with perf/kvf_bench found" >&2; exit 2; }
   presets=$root/geometry/presets
   report=$here/report.py
+  report_served=$here/report_served.py
   export LD_LIBRARY_PATH="$root/.gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 bench=$bin/kvf_bench
@@ -123,7 +131,7 @@ SAN=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer 2>/dev/null || true)}
 want() { [[ ",$steps," == *",$1,"* ]]; }
 t_all=$SECONDS
 failed=0
-budget=${ISSUE15_BUDGET:-500}
+budget=${ISSUE15_BUDGET:-330}
 # limit_for SECONDS: the step's limit cut to the budget left (0: skip it).
 limit_for() {
   local left=$((budget - (SECONDS - t_all) - 15))
@@ -137,6 +145,7 @@ limit_for() {
 san_presets="llama_3_1_8b_fa_hnd*:*deepseek_v3_mla_fp8_656*:*glm_like_hybrid*"
 if [[ $mode == explore ]]; then
   san_routes="*XferGpuRoutes*llama_3_1_8b_fa_hnd_canonical*:*XferGpuRoutes*glm_like_hybrid_native*"
+  san_routes+=":*XferGpuRoutes*deepseek_v3_mla_fp8_656_native*:*XferGpuMisaligned*fp8_inline*"
 else
   san_routes="*XferGpuRoutes*llama_3_1_8b_fa_hnd*:*XferGpuRoutes*deepseek_v3_mla_fp8_656*:*XferGpuRoutes*glm_like_hybrid*"
 fi
@@ -168,6 +177,18 @@ if want conf; then
   # explore: the GPU cases (the CPU ones run in CI without a GPU); full: everything.
   conf_run plain $([[ $mode == explore ]] && echo 130 || echo 200) \
     "$([[ $mode == explore ]] && echo '*XferGpu*:*XferStage*' || echo '*')"
+  # The warp walk (KVF_XFER_KERNEL=2) is the default kernel: if its cases fail
+  # and the grid-stride walk's do not, benchmark the grid-stride walk rather
+  # than a kernel known to be wrong (every contender is still checked).
+  fails=$(grep -E '^\[  FAILED  \] .*\.' "$work/conf-plain.log" | sort -u)
+  if [[ -n $fails ]]; then
+    walk_fails=$(grep -vc 'grid_stride_walk' <<< "$fails")
+    stride_fails=$(grep -c 'grid_stride_walk' <<< "$fails")
+    if ((walk_fails > 0 && stride_fails == 0)); then
+      export KVF_XFER_KERNEL=1
+      say "conf: FALLBACK: $walk_fails failing cases, none of the grid-stride walk's: benchmark steps run with KVF_XFER_KERNEL=1"
+    fi
+  fi
   if [[ -n $SAN ]]; then
     conf_run memcheck $([[ $mode == explore ]] && echo 70 || echo 150) "$san_filter" \
       "$SAN" --tool memcheck --error-exitcode 1 --print-limit 30
@@ -185,6 +206,7 @@ extra=(${KVF_BENCH_EXTRA:-})
 if [[ $mode == explore ]]; then
   common=(--target-ms 12 --min-reps 3 --max-reps 60 --warmup 1 --max-memcpy-runs 1024 --max-batch-runs 16384
           --enqueue-reps 9)
+  served_reqs=(64 5 16 3)
   chunk_big=llama-3.1-8b-fa-nhd,llama-3.1-8b-fa-hnd,deepseek-v3-mla-bf16
   cross_tokens=256
   large_tokens=16384
@@ -193,6 +215,7 @@ if [[ $mode == explore ]]; then
 else
   common=(--target-ms 30 --min-reps 5 --max-reps 150 --warmup 2 --max-memcpy-runs 4096 --max-batch-runs 32768
           --enqueue-reps 15)
+  served_reqs=(64 5 16 5)
   chunk_big=""
   cross_tokens=256,4096
   large_tokens=16384,32768
@@ -228,15 +251,17 @@ if want cross; then
   # Every variant against the default on the same configuration (the default
   # is the kvferry[default] entry itself). The staged variants turn the batch
   # route off so they measure the staged route even where the batch API wins.
+  # A/B of the kernel (the grid-stride walk, kernel=1), the staged pieces and
+  # their growth (the copy engine's start), SM caps, task sizes, the batch
+  # route's run limit, tables uploaded; cap=N is the context's SM cap.
   tunes=(
-    --tune batch_max_runs=0,pieces=1 --tune batch_max_runs=0,pieces=2 --tune batch_max_runs=0,pieces=4
-    --tune batch_max_runs=0,pieces=8 --tune batch_max_runs=0,pieces=16
-    --tune batch_max_runs=0,pieces=4,dma_batch=0
-    --tune batch_max_runs=0,pieces=1,cap=4 --tune batch_max_runs=0,pieces=4,cap=4 --tune batch_max_runs=0,pieces=8,cap=4
-    --tune batch_max_runs=0,pieces=4,stage_sms=8 --tune batch_max_runs=0,pieces=4,stage_sms=32
-    --tune batch_min_run=0,batch_max_runs=1000000
-    --tune param_bytes=0 --tune task_waves=0 --tune task_waves=2 --tune task_waves=8 --tune task_waves=16
-    --tune task_bytes=16384,task_waves=0
+    --tune kernel=1 --tune kernel=1,cap=4
+    --tune pieces=1 --tune pieces=2 --tune pieces=3 --tune pieces=6 --tune pieces=8
+    --tune pieces=2,growth=8 --tune pieces=3,growth=4 --tune pieces=3,growth=8 --tune pieces=4,growth=4
+    --tune pieces=4,cap=4 --tune pieces=6,cap=4 --tune pieces=4,growth=3,cap=4 --tune pieces=8,cap=4
+    --tune stage_sms=8 --tune stage_sms=32
+    --tune task_waves=0 --tune task_waves=2 --tune task_waves=8
+    --tune batch_max_runs=0 --tune batch_max_runs=1000000 --tune param_bytes=0
   )
   step cross $([[ $mode == explore ]] && echo 60 || echo 160) --preset "$curve" --tokens "$cross_tokens" \
     --directions d2h,h2d,d2d --sms-pcie 0 --sms-device 0 --baselines limit,batch --peers none "${tunes[@]}"
@@ -257,16 +282,55 @@ if want interf; then
   step interference-256 $([[ $mode == explore ]] && echo 60 || echo 110) --mode interference \
     --preset llama-3.1-8b-fa-nhd,llama-3.1-8b-fa-hnd --tokens 256 --directions d2h,h2d --sms 0,4,16 \
     --samples "$samples" --peers all \
-    --tune batch_max_runs=0 --tune batch_max_runs=0,cap=4
+    --tune kernel=1 --tune kernel=1,cap=4
   [[ $mode == full ]] && step interference-4096 100 --mode interference --preset llama-3.1-8b-fa-nhd --tokens 4096 \
     --directions d2h,h2d --sms 0,4 --samples "$samples" --peers all
+fi
+
+if want served; then
+  # kvferryd on GPU 0 and this bench as its engine: STORE/RETRIEVE of one
+  # 256-token chunk at 1 and 8 in flight, 4096 tokens at 1, against the
+  # in-process kernel and a memcpy in the same run; the first STORE after
+  # the registration against later ones.
+  t0=$SECONDS
+  limit=$(limit_for 70)
+  if ((limit == 0)); then say "== served: skipped (time budget spent)"; failed=1
+  elif [[ ! -x $bin/kvf_served_bench || ! -x $bin/kvferryd ]]; then say "== served: kvf_served_bench or kvferryd missing"; failed=1
+  else
+    say "== served: kvf_served_bench llama-3.1-8b-fa-nhd, 256 tokens (1, 8 in flight) and 4096 (1)"
+    half=$((limit / 2))
+    KVF_KVFERRYD=$bin/kvferryd timeout -k 5 "$half" "$bin/kvf_served_bench" --geometry "$presets/llama-3.1-8b-fa-nhd.json" \
+      --device 0 --tokens-per-request 256 --inflight 1,8 --requests "${served_reqs[0]}" --rounds "${served_reqs[1]}" \
+      --json "$work/served-256.jsonl" > "$work/served.log" 2>&1
+    rc1=$?
+    KVF_KVFERRYD=$bin/kvferryd timeout -k 5 "$half" "$bin/kvf_served_bench" --geometry "$presets/llama-3.1-8b-fa-nhd.json" \
+      --device 0 --tokens-per-request 4096 --inflight 1 --requests "${served_reqs[2]}" --rounds "${served_reqs[3]}" \
+      --json "$work/served-4096.jsonl" >> "$work/served.log" 2>&1
+    rc2=$?
+    cat "$work"/served-256.jsonl "$work"/served-4096.jsonl > "$work/served.jsonl" 2>/dev/null
+    grep -E '^served' "$work/served.log" | tee -a "$log"
+    say "== served: exit $rc1/$rc2 after $((SECONDS - t0)) s"
+    ((rc1 == 0 && rc2 == 0)) || failed=1
+  fi
+  pack
 fi
 
 say "run_issue15.sh: benchmark and conformance done in $((SECONDS - t_all)) s$( ((failed)) && echo ' (some steps failed: see issue15.log)')"
 if want summary; then
   if command -v python3 >/dev/null 2>&1; then
-    python3 "$report" --brief "$work" 2>&1 | tee -a "$log"
+    python3 "$report" --brief "$work" > "$work/brief.txt" 2>&1
+    cat "$work/brief.txt" >> "$log"
     cp "$work/results.md" "$outdir/results.md" 2>/dev/null
+    if [[ -s $work/served.jsonl ]]; then python3 "$report_served" "$work" "$work/served.jsonl" >> "$log" 2>&1; fi
+    # The short table, last: what the reply's tail must hold.
+    {
+      echo "== short table (full: issue15.log, results.md, served.md in the archive)"
+      grep -E '^(conf |== .*: exit|conf: FALLBACK)' "$log"
+      grep -E '^ +(met|missed|MISSED|not measured|partly met)  ' "$work/brief.txt"
+      grep -E '^ +(missed|behind|MISSED): ' "$work/brief.txt" | head -n 40
+      [[ -s $work/served.md ]] && grep -E '^\| (0|-1) \|' "$work/served.md"
+      echo "KVF_XFER_KERNEL=${KVF_XFER_KERNEL:-2 (default)}; bundle commit ${KVF_GIT_COMMIT:-?}; $((SECONDS - t_all)) s"
+    } | tee -a "$log"
   else
     say "summary: python3 not found"
   fi
