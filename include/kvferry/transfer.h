@@ -11,8 +11,9 @@
  *     imported from another process and mapped on this device. Pageable
  *     host memory is refused with a clear error. A context remembers the
  *     region bases it found in device memory (this GPU's or a peer's) and
- *     does not query them again while the same pointers come back; host
- *     memory is queried on every call.
+ *     does not query them again while the same pointers come back (a cache
+ *     freed and allocated again at the same address on another GPU needs a
+ *     new context); host memory is queried on every call.
  *   - the host backend: the same request copied by CPU threads.
  *
  * Stream rules (CUDA backend): work is enqueued on the caller's stream, which
