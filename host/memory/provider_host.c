@@ -178,14 +178,6 @@ static kvf_status kvf_host_set_access(kvf_import_res *r, const int *devices, uin
   if (KVF_SYS(mprotect)(r->addr, (size_t)r->size, PROT_READ | PROT_WRITE) != 0)
     return KVF_SYS_FAIL(KVF_ERR_SYSTEM, errno, "mprotect granting access to a host import");
   r->held |= KVF_RES_ACCESS;
-#ifdef MADV_POPULATE_WRITE
-  /* Map the pages now rather than on a first STORE's first touch: a
-   * server's first 256-token STORE took 10 ms against 2.8 ms for the ones
-   * after it, page-table faults on the imported cache (2-core VM,
-   * perf/results/2026-12-01-cpu-host). Best effort: the pages are the
-   * exporter's, and a failure only leaves the faults to the first access. */
-  (void)madvise(r->addr, (size_t)r->size, MADV_POPULATE_WRITE);
-#endif
   return KVF_SUCCESS;
 }
 
