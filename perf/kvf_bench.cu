@@ -1193,7 +1193,7 @@ void write_config_head(JsonWriter &j, Config &c) {
   j.kv("format", kvf_object_format_name(g_opt.format));
   j.kv("tokens", c.s->tokens).kv("tokens_requested", c.s->tokens_requested);
   {
-    kvf_object_policy pol;
+    kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
     kvf_geometry_policy(c.p->g, &pol);
     j.kv("chunk_tokens", (uint64_t)pol.chunk_tokens);
   }
@@ -1930,7 +1930,7 @@ void interference_run(Preset &p, SizePlan &s, const std::vector<Direction> &dirs
   JsonWriter j;
   j.begin_object().kv("kind", "interference").kv("preset", p.name).kv("tokens", s.tokens);
   {
-    kvf_object_policy pol;
+    kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
     kvf_geometry_policy(p.g, &pol);
     j.kv("chunk_tokens", (uint64_t)pol.chunk_tokens);
   }

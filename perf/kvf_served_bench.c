@@ -300,7 +300,7 @@ static int host_baselines(bench *b, double *inproc_store, double *inproc_retriev
   for (uint32_t r = 0; r < nreg; r++) bases[r] = (char *)kvf_mem_alloc_ptr(b->alloc) + b->offsets[r];
   kvf_group_blocks gb[64];
   for (uint32_t gidx = 0; gidx < b->num_groups; gidx++) {
-    kvf_group_info gi;
+    kvf_group_info gi = KVF_GROUP_INFO_INIT;
     kvf_geometry_group(b->g, gidx, &gi);
     gb[gidx] = (kvf_group_blocks){b->ids[gidx], 0, (uint32_t)((b->tokens_per_request + gi.block_size - 1) / gi.block_size)};
   }

@@ -1316,7 +1316,7 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
 static int default_stream(cudaStream_t s) { return s == NULL || s == cudaStreamLegacy || s == cudaStreamPerThread; }
 
 static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream) {
-  kvf_xfer_route route;
+  kvf_xfer_route route = KVF_ROUTE_D2D;
   int stageable = 0;
   kvf_status st = route_of(x, r, gather, &route, &stageable);
   if (st) return st;
