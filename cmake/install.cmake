@@ -84,11 +84,11 @@ foreach(_kvf_dir LIBDIR INCLUDEDIR)
     set(KVF_PC_${_kvf_dir} "\${prefix}/${CMAKE_INSTALL_${_kvf_dir}}")
   endif()
 endforeach()
-# Static linking needs what the library links privately. jansson and hwloc
+# Static linking needs what the library links privately. jansson, hwloc and libcrypto
 # go here as plain -l flags rather than Requires.private: that would make
 # `pkg-config --static` demand their own static dependencies (libudev for
 # hwloc) even when only libkvferry.a is linked statically.
-string(REPLACE ";" " " KVF_PC_LIBS_PRIVATE "${JANSSON_LDFLAGS};${HWLOC_LDFLAGS}")
+string(REPLACE ";" " " KVF_PC_LIBS_PRIVATE "${JANSSON_LDFLAGS};${HWLOC_LDFLAGS};${LIBCRYPTO_LDFLAGS}")
 string(APPEND KVF_PC_LIBS_PRIVATE " ")
 if(KVF_WITH_CUDA)
   get_filename_component(_kvf_cudart_dir "${CUDA_cudart_static_LIBRARY}" DIRECTORY)

@@ -6,7 +6,7 @@
 #
 # DEST gets bin/ (test_xfer, kvf_bench, kvf_served_bench, kvferryd), lib/
 # (shared libraries the binaries need that the GPU image may lack:
-# libjansson.so.4, libhwloc), presets/ (the geometry presets), run_issue15.sh,
+# libjansson.so.4, libhwloc, libcrypto.so.3), presets/ (the geometry presets), run_issue15.sh,
 # report.py and report_served.py. Run there as: bash DEST/run_issue15.sh
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -18,7 +18,7 @@ for b in tests/test_xfer perf/kvf_bench perf/kvf_served_bench tools/kvferryd; do
   cp "$build/$b" "$dest/bin/"
 done
 for b in "$dest"/bin/*; do
-  ldd "$b" | awk '/libjansson|libhwloc/ {print $3}' | while read -r lib; do [[ -f $lib ]] && cp -L "$lib" "$dest/lib/"; done
+  ldd "$b" | awk '/libjansson|libhwloc|libcrypto/ {print $3}' | while read -r lib; do [[ -f $lib ]] && cp -L "$lib" "$dest/lib/"; done
 done
 cp "$root"/geometry/presets/*.json "$dest/presets/"
 cp "$here/run_issue15.sh" "$here/report.py" "$here/report_served.py" "$dest/"
