@@ -221,13 +221,20 @@ static int setup(bench *b) {
 static double round_run(bench *b, kvf_client_op op, int q, int total, uint64_t key_base, double *lat,
                         uint64_t *bytes) {
   uint64_t chunks = (b->tokens_per_request + b->chunk_tokens - 1) / b->chunk_tokens;
-  uint64_t *keys = malloc(sizeof *keys * chunks * (size_t)total);
+  kvf_chunk_key *keys = calloc(chunks * (size_t)total, sizeof *keys);
   uint64_t *ids = malloc(sizeof *ids * (size_t)total);
   double *t_sub = malloc(sizeof *t_sub * (size_t)total);
   kvf_group_blocks gb[64];
   if (!keys || !ids || !t_sub) return -1;
+  /* Keys the way an engine that sends its own block hashes would: 32 bytes
+   * each, here a distinct mixed word in front and a nonzero tail. */
   for (int r = 0; r < total; r++)
-    for (uint64_t k = 0; k < chunks; k++) keys[(size_t)r * chunks + k] = mix(key_base + (uint64_t)r * 1000003u + k);
+    for (uint64_t k = 0; k < chunks; k++) {
+      kvf_chunk_key *key = &keys[(size_t)r * chunks + k];
+      uint64_t w = mix(key_base + (uint64_t)r * 1000003u + k);
+      memcpy(key->bytes, &w, sizeof w);
+      key->bytes[KVF_CHUNK_KEY_BYTES - 1] = 1;
+    }
   int next = 0, done = 0;
   double t0 = now_s();
   while (done < total) {

@@ -24,6 +24,7 @@
 #include <kvferry/geometry.h>
 #include <kvferry/memory.h>
 
+#include "chunk_key_util.h"
 #include "server_test_util.h"
 #include "host/ipc/endpoint.h"
 #include "host/ipc/protocol.h"
@@ -149,8 +150,10 @@ void SetInt(E *e, int v) {
 
 // One valid xfer: 64 tokens [0, 64) in chunks of 16 (4 keys), one group of
 // 4 blocks.
+kvf_chunk_key Key(uint8_t b) { return KeyOf(b); }
+
 struct GoodXfer {
-  uint64_t keys[4] = {11, 22, 33, 44};
+  kvf_chunk_key keys[4] = {Key(11), Key(22), Key(33), Key(44)};
   uint32_t ids[4] = {0, 1, 2, 3};
   kvf_group_blocks groups[1];
   kvf_client_xfer x = KVF_CLIENT_XFER_INIT;
@@ -460,47 +463,87 @@ TEST_F(Client, DisconnectFailsEveryWaiter) {
 
 // ---- chunk keys -----------------------------------------------------------------------
 
-std::vector<uint64_t> Keys(uint64_t seed, const std::vector<uint32_t> &tokens, uint32_t chunk) {
-  std::vector<uint64_t> keys(tokens.size() / chunk + 2, 0);
-  uint64_t n = kvf_chunk_keys(seed, tokens.data(), 4, tokens.size(), chunk, keys.data());
+kvf_chunk_key Seed(const std::string &model) {
+  kvf_chunk_key k;
+  EXPECT_EQ(kvf_chunk_seed(model.data(), model.size(), &k), KVF_SUCCESS) << kvf_last_error();
+  return k;
+}
+
+std::string Hex(const kvf_chunk_key &k) { return KeyHex(k); }
+
+std::vector<kvf_chunk_key> Keys(const kvf_chunk_key &seed, const std::vector<uint32_t> &tokens, uint32_t chunk) {
+  std::vector<kvf_chunk_key> keys(tokens.size() / chunk + 2);
+  uint64_t n = kvf_chunk_keys(&seed, tokens.data(), 4, tokens.size(), chunk, keys.data());
   keys.resize(n);
   return keys;
 }
 
-TEST(ChunkKeys, DeterministicChainedAndNeverZero) {
+int BitsDiffer(const kvf_chunk_key &a, const kvf_chunk_key &b) {
+  int d = 0;
+  for (unsigned i = 0; i < KVF_CHUNK_KEY_BYTES; i++) d += __builtin_popcount((unsigned)(a.bytes[i] ^ b.bytes[i]));
+  return d;
+}
+
+// The vector docs/protocol.md gives, computed independently (Python's
+// hashlib): seed "example-model", the 32-bit little-endian tokens 0..9 in
+// chunks of 4 (the last one partial).
+TEST(ChunkKeys, MatchTheDocumentedTestVector) {
+  kvf_chunk_key seed = Seed("example-model");
+  EXPECT_EQ(Hex(seed), "62042d691c2d741b6591302f95fd5fd4324ad444d32ea1ad2680340208423b11");
+  std::vector<uint32_t> tokens = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
+  std::vector<kvf_chunk_key> k = Keys(seed, tokens, 4);
+  ASSERT_EQ(k.size(), 3u);
+  EXPECT_EQ(Hex(k[0]), "a813754b0dd61ef046617af334fb6c329e8295e91382cc97045d58ad695bce17");
+  EXPECT_EQ(Hex(k[1]), "c13df430f4da64bb3431e25fd70af8ae807b4b0547e84a20fa1c46d622b5eaec");
+  EXPECT_EQ(Hex(k[2]), "dd9400ddcaabd6d4f394a8bc010ae14eaaf99bbeedac7ea6b2b042c3aa586492");
+  // The seed of nothing: SHA-256("kvferry-seed-v1").
+  kvf_chunk_key empty;
+  ASSERT_EQ(kvf_chunk_seed(nullptr, 0, &empty), KVF_SUCCESS);
+  EXPECT_EQ(Hex(empty), "8d75ee443b995d12f4ace7d57fcfff7036d3ccf1678c37010a3e10c8eda6140a");
+}
+
+TEST(ChunkKeys, EqualPrefixesEqualKeysAnyChangeChangesEveryLaterKey) {
   std::mt19937 rng(7);
   std::vector<uint32_t> tokens(100);
   for (auto &t : tokens) t = rng() % 50000;
-  std::vector<uint64_t> a = Keys(1, tokens, 16);
+  const kvf_chunk_key m1 = Seed("model-1"), m2 = Seed("model-2");
+  std::vector<kvf_chunk_key> a = Keys(m1, tokens, 16);
   ASSERT_EQ(a.size(), 7u) << "ceil(100 / 16) chunks, the last one partial";
-  EXPECT_EQ(Keys(1, tokens, 16), a) << "not deterministic";
-  for (uint64_t k : a) EXPECT_NE(k, 0u);
+  EXPECT_TRUE(Keys(m1, tokens, 16) == a) << "not deterministic";
+  const kvf_chunk_key zero = {};
+  for (const kvf_chunk_key &k : a) EXPECT_NE(k, zero);
   for (size_t i = 0; i < a.size(); i++)
     for (size_t j = i + 1; j < a.size(); j++) EXPECT_NE(a[i], a[j]);
 
   // An equal prefix gives equal keys, whatever follows.
   std::vector<uint32_t> prefix(tokens.begin(), tokens.begin() + 48);
-  std::vector<uint64_t> p = Keys(1, prefix, 16);
+  std::vector<kvf_chunk_key> p = Keys(m1, prefix, 16);
   ASSERT_EQ(p.size(), 3u);
   EXPECT_TRUE(std::equal(p.begin(), p.end(), a.begin()));
 
-  // A changed token changes its chunk's key and every later one, not earlier ones.
-  std::vector<uint32_t> edited = tokens;
-  edited[40] ^= 1;  // chunk 2
-  std::vector<uint64_t> e = Keys(1, edited, 16);
-  ASSERT_EQ(e.size(), a.size());
-  EXPECT_EQ(e[0], a[0]);
-  EXPECT_EQ(e[1], a[1]);
-  for (size_t k = 2; k < a.size(); k++) EXPECT_NE(e[k], a[k]) << "chunk " << k;
+  // Any changed token (every position, one bit) changes its chunk's key and
+  // every later one, never an earlier one.
+  for (size_t i = 0; i < tokens.size(); i++) {
+    std::vector<uint32_t> edited = tokens;
+    edited[i] ^= 1u << (i % 32);
+    std::vector<kvf_chunk_key> e = Keys(m1, edited, 16);
+    ASSERT_EQ(e.size(), a.size());
+    for (size_t k = 0; k < a.size(); k++) {
+      if (k < i / 16)
+        EXPECT_EQ(e[k], a[k]) << "token " << i << ", chunk " << k;
+      else
+        EXPECT_NE(e[k], a[k]) << "token " << i << ", chunk " << k;
+    }
+  }
 
   // The seed names the model: another seed, other keys everywhere.
-  std::vector<uint64_t> other = Keys(2, tokens, 16);
+  std::vector<kvf_chunk_key> other = Keys(m2, tokens, 16);
   for (size_t k = 0; k < a.size(); k++) EXPECT_NE(other[k], a[k]);
 
   // A partial chunk is not the full chunk padded with token 0.
   std::vector<uint32_t> partial(tokens.begin(), tokens.begin() + 20), padded = partial;
   padded.resize(32, 0);
-  std::vector<uint64_t> kp = Keys(1, partial, 16), kq = Keys(1, padded, 16);
+  std::vector<kvf_chunk_key> kp = Keys(m1, partial, 16), kq = Keys(m1, padded, 16);
   ASSERT_EQ(kp.size(), 2u);
   ASSERT_EQ(kq.size(), 2u);
   EXPECT_EQ(kp[0], kq[0]);
@@ -509,48 +552,58 @@ TEST(ChunkKeys, DeterministicChainedAndNeverZero) {
   // Keys follow the bytes: 2-byte tokens hash their own width.
   std::vector<uint16_t> narrow(tokens.size());
   for (size_t i = 0; i < tokens.size(); i++) narrow[i] = (uint16_t)tokens[i];
-  uint64_t nk[8];
-  EXPECT_EQ(kvf_chunk_keys(1, narrow.data(), 2, narrow.size(), 16, nk), 7u);
+  kvf_chunk_key nk[8];
+  EXPECT_EQ(kvf_chunk_keys(&m1, narrow.data(), 2, narrow.size(), 16, nk), 7u);
   EXPECT_NE(nk[0], a[0]);
 
-  // Bad arguments write nothing.
-  uint64_t out[2] = {0, 0};
-  EXPECT_EQ(kvf_chunk_keys(1, nullptr, 4, 10, 16, out), 0u);
-  EXPECT_EQ(kvf_chunk_keys(1, tokens.data(), 4, 10, 0, out), 0u);
-  EXPECT_EQ(kvf_chunk_keys(1, tokens.data(), 4, 10, 16, nullptr), 0u);
-  EXPECT_EQ(kvf_chunk_keys(1, tokens.data(), 0, 10, 16, out), 0u);
-  EXPECT_EQ(kvf_chunk_keys(1, tokens.data(), 4, 0, 16, out), 0u);
-  EXPECT_EQ(out[0], 0u);
+  // Bad arguments write nothing; an all-zero seed is not a seed.
+  kvf_chunk_key out[2] = {};
+  EXPECT_EQ(kvf_chunk_keys(&m1, nullptr, 4, 10, 16, out), 0u);
+  EXPECT_EQ(kvf_chunk_keys(&m1, tokens.data(), 4, 10, 0, out), 0u);
+  EXPECT_EQ(kvf_chunk_keys(&m1, tokens.data(), 4, 10, 16, nullptr), 0u);
+  EXPECT_EQ(kvf_chunk_keys(&m1, tokens.data(), 0, 10, 16, out), 0u);
+  EXPECT_EQ(kvf_chunk_keys(&m1, tokens.data(), 4, 0, 16, out), 0u);
+  EXPECT_EQ(kvf_chunk_keys(nullptr, tokens.data(), 4, 10, 16, out), 0u);
+  EXPECT_EQ(kvf_chunk_keys(&zero, tokens.data(), 4, 10, 16, out), 0u);
+  EXPECT_EQ(kvf_chunk_keys(&m1, tokens.data(), 4, UINT64_MAX, 16, out), 0u) << "bytes overflow";
+  EXPECT_EQ(out[0], zero);
+  EXPECT_EQ(kvf_chunk_seed("x", 1, nullptr), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvf_chunk_seed(nullptr, 1, &out[0]), KVF_ERR_INVALID_ARGUMENT);
 }
 
 // Every input bit reaches the output: flipping one bit of a chunk flips
-// about half of its key's bits, and of the next key's.
+// about half of its key's 256 bits, and of the next key's.
 TEST(ChunkKeys, OneBitFlipsHalfTheKey) {
   std::mt19937 rng(11);
   std::vector<uint32_t> tokens(32);
   for (auto &t : tokens) t = rng();
-  std::vector<uint64_t> base = Keys(99, tokens, 16);
+  const kvf_chunk_key seed = Seed("model");
+  std::vector<kvf_chunk_key> base = Keys(seed, tokens, 16);
   ASSERT_EQ(base.size(), 2u);
   double sum0 = 0, sum1 = 0;
-  int min0 = 64, n = 0;
+  int min0 = 256, n = 0;
   for (size_t i = 0; i < 16; i++) {
     for (int bit = 0; bit < 32; bit++, n++) {
       std::vector<uint32_t> t = tokens;
       t[i] ^= 1u << bit;
-      std::vector<uint64_t> k = Keys(99, t, 16);
-      int d0 = __builtin_popcountll(k[0] ^ base[0]), d1 = __builtin_popcountll(k[1] ^ base[1]);
+      std::vector<kvf_chunk_key> k = Keys(seed, t, 16);
+      int d0 = BitsDiffer(k[0], base[0]), d1 = BitsDiffer(k[1], base[1]);
       sum0 += d0;
       sum1 += d1;
       min0 = std::min(min0, d0);
     }
   }
-  EXPECT_NEAR(sum0 / n, 32.0, 2.0);
-  EXPECT_NEAR(sum1 / n, 32.0, 2.0);
-  EXPECT_GE(min0, 12);
+  EXPECT_NEAR(sum0 / n, 128.0, 4.0);
+  EXPECT_NEAR(sum1 / n, 128.0, 4.0);
+  EXPECT_GE(min0, 80);
   // And the seed's bits too.
   double sums = 0;
-  for (int bit = 0; bit < 64; bit++) sums += __builtin_popcountll(Keys(99ull ^ (1ull << bit), tokens, 16)[0] ^ base[0]);
-  EXPECT_NEAR(sums / 64, 32.0, 3.0);
+  for (int bit = 0; bit < 256; bit++) {
+    kvf_chunk_key s2 = seed;
+    s2.bytes[bit / 8] ^= (uint8_t)(1u << (bit % 8));
+    sums += BitsDiffer(Keys(s2, tokens, 16)[0], base[0]);
+  }
+  EXPECT_NEAR(sums / 256, 128.0, 6.0);
 }
 
 // ---- STORE / RETRIEVE ---------------------------------------------------------------------
@@ -587,7 +640,7 @@ TEST_F(Client, SubmitOfABadXferNamesTheFieldAndSendsNothing) {
       {KVF_CLIENT_STORE, [](GoodXfer &g) { g.x.num_chunk_keys = KVF_PROTO_MAX_CHUNKS + 1; }, "xfer.num_chunk_keys"},
       {KVF_CLIENT_STORE, [](GoodXfer &g) { g.x.token_end = 3; }, "xfer.num_chunk_keys: 4 chunks for a range of 3"},
       {KVF_CLIENT_STORE, [](GoodXfer &g) { g.x.chunk_keys = nullptr; }, "xfer.chunk_keys: NULL"},
-      {KVF_CLIENT_STORE, [](GoodXfer &g) { g.keys[2] = 0; }, "xfer.chunk_keys[2]: 0 is not a key"},
+      {KVF_CLIENT_STORE, [](GoodXfer &g) { g.keys[2] = kvf_chunk_key{}; }, "xfer.chunk_keys[2]: all zero is not a key"},
       {KVF_CLIENT_RETRIEVE, [](GoodXfer &g) { g.x.num_groups = 0; }, "xfer.num_groups"},
       {KVF_CLIENT_RETRIEVE, [](GoodXfer &g) { g.x.num_groups = 65; }, "xfer.num_groups"},
       {KVF_CLIENT_RETRIEVE, [](GoodXfer &g) { g.x.groups = nullptr; }, "xfer.groups: NULL"},
@@ -641,7 +694,7 @@ TEST_F(Client, SubmitWaitCarriesEveryFieldBothWays) {
     EXPECT_EQ(st.u.xfer.ready_kind, (uint32_t)KVF_PROTO_READY_CUDA_EVENT);
     EXPECT_EQ(0, memcmp(st.u.xfer.ready_handle, handle, 64));
     ASSERT_EQ(st.u.xfer.num_chunk_keys, 3u);
-    EXPECT_EQ(st.u.xfer.chunk_keys[2], 33u);
+    EXPECT_EQ(st.u.xfer.chunk_keys[2].bytes[0], 33u);
     ASSERT_EQ(st.u.xfer.num_groups, 2u);
     EXPECT_EQ(st.u.xfer.groups[0].count, 3u);
     EXPECT_EQ(st.u.xfer.groups[0].first_block, 1u);
@@ -680,7 +733,7 @@ TEST_F(Client, SubmitWaitCarriesEveryFieldBothWays) {
   });
   kvf_client *c = connect(0);
   ASSERT_NE(c, nullptr);
-  uint64_t keys[3] = {11, 22, 33};
+  kvf_chunk_key keys[3] = {Key(11), Key(22), Key(33)};
   uint32_t ids[3] = {7, 8, 9};
   kvf_group_blocks groups[2] = {{ids, 1, 3}, {nullptr, 0, 5}};
   kvf_client_xfer x = KVF_CLIENT_XFER_INIT;

@@ -360,6 +360,7 @@ TEST_F(Endpoint, FrameWithDescriptorsRoundTripsBetweenTwoProcesses) {
     m.type = KVF_PROTO_REGISTER;
     m.request_id = 7;
     m.u.reg.device = -1;
+    m.u.reg.shard_count = 1;
     m.u.reg.num_fds = 2;
     m.u.reg.geometry_json = &json[0];
     m.u.reg.geometry_json_len = (uint32_t)json_len;
@@ -507,6 +508,7 @@ TEST_F(Endpoint, AWriteThePeerDoesNotDrainTimesOutAndFailsTheConnection) {
   kvf_proto_msg m;
   memset(&m, 0, sizeof m);
   m.type = KVF_PROTO_REGISTER;
+  m.u.reg.shard_count = 1;
   m.u.reg.geometry_json = &json[0];
   m.u.reg.geometry_json_len = (uint32_t)json.size();
   int64_t t0 = mono_ms();
@@ -809,9 +811,9 @@ TEST_F(Endpoint, BadClientsGetAnErrorAndAreDroppedWhileAnotherKeepsWorking) {
          }, "header.magic", 0, "not a kvferry frame"},
         {"wrong version", [&](int fd) {
            std::vector<uint8_t> f = hb;
-           f[4] = 2; // version 2, little-endian
+           f[4] = 1; // version 1 (8-byte keys), little-endian
            ASSERT_EQ(write(fd, f.data(), f.size()), (ssize_t)f.size());
-         }, "header.version", 77, "2"},
+         }, "header.version", 77, "peer speaks protocol version 1, this side speaks 2"},
         {"truncated payload", [&](int fd) {
            ASSERT_EQ(write(fd, hb.data(), hb.size() - 3), (ssize_t)(hb.size() - 3));
            shutdown(fd, SHUT_WR);

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "chunk_key_util.h"
 #include "host/server/l1.h"
 
 namespace {
@@ -46,10 +47,22 @@ kvf_object_header make_header(uint32_t og, uint64_t payload) {
   return h;
 }
 
+// Chunk key number v in the scope most tests use (one geometry, unsharded).
+kvf_l1_key L1Key(uint64_t v, uint64_t fingerprint = 0xF00DF00DCAFEull, uint32_t shard_index = 0,
+                 uint32_t shard_count = 1) {
+  kvf_l1_key k;
+  std::memset(&k, 0, sizeof k);
+  k.chunk = KeyOf(v);
+  k.fingerprint = fingerprint;
+  k.shard_index = shard_index;
+  k.shard_count = shard_count;
+  return k;
+}
+
 kvf_l1_object_spec make_spec(uint64_t key, uint32_t og, uint64_t payload) {
   kvf_l1_object_spec s;
   std::memset(&s, 0, sizeof s);
-  s.chunk_key = key;
+  s.key = L1Key(key);
   s.object_group = og;
   s.header = make_header(og, payload);
   return s;
@@ -111,7 +124,7 @@ struct Store {
   // Whether (key, og) is found committed with intact version-0 bytes (pins
   // and unpins, so the entry becomes most recently used).
   bool has(uint64_t key, uint32_t og) {
-    kvf_l1_query q{key, og};
+    kvf_l1_query q{L1Key(key), og};
     kvf_l1_found f;
     kvf_l1_pin *pin = nullptr;
     EXPECT_EQ(kvf_l1_lookup_pin(l1, &q, 1, &f, &pin), KVF_SUCCESS) << kvf_last_error();
@@ -123,7 +136,7 @@ struct Store {
     return ok;
   }
   kvf_l1_pin *pin(uint64_t key, uint32_t og) {
-    kvf_l1_query q{key, og};
+    kvf_l1_query q{L1Key(key), og};
     kvf_l1_found f;
     kvf_l1_pin *p = nullptr;
     EXPECT_EQ(kvf_l1_lookup_pin(l1, &q, 1, &f, &p), KVF_SUCCESS) << kvf_last_error();
@@ -154,7 +167,7 @@ TEST(L1, RoundTrip) {
     ASSERT_EQ(slots[i].state, KVF_L1_SLOT_RESERVED);
     ASSERT_NE(slots[i].data, nullptr);
     EXPECT_EQ((uintptr_t)slots[i].data % kAlign, 0u);
-    fill(slots[i].data, specs[i].header.payload_bytes, specs[i].chunk_key, specs[i].object_group, 0);
+    fill(slots[i].data, specs[i].header.payload_bytes, KeyNum(specs[i].key.chunk), specs[i].object_group, 0);
   }
   kvf_l1_stats s1 = st.stats(-1);
   EXPECT_EQ(s1.objects_reserved, 3u);
@@ -164,7 +177,7 @@ TEST(L1, RoundTrip) {
   EXPECT_EQ(s1.bytes_free, (1u << 20) - round_up(1000) - round_up(5000) - 256);
 
   // Reserved objects are invisible.
-  kvf_l1_query q[4] = {{11, 0}, {11, 1}, {12, 0}, {13, 0}};
+  kvf_l1_query q[4] = {{L1Key(11), 0}, {L1Key(11), 1}, {L1Key(12), 0}, {L1Key(13), 0}};
   kvf_l1_found f[4];
   kvf_l1_pin *pin = nullptr;
   ASSERT_EQ(kvf_l1_lookup_pin(st.l1, q, 4, f, &pin), KVF_SUCCESS);
@@ -183,7 +196,7 @@ TEST(L1, RoundTrip) {
     ASSERT_EQ(f[i].found, 1);
     EXPECT_EQ(f[i].data, slots[i].data);
     EXPECT_EQ(std::memcmp(&f[i].header, &specs[i].header, sizeof f[i].header), 0);
-    EXPECT_TRUE(intact(f[i].data, f[i].header.payload_bytes, q[i].chunk_key, q[i].object_group, 0));
+    EXPECT_TRUE(intact(f[i].data, f[i].header.payload_bytes, KeyNum(q[i].key.chunk), q[i].object_group, 0));
   }
   EXPECT_EQ(f[3].found, 0);
   EXPECT_EQ(f[3].data, nullptr);
@@ -192,10 +205,44 @@ TEST(L1, RoundTrip) {
   EXPECT_EQ(st.stats().objects_pinned, 0u);
 }
 
+// One chunk key in four scopes: four entries, each found only through its
+// own fingerprint and shard, each with its own bytes.
+TEST(L1, KeysInAnotherScopeAreOtherEntries) {
+  Store st({{-1, 8192}});
+  const kvf_l1_key scopes[4] = {L1Key(7), L1Key(7, 0xBEEF), L1Key(7, 0xF00DF00DCAFEull, 1, 2),
+                                L1Key(7, 0xF00DF00DCAFEull, 0, 2)};
+  for (uint32_t i = 0; i < 4; i++) {
+    kvf_l1_object_spec sp = make_spec(7, 0, 256);
+    sp.key = scopes[i];
+    kvf_l1_slot slot;
+    kvf_l1_reservation *r = nullptr;
+    ASSERT_EQ(kvf_l1_reserve(st.l1, -1, &sp, 1, &slot, &r, nullptr), KVF_SUCCESS) << kvf_last_error();
+    ASSERT_EQ(slot.state, KVF_L1_SLOT_RESERVED) << "scope " << i << " found another scope's object";
+    fill(slot.data, 256, 7, 0, i);
+    kvf_l1_commit(st.l1, r);
+  }
+  EXPECT_EQ(st.stats().entries, 4u);
+  for (uint32_t i = 0; i < 4; i++) {
+    kvf_l1_query q{scopes[i], 0};
+    kvf_l1_found f;
+    kvf_l1_pin *pin = nullptr;
+    ASSERT_EQ(kvf_l1_lookup_pin(st.l1, &q, 1, &f, &pin), KVF_SUCCESS);
+    ASSERT_EQ(f.found, 1);
+    EXPECT_TRUE(intact(f.data, 256, 7, 0, i)) << "scope " << i;
+    kvf_l1_unpin(st.l1, pin);
+  }
+  kvf_l1_query miss{L1Key(7, 0xF00DF00DCAFEull, 2, 4), 0};
+  kvf_l1_found f;
+  kvf_l1_pin *pin = nullptr;
+  ASSERT_EQ(kvf_l1_lookup_pin(st.l1, &miss, 1, &f, &pin), KVF_SUCCESS);
+  EXPECT_EQ(f.found, 0);
+  kvf_l1_unpin(st.l1, pin);
+}
+
 TEST(L1, RepeatedQueryPinsTwiceAndOneUnpinReleases) {
   Store st({{-1, 512}});
   ASSERT_EQ(st.put(-1, 1, 0, 512), KVF_SUCCESS);
-  kvf_l1_query q[2] = {{1, 0}, {1, 0}};
+  kvf_l1_query q[2] = {{L1Key(1), 0}, {L1Key(1), 0}};
   kvf_l1_found f[2];
   kvf_l1_pin *both = nullptr, *one = nullptr;
   ASSERT_EQ(kvf_l1_lookup_pin(st.l1, q, 2, f, &both), KVF_SUCCESS);
@@ -527,7 +574,7 @@ TEST(L1, BadArgumentsNameTheField) {
     void (*mutate)(kvf_l1_object_spec *);
     const char *msg;
   } specs[] = {
-      {[](kvf_l1_object_spec *s) { s->chunk_key = 0; }, "specs[2].chunk_key"},
+      {[](kvf_l1_object_spec *s) { s->key = L1Key(0); }, "specs[2].key.chunk"},
       {[](kvf_l1_object_spec *s) { s->object_group = KVF_MAX_GROUPS; }, "specs[2].object_group"},
       {[](kvf_l1_object_spec *s) { s->header.object_group = 5; }, "specs[2].header.object_group"},
       {[](kvf_l1_object_spec *s) { s->header.payload_bytes = 0; }, "specs[2].header.payload_bytes"},
@@ -559,12 +606,12 @@ TEST(L1, BadArgumentsNameTheField) {
   EXPECT_EQ(failed, UINT32_MAX);
   kvf_l1_abort(l1, r);
 
-  kvf_l1_query q[2] = {{1, 0}, {0, 0}};
+  kvf_l1_query q[2] = {{L1Key(1), 0}, {L1Key(0), 0}};
   kvf_l1_found f[2];
   kvf_l1_pin *pin = nullptr;
   EXPECT_EQ(kvf_l1_lookup_pin(l1, q, 2, f, &pin), KVF_ERR_INVALID_ARGUMENT);
-  EXPECT_TRUE(contains(kvf_last_error(), "queries[1].chunk_key"));
-  q[1] = {2, 64};
+  EXPECT_TRUE(contains(kvf_last_error(), "queries[1].key.chunk"));
+  q[1] = {L1Key(2), 64};
   EXPECT_EQ(kvf_l1_lookup_pin(l1, q, 2, f, &pin), KVF_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(contains(kvf_last_error(), "queries[1].object_group"));
   // No queries: an empty handle.
@@ -607,7 +654,7 @@ TEST(L1, PoolSizeRoundsDownAndDestroyFreesHeldHandles) {
   ASSERT_EQ(kvf_l1_reserve(l1, -1, &a, 1, &slot, &ra, nullptr), KVF_SUCCESS);
   kvf_l1_commit(l1, ra);
   ASSERT_EQ(kvf_l1_reserve(l1, -1, &b, 1, &slot, &rb, nullptr), KVF_SUCCESS);
-  kvf_l1_query q{1, 0};
+  kvf_l1_query q{L1Key(1), 0};
   kvf_l1_found f;
   kvf_l1_pin *pin = nullptr;
   ASSERT_EQ(kvf_l1_lookup_pin(l1, &q, 1, &f, &pin), KVF_SUCCESS);
@@ -725,7 +772,7 @@ struct Model {
     std::vector<Key> qk;
     for (auto &kv : objs)
       if (kv.second.state == 2) {
-        q.push_back({kv.first.first, kv.first.second});
+        q.push_back({L1Key(kv.first.first), kv.first.second});
         qk.push_back(kv.first);
       }
     if (q.empty()) return;
@@ -788,11 +835,11 @@ struct Model {
     }
     ASSERT_EQ(status, KVF_SUCCESS) << kvf_last_error();
     std::set<uint64_t> named;
-    for (auto &s : specs) named.insert(s.chunk_key);
+    for (auto &s : specs) named.insert(KeyNum(s.key.chunk));
     kvf_l1_stats after = st.stats();
     Res res{r, {}};
     for (uint32_t i = 0; i < n; i++) {
-      Key k{specs[i].chunk_key, specs[i].object_group};
+      Key k{KeyNum(specs[i].key.chunk), specs[i].object_group};
       if (objs.count(k)) {
         ASSERT_EQ(slots[i].state, KVF_L1_SLOT_PRESENT) << i;
         continue;
@@ -805,7 +852,7 @@ struct Model {
                                            recency_before));
     for (uint32_t i = 0; i < n; i++) {
       if (slots[i].state != KVF_L1_SLOT_RESERVED) continue;
-      Key k{specs[i].chunk_key, specs[i].object_group};
+      Key k{KeyNum(specs[i].key.chunk), specs[i].object_group};
       if (!key_live(k.first)) recency[k.first] = ++clock;  // a new entry starts most recently used
       uint64_t v = next_version++;
       fill(slots[i].data, specs[i].header.payload_bytes, k.first, k.second, v);
@@ -842,13 +889,13 @@ struct Model {
   void op_lookup(std::mt19937_64 &rng) {
     uint32_t n = 1 + rng() % 4;
     std::vector<kvf_l1_query> q(n);
-    for (auto &x : q) x = {1 + rng() % 40, (uint32_t)(rng() % 3)};
+    for (auto &x : q) x = {L1Key(1 + rng() % 40), (uint32_t)(rng() % 3)};
     std::vector<kvf_l1_found> f(n);
     kvf_l1_pin *pin = nullptr;
     ASSERT_EQ(kvf_l1_lookup_pin(st.l1, q.data(), n, f.data(), &pin), KVF_SUCCESS);
     Pin p{pin, {}};
     for (uint32_t i = 0; i < n; i++) {
-      Key k{q[i].chunk_key, q[i].object_group};
+      Key k{KeyNum(q[i].key.chunk), q[i].object_group};
       auto it = objs.find(k);
       bool expect = it != objs.end() && it->second.state == 2;
       ASSERT_EQ(f[i].found, expect ? 1 : 0) << "key " << k.first << " og " << k.second;
@@ -949,7 +996,7 @@ TEST(L1, ThreadedStress) {
         ASSERT_EQ(s, KVF_SUCCESS) << kvf_last_error();
         for (uint32_t i = 0; i < n; i++)
           if (slots[i].state == KVF_L1_SLOT_RESERVED) {
-            fill(slots[i].data, specs[i].header.payload_bytes, specs[i].chunk_key, specs[i].object_group, 0);
+            fill(slots[i].data, specs[i].header.payload_bytes, KeyNum(specs[i].key.chunk), specs[i].object_group, 0);
             reserved_total++;
           }
         if (rng() % 8 == 0) kvf_l1_abort(st.l1, r);
@@ -957,7 +1004,7 @@ TEST(L1, ThreadedStress) {
       } else {
         uint32_t n = 1 + rng() % 4;
         std::vector<kvf_l1_query> q(n);
-        for (auto &x : q) x = {1 + rng() % 150, (uint32_t)(rng() % 2)};
+        for (auto &x : q) x = {L1Key(1 + rng() % 150), (uint32_t)(rng() % 2)};
         std::vector<kvf_l1_found> f(n);
         kvf_l1_pin *pin = nullptr;
         ASSERT_EQ(kvf_l1_lookup_pin(st.l1, q.data(), n, f.data(), &pin), KVF_SUCCESS);
@@ -965,9 +1012,9 @@ TEST(L1, ThreadedStress) {
         for (uint32_t i = 0; i < n; i++) {
           if (!f[i].found) continue;
           found_total++;
-          ASSERT_EQ(f[i].header.payload_bytes, payload_of(q[i].chunk_key, q[i].object_group));
-          ASSERT_TRUE(intact(f[i].data, f[i].header.payload_bytes, q[i].chunk_key, q[i].object_group, 0))
-              << "thread " << t << " key " << q[i].chunk_key;
+          ASSERT_EQ(f[i].header.payload_bytes, payload_of(KeyNum(q[i].key.chunk), q[i].object_group));
+          ASSERT_TRUE(intact(f[i].data, f[i].header.payload_bytes, KeyNum(q[i].key.chunk), q[i].object_group, 0))
+              << "thread " << t << " key " << KeyNum(q[i].key.chunk);
         }
         kvf_l1_unpin(st.l1, pin);
       }
@@ -986,7 +1033,7 @@ TEST(L1, ThreadedStress) {
   // do not overlap.
   std::vector<kvf_l1_query> q;
   for (uint64_t k = 1; k <= 150; k++)
-    for (uint32_t og = 0; og < 2; og++) q.push_back({k, og});
+    for (uint32_t og = 0; og < 2; og++) q.push_back({L1Key(k), og});
   std::vector<kvf_l1_found> f(q.size());
   kvf_l1_pin *pin = nullptr;
   ASSERT_EQ(kvf_l1_lookup_pin(st.l1, q.data(), (uint32_t)q.size(), f.data(), &pin), KVF_SUCCESS);
@@ -997,7 +1044,7 @@ TEST(L1, ThreadedStress) {
       if (!f[i].found) continue;
       auto *d = (const unsigned char *)f[i].data;
       if (d < st.base(pi) || d >= st.base(pi) + 96 * 1024) continue;
-      EXPECT_TRUE(intact(d, f[i].header.payload_bytes, q[i].chunk_key, q[i].object_group, 0));
+      EXPECT_TRUE(intact(d, f[i].header.payload_bytes, KeyNum(q[i].key.chunk), q[i].object_group, 0));
       ext.push_back({d, round_up(f[i].header.payload_bytes)});
       used += round_up(f[i].header.payload_bytes);
     }

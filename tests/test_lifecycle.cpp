@@ -1109,6 +1109,7 @@ class RawConn {
     std::memset(&msg, 0, sizeof msg);
     msg.type = KVF_PROTO_REGISTER;
     msg.u.reg.device = -1;
+    msg.u.reg.shard_count = 1;
     msg.u.reg.num_fds = 1;
     msg.u.reg.geometry_json = json.data();
     msg.u.reg.geometry_json_len = (uint32_t)m.json.size();

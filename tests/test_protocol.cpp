@@ -53,8 +53,8 @@ kvf_proto_msg Msg(uint16_t type, uint64_t rid = 42) {
 
 kvf_proto_msg Hello() {
   kvf_proto_msg m = Msg(KVF_PROTO_HELLO);
-  m.u.hello.min_version = 1;
-  m.u.hello.max_version = 1;
+  m.u.hello.min_version = 2;
+  m.u.hello.max_version = 2;
   m.u.hello.pid = 1234;
   m.u.hello.instance_id = 0xABCDEF0123456789ull;
   m.u.hello.generation = 3;
@@ -64,8 +64,15 @@ kvf_proto_msg Hello() {
 
 // A STORE (with a CUDA event to wait for) or RETRIEVE of 4 chunks and 3
 // groups; keys and block ids live in `keys` and `ids`.
+// A 32-byte key whose bytes are `b` (byte 0 is b + 0, byte 31 is b + 31).
+kvf_chunk_key Key(uint8_t b) {
+  kvf_chunk_key k;
+  for (unsigned i = 0; i < KVF_CHUNK_KEY_BYTES; i++) k.bytes[i] = (uint8_t)(b + i);
+  return k;
+}
+
 struct Xfer {
-  std::vector<uint64_t> keys = {0x1111222233334444ull, 0x5555666677778888ull, 0x9999AAAABBBBCCCCull, 1};
+  std::vector<kvf_chunk_key> keys = {Key(0x11), Key(0x55), Key(0x99), Key(1)};
   std::vector<uint32_t> ids[3];
   kvf_proto_group groups[3];
   kvf_proto_msg m;
@@ -137,6 +144,8 @@ struct Register {
     }
     m.u.reg.device = 1;
     m.u.reg.num_fds = 2;
+    m.u.reg.shard_index = 3;
+    m.u.reg.shard_count = 4;
     m.u.reg.geometry_json = &json[0];
     m.u.reg.geometry_json_len = (uint32_t)json.size();
     m.u.reg.regions = regions;
@@ -154,7 +163,7 @@ TEST(Protocol, HeaderLayoutIsLittleEndianAndFixed) {
   m.u.heartbeat.sequence = 5;
   std::vector<uint8_t> f = Encode(m);
   ASSERT_EQ(f.size(), H + 8);
-  const uint8_t want[] = {'K', 'V', 'F', 'P', 1, 0, 4, 0, 8, 7, 6, 5, 4, 3, 2, 1, 8, 0, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0};
+  const uint8_t want[] = {'K', 'V', 'F', 'P', 2, 0, 4, 0, 8, 7, 6, 5, 4, 3, 2, 1, 8, 0, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0};
   ASSERT_EQ(sizeof want, f.size());
   EXPECT_EQ(0, memcmp(want, f.data(), sizeof want));
 }
@@ -171,7 +180,7 @@ TEST(Protocol, RoundTripHelloAndReply) {
   kvf_proto_msg_clear(&out);
 
   kvf_proto_msg r = Msg(KVF_PROTO_HELLO_REPLY);
-  r.u.hello_reply = {1, 99, 0x1122334455667788ull, 17, 1000, 5000, KVF_PROTO_MAX_PAYLOAD};
+  r.u.hello_reply = {2, 99, 0x1122334455667788ull, 17, 1000, 5000, KVF_PROTO_MAX_PAYLOAD};
   ASSERT_EQ(Decode(Encode(r), &out), KVF_SUCCESS) << kvf_last_error();
   EXPECT_EQ(0, memcmp(&out.u.hello_reply, &r.u.hello_reply, sizeof r.u.hello_reply));
   kvf_proto_msg_clear(&out);
@@ -183,6 +192,8 @@ TEST(Protocol, RoundTripRegisterAndReply) {
   ASSERT_EQ(Decode(Encode(in.m), &out), KVF_SUCCESS) << kvf_last_error();
   EXPECT_EQ(out.u.reg.device, 1);
   EXPECT_EQ(out.u.reg.num_fds, 2u);
+  EXPECT_EQ(out.u.reg.shard_index, 3u);
+  EXPECT_EQ(out.u.reg.shard_count, 4u);
   EXPECT_EQ(std::string(out.u.reg.geometry_json), in.json);
   EXPECT_EQ(out.u.reg.geometry_json_len, in.json.size());
   ASSERT_EQ(out.u.reg.num_regions, 2u);
@@ -271,7 +282,7 @@ TEST(Protocol, RoundTripStoreAndRetrieve) {
     EXPECT_EQ(out.u.xfer.ready_kind, in.m.u.xfer.ready_kind);
     EXPECT_EQ(0, memcmp(out.u.xfer.ready_handle, in.m.u.xfer.ready_handle, KVF_PROTO_READY_HANDLE_BYTES));
     ASSERT_EQ(out.u.xfer.num_chunk_keys, 4u);
-    EXPECT_EQ(0, memcmp(out.u.xfer.chunk_keys, in.keys.data(), 4 * sizeof(uint64_t)));
+    EXPECT_EQ(0, memcmp(out.u.xfer.chunk_keys, in.keys.data(), 4 * KVF_CHUNK_KEY_BYTES));
     ASSERT_EQ(out.u.xfer.num_groups, 3u);
     for (int g = 0; g < 3; g++) {
       EXPECT_EQ(out.u.xfer.groups[g].first_block, in.groups[g].first_block);
@@ -352,16 +363,25 @@ TEST(Protocol, VersionMismatchSaysBothVersions) {
   std::string msg = kvf_last_error();
   EXPECT_NE(msg.find("header.version"), std::string::npos) << msg;
   EXPECT_NE(msg.find("version 7"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("speaks 1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("speaks 2"), std::string::npos) << msg;
   EXPECT_EQ(h.request_id, 42u);  // still known, so the ERROR reply can be addressed
 
   uint16_t v = 0;
   EXPECT_EQ(kvf_proto_negotiate(1, 3, &v), KVF_SUCCESS);
-  EXPECT_EQ(v, 1);
-  EXPECT_EQ(kvf_proto_negotiate(2, 3, &v), KVF_ERR_PROTOCOL);
+  EXPECT_EQ(v, 2);
+  EXPECT_EQ(kvf_proto_negotiate(3, 4, &v), KVF_ERR_PROTOCOL);
   msg = kvf_last_error();
-  EXPECT_NE(msg.find("2..3"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("1..1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("3..4"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("2..2"), std::string::npos) << msg;
+  // A version-1 client (8-byte keys, no shard) is refused, naming both.
+  EXPECT_EQ(kvf_proto_negotiate(1, 1, &v), KVF_ERR_PROTOCOL);
+  msg = kvf_last_error();
+  EXPECT_NE(msg.find("client speaks protocol versions 1..1, this side speaks 2..2"), std::string::npos) << msg;
+  f = Encode(Hello());
+  PutLe(f, 4, 1, 2);
+  EXPECT_EQ(kvf_proto_header_decode(f.data(), 0, &h), KVF_ERR_PROTOCOL);
+  msg = kvf_last_error();
+  EXPECT_NE(msg.find("peer speaks protocol version 1, this side speaks 2"), std::string::npos) << msg;
 }
 
 TEST(Protocol, HelloRejections) {
@@ -394,7 +414,7 @@ TEST(Protocol, HelloRejections) {
 
 TEST(Protocol, HelloReplyRejections) {
   kvf_proto_msg r = Msg(KVF_PROTO_HELLO_REPLY);
-  r.u.hello_reply = {1, 99, 1, 17, 1000, 5000, 65536};
+  r.u.hello_reply = {2, 99, 1, 17, 1000, 5000, 65536};
   std::vector<uint8_t> good = Encode(r);
   auto f = good;
   PutLe(f, H + 0, 0, 2);
@@ -416,7 +436,7 @@ TEST(Protocol, HelloReplyRejections) {
 TEST(Protocol, RegisterRejections) {
   Register in;
   std::vector<uint8_t> good = Encode(in.m);
-  const size_t json_at = H + 12, regions_at = json_at + 4 + in.json.size();
+  const size_t json_at = H + 20, regions_at = json_at + 4 + in.json.size();
   auto f = good;
   PutLe(f, H + 0, (uint32_t)-2, 4);
   ExpectReject(f, "payload.device");
@@ -432,6 +452,32 @@ TEST(Protocol, RegisterRejections) {
   f = good;
   PutLe(f, H + 8, 3, 4);  // more regions than the payload holds
   ExpectReject(f, "payload.regions: count 3");
+  f = good;
+  PutLe(f, H + 12, 4, 4);
+  ExpectReject(f, "payload.shard_index: 4 is not below shard_count 4");
+  f = good;
+  PutLe(f, H + 16, 0, 4);
+  ExpectReject(f, "payload.shard_count: 0");
+  f = good;
+  PutLe(f, H + 16, KVF_PROTO_MAX_SHARDS + 1, 4);
+  ExpectReject(f, "payload.shard_count: 65537 exceeds the 65536 limit");
+  f = good;
+  PutLe(f, H + 12, KVF_PROTO_MAX_SHARDS - 1, 4);
+  PutLe(f, H + 16, KVF_PROTO_MAX_SHARDS, 4);
+  kvf_proto_msg last;
+  ASSERT_EQ(Decode(f, &last), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(last.u.reg.shard_index, KVF_PROTO_MAX_SHARDS - 1);
+  kvf_proto_msg_clear(&last);
+  {
+    Register bad;
+    bad.m.u.reg.shard_index = 4;
+    uint8_t *buf = nullptr;
+    size_t len = 0;
+    EXPECT_EQ(kvf_proto_encode(&bad.m, &buf, &len), KVF_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(kvf_last_error()).find("register.shard_index: 4 is not below shard_count 4"),
+              std::string::npos)
+        << kvf_last_error();
+  }
   f = good;
   PutLe(f, json_at, KVF_PROTO_MAX_GEOMETRY_JSON + 1, 4);
   ExpectReject(f, "payload.geometry_json: length");
@@ -484,7 +530,7 @@ TEST(Protocol, RegisterRejections) {
 TEST(Protocol, XferRejections) {
   Xfer in;
   std::vector<uint8_t> good = Encode(in.m);
-  const size_t keys_at = H + 104, groups_at = keys_at + 8 * in.keys.size();
+  const size_t keys_at = H + 104, groups_at = keys_at + KVF_CHUNK_KEY_BYTES * in.keys.size();
   auto f = good;
   PutLe(f, H + 16, 256, 8);
   ExpectReject(f, "payload.token_end: 256 is not after token_begin 256");
@@ -511,10 +557,16 @@ TEST(Protocol, XferRejections) {
   ExpectReject(f, "payload.num_chunk_keys: 4 chunks for a range of 3 tokens");
   f = good;
   PutLe(f, H + 96, 200, 4);  // more keys than the payload holds
-  ExpectReject(f, "payload.chunk_keys: count 200 needs at least 1600 bytes");
+  ExpectReject(f, "payload.chunk_keys: count 200 needs at least 6400 bytes");
   f = good;
-  PutLe(f, keys_at + 8 * 3, 0, 8);
-  ExpectReject(f, "payload.chunk_keys[3]: 0 is not a key");
+  memset(&f[keys_at + 32 * 3], 0, 32);
+  ExpectReject(f, "payload.chunk_keys[3]: all zero is not a key");
+  f = good;
+  memset(&f[keys_at + 32 * 3], 0, 31);  // one nonzero byte makes a key
+  kvf_proto_msg one;
+  ASSERT_EQ(Decode(f, &one), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(one.u.xfer.chunk_keys[3].bytes[31], 32u);
+  kvf_proto_msg_clear(&one);
   f = good;
   PutLe(f, H + 100, 65, 4);
   ExpectReject(f, "payload.num_groups: count 65 exceeds the 64 limit");
@@ -667,7 +719,7 @@ TEST(Protocol, EncoderRefusesWhatTheDecoderWould) {
     std::string field;
   };
   std::vector<Case> cases = {
-      {[](Xfer &v) { v.keys[2] = 0; }, "xfer.chunk_keys[2]: 0 is not a key"},
+      {[](Xfer &v) { memset(&v.keys[2], 0, sizeof v.keys[2]); }, "xfer.chunk_keys[2]: all zero is not a key"},
       {[](Xfer &v) { v.m.u.xfer.num_chunk_keys = 0; }, "xfer.num_chunk_keys: 0"},
       {[](Xfer &v) { v.m.u.xfer.num_chunk_keys = KVF_PROTO_MAX_CHUNKS + 1; }, "xfer.num_chunk_keys: count 65537"},
       {[](Xfer &v) { v.m.u.xfer.token_end = 258; }, "xfer.num_chunk_keys: 4 chunks for a range of 2 tokens"},
@@ -882,9 +934,9 @@ TEST(Protocol, ReaderRejectsGarbageAndWrongVersion) {
   EXPECT_NE(std::string(kvf_last_error()).find("header.magic"), std::string::npos);
   kvf_proto_reader_reset(&r);
   std::vector<uint8_t> f = Encode(Hello());
-  PutLe(f, 4, 2, 2);
+  PutLe(f, 4, 1, 2);
   EXPECT_EQ(kvf_proto_reader_feed(&r, f.data(), f.size(), &consumed, &ready), KVF_ERR_PROTOCOL);
-  EXPECT_NE(std::string(kvf_last_error()).find("peer speaks protocol version 2, this side speaks 1"),
+  EXPECT_NE(std::string(kvf_last_error()).find("peer speaks protocol version 1, this side speaks 2"),
             std::string::npos)
       << kvf_last_error();
   kvf_proto_reader_reset(&r);
@@ -915,8 +967,12 @@ TEST(Protocol, EveryTruncationOfEveryMessageIsRejected) {
 // The limits hold exactly: the largest count decodes, one more is refused by
 // both sides, and a request over the payload limit is refused by the encoder.
 TEST(Protocol, XferLimitsAreExact) {
-  std::vector<uint64_t> keys(KVF_PROTO_MAX_CHUNKS);
-  for (size_t i = 0; i < keys.size(); i++) keys[i] = i + 1;
+  std::vector<kvf_chunk_key> keys(KVF_PROTO_MAX_CHUNKS);
+  for (size_t i = 0; i < keys.size(); i++) {
+    memset(&keys[i], 0, sizeof keys[i]);
+    uint64_t v = i + 1;
+    memcpy(keys[i].bytes, &v, sizeof v);
+  }
   std::vector<uint32_t> ids(KVF_PROTO_MAX_BLOCKS_PER_GROUP);
   for (size_t i = 0; i < ids.size(); i++) ids[i] = (uint32_t)i;
   std::vector<kvf_proto_group> groups(KVF_PROTO_MAX_GROUPS);
@@ -934,7 +990,7 @@ TEST(Protocol, XferLimitsAreExact) {
   kvf_proto_msg out;
   ASSERT_EQ(Decode(f, &out), KVF_SUCCESS) << kvf_last_error();
   EXPECT_EQ(out.u.xfer.num_chunk_keys, KVF_PROTO_MAX_CHUNKS);
-  EXPECT_EQ(out.u.xfer.chunk_keys[KVF_PROTO_MAX_CHUNKS - 1], (uint64_t)KVF_PROTO_MAX_CHUNKS);
+  EXPECT_EQ(0, memcmp(&out.u.xfer.chunk_keys[KVF_PROTO_MAX_CHUNKS - 1], &keys.back(), KVF_CHUNK_KEY_BYTES));
   ASSERT_EQ(out.u.xfer.groups[5].count, KVF_PROTO_MAX_BLOCKS_PER_GROUP);
   EXPECT_EQ(out.u.xfer.groups[5].block_ids[KVF_PROTO_MAX_BLOCKS_PER_GROUP - 1], KVF_PROTO_MAX_BLOCKS_PER_GROUP - 1);
   EXPECT_EQ(out.u.xfer.groups[4].count, 0u);

@@ -376,7 +376,8 @@ TEST_F(Server, GarbageAndVersionMismatchAreRefusedOthersUnaffected) {
   EXPECT_EQ(e.status, (uint32_t)KVF_ERR_PROTOCOL);
   EXPECT_STREQ(e.field, "header.magic");
 
-  // A HELLO whose header speaks protocol version 2: both versions named.
+  // A HELLO whose header speaks protocol version 1 (8-byte keys, no
+  // shard): both versions named.
   kvf_proto_msg hello;
   memset(&hello, 0, sizeof(hello));
   hello.type = KVF_PROTO_HELLO;
@@ -387,23 +388,30 @@ TEST_F(Server, GarbageAndVersionMismatchAreRefusedOthersUnaffected) {
   uint8_t *frame = nullptr;
   size_t len = 0;
   ASSERT_EQ(kvf_proto_encode(&hello, &frame, &len), KVF_SUCCESS);
-  frame[4] = 2; /* version, little-endian u16 at offset 4 */
+  frame[4] = 1; /* version, little-endian u16 at offset 4 */
   e = raw_error(frame, len);
   EXPECT_EQ(e.status, (uint32_t)KVF_ERR_PROTOCOL);
   EXPECT_STREQ(e.field, "header.version");
-  EXPECT_NE(strstr(e.message, "2"), nullptr) << e.message;
-  EXPECT_NE(strstr(e.message, "1"), nullptr) << e.message;
+  EXPECT_NE(strstr(e.message, "peer speaks protocol version 1, this side speaks 2"), nullptr) << e.message;
   free(frame);
 
-  // A HELLO that asks for versions 2..3 only.
-  hello.u.hello.min_version = 2;
-  hello.u.hello.max_version = 3;
+  // A HELLO in a version-2 frame that speaks only version 1.
   ASSERT_EQ(kvf_proto_encode(&hello, &frame, &len), KVF_SUCCESS);
   e = raw_error(frame, len);
   EXPECT_EQ(e.status, (uint32_t)KVF_ERR_PROTOCOL);
   EXPECT_STREQ(e.field, "payload.max_version");
-  EXPECT_NE(strstr(e.message, "2..3"), nullptr) << e.message;
-  EXPECT_NE(strstr(e.message, "1..1"), nullptr) << e.message;
+  EXPECT_NE(strstr(e.message, "client speaks protocol versions 1..1, this side speaks 2..2"), nullptr) << e.message;
+  free(frame);
+
+  // A HELLO that asks for versions 3..4 only.
+  hello.u.hello.min_version = 3;
+  hello.u.hello.max_version = 4;
+  ASSERT_EQ(kvf_proto_encode(&hello, &frame, &len), KVF_SUCCESS);
+  e = raw_error(frame, len);
+  EXPECT_EQ(e.status, (uint32_t)KVF_ERR_PROTOCOL);
+  EXPECT_STREQ(e.field, "payload.max_version");
+  EXPECT_NE(strstr(e.message, "3..4"), nullptr) << e.message;
+  EXPECT_NE(strstr(e.message, "2..2"), nullptr) << e.message;
   free(frame);
 
   // A HELLO header with a payload cut short (the payload is garbage).
@@ -456,7 +464,7 @@ TEST_F(Server, AClientThatDoesNotReadRepliesStallsNoOne) {
   memset(&m, 0, sizeof(m));
   m.type = KVF_PROTO_HELLO;
   m.request_id = 1;
-  m.u.hello.min_version = m.u.hello.max_version = 1;
+  m.u.hello.min_version = m.u.hello.max_version = KVF_PROTO_VERSION;
   m.u.hello.instance_id = 1;
   append(m);
   memset(&m, 0, sizeof(m));
@@ -586,6 +594,153 @@ TEST_F(Server, ManyRegisterCyclesLeaveNothingBehind) {
   EXPECT_EQ(s.closed_total, 200u);
   kvf_mem_alloc_destroy(a);
   stop_server_expect_clean();  // the server checks its own descriptor count
+}
+
+// ---- keys are scoped by geometry and shard -------------------------------------
+
+// An engine in this process: the tiny geometry (or `json`) in one host
+// allocation filled with `fill`, registered as shard_index of shard_count.
+struct ScopedEngine {
+  kvf_client *c = nullptr;
+  kvf_mem_alloc *a = nullptr;
+  uint64_t size = 0; /* of one region */
+  ScopedEngine(const ScopedEngine &) = delete;
+  ScopedEngine &operator=(const ScopedEngine &) = delete;
+  ScopedEngine(const std::string &dir, const std::string &json, uint32_t shard_index, uint32_t shard_count,
+               uint8_t fill, uint64_t region) {
+    size = region;
+    kvf_client_options o = KVF_CLIENT_OPTIONS_INIT;
+    o.socket_dir = dir.c_str();
+    EXPECT_EQ(kvf_client_connect(&o, &c, nullptr), KVF_SUCCESS) << kvf_last_error();
+    kvf_mem_alloc_options ao = KVF_MEM_ALLOC_OPTIONS_INIT;
+    ao.size = 2 * size;
+    EXPECT_EQ(kvf_mem_alloc_create(&ao, &a), KVF_SUCCESS) << kvf_last_error();
+    if (!c || !a) return;
+    uint8_t *p = static_cast<uint8_t *>(kvf_mem_alloc_ptr(a));
+    for (uint64_t i = 0; i < 2 * size; i++) p[i] = (uint8_t)(fill + i * 7 + (i >> 8));
+    kvf_client_region regs[2] = {{a, 0, size}, {a, size, size}};
+    struct kvf_client_register_desc d = KVF_CLIENT_REGISTER_DESC_INIT;
+    d.geometry_json = json.data();
+    d.geometry_len = json.size();
+    d.regions = regs;
+    d.num_regions = 2;
+    d.shard_index = shard_index;
+    d.shard_count = shard_count;
+    EXPECT_EQ(kvf_client_register_desc(c, &d, nullptr), KVF_SUCCESS) << kvf_last_error();
+  }
+  ~ScopedEngine() {
+    if (c) {
+      EXPECT_EQ(kvf_client_unregister(c, 0, nullptr), KVF_SUCCESS) << kvf_last_error();
+    }
+    kvf_client_disconnect(c);
+    kvf_mem_alloc_destroy(a);
+  }
+  const uint8_t *bytes() const { return static_cast<const uint8_t *>(kvf_mem_alloc_ptr(a)); }
+  std::vector<uint8_t> copy() const { return std::vector<uint8_t>(bytes(), bytes() + 2 * size); }
+  // STORE or RETRIEVE tokens [0, 64) (4 chunks) through blocks 0..3.
+  kvf_client_result xfer(kvf_client_op op, const std::vector<kvf_chunk_key> &keys) {
+    uint32_t ids[4] = {0, 1, 2, 3};
+    kvf_group_blocks g = {ids, 0, 4};
+    kvf_client_xfer x = KVF_CLIENT_XFER_INIT;
+    x.token_begin = 0;
+    x.token_end = 64;
+    x.chunk_keys = keys.data();
+    x.num_chunk_keys = (uint32_t)keys.size();
+    x.groups = &g;
+    x.num_groups = 1;
+    kvf_client_result r = KVF_CLIENT_RESULT_INIT;
+    kvf_status st = op == KVF_CLIENT_STORE ? kvf_client_store(c, &x, &r) : kvf_client_retrieve(c, &x, &r);
+    EXPECT_EQ(st, KVF_SUCCESS) << kvf_last_error();
+    return r;
+  }
+};
+
+// The same keys from a registration of another geometry (another canonical
+// fingerprint: other head bytes) or another shard find nothing, and storing
+// them there never touches what the first registration stored; the same
+// geometry and shard are served what was stored, byte for byte.
+TEST_F(Server, KeysAreServedOnlyToTheirGeometryAndShard) {
+  start_server(5000);
+  const std::string tiny = kTinyGeometry, other = [&] {
+    std::string j = kTinyGeometry;
+    size_t at = j.find("\"head_bytes\": 128");
+    EXPECT_NE(at, std::string::npos);
+    return j.replace(at, 17, "\"head_bytes\": 64");
+  }();
+  std::vector<uint32_t> tokens(64);
+  for (uint32_t i = 0; i < 64; i++) tokens[i] = 1000 + i * 13;
+  kvf_chunk_key seed;
+  ASSERT_EQ(kvf_chunk_seed("tiny-model", 10, &seed), KVF_SUCCESS);
+  std::vector<kvf_chunk_key> keys(4);
+  ASSERT_EQ(kvf_chunk_keys(&seed, tokens.data(), 4, 64, 16, keys.data()), 4u);
+
+  ScopedEngine writer(dir_, tiny, 0, 1, 0x11, size_);
+  kvf_client_result r = writer.xfer(KVF_CLIENT_STORE, keys);
+  EXPECT_EQ(r.prefix_tokens, 64u);
+  EXPECT_EQ(r.objects_done, 4u);
+  const std::vector<uint8_t> stored = writer.copy();
+
+  struct Miss {
+    const char *what;
+    const std::string *json;
+    uint32_t index, count;
+    uint32_t head_bytes; /* of every 128-byte token row */
+  } misses[] = {{"another geometry", &other, 0, 1, 64},
+                {"shard 1 of 2", &tiny, 1, 2, 128},
+                {"shard 0 of 2", &tiny, 0, 2, 128}};
+  for (const Miss &m : misses) {
+    SCOPED_TRACE(m.what);
+    ScopedEngine e(dir_, *m.json, m.index, m.count, 0x77, size_);
+    const std::vector<uint8_t> before = e.copy();
+    r = e.xfer(KVF_CLIENT_RETRIEVE, keys);
+    EXPECT_EQ(r.prefix_tokens, 0u) << "served another scope's objects";
+    EXPECT_EQ(r.objects_done, 0u);
+    EXPECT_EQ(r.bytes_done, 0u);
+    EXPECT_TRUE(e.copy() == before) << "a miss wrote the cache";
+    // Its own STORE of the same keys writes objects of its own: none of the
+    // writer's is "already present".
+    r = e.xfer(KVF_CLIENT_STORE, keys);
+    EXPECT_EQ(r.objects_present, 0u);
+    EXPECT_EQ(r.objects_done, 4u);
+    ScopedEngine twin(dir_, *m.json, m.index, m.count, 0x33, size_);
+    r = twin.xfer(KVF_CLIENT_RETRIEVE, keys);
+    EXPECT_EQ(r.prefix_tokens, 64u);
+    const std::vector<uint8_t> got = twin.copy();
+    size_t wrong = 0;
+    for (size_t i = 0; i < got.size(); i++) wrong += i % 128 < m.head_bytes && got[i] != before[i];
+    EXPECT_EQ(wrong, 0u) << "its own scope serves what it stored";
+  }
+
+  // The writer's geometry and shard: served, byte for byte, unchanged by the
+  // other scopes' stores.
+  ScopedEngine reader(dir_, tiny, 0, 1, 0x55, size_);
+  r = reader.xfer(KVF_CLIENT_RETRIEVE, keys);
+  EXPECT_EQ(r.prefix_tokens, 64u);
+  EXPECT_EQ(r.objects_done, 4u);
+  EXPECT_TRUE(reader.copy() == stored) << "the same geometry and shard must be served the writer's bytes";
+  kvf_client_stats s = stat_now();
+  EXPECT_EQ(s.l1_objects, 16u) << "four scopes, four objects each";
+
+  // A shard outside its count is refused before anything is sent.
+  kvf_client_options o = KVF_CLIENT_OPTIONS_INIT;
+  o.socket_dir = dir_.c_str();
+  kvf_client *c = nullptr;
+  ASSERT_EQ(kvf_client_connect(&o, &c, nullptr), KVF_SUCCESS) << kvf_last_error();
+  kvf_client_region regs[2] = {{writer.a, 0, size_}, {writer.a, size_, size_}};
+  struct kvf_client_register_desc d = KVF_CLIENT_REGISTER_DESC_INIT;
+  d.geometry_json = kTinyGeometry;
+  d.geometry_len = strlen(kTinyGeometry);
+  d.regions = regs;
+  d.num_regions = 2;
+  d.shard_index = 2;
+  d.shard_count = 2;
+  EXPECT_EQ(kvf_client_register_desc(c, &d, nullptr), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(strstr(kvf_last_error(), "desc.shard_index: 2 is not below shard_count 2"), nullptr) << kvf_last_error();
+  d.shard_index = 0;
+  d.shard_count = KVF_CLIENT_MAX_SHARDS + 1;
+  EXPECT_EQ(kvf_client_register_desc(c, &d, nullptr), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(strstr(kvf_last_error(), "desc.shard_count"), nullptr) << kvf_last_error();
+  kvf_client_disconnect(c);
 }
 
 TEST_F(Server, ConnectWithoutServerSaysSo) {

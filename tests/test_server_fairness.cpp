@@ -46,6 +46,7 @@
 #include <kvferry/geometry.h>
 #include <kvferry/memory.h>
 
+#include "chunk_key_util.h"
 #include "host/core/log.h"
 #include "host/ipc/endpoint.h"
 #include "host/ipc/protocol.h"
@@ -217,7 +218,7 @@ std::vector<uint8_t> hello_frame(uint64_t request_id) {
   memset(&m, 0, sizeof m);
   m.type = KVF_PROTO_HELLO;
   m.request_id = request_id;
-  m.u.hello.min_version = m.u.hello.max_version = 1;
+  m.u.hello.min_version = m.u.hello.max_version = KVF_PROTO_VERSION;
   m.u.hello.pid = (uint32_t)getpid();
   m.u.hello.instance_id = 0x4154544143ull; /* "ATTAC" */
   snprintf(m.u.hello.name, sizeof m.u.hello.name, "attacker");
@@ -1048,7 +1049,7 @@ Pipeline store_many(Engine &e, uint32_t n, uint64_t key_base) {
   uint32_t block = 0;
   kvf_group_blocks g = {&block, 0, 1};
   for (uint32_t i = 0; i < n; i++) {
-    uint64_t key = key_base + i;
+    kvf_chunk_key key = KeyOf(key_base + i);
     kvf_client_xfer x = KVF_CLIENT_XFER_INIT;
     x.token_begin = 0;
     x.token_end = 16;

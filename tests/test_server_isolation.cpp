@@ -44,6 +44,7 @@
 #include <kvferry/geometry.h>
 #include <kvferry/memory.h>
 
+#include "chunk_key_util.h"
 #include "host/ipc/endpoint.h"
 #include "host/ipc/protocol.h"
 #include "host/server/server.h"
@@ -317,6 +318,7 @@ kvf_status register_raw(RawConn &c, const std::string &json, std::vector<kvf_pro
   std::memset(&m, 0, sizeof m);
   m.type = KVF_PROTO_REGISTER;
   m.u.reg.device = -1;
+  m.u.reg.shard_count = 1;
   m.u.reg.num_fds = (uint32_t)fds.size();
   m.u.reg.geometry_json = text.data();
   m.u.reg.geometry_json_len = (uint32_t)json.size();
@@ -825,7 +827,7 @@ TEST_F(Isolation, ADescriptorMustBeTheAllocationItsIdentityNames) {
 // STORE or RETRIEVE tokens [0, 16) of the tiny geometry (one chunk, key
 // `key`, block 0) on c's live registration; the reply.
 kvf_status xfer_block0(RawConn &c, uint16_t type, uint64_t key, kvf_proto_msg *reply) {
-  uint64_t keys[1] = {key};
+  kvf_chunk_key keys[1] = {KeyOf(key)};
   uint32_t ids[1] = {0};
   kvf_proto_group g;
   std::memset(&g, 0, sizeof g);
@@ -1189,7 +1191,7 @@ TEST_F(Isolation, TheServerWideCapAndTheRegistrationCapHold) {
       refusal = kvf_last_error();
       break;
     }
-    uint64_t key = 0x100 + (uint64_t)k;
+    kvf_chunk_key key = KeyOf(0x100 + (uint64_t)k);
     kvf_client_xfer x = KVF_CLIENT_XFER_INIT;
     x.token_begin = 0;
     x.token_end = 16;

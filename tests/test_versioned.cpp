@@ -954,7 +954,7 @@ class VersionedClient : public VersionedServer {
 
 // A STORE of chunk 0 (tokens [0, 16)) from block 0.
 struct Store {
-  uint64_t keys[1] = {0x1234};
+  kvf_chunk_key keys[1] = {{{0x12, 0x34}}};
   uint32_t ids[1] = {0};
   kvf_group_blocks groups[1];
   kvf_client_xfer x = KVF_CLIENT_XFER_INIT;
@@ -987,6 +987,37 @@ TEST_F(VersionedClient, ClientOptions) {
   Caller<kvf_client_options> older(o);
   older.set_size(offsetof(kvf_client_options, heartbeat_period_ms));
   EXPECT_EQ(connect(older.get()), KVF_SUCCESS) << kvf_last_error();
+}
+
+TEST_F(VersionedClient, ClientRegisterDesc) {
+  kvf_client *c = Connect();
+  ASSERT_NE(c, nullptr);
+  kvf_client_region regs[2] = {{alloc_, 0, region_bytes_}, {alloc_, region_bytes_, region_bytes_}};
+  struct kvf_client_register_desc d = KVF_CLIENT_REGISTER_DESC_INIT;
+  EXPECT_EQ(d.version, KVF_CLIENT_VERSION);
+  EXPECT_EQ(KVF_CLIENT_VERSION, 2u);
+  d.geometry_json = kTinyGeometry;
+  d.geometry_len = strlen(kTinyGeometry);
+  d.regions = regs;
+  d.num_regions = 2;
+  auto reg = [&](const struct kvf_client_register_desc *x) {
+    kvf_status st = kvf_client_register_desc(c, x, nullptr);
+    if (st == KVF_SUCCESS) {
+      EXPECT_EQ(kvf_client_unregister(c, 0, nullptr), KVF_SUCCESS) << kvf_last_error();
+    }
+    return st;
+  };
+  ExpectTheRule<struct kvf_client_register_desc>("kvf_client_register_desc", d, reg, KVF_SUCCESS);
+  // (1) a caller without the shard fields: shard 0 of 1, whatever its tail
+  // would have said.
+  d.shard_index = 5;
+  d.shard_count = 2;
+  EXPECT_EQ(reg(&d), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(Has(kvf_last_error(), "desc.shard_index")) << kvf_last_error();
+  Caller<struct kvf_client_register_desc> older(d);
+  older.set_size(offsetof(struct kvf_client_register_desc, shard_index));
+  EXPECT_EQ(reg(older.get()), KVF_SUCCESS) << kvf_last_error();
+  kvf_client_disconnect(c);
 }
 
 TEST_F(VersionedClient, ClientXfer) {

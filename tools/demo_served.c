@@ -117,12 +117,13 @@ static void engine_cache_free(engine_cache *c) {
 }
 
 /* The prompt's token ids and its chunk keys (the same in every engine). */
-static uint64_t *engine_keys(const kvf_geometry *g, uint64_t tokens, uint64_t seed, uint64_t *n) {
+static kvf_chunk_key *engine_keys(const kvf_geometry *g, const char *geometry, uint64_t tokens, uint64_t seed,
+                                  uint64_t *n) {
   kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
   kvf_geometry_policy(g, &pol);
   uint32_t *ids = malloc(sizeof *ids * tokens);
   uint64_t chunks = (tokens + pol.chunk_tokens - 1) / pol.chunk_tokens;
-  uint64_t *keys = malloc(sizeof *keys * chunks);
+  kvf_chunk_key *keys = malloc(sizeof *keys * chunks);
   if (!ids || !keys) {
     free(ids);
     free(keys);
@@ -130,9 +131,13 @@ static uint64_t *engine_keys(const kvf_geometry *g, uint64_t tokens, uint64_t se
   }
   uint64_t rng = seed ^ 0x70c3e5;
   for (uint64_t i = 0; i < tokens; i++) ids[i] = (uint32_t)(splitmix(&rng) % 151552);
-  /* The model's name seeds the chain, so two models never share keys. */
-  uint64_t model = kvf_geometry_fingerprint(g, KVF_FORMAT_CANONICAL);
-  *n = kvf_chunk_keys(model, ids, sizeof *ids, tokens, pol.chunk_tokens, keys);
+  /* The model's name seeds the chain (the demo's model is its geometry
+   * file), so two models never share keys; the server scopes them by the
+   * geometry and the shard besides. */
+  kvf_chunk_key model;
+  *n = 0;
+  if (kvf_chunk_seed(geometry, strlen(geometry), &model) == KVF_SUCCESS)
+    *n = kvf_chunk_keys(&model, ids, sizeof *ids, tokens, pol.chunk_tokens, keys);
   free(ids);
   return keys;
 }
@@ -172,7 +177,8 @@ int cmd_demo_engine(int argc, char **argv) {
   demo_tables stored = {0}, restored = {0};
   engine_cache cache = {0};
   kvf_client *client = NULL;
-  uint64_t *keys = NULL, nkeys = 0;
+  kvf_chunk_key *keys = NULL;
+  uint64_t nkeys = 0;
   char *json = NULL;
   size_t json_len = 0;
   kvf_group_blocks gb[KVF_MAX_GROUPS];
@@ -183,7 +189,7 @@ int cmd_demo_engine(int argc, char **argv) {
    * restored engine (it checks against them). */
   uint64_t rng = a.seed ^ 0x5eed;
   if (cache_alloc(g, &src, &rng, 0) || tables_make(g, a.tokens, pool, num_blocks, &stored)) goto oom;
-  if (!(keys = engine_keys(g, a.tokens, a.seed, &nkeys))) goto oom;
+  if (!(keys = engine_keys(g, a.geometry, a.tokens, a.seed, &nkeys))) goto oom;
   /* The server loads the geometry from this text: it carries num_blocks. */
   if (kvf_geometry_to_json(g, &json, &json_len) != KVF_SUCCESS) {
     fprintf(stderr, "demo engine: %s: %s\n", a.geometry, kvf_last_error());

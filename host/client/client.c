@@ -41,6 +41,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <openssl/evp.h>
+
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/versioned.h"
@@ -544,15 +546,42 @@ fail:
 kvf_status kvf_client_register(kvf_client *client, const char *geometry_json, size_t len, int device,
                                const kvf_client_region *regions, uint32_t num_regions,
                                kvf_client_registration *out) {
-  if (!client || !geometry_json || (!regions && num_regions))
+  struct kvf_client_register_desc d = KVF_CLIENT_REGISTER_DESC_INIT;
+  d.geometry_json = geometry_json;
+  d.geometry_len = len;
+  d.device = device;
+  d.regions = regions;
+  d.num_regions = num_regions;
+  return kvf_client_register_desc(client, &d, out);
+}
+
+kvf_status kvf_client_register_desc(kvf_client *client, const struct kvf_client_register_desc *caller,
+                                    kvf_client_registration *out) {
+  struct kvf_client_register_desc d = KVF_CLIENT_REGISTER_DESC_INIT;
+  if (!client || !caller) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_client_register_desc: NULL argument");
+  /* Not KVF_VERSIONED_IN: its name would read "struct ..." */
+  kvf_status st = kvf_versioned_in(&d, sizeof d, caller, "kvf_client_register_desc");
+  if (st != KVF_SUCCESS) return st;
+  const char *geometry_json = d.geometry_json;
+  size_t len = d.geometry_len;
+  const kvf_client_region *regions = d.regions;
+  uint32_t num_regions = d.num_regions;
+  uint32_t shard_count = d.shard_count ? d.shard_count : 1;
+  if (!geometry_json || (!regions && num_regions))
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_client_register: NULL argument");
+  if (shard_count > KVF_CLIENT_MAX_SHARDS)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "desc.shard_count: %u exceeds the %u limit", shard_count,
+                    KVF_CLIENT_MAX_SHARDS);
+  if (d.shard_index >= shard_count)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "desc.shard_index: %u is not below shard_count %u", d.shard_index,
+                    shard_count);
   if (len > KVF_PROTO_MAX_GEOMETRY_JSON)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "geometry_json: %zu bytes, the limit is %u", len,
                     KVF_PROTO_MAX_GEOMETRY_JSON);
   if (num_regions > KVF_PROTO_MAX_REGIONS)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "num_regions: %u over the limit %u", num_regions,
                     KVF_PROTO_MAX_REGIONS);
-  kvf_status st = out ? KVF_VERSIONED_CHECK(kvf_client_registration, out) : KVF_SUCCESS;
+  st = out ? KVF_VERSIONED_CHECK(kvf_client_registration, out) : KVF_SUCCESS;
   if (st != KVF_SUCCESS) return st;
   int fds[KVF_PROTO_MAX_FDS] = {0}; /* closed on every path: initialized for the compiler */
   kvf_mem_alloc *exported[KVF_PROTO_MAX_FDS];
@@ -601,7 +630,9 @@ kvf_status kvf_client_register(kvf_client *client, const char *geometry_json, si
     pr[i].fd_index = k;
   }
   req.type = KVF_PROTO_REGISTER;
-  req.u.reg.device = device;
+  req.u.reg.device = d.device;
+  req.u.reg.shard_index = d.shard_index;
+  req.u.reg.shard_count = shard_count;
   req.u.reg.num_fds = num_fds;
   req.u.reg.geometry_json = json;
   req.u.reg.geometry_json_len = (uint32_t)len;
@@ -726,52 +757,48 @@ kvf_status kvf_client_stat_clients(kvf_client *client, kvf_client_stats *out, kv
 
 /* ---- chunk keys ------------------------------------------------------------------ */
 
-/* kvf_chunk_keys' hash: a multiply-rotate over the chunk's bytes in 8-byte
- * little-endian words (the tail zero-padded), started from the previous key
- * and the chunk's byte length (so a chunk of trailing zero tokens differs
- * from a shorter one), then a xorshift-multiply avalanche so every input bit
- * reaches every output bit. Each step is a bijection of the state for a
- * fixed word, so distinct chunk bytes after an equal prefix diverge. Not
- * cryptographic: it names cache entries, it does not authenticate them. */
-#define KVF_KEY_M1 0x9E3779B97F4A7C15ull
-#define KVF_KEY_M2 0xC2B2AE3D27D4EB4Full
-#define KVF_KEY_M3 0xBF58476D1CE4E5B9ull
-#define KVF_KEY_M4 0x94D049BB133111EBull
-#define KVF_KEY_ZERO 0x6B76666572727921ull /* stands in for a hash of 0: 0 is never a key */
-
-static uint64_t key_rotl(uint64_t x, unsigned r) { return (x << r) | (x >> (64u - r)); }
-
-static uint64_t key_word(const uint8_t *p, size_t n) {
-  uint64_t w = 0;
-  for (size_t i = 0; i < n; i++) w |= (uint64_t)p[i] << (8u * i);
-  return w;
+/* SHA-256 through OpenSSL's one-shot EVP_Digest (not deprecated in
+ * OpenSSL 3, unlike SHA256_Init and friends), over up to two pieces. */
+static int key_sha256(const void *a, size_t alen, const void *b, size_t blen, kvf_chunk_key *out) {
+  EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+  unsigned int n = 0;
+  int ok = ctx && EVP_DigestInit_ex(ctx, EVP_sha256(), NULL) && EVP_DigestUpdate(ctx, a, alen) &&
+           (blen == 0 || EVP_DigestUpdate(ctx, b, blen)) && EVP_DigestFinal_ex(ctx, out->bytes, &n) &&
+           n == KVF_CHUNK_KEY_BYTES;
+  EVP_MD_CTX_free(ctx);
+  return ok;
 }
 
-static uint64_t key_hash(uint64_t prev, const uint8_t *bytes, size_t len) {
-  uint64_t h = prev ^ ((uint64_t)len * KVF_KEY_M1);
-  size_t i = 0;
-  for (; i + 8 <= len; i += 8) h = key_rotl(h ^ (key_word(bytes + i, 8) * KVF_KEY_M2), 29) * KVF_KEY_M1 + KVF_KEY_M3;
-  if (i < len) h = key_rotl(h ^ (key_word(bytes + i, len - i) * KVF_KEY_M2), 29) * KVF_KEY_M1 + KVF_KEY_M3;
-  h ^= h >> 31;
-  h *= KVF_KEY_M3;
-  h ^= h >> 29;
-  h *= KVF_KEY_M4;
-  h ^= h >> 32;
-  return h ? h : KVF_KEY_ZERO;
+static int key_is_zero(const kvf_chunk_key *k) {
+  uint8_t any = 0;
+  for (unsigned i = 0; i < KVF_CHUNK_KEY_BYTES; i++) any |= k->bytes[i];
+  return any == 0;
 }
 
-uint64_t kvf_chunk_keys(uint64_t seed, const void *tokens, uint32_t token_bytes, uint64_t num_tokens,
-                        uint32_t chunk_tokens, uint64_t *keys) {
-  if (!tokens || !keys || chunk_tokens == 0 || token_bytes == 0) return 0;
+#define KVF_SEED_PREFIX "kvferry-seed-v1"
+
+kvf_status kvf_chunk_seed(const void *data, size_t len, kvf_chunk_key *seed) {
+  if (!seed || (!data && len)) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_chunk_seed: NULL argument");
+  if (!key_sha256(KVF_SEED_PREFIX, sizeof(KVF_SEED_PREFIX) - 1, data, len, seed))
+    return kvf_fail(KVF_ERR_INTERNAL, "kvf_chunk_seed: libcrypto's SHA-256 failed");
+  return KVF_SUCCESS;
+}
+
+uint64_t kvf_chunk_keys(const kvf_chunk_key *seed, const void *tokens, uint32_t token_bytes, uint64_t num_tokens,
+                        uint32_t chunk_tokens, kvf_chunk_key *keys) {
+  if (!seed || !tokens || !keys || chunk_tokens == 0 || token_bytes == 0 || key_is_zero(seed)) return 0;
   uint64_t total = 0, chunk_bytes = 0;
   if (!kvf_mul_u64(num_tokens, token_bytes, &total) || total > SIZE_MAX) return 0;
   chunk_bytes = (uint64_t)chunk_tokens * token_bytes; /* two u32: fits */
   const uint8_t *p = tokens;
-  uint64_t n = 0, prev = seed;
+  const kvf_chunk_key *prev = seed;
+  uint64_t n = 0;
   for (uint64_t at = 0; at < total; at += chunk_bytes) {
     uint64_t len = total - at < chunk_bytes ? total - at : chunk_bytes;
-    prev = key_hash(prev, p + at, (size_t)len);
-    keys[n++] = prev;
+    kvf_chunk_key k;
+    if (!key_sha256(prev->bytes, KVF_CHUNK_KEY_BYTES, p + at, (size_t)len, &k)) return 0;
+    keys[n] = k; /* all zero only if SHA-256 were broken: the server refuses it then */
+    prev = &keys[n++];
   }
   return n;
 }
@@ -795,12 +822,13 @@ static kvf_status xfer_check(const kvf_client *c, kvf_client_op op, const kvf_cl
                     x->num_chunk_keys, (unsigned long long)(x->token_end - x->token_begin));
   if (!x->chunk_keys) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.chunk_keys: NULL");
   for (uint32_t k = 0; k < x->num_chunk_keys; k++)
-    if (x->chunk_keys[k] == 0) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.chunk_keys[%u]: 0 is not a key", k);
+    if (key_is_zero(&x->chunk_keys[k]))
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.chunk_keys[%u]: all zero is not a key", k);
   if (x->num_groups == 0 || x->num_groups > KVF_PROTO_MAX_GROUPS)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.num_groups: %u is not in 1..%u", x->num_groups,
                     KVF_PROTO_MAX_GROUPS);
   if (!x->groups) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.groups: NULL");
-  uint64_t bytes = 104u + 8u * (uint64_t)x->num_chunk_keys;
+  uint64_t bytes = 104u + (uint64_t)KVF_CHUNK_KEY_BYTES * x->num_chunk_keys;
   for (uint32_t i = 0; i < x->num_groups; i++) {
     uint32_t count = x->groups[i].block_ids ? x->groups[i].count : 0;
     if (count > KVF_PROTO_MAX_BLOCKS_PER_GROUP)
@@ -861,7 +889,7 @@ kvf_status kvf_client_submit(kvf_client *client, kvf_client_op op, const kvf_cli
     x->ready_kind = KVF_PROTO_READY_CUDA_EVENT;
     memcpy(x->ready_handle, xfer->ready_event, KVF_PROTO_READY_HANDLE_BYTES);
   }
-  x->chunk_keys = (uint64_t *)xfer->chunk_keys;
+  x->chunk_keys = (kvf_chunk_key *)xfer->chunk_keys; /* the encoder only reads them */
   x->num_chunk_keys = xfer->num_chunk_keys;
   x->groups = groups;
   x->num_groups = xfer->num_groups;

@@ -9,6 +9,10 @@
 
 #include "common/error.h"
 
+_Static_assert(KVF_PROTO_KEY_BYTES == KVF_CHUNK_KEY_BYTES && sizeof(kvf_chunk_key) == KVF_PROTO_KEY_BYTES,
+               "a chunk key is its 32 bytes, on the wire and in memory");
+_Static_assert(KVF_PROTO_MAX_SHARDS == KVF_CLIENT_MAX_SHARDS, "the client checks the protocol's shard limit");
+
 /* kvf_status values an ERROR reply may carry: 1 .. the highest pinned one. */
 #define KVF_PROTO_MAX_STATUS 20u
 
@@ -147,6 +151,21 @@ static kvf_status xfer_check_fixed(const kvf_proto_xfer *x, uint16_t type, const
   return KVF_SUCCESS;
 }
 
+/* REGISTER's shard, both directions (see xfer_check_fixed). */
+static kvf_status shard_check(uint32_t index, uint32_t count, const char *p, kvf_status err) {
+  if (count == 0) return kvf_fail(err, "%s.shard_count: 0; an unsharded worker is shard 0 of 1", p);
+  if (count > KVF_PROTO_MAX_SHARDS)
+    return kvf_fail(err, "%s.shard_count: %u exceeds the %u limit", p, count, KVF_PROTO_MAX_SHARDS);
+  if (index >= count) return kvf_fail(err, "%s.shard_index: %u is not below shard_count %u", p, index, count);
+  return KVF_SUCCESS;
+}
+
+static int key_zero(const kvf_chunk_key *k) {
+  uint8_t any = 0;
+  for (unsigned i = 0; i < KVF_PROTO_KEY_BYTES; i++) any |= k->bytes[i];
+  return any == 0;
+}
+
 static const char *outcome_name(uint32_t outcome) {
   switch (outcome) {
   case 1: return "done";
@@ -221,9 +240,12 @@ static kvf_status encode_payload(const kvf_proto_msg *m, wbuf *w) {
                       r->geometry_json_len, KVF_PROTO_MAX_GEOMETRY_JSON);
     if ((r->geometry_json_len && !r->geometry_json) || (r->num_regions && !r->regions))
       return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "register: NULL geometry_json or regions with a nonzero count");
+    if ((st = shard_check(r->shard_index, r->shard_count, "register", KVF_ERR_INVALID_ARGUMENT))) return st;
     w_u32(w, (uint32_t)r->device);
     w_u32(w, r->num_fds);
     w_u32(w, r->num_regions);
+    w_u32(w, r->shard_index);
+    w_u32(w, r->shard_count);
     w_str(w, r->geometry_json, r->geometry_json_len);
     for (uint32_t i = 0; i < r->num_regions; i++) {
       const kvf_proto_region *g = &r->regions[i];
@@ -301,7 +323,8 @@ static kvf_status encode_payload(const kvf_proto_msg *m, wbuf *w) {
     if (!x->chunk_keys) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.chunk_keys: NULL with a nonzero count");
     if (!x->groups) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.groups: NULL with a nonzero count");
     for (uint32_t k = 0; k < x->num_chunk_keys; k++)
-      if (x->chunk_keys[k] == 0) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.chunk_keys[%u]: 0 is not a key", k);
+      if (key_zero(&x->chunk_keys[k]))
+        return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.chunk_keys[%u]: all zero is not a key", k);
     for (uint32_t i = 0; i < x->num_groups; i++) {
       const kvf_proto_group *g = &x->groups[i];
       if (g->count > KVF_PROTO_MAX_BLOCKS_PER_GROUP)
@@ -318,7 +341,7 @@ static kvf_status encode_payload(const kvf_proto_msg *m, wbuf *w) {
     w_bytes(w, x->ready_handle, KVF_PROTO_READY_HANDLE_BYTES);
     w_u32(w, x->num_chunk_keys);
     w_u32(w, x->num_groups);
-    for (uint32_t k = 0; k < x->num_chunk_keys; k++) w_u64(w, x->chunk_keys[k]);
+    for (uint32_t k = 0; k < x->num_chunk_keys; k++) w_bytes(w, x->chunk_keys[k].bytes, KVF_PROTO_KEY_BYTES);
     for (uint32_t i = 0; i < x->num_groups; i++) {
       const kvf_proto_group *g = &x->groups[i];
       w_u64(w, g->first_block);
@@ -542,6 +565,9 @@ static kvf_status decode_register(rbuf *r, kvf_proto_register *g) {
   if (g->num_regions > KVF_PROTO_MAX_REGIONS)
     BAD("payload.num_regions: count %u exceeds the %u limit", g->num_regions, KVF_PROTO_MAX_REGIONS);
   if (g->num_regions == 0) BAD("payload.num_regions: 0, a geometry has at least one region");
+  R(r_u32(r, &g->shard_index, "payload.shard_index"));
+  R(r_u32(r, &g->shard_count, "payload.shard_count"));
+  R(shard_check(g->shard_index, g->shard_count, "payload", KVF_ERR_PROTOCOL));
   R(r_str_view(r, KVF_PROTO_MAX_GEOMETRY_JSON, "payload.geometry_json", &json, &g->geometry_json_len));
   if (g->geometry_json_len == 0) BAD("payload.geometry_json: empty");
   if ((r->len - r->pos) / KVF_PROTO_REGION_WIRE < g->num_regions)
@@ -604,16 +630,16 @@ static kvf_status decode_xfer(rbuf *r, uint16_t type, kvf_proto_xfer *x) {
   R(r_u32(r, &x->num_chunk_keys, "payload.num_chunk_keys"));
   R(r_u32(r, &x->num_groups, "payload.num_groups"));
   R(xfer_check_fixed(x, type, "payload", KVF_ERR_PROTOCOL));
-  R(r_room(r, x->num_chunk_keys, 8, "payload.chunk_keys"));
+  R(r_room(r, x->num_chunk_keys, KVF_PROTO_KEY_BYTES, "payload.chunk_keys"));
   x->chunk_keys = malloc((size_t)x->num_chunk_keys * sizeof *x->chunk_keys);
   if (!x->chunk_keys) {
     st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "payload: out of memory decoding %s", "chunk_keys");
     goto out;
   }
   for (uint32_t k = 0; k < x->num_chunk_keys; k++) {
-    x->chunk_keys[k] = get_le(r->p + r->pos, 8);
-    r->pos += 8;
-    if (x->chunk_keys[k] == 0) BAD("payload.chunk_keys[%u]: 0 is not a key", k);
+    memcpy(x->chunk_keys[k].bytes, r->p + r->pos, KVF_PROTO_KEY_BYTES);
+    r->pos += KVF_PROTO_KEY_BYTES;
+    if (key_zero(&x->chunk_keys[k])) BAD("payload.chunk_keys[%u]: all zero is not a key", k);
   }
   /* Each group is at least 12 bytes (first_block, count). */
   R(r_room(r, x->num_groups, 12, "payload.groups"));

@@ -30,6 +30,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <kvferry/client.h>
 #include <kvferry/status.h>
 
 #ifdef __cplusplus
@@ -37,7 +38,7 @@ extern "C" {
 #endif
 
 #define KVF_PROTO_MAGIC 0x5046564Bu /* "KVFP" in the byte order of the wire */
-#define KVF_PROTO_VERSION 1u        /* the only version this build speaks */
+#define KVF_PROTO_VERSION 2u        /* the only version this build speaks (1: 8-byte chunk keys, no shard) */
 #define KVF_PROTO_HEADER_SIZE 24u
 
 /* Limits the decoder enforces (docs/protocol.md lists them too). */
@@ -48,6 +49,8 @@ extern "C" {
 #define KVF_PROTO_MAX_GROUPS 64u                /* = KVF_MAX_GROUPS */
 #define KVF_PROTO_MAX_BLOCKS_PER_GROUP (1u << 20) /* block ids per group in one STORE/RETRIEVE */
 #define KVF_PROTO_MAX_CHUNKS 65536u             /* chunk keys in one STORE/RETRIEVE */
+#define KVF_PROTO_MAX_SHARDS 65536u             /* = KVF_CLIENT_MAX_SHARDS: REGISTER's shard_count */
+#define KVF_PROTO_KEY_BYTES 32u                 /* = KVF_CHUNK_KEY_BYTES: one chunk key on the wire */
 #define KVF_PROTO_MAX_STAT_CLIENTS 1024u        /* client records in one STAT reply */
 #define KVF_PROTO_NAME_MAX 64u                  /* client names: at most 63 bytes */
 #define KVF_PROTO_FIELD_MAX 128u                /* ERROR's field: at most 127 bytes */
@@ -126,6 +129,8 @@ typedef struct kvf_proto_region {
 typedef struct kvf_proto_register {
   int32_t device;    /* the GPU the engine runs on; -1: host */
   uint32_t num_fds;  /* descriptors passed with this frame, <= KVF_PROTO_MAX_FDS */
+  uint32_t shard_index; /* < shard_count: the worker's tensor-parallel (x DCP) rank */
+  uint32_t shard_count; /* 1 .. KVF_PROTO_MAX_SHARDS; 1: unsharded */
   char *geometry_json; /* NUL-terminated; geometry_json_len bytes before the NUL */
   uint32_t geometry_json_len;
   kvf_proto_region *regions; /* [num_regions], region i of the geometry */
@@ -208,15 +213,16 @@ typedef enum kvf_proto_ready_kind {
 /* STORE (cache -> L1 objects) and RETRIEVE (L1 objects -> cache) share it.
  * Chunk k of the request covers global tokens [token_begin + k*C,
  * min(token_begin + (k+1)*C, token_end)) and is named by chunk_keys[k] (a
- * chained prefix hash: kvf_chunk_keys), so num_chunk_keys is the number of
- * chunks the token range spans. */
+ * chained SHA-256 prefix hash, kvf_chunk_keys, or the engine's own 32-byte
+ * block hash), so num_chunk_keys is the number of chunks the token range
+ * spans. */
 typedef struct kvf_proto_xfer {
   uint64_t registration_id; /* 0: the client's live registration */
   uint64_t token_begin, token_end; /* token_end > token_begin */
   uint32_t format;                 /* kvf_object_format: 0 canonical, 1 native */
   uint32_t ready_kind;             /* kvf_proto_ready_kind; RETRIEVE: 0 */
   uint8_t ready_handle[KVF_PROTO_READY_HANDLE_BYTES]; /* all zero unless ready_kind is CUDA_EVENT */
-  uint64_t *chunk_keys;            /* [num_chunk_keys], each nonzero */
+  kvf_chunk_key *chunk_keys;       /* [num_chunk_keys], none all zero */
   uint32_t num_chunk_keys;         /* 1 .. KVF_PROTO_MAX_CHUNKS */
   kvf_proto_group *groups;         /* [num_groups] */
   uint32_t num_groups;

@@ -34,6 +34,7 @@ struct kvf_dp_binding {
   kvf_xfer *xfer;
   uint64_t registration_id;
   uint32_t num_groups, num_object_groups, chunk_tokens;
+  kvf_l1_key scope; /* the fingerprint and shard every L1 key of this registration carries (chunk zero) */
 };
 
 typedef struct dp_job {
@@ -118,7 +119,7 @@ static dp_lane *lane_for(kvf_dataplane *dp, int device) {
 }
 
 kvf_status kvf_dataplane_bind(kvf_dataplane *dp, kvf_geometry *g, int device, uint64_t registration_id,
-                              kvf_dp_binding **out) {
+                              uint32_t shard_index, uint32_t shard_count, kvf_dp_binding **out) {
   *out = NULL;
   dp_lane *lane = lane_for(dp, device);
   if (!lane) {
@@ -149,8 +150,19 @@ kvf_status kvf_dataplane_bind(kvf_dataplane *dp, kvf_geometry *g, int device, ui
   b->num_groups = kvf_geometry_num_groups(g);
   b->num_object_groups = kvf_geometry_num_object_groups(g);
   b->chunk_tokens = pol.chunk_tokens;
+  b->scope.fingerprint = kvf_geometry_fingerprint(g, KVF_FORMAT_CANONICAL);
+  b->scope.shard_index = shard_index;
+  b->scope.shard_count = shard_count;
   *out = b;
   return KVF_SUCCESS;
+}
+
+/* The L1 key of a chunk key sent on binding b: objects are found only by
+ * registrations of the same canonical geometry and shard. */
+static kvf_l1_key l1_key(const kvf_dp_binding *b, const kvf_chunk_key *chunk) {
+  kvf_l1_key k = b->scope;
+  k.chunk = *chunk;
+  return k;
 }
 
 static kvf_dp_binding *binding_ref(kvf_dp_binding *b) {
@@ -493,7 +505,7 @@ static kvf_status admit_store(kvf_dataplane *dp, dp_job *j, const kvf_proto_xfer
         (void)kvf_geometry_object_size(g, og, cb / C, x->token_end, &bytes);
       if (!requested || !complete || bytes == 0) continue;
       kvf_l1_object_spec *s = &specs[n];
-      s->chunk_key = x->chunk_keys[k];
+      s->key = l1_key(j->b, &x->chunk_keys[k]);
       s->object_group = og;
       st = kvf_object_header_init(g, (kvf_object_format)x->format, og, cb / C, x->token_end, &s->header);
       if (st != KVF_SUCCESS) goto out;
@@ -557,7 +569,7 @@ static kvf_status admit_store(kvf_dataplane *dp, dp_job *j, const kvf_proto_xfer
       }
       if (si != UINT32_MAX && !write) {
         j->objects_present++;
-        j->present[j->num_present] = (kvf_l1_query){specs[si].chunk_key, og};
+        j->present[j->num_present] = (kvf_l1_query){specs[si].key, og};
         j->present_chunk_begin[j->num_present] = has_full ? cb : UINT64_MAX;
         j->num_present++;
       }
@@ -630,7 +642,7 @@ static kvf_status admit_retrieve(kvf_dataplane *dp, dp_job *j, const kvf_proto_x
   st = job_precheck(j, nchunks * nog);
   if (st != KVF_SUCCESS) goto out;
   for (uint64_t k = 0; k < nchunks; k++)
-    for (uint32_t og = 0; og < nog; og++) q[k * nog + og] = (kvf_l1_query){x->chunk_keys[k], og};
+    for (uint32_t og = 0; og < nog; og++) q[k * nog + og] = (kvf_l1_query){l1_key(j->b, &x->chunk_keys[k]), og};
   st = kvf_l1_lookup_pin(dp->l1, q, (uint32_t)(nchunks * nog), found, &j->pin);
   if (st != KVF_SUCCESS) goto out;
   /* Objects made through another geometry or format are refused; objects

@@ -105,10 +105,12 @@ void kvf_dataplane_destroy(kvf_dataplane *dp);
 
 /* Bind a registration: `geometry` (ownership moves to the binding, also on
  * failure) registered with registration_id for an engine on `device` (-1:
- * host). Returns KVF_SUCCESS and *out; KVF_ERR_INVALID_ARGUMENT naming
+ * host), as shard shard_index of shard_count (checked by the decoder). Its
+ * requests file and find L1 objects under (chunk key, object group, the
+ * geometry's canonical fingerprint, shard_index, shard_count). Returns KVF_SUCCESS and *out; KVF_ERR_INVALID_ARGUMENT naming
  * payload.device when no lane serves it; kvf_xfer_create's statuses. */
 kvf_status kvf_dataplane_bind(kvf_dataplane *dp, kvf_geometry *geometry, int device, uint64_t registration_id,
-                              kvf_dp_binding **out);
+                              uint32_t shard_index, uint32_t shard_count, kvf_dp_binding **out);
 
 /* Drop the caller's reference (requests in flight keep theirs). NULL is a
  * no-op. */

@@ -1,6 +1,6 @@
 /*
  * The L1 object store (host/l1.h): objects carved out of caller-owned pools,
- * an index by (chunk key, object group), LRU eviction of whole entries.
+ * an index by (key, object group), LRU eviction of whole entries.
  *
  * Allocator. Each pool is the byte range [0, size) (size rounded down to
  * KVF_L1_ALIGN) at the pool's base. Every object takes one extent of its
@@ -26,7 +26,10 @@
  * simulation's trial allocation decides exactly.
  *
  * Index. An open-addressing hash table (linear probing, backward-shift
- * deletion, load <= 1/2) from chunk key to entry. An entry holds its objects
+ * deletion, load <= 1/2) from key (kvf_l1_key) to entry. Clients choose
+ * chunk keys (an engine may send its own block hashes), so a key's home slot
+ * is a hash of the whole key under a secret drawn at create: a client cannot
+ * aim many keys at one probe run. An entry holds its objects
  * in a short singly linked list (one per object group present) and sits in
  * one doubly linked LRU list, most recently used at the head.
  *
@@ -41,6 +44,8 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <time.h>
 
 #include "common/error.h"
 #include "host/core/log.h"
@@ -68,7 +73,7 @@ typedef struct l1_object {
 } l1_object;
 
 typedef struct l1_entry {
-  uint64_t key;
+  kvf_l1_key key;
   l1_object *objects;
   struct l1_entry *prev, *next; /* LRU list: prev toward the head (MRU) */
   uint32_t reserved;            /* objects in state L1_RESERVED */
@@ -116,6 +121,7 @@ struct kvf_l1 {
 
   l1_entry **table; /* open addressing; NULL is an empty slot */
   uint64_t table_cap, table_count;
+  uint64_t table_secret; /* seeds key_hash; fixed at create */
   l1_entry *lru_head, *lru_tail; /* most / least recently used */
   uint64_t gen;                  /* reserve calls so far (marks entries a call names) */
 
@@ -213,22 +219,54 @@ static kvf_status pool_reserve_cap(l1_pool *p, uint64_t need) {
 
 /* ---- index -------------------------------------------------------------------- */
 
-static uint64_t table_home(const kvf_l1 *l1, uint64_t key) {
-  /* Keys are hashes already, but a multiply spreads any low-bit pattern. */
-  return ((key * 0x9E3779B97F4A7C15ull) >> 17) & (l1->table_cap - 1);
+_Static_assert(sizeof(kvf_l1_key) == KVF_CHUNK_KEY_BYTES + 16, "kvf_l1_key has no padding: memcmp compares it");
+
+static int key_eq(const kvf_l1_key *a, const kvf_l1_key *b) { return memcmp(a, b, sizeof *a) == 0; }
+
+static int key_zero(const kvf_l1_key *k) {
+  uint8_t any = 0;
+  for (unsigned i = 0; i < KVF_CHUNK_KEY_BYTES; i++) any |= k->chunk.bytes[i];
+  return any == 0;
 }
 
-static l1_entry *table_find(const kvf_l1 *l1, uint64_t key) {
+/* The first 8 bytes of the chunk key, for logs. */
+static uint64_t key_head(const kvf_l1_key *k) {
+  uint64_t v = 0;
+  for (unsigned i = 0; i < 8; i++) v = v << 8 | k->chunk.bytes[i];
+  return v;
+}
+
+static uint64_t key_mix(uint64_t h) {
+  h ^= h >> 31;
+  h *= 0xBF58476D1CE4E5B9ull;
+  h ^= h >> 29;
+  h *= 0x94D049BB133111EBull;
+  return h ^ (h >> 32);
+}
+
+/* A hash of every word of the key, chained from the store's secret. */
+static uint64_t key_hash(const kvf_l1 *l1, const kvf_l1_key *k) {
+  uint64_t w[6], h = l1->table_secret;
+  memcpy(w, k, sizeof w);
+  for (unsigned i = 0; i < 6; i++) h = key_mix(h ^ w[i]) + 0x9E3779B97F4A7C15ull;
+  return h;
+}
+
+static uint64_t table_home(const kvf_l1 *l1, const kvf_l1_key *key) {
+  return (key_hash(l1, key) >> 17) & (l1->table_cap - 1);
+}
+
+static l1_entry *table_find(const kvf_l1 *l1, const kvf_l1_key *key) {
   for (uint64_t i = table_home(l1, key);; i = (i + 1) & (l1->table_cap - 1)) {
     l1_entry *e = l1->table[i];
     if (e == NULL) return NULL;
-    if (e->key == key) return e;
+    if (key_eq(&e->key, key)) return e;
   }
 }
 
 /* Insert an entry whose key is absent; the table has room (load <= 1/2). */
 static void table_insert(kvf_l1 *l1, l1_entry *e) {
-  uint64_t i = table_home(l1, e->key);
+  uint64_t i = table_home(l1, &e->key);
   while (l1->table[i] != NULL) i = (i + 1) & (l1->table_cap - 1);
   l1->table[i] = e;
   l1->table_count++;
@@ -237,10 +275,10 @@ static void table_insert(kvf_l1 *l1, l1_entry *e) {
 /* Remove a present entry, shifting later members of its probe run back so
  * that lookups never need tombstones. */
 static void table_remove(kvf_l1 *l1, const l1_entry *e) {
-  uint64_t mask = l1->table_cap - 1, i = table_home(l1, e->key);
+  uint64_t mask = l1->table_cap - 1, i = table_home(l1, &e->key);
   while (l1->table[i] != e) i = (i + 1) & mask;
   for (uint64_t j = (i + 1) & mask; l1->table[j] != NULL; j = (j + 1) & mask) {
-    uint64_t k = table_home(l1, l1->table[j]->key);
+    uint64_t k = table_home(l1, &l1->table[j]->key);
     /* Move j into the hole at i unless its home lies cyclically in (i, j]. */
     int stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
     if (!stays) {
@@ -361,7 +399,7 @@ static void entry_evict(kvf_l1 *l1, l1_entry *e) {
   for (uint32_t i = 0; i < l1->num_pools; i++)
     if (pools_hit >> i & 1) l1->pools[i].evicted_entries_total++;
   l1->evicted_entries_total++;
-  KVF_TRACE(SERVER, "l1: evicted chunk key %016" PRIx64, e->key);
+  KVF_TRACE(SERVER, "l1: evicted chunk key %016" PRIx64 "...", key_head(&e->key));
   entry_remove(l1, e);
 }
 
@@ -401,6 +439,13 @@ kvf_status kvf_l1_create(const kvf_l1_pool_desc *pools, uint32_t num_pools, kvf_
   kvf_l1 *l1 = calloc(1, sizeof *l1);
   if (l1 == NULL) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_l1_create: no memory");
   l1->table_cap = L1_MIN_TABLE;
+  /* Not a cryptographic secret, only one a client cannot read: the clock
+   * stands in if the kernel's pool is not ready. */
+  if (getrandom(&l1->table_secret, sizeof l1->table_secret, GRND_NONBLOCK) != (ssize_t)sizeof l1->table_secret) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    l1->table_secret = key_mix((uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 30) ^ (uint64_t)(uintptr_t)l1);
+  }
   l1->table = calloc(L1_MIN_TABLE, sizeof *l1->table);
   if (l1->table == NULL) {
     st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_l1_create: no memory for the index");
@@ -489,7 +534,7 @@ static void handle_unlink(l1_handle **list, l1_handle *h) {
 
 /* Per-spec scratch of one reserve call. */
 typedef struct l1_spec_work {
-  uint64_t key;
+  kvf_l1_key key;
   uint32_t object_group;
   uint32_t index;  /* into specs */
   uint64_t len;    /* extent bytes to reserve; 0 for PRESENT */
@@ -500,7 +545,8 @@ typedef struct l1_spec_work {
 
 static int work_cmp(const void *a, const void *b) {
   const l1_spec_work *x = a, *y = b;
-  if (x->key != y->key) return x->key < y->key ? -1 : 1;
+  int c = memcmp(&x->key, &y->key, sizeof x->key);
+  if (c != 0) return c < 0 ? -1 : 1;
   if (x->object_group != y->object_group) return x->object_group < y->object_group ? -1 : 1;
   return x->index < y->index ? -1 : x->index > y->index;
 }
@@ -603,7 +649,8 @@ kvf_status kvf_l1_reserve(kvf_l1 *l1, int device, const kvf_l1_object_spec *spec
     const kvf_object_header *h = &s->header;
     uint64_t len;
     *failed_spec = i; /* for the returns below; reset after the loop */
-    if (s->chunk_key == 0) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "specs[%u].chunk_key: 0 is not a chunk key", i);
+    if (key_zero(&s->key))
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "specs[%u].key.chunk: all zero is not a chunk key", i);
     if (s->object_group >= KVF_MAX_GROUPS)
       return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "specs[%u].object_group: %u (at most %u)", i, s->object_group,
                       KVF_MAX_GROUPS - 1);
@@ -630,24 +677,24 @@ kvf_status kvf_l1_reserve(kvf_l1 *l1, int device, const kvf_l1_object_spec *spec
   l1_spec_work *w = calloc(n, sizeof *w);
   if (w == NULL) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "kvf_l1_reserve: no memory for %u specs", n);
   for (uint32_t i = 0; i < n; i++) {
-    w[i].key = specs[i].chunk_key;
+    w[i].key = specs[i].key;
     w[i].object_group = specs[i].object_group;
     w[i].index = i;
   }
   /* Sorted by (key, group, index): a repeat sits right after its first. */
   qsort(w, n, sizeof *w, work_cmp);
   for (uint32_t i = 1; i < n; i++)
-    if (w[i].key == w[i - 1].key && w[i].object_group == w[i - 1].object_group) {
+    if (key_eq(&w[i].key, &w[i - 1].key) && w[i].object_group == w[i - 1].object_group) {
       *failed_spec = w[i].index;
       st = kvf_fail(KVF_ERR_INVALID_ARGUMENT,
-                    "specs[%u]: repeats specs[%u] (chunk key %016" PRIx64 ", object group %u)", w[i].index,
-                    w[i - 1].index, w[i].key, w[i].object_group);
+                    "specs[%u]: repeats specs[%u] (chunk key %016" PRIx64 "..., object group %u)", w[i].index,
+                    w[i - 1].index, key_head(&w[i].key), w[i].object_group);
       goto out;
     }
   /* Back in spec order: allocation and the slots follow the caller's order. */
   for (uint32_t i = 0; i < n; i++) w[i].index = i;
   for (uint32_t i = 0; i < n; i++) {
-    w[i].key = specs[i].chunk_key;
+    w[i].key = specs[i].key;
     w[i].object_group = specs[i].object_group;
   }
 
@@ -665,7 +712,7 @@ kvf_status kvf_l1_reserve(kvf_l1 *l1, int device, const kvf_l1_object_spec *spec
   uint32_t n_alloc = 0, n_new_keys = 0;
   uint64_t need = 0, need_max = 0;
   for (uint32_t i = 0; i < n; i++) {
-    l1_entry *e = table_find(l1, w[i].key);
+    l1_entry *e = table_find(l1, &w[i].key);
     l1_object *o = e ? entry_object(e, w[i].object_group) : NULL;
     if (e) e->mark = l1->gen; /* named by this call: never its victim */
     if (o != NULL) {
@@ -696,7 +743,7 @@ kvf_status kvf_l1_reserve(kvf_l1 *l1, int device, const kvf_l1_object_spec *spec
       if (w[i].len == 0) continue;
       /* An entry too where the key has none (an existing one is marked, so
        * eviction below cannot take it). */
-      int new_key = table_find(l1, w[i].key) == NULL;
+      int new_key = table_find(l1, &w[i].key) == NULL;
       w[i].obj = calloc(1, sizeof *w[i].obj);
       if (new_key) w[i].entry = calloc(1, sizeof(l1_entry));
       if (w[i].obj == NULL || (new_key && w[i].entry == NULL)) {
@@ -730,7 +777,7 @@ kvf_status kvf_l1_reserve(kvf_l1 *l1, int device, const kvf_l1_object_spec *spec
       slots[i].data = NULL;
       continue;
     }
-    l1_entry *e = table_find(l1, w[i].key);
+    l1_entry *e = table_find(l1, &w[i].key);
     if (e == NULL) {
       e = w[i].entry;
       w[i].entry = NULL;
@@ -822,8 +869,8 @@ kvf_status kvf_l1_lookup_pin(kvf_l1 *l1, const kvf_l1_query *queries, uint32_t n
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_l1_lookup_pin: %s is NULL",
                     l1 == NULL ? "l1" : out == NULL ? "out" : queries == NULL ? "queries" : "found");
   for (uint32_t i = 0; i < n; i++) {
-    if (queries[i].chunk_key == 0)
-      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "queries[%u].chunk_key: 0 is not a chunk key", i);
+    if (key_zero(&queries[i].key))
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "queries[%u].key.chunk: all zero is not a chunk key", i);
     if (queries[i].object_group >= KVF_MAX_GROUPS)
       return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "queries[%u].object_group: %u (at most %u)", i,
                       queries[i].object_group, KVF_MAX_GROUPS - 1);
@@ -833,7 +880,7 @@ kvf_status kvf_l1_lookup_pin(kvf_l1 *l1, const kvf_l1_query *queries, uint32_t n
 
   pthread_mutex_lock(&l1->lock);
   for (uint32_t i = 0; i < n; i++) {
-    l1_entry *e = table_find(l1, queries[i].chunk_key);
+    l1_entry *e = table_find(l1, &queries[i].key);
     l1_object *o = e ? entry_object(e, queries[i].object_group) : NULL;
     if (o == NULL || o->state != L1_COMMITTED) {
       memset(&found[i], 0, sizeof found[i]);

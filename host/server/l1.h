@@ -7,9 +7,13 @@
  * memory itself: it carves objects out of the pools with its own allocator
  * (256-byte aligned extents, coalesced when freed).
  *
- * Objects are keyed by (chunk key, object group): the chunk key is the
- * chained prefix hash of one chunk of tokens (kvf_chunk_keys), and the
- * objects of one chunk key form an *entry*. Each object carries the header
+ * Objects are keyed by (L1 key, object group). An L1 key is a chunk key (the
+ * chained SHA-256 prefix hash of one chunk of tokens, kvf_chunk_keys, or an
+ * engine's own 32-byte block hash) in a scope: the canonical geometry
+ * fingerprint and the shard of the registration that sent it, so that
+ * another model's geometry or another tensor-parallel rank never finds
+ * objects under the same chunk key. The objects of one L1 key form an
+ * *entry*. Each object carries the header
  * kvf_object_header_init() wrote (fingerprint, format, token range, payload
  * bytes), so a retrieve through another geometry is refused clearly.
  *
@@ -22,7 +26,7 @@
  * whole entry) is never evicted until unpinned.
  *
  * Eviction: when a reservation does not fit its pool, whole entries (every
- * object of one chunk key, in every pool: never part of a chunk) that hold
+ * object of one key, in every pool: never part of a chunk) that hold
  * an object in that pool are evicted in least-recently-used order, skipping
  * entries that hold a reserved or pinned object. An entry becomes most
  * recently used when an object of it is committed or looked up.
@@ -36,6 +40,7 @@
 
 #include <stdint.h>
 
+#include <kvferry/client.h>
 #include <kvferry/geometry.h>
 #include <kvferry/status.h>
 
@@ -66,11 +71,19 @@ kvf_status kvf_l1_create(const kvf_l1_pool_desc *pools, uint32_t num_pools, kvf_
  * held are logged. NULL is a no-op. */
 void kvf_l1_destroy(kvf_l1 *l1);
 
+/* What L1 files an entry under; equal only when every field is equal. */
+typedef struct kvf_l1_key {
+  kvf_chunk_key chunk;  /* not all zero */
+  uint64_t fingerprint; /* kvf_geometry_fingerprint(geometry, canonical) of the registration */
+  uint32_t shard_index; /* the registration's shard (0 of 1: unsharded) */
+  uint32_t shard_count;
+} kvf_l1_key;
+
 /* ---- storing -------------------------------------------------------------- */
 
 /* One object a store wants to write. */
 typedef struct kvf_l1_object_spec {
-  uint64_t chunk_key;       /* nonzero */
+  kvf_l1_key key;           /* key.chunk not all zero */
   uint32_t object_group;    /* < KVF_MAX_GROUPS */
   kvf_object_header header; /* kvf_object_header_init's; header.payload_bytes > 0 */
 } kvf_l1_object_spec;
@@ -89,17 +102,17 @@ typedef struct kvf_l1_slot {
 
 /* Reserve space in pool `device` for the objects of specs[0 .. n), all or
  * nothing: slots[i] (caller's array of n) says what happened to specs[i].
- * A spec whose (chunk key, object group) is committed or reserved (in any
+ * A spec whose (key, object group) is committed or reserved (in any
  * pool) with an equal header is PRESENT; with a different header it is refused
  * (KVF_ERR_GEOMETRY_MISMATCH naming "specs[i].header.fingerprint", or the
  * field that differs: format, token_begin, token_end, payload_bytes, dcp_rank).
  * Space is made by evicting unpinned, unreserved entries of that pool in LRU
- * order (never an entry whose chunk key one of these specs names).
+ * order (never an entry whose key one of these specs names).
  * RESERVED slots are allocated in spec order. Returns KVF_SUCCESS and *out (a handle even when every slot is
  * PRESENT: commit or abort it); KVF_ERR_OUT_OF_MEMORY (does not fit even
  * after evicting everything evictable: the message gives the bytes needed,
  * free and evictable; nothing was evicted); KVF_ERR_INVALID_ARGUMENT (NULL,
- * n 0, unknown pool, a zero key, object group out of range, a spec repeated
+ * n 0, unknown pool, an all-zero chunk key, object group out of range, a spec repeated
  * in specs); KVF_ERR_GEOMETRY_MISMATCH. Nothing is reserved on failure.
  * *failed_spec (failed_spec may be NULL) is set on every return: the index
  * of the spec at fault when the failure is about one spec (a field of it, a
@@ -121,7 +134,7 @@ void kvf_l1_abort(kvf_l1 *l1, kvf_l1_reservation *reservation);
 /* ---- retrieving ----------------------------------------------------------- */
 
 typedef struct kvf_l1_query {
-  uint64_t chunk_key;
+  kvf_l1_key key;
   uint32_t object_group;
 } kvf_l1_query;
 
@@ -137,7 +150,7 @@ typedef struct kvf_l1_found {
  * bytes have been read. A query repeated in queries pins its object twice
  * (one handle still releases both). Found entries become most recently used.
  * n may be 0 (queries and found may then be NULL): an empty handle.
- * Returns KVF_SUCCESS; KVF_ERR_INVALID_ARGUMENT (NULL, a zero key, an object
+ * Returns KVF_SUCCESS; KVF_ERR_INVALID_ARGUMENT (NULL, an all-zero chunk key, an object
  * group out of range: the message names queries[i]); KVF_ERR_OUT_OF_MEMORY. */
 kvf_status kvf_l1_lookup_pin(kvf_l1 *l1, const kvf_l1_query *queries, uint32_t n, kvf_l1_found *found,
                              kvf_l1_pin **out);
@@ -148,7 +161,7 @@ void kvf_l1_unpin(kvf_l1 *l1, kvf_l1_pin *pin);
 /* ---- counters ------------------------------------------------------------- */
 
 typedef struct kvf_l1_stats {
-  uint64_t entries;           /* chunk keys with at least one object (committed or reserved) */
+  uint64_t entries;           /* keys with at least one object (committed or reserved) */
   uint64_t objects;           /* committed objects */
   uint64_t bytes_committed;   /* payload of committed objects */
   uint64_t objects_reserved;

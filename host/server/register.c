@@ -210,7 +210,8 @@ static void register_run(kvf_register_worker *w, kvf_register_req *req) {
   if (st == KVF_SUCCESS) {
     /* The lane first: a device this server does not serve is refused
      * before anything is mapped. The binding owns the geometry from here. */
-    st = kvf_dataplane_bind(w->opt.dp, g, rg->device, kvf_registry_reg_id(attempt), &binding);
+    st = kvf_dataplane_bind(w->opt.dp, g, rg->device, kvf_registry_reg_id(attempt), rg->shard_index,
+                            rg->shard_count, &binding);
     g = NULL;
     if (st != KVF_SUCCESS) (void)kvf_registry_register_abort(registry, attempt);
   }

@@ -34,7 +34,18 @@
 extern "C" {
 #endif
 
-#define KVF_CLIENT_VERSION 1u
+#define KVF_CLIENT_VERSION 2u
+
+/* A chunk key: 32 bytes naming one chunk of tokens and, through the chain,
+ * the whole prefix that ends with it (kvf_chunk_keys). All zero is not a key.
+ * An engine that already names its prefix blocks with a 256-bit
+ * collision-resistant hash (vLLM's SHA-256 block hashes) may pass those
+ * 32 bytes directly as keys, one per chunk. An array element: a fixed
+ * layout (kvferry/kvferry.h), never extended. */
+#define KVF_CHUNK_KEY_BYTES 32
+typedef struct kvf_chunk_key {
+  uint8_t bytes[KVF_CHUNK_KEY_BYTES];
+} kvf_chunk_key;
 
 typedef struct kvf_client kvf_client;
 
@@ -111,16 +122,43 @@ typedef struct kvf_client_stats {
  * KVF_ERR_SYSTEM. */
 KVF_API kvf_status kvf_client_connect(const kvf_client_options *options, kvf_client **out, kvf_client_info *info);
 
-/* Register `geometry_json` (len bytes, the geometry file's text) with one
- * region per geometry region, in order. `device` is the GPU the engine runs
- * on (-1: host). All or nothing on the server: on failure the previous
- * registration, if any, keeps serving. Returns KVF_SUCCESS and *out (may be
- * NULL; fill it from KVF_CLIENT_REGISTRATION_INIT first); the server's status (KVF_ERR_INVALID_ARGUMENT, KVF_ERR_PARSE,
+/* What a registration sends. Fill from KVF_CLIENT_REGISTER_DESC_INIT. A
+ * struct tag only, no typedef: the function that takes it has its name (as
+ * POSIX's struct stat and stat()), so write struct kvf_client_register_desc. */
+struct kvf_client_register_desc {
+  uint32_t struct_size;
+  uint32_t version;
+  const char *geometry_json; /* the geometry file's text, geometry_len bytes; required */
+  size_t geometry_len;
+  int device;                       /* the GPU the engine runs on; -1: host */
+  const kvf_client_region *regions; /* [num_regions]: one per geometry region, in order */
+  uint32_t num_regions;
+  uint32_t shard_index; /* this worker's shard: its tensor-parallel (x DCP) rank; < shard_count */
+  uint32_t shard_count; /* 0 or 1: unsharded; at most KVF_CLIENT_MAX_SHARDS */
+};
+#define KVF_CLIENT_REGISTER_DESC_INIT \
+  {sizeof(struct kvf_client_register_desc), KVF_CLIENT_VERSION, NULL, 0, -1, NULL, 0, 0, 1}
+#define KVF_CLIENT_MAX_SHARDS 65536u /* the most shards one model may be split into */
+
+/* Register desc->geometry_json with one region per geometry region, in
+ * order, as shard desc->shard_index of desc->shard_count. The server files
+ * the objects a registration stores under (chunk key, object group, the
+ * geometry's canonical fingerprint, shard_index, shard_count): a
+ * registration with another geometry or another shard never finds them,
+ * whatever keys it sends. All or nothing on the server: on failure the
+ * previous registration, if any, keeps serving. Returns KVF_SUCCESS and
+ * *out (may be NULL; fill it from KVF_CLIENT_REGISTRATION_INIT first); the
+ * server's status (KVF_ERR_INVALID_ARGUMENT, KVF_ERR_PARSE,
  * KVF_ERR_INVALID_GEOMETRY, KVF_ERR_PROTOCOL...: the message names the
  * field); KVF_ERR_TIMEOUT (no reply in time: the request is dropped, a late
  * reply is discarded, the connection stays usable); KVF_ERR_DISCONNECTED
- * (final: connect a new client); KVF_ERR_INVALID_ARGUMENT (NULL pointers, more than
- * 253 distinct allocations). */
+ * (final: connect a new client); KVF_ERR_INVALID_ARGUMENT (NULL pointers,
+ * more than 253 distinct allocations, shard_index not below shard_count,
+ * shard_count over KVF_CLIENT_MAX_SHARDS: the message names the field). */
+KVF_API kvf_status kvf_client_register_desc(kvf_client *client, const struct kvf_client_register_desc *desc,
+                                            kvf_client_registration *out);
+
+/* kvf_client_register_desc with the given fields, as shard 0 of 1. */
 KVF_API kvf_status kvf_client_register(kvf_client *client, const char *geometry_json, size_t len, int device,
                                        const kvf_client_region *regions, uint32_t num_regions,
                                        kvf_client_registration *out);
@@ -159,8 +197,8 @@ KVF_API kvf_status kvf_client_stat_clients(kvf_client *client, kvf_client_stats 
 /* One STORE or RETRIEVE on the client's registration. The token range and
  * block tables follow kvf_copy_request (kvferry/copy.h): chunk k covers
  * global tokens [token_begin + k*C, ...) and is named chunk_keys[k]
- * (kvf_chunk_keys), so num_chunk_keys is the number of chunks the range
- * spans. For a recurrent group give its state slot: STORE: first_block is
+ * (kvf_chunk_keys, or the engine's own 32-byte block hashes), so
+ * num_chunk_keys is the number of chunks the range spans. For a recurrent group give its state slot: STORE: first_block is
  * the chunk whose end the state belongs to (token_end / C - 1); RETRIEVE:
  * block_ids[0] is the slot and first_block is ignored (the server restores
  * the state at the prefix it finds). */
@@ -171,7 +209,7 @@ typedef struct kvf_client_xfer {
   uint64_t token_begin;     /* a multiple of chunk_tokens */
   uint64_t token_end;
   kvf_object_format format;
-  const uint64_t *chunk_keys;
+  const kvf_chunk_key *chunk_keys; /* [num_chunk_keys], none all zero */
   uint32_t num_chunk_keys;
   const kvf_group_blocks *groups; /* [num_groups]: every group of the geometry, in order */
   uint32_t num_groups;
@@ -218,16 +256,28 @@ typedef enum kvf_client_op {
   KVF_CLIENT_RETRIEVE = 2,
 } kvf_client_op;
 
-/* Chained prefix keys: keys[k] = hash(keys[k-1] (seed for k = 0), the
- * token_bytes-byte tokens of chunk k), for the ceil(num_tokens /
- * chunk_tokens) chunks of tokens[0 .. num_tokens). Equal prefixes give
- * equal keys. L1 keys objects by (chunk key, object group) only, so fold
- * into seed everything that makes this worker's bytes differ for the same
- * tokens: the model, and the shard (tensor-parallel rank, DCP rank); two
- * workers that share a seed share objects. Keys are never 0. Returns the number of keys written (0 for
- * NULL pointers or chunk_tokens 0). */
-KVF_API uint64_t kvf_chunk_keys(uint64_t seed, const void *tokens, uint32_t token_bytes, uint64_t num_tokens,
-                                uint32_t chunk_tokens, uint64_t *keys);
+/* The seed of a key chain: SHA-256 of the 15 bytes "kvferry-seed-v1"
+ * followed by data[0 .. len). Fold into data everything that makes the KV
+ * of the same tokens differ and that the geometry does not show: the model
+ * and its weights' revision, the tokenizer, LoRA adapters, multimodal input
+ * hashes. (The geometry and the shard need not go in: the server files
+ * objects under the registration's canonical geometry fingerprint and shard
+ * as well as the key.) data may be NULL when len is 0. Returns
+ * KVF_SUCCESS; KVF_ERR_INVALID_ARGUMENT (NULL seed, NULL data with len >
+ * 0); KVF_ERR_INTERNAL (libcrypto failed). Thread-safe. */
+KVF_API kvf_status kvf_chunk_seed(const void *data, size_t len, kvf_chunk_key *seed);
+
+/* Chained prefix keys: keys[k] = SHA-256(keys[k-1] (*seed for k = 0) ||
+ * the token_bytes-byte tokens of chunk k, as they lie in memory), for the
+ * ceil(num_tokens / chunk_tokens) chunks of tokens[0 .. num_tokens) (the
+ * last chunk may be partial). Equal seeds and equal token prefixes give
+ * equal keys; a token that differs changes the key of its chunk and of
+ * every later one. docs/protocol.md has a test vector. Returns the number
+ * of keys written; 0 for NULL pointers, an all-zero seed, token_bytes,
+ * num_tokens or chunk_tokens 0, a token count whose bytes overflow, or a
+ * libcrypto failure. keys must not overlap seed or tokens. Thread-safe. */
+KVF_API uint64_t kvf_chunk_keys(const kvf_chunk_key *seed, const void *tokens, uint32_t token_bytes,
+                                uint64_t num_tokens, uint32_t chunk_tokens, kvf_chunk_key *keys);
 
 /* Send a STORE or RETRIEVE and return at once with its request id in
  * *request_id; collect the outcome with kvf_client_wait. Returns

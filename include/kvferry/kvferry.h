@@ -46,14 +46,14 @@
  * (transfer.h); kvf_mem_alloc_options, kvf_import_table_options,
  * kvf_import_stats (memory.h); kvf_topology_info, kvf_numa_node_info,
  * kvf_gpu_placement (topology.h); kvf_client_options, kvf_client_info,
- * kvf_client_registration, kvf_client_stats, kvf_client_xfer,
- * kvf_client_result (client.h).
+ * kvf_client_register_desc, kvf_client_registration, kvf_client_stats,
+ * kvf_client_xfer, kvf_client_result (client.h).
  *
  * Fixed layouts, never extended (a change would be a new struct), so they
  * carry no header:
  *   - array elements, whose stride is the element's size: kvf_group_blocks,
  *     kvf_state_desc, kvf_import_view, kvf_import_view_info,
- *     kvf_client_region, kvf_client_stat_record;
+ *     kvf_client_region, kvf_client_stat_record, kvf_chunk_key;
  *   - layouts that travel between processes or are stored with objects:
  *     kvf_mem_identity, kvf_object_header (their own version fields, where
  *     they have one, belong to that format);

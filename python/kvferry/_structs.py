@@ -39,7 +39,7 @@ IPC_CLOSE_FDS = 1
 TOPO_VERSION = 1
 TOPO_CPULIST_MAX = 256
 TOPO_NOTE_MAX = 256
-CLIENT_VERSION = 1
+CLIENT_VERSION = 2
 DEVICE_HOST = -1
 # The headers this package mirrors (kvferry/version.h).
 HEADER_VERSION = (0, 1, 0)
@@ -277,6 +277,7 @@ UNBOUND: Dict[str, str] = {
     "kvf_client_registration": "kvferry.client comes with the new wire protocol",
     "kvf_client_stats": "kvferry.client comes with the new wire protocol",
     "kvf_client_stat_record": "kvferry.client comes with the new wire protocol",
+    "kvf_chunk_key": "kvferry.client comes with the new wire protocol",
     "kvf_client_xfer": "kvferry.client comes with the new wire protocol",
     "kvf_client_result": "kvferry.client comes with the new wire protocol",
 }

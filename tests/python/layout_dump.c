@@ -76,6 +76,7 @@
   F(retrieves_total) F(in_flight) F(lanes)
 #define L_kvf_client_stat_record(F) \
   F(client_id) F(pid) F(name) F(registering) F(active) F(draining) F(imports) F(aliases) F(leases)
+#define L_kvf_chunk_key(F) F(bytes)
 #define L_kvf_client_xfer(F)                                                                       \
   F(struct_size) F(version) F(registration_id) F(token_begin) F(token_end) F(format) F(chunk_keys) \
   F(num_chunk_keys) F(groups) F(num_groups) F(ready_event)
@@ -92,7 +93,7 @@
   S(kvf_mem_alloc_options) S(kvf_import_table_options) S(kvf_import_view) S(kvf_import_view_info) \
   S(kvf_import_stats) S(kvf_topology_info) S(kvf_numa_node_info) S(kvf_gpu_placement)            \
   S(kvf_client_options) S(kvf_client_info) S(kvf_client_region) S(kvf_client_registration)       \
-  S(kvf_client_stats) S(kvf_client_stat_record) S(kvf_client_xfer) S(kvf_client_result)
+  S(kvf_client_stats) S(kvf_client_stat_record) S(kvf_chunk_key) S(kvf_client_xfer) S(kvf_client_result)
 
 /* Every _INIT macro: (type, macro). */
 #define INITS(I)                                                                                  \
