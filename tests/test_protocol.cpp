@@ -1015,3 +1015,196 @@ TEST(Protocol, XferLimitsAreExact) {
   EXPECT_NE(std::string(kvf_last_error()).find("payload:"), std::string::npos) << kvf_last_error();
   EXPECT_EQ(buf, nullptr);
 }
+
+// ---- LOOKUP, UNPIN and the RETIRED notice ------------------------------------
+
+namespace {
+
+// A LOOKUP of 3 chunks [512, 1000) with a pin; the keys live in `keys`.
+struct Lookup {
+  std::vector<kvf_proto_chunk_key> keys = {Key(0x11), Key(0x55), Key(3)};
+  kvf_proto_msg m;
+  Lookup() {
+    m = Msg(KVF_PROTO_LOOKUP, 11);
+    m.u.lookup.registration_id = 9;
+    m.u.lookup.token_begin = 512;
+    m.u.lookup.token_end = 1000;
+    m.u.lookup.format = 1;
+    m.u.lookup.pin_ms = KVF_PROTO_MAX_PIN_MS;
+    m.u.lookup.chunk_keys = keys.data();
+    m.u.lookup.num_chunk_keys = (uint32_t)keys.size();
+  }
+};
+
+struct LookupReply {
+  uint64_t og_prefix[3] = {1000, 768, 512};
+  kvf_proto_msg m;
+  LookupReply() {
+    m = Msg(KVF_PROTO_LOOKUP_REPLY, 11);
+    m.u.lookup_reply.prefix_tokens = 768;
+    m.u.lookup_reply.pin_id = 5;
+    m.u.lookup_reply.pinned_chunks = 1;
+    m.u.lookup_reply.og_prefix_tokens = og_prefix;
+    m.u.lookup_reply.num_object_groups = 3;
+  }
+};
+
+// LOOKUP payload offsets (docs/protocol.md).
+constexpr size_t kLookupPinMs = H + 28, kLookupKeys = H + 32, kLookupReserved = H + 36, kLookupKey0 = H + 40;
+
+}  // namespace
+
+TEST(Protocol, RoundTripLookupUnpinAndRetired) {
+  Lookup q;
+  std::vector<uint8_t> f = Encode(q.m);
+  ASSERT_EQ(f.size(), H + 40 + KVF_PROTO_KEY_BYTES * q.keys.size()); // the layout of docs/protocol.md
+  kvf_proto_msg d;
+  ASSERT_EQ(Decode(f, &d), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(d.type, KVF_PROTO_LOOKUP);
+  EXPECT_EQ(d.request_id, 11u);
+  EXPECT_EQ(d.u.lookup.registration_id, 9u);
+  EXPECT_EQ(d.u.lookup.token_begin, 512u);
+  EXPECT_EQ(d.u.lookup.token_end, 1000u);
+  EXPECT_EQ(d.u.lookup.format, 1u);
+  EXPECT_EQ(d.u.lookup.pin_ms, KVF_PROTO_MAX_PIN_MS);
+  ASSERT_EQ(d.u.lookup.num_chunk_keys, 3u);
+  for (uint32_t k = 0; k < 3; k++) EXPECT_EQ(memcmp(&d.u.lookup.chunk_keys[k], &q.keys[k], KVF_PROTO_KEY_BYTES), 0);
+  kvf_proto_msg_clear(&d);
+
+  LookupReply r;
+  f = Encode(r.m);
+  ASSERT_EQ(f.size(), H + 24 + 8 * 3);
+  ASSERT_EQ(Decode(f, &d), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(d.type, KVF_PROTO_LOOKUP_REPLY);
+  EXPECT_EQ(d.u.lookup_reply.prefix_tokens, 768u);
+  EXPECT_EQ(d.u.lookup_reply.pin_id, 5u);
+  EXPECT_EQ(d.u.lookup_reply.pinned_chunks, 1u);
+  ASSERT_EQ(d.u.lookup_reply.num_object_groups, 3u);
+  for (uint32_t i = 0; i < 3; i++) EXPECT_EQ(d.u.lookup_reply.og_prefix_tokens[i], r.og_prefix[i]);
+  kvf_proto_msg_clear(&d);
+
+  kvf_proto_msg u = Msg(KVF_PROTO_UNPIN, 12);
+  u.u.unpin.pin_id = 5;
+  f = Encode(u);
+  ASSERT_EQ(f.size(), H + 8);
+  ASSERT_EQ(Decode(f, &d), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(d.u.unpin.pin_id, 5u);
+  kvf_proto_msg ur = Msg(KVF_PROTO_UNPIN_REPLY, 12);
+  ur.u.unpin_reply.pin_id = 5;
+  ur.u.unpin_reply.released = 1;
+  f = Encode(ur);
+  ASSERT_EQ(f.size(), H + 16);
+  ASSERT_EQ(Decode(f, &d), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(d.u.unpin_reply.pin_id, 5u);
+  EXPECT_EQ(d.u.unpin_reply.released, 1u);
+
+  kvf_proto_msg rt = Msg(KVF_PROTO_RETIRED, 77);
+  rt.u.retired.outcome = 4;
+  f = Encode(rt);
+  ASSERT_EQ(f.size(), H + 8);
+  ASSERT_EQ(Decode(f, &d), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(d.type, KVF_PROTO_RETIRED);
+  EXPECT_EQ(d.request_id, 77u);
+  EXPECT_EQ(d.u.retired.outcome, 4u);
+  EXPECT_STREQ(kvf_proto_type_name(KVF_PROTO_RETIRED), "RETIRED");
+  EXPECT_STREQ(kvf_proto_type_name(KVF_PROTO_LOOKUP), "LOOKUP");
+  EXPECT_STREQ(kvf_proto_type_name(KVF_PROTO_UNPIN_REPLY), "UNPIN_REPLY");
+  // A notice has the reply bit: a server refuses it from a client as it
+  // refuses every server-to-client type.
+  EXPECT_TRUE(KVF_PROTO_RETIRED & KVF_PROTO_REPLY);
+}
+
+TEST(Protocol, LookupRejectionsNameTheirField) {
+  Lookup q;
+  const std::vector<uint8_t> good = Encode(q.m);
+  auto f = good;
+  PutLe(f, kLookupPinMs, KVF_PROTO_MAX_PIN_MS + 1, 4);
+  ExpectReject(f, "payload.pin_ms: 60001 exceeds the 60000 ms limit");
+  f = good;
+  PutLe(f, kLookupKeys, 0, 4);
+  ExpectReject(f, "payload.num_chunk_keys: 0");
+  f = good;
+  PutLe(f, kLookupKeys, KVF_PROTO_MAX_CHUNKS + 1, 4);
+  ExpectReject(f, "payload.num_chunk_keys: count 65537 exceeds the 65536 limit");
+  f = good;
+  PutLe(f, kLookupKeys, 4, 4);
+  ExpectReject(f, "payload.chunk_keys: count 4 needs at least 128 bytes");
+  f = good;
+  PutLe(f, kLookupReserved, 1, 4);
+  ExpectReject(f, "payload.reserved");
+  f = good;
+  for (unsigned b = 0; b < KVF_PROTO_KEY_BYTES; b++) f[kLookupKey0 + KVF_PROTO_KEY_BYTES + b] = 0;
+  ExpectReject(f, "payload.chunk_keys[1]: all zero is not a key");
+  f = good;
+  PutLe(f, H + 16, 512, 8); // token_end = token_begin
+  ExpectReject(f, "payload.token_end");
+  f = good;
+  PutLe(f, H + 24, 2, 4);
+  ExpectReject(f, "payload.format");
+  f = good;
+  f.push_back(0);
+  FixLen(f);
+  ExpectReject(f, "left over after the LOOKUP message");
+
+  LookupReply r;
+  const std::vector<uint8_t> rgood = Encode(r.m);
+  f = rgood;
+  PutLe(f, H + 16, 0, 4); // pinned_chunks 0 with a pin id
+  ExpectReject(f, "payload.pinned_chunks");
+  f = rgood;
+  PutLe(f, H + 20, KVF_PROTO_MAX_GROUPS + 1, 4);
+  ExpectReject(f, "payload.num_object_groups");
+
+  kvf_proto_msg u = Msg(KVF_PROTO_UNPIN);
+  u.u.unpin.pin_id = 1;
+  f = Encode(u);
+  PutLe(f, H, 0, 8);
+  ExpectReject(f, "payload.pin_id: 0 is not a pin");
+  kvf_proto_msg ur = Msg(KVF_PROTO_UNPIN_REPLY);
+  ur.u.unpin_reply.pin_id = 1;
+  f = Encode(ur);
+  PutLe(f, H + 8, 2, 4);
+  ExpectReject(f, "payload.released");
+  kvf_proto_msg rt = Msg(KVF_PROTO_RETIRED);
+  rt.u.retired.outcome = 3;
+  f = Encode(rt);
+  PutLe(f, H, 1, 4);
+  ExpectReject(f, "payload.outcome: 1 is neither 3 (cancelled) nor 4 (timed out)");
+  f = Encode(rt);
+  PutLe(f, H + 4, 1, 4);
+  ExpectReject(f, "payload.reserved");
+
+  // The encoder refuses what the decoder would, naming the field its way.
+  uint8_t *buf = nullptr;
+  size_t len = 0;
+  Lookup bad;
+  bad.m.u.lookup.pin_ms = KVF_PROTO_MAX_PIN_MS + 1;
+  EXPECT_EQ(kvf_proto_encode(&bad.m, &buf, &len), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvf_last_error()).find("lookup.pin_ms"), std::string::npos) << kvf_last_error();
+  Lookup zero;
+  memset(&zero.keys[2], 0, sizeof zero.keys[2]);
+  EXPECT_EQ(kvf_proto_encode(&zero.m, &buf, &len), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvf_last_error()).find("lookup.chunk_keys[2]: all zero is not a key"), std::string::npos);
+  LookupReply inc;
+  inc.m.u.lookup_reply.pin_id = 0;
+  EXPECT_EQ(kvf_proto_encode(&inc.m, &buf, &len), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvf_last_error()).find("lookup_reply.pinned_chunks"), std::string::npos);
+  rt.u.retired.outcome = 1;
+  EXPECT_EQ(kvf_proto_encode(&rt, &buf, &len), KVF_ERR_INVALID_ARGUMENT);
+  u.u.unpin.pin_id = 0;
+  EXPECT_EQ(kvf_proto_encode(&u, &buf, &len), KVF_ERR_INVALID_ARGUMENT);
+
+  // Every truncation is refused.
+  kvf_proto_msg ok_rt = Msg(KVF_PROTO_RETIRED);
+  ok_rt.u.retired.outcome = 4;
+  kvf_proto_msg ok_u = Msg(KVF_PROTO_UNPIN);
+  ok_u.u.unpin.pin_id = 3;
+  for (const auto &g : {good, rgood, Encode(ok_rt), Encode(ok_u)})
+    for (size_t cut = 0; cut < g.size() - H; cut++) {
+      auto t = g;
+      t.resize(H + cut);
+      FixLen(t);
+      kvf_proto_msg m;
+      EXPECT_EQ(Decode(t, &m), KVF_ERR_PROTOCOL) << "cut at " << cut;
+    }
+}

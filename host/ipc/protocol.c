@@ -29,6 +29,8 @@ const char *kvf_proto_type_name(uint16_t type) {
   case KVF_PROTO_STAT: return "STAT";
   case KVF_PROTO_STORE: return "STORE";
   case KVF_PROTO_RETRIEVE: return "RETRIEVE";
+  case KVF_PROTO_LOOKUP: return "LOOKUP";
+  case KVF_PROTO_UNPIN: return "UNPIN";
   case KVF_PROTO_HELLO_REPLY: return "HELLO_REPLY";
   case KVF_PROTO_REGISTER_REPLY: return "REGISTER_REPLY";
   case KVF_PROTO_UNREGISTER_REPLY: return "UNREGISTER_REPLY";
@@ -36,6 +38,9 @@ const char *kvf_proto_type_name(uint16_t type) {
   case KVF_PROTO_STAT_REPLY: return "STAT_REPLY";
   case KVF_PROTO_STORE_REPLY: return "STORE_REPLY";
   case KVF_PROTO_RETRIEVE_REPLY: return "RETRIEVE_REPLY";
+  case KVF_PROTO_LOOKUP_REPLY: return "LOOKUP_REPLY";
+  case KVF_PROTO_UNPIN_REPLY: return "UNPIN_REPLY";
+  case KVF_PROTO_RETIRED: return "RETIRED";
   case KVF_PROTO_ERROR: return "ERROR";
   default: return "unknown";
   }
@@ -112,6 +117,52 @@ static void w_counters(wbuf *w, const kvf_proto_counters *c) {
   w_u64(w, c->imports);
   w_u64(w, c->aliases);
   w_u64(w, c->leases);
+}
+
+/* Chunk keys, the one place their wire form is written. */
+static void w_keys(wbuf *w, const kvf_proto_chunk_key *keys, uint32_t n) {
+  for (uint32_t k = 0; k < n; k++) w_bytes(w, keys[k].bytes, KVF_PROTO_KEY_BYTES);
+}
+
+static int key_zero(const kvf_chunk_key *k);
+
+/* The index of the first key that is not one (all zero), or n. */
+static uint32_t keys_first_zero(const kvf_proto_chunk_key *keys, uint32_t n) {
+  uint32_t k = 0;
+  while (k < n && !key_zero(&keys[k])) k++;
+  return k;
+}
+
+/* ---- LOOKUP rules both directions share ----------------------------------- */
+
+/* The checks on a LOOKUP that need none of its keys (prefix "lookup" and
+ * KVF_ERR_INVALID_ARGUMENT for the encoder, "payload" and KVF_ERR_PROTOCOL
+ * for the decoder, as xfer_check_fixed). */
+static kvf_status lookup_check_fixed(const kvf_proto_lookup *q, const char *p, kvf_status err) {
+  if (q->token_end <= q->token_begin)
+    return kvf_fail(err, "%s.token_end: %llu is not after token_begin %llu", p, (unsigned long long)q->token_end,
+                    (unsigned long long)q->token_begin);
+  if (q->format > 1) return kvf_fail(err, "%s.format: %u is neither 0 (canonical) nor 1 (native)", p, q->format);
+  if (q->pin_ms > KVF_PROTO_MAX_PIN_MS)
+    return kvf_fail(err, "%s.pin_ms: %u exceeds the %u ms limit", p, q->pin_ms, KVF_PROTO_MAX_PIN_MS);
+  if (q->num_chunk_keys == 0) return kvf_fail(err, "%s.num_chunk_keys: 0, a lookup spans at least one chunk", p);
+  if (q->num_chunk_keys > KVF_PROTO_MAX_CHUNKS)
+    return kvf_fail(err, "%s.num_chunk_keys: count %u exceeds the %u limit", p, q->num_chunk_keys,
+                    KVF_PROTO_MAX_CHUNKS);
+  if (q->num_chunk_keys > q->token_end - q->token_begin)
+    return kvf_fail(err, "%s.num_chunk_keys: %u chunks for a range of %llu tokens", p, q->num_chunk_keys,
+                    (unsigned long long)(q->token_end - q->token_begin));
+  return KVF_SUCCESS;
+}
+
+static kvf_status lookup_reply_check(const kvf_proto_lookup_reply *x, const char *p, kvf_status err) {
+  if (x->num_object_groups > KVF_PROTO_MAX_GROUPS)
+    return kvf_fail(err, "%s.num_object_groups: count %u exceeds the %u limit", p, x->num_object_groups,
+                    KVF_PROTO_MAX_GROUPS);
+  if ((x->pin_id == 0) != (x->pinned_chunks == 0))
+    return kvf_fail(err, "%s.pinned_chunks: %u with pin_id %llu (0 exactly when nothing is pinned)", p,
+                    x->pinned_chunks, (unsigned long long)x->pin_id);
+  return KVF_SUCCESS;
 }
 
 /* ---- STORE / RETRIEVE rules both directions share ------------------------- */
@@ -372,6 +423,54 @@ static kvf_status encode_payload(const kvf_proto_msg *m, wbuf *w) {
     w_str(w, x->message, n);
     return KVF_SUCCESS;
   }
+  case KVF_PROTO_LOOKUP: {
+    const kvf_proto_lookup *q = &m->u.lookup;
+    if ((st = lookup_check_fixed(q, "lookup", KVF_ERR_INVALID_ARGUMENT))) return st;
+    if (!q->chunk_keys) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "lookup.chunk_keys: NULL with a nonzero count");
+    uint32_t zero = keys_first_zero(q->chunk_keys, q->num_chunk_keys);
+    if (zero < q->num_chunk_keys)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "lookup.chunk_keys[%u]: all zero is not a key", zero);
+    w_u64(w, q->registration_id);
+    w_u64(w, q->token_begin);
+    w_u64(w, q->token_end);
+    w_u32(w, q->format);
+    w_u32(w, q->pin_ms);
+    w_u32(w, q->num_chunk_keys);
+    w_u32(w, 0); /* reserved */
+    w_keys(w, q->chunk_keys, q->num_chunk_keys);
+    return KVF_SUCCESS;
+  }
+  case KVF_PROTO_LOOKUP_REPLY: {
+    const kvf_proto_lookup_reply *x = &m->u.lookup_reply;
+    if ((st = lookup_reply_check(x, "lookup_reply", KVF_ERR_INVALID_ARGUMENT))) return st;
+    if (x->num_object_groups && !x->og_prefix_tokens)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "lookup_reply.og_prefix_tokens: NULL with a nonzero count");
+    w_u64(w, x->prefix_tokens);
+    w_u64(w, x->pin_id);
+    w_u32(w, x->pinned_chunks);
+    w_u32(w, x->num_object_groups);
+    for (uint32_t i = 0; i < x->num_object_groups; i++) w_u64(w, x->og_prefix_tokens[i]);
+    return KVF_SUCCESS;
+  }
+  case KVF_PROTO_UNPIN:
+    if (m->u.unpin.pin_id == 0) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "unpin.pin_id: 0 is not a pin");
+    w_u64(w, m->u.unpin.pin_id);
+    return KVF_SUCCESS;
+  case KVF_PROTO_UNPIN_REPLY:
+    if (m->u.unpin_reply.released > 1)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "unpin_reply.released: %u is neither 0 nor 1",
+                      m->u.unpin_reply.released);
+    w_u64(w, m->u.unpin_reply.pin_id);
+    w_u32(w, m->u.unpin_reply.released);
+    w_u32(w, 0);
+    return KVF_SUCCESS;
+  case KVF_PROTO_RETIRED:
+    if (m->u.retired.outcome != 3 && m->u.retired.outcome != 4)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "retired.outcome: %u is neither 3 (cancelled) nor 4 (timed out)",
+                      m->u.retired.outcome);
+    w_u32(w, m->u.retired.outcome);
+    w_u32(w, 0);
+    return KVF_SUCCESS;
   case KVF_PROTO_ERROR: {
     const kvf_proto_error *e = &m->u.error;
     if ((st = e_str(e->field, KVF_PROTO_FIELD_MAX, "error.field", &n))) return st;
@@ -702,6 +801,56 @@ out:
   return st;
 }
 
+/* Chunk keys, the one place their wire form is read: n keys (the count
+ * checked against its limit) into a new array, each nonzero. */
+static kvf_status r_keys(rbuf *r, uint32_t n, kvf_proto_chunk_key **out, const char *field) {
+  kvf_status st = r_room(r, n, KVF_PROTO_KEY_BYTES, field);
+  if (st) return st;
+  kvf_proto_chunk_key *keys = malloc((size_t)(n ? n : 1) * sizeof(*keys));
+  if (!keys) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "payload: out of memory decoding %s", field);
+  *out = keys; /* owned by the message from here, also on failure */
+  for (uint32_t k = 0; k < n; k++, r->pos += KVF_PROTO_KEY_BYTES) memcpy(keys[k].bytes, r->p + r->pos, KVF_PROTO_KEY_BYTES);
+  uint32_t zero = keys_first_zero(keys, n);
+  if (zero < n) return kvf_fail(KVF_ERR_PROTOCOL, "%s[%u]: all zero is not a key", field, zero);
+  return KVF_SUCCESS;
+}
+
+static kvf_status decode_lookup(rbuf *r, kvf_proto_lookup *q) {
+  kvf_status st = KVF_SUCCESS;
+  R(r_u64(r, &q->registration_id, "payload.registration_id"));
+  R(r_u64(r, &q->token_begin, "payload.token_begin"));
+  R(r_u64(r, &q->token_end, "payload.token_end"));
+  R(r_u32(r, &q->format, "payload.format"));
+  R(r_u32(r, &q->pin_ms, "payload.pin_ms"));
+  R(r_u32(r, &q->num_chunk_keys, "payload.num_chunk_keys"));
+  R(r_zero32(r, "payload.reserved"));
+  R(lookup_check_fixed(q, "payload", KVF_ERR_PROTOCOL));
+  R(r_keys(r, q->num_chunk_keys, &q->chunk_keys, "payload.chunk_keys"));
+out:
+  return st;
+}
+
+static kvf_status decode_lookup_reply(rbuf *r, kvf_proto_lookup_reply *x) {
+  kvf_status st = KVF_SUCCESS;
+  R(r_u64(r, &x->prefix_tokens, "payload.prefix_tokens"));
+  R(r_u64(r, &x->pin_id, "payload.pin_id"));
+  R(r_u32(r, &x->pinned_chunks, "payload.pinned_chunks"));
+  R(r_u32(r, &x->num_object_groups, "payload.num_object_groups"));
+  R(lookup_reply_check(x, "payload", KVF_ERR_PROTOCOL));
+  R(r_room(r, x->num_object_groups, 8, "payload.og_prefix_tokens"));
+  if (x->num_object_groups) {
+    x->og_prefix_tokens = malloc((size_t)x->num_object_groups * sizeof *x->og_prefix_tokens);
+    if (!x->og_prefix_tokens) {
+      st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "payload: out of memory decoding %s", "og_prefix_tokens");
+      goto out;
+    }
+    for (uint32_t i = 0; i < x->num_object_groups; i++, r->pos += 8)
+      x->og_prefix_tokens[i] = get_le(r->p + r->pos, 8);
+  }
+out:
+  return st;
+}
+
 static kvf_status decode_payload(uint16_t type, rbuf *r, kvf_proto_msg *m) {
   kvf_status st = KVF_SUCCESS;
   switch (type) {
@@ -805,6 +954,24 @@ static kvf_status decode_payload(uint16_t type, rbuf *r, kvf_proto_msg *m) {
   case KVF_PROTO_RETRIEVE: R(decode_xfer(r, type, &m->u.xfer)); break;
   case KVF_PROTO_STORE_REPLY:
   case KVF_PROTO_RETRIEVE_REPLY: R(decode_xfer_reply(r, type, &m->u.xfer_reply)); break;
+  case KVF_PROTO_LOOKUP: R(decode_lookup(r, &m->u.lookup)); break;
+  case KVF_PROTO_LOOKUP_REPLY: R(decode_lookup_reply(r, &m->u.lookup_reply)); break;
+  case KVF_PROTO_UNPIN:
+    R(r_u64(r, &m->u.unpin.pin_id, "payload.pin_id"));
+    if (m->u.unpin.pin_id == 0) BAD("payload.pin_id: 0 is not a pin");
+    break;
+  case KVF_PROTO_UNPIN_REPLY:
+    R(r_u64(r, &m->u.unpin_reply.pin_id, "payload.pin_id"));
+    R(r_u32(r, &m->u.unpin_reply.released, "payload.released"));
+    if (m->u.unpin_reply.released > 1) BAD("payload.released: %u is neither 0 nor 1", m->u.unpin_reply.released);
+    R(r_zero32(r, "payload.reserved"));
+    break;
+  case KVF_PROTO_RETIRED:
+    R(r_u32(r, &m->u.retired.outcome, "payload.outcome"));
+    if (m->u.retired.outcome != 3 && m->u.retired.outcome != 4)
+      BAD("payload.outcome: %u is neither 3 (cancelled) nor 4 (timed out)", m->u.retired.outcome);
+    R(r_zero32(r, "payload.reserved"));
+    break;
   case KVF_PROTO_ERROR: {
     kvf_proto_error *e = &m->u.error;
     R(r_u32(r, &e->status, "payload.status"));
@@ -900,6 +1067,8 @@ void kvf_proto_msg_clear(kvf_proto_msg *msg) {
     free(msg->u.xfer_reply.group_blocks);
     free(msg->u.xfer_reply.og_prefix_tokens);
     break;
+  case KVF_PROTO_LOOKUP: free(msg->u.lookup.chunk_keys); break;
+  case KVF_PROTO_LOOKUP_REPLY: free(msg->u.lookup_reply.og_prefix_tokens); break;
   default: break;
   }
   memset(msg, 0, sizeof *msg);

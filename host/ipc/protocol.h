@@ -55,6 +55,7 @@ extern "C" {
 #define KVF_PROTO_NAME_MAX 64u                  /* client names: at most 63 bytes */
 #define KVF_PROTO_FIELD_MAX 128u                /* ERROR's field: at most 127 bytes */
 #define KVF_PROTO_MESSAGE_MAX 512u              /* ERROR's message: at most 511 bytes */
+#define KVF_PROTO_MAX_PIN_MS 60000u             /* LOOKUP: the longest pin */
 
 /* Message types. Values are pinned: a reply is its request's type | 0x8000. */
 typedef enum kvf_proto_type {
@@ -65,6 +66,8 @@ typedef enum kvf_proto_type {
   KVF_PROTO_STAT = 0x0005,
   KVF_PROTO_STORE = 0x0006,
   KVF_PROTO_RETRIEVE = 0x0007,
+  KVF_PROTO_LOOKUP = 0x0008,
+  KVF_PROTO_UNPIN = 0x0009,
   KVF_PROTO_REPLY = 0x8000, /* bit set on every reply */
   KVF_PROTO_HELLO_REPLY = 0x8001,
   KVF_PROTO_REGISTER_REPLY = 0x8002,
@@ -73,6 +76,9 @@ typedef enum kvf_proto_type {
   KVF_PROTO_STAT_REPLY = 0x8005,
   KVF_PROTO_STORE_REPLY = 0x8006,
   KVF_PROTO_RETRIEVE_REPLY = 0x8007,
+  KVF_PROTO_LOOKUP_REPLY = 0x8008,
+  KVF_PROTO_UNPIN_REPLY = 0x8009,
+  KVF_PROTO_RETIRED = 0x8100, /* a notice (server -> client), not a reply: 0x81xx */
   KVF_PROTO_ERROR = 0x80FF, /* the reply to any request that failed */
 } kvf_proto_type;
 
@@ -202,6 +208,10 @@ typedef struct kvf_proto_group {
   uint32_t count;
 } kvf_proto_group;
 
+/* A chunk key on the wire (KVF_PROTO_KEY_BYTES bytes): what
+ * kvf_proto_xfer.chunk_keys and kvf_proto_lookup.chunk_keys hold. */
+typedef kvf_chunk_key kvf_proto_chunk_key;
+
 /* How the server learns that the blocks a STORE reads are written. */
 typedef enum kvf_proto_ready_kind {
   KVF_PROTO_READY_NONE = 0,       /* ready when the request is sent (host backend, or the engine synced) */
@@ -249,6 +259,42 @@ typedef struct kvf_proto_xfer_reply {
   char message[KVF_PROTO_MESSAGE_MAX]; /* why, when not done; "" otherwise */
 } kvf_proto_xfer_reply;
 
+/* LOOKUP: how far the prefix named by chunk_keys reaches in each object
+ * group, by RETRIEVE's rule, moving nothing; optionally pinning what a
+ * RETRIEVE of the same range would read for pin_ms. */
+typedef struct kvf_proto_lookup {
+  uint64_t registration_id;         /* 0: the client's live registration */
+  uint64_t token_begin, token_end;  /* token_end > token_begin */
+  uint32_t format;                  /* kvf_object_format: 0 canonical, 1 native */
+  uint32_t pin_ms;                  /* 0: no pin; else at most KVF_PROTO_MAX_PIN_MS */
+  kvf_proto_chunk_key *chunk_keys;  /* [num_chunk_keys], none all zero */
+  uint32_t num_chunk_keys;          /* 1 .. KVF_PROTO_MAX_CHUNKS, <= token_end - token_begin */
+} kvf_proto_lookup;
+
+typedef struct kvf_proto_lookup_reply {
+  uint64_t prefix_tokens;     /* what a RETRIEVE of the range would restore in every object group */
+  uint64_t pin_id;            /* 0: nothing pinned */
+  uint32_t pinned_chunks;     /* chunks with an object pinned; 0 exactly when pin_id is 0 */
+  uint64_t *og_prefix_tokens; /* [num_object_groups]: how far each object group reaches */
+  uint32_t num_object_groups; /* <= KVF_PROTO_MAX_GROUPS */
+} kvf_proto_lookup_reply;
+
+typedef struct kvf_proto_unpin {
+  uint64_t pin_id; /* nonzero: a LOOKUP_REPLY's */
+} kvf_proto_unpin;
+
+typedef struct kvf_proto_unpin_reply {
+  uint64_t pin_id;
+  uint32_t released; /* 1: this UNPIN released it; 0: it was gone already (expired or unpinned) */
+} kvf_proto_unpin_reply;
+
+/* RETIRED (header.request_id: the STORE or RETRIEVE): the work of a request
+ * answered before it was proven complete (timed out, cancelled) is now
+ * proven done: nothing of it can touch the engine's blocks any more. */
+typedef struct kvf_proto_retired {
+  uint32_t outcome; /* the outcome its reply carried: 3 cancelled or 4 timed out */
+} kvf_proto_retired;
+
 typedef struct kvf_proto_error {
   uint32_t status;  /* kvf_status, never KVF_SUCCESS */
   uint16_t version; /* the protocol version of the side that replied */
@@ -274,6 +320,11 @@ typedef struct kvf_proto_msg {
     kvf_proto_stat_reply stat_reply;
     kvf_proto_xfer xfer;
     kvf_proto_xfer_reply xfer_reply;
+    kvf_proto_lookup lookup;
+    kvf_proto_lookup_reply lookup_reply;
+    kvf_proto_unpin unpin;
+    kvf_proto_unpin_reply unpin_reply;
+    kvf_proto_retired retired;
     kvf_proto_error error;
   } u;
 } kvf_proto_msg;
