@@ -76,6 +76,10 @@ static void usage(FILE *f) {
           "                              47-bit address space)\n"
           "  --max-client-registrations N  live and draining registrations per connection\n"
           "                              (quota.registrations) (default 8)\n"
+          "  --max-pins N                per client: LOOKUP pins held at once (quota.pins)\n"
+          "                              (default 256)\n"
+          "  --max-pinned-chunks N       per client: chunks its LOOKUP pins hold at once\n"
+          "                              (quota.pinned_chunks) (default 65536)\n"
           "  --log-level LEVEL           none, warn, info or trace (default: KVF_DEBUG, else warn)\n"
           "  --help                      this text\n"
           "\n"
@@ -210,6 +214,12 @@ int main(int argc, char **argv) {
       i++;
     } else if (!strcmp(a, "--max-client-registrations") && v) {
       if (parse_u32(a, v, &opt.max_client_registrations) != 0) return 2;
+      i++;
+    } else if (!strcmp(a, "--max-pins") && v) {
+      if (parse_u32(a, v, &opt.max_client_pins) != 0) return 2;
+      i++;
+    } else if (!strcmp(a, "--max-pinned-chunks") && v) {
+      if (parse_u32(a, v, &opt.max_client_pinned_chunks) != 0) return 2;
       i++;
     } else if (!strcmp(a, "--log-level") && v) {
       kvf_log_level level;

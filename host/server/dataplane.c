@@ -64,6 +64,7 @@ typedef struct dp_job {
   kvf_scuda_event *event;
   int queued;           /* work may have been enqueued on the lane's stream */
   int answered;         /* the outcome was reported (a timeout answers early) */
+  uint32_t answered_kind; /* the outcome reported */
   uint64_t deadline_ns;
   uint32_t inject_step; /* tests: kvf_dp_fail_step for this request */
   kvf_status status;
@@ -229,6 +230,7 @@ static void job_fail(dp_job *j, kvf_status st, const char *message) {
 static void job_answer(kvf_dataplane *dp, dp_job *j, uint32_t kind) {
   if (j->answered) return;
   j->answered = 1;
+  j->answered_kind = kind;
   if (kind != KVF_OUTCOME_DONE) {
     /* Not done: nothing of it counts (a store is aborted, a retrieve may have
      * written any part of any block). */
@@ -290,8 +292,23 @@ static void job_check_present(kvf_dataplane *dp, dp_job *j) {
 }
 
 /* Release what j holds. Only once nothing can still touch its memory. */
+/* The RETIRED notice for request_id of client_id (outcome: what its reply
+ * said). */
+static void post_retired(kvf_dataplane *dp, uint64_t client_id, uint64_t request_id, uint32_t outcome) {
+  kvf_proto_msg r;
+  memset(&r, 0, sizeof(r));
+  r.type = KVF_PROTO_RETIRED;
+  r.request_id = request_id;
+  r.u.retired.outcome = outcome;
+  dp->opt.reply(dp->opt.reply_ctx, client_id, &r);
+}
+
 static void job_retire(kvf_dataplane *dp, dp_job *j) {
   int done = j->status == KVF_SUCCESS && !j->answered;
+  /* Answered before its work was proven done (timed out, cancelled): the
+   * client learns of the proof from a RETIRED notice, sent below once
+   * everything it held is released. */
+  int early = j->answered;
   if (j->reservation) {
     if (done)
       kvf_l1_commit(dp->l1, j->reservation);
@@ -315,6 +332,10 @@ static void job_retire(kvf_dataplane *dp, dp_job *j) {
     dp->all = j->all_next;
   if (j->all_next) j->all_next->all_prev = j->all_prev;
   dp->counters.in_flight--;
+  /* Under mu, with the removal: a retry answered from the completion table
+   * on the loop sees either this job in flight (this notice follows its
+   * reply) or neither (it sends its own notice). */
+  if (early) post_retired(dp, j->client_id, j->request_id, j->answered_kind);
   pthread_mutex_unlock(&dp->mu);
   job_free(j);
 }
@@ -595,23 +616,41 @@ out:
   return st;
 }
 
+/* Bit g of a group mask: group g takes part in the request (RETRIEVE: its
+ * table names blocks; LOOKUP: every group). KVF_MAX_GROUPS is 64. */
+_Static_assert(KVF_MAX_GROUPS <= 64, "a group mask is 64 bits");
+static int in_mask(uint64_t groups, uint32_t g) { return (int)((groups >> g) & 1u); }
+
+/* Does object group og take part (one of its groups is in the mask)? */
+static int og_requested(const kvf_geometry *g, uint64_t groups, uint32_t og) {
+  kvf_object_group_info oi = KVF_OBJECT_GROUP_INFO_INIT;
+  (void)kvf_geometry_object_group(g, og, &oi);
+  for (uint32_t i = 0; i < oi.num_groups; i++)
+    if (in_mask(groups, oi.groups[i])) return 1;
+  return 0;
+}
+
 /* Is object group og (with its found objects) restorable at prefix N?
- * found[k*nog+og] for chunk k; chunk k covers [tb + kC, ...). */
-static int og_valid_at(const dp_job *j, const kvf_l1_found *found, uint32_t og, uint64_t N) {
-  const kvf_geometry *g = j->b->geometry;
-  uint32_t nog = j->b->num_object_groups, C = j->b->chunk_tokens;
-  uint64_t tb = j->req.token_begin;
+ * found[k*nog+og] for chunk k; chunk k covers [tb + kC, ...). With `need`
+ * (NULL: not wanted) and a yes, need[k*nog+og] is set for every object the
+ * answer rests on: what a RETRIEVE to N reads of this object group. */
+static int og_valid_at(const kvf_dp_binding *b, uint64_t tb, uint64_t groups, const kvf_l1_found *found, uint32_t og,
+                       uint64_t N, uint8_t *need) {
+  const kvf_geometry *g = b->geometry;
+  uint32_t nog = b->num_object_groups, C = b->chunk_tokens;
   kvf_object_group_info oi = KVF_OBJECT_GROUP_INFO_INIT;
   (void)kvf_geometry_object_group(g, og, &oi);
   uint64_t need_from = N; /* the earliest token of [tb, N) this og needs */
+  uint64_t state = UINT64_MAX; /* the chunk whose state object a recurrent group needs */
   for (uint32_t i = 0; i < oi.num_groups; i++) {
     uint32_t gidx = oi.groups[i];
-    if (!group_requested(j, gidx)) continue;
+    if (!in_mask(groups, gidx)) continue;
     kvf_group_info gi = KVF_GROUP_INFO_INIT;
     (void)kvf_geometry_group(g, gidx, &gi);
     if (gi.kind == KVF_GROUP_RECURRENT) {
       if (N % C != 0 || N <= tb) return 0;
-      if (!found[((N - tb) / C - 1) * nog + og].found) return 0;
+      state = (N - tb) / C - 1;
+      if (!found[state * nog + og].found) return 0;
       continue;
     }
     uint64_t rb = tb;
@@ -621,7 +660,92 @@ static int og_valid_at(const dp_job *j, const kvf_l1_found *found, uint32_t og, 
   }
   for (uint64_t k = (need_from - tb) / C; tb + k * C < N; k++)
     if (!found[k * nog + og].found) return 0;
+  if (need) {
+    if (state != UINT64_MAX) need[state * nog + og] = 1;
+    for (uint64_t k = (need_from - tb) / C; tb + k * C < N; k++) need[k * nog + og] = 1;
+  }
   return 1;
+}
+
+/* What a prefix search looks for: the range, its keys and the groups that
+ * take part. */
+typedef struct dp_prefix_query {
+  uint64_t token_begin, token_end;
+  kvf_object_format format;
+  const kvf_proto_chunk_key *chunk_keys;
+  uint64_t num_chunks; /* chunks of the range, one key each */
+  uint64_t groups;     /* group mask (in_mask) */
+} dp_prefix_query;
+
+/* The prefix rule RETRIEVE and LOOKUP share (one function, so they can never
+ * disagree): look up and pin every object of the range's chunk keys (*pin,
+ * set also on failure: the caller releases it), refuse objects of another
+ * fingerprint or format naming the field, count objects of another token
+ * range (a partial chunk then) as missing, and find the longest prefix P
+ * valid for every object group that takes part: full groups need every
+ * chunk up to P, windowed groups only the chunks of their retained window
+ * at P, recurrent groups the state object at exactly P (a chunk boundary).
+ * found[nchunks * nog] is the caller's. *prefix gets P (token_begin: a
+ * miss), og_prefix[og] the longest prefix object group og alone reaches
+ * (token_begin: a miss for it, or it takes no part). Cost: nchunks x nog
+ * L1 lookups and, per candidate prefix, one walk over its chunks. */
+static kvf_status prefix_find(kvf_dataplane *dp, const kvf_dp_binding *b, const dp_prefix_query *pq,
+                              kvf_l1_found *found, kvf_l1_pin **pin, uint64_t *prefix, uint64_t *og_prefix) {
+  const kvf_geometry *g = b->geometry;
+  uint32_t nog = b->num_object_groups, C = b->chunk_tokens;
+  uint64_t nchunks = pq->num_chunks, tb = pq->token_begin, te = pq->token_end;
+  *pin = NULL;
+  uint64_t nq = nchunks * nog;
+  kvf_l1_query *q = calloc((size_t)(nq ? nq : 1), sizeof(*q));
+  if (!q) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "lookup: out of memory");
+  for (uint64_t k = 0; k < nchunks; k++)
+    for (uint32_t og = 0; og < nog; og++) q[k * nog + og] = (kvf_l1_query){l1_key(b, &pq->chunk_keys[k]), og};
+  kvf_status st = kvf_l1_lookup_pin(dp->l1, q, (uint32_t)(nchunks * nog), found, pin);
+  free(q);
+  if (st != KVF_SUCCESS) return st;
+  /* Objects made through another geometry or format are refused; objects
+   * with another token range (a partial chunk then) do not count as found. */
+  for (uint64_t k = 0; k < nchunks; k++)
+    for (uint32_t og = 0; og < nog; og++) {
+      kvf_l1_found *f = &found[k * nog + og];
+      if (!f->found) continue;
+      kvf_object_header want;
+      uint64_t gk = tb / C + k;
+      if (kvf_object_header_init(g, pq->format, og, gk, te, &want) != KVF_SUCCESS) {
+        f->found = 0;
+        continue;
+      }
+      if (f->header.format != want.format)
+        return kvf_fail(KVF_ERR_GEOMETRY_MISMATCH,
+                        "payload.format: chunk_keys[%llu] object group %u was stored as %s, the request asks for %s",
+                        (unsigned long long)k, (unsigned)og,
+                        kvf_object_format_name((kvf_object_format)f->header.format),
+                        kvf_object_format_name((kvf_object_format)want.format));
+      st = kvf_object_header_check(g, &f->header, og);
+      if (st != KVF_SUCCESS) {
+        kvf_error_prefix("payload.chunk_keys[%llu]: object group %u: ", (unsigned long long)k, (unsigned)og);
+        return st;
+      }
+      if (f->header.token_begin != want.token_begin || f->header.token_end != want.token_end) f->found = 0;
+    }
+  /* Candidate prefixes: each chunk's end, longest first. */
+  uint64_t P = tb;
+  int any_requested = 0;
+  for (uint32_t og = 0; og < nog; og++) og_prefix[og] = tb;
+  for (uint64_t k = nchunks; k-- > 0;) {
+    uint64_t N = te - (tb + k * C) > C ? tb + (k + 1) * C : te;
+    int all = 1;
+    for (uint32_t og = 0; og < nog; og++) {
+      if (!og_requested(g, pq->groups, og)) continue;
+      any_requested = 1;
+      int ok = og_valid_at(b, tb, pq->groups, found, og, N, NULL);
+      if (ok && og_prefix[og] == tb) og_prefix[og] = N;
+      if (!ok) all = 0;
+    }
+    if (all && any_requested && P == tb) P = N;
+  }
+  *prefix = P;
+  return KVF_SUCCESS;
 }
 
 /* RETRIEVE admission: find the longest prefix every requested object group
@@ -632,65 +756,20 @@ static kvf_status admit_retrieve(kvf_dataplane *dp, dp_job *j, const kvf_proto_x
   uint32_t ng = j->b->num_groups, nog = j->b->num_object_groups, C = j->b->chunk_tokens;
   uint64_t nchunks = x->num_chunk_keys, tb = x->token_begin;
   kvf_status st = KVF_SUCCESS;
-  kvf_l1_query *q = calloc((size_t)nchunks * nog, sizeof(*q));
   kvf_l1_found *found = calloc((size_t)nchunks * nog, sizeof(*found));
   j->objects = calloc((size_t)nchunks * nog, sizeof(void *));
-  if (!q || !found || !j->objects) {
+  if (!found || !j->objects) {
     st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "retrieve: out of memory");
     goto out;
   }
   st = job_precheck(j, nchunks * nog);
   if (st != KVF_SUCCESS) goto out;
-  for (uint64_t k = 0; k < nchunks; k++)
-    for (uint32_t og = 0; og < nog; og++) q[k * nog + og] = (kvf_l1_query){l1_key(j->b, &x->chunk_keys[k]), og};
-  st = kvf_l1_lookup_pin(dp->l1, q, (uint32_t)(nchunks * nog), found, &j->pin);
-  if (st != KVF_SUCCESS) goto out;
-  /* Objects made through another geometry or format are refused; objects
-   * with another token range (a partial chunk then) do not count as found. */
-  for (uint64_t k = 0; k < nchunks; k++)
-    for (uint32_t og = 0; og < nog; og++) {
-      kvf_l1_found *f = &found[k * nog + og];
-      if (!f->found) continue;
-      kvf_object_header want;
-      uint64_t gk = tb / C + k;
-      if (kvf_object_header_init(g, (kvf_object_format)x->format, og, gk, x->token_end, &want) != KVF_SUCCESS) {
-        f->found = 0;
-        continue;
-      }
-      if (f->header.format != want.format) {
-        st = kvf_fail(KVF_ERR_GEOMETRY_MISMATCH,
-                      "payload.format: chunk_keys[%llu] object group %u was stored as %s, the request asks for %s",
-                      (unsigned long long)k, (unsigned)og, kvf_object_format_name((kvf_object_format)f->header.format),
-                      kvf_object_format_name((kvf_object_format)want.format));
-        goto out;
-      }
-      st = kvf_object_header_check(g, &f->header, og);
-      if (st != KVF_SUCCESS) {
-        kvf_error_prefix("payload.chunk_keys[%llu]: object group %u: ", (unsigned long long)k, (unsigned)og);
-        goto out;
-      }
-      if (f->header.token_begin != want.token_begin || f->header.token_end != want.token_end) f->found = 0;
-    }
-  /* Candidate prefixes: each chunk's end. */
+  dp_prefix_query pq = {tb, x->token_end, (kvf_object_format)x->format, x->chunk_keys, nchunks, 0};
+  for (uint32_t gidx = 0; gidx < ng; gidx++)
+    if (group_requested(j, gidx)) pq.groups |= 1ull << gidx;
   uint64_t P = tb;
-  int any_requested = 0;
-  for (uint32_t og = 0; og < nog; og++) j->og_prefix[og] = tb;
-  for (uint64_t k = nchunks; k-- > 0;) {
-    uint64_t N = x->token_end - (tb + k * C) > C ? tb + (k + 1) * C : x->token_end;
-    int all = 1;
-    for (uint32_t og = 0; og < nog; og++) {
-      kvf_object_group_info oi = KVF_OBJECT_GROUP_INFO_INIT;
-      (void)kvf_geometry_object_group(g, og, &oi);
-      int requested = 0;
-      for (uint32_t i = 0; i < oi.num_groups; i++) requested |= group_requested(j, oi.groups[i]);
-      if (!requested) continue;
-      any_requested = 1;
-      int ok = og_valid_at(j, found, og, N);
-      if (ok && j->og_prefix[og] == tb) j->og_prefix[og] = N;
-      if (!ok) all = 0;
-    }
-    if (all && any_requested && P == tb) P = N;
-  }
+  st = prefix_find(dp, j->b, &pq, found, &j->pin, &P, j->og_prefix);
+  if (st != KVF_SUCCESS) goto out;
   j->prefix_tokens = P;
   if (P == tb) {
     j->req.token_end = tb; /* nothing to restore */
@@ -746,31 +825,39 @@ static kvf_status admit_retrieve(kvf_dataplane *dp, dp_job *j, const kvf_proto_x
     }
   st = job_finish_request(j);
 out:
-  free(q);
   free(found);
   return st;
+}
+
+/* The checks STORE, RETRIEVE and LOOKUP share: the registration, the
+ * format, the range on chunk boundaries and one key per chunk. */
+static kvf_status check_range(const kvf_dp_binding *b, uint64_t registration_id, uint32_t format, uint64_t tb,
+                              uint64_t te, uint32_t num_chunk_keys) {
+  uint32_t C = b->chunk_tokens;
+  if (registration_id != 0 && registration_id != b->registration_id)
+    return kvf_fail(KVF_ERR_STATE, "payload.registration_id: %llu is not the live registration (%llu)",
+                    (unsigned long long)registration_id, (unsigned long long)b->registration_id);
+  if (format > KVF_FORMAT_NATIVE)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.format: %u is not an object format", (unsigned)format);
+  if (tb % C != 0)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.token_begin: %llu is not a multiple of chunk_tokens %u",
+                    (unsigned long long)tb, (unsigned)C);
+  if (te <= tb)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.token_end: %llu must exceed token_begin %llu",
+                    (unsigned long long)te, (unsigned long long)tb);
+  uint64_t span = te - tb, chunks = span / C + (span % C != 0); /* no overflow near the top of the range */
+  if (num_chunk_keys != chunks)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.chunk_keys: %u keys sent, tokens [%llu, %llu) span %llu chunks",
+                    (unsigned)num_chunk_keys, (unsigned long long)tb, (unsigned long long)te,
+                    (unsigned long long)chunks);
+  return KVF_SUCCESS;
 }
 
 /* Field checks that need the geometry but no lease. */
 static kvf_status check_xfer(const kvf_dp_binding *b, const kvf_proto_msg *m) {
   const kvf_proto_xfer *x = &m->u.xfer;
-  uint32_t C = b->chunk_tokens;
-  if (x->registration_id != 0 && x->registration_id != b->registration_id)
-    return kvf_fail(KVF_ERR_STATE, "payload.registration_id: %llu is not the live registration (%llu)",
-                    (unsigned long long)x->registration_id, (unsigned long long)b->registration_id);
-  if (x->format > KVF_FORMAT_NATIVE)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.format: %u is not an object format", (unsigned)x->format);
-  if (x->token_begin % C != 0)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.token_begin: %llu is not a multiple of chunk_tokens %u",
-                    (unsigned long long)x->token_begin, (unsigned)C);
-  if (x->token_end <= x->token_begin)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.token_end: %llu must exceed token_begin %llu",
-                    (unsigned long long)x->token_end, (unsigned long long)x->token_begin);
-  uint64_t chunks = (x->token_end - x->token_begin + C - 1) / C;
-  if (x->num_chunk_keys != chunks)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.chunk_keys: %u keys sent, tokens [%llu, %llu) span %llu chunks",
-                    (unsigned)x->num_chunk_keys, (unsigned long long)x->token_begin,
-                    (unsigned long long)x->token_end, (unsigned long long)chunks);
+  kvf_status st = check_range(b, x->registration_id, x->format, x->token_begin, x->token_end, x->num_chunk_keys);
+  if (st != KVF_SUCCESS) return st;
   if (x->num_groups != b->num_groups)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.num_groups: %u groups sent, the geometry has %u",
                     (unsigned)x->num_groups, (unsigned)b->num_groups);
@@ -809,7 +896,17 @@ kvf_status kvf_dataplane_submit(kvf_dataplane *dp, kvf_dp_binding *b, uint64_t c
     r.u.xfer_reply.outcome = oc.kind;
     r.u.xfer_reply.prefix_tokens = oc.value;
     snprintf(r.u.xfer_reply.message, sizeof(r.u.xfer_reply.message), "a retry: the outcome recorded earlier");
+    /* An outcome recorded before the proof (timed out, cancelled) is
+     * followed by its RETIRED notice: the job's own while it is in flight,
+     * else one sent here (RETIRED may then arrive twice: harmless). */
+    int early = oc.kind == KVF_OUTCOME_TIMED_OUT || oc.kind == KVF_OUTCOME_CANCELLED;
+    pthread_mutex_lock(&dp->mu);
+    int in_flight = 0;
+    for (dp_job *o = dp->all; o && early; o = o->all_next)
+      if (o->client_id == client_id && o->request_id == m->request_id) in_flight = 1;
     dp->opt.reply(dp->opt.reply_ctx, client_id, &r);
+    if (early && !in_flight) post_retired(dp, client_id, m->request_id, oc.kind);
+    pthread_mutex_unlock(&dp->mu);
     return KVF_SUCCESS;
   }
   pthread_mutex_lock(&dp->mu);
@@ -887,6 +984,72 @@ refuse:
     kvf_fail(st, "%s", why);
   }
   return st;
+}
+
+/* ---- LOOKUP ------------------------------------------------------------------ */
+
+kvf_status kvf_dataplane_lookup(kvf_dataplane *dp, kvf_dp_binding *b, const kvf_proto_lookup *q,
+                                kvf_dp_lookup_result *out, kvf_l1_pin **pin) {
+  if (!dp || !q || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_dataplane_lookup: NULL argument");
+  memset(out, 0, sizeof(*out));
+  if (pin) *pin = NULL;
+  if (!b) return kvf_fail(KVF_ERR_STATE, "payload.registration_id: this client has no registration");
+  kvf_status st = check_range(b, q->registration_id, q->format, q->token_begin, q->token_end, q->num_chunk_keys);
+  if (st != KVF_SUCCESS) return st;
+  uint32_t nog = b->num_object_groups;
+  uint64_t n = (uint64_t)q->num_chunk_keys * nog, tb = q->token_begin;
+  kvf_l1_found *found = calloc((size_t)(n ? n : 1), sizeof(*found));
+  uint8_t *need = pin ? calloc((size_t)(n ? n : 1), 1) : NULL;
+  kvf_l1_query *keep = pin ? calloc((size_t)(n ? n : 1), sizeof(*keep)) : NULL;
+  kvf_l1_found *kept = pin ? calloc((size_t)(n ? n : 1), sizeof(*kept)) : NULL;
+  kvf_l1_pin *all = NULL;
+  if (!found || (pin && (!need || !keep || !kept))) {
+    st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "lookup: out of memory");
+    goto out;
+  }
+  /* Every group takes part: the prefix each object group holds. */
+  dp_prefix_query pq = {tb, q->token_end, (kvf_object_format)q->format, q->chunk_keys, q->num_chunk_keys,
+                        b->num_groups >= 64 ? ~0ull : (1ull << b->num_groups) - 1};
+  uint64_t P = tb;
+  st = prefix_find(dp, b, &pq, found, &all, &P, out->og_prefix);
+  if (st != KVF_SUCCESS) goto out;
+  out->prefix_tokens = P;
+  out->num_object_groups = nog;
+  if (pin && P > tb) {
+    /* Pin what a RETRIEVE to P reads, while `all` still holds it. */
+    for (uint32_t og = 0; og < nog; og++) (void)og_valid_at(b, tb, pq.groups, found, og, P, need);
+    uint32_t nk = 0;
+    for (uint64_t k = 0; k < q->num_chunk_keys; k++) {
+      int any = 0;
+      for (uint32_t og = 0; og < nog; og++)
+        if (need[k * nog + og]) {
+          keep[nk++] = (kvf_l1_query){l1_key(b, &q->chunk_keys[k]), og};
+          any = 1;
+        }
+      out->pinned_chunks += (uint32_t)any;
+    }
+    st = kvf_l1_lookup_pin(dp->l1, keep, nk, kept, pin);
+    if (st != KVF_SUCCESS) {
+      *pin = NULL;
+      out->pinned_chunks = 0;
+      goto out;
+    }
+    if (out->pinned_chunks == 0) { /* cannot happen: P > tb rests on some object */
+      kvf_l1_unpin(dp->l1, *pin);
+      *pin = NULL;
+    }
+  }
+out:
+  kvf_l1_unpin(dp->l1, all);
+  free(found);
+  free(need);
+  free(keep);
+  free(kept);
+  return st;
+}
+
+void kvf_dataplane_unpin(kvf_dataplane *dp, kvf_l1_pin *pin) {
+  if (dp && pin) kvf_l1_unpin(dp->l1, pin);
 }
 
 /* ---- lanes ------------------------------------------------------------------ */

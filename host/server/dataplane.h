@@ -26,7 +26,8 @@
  *      committed (done) or aborted (failed, timed out), a RETRIEVE's pins
  *      dropped, the lease released, the outcome recorded in the registry's
  *      completion table and the reply handed to the reply callback (unless the
- *      timeout already answered).
+ *      timeout already answered: then a RETIRED notice is handed to it
+ *      instead, once everything is released).
  * A request refused before anything was queued releases at once; one whose
  * work may have been queued waits for proof. Retried request ids are answered
  * from the completion table; a retry of a request still in flight is
@@ -60,8 +61,10 @@ typedef struct kvf_dataplane kvf_dataplane;
  * connection and the requests in flight (reference counted). */
 typedef struct kvf_dp_binding kvf_dp_binding;
 
-/* Deliver `reply` (a STORE_REPLY or RETRIEVE_REPLY, borrowed for the call)
- * to client_id. Called from completion threads and from submit. */
+/* Deliver `reply` (a STORE_REPLY, RETRIEVE_REPLY or RETIRED notice,
+ * borrowed for the call) to client_id. Called from completion threads and
+ * from submit, sometimes with the data plane's lock held: it must not call
+ * back into the data plane. */
 typedef void (*kvf_dp_reply_fn)(void *ctx, uint64_t client_id, const kvf_proto_msg *reply);
 
 typedef struct kvf_dataplane_options {
@@ -127,6 +130,31 @@ uint64_t kvf_dp_binding_registration(const kvf_dp_binding *binding);
  * kvf_last_error() names the field: the caller answers with an ERROR. */
 kvf_status kvf_dataplane_submit(kvf_dataplane *dp, kvf_dp_binding *binding, uint64_t client_id,
                                 const kvf_proto_msg *msg);
+
+/* What a LOOKUP found. */
+typedef struct kvf_dp_lookup_result {
+  uint64_t prefix_tokens;               /* what a RETRIEVE of the range restores in every object group */
+  uint32_t num_object_groups;
+  uint64_t og_prefix[KVF_MAX_GROUPS];   /* how far each object group alone reaches (token_begin: a miss) */
+  uint32_t pinned_chunks;               /* chunks with an object pinned by *pin */
+} kvf_dp_lookup_result;
+
+/* LOOKUP on `binding` (NULL: the client has no registration): how far the
+ * prefix that q's chunk keys name reaches in each object group, by the very
+ * rule a RETRIEVE admission uses (every group of the geometry taking part),
+ * moving nothing and taking no lease. With `pin` (NULL: no pin), the objects
+ * a RETRIEVE of the same range would read for that prefix are pinned (never
+ * evicted) through *pin, until kvf_dataplane_unpin; *pin is NULL when
+ * nothing was found. Runs on the caller's thread (the loop), bounded by
+ * q->num_chunk_keys x object groups L1 lookups. Returns KVF_SUCCESS;
+ * otherwise nothing is held and kvf_last_error() names the field
+ * (KVF_ERR_STATE, KVF_ERR_INVALID_ARGUMENT, KVF_ERR_GEOMETRY_MISMATCH,
+ * KVF_ERR_OUT_OF_MEMORY). */
+kvf_status kvf_dataplane_lookup(kvf_dataplane *dp, kvf_dp_binding *binding, const kvf_proto_lookup *q,
+                                kvf_dp_lookup_result *out, kvf_l1_pin **pin);
+
+/* Release a LOOKUP's pin. NULL is a no-op. Any thread. */
+void kvf_dataplane_unpin(kvf_dataplane *dp, kvf_l1_pin *pin);
 
 /* Counters of the data plane. */
 typedef struct kvf_dataplane_stats {

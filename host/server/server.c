@@ -83,6 +83,15 @@ typedef struct kvf_id_set {
 #define KVF_SERVER_TRIM_BYTES (8ull << 20)
 #define KVF_SERVER_MAX_GENERATIONS 8u /* generations of its instance one connection may register */
 
+/* A LOOKUP's pin, held for its connection until unpinned, expired or the
+ * connection goes. */
+typedef struct kvf_server_pin {
+  uint64_t id;
+  uint64_t deadline_ns;
+  uint32_t chunks;
+  kvf_l1_pin *pin;
+} kvf_server_pin;
+
 typedef struct kvf_server_conn {
   kvf_conn conn;
   uint64_t client_id;   /* the registry's client id; assigned at accept */
@@ -120,6 +129,11 @@ typedef struct kvf_server_conn {
   uint64_t instance_id, generation;
   uint64_t bound_gen[KVF_SERVER_MAX_GENERATIONS];
   uint32_t num_bound;
+  /* LOOKUP pins: [num_pins] of an array of pins_cap (at most max_client_pins). */
+  kvf_server_pin *pins;
+  uint32_t num_pins, pins_cap;
+  uint64_t pinned_chunks; /* the sum of pins[].chunks */
+  uint64_t last_pin_id;   /* ids count up from 1; every id up to this one was given out */
 } kvf_server_conn;
 
 
@@ -152,6 +166,7 @@ struct kvf_server {
   kvf_server_out *out_head, *out_tail;
   kvf_register_worker *reg_worker;
   kvf_register_req *reg_done_head, *reg_done_tail; /* finished REGISTERs for the loop (out_mu) */
+  uint64_t pin_deadline_ns; /* the earliest deadline of any pin (UINT64_MAX: none); loop thread */
 };
 
 /* ---- helpers -------------------------------------------------------------- */
@@ -240,8 +255,46 @@ static void conn_pool_release(kvf_server *s, kvf_server_conn *c) {
   }
 }
 
+/* ---- LOOKUP pins (loop thread) ---------------------------------------------- */
+
+/* Release c's pin at index i (the last one takes its place). */
+static void conn_pin_release(kvf_server *s, kvf_server_conn *c, uint32_t i) {
+  kvf_dataplane_unpin(s->dp, c->pins[i].pin);
+  c->pinned_chunks -= c->pins[i].chunks;
+  c->pins[i] = c->pins[--c->num_pins];
+}
+
+static void conn_pins_free(kvf_server *s, kvf_server_conn *c) {
+  while (c->num_pins) conn_pin_release(s, c, c->num_pins - 1);
+  free(c->pins);
+  c->pins = NULL;
+  c->pins_cap = 0;
+}
+
+/* Release every pin whose deadline has passed at `now`; recompute the
+ * earliest deadline left. Walks every pin, but only when one is due. */
+static void server_expire_pins(kvf_server *s, uint64_t now) {
+  if (now < s->pin_deadline_ns) return;
+  uint64_t next = UINT64_MAX;
+  for (uint32_t k = 0; k < s->num_conns; k++) {
+    kvf_server_conn *c = s->conns[k];
+    for (uint32_t i = 0; i < c->num_pins;) {
+      if (c->pins[i].deadline_ns <= now) {
+        KVF_TRACE(SERVER, "client %llu: pin %llu expired", (unsigned long long)c->client_id,
+                  (unsigned long long)c->pins[i].id);
+        conn_pin_release(s, c, i);
+        continue;
+      }
+      if (c->pins[i].deadline_ns < next) next = c->pins[i].deadline_ns;
+      i++;
+    }
+  }
+  s->pin_deadline_ns = next;
+}
+
 static void server_conn_drop(kvf_server *s, uint32_t index, const char *why) {
   kvf_server_conn *c = s->conns[index];
+  conn_pins_free(s, c); /* pins go with their connection */
   conn_pool_release(s, c);
   (void)conn_flush(c); /* a last ERROR, if the socket takes it now */
   conn_queue_free(c);
@@ -666,6 +719,85 @@ static kvf_status handle_stat(kvf_server *s, kvf_server_conn *c, const kvf_proto
   return rc;
 }
 
+/* LOOKUP: answered here, on the loop, bounded by the keys it sends. A pin
+ * is checked against c's quotas before anything is looked up (counting as
+ * many chunks as keys were sent), so a refusal holds nothing. */
+static kvf_status handle_lookup(kvf_server *s, kvf_server_conn *c, const kvf_proto_msg *m) {
+  const kvf_proto_lookup *q = &m->u.lookup;
+  int want_pin = q->pin_ms > 0;
+  if (want_pin && c->num_pins >= s->opt.max_client_pins) {
+    kvf_fail(KVF_ERR_BUSY, "quota.pins: %u pins held, the limit is %u (max_client_pins); unpin one or let it expire",
+             (unsigned)c->num_pins, (unsigned)s->opt.max_client_pins);
+    return server_send_error(s, c, m->request_id, KVF_ERR_BUSY, NULL);
+  }
+  if (want_pin && c->pinned_chunks + q->num_chunk_keys > s->opt.max_client_pinned_chunks) {
+    kvf_fail(KVF_ERR_BUSY,
+             "quota.pinned_chunks: %llu chunks pinned, this LOOKUP may pin %u more, the limit is %u "
+             "(max_client_pinned_chunks)",
+             (unsigned long long)c->pinned_chunks, (unsigned)q->num_chunk_keys,
+             (unsigned)s->opt.max_client_pinned_chunks);
+    return server_send_error(s, c, m->request_id, KVF_ERR_BUSY, NULL);
+  }
+  if (want_pin && c->num_pins == c->pins_cap) {
+    uint32_t cap = c->pins_cap ? c->pins_cap * 2 : 8;
+    if (cap > s->opt.max_client_pins) cap = s->opt.max_client_pins;
+    kvf_server_pin *np = realloc(c->pins, (size_t)cap * sizeof(*np));
+    if (!np) return server_send_error(s, c, m->request_id, KVF_ERR_OUT_OF_MEMORY, "lookup: out of memory");
+    c->pins = np;
+    c->pins_cap = cap;
+  }
+  kvf_dp_lookup_result res;
+  kvf_l1_pin *pin = NULL;
+  kvf_status st = kvf_dataplane_lookup(s->dp, c->binding, q, &res, want_pin ? &pin : NULL);
+  if (st != KVF_SUCCESS) {
+    KVF_INFO(SERVER, "client %llu: LOOKUP %llu refused: %s", (unsigned long long)c->client_id,
+             (unsigned long long)m->request_id, kvf_last_error());
+    return server_send_error(s, c, m->request_id, st, NULL);
+  }
+  kvf_proto_msg r;
+  memset(&r, 0, sizeof(r));
+  r.type = KVF_PROTO_LOOKUP_REPLY;
+  r.request_id = m->request_id;
+  r.u.lookup_reply.prefix_tokens = res.prefix_tokens;
+  r.u.lookup_reply.og_prefix_tokens = res.og_prefix;
+  r.u.lookup_reply.num_object_groups = res.num_object_groups;
+  if (pin) {
+    kvf_server_pin *p = &c->pins[c->num_pins++];
+    p->id = ++c->last_pin_id;
+    p->deadline_ns = kvf_now_ns() + (uint64_t)q->pin_ms * 1000000ull;
+    p->chunks = res.pinned_chunks;
+    p->pin = pin;
+    c->pinned_chunks += p->chunks;
+    if (p->deadline_ns < s->pin_deadline_ns) s->pin_deadline_ns = p->deadline_ns;
+    r.u.lookup_reply.pin_id = p->id;
+    r.u.lookup_reply.pinned_chunks = p->chunks;
+  }
+  return server_send(s, c, &r);
+}
+
+/* UNPIN: idempotent for any pin this connection was given (released now, or
+ * gone already: expired or unpinned); NOT_FOUND for an id never given out. */
+static kvf_status handle_unpin(kvf_server *s, kvf_server_conn *c, const kvf_proto_msg *m) {
+  uint64_t id = m->u.unpin.pin_id;
+  if (id > c->last_pin_id) {
+    kvf_fail(KVF_ERR_NOT_FOUND, "payload.pin_id: %llu was never given out on this connection (the last was %llu)",
+             (unsigned long long)id, (unsigned long long)c->last_pin_id);
+    return server_send_error(s, c, m->request_id, KVF_ERR_NOT_FOUND, NULL);
+  }
+  kvf_proto_msg r;
+  memset(&r, 0, sizeof(r));
+  r.type = KVF_PROTO_UNPIN_REPLY;
+  r.request_id = m->request_id;
+  r.u.unpin_reply.pin_id = id;
+  for (uint32_t i = 0; i < c->num_pins; i++)
+    if (c->pins[i].id == id) {
+      conn_pin_release(s, c, i);
+      r.u.unpin_reply.released = 1;
+      break;
+    }
+  return server_send(s, c, &r);
+}
+
 /* One whole frame from c. Returns KVF_SUCCESS to keep the connection. */
 static kvf_status server_dispatch(kvf_server *s, kvf_server_conn *c, const kvf_proto_header *h, const uint8_t *payload,
                                   int *fds, uint32_t num_fds) {
@@ -705,6 +837,8 @@ static kvf_status server_dispatch(kvf_server *s, kvf_server_conn *c, const kvf_p
       break;
     }
     case KVF_PROTO_STAT: st = handle_stat(s, c, &m); break;
+    case KVF_PROTO_LOOKUP: st = handle_lookup(s, c, &m); break;
+    case KVF_PROTO_UNPIN: st = handle_unpin(s, c, &m); break;
     case KVF_PROTO_STORE:
     case KVF_PROTO_RETRIEVE: {
       /* A retry of a request still in flight gets no second reply: it is
@@ -915,6 +1049,9 @@ kvf_status kvf_server_create(const kvf_server_options *caller, kvf_server **out)
   }
   if (s->opt.max_client_mapped_bytes > s->opt.max_mapped_bytes) s->opt.max_client_mapped_bytes = s->opt.max_mapped_bytes;
   if (!s->opt.max_client_registrations) s->opt.max_client_registrations = 8;
+  if (!s->opt.max_client_pins) s->opt.max_client_pins = 256;
+  if (!s->opt.max_client_pinned_chunks) s->opt.max_client_pinned_chunks = 65536;
+  s->pin_deadline_ns = UINT64_MAX;
   s->opt.socket_dir = NULL; /* not kept: only the endpoint needs it */
   s->next_client_id = 1;
   while (s->boot_token == 0) {
@@ -1094,6 +1231,7 @@ static void server_accept(kvf_server *s) {
  * reaper catches the rest. */
 static void server_reap(kvf_server *s, uint64_t poll_ns) {
   uint64_t now = kvf_now_ns();
+  server_expire_pins(s, now);
   uint64_t timeout_ns = (uint64_t)s->opt.heartbeat_timeout_ms * 1000000ull;
   uint64_t hello_ns = (uint64_t)s->opt.hello_timeout_ms * 1000000ull;
   uint64_t frame_ns = (uint64_t)s->opt.frame_timeout_ms * 1000000ull;
@@ -1197,7 +1335,13 @@ kvf_status kvf_server_run(kvf_server *s) {
       /* A held connection is still polled for its peer hanging up. */
       s->pfds[2 + i] = (struct pollfd){.fd = c->conn.fd, .events = events};
     }
-    int rc = poll(s->pfds, 2 + n, tick);
+    int wait_ms = tick;
+    if (s->pin_deadline_ns != UINT64_MAX) { /* wake for the next pin to expire */
+      uint64_t now = kvf_now_ns();
+      uint64_t left_ms = s->pin_deadline_ns > now ? (s->pin_deadline_ns - now + 999999) / 1000000 : 0;
+      if (left_ms < (uint64_t)wait_ms) wait_ms = (int)left_ms;
+    }
+    int rc = poll(s->pfds, 2 + n, wait_ms);
     if (rc < 0 && errno != EINTR) {
       result = kvf_fail(KVF_ERR_SYSTEM, "server: poll: %s", strerror(errno));
       break;
@@ -1254,6 +1398,7 @@ kvf_status kvf_server_run(kvf_server *s) {
 void kvf_server_destroy(kvf_server *s) {
   if (!s) return;
   for (uint32_t i = 0; i < s->num_conns; i++) {
+    conn_pins_free(s, s->conns[i]);
     kvf_conn_close(&s->conns[i]->conn);
     kvf_dataplane_unbind(s->conns[i]->binding);
     conn_queue_free(s->conns[i]);

@@ -59,6 +59,12 @@
  * Their replies come back through an outbox the loop writes, woken by the
  * same self-pipe as stop.
  *
+ * LOOKUP is answered on the loop (host/dataplane.h: bounded by the keys it
+ * sends, moving nothing). Its pins belong to the connection: at most
+ * max_client_pins of them and max_client_pinned_chunks chunks at once, each
+ * released on UNPIN, at its deadline (checked every loop turn; the poll
+ * wakes for the next one) or when the connection closes.
+ *
  * Threading: kvf_server_run() is the loop and runs on one thread;
  * kvf_server_stop() may be called from any thread or a signal handler;
  * kvf_server_stats() from any thread; create/destroy must not race the loop.
@@ -118,9 +124,14 @@ typedef struct kvf_server_options {
                                         0: max(2 TiB, 2 x physical memory), at most max_mapped_bytes */
   uint64_t max_mapped_bytes;         /* the whole server; 0: 64 TiB (half of a 47-bit address space) */
   uint32_t max_client_registrations; /* live + draining registrations per connection; 0: 8 */
+  /* LOOKUP pins (refused beyond these with KVF_ERR_BUSY naming quota.pins or
+   * quota.pinned_chunks; the connection stays). */
+  uint32_t max_client_pins;          /* pins held at once per connection; 0: 256 */
+  uint32_t max_client_pinned_chunks; /* chunks pinned at once per connection; a LOOKUP counts as many
+                                        as it sends keys until it is answered; 0: 65536 */
 } kvf_server_options;
 #define KVF_SERVER_OPTIONS_INIT \
-  {sizeof(kvf_server_options), KVF_SERVER_VERSION, NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+  {sizeof(kvf_server_options), KVF_SERVER_VERSION, NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 
 /* Create a server: an import table (no extra access devices), a registry
  * over it, and the endpoint listening on options->socket_dir. Returns
