@@ -56,6 +56,9 @@
 #define KVF_CLIENT_DETAIL_MAX (KVF_PROTO_FIELD_MAX + KVF_PROTO_MESSAGE_MAX + 8)
 
 _Static_assert(KVF_PROTO_MAX_GROUPS == KVF_MAX_GROUPS, "a reply's groups fit kvf_client_result");
+_Static_assert(KVF_PROTO_MAX_PIN_MS == KVF_CLIENT_MAX_PIN_MS, "one pin limit");
+_Static_assert(sizeof(kvf_proto_chunk_key) == sizeof(*((kvf_client_lookup_desc *)0)->chunk_keys),
+               "LOOKUP's keys are the wire's keys");
 
 /* One request in flight. */
 typedef struct kvf_client_pending {
@@ -68,6 +71,17 @@ typedef struct kvf_client_pending {
   kvf_proto_msg reply;                 /* owned once done with KVF_SUCCESS */
   struct kvf_client_pending *next;
 } kvf_client_pending;
+
+/* A STORE or RETRIEVE whose work may still touch the engine's blocks: in
+ * flight (no reply yet), or answered before the server proved its work
+ * complete (timed out, cancelled) and waiting for its RETIRED notice. A
+ * request answered done or failed (or refused with an ERROR) was retired
+ * before its reply was sent, and has no entry. */
+typedef struct kvf_client_unretired {
+  uint64_t id;
+  int answered; /* its reply came (timed out or cancelled): RETIRED follows */
+  struct kvf_client_unretired *next;
+} kvf_client_unretired;
 
 struct kvf_client {
   kvf_conn conn; /* reads: the reader role's holder only; writes: under send_lock */
@@ -83,6 +97,8 @@ struct kvf_client {
   pthread_cond_t cond;  /* something was filed, the reader role freed, or the connection died */
   uint64_t next_request;
   kvf_client_pending *pending; /* requests in flight */
+  kvf_client_unretired *unretired; /* STORE/RETRIEVE not proven retired */
+  uint64_t max_issued;             /* the highest request id sent */
   int reading;                 /* a thread holds the reader role */
   kvf_status dead;             /* the connection is unusable: why; KVF_SUCCESS while healthy */
   char dead_detail[KVF_CLIENT_DETAIL_MAX];
@@ -144,6 +160,41 @@ static void pending_fail(kvf_client_pending *p, kvf_status st, const char *detai
   snprintf(p->detail, sizeof(p->detail), "%s", detail);
 }
 
+/* ---- retirement (c->lock held) ---------------------------------------------- */
+
+static kvf_client_unretired **unretired_at(kvf_client *c, uint64_t id) {
+  kvf_client_unretired **at = &c->unretired;
+  while (*at && (*at)->id != id) at = &(*at)->next;
+  return at;
+}
+
+static void unretired_drop(kvf_client *c, uint64_t id) {
+  kvf_client_unretired **at = unretired_at(c, id);
+  if (!*at) return;
+  kvf_client_unretired *gone = *at;
+  *at = gone->next;
+  free(gone);
+  pthread_cond_broadcast(&c->cond); /* wake kvf_client_wait_retired */
+}
+
+/* A frame for request id arrived (before it is matched to a waiter, who may
+ * have given up): what it says about the request's retirement. */
+static void unretired_note(kvf_client *c, const kvf_proto_header *h, kvf_status dst, const kvf_proto_msg *m) {
+  kvf_client_unretired *u = *unretired_at(c, h->request_id);
+  if (!u || dst != KVF_SUCCESS) return; /* undecodable: nothing is known, the entry stays */
+  if (m->type == KVF_PROTO_RETIRED) {
+    unretired_drop(c, h->request_id);
+  } else if (m->type == KVF_PROTO_ERROR) {
+    unretired_drop(c, h->request_id); /* refused before admission: nothing ran */
+  } else if (m->type == KVF_PROTO_STORE_REPLY || m->type == KVF_PROTO_RETRIEVE_REPLY) {
+    uint32_t oc = m->u.xfer_reply.outcome;
+    if (oc == KVF_CLIENT_TIMED_OUT || oc == KVF_CLIENT_CANCELLED)
+      u->answered = 1; /* its RETIRED notice follows */
+    else
+      unretired_drop(c, h->request_id); /* done or failed: retired before the reply */
+  }
+}
+
 /* The connection is unusable from now on (c->lock held). */
 static void client_kill(kvf_client *c, kvf_status st, const char *detail) {
   if (c->dead) return;
@@ -164,6 +215,12 @@ static void client_file(kvf_client *c, const kvf_proto_header *h, kvf_status dst
     snprintf(detail, sizeof(detail), "%s%s%s", m->u.error.field, m->u.error.field[0] ? ": " : "",
              m->u.error.message);
     client_kill(c, m->u.error.status ? (kvf_status)m->u.error.status : KVF_ERR_PROTOCOL, detail);
+    kvf_proto_msg_clear(m);
+    return;
+  }
+  unretired_note(c, h, dst, m);
+  if (dst == KVF_SUCCESS && m->type == KVF_PROTO_RETIRED) {
+    /* A notice, not a reply: nobody waits for it as one. */
     kvf_proto_msg_clear(m);
     return;
   }
@@ -267,6 +324,14 @@ static kvf_status client_send(kvf_client *c, kvf_proto_msg *req, const int *fds,
                               int async, uint64_t *id) {
   kvf_client_pending *p = calloc(1, sizeof(*p));
   if (!p) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "client: out of memory for a request");
+  /* A STORE or RETRIEVE is unretired from before it goes out until its
+   * reply (or RETIRED notice) says otherwise. */
+  int track = req->type == KVF_PROTO_STORE || req->type == KVF_PROTO_RETRIEVE;
+  kvf_client_unretired *u = track ? calloc(1, sizeof(*u)) : NULL;
+  if (track && !u) {
+    free(p);
+    return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "client: out of memory for a request");
+  }
   p->want = want;
   p->async = async;
   pthread_mutex_lock(&c->lock);
@@ -274,11 +339,23 @@ static kvf_status client_send(kvf_client *c, kvf_proto_msg *req, const int *fds,
     kvf_status dead = kvf_fail(c->dead, "%s", c->dead_detail);
     pthread_mutex_unlock(&c->lock);
     free(p);
+    free(u);
     return dead;
   }
   p->id = c->next_request++;
+  if (p->id > c->max_issued) c->max_issued = p->id;
   p->next = c->pending;
   c->pending = p; /* before the frame goes out: another thread may read the reply first */
+  if (u) {
+    kvf_client_unretired **at = unretired_at(c, p->id);
+    if (*at) { /* the same id again (kvf_client_test_next_request_id): one entry */
+      free(u);
+      (*at)->answered = 0;
+    } else {
+      u->id = p->id;
+      *at = u;
+    }
+  }
   pthread_mutex_unlock(&c->lock);
 
   req->request_id = p->id;
@@ -301,6 +378,8 @@ static kvf_status client_send(kvf_client *c, kvf_proto_msg *req, const int *fds,
   snprintf(detail, sizeof(detail), "%s", kvf_last_error());
   pthread_mutex_lock(&c->lock);
   pending_unlink(c, p);
+  /* Not sent whole: the server never admitted it. */
+  if (track) unretired_drop(c, p->id);
   if (cut) client_kill(c, st, detail); /* part of a frame went out: the stream is out of step */
   pthread_mutex_unlock(&c->lock);
   pending_free(p);
@@ -451,6 +530,11 @@ static void *client_heartbeat_main(void *arg) {
 
 static void client_free(kvf_client *c) {
   kvf_conn_close(&c->conn);
+  while (c->unretired) {
+    kvf_client_unretired *u = c->unretired;
+    c->unretired = u->next;
+    free(u);
+  }
   while (c->pending) {
     kvf_client_pending *p = c->pending;
     c->pending = p->next;
@@ -992,6 +1076,116 @@ kvf_status kvf_client_store(kvf_client *client, const kvf_client_xfer *xfer, kvf
 
 kvf_status kvf_client_retrieve(kvf_client *client, const kvf_client_xfer *xfer, kvf_client_result *result) {
   return client_xfer(client, KVF_CLIENT_RETRIEVE, xfer, result);
+}
+
+/* ---- LOOKUP, pins and retirement ----------------------------------------------- */
+
+kvf_status kvf_client_lookup(kvf_client *client, const kvf_client_lookup_desc *caller, kvf_client_lookup_result *out) {
+  if (!client || !caller || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_client_lookup: NULL argument");
+  kvf_client_lookup_desc local = KVF_CLIENT_LOOKUP_DESC_INIT;
+  const kvf_client_lookup_desc *q = &local;
+  kvf_status st = KVF_VERSIONED_IN(kvf_client_lookup_desc, &local, caller);
+  if (st == KVF_SUCCESS) st = KVF_VERSIONED_CHECK(kvf_client_lookup_result, out);
+  if (st != KVF_SUCCESS) return st;
+  if (q->token_end <= q->token_begin)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "lookup.token_end: %llu is not after token_begin %llu",
+                    (unsigned long long)q->token_end, (unsigned long long)q->token_begin);
+  if (q->format != KVF_FORMAT_CANONICAL && q->format != KVF_FORMAT_NATIVE)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "lookup.format: %d is neither canonical (0) nor native (1)",
+                    (int)q->format);
+  if (q->num_chunk_keys == 0 || q->num_chunk_keys > KVF_PROTO_MAX_CHUNKS)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "lookup.num_chunk_keys: %u is not in 1..%u", q->num_chunk_keys,
+                    KVF_PROTO_MAX_CHUNKS);
+  if (q->num_chunk_keys > q->token_end - q->token_begin)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "lookup.num_chunk_keys: %u chunks for a range of %llu tokens",
+                    q->num_chunk_keys, (unsigned long long)(q->token_end - q->token_begin));
+  if (!q->chunk_keys) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "lookup.chunk_keys: NULL");
+  for (uint32_t k = 0; k < q->num_chunk_keys; k++)
+    if (key_is_zero(&q->chunk_keys[k]))
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "lookup.chunk_keys[%u]: all zero is not a key", k);
+  if (q->pin_ms > KVF_CLIENT_MAX_PIN_MS)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "lookup.pin_ms: %u exceeds the %u ms limit", q->pin_ms,
+                    KVF_CLIENT_MAX_PIN_MS);
+  uint64_t bytes = 40u + (uint64_t)KVF_PROTO_KEY_BYTES * q->num_chunk_keys;
+  if (bytes > client->max_payload)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                    "lookup.chunk_keys: the request needs %llu payload bytes, the server takes at most %u: split it",
+                    (unsigned long long)bytes, client->max_payload);
+  kvf_proto_msg req, rep;
+  memset(&req, 0, sizeof(req));
+  req.type = KVF_PROTO_LOOKUP;
+  req.u.lookup.registration_id = q->registration_id;
+  req.u.lookup.token_begin = q->token_begin;
+  req.u.lookup.token_end = q->token_end;
+  req.u.lookup.format = (uint32_t)q->format;
+  req.u.lookup.pin_ms = q->pin_ms;
+  req.u.lookup.chunk_keys = (kvf_proto_chunk_key *)q->chunk_keys; /* the encoder only reads them */
+  req.u.lookup.num_chunk_keys = q->num_chunk_keys;
+  st = client_call(client, &req, NULL, 0, KVF_PROTO_LOOKUP_REPLY, &rep);
+  if (st != KVF_SUCCESS) return st;
+  kvf_client_lookup_result res = KVF_CLIENT_LOOKUP_RESULT_INIT;
+  const kvf_proto_lookup_reply *r = &rep.u.lookup_reply;
+  res.prefix_tokens = r->prefix_tokens;
+  res.num_object_groups = r->num_object_groups;
+  for (uint32_t i = 0; i < r->num_object_groups; i++) res.object_group_prefix[i] = r->og_prefix_tokens[i];
+  res.pin_id = r->pin_id;
+  res.pinned_chunks = r->pinned_chunks;
+  kvf_proto_msg_clear(&rep);
+  return KVF_VERSIONED_OUT(kvf_client_lookup_result, out, &res);
+}
+
+kvf_status kvf_client_unpin(kvf_client *client, uint64_t pin_id) {
+  if (!client) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_client_unpin: NULL client");
+  if (pin_id == 0) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "pin_id: 0 is not a pin");
+  kvf_proto_msg req, rep;
+  memset(&req, 0, sizeof(req));
+  req.type = KVF_PROTO_UNPIN;
+  req.u.unpin.pin_id = pin_id;
+  kvf_status st = client_call(client, &req, NULL, 0, KVF_PROTO_UNPIN_REPLY, &rep);
+  if (st != KVF_SUCCESS) return st;
+  kvf_proto_msg_clear(&rep);
+  return KVF_SUCCESS;
+}
+
+kvf_status kvf_client_wait_retired(kvf_client *c, uint64_t request_id, uint32_t timeout_ms) {
+  if (!c) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_client_wait_retired: NULL client");
+  int64_t deadline = kvf_now_ms() + (timeout_ms ? timeout_ms : c->timeout_ms);
+  kvf_status st = KVF_SUCCESS;
+  pthread_mutex_lock(&c->lock);
+  if (request_id == 0 || request_id > c->max_issued) {
+    st = kvf_fail(KVF_ERR_NOT_FOUND, "request_id: %llu was never a request of this client",
+                  (unsigned long long)request_id);
+    goto out;
+  }
+  for (;;) {
+    kvf_client_unretired *u = *unretired_at(c, request_id);
+    if (!u) break; /* retired: normally (before its reply) or by its notice */
+    if (c->dead) {
+      st = kvf_fail(KVF_ERR_DISCONNECTED,
+                    "request %llu: the connection closed before its work was proven retired (%s): treat the blocks "
+                    "it named as written until the server has exited or unmapped them",
+                    (unsigned long long)request_id, c->dead_detail);
+      goto out;
+    }
+    int64_t left = deadline - kvf_now_ms();
+    if (left <= 0) {
+      st = kvf_fail(KVF_ERR_TIMEOUT, "request %llu: %s", (unsigned long long)request_id,
+                    u->answered ? "no RETIRED notice yet: its work may still touch the blocks"
+                                : "no reply yet: it is still in flight");
+      goto out;
+    }
+    if (!c->reading) {
+      c->reading = 1;
+      client_read_turn(c, left < KVF_CLIENT_READ_SLICE_MS ? (int)left : KVF_CLIENT_READ_SLICE_MS);
+      c->reading = 0;
+      pthread_cond_broadcast(&c->cond);
+    } else {
+      cond_wait_until(&c->cond, &c->lock, deadline);
+    }
+  }
+out:
+  pthread_mutex_unlock(&c->lock);
+  return st;
 }
 
 int kvf_client_server_restarted(const kvf_client *client) {

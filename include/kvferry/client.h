@@ -15,6 +15,10 @@
  * STORE and RETRIEVE move blocks of the registered cache to and from the
  * server's L1 object store (kvf_client_store, kvf_client_retrieve), or
  * several at once (kvf_client_submit, then kvf_client_wait for each).
+ * LOOKUP (kvf_client_lookup) says how much of a prefix L1 holds, moving
+ * nothing, and may pin it for the RETRIEVE that follows (kvf_client_unpin).
+ * A request answered before its work was proven done (timed out,
+ * cancelled) is followed by a RETIRED notice (kvf_client_wait_retired).
  *
  * Threading: every call may be made from any thread, concurrently; replies
  * are matched to their requests by id. With heartbeat_period_ms set, the
@@ -228,9 +232,11 @@ typedef enum kvf_client_outcome {
   KVF_CLIENT_CANCELLED = 3,
   KVF_CLIENT_TIMED_OUT = 4, /* the server stopped waiting; its memory is released only when the
                                work is proven complete. A timed-out RETRIEVE may still be writing
-                               the blocks it named: reuse them only after the reply of a later
-                               request of this registration that was admitted (a lane runs them
-                               in order), or after unregistering */
+                               the blocks it named: reuse them only once kvf_client_wait_retired
+                               returns KVF_SUCCESS for it (the server's RETIRED notice), after the
+                               reply of a later request of this registration that was admitted (a
+                               lane runs them in order), or after unregistering. A cancelled
+                               request gets a RETIRED notice too */
 } kvf_client_outcome;
 
 typedef struct kvf_client_result {
@@ -301,6 +307,101 @@ KVF_API kvf_status kvf_client_wait(kvf_client *client, uint64_t request_id, uint
 KVF_API kvf_status kvf_client_store(kvf_client *client, const kvf_client_xfer *xfer, kvf_client_result *result);
 KVF_API kvf_status kvf_client_retrieve(kvf_client *client, const kvf_client_xfer *xfer,
                                        kvf_client_result *result);
+
+/* ---- LOOKUP and pins ------------------------------------------------------ */
+
+#define KVF_CLIENT_MAX_PIN_MS 60000u /* the longest pin a LOOKUP may ask for */
+
+/* One LOOKUP: the range and chunk keys as for a RETRIEVE (kvf_client_xfer),
+ * no block tables. Fill from KVF_CLIENT_LOOKUP_DESC_INIT. */
+typedef struct kvf_client_lookup_desc {
+  uint32_t struct_size;
+  uint32_t version;
+  uint64_t registration_id; /* 0: the live registration */
+  uint64_t token_begin;     /* a multiple of chunk_tokens */
+  uint64_t token_end;
+  kvf_object_format format;
+  const kvf_chunk_key *chunk_keys; /* [num_chunk_keys], none all zero: as kvf_client_xfer's */
+  uint32_t num_chunk_keys;
+  uint32_t pin_ms; /* 0: no pin; else pin what a RETRIEVE of the found prefix would read this long
+                      (at most KVF_CLIENT_MAX_PIN_MS) */
+} kvf_client_lookup_desc;
+#define KVF_CLIENT_LOOKUP_DESC_INIT \
+  {sizeof(kvf_client_lookup_desc), KVF_CLIENT_VERSION, 0, 0, 0, KVF_FORMAT_CANONICAL, NULL, 0, 0}
+
+/* What a LOOKUP found. Fill from KVF_CLIENT_LOOKUP_RESULT_INIT. */
+typedef struct kvf_client_lookup_result {
+  uint32_t struct_size;
+  uint32_t version;
+  uint64_t prefix_tokens; /* what a RETRIEVE of the same range would restore in every group
+                             (token_begin: a miss) */
+  uint32_t num_object_groups;
+  uint64_t object_group_prefix[KVF_MAX_GROUPS]; /* how far each object group alone reaches
+                                                   (token_begin: a miss for it) */
+  uint64_t pin_id;        /* 0: nothing pinned (no pin asked for, or a miss) */
+  uint32_t pinned_chunks; /* chunks with an object pinned */
+} kvf_client_lookup_result;
+#define KVF_CLIENT_LOOKUP_RESULT_INIT \
+  {sizeof(kvf_client_lookup_result), KVF_CLIENT_VERSION, 0, 0, {0}, 0, 0}
+
+/* LOOKUP: how many tokens of the prefix that req->chunk_keys name each
+ * object group of the registration holds in the server's L1, by the rule a
+ * RETRIEVE uses (full groups need every chunk up to the prefix, windowed
+ * groups only the chunks of their retained window there, recurrent groups
+ * the state stored at exactly the prefix, a chunk boundary), moving no data
+ * and taking no lease. A scheduler calls it to report hits; the RETRIEVE
+ * that follows restores out->prefix_tokens unless objects were evicted
+ * meanwhile.
+ *
+ * With req->pin_ms > 0 the objects a RETRIEVE of [token_begin,
+ * prefix_tokens) would read are pinned: never evicted until pin_ms passes
+ * (checked by the server's loop: a pin may outlive its time by a few ms),
+ * kvf_client_unpin, or this connection closes. out->pin_id names the pin
+ * (0 on a miss). A connection holds at most 256 pins and 65536 pinned
+ * chunks by default (kvferryd --max-pins, --max-pinned-chunks; a LOOKUP
+ * counts as many chunks as it sends keys): one more is refused with
+ * KVF_ERR_BUSY naming quota.pins or quota.pinned_chunks.
+ *
+ * Returns KVF_SUCCESS and *out (filled from KVF_CLIENT_LOOKUP_RESULT_INIT
+ * first); KVF_ERR_INVALID_ARGUMENT (NULL pointers, a field the protocol
+ * refuses: lookup.pin_ms over the limit, lookup.chunk_keys[3] all zero, ...; or the
+ * server's, naming payload.token_begin, payload.chunk_keys, ...);
+ * KVF_ERR_STATE (no registration, or registration_id is not the live one);
+ * KVF_ERR_GEOMETRY_MISMATCH (objects stored in another format or geometry);
+ * KVF_ERR_BUSY (a pin quota); KVF_ERR_TIMEOUT; KVF_ERR_DISCONNECTED.
+ * Thread-safe, as every call. */
+KVF_API kvf_status kvf_client_lookup(kvf_client *client, const kvf_client_lookup_desc *req,
+                                     kvf_client_lookup_result *out);
+
+/* Release a LOOKUP's pin now. Idempotent: a pin that expired or was
+ * released already is KVF_SUCCESS too. Returns KVF_SUCCESS;
+ * KVF_ERR_INVALID_ARGUMENT (NULL, pin_id 0); KVF_ERR_NOT_FOUND (never a pin
+ * of this connection); KVF_ERR_TIMEOUT; KVF_ERR_DISCONNECTED (the pins went
+ * with the connection). */
+KVF_API kvf_status kvf_client_unpin(kvf_client *client, uint64_t pin_id);
+
+/* ---- retirement ------------------------------------------------------------ */
+
+/* A STORE or RETRIEVE answered timed out or cancelled may still touch the
+ * blocks it named (KVF_CLIENT_TIMED_OUT). The server sends a RETIRED notice
+ * once its work is proven complete (its completion event fired and
+ * everything it held is released); the client records it. This waits for
+ * request_id (kvf_client_submit's, of this client) to be retired.
+ *
+ * Returns KVF_SUCCESS once it is retired: at once for a request whose reply
+ * was done or failed, or that the server refused (those retire before their
+ * reply is sent), and for any other request of this client (HEARTBEAT,
+ * STAT, ...: they touch no blocks); a request still in flight is waited for
+ * (its reply, then its notice if one follows). The reply itself stays for
+ * kvf_client_wait. KVF_ERR_TIMEOUT (not yet, after timeout_ms; 0: the
+ * client's timeout: wait again); KVF_ERR_NOT_FOUND (0, or an id this client
+ * never sent); KVF_ERR_DISCONNECTED: the connection died before the notice
+ * came. Nothing then says when the work ends: the server finishes it (a
+ * lane never abandons a copy), then drains and unmaps the registration; the
+ * engine must treat those blocks as written until the server has exited
+ * (kvf_client_server_restarted turns 1) or it registers fresh memory in
+ * their place. Thread-safe; several threads may wait for one id. */
+KVF_API kvf_status kvf_client_wait_retired(kvf_client *client, uint64_t request_id, uint32_t timeout_ms);
 
 /* 1 once a server answers on the socket directory with a boot token other
  * than the one at connect: the server restarted. The heartbeat thread

@@ -40,6 +40,7 @@ TOPO_VERSION = 1
 TOPO_CPULIST_MAX = 256
 TOPO_NOTE_MAX = 256
 CLIENT_VERSION = 2
+CLIENT_MAX_PIN_MS = 60000
 DEVICE_HOST = -1
 # The headers this package mirrors (kvferry/version.h).
 HEADER_VERSION = (0, 1, 0)
@@ -69,6 +70,7 @@ CONSTANTS: Dict[str, int] = {
     "KVF_TOPO_CPULIST_MAX": TOPO_CPULIST_MAX,
     "KVF_TOPO_NOTE_MAX": TOPO_NOTE_MAX,
     "KVF_CLIENT_VERSION": CLIENT_VERSION,
+    "KVF_CLIENT_MAX_PIN_MS": CLIENT_MAX_PIN_MS,
     "KVF_VERSION_MAJOR": HEADER_VERSION[0],
     "KVF_VERSION_MINOR": HEADER_VERSION[1],
     "KVF_VERSION_PATCH": HEADER_VERSION[2],
@@ -280,6 +282,8 @@ UNBOUND: Dict[str, str] = {
     "kvf_chunk_key": "kvferry.client comes with the new wire protocol",
     "kvf_client_xfer": "kvferry.client comes with the new wire protocol",
     "kvf_client_result": "kvferry.client comes with the new wire protocol",
+    "kvf_client_lookup_desc": "kvferry.client comes with the new wire protocol",
+    "kvf_client_lookup_result": "kvferry.client comes with the new wire protocol",
 }
 
 # Enums the package does not mirror yet (kvferry.client, the import table).

@@ -83,6 +83,12 @@
 #define L_kvf_client_result(F)                                                                     \
   F(struct_size) F(version) F(status) F(outcome) F(prefix_tokens) F(objects_done) F(objects_present) \
   F(bytes_done) F(num_groups) F(group_blocks) F(num_object_groups) F(object_group_prefix)
+#define L_kvf_client_lookup_desc(F)                                                                \
+  F(struct_size) F(version) F(registration_id) F(token_begin) F(token_end) F(format) F(chunk_keys) \
+  F(num_chunk_keys) F(pin_ms)
+#define L_kvf_client_lookup_result(F)                                                              \
+  F(struct_size) F(version) F(prefix_tokens) F(num_object_groups) F(object_group_prefix) F(pin_id) \
+  F(pinned_chunks)
 
 /* Every struct: (type). */
 #define STRUCTS(S)                                                                                 \
@@ -93,7 +99,8 @@
   S(kvf_mem_alloc_options) S(kvf_import_table_options) S(kvf_import_view) S(kvf_import_view_info) \
   S(kvf_import_stats) S(kvf_topology_info) S(kvf_numa_node_info) S(kvf_gpu_placement)            \
   S(kvf_client_options) S(kvf_client_info) S(kvf_client_region) S(kvf_client_registration)       \
-  S(kvf_client_stats) S(kvf_client_stat_record) S(kvf_chunk_key) S(kvf_client_xfer) S(kvf_client_result)
+  S(kvf_client_stats) S(kvf_client_stat_record) S(kvf_chunk_key) S(kvf_client_xfer) S(kvf_client_result) \
+  S(kvf_client_lookup_desc) S(kvf_client_lookup_result)
 
 /* Every _INIT macro: (type, macro). */
 #define INITS(I)                                                                                  \
@@ -106,7 +113,9 @@
   I(kvf_import_table_options, KVF_IMPORT_TABLE_OPTIONS_INIT) I(kvf_import_stats, KVF_IMPORT_STATS_INIT) \
   I(kvf_topology_info, KVF_TOPOLOGY_INFO_INIT) I(kvf_numa_node_info, KVF_NUMA_NODE_INFO_INIT)     \
   I(kvf_gpu_placement, KVF_GPU_PLACEMENT_INIT) I(kvf_client_options, KVF_CLIENT_OPTIONS_INIT)     \
-  I(kvf_client_xfer, KVF_CLIENT_XFER_INIT) I(kvf_client_result, KVF_CLIENT_RESULT_INIT)
+  I(kvf_client_xfer, KVF_CLIENT_XFER_INIT) I(kvf_client_result, KVF_CLIENT_RESULT_INIT)         \
+  I(kvf_client_lookup_desc, KVF_CLIENT_LOOKUP_DESC_INIT)                                          \
+  I(kvf_client_lookup_result, KVF_CLIENT_LOOKUP_RESULT_INIT)
 
 /* Every enum: (type, values...). */
 #define ENUMS(E, V)                                                                                  \
@@ -135,7 +144,7 @@
   C(KVF_MAX_DCP_WORLD) C(KVF_MAX_CHUNK_TOKENS) C(KVF_NAME_MAX) C(KVF_BLOCK_SKIP) C(KVF_DESC_VERSION) \
   C(KVF_OBJECT_MAGIC) C(KVF_CUDA_INFO_VERSION) C(KVF_MEM_VERSION) C(KVF_IPC_MAX_FDS)                 \
   C(KVF_IPC_CLOSE_FDS) C(KVF_TOPO_VERSION) C(KVF_TOPO_CPULIST_MAX) C(KVF_TOPO_NOTE_MAX)              \
-  C(KVF_CLIENT_VERSION) C(KVF_VERSION_MAJOR) C(KVF_VERSION_MINOR) C(KVF_VERSION_PATCH)               \
+  C(KVF_CLIENT_VERSION) C(KVF_CLIENT_MAX_PIN_MS) C(KVF_VERSION_MAJOR) C(KVF_VERSION_MINOR) C(KVF_VERSION_PATCH)               \
   C(KVF_VERSION_NUMBER)
 
 /* ---- printing ------------------------------------------------------------ */
