@@ -255,6 +255,69 @@ class kvf_gpu_placement(_Struct):
     _init_version_ = TOPO_VERSION
 
 
+# ---- client.h ------------------------------------------------------------------------
+
+class kvf_client_options(_Struct):
+    _fields_ = [("struct_size", c_uint32), ("version", c_uint32), ("socket_dir", c_char_p),
+                ("name", c_char_p), ("timeout_ms", c_uint32), ("heartbeat_thread", c_int),
+                ("heartbeat_period_ms", c_uint32)]
+    _init_version_ = CLIENT_VERSION
+
+
+class kvf_client_info(_Struct):
+    _fields_ = [("struct_size", c_uint32), ("version", c_uint32), ("client_id", c_uint64),
+                ("boot_token", c_uint64), ("server_pid", c_uint32),
+                ("heartbeat_period_ms", c_uint32), ("heartbeat_timeout_ms", c_uint32),
+                ("protocol_version", c_uint16)]
+    _init_version_ = CLIENT_VERSION
+
+
+class kvf_client_region(_Struct):
+    _fields_ = [("alloc", c_void_p), ("offset", c_uint64), ("length", c_uint64)]
+
+
+class kvf_client_registration(_Struct):
+    _fields_ = [("struct_size", c_uint32), ("version", c_uint32), ("registration_id", c_uint64),
+                ("fingerprint", c_uint64), ("imports", c_uint32), ("aliases", c_uint32)]
+    _init_version_ = CLIENT_VERSION
+
+
+class kvf_client_stats(_Struct):
+    _fields_ = [("struct_size", c_uint32), ("version", c_uint32), ("boot_token", c_uint64),
+                ("registering", c_uint32), ("active", c_uint32), ("draining", c_uint32),
+                ("closed_total", c_uint32), ("failed_total", c_uint32),
+                ("imports", c_uint64), ("aliases", c_uint64), ("leases", c_uint64),
+                ("l1_objects", c_uint64), ("l1_bytes", c_uint64), ("l1_pool_bytes", c_uint64),
+                ("l1_evicted_total", c_uint64), ("stores_total", c_uint64),
+                ("retrieves_total", c_uint64), ("in_flight", c_uint64), ("lanes", c_uint32)]
+    _init_version_ = CLIENT_VERSION
+
+
+class kvf_client_stat_record(_Struct):
+    _fields_ = [("client_id", c_uint64), ("pid", c_uint32), ("name", c_char * 64),
+                ("registering", c_uint32), ("active", c_uint32), ("draining", c_uint32),
+                ("imports", c_uint64), ("aliases", c_uint64), ("leases", c_uint64)]
+
+
+class kvf_client_xfer(_Struct):
+    _fields_ = [("struct_size", c_uint32), ("version", c_uint32), ("registration_id", c_uint64),
+                ("token_begin", c_uint64), ("token_end", c_uint64), ("format", c_enum),
+                ("chunk_keys", c_void_p), ("num_chunk_keys", c_uint32),
+                ("groups", POINTER(kvf_group_blocks)), ("num_groups", c_uint32),
+                ("ready_event", c_void_p)]
+    _init_version_ = CLIENT_VERSION
+
+
+class kvf_client_result(_Struct):
+    _fields_ = [("struct_size", c_uint32), ("version", c_uint32), ("status", c_enum),
+                ("outcome", c_enum), ("prefix_tokens", c_uint64), ("objects_done", c_uint64),
+                ("objects_present", c_uint64), ("bytes_done", c_uint64), ("num_groups", c_uint32),
+                ("group_blocks", c_uint64 * MAX_GROUPS), ("num_object_groups", c_uint32),
+                ("object_group_prefix", c_uint64 * MAX_GROUPS)]
+    _init_version_ = CLIENT_VERSION
+    _defaults_ = {"outcome": 1}
+
+
 # Every struct the package binds, by C name. Structs of the headers that the
 # package does not bind yet are listed in UNBOUND, with the reason; the
 # layout test requires every header struct to be in one of the two.
@@ -265,7 +328,9 @@ STRUCTS: Dict[str, Type[_Struct]] = {
                 kvf_object_group_info, kvf_object_header, kvf_geometry_load_options,
                 kvf_group_blocks, kvf_copy_request, kvf_cuda_info, kvf_xfer_options,
                 kvf_xfer_stats, kvf_mem_identity, kvf_mem_alloc_options, kvf_topology_info,
-                kvf_numa_node_info, kvf_gpu_placement)
+                kvf_numa_node_info, kvf_gpu_placement, kvf_client_options, kvf_client_info,
+                kvf_client_region, kvf_client_registration, kvf_client_stats,
+                kvf_client_stat_record, kvf_client_xfer, kvf_client_result)
 }
 
 UNBOUND: Dict[str, str] = {
@@ -273,17 +338,9 @@ UNBOUND: Dict[str, str] = {
     "kvf_import_view": "the import table comes in a later part of issue 13",
     "kvf_import_view_info": "the import table comes in a later part of issue 13",
     "kvf_import_stats": "the import table comes in a later part of issue 13",
-    "kvf_client_options": "kvferry.client comes with the new wire protocol",
-    "kvf_client_info": "kvferry.client comes with the new wire protocol",
-    "kvf_client_region": "kvferry.client comes with the new wire protocol",
-    "kvf_client_registration": "kvferry.client comes with the new wire protocol",
-    "kvf_client_stats": "kvferry.client comes with the new wire protocol",
-    "kvf_client_stat_record": "kvferry.client comes with the new wire protocol",
-    "kvf_chunk_key": "kvferry.client comes with the new wire protocol",
-    "kvf_client_xfer": "kvferry.client comes with the new wire protocol",
-    "kvf_client_result": "kvferry.client comes with the new wire protocol",
-    "kvf_client_lookup_desc": "kvferry.client comes with the new wire protocol",
-    "kvf_client_lookup_result": "kvferry.client comes with the new wire protocol",
+    "kvf_chunk_key": "kvferry.client binds it with 32-byte keys",
+    "kvf_client_lookup_desc": "kvferry.client binds it with LOOKUP",
+    "kvf_client_lookup_result": "kvferry.client binds it with LOOKUP",
 }
 
 # Enums the package does not mirror yet (kvferry.client, the import table).

@@ -113,7 +113,9 @@
   I(kvf_import_table_options, KVF_IMPORT_TABLE_OPTIONS_INIT) I(kvf_import_stats, KVF_IMPORT_STATS_INIT) \
   I(kvf_topology_info, KVF_TOPOLOGY_INFO_INIT) I(kvf_numa_node_info, KVF_NUMA_NODE_INFO_INIT)     \
   I(kvf_gpu_placement, KVF_GPU_PLACEMENT_INIT) I(kvf_client_options, KVF_CLIENT_OPTIONS_INIT)     \
-  I(kvf_client_xfer, KVF_CLIENT_XFER_INIT) I(kvf_client_result, KVF_CLIENT_RESULT_INIT)         \
+  I(kvf_client_info, KVF_CLIENT_INFO_INIT) I(kvf_client_registration, KVF_CLIENT_REGISTRATION_INIT) \
+  I(kvf_client_stats, KVF_CLIENT_STATS_INIT) I(kvf_client_xfer, KVF_CLIENT_XFER_INIT)            \
+  I(kvf_client_result, KVF_CLIENT_RESULT_INIT)                                                \
   I(kvf_client_lookup_desc, KVF_CLIENT_LOOKUP_DESC_INIT)                                          \
   I(kvf_client_lookup_result, KVF_CLIENT_LOOKUP_RESULT_INIT)
 
