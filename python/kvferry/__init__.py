@@ -14,8 +14,8 @@ Modules: :mod:`kvferry.geometry` (geometries, presets), :mod:`kvferry.tensors`
 (geometries from tensors), :mod:`kvferry.copy` (copy requests, the CPU
 reference), :mod:`kvferry.transfer` (transfer contexts),
 :mod:`kvferry.device` (the CUDA probe), :mod:`kvferry.memory` (exportable
-allocations), :mod:`kvferry.topology`. The kvferryd client will be
-``kvferry.client``.
+allocations), :mod:`kvferry.topology`, :mod:`kvferry.client` (the kvferryd
+client; imported on its own: ``from kvferry.client import Client``).
 """
 
 from __future__ import annotations

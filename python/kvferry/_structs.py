@@ -343,11 +343,9 @@ UNBOUND: Dict[str, str] = {
     "kvf_client_lookup_result": "kvferry.client binds it with LOOKUP",
 }
 
-# Enums the package does not mirror yet (kvferry.client, the import table).
+# Enums the package does not mirror yet (the import table).
 UNBOUND_ENUMS: Dict[str, str] = {
     "kvf_import_reg_state": "the import table comes in a later part of issue 13",
-    "kvf_client_outcome": "kvferry.client comes with the new wire protocol",
-    "kvf_client_op": "kvferry.client comes with the new wire protocol",
 }
 
 

@@ -21,6 +21,7 @@ from kvferry import _structs as S
 from kvferry.geometry import GroupKind, ObjectFormat
 from kvferry.memory import MemProvider
 from kvferry.transfer import Route
+from kvferry.client import Op, Outcome
 
 HEADERS = sorted((ROOT / "include" / "kvferry").glob("*.h"))
 FIX = ("update tests/python/layout_dump.c and python/kvferry/_structs.py (and the Python "
@@ -34,6 +35,8 @@ ENUMS = {
     "kvf_object_format": (ObjectFormat, lambda m: "KVF_FORMAT_" + m),
     "kvf_xfer_route": (Route, lambda m: "KVF_ROUTE_" + m),
     "kvf_mem_provider": (MemProvider, lambda m: "KVF_MEM_PROVIDER_" + m),
+    "kvf_client_outcome": (Outcome, lambda m: "KVF_CLIENT_" + m),
+    "kvf_client_op": (Op, lambda m: "KVF_CLIENT_" + m),
 }
 
 
