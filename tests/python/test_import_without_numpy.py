@@ -1,6 +1,8 @@
 """`pip install ./python` into a fresh venv with neither numpy nor torch: the
 package imports, finds the library by itself (the checkout's build tree,
-recorded at install), and runs a host-backend gather with raw pointers."""
+recorded at install), runs a host-backend gather with raw pointers, and
+imports kvferry.client (chunk keys of a ctypes array). test_client.py's
+test_client_without_numpy runs the client against kvferryd without numpy."""
 
 import shutil
 import subprocess
@@ -38,6 +40,10 @@ for run in ("transfer", "reference"):
         kvferry.reference_gather(req)
     assert bytes(obj) == want, run
 g.close()
+import kvferry.client
+seed = kvferry.client.chunk_seed(b"m") if kvferry.client.KEY_BYTES == 32 else 5
+assert len(kvferry.client.chunk_keys(seed, (ctypes.c_int32 * 9)(*range(9)), chunk_tokens=4)) == 3
+assert not any(m in sys.modules for m in ("numpy", "torch")), sorted(sys.modules)
 print("ok")
 '''
 

@@ -1,0 +1,609 @@
+"""kvferry.client against a real kvferryd process (the built binary), on the
+host backend, with memfd allocations from kvferry.memory.
+
+kvferryd is found as $KVF_KVFERRYD, else tools/kvferryd next to the library
+the package loaded (the build tree); the tests skip, saying so, without it.
+Each test starts its own server in a fresh socket directory under pytest's
+tmp_path and stops it (SIGTERM, then SIGKILL) afterwards.
+"""
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, subprocess_env, tiny_geometry
+
+import kvferry
+from kvferry import client as kc
+from kvferry.client import Client, Outcome, chunk_keys
+
+NB, BLOCK, CHUNK = 8, 256, 8  # tiny_geometry: 8 blocks of 4 tokens, 256 bytes per block and layer
+
+
+def kvferryd_path():
+    env = os.environ.get("KVF_KVFERRYD")
+    if env:
+        return Path(env)
+    return Path(kvferry.library_path()).resolve().parent / "tools" / "kvferryd"
+
+
+class Kvferryd:
+    """One kvferryd process serving socket_dir (host backend only)."""
+
+    def __init__(self, socket_dir, log_path, *args):
+        self.socket_dir = Path(socket_dir)
+        self.log_path = Path(log_path)
+        self.args = list(args)
+        self.proc = None
+
+    def start(self, timeout=20.0):
+        exe = kvferryd_path()
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [str(exe), "--socket-dir", str(self.socket_dir), "--devices", "none", "--l1-mb", "64",
+             "--log-level", "info"] + self.args, stdout=self.log, stderr=self.log)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError("kvferryd exited with %s:\n%s" % (self.proc.returncode,
+                                                                       self.log_text()))
+            if (self.socket_dir / "kvferryd.sock").exists():
+                try:
+                    Client.connect(self.socket_dir, heartbeat=False, timeout_ms=2000).close()
+                    return self
+                except kvferry.KvferryError:
+                    pass
+            time.sleep(0.05)
+        raise AssertionError("kvferryd did not serve %s within %.0f s:\n%s"
+                             % (self.socket_dir, timeout, self.log_text()))
+
+    @property
+    def pid(self):
+        return self.proc.pid
+
+    def log_text(self):
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def kill(self):
+        """SIGKILL: a crash, the socket left behind."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self):
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)  # a test that stopped it
+            except ProcessLookupError:
+                pass
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.log.close()
+
+
+@pytest.fixture
+def server_factory(tmp_path):
+    if not kvferryd_path().is_file():
+        pytest.skip("no kvferryd at %s (set KVF_KVFERRYD or build the kvferryd target)"
+                    % kvferryd_path())
+    started = []
+    # A short directory (socket paths are limited to 107 bytes), made 0700.
+    top = Path(tempfile.mkdtemp(prefix="kvf-py-", dir="/tmp" if os.path.isdir("/tmp") else None))
+    sock = top / "sock"
+
+    def start(*args):
+        d = Kvferryd(sock, tmp_path / ("kvferryd-%d.log" % len(started)), *args)
+        started.append(d)
+        return d.start()
+
+    yield start
+    for d in reversed(started):
+        d.stop()
+    shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.fixture
+def server(server_factory):
+    return server_factory()
+
+
+class Engine:
+    """A host-backend engine: tiny_geometry over one memfd allocation, filled
+    with random bytes, viewed as (layer, block, 256 bytes)."""
+
+    def __init__(self, seed=1):
+        self.geometry, self.size = tiny_geometry(num_blocks=NB, chunk_tokens=CHUNK)
+        self.alloc = kvferry.Allocation.create(self.size, provider="host", name="kv-test")
+        self.cache = np.asarray(self.alloc)
+        self.cache[:] = np.random.default_rng(seed).integers(0, 256, self.size, dtype=np.uint8)
+        self.blocks = self.cache.reshape(2, NB, BLOCK)
+
+    def register(self, c, **kw):
+        return c.register(self.geometry, [(self.alloc, 0, self.size)], **kw)
+
+    def close(self):
+        self.cache = self.blocks = None
+        self.alloc.close()
+        self.geometry.close()
+
+
+@pytest.fixture
+def engine():
+    e = Engine()
+    yield e
+    e.close()
+
+
+def keys_for(tokens, seed=7):
+    if kc.KEY_BYTES == 32:
+        return chunk_keys(kc.chunk_seed(b"test-model|%d" % seed), tokens, chunk_tokens=CHUNK)
+    return chunk_keys(seed, tokens, chunk_tokens=CHUNK)
+
+
+TOKENS = list(range(1000, 1016))  # 16 tokens: 2 chunks of 8, 4 blocks
+
+
+# ---- connect, info, register -------------------------------------------------------
+
+def test_connect_and_info(server):
+    with Client.connect(server.socket_dir, name="info-test", timeout_ms=5000) as c:
+        info = c.info
+        assert info.server_pid == server.pid
+        assert info.client_id > 0 and info.boot_token != 0
+        assert 0 < info.heartbeat_period_ms < info.heartbeat_timeout_ms
+        assert info.protocol_version >= 1
+        assert "kvferryd pid %d" % server.pid in repr(c)
+        assert c.heartbeat() == info.boot_token
+        assert not c.server_restarted
+    assert c.closed and "closed" in repr(c)
+    c.close()  # idempotent
+    with pytest.raises(kvferry.KvferryError) as e:
+        c.stat()
+    assert e.value.status == kvferry.Status.STATE and e.value.field == "client"
+
+
+def test_connect_without_server(tmp_path):
+    with pytest.raises(kvferry.KvferryError) as e:
+        Client.connect(tmp_path / "nobody")
+    assert e.value.status == kvferry.Status.NOT_FOUND
+    assert e.value.field == "socket_dir"
+
+
+def test_connect_bad_options(server):
+    with pytest.raises(kvferry.KvferryError) as e:
+        Client.connect(server.socket_dir, name="x" * 64)
+    assert e.value.status == kvferry.Status.INVALID_ARGUMENT and e.value.field == "options.name"
+    with pytest.raises(kvferry.KvferryError) as e:
+        Client.connect(server.socket_dir, timeout_ms=-1)
+    assert e.value.field == "timeout_ms"
+
+
+def test_register_geometry_and_json(server, engine):
+    with Client.connect(server.socket_dir, name="reg") as c:
+        reg = engine.register(c)
+        assert reg.registration_id > 0
+        assert reg.fingerprint == engine.geometry.fingerprint("canonical")
+        assert (reg.imports, reg.aliases) == (1, 1)
+        # JSON text, and the allocation alone (all of it) as the region.
+        again = c.register(engine.geometry.to_json(), [engine.alloc])
+        assert again.registration_id != reg.registration_id
+        assert again.fingerprint == reg.fingerprint
+        assert c.stat().active == 1  # the new registration replaced the old one
+        assert c.unregister() in (2, 3)
+        assert c.unregister(again.registration_id) in (2, 3, 0)  # idempotent
+        assert c.stat().active == 0
+
+
+def test_register_errors_name_the_field(server, engine):
+    with Client.connect(server.socket_dir) as c:
+        with pytest.raises(kvferry.KvferryError) as e:
+            c.register('{"format": "kvferry-geometry"', [engine.alloc])
+        assert e.value.status == kvferry.Status.PARSE
+        with pytest.raises(kvferry.KvferryError) as e:  # a region past the allocation's end
+            c.register(engine.geometry, [(engine.alloc, 4096, engine.size)])
+        assert e.value.field and "regions[0]" in e.value.field, e.value
+        with pytest.raises(kvferry.KvferryError) as e:
+            c.register(engine.geometry, ["not an allocation"])
+        assert e.value.field == "regions[0]"
+        with pytest.raises(kvferry.KvferryError) as e:
+            c.register(42, [engine.alloc])
+        assert e.value.field == "geometry"
+        if not kc.has_register_desc():
+            with pytest.raises(kvferry.KvferryError) as e:
+                engine.register(c, shard_index=1, shard_count=2)
+            assert e.value.status == kvferry.Status.UNSUPPORTED
+
+
+# ---- STORE and RETRIEVE ----------------------------------------------------------------
+
+def test_store_then_retrieve_into_other_blocks(server, engine):
+    keys = keys_for(TOKENS)
+    assert len(keys) == 2
+    src, dst = [5, 2, 7, 0], np.array([1, 3, 4, 6], dtype=np.int32)
+    want = engine.blocks[:, src].copy()
+    before_dst = engine.blocks[:, dst].copy()
+    assert not (want == before_dst).all()
+    with Client.connect(server.socket_dir, name="engine0") as c:
+        engine.register(c)
+        r = c.store(0, 16, keys, [src])
+        assert r.done and r.status == kvferry.Status.SUCCESS and r.outcome == Outcome.DONE
+        assert (r.prefix_tokens, r.objects_done, r.objects_present) == (16, 2, 0)
+        assert r.bytes_done == 4 * 2 * BLOCK and r.group_blocks == (4,)
+        r = c.retrieve(0, 16, keys, [dst])
+        assert r.done and r.prefix_tokens == 16 and r.objects_done == 2
+        assert r.object_group_prefix == (16,) and r.group_blocks == (4,)
+        assert (engine.blocks[:, dst] == want).all(), "the retrieved blocks differ from the stored"
+        assert (engine.blocks[:, src] == want).all(), "the stored blocks changed"
+        # The second chunk alone, into blocks named from local block 2 on (first_block).
+        engine.blocks[:, [1, 3, 4, 6]] = 0
+        r = c.retrieve(8, 16, keys[1:], [([4, 6], 2)])
+        assert r.done and r.prefix_tokens == 16 and r.group_blocks == (2,)
+        assert (engine.blocks[:, [4, 6]] == want[:, 2:]).all()
+        assert not engine.blocks[:, [1, 3]].any()
+
+
+def test_second_store_finds_objects_present(server, engine):
+    keys = keys_for(TOKENS)
+    with Client.connect(server.socket_dir) as c:
+        engine.register(c)
+        first = c.store(0, 16, keys, [[0, 1, 2, 3]])
+        assert (first.objects_done, first.objects_present) == (2, 0)
+        second = c.store(0, 16, keys, [kvferry.BlockTable(np.arange(4, 8), first_block=0)])
+        assert second.done and (second.objects_done, second.objects_present) == (0, 2)
+        assert second.bytes_done == 0 and second.prefix_tokens == 16
+
+
+def test_retrieve_miss_and_partial_prefix(server, engine):
+    keys = keys_for(TOKENS)
+    other = keys_for(TOKENS, seed=99)
+    with Client.connect(server.socket_dir) as c:
+        engine.register(c)
+        untouched = engine.blocks.copy()
+        miss = c.retrieve(0, 16, other, [[4, 5, 6, 7]])
+        assert miss.done and miss.prefix_tokens == 0 and miss.objects_done == 0
+        assert miss.object_group_prefix == (0,)
+        assert (engine.blocks == untouched).all()
+        # Only the first chunk stored: a retrieve of both restores 8 tokens.
+        c.store(0, 8, keys[:1], [[0, 1]])
+        want = engine.blocks[:, [0, 1]].copy()
+        r = c.retrieve(0, 16, keys, [[4, 5, 6, 7]])
+        assert r.done and r.prefix_tokens == 8 and r.object_group_prefix == (8,)
+        assert (engine.blocks[:, [4, 5]] == want).all()
+        assert (engine.blocks[:, [6, 7]] == untouched[:, [6, 7]]).all()
+
+
+def test_submit_and_wait_many(server, engine):
+    """Several requests in flight from several threads, collected by id."""
+    seqs = [list(range(s * 100, s * 100 + 8)) for s in range(8)]
+    with Client.connect(server.socket_dir) as c:
+        engine.register(c)
+        ids = [c.submit("store", 0, 8, keys_for(t), [[2 * (i % 4), 2 * (i % 4) + 1]])
+               for i, t in enumerate(seqs)]
+        assert len(set(ids)) == len(ids)
+        results = [None] * len(ids)
+
+        def waiter(i):
+            results[i] = c.wait(ids[i], timeout_ms=10000)
+
+        threads = [threading.Thread(target=waiter, args=(i,)) for i in range(len(ids))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert all(r is not None and r.done and r.prefix_tokens == 8 for r in results), results
+        with pytest.raises(kvferry.KvferryError) as e:  # collected once
+            c.wait(ids[0])
+        assert e.value.status == kvferry.Status.NOT_FOUND and e.value.field == "request_id"
+        rid = c.submit(kc.Op.RETRIEVE, 0, 8, keys_for(seqs[3]), [[6, 7]])
+        r = c.wait(rid)
+        assert r.done and r.prefix_tokens == 8
+
+
+def test_stat_and_stat_clients(server, engine):
+    keys = keys_for(TOKENS)
+    with Client.connect(server.socket_dir, name="stat-me") as c, \
+            Client.connect(server.socket_dir, name="bystander", heartbeat=False) as other:
+        engine.register(c)
+        c.store(0, 16, keys, [[0, 1, 2, 3]])
+        c.retrieve(0, 16, keys, [[4, 5, 6, 7]])
+        s = other.stat()
+        assert s.boot_token == c.info.boot_token
+        assert (s.active, s.imports, s.aliases, s.leases) == (1, 1, 1, 0)
+        assert s.l1_objects == 2 and s.l1_bytes == 4 * 2 * BLOCK
+        assert s.stores_total == 1 and s.retrieves_total == 1 and s.in_flight == 0
+        assert s.lanes == 1 and s.l1_pool_bytes >= 64 << 20
+        s2, records = c.stat_clients()
+        assert s2.l1_objects == 2
+        mine = {r.name: r for r in records}
+        assert set(mine) >= {"stat-me", "bystander"}, records
+        assert mine["stat-me"].pid == os.getpid() and mine["stat-me"].active == 1
+        assert mine["stat-me"].client_id == c.info.client_id
+        assert mine["bystander"].active == 0
+        _, few = c.stat_clients(capacity=1)
+        assert len(few) == 1
+
+
+def test_errors_name_the_field(server, engine):
+    keys = keys_for(TOKENS)
+    with Client.connect(server.socket_dir) as c:
+        engine.register(c)
+        with pytest.raises(kvferry.KvferryError) as e:  # the server: past num_blocks
+            c.store(0, 16, keys, [[0, 1, 2, 99]])
+        assert e.value.status == kvferry.Status.INVALID_ARGUMENT
+        assert e.value.field == "payload.groups[0].block_ids[3]", e.value
+        assert e.value.result is None  # refused: no outcome
+        with pytest.raises(kvferry.KvferryError) as e:  # the server: 1 key for 2 chunks
+            c.store(0, 16, keys[:1], [[0, 1, 2, 3]])
+        assert e.value.status == kvferry.Status.INVALID_ARGUMENT
+        assert e.value.field == "payload.chunk_keys", e.value
+        with pytest.raises(kvferry.KvferryError) as e:  # the server: 3 keys for 2 chunks
+            c.retrieve(0, 16, keys + keys[:1], [[0, 1, 2, 3]])
+        assert e.value.field == "payload.chunk_keys", e.value
+        with pytest.raises(kvferry.KvferryError) as e:  # the library: an empty range
+            c.retrieve(16, 16, keys, [[0, 1, 2, 3]])
+        assert e.value.field == "xfer.token_end", e.value
+        with pytest.raises(kvferry.KvferryError) as e:  # the package: not a block id
+            c.store(0, 16, keys, [[0, 1, -5, 3]])
+        assert e.value.field == "blocks[0][2]", e.value
+        with pytest.raises(kvferry.KvferryError) as e:
+            c.store(0, 16, keys, [[0, 1, 2, 3], [4]])  # two groups for a geometry of one
+        assert e.value.status == kvferry.Status.INVALID_ARGUMENT and e.value.field, e.value
+        with pytest.raises(kvferry.KvferryError) as e:
+            c.store(0, 16, keys, [[0, 1, 2, 3]], ready_event=b"\0" * 10)
+        assert e.value.field == "ready_event"
+        with pytest.raises(kvferry.KvferryError) as e:  # 64 bytes, but zero: not an event
+            c.store(0, 16, keys, [[0, 1, 2, 3]], ready_event=bytes(64))
+        assert e.value.field == "xfer.ready_event", e.value
+        with pytest.raises(kvferry.KvferryError) as e:
+            c.retrieve(4, 16, keys, [[0, 1, 2, 3]])  # not on a chunk boundary
+        assert e.value.field and "token_begin" in e.value.field, e.value
+        with pytest.raises(kvferry.KvferryError) as e:
+            c.submit("copy", 0, 16, keys, [[0]])
+        assert e.value.field == "op"
+        with pytest.raises(kvferry.KvferryError) as e:
+            c.store(0, 16, keys, [[0, 1, 2, 3]], format="sideways")
+        assert e.value.status == kvferry.Status.INVALID_ARGUMENT
+        # The client stays usable after every refusal.
+        assert c.store(0, 16, keys, [[0, 1, 2, 3]]).done
+
+
+def test_bad_keys(server, engine):
+    with Client.connect(server.socket_dir) as c:
+        engine.register(c)
+        bad = [b"short", 1.5] if kc.KEY_BYTES == 32 else [-1, "x"]
+        for k in bad:
+            with pytest.raises(kvferry.KvferryError) as e:
+                c.store(0, 8, [k], [[0, 1]])
+            assert e.value.field == "keys[0]"
+        zero = bytes(32) if kc.KEY_BYTES == 32 else 0
+        with pytest.raises(kvferry.KvferryError) as e:
+            c.store(0, 8, [zero], [[0, 1]])
+        assert e.value.field == "xfer.chunk_keys[0]", e.value
+
+
+# ---- restarts and timeouts ---------------------------------------------------------------
+
+def wait_until(pred, timeout, step=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
+def test_kvferryd_restart(server_factory, engine):
+    first = server_factory("--heartbeat-timeout-ms", "2000")
+    keys = keys_for(TOKENS)
+    c = Client.connect(first.socket_dir, name="survivor", heartbeat=True, heartbeat_period_ms=100)
+    try:
+        engine.register(c)
+        assert c.store(0, 16, keys, [[0, 1, 2, 3]]).done
+        boot = c.info.boot_token
+        first.kill()
+        second = server_factory("--heartbeat-timeout-ms", "2000")  # the same directory
+        assert wait_until(lambda: c.server_restarted, 10), "server_restarted stayed false"
+        with pytest.raises(kvferry.KvferryError) as e:
+            c.stat()
+        assert e.value.status == kvferry.Status.DISCONNECTED
+        with Client.connect(second.socket_dir, name="again") as c2:
+            assert c2.info.boot_token != boot and c2.info.server_pid == second.pid
+            assert not c2.server_restarted
+            engine.register(c2)
+            want = engine.blocks[:, [0, 1, 2, 3]].copy()
+            miss = c2.retrieve(0, 16, keys, [[4, 5, 6, 7]])  # the new server's L1 is empty
+            assert miss.done and miss.prefix_tokens == 0
+            assert c2.store(0, 16, keys, [[0, 1, 2, 3]]).objects_done == 2
+            assert c2.retrieve(0, 16, keys, [[4, 5, 6, 7]]).prefix_tokens == 16
+            assert (engine.blocks[:, [4, 5, 6, 7]] == want).all()
+    finally:
+        c.close()
+
+
+def test_timeout_while_the_server_is_stopped(server, engine):
+    """SIGSTOP kvferryd: a request gets no reply in time (TIMEOUT, the
+    connection stays usable); a submitted one can be waited for again and
+    completes once the server runs again."""
+    keys = keys_for(TOKENS)
+    with Client.connect(server.socket_dir, heartbeat=False, timeout_ms=300) as c:
+        engine.register(c)
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(kvferry.KvferryError) as e:
+                c.stat()
+            assert e.value.status == kvferry.Status.TIMEOUT
+            assert time.monotonic() - t0 < 5
+            with pytest.raises(kvferry.KvferryError) as e:
+                c.store(0, 16, keys, [[0, 1, 2, 3]])
+            assert e.value.status == kvferry.Status.TIMEOUT and e.value.result is None
+            rid = c.submit("store", 0, 16, keys, [[0, 1, 2, 3]])
+            with pytest.raises(kvferry.KvferryError) as e:
+                c.wait(rid, timeout_ms=200)
+            assert e.value.status == kvferry.Status.TIMEOUT
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        r = c.wait(rid, timeout_ms=10000)  # waited for again: the reply came
+        assert r.done and r.prefix_tokens == 16
+        assert c.stat().l1_objects == 2
+        assert c.heartbeat() == c.info.boot_token
+
+
+# ---- LOOKUP, pins and retirement (i13-lookup) -----------------------------------------------
+
+needs_lookup = pytest.mark.skipif(not kc.has_lookup(),
+                                  reason="this libkvferry has no kvf_client_lookup / "
+                                         "kvf_client_wait_retired (i13-lookup not merged)")
+
+
+def test_lookup_unsupported_without_the_symbols(server):
+    if kc.has_lookup():
+        pytest.skip("the library has LOOKUP")
+    with Client.connect(server.socket_dir) as c:
+        for call in (lambda: c.lookup(0, 8, [1]), lambda: c.unpin(1),
+                     lambda: c.wait_retired(1, 10)):
+            with pytest.raises(kvferry.KvferryError) as e:
+                call()
+            assert e.value.status == kvferry.Status.UNSUPPORTED
+
+
+@needs_lookup
+def test_lookup_and_pin(server, engine):
+    tokens = list(range(24))
+    keys = chunk_keys(kc.chunk_seed(b"lookup"), tokens, chunk_tokens=CHUNK) \
+        if kc.KEY_BYTES == 32 else chunk_keys(11, tokens, chunk_tokens=CHUNK)
+    with Client.connect(server.socket_dir) as c:
+        engine.register(c)
+        empty = c.lookup(0, 24, keys)
+        assert empty.prefix_tokens == 0 and empty.pin_id == 0
+        c.store(0, 16, keys[:2], [[0, 1, 2, 3]])
+        found = c.lookup(0, 24, keys)
+        assert found.prefix_tokens == 16 and found.object_group_prefix == (16,)
+        assert found.pin_id == 0 and found.pinned_chunks == 0
+        pinned = c.lookup(0, 24, keys, pin_ms=5000)
+        assert pinned.prefix_tokens == 16 and pinned.pin_id != 0 and pinned.pinned_chunks == 2
+        r = c.retrieve(0, 24, keys, [[4, 5, 6, 7, None, None]])
+        assert r.prefix_tokens == 16
+        c.unpin(pinned.pin_id)
+        with pytest.raises(kvferry.KvferryError) as e:
+            c.lookup(0, 24, keys, pin_ms=60001)
+        assert e.value.field and "pin_ms" in e.value.field, e.value
+
+
+@needs_lookup
+def test_wait_retired_after_a_timeout(server, engine):
+    """A request that timed out for the client is retired once the server has
+    proven its work complete; wait_retired says when."""
+    keys = keys_for(TOKENS)
+    with Client.connect(server.socket_dir, heartbeat=False, timeout_ms=300) as c:
+        engine.register(c)
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            rid = c.submit("retrieve", 0, 16, keys, [[4, 5, 6, 7]])
+            with pytest.raises(kvferry.KvferryError) as e:
+                c.wait(rid, timeout_ms=200)
+            assert e.value.status == kvferry.Status.TIMEOUT
+            with pytest.raises(kvferry.KvferryError) as e:
+                c.wait_retired(rid, 200)
+            assert e.value.status == kvferry.Status.TIMEOUT
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        c.wait_retired(rid, 10000)
+        c.wait_retired(rid, 10000)  # retired stays retired
+        with pytest.raises(kvferry.KvferryError) as e:
+            c.wait_retired(rid + 1000, 100)
+        assert e.value.status == kvferry.Status.NOT_FOUND
+
+
+# ---- chunk keys ------------------------------------------------------------------------------
+
+def test_chunk_keys_chain_and_inputs():
+    seed = kc.chunk_seed(b"model") if kc.KEY_BYTES == 32 else 12345
+    tokens = list(range(20))
+    keys = chunk_keys(seed, tokens, chunk_tokens=8)
+    assert len(keys) == 3 and len(set(keys)) == 3
+    assert chunk_keys(seed, tokens[:16], chunk_tokens=8) == keys[:2]  # a prefix keeps its keys
+    assert chunk_keys(seed, np.array(tokens, dtype=np.int32), chunk_tokens=8) == keys
+    assert chunk_keys(seed, np.array(tokens, dtype=np.int64), chunk_tokens=8, token_bytes=4) == keys
+    assert chunk_keys(seed, np.array(tokens, dtype=np.int64), chunk_tokens=8) != keys  # 8 bytes
+    assert chunk_keys(seed, tokens, chunk_tokens=8, token_bytes=8) == \
+        chunk_keys(seed, np.array(tokens, dtype=np.int64), chunk_tokens=8)
+    assert chunk_keys(seed, [], chunk_tokens=8) == []
+    other = kc.chunk_seed(b"other") if kc.KEY_BYTES == 32 else 54321
+    assert chunk_keys(other, tokens, chunk_tokens=8)[0] != keys[0]
+    if kc.KEY_BYTES == 32:
+        assert all(isinstance(k, bytes) and len(k) == 32 for k in keys)
+        assert kc.chunk_seed("model") == seed
+    else:
+        assert all(isinstance(k, int) and k != 0 for k in keys)
+        with pytest.raises(kvferry.KvferryError) as e:
+            kc.chunk_seed(b"x")
+        assert e.value.status == kvferry.Status.UNSUPPORTED
+    with pytest.raises(kvferry.KvferryError) as e:
+        chunk_keys(seed, tokens, chunk_tokens=0)
+    assert e.value.field == "chunk_tokens"
+    with pytest.raises(kvferry.KvferryError) as e:
+        chunk_keys(seed, [1, 2, 1 << 40])
+    assert e.value.field == "tokens[2]"
+    with pytest.raises(kvferry.KvferryError) as e:
+        chunk_keys(seed, tokens, token_bytes=2)
+    assert e.value.field == "token_bytes"
+
+
+# ---- without numpy ------------------------------------------------------------------------
+
+NO_NUMPY = r'''
+import ctypes, sys
+sys.modules["numpy"] = None  # importing numpy now fails
+sys.path.insert(0, sys.argv[2])
+import kvferry
+from kvferry.client import Client, chunk_keys, chunk_seed, KEY_BYTES
+g = kvferry.Geometry("raw")
+r = g.add_region(align=8)
+grp = g.add_group("full", block_size=4, num_blocks=4)
+g.add_view(grp, region=r, elem_bytes=1, block_stride=64, planes=2, heads=2, plane_stride=32,
+           token_stride=8, head_stride=4, head_bytes=4)
+g.set_policy(chunk_tokens=4)
+g.finalize()
+size = g.regions[0].size
+with kvferry.Allocation.create(size, "host") as a:
+    cache = (ctypes.c_uint8 * size).from_address(a.ptr)
+    for i in range(size):
+        cache[i] = (7 * i) % 251
+    seed = chunk_seed(b"raw") if KEY_BYTES == 32 else 99
+    keys = chunk_keys(seed, [1, 2, 3, 4], chunk_tokens=4)
+    with Client.connect(sys.argv[1], name="no-numpy") as c:
+        c.register(g, [a])
+        assert c.store(0, 4, keys, [[2]]).done
+        assert c.retrieve(0, 4, keys, [[0]]).prefix_tokens == 4
+    assert bytes(cache[0:64]) == bytes(cache[128:192])
+assert "numpy" not in sys.modules or sys.modules["numpy"] is None
+g.close()
+print("ok")
+'''
+
+
+def test_client_without_numpy(server):
+    run = subprocess.run([sys.executable, "-c", NO_NUMPY, str(server.socket_dir),
+                          str(ROOT / "python")], capture_output=True, text=True, timeout=120,
+                         env=subprocess_env(PYTHONPATH=None))
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
