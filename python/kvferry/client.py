@@ -677,6 +677,11 @@ class Client:
                     raise fail(Status.INVALID_ARGUMENT, "offset %d is past the allocation's %d "
                                "bytes" % (offset, size), what + ".offset")
                 length = size - offset
+            elif offset + length > size:
+                # Checked here: kvferryd takes a region past its allocation for a bad frame
+                # and drops the connection (PROTOCOL).
+                raise fail(Status.INVALID_ARGUMENT, "offset %d + length %d runs past the "
+                           "allocation's %d bytes" % (offset, length, size), what + ".length")
             arr[i].alloc = alloc._handle.ptr
             arr[i].offset = offset
             arr[i].length = length

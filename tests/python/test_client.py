@@ -220,7 +220,11 @@ def test_register_errors_name_the_field(server, engine):
         assert e.value.status == kvferry.Status.PARSE
         with pytest.raises(kvferry.KvferryError) as e:  # a region past the allocation's end
             c.register(engine.geometry, [(engine.alloc, 4096, engine.size)])
-        assert e.value.field and "regions[0]" in e.value.field, e.value
+        assert e.value.field == "regions[0].length", e.value  # the package's check
+        with pytest.raises(kvferry.KvferryError) as e:  # shorter than the geometry's region
+            c.register(engine.geometry, [(engine.alloc, 0, engine.size - 1)])
+        assert e.value.status == kvferry.Status.INVALID_ARGUMENT
+        assert e.value.field == "payload.regions[0].length", e.value  # the server's
         with pytest.raises(kvferry.KvferryError) as e:
             c.register(engine.geometry, ["not an allocation"])
         assert e.value.field == "regions[0]"
@@ -231,6 +235,8 @@ def test_register_errors_name_the_field(server, engine):
             with pytest.raises(kvferry.KvferryError) as e:
                 engine.register(c, shard_index=1, shard_count=2)
             assert e.value.status == kvferry.Status.UNSUPPORTED
+        assert c.stat().active == 0  # nothing registered, the connection still serves
+        assert engine.register(c).registration_id > 0
 
 
 # ---- STORE and RETRIEVE ----------------------------------------------------------------
