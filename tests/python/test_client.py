@@ -2,25 +2,22 @@
 host backend, with memfd allocations from kvferry.memory.
 
 kvferryd is found as $KVF_KVFERRYD, else tools/kvferryd next to the library
-the package loaded (the build tree); the tests skip, saying so, without it.
-Each test starts its own server in a fresh socket directory under pytest's
-tmp_path and stops it (SIGTERM, then SIGKILL) afterwards.
+the package loaded (the build tree); the tests skip, saying so, without it
+(tests/python/served.py). Each test starts its own server in a fresh socket
+directory and stops it (SIGTERM, then SIGKILL) afterwards.
 """
 
-import ctypes
 import os
-import shutil
 import signal
 import subprocess
-import tempfile
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+import served
 from conftest import ROOT, subprocess_env, tiny_geometry
 
 import kvferry
@@ -30,95 +27,12 @@ from kvferry.client import Client, Outcome, chunk_keys
 NB, BLOCK, CHUNK = 8, 256, 8  # tiny_geometry: 8 blocks of 4 tokens, 256 bytes per block and layer
 
 
-def kvferryd_path():
-    env = os.environ.get("KVF_KVFERRYD")
-    if env:
-        return Path(env)
-    return Path(kvferry.library_path()).resolve().parent / "tools" / "kvferryd"
-
-
-class Kvferryd:
-    """One kvferryd process serving socket_dir (host backend only)."""
-
-    def __init__(self, socket_dir, log_path, *args):
-        self.socket_dir = Path(socket_dir)
-        self.log_path = Path(log_path)
-        self.args = list(args)
-        self.proc = None
-
-    def start(self, timeout=20.0):
-        exe = kvferryd_path()
-        self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [str(exe), "--socket-dir", str(self.socket_dir), "--devices", "none", "--l1-mb", "64",
-             "--log-level", "info"] + self.args, stdout=self.log, stderr=self.log)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError("kvferryd exited with %s:\n%s" % (self.proc.returncode,
-                                                                       self.log_text()))
-            if (self.socket_dir / "kvferryd.sock").exists():
-                try:
-                    Client.connect(self.socket_dir, heartbeat=False, timeout_ms=2000).close()
-                    return self
-                except kvferry.KvferryError:
-                    pass
-            time.sleep(0.05)
-        raise AssertionError("kvferryd did not serve %s within %.0f s:\n%s"
-                             % (self.socket_dir, timeout, self.log_text()))
-
-    @property
-    def pid(self):
-        return self.proc.pid
-
-    def log_text(self):
-        try:
-            return self.log_path.read_text(errors="replace")[-4000:]
-        except OSError:
-            return ""
-
-    def kill(self):
-        """SIGKILL: a crash, the socket left behind."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def stop(self):
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            try:
-                os.kill(self.proc.pid, signal.SIGCONT)  # a test that stopped it
-            except ProcessLookupError:
-                pass
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.log.close()
-
-
 @pytest.fixture
 def server_factory(tmp_path):
-    if not kvferryd_path().is_file():
-        pytest.skip("no kvferryd at %s (set KVF_KVFERRYD or build the kvferryd target)"
-                    % kvferryd_path())
-    started = []
-    # A short directory (socket paths are limited to 107 bytes), made 0700.
-    top = Path(tempfile.mkdtemp(prefix="kvf-py-", dir="/tmp" if os.path.isdir("/tmp") else None))
-    sock = top / "sock"
-
-    def start(*args):
-        d = Kvferryd(sock, tmp_path / ("kvferryd-%d.log" % len(started)), *args)
-        started.append(d)
-        return d.start()
-
-    yield start
-    for d in reversed(started):
-        d.stop()
-    shutil.rmtree(top, ignore_errors=True)
+    """start(*args) -> a Kvferryd on the test's socket directory (the same one
+    for every call: a restart), stopped after the test."""
+    with served.factory(tmp_path, devices="none", l1_mb=64) as start:
+        yield start
 
 
 @pytest.fixture
