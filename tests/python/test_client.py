@@ -76,6 +76,15 @@ def keys_for(tokens, seed=7):
 TOKENS = list(range(1000, 1016))  # 16 tokens: 2 chunks of 8, 4 blocks
 
 
+def wait_until(pred, timeout, step=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
 # ---- connect, info, register -------------------------------------------------------
 
 def test_connect_and_info(server):
@@ -245,6 +254,8 @@ def test_stat_and_stat_clients(server, engine):
         engine.register(c)
         c.store(0, 16, keys, [[0, 1, 2, 3]])
         c.retrieve(0, 16, keys, [[4, 5, 6, 7]])
+        # in_flight drops when the request retires, which may be just after its reply.
+        assert wait_until(lambda: other.stat().in_flight == 0, 5)
         s = other.stat()
         assert s.boot_token == c.info.boot_token
         assert (s.active, s.imports, s.aliases, s.leases) == (1, 1, 1, 0)
@@ -321,15 +332,6 @@ def test_bad_keys(server, engine):
 
 
 # ---- restarts and timeouts ---------------------------------------------------------------
-
-def wait_until(pred, timeout, step=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
-
 
 def test_kvferryd_restart(server_factory, engine):
     first = server_factory("--heartbeat-timeout-ms", "2000")
