@@ -318,6 +318,33 @@ class kvf_client_result(_Struct):
     _defaults_ = {"outcome": 1}
 
 
+# The client API of api-plan.md that lands on i12-keys and i13-lookup. Defined
+# here so kvferry.client can use them once the library has the functions;
+# listed in STRUCTS (and so checked by the layout test) once the headers have
+# them.
+
+class kvf_client_register_desc(_Struct):
+    _fields_ = [("struct_size", c_uint32), ("version", c_uint32), ("geometry_json", c_char_p),
+                ("geometry_len", ctypes.c_size_t), ("device", c_int), ("regions", c_void_p),
+                ("num_regions", c_uint32), ("shard_index", c_uint32), ("shard_count", c_uint32)]
+    _init_version_ = CLIENT_VERSION
+    _defaults_ = {"device": DEVICE_HOST, "shard_count": 1}
+
+
+class kvf_client_lookup_desc(_Struct):
+    _fields_ = [("struct_size", c_uint32), ("version", c_uint32), ("registration_id", c_uint64),
+                ("token_begin", c_uint64), ("token_end", c_uint64), ("format", c_enum),
+                ("chunk_keys", c_void_p), ("num_chunk_keys", c_uint32), ("pin_ms", c_uint32)]
+    _init_version_ = CLIENT_VERSION
+
+
+class kvf_client_lookup_result(_Struct):
+    _fields_ = [("struct_size", c_uint32), ("version", c_uint32), ("prefix_tokens", c_uint64),
+                ("num_object_groups", c_uint32), ("object_group_prefix", c_uint64 * MAX_GROUPS),
+                ("pin_id", c_uint64), ("pinned_chunks", c_uint32)]
+    _init_version_ = CLIENT_VERSION
+
+
 # Every struct the package binds, by C name. Structs of the headers that the
 # package does not bind yet are listed in UNBOUND, with the reason; the
 # layout test requires every header struct to be in one of the two.

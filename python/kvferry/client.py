@@ -97,13 +97,12 @@ _wait_retired = _declare_optional("kvf_client_wait_retired", c_int, c_void_p, c_
 
 def has_lookup() -> bool:
     """True when the library has LOOKUP, unpin and wait_retired (kvf_client_lookup)."""
-    return (_lookup is not None and _unpin is not None and _wait_retired is not None
-            and hasattr(S, "kvf_client_lookup"))
+    return _lookup is not None and _unpin is not None and _wait_retired is not None
 
 
 def has_register_desc() -> bool:
     """True when the library registers with a shard (kvf_client_register_desc)."""
-    return _register_desc is not None and hasattr(S, "kvf_client_register_desc")
+    return _register_desc is not None
 
 
 def _unsupported(what: str, needs: str) -> KvferryError:
@@ -699,7 +698,7 @@ class Client:
                 desc.geometry_json = text
                 desc.geometry_len = len(text)
                 desc.device = device
-                desc.regions = ctypes.cast(arr, POINTER(S.kvf_client_region))
+                desc.regions = ctypes.cast(arr, c_void_p)
                 desc.num_regions = len(items)
                 desc.shard_index = shard_index
                 desc.shard_count = shard_count
@@ -863,7 +862,7 @@ class Client:
         if not has_lookup():
             raise _unsupported("kvf_client_lookup", "LOOKUP (i13-lookup)")
         karr, nkeys = _keys_array(keys)
-        req = S.kvf_client_lookup.init()
+        req = S.kvf_client_lookup_desc.init()
         req.registration_id = _u64(registration_id, "registration_id")
         req.token_begin = _u64(token_begin, "token_begin")
         req.token_end = _u64(token_end, "token_end")
