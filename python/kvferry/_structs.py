@@ -41,6 +41,8 @@ TOPO_CPULIST_MAX = 256
 TOPO_NOTE_MAX = 256
 CLIENT_VERSION = 2
 CLIENT_MAX_PIN_MS = 60000
+CHUNK_KEY_BYTES = 32
+CLIENT_MAX_SHARDS = 65536
 DEVICE_HOST = -1
 # The headers this package mirrors (kvferry/version.h).
 HEADER_VERSION = (0, 1, 0)
@@ -71,6 +73,8 @@ CONSTANTS: Dict[str, int] = {
     "KVF_TOPO_NOTE_MAX": TOPO_NOTE_MAX,
     "KVF_CLIENT_VERSION": CLIENT_VERSION,
     "KVF_CLIENT_MAX_PIN_MS": CLIENT_MAX_PIN_MS,
+    "KVF_CHUNK_KEY_BYTES": CHUNK_KEY_BYTES,
+    "KVF_CLIENT_MAX_SHARDS": CLIENT_MAX_SHARDS,
     "KVF_VERSION_MAJOR": HEADER_VERSION[0],
     "KVF_VERSION_MINOR": HEADER_VERSION[1],
     "KVF_VERSION_PATCH": HEADER_VERSION[2],
@@ -299,6 +303,10 @@ class kvf_client_stat_record(_Struct):
                 ("imports", c_uint64), ("aliases", c_uint64), ("leases", c_uint64)]
 
 
+class kvf_chunk_key(_Struct):
+    _fields_ = [("bytes", c_uint8 * CHUNK_KEY_BYTES)]
+
+
 class kvf_client_xfer(_Struct):
     _fields_ = [("struct_size", c_uint32), ("version", c_uint32), ("registration_id", c_uint64),
                 ("token_begin", c_uint64), ("token_end", c_uint64), ("format", c_enum),
@@ -318,18 +326,18 @@ class kvf_client_result(_Struct):
     _defaults_ = {"outcome": 1}
 
 
-# The client API of api-plan.md that lands on i12-keys and i13-lookup. Defined
-# here so kvferry.client can use them once the library has the functions;
-# listed in STRUCTS (and so checked by the layout test) once the headers have
-# them.
-
 class kvf_client_register_desc(_Struct):
+    """struct kvf_client_register_desc (a tag only in C: the function has the name)."""
     _fields_ = [("struct_size", c_uint32), ("version", c_uint32), ("geometry_json", c_char_p),
                 ("geometry_len", ctypes.c_size_t), ("device", c_int), ("regions", c_void_p),
                 ("num_regions", c_uint32), ("shard_index", c_uint32), ("shard_count", c_uint32)]
     _init_version_ = CLIENT_VERSION
     _defaults_ = {"device": DEVICE_HOST, "shard_count": 1}
 
+
+# LOOKUP (i13-lookup): defined here so kvferry.client can use them once the
+# library has kvf_client_lookup; listed in STRUCTS (and so checked by the
+# layout test) once the headers have them.
 
 class kvf_client_lookup_desc(_Struct):
     _fields_ = [("struct_size", c_uint32), ("version", c_uint32), ("registration_id", c_uint64),
@@ -357,7 +365,8 @@ STRUCTS: Dict[str, Type[_Struct]] = {
                 kvf_xfer_stats, kvf_mem_identity, kvf_mem_alloc_options, kvf_topology_info,
                 kvf_numa_node_info, kvf_gpu_placement, kvf_client_options, kvf_client_info,
                 kvf_client_region, kvf_client_registration, kvf_client_stats,
-                kvf_client_stat_record, kvf_client_xfer, kvf_client_result)
+                kvf_client_stat_record, kvf_chunk_key, kvf_client_xfer, kvf_client_result,
+                kvf_client_register_desc)
 }
 
 UNBOUND: Dict[str, str] = {
@@ -365,7 +374,6 @@ UNBOUND: Dict[str, str] = {
     "kvf_import_view": "the import table comes in a later part of issue 13",
     "kvf_import_view_info": "the import table comes in a later part of issue 13",
     "kvf_import_stats": "the import table comes in a later part of issue 13",
-    "kvf_chunk_key": "kvferry.client binds it with 32-byte keys",
     "kvf_client_lookup_desc": "kvferry.client binds it with LOOKUP",
     "kvf_client_lookup_result": "kvferry.client binds it with LOOKUP",
 }

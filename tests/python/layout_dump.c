@@ -77,6 +77,9 @@
 #define L_kvf_client_stat_record(F) \
   F(client_id) F(pid) F(name) F(registering) F(active) F(draining) F(imports) F(aliases) F(leases)
 #define L_kvf_chunk_key(F) F(bytes)
+#define L_kvf_client_register_desc(F)                                                             \
+  F(struct_size) F(version) F(geometry_json) F(geometry_len) F(device) F(regions) F(num_regions) \
+  F(shard_index) F(shard_count)
 #define L_kvf_client_xfer(F)                                                                       \
   F(struct_size) F(version) F(registration_id) F(token_begin) F(token_end) F(format) F(chunk_keys) \
   F(num_chunk_keys) F(groups) F(num_groups) F(ready_event)
@@ -101,6 +104,11 @@
   S(kvf_client_options) S(kvf_client_info) S(kvf_client_region) S(kvf_client_registration)       \
   S(kvf_client_stats) S(kvf_client_stat_record) S(kvf_chunk_key) S(kvf_client_xfer) S(kvf_client_result) \
   S(kvf_client_lookup_desc) S(kvf_client_lookup_result)
+
+/* Structs declared as a tag only (struct kvf_client_register_desc: a typedef
+ * cannot share the name of the function that takes it). */
+#define TAG_STRUCTS(S) S(kvf_client_register_desc)
+#define TAG_INITS(I) I(kvf_client_register_desc, KVF_CLIENT_REGISTER_DESC_INIT)
 
 /* Every _INIT macro: (type, macro). */
 #define INITS(I)                                                                                  \
@@ -146,7 +154,8 @@
   C(KVF_MAX_DCP_WORLD) C(KVF_MAX_CHUNK_TOKENS) C(KVF_NAME_MAX) C(KVF_BLOCK_SKIP) C(KVF_DESC_VERSION) \
   C(KVF_OBJECT_MAGIC) C(KVF_CUDA_INFO_VERSION) C(KVF_MEM_VERSION) C(KVF_IPC_MAX_FDS)                 \
   C(KVF_IPC_CLOSE_FDS) C(KVF_TOPO_VERSION) C(KVF_TOPO_CPULIST_MAX) C(KVF_TOPO_NOTE_MAX)              \
-  C(KVF_CLIENT_VERSION) C(KVF_CLIENT_MAX_PIN_MS) C(KVF_VERSION_MAJOR) C(KVF_VERSION_MINOR) C(KVF_VERSION_PATCH)               \
+  C(KVF_CLIENT_VERSION) C(KVF_CHUNK_KEY_BYTES) C(KVF_CLIENT_MAX_SHARDS) C(KVF_CLIENT_MAX_PIN_MS)    \
+  C(KVF_VERSION_MAJOR) C(KVF_VERSION_MINOR) C(KVF_VERSION_PATCH)                                 \
   C(KVF_VERSION_NUMBER)
 
 /* ---- printing ------------------------------------------------------------ */
@@ -168,29 +177,36 @@ static void init_field(const char *name, const unsigned char *bytes, size_t size
 #define FIELD(f) field(#f, offsetof(cur_t, f), sizeof(((cur_t *)0)->f));
 #define INIT_FIELD(f) init_field(#f, bytes + offsetof(cur_t, f), sizeof(((cur_t *)0)->f));
 
-#define DUMP_STRUCT(T)                                                                        \
+#define DUMP_STRUCT_AS(T, TYPE)                                                                      \
   static void dump_##T(void) {                                                                \
-    typedef T cur_t;                                                                          \
+    typedef TYPE cur_t;                                                                          \
     printf("%s\n    \"%s\": {\"size\": %zu, \"align\": %zu, \"fields\": [", struct_sep, #T,   \
            sizeof(cur_t), (size_t)_Alignof(cur_t));                                           \
     struct_sep = ",";                                                                         \
     sep = "";                                                                                 \
     L_##T(FIELD) printf("]}");                                                                \
   }
-#define DUMP_INIT(T, INIT)                                                                    \
+#define DUMP_STRUCT(T) DUMP_STRUCT_AS(T, T)
+#define DUMP_TAG_STRUCT(T) DUMP_STRUCT_AS(T, struct T)
+#define DUMP_INIT_AS(T, TYPE, NAME, ...)                                                              \
   static void init_##T(void) {                                                                \
-    typedef T cur_t;                                                                          \
-    const cur_t value = INIT;                                                                 \
+    typedef TYPE cur_t;                                                                          \
+    const cur_t value = __VA_ARGS__;                                                          \
     const unsigned char *bytes = (const unsigned char *)&value;                               \
-    printf("%s\n    \"%s\": {\"macro\": \"%s\", \"fields\": {", struct_sep, #T, #INIT);       \
+    printf("%s\n    \"%s\": {\"macro\": \"%s\", \"fields\": {", struct_sep, #T, NAME);        \
     struct_sep = ",";                                                                         \
     sep = "";                                                                                 \
     L_##T(INIT_FIELD) printf("}}");                                                           \
   }
+/* INIT is named before it is expanded: its braces hold commas. */
+#define DUMP_INIT(T, INIT) DUMP_INIT_AS(T, T, #INIT, INIT)
+#define DUMP_TAG_INIT(T, INIT) DUMP_INIT_AS(T, struct T, #INIT, INIT)
 
 static const char *struct_sep = "";
 STRUCTS(DUMP_STRUCT)
+TAG_STRUCTS(DUMP_TAG_STRUCT)
 INITS(DUMP_INIT)
+TAG_INITS(DUMP_TAG_INIT)
 
 #define CALL_STRUCT(T) dump_##T();
 #define CALL_INIT(T, INIT) init_##T();
@@ -203,9 +219,11 @@ INITS(DUMP_INIT)
 int main(void) {
   printf("{\n  \"structs\": {");
   STRUCTS(CALL_STRUCT)
+  TAG_STRUCTS(CALL_STRUCT)
   printf("\n  },\n  \"defaults\": {");
   struct_sep = "";
   INITS(CALL_INIT)
+  TAG_INITS(CALL_INIT)
   printf("\n  },\n  \"enums\": {");
   struct_sep = "";
   ENUMS(ENUM_BLOCK, ENUM_VALUE)

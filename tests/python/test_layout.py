@@ -46,20 +46,27 @@ def _strip_comments(text):
 
 
 def header_structs():
-    """{struct: [field, ...]} of every typedef'd struct with a body in the headers."""
+    """{struct: [field, ...]} of every struct with a body in the headers:
+    typedef'd ones by their typedef name, tag-only ones (``struct X {...};``,
+    whose name a function takes, as with struct stat) by their tag."""
     out = {}
     for path in HEADERS:
         text = _strip_comments(path.read_text())
-        for m in re.finditer(r"typedef\s+struct\s+(\w+)\s*\{(.*?)\}\s*(\w+)\s*;", text, re.S):
+        found = [(m.group(3), m.group(2)) for m in
+                 re.finditer(r"typedef\s+struct\s+(\w+)\s*\{(.*?)\}\s*(\w+)\s*;", text, re.S)]
+        found += [(m.group(1), m.group(2)) for m in
+                  re.finditer(r"\bstruct\s+(\w+)\s*\{([^{}]*)\}\s*;", text)
+                  if not text[:m.start()].rstrip().endswith("typedef")]
+        for name, body in found:
             fields = []
-            for decl in m.group(2).split(";"):
+            for decl in body.split(";"):
                 decl = re.sub(r"\[[^\]]*\]", "", decl).strip()
                 if not decl:
                     continue
                 for part in decl.split(","):
                     names = re.findall(r"[A-Za-z_]\w*", part)
                     fields.append(names[-1])
-            out[m.group(3)] = (fields, path.name)
+            out[name] = (fields, path.name)
     return out
 
 
@@ -78,6 +85,7 @@ def header_enums():
 def test_headers_are_parsed():
     structs = header_structs()
     assert "kvf_view_desc" in structs and "kvf_gpu_placement" in structs
+    assert structs["kvf_client_register_desc"][0][-2:] == ["shard_index", "shard_count"]
     assert structs["kvf_client_stats"][0][3:6] == ["registering", "active", "draining"]
     assert "kvf_status" in header_enums()
 
