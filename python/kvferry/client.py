@@ -16,10 +16,11 @@ Threading: one client may be used from any number of threads at once
 (replies are matched to requests by id; ctypes releases the GIL during each
 call). ``close()`` waits for the calls in flight on other threads first.
 
-Chunk keys: with libkvferry's client version 1 (uint64 keys), keys are ints
-and :func:`chunk_keys` takes an int seed; with version 2 (32-byte SHA-256
-keys, ``kvf_chunk_seed``), keys are ``bytes`` of 32 and :func:`chunk_seed`
-makes the seed. ``KEY_BYTES`` says which (8 or 32).
+Chunk keys are ``bytes`` of 32 (KEY_BYTES): SHA-256 chains from
+:func:`chunk_seed` and :func:`chunk_keys`, or an engine's own 32-byte block
+hashes (vLLM's SHA-256 block hashes) passed as they are. The server files
+objects under (key, object group, geometry fingerprint, shard), so the seed
+names the model, not the shard.
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ from .memory import Allocation
 
 __all__ = ["Client", "ClientInfo", "Registration", "Result", "Outcome", "Op", "Stats",
            "ClientRecord", "LookupResult", "chunk_seed", "chunk_keys", "KEY_BYTES",
-           "READY_EVENT_BYTES", "has_lookup", "has_register_desc"]
+           "READY_EVENT_BYTES", "has_lookup"]
 
-#: Bytes of one chunk key: 8 (a uint64, client version 1) or 32 (SHA-256, version 2).
-KEY_BYTES: int = getattr(S, "CHUNK_KEY_BYTES", 8)
+#: Bytes of one chunk key (kvf_chunk_key).
+KEY_BYTES: int = S.CHUNK_KEY_BYTES
 #: Bytes of a ready event (a cudaIpcEventHandle_t).
 READY_EVENT_BYTES = 64
 _MAX_RECORDS = 1024  # STAT sends at most this many client records
@@ -80,16 +81,12 @@ _lib.plain_fn("kvf_client_retrieve", c_int, c_void_p, _P(S.kvf_client_xfer),
               _P(S.kvf_client_result))
 _lib.plain_fn("kvf_client_server_restarted", c_int, c_void_p)
 _lib.plain_fn("kvf_client_disconnect", None, c_void_p)
-if KEY_BYTES == 8:
-    _lib.plain_fn("kvf_chunk_keys", c_uint64, c_uint64, c_void_p, c_uint32, c_uint64, c_uint32,
-                  c_void_p)
-else:
-    _lib.plain_fn("kvf_chunk_keys", c_uint64, c_void_p, c_void_p, c_uint32, c_uint64, c_uint32,
-                  c_void_p)
-# The newer API (api-plan.md: i12-keys, i13-lookup): bound when the library has it.
-_chunk_seed = _declare_optional("kvf_chunk_seed", c_int, c_void_p, c_size_t, c_void_p)
-_register_desc = _declare_optional("kvf_client_register_desc", c_int, c_void_p, c_void_p,
-                                   _P(S.kvf_client_registration))
+_lib.plain_fn("kvf_client_register_desc", c_int, c_void_p, _P(S.kvf_client_register_desc),
+              _P(S.kvf_client_registration))
+_lib.plain_fn("kvf_chunk_seed", c_int, c_void_p, c_size_t, _P(S.kvf_chunk_key))
+_lib.plain_fn("kvf_chunk_keys", c_uint64, _P(S.kvf_chunk_key), c_void_p, c_uint32, c_uint64,
+              c_uint32, c_void_p)
+# LOOKUP and retirement (api-plan.md, i13-lookup): bound when the library has them.
 _lookup = _declare_optional("kvf_client_lookup", c_int, c_void_p, c_void_p, c_void_p)
 _unpin = _declare_optional("kvf_client_unpin", c_int, c_void_p, c_uint64)
 _wait_retired = _declare_optional("kvf_client_wait_retired", c_int, c_void_p, c_uint64, c_uint32)
@@ -98,11 +95,6 @@ _wait_retired = _declare_optional("kvf_client_wait_retired", c_int, c_void_p, c_
 def has_lookup() -> bool:
     """True when the library has LOOKUP, unpin and wait_retired (kvf_client_lookup)."""
     return _lookup is not None and _unpin is not None and _wait_retired is not None
-
-
-def has_register_desc() -> bool:
-    """True when the library registers with a shard (kvf_client_register_desc)."""
-    return _register_desc is not None
 
 
 def _unsupported(what: str, needs: str) -> KvferryError:
@@ -272,16 +264,11 @@ def chunk_seed(data: Union[bytes, bytearray, memoryview, str]) -> bytes:
     SHA-256("kvferry-seed-v1" || data). Fold in everything that makes the
     cache bytes differ for the same tokens: the model, the tokenizer, extra
     keys (LoRA, multimodal hashes); the server scopes objects by geometry
-    fingerprint and shard itself. A str is encoded as UTF-8.
-
-    Raises KvferryError UNSUPPORTED with a library of client version 1
-    (uint64 keys: the seed is any nonzero int there)."""
-    if _chunk_seed is None or KEY_BYTES != 32:
-        raise _unsupported("kvf_chunk_seed", "32-byte chunk keys (client version 2)")
+    fingerprint and shard itself. A str is encoded as UTF-8."""
     raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
-    out = (ctypes.c_uint8 * 32)()
+    out = S.kvf_chunk_key()
     buf = ctypes.create_string_buffer(raw, len(raw)) if raw else None
-    _check(_chunk_seed(buf, len(raw), out))
+    _check(lib.kvf_chunk_seed(buf, len(raw), byref(out)))
     return bytes(out)
 
 
@@ -350,14 +337,13 @@ def _ptr(buf: Any) -> Optional[int]:
     return ctypes.addressof(buf) if len(buf) else None
 
 
-def chunk_keys(seed: Union[bytes, int], tokens: Any, chunk_tokens: int = 256,
-               token_bytes: Optional[int] = None) -> List[Any]:
+def chunk_keys(seed: bytes, tokens: Any, chunk_tokens: int = 256,
+               token_bytes: Optional[int] = None) -> List[bytes]:
     """Chained prefix keys (kvf_chunk_keys): key k names chunk k of tokens,
     ``ceil(len(tokens) / chunk_tokens)`` keys. Equal prefixes give equal keys.
 
     Args:
-        seed: ``chunk_seed(...)`` (32 bytes) with a client version 2 library;
-            a nonzero int with version 1.
+        seed: ``chunk_seed(...)``: 32 bytes, not all zero.
         tokens: a sequence of ints, or a 1-D integer array (numpy, or anything
             with the array interface or DLPack) in host memory.
         chunk_tokens: tokens per chunk: the geometry's policy chunk_tokens.
@@ -366,7 +352,8 @@ def chunk_keys(seed: Union[bytes, int], tokens: Any, chunk_tokens: int = 256,
             sequence. The width is part of the key: hash the same token ids
             with the same width everywhere.
 
-    Returns a list of ``bytes`` of KEY_BYTES (version 2) or of ints (version 1).
+    Returns a list of ``bytes`` of KEY_BYTES, as docs/protocol.md's test
+    vector shows (SHA-256 of the previous key and the chunk's token bytes).
     """
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or \
             not 0 < chunk_tokens <= S.MAX_CHUNK_TOKENS:
@@ -377,23 +364,13 @@ def chunk_keys(seed: Union[bytes, int], tokens: Any, chunk_tokens: int = 256,
     if n == 0:
         return []
     count = (n + chunk_tokens - 1) // chunk_tokens
-    if KEY_BYTES == 8:
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
-            raise fail(Status.INVALID_ARGUMENT, "%r: with this library (client version 1) the "
-                       "seed is an int of 64 bits" % (seed,), "seed")
-        out64 = (c_uint64 * count)()
-        got = lib.kvf_chunk_keys(seed, _ptr(buf), width, n, chunk_tokens, out64)
-        if got != count:
-            raise fail(Status.INVALID_ARGUMENT, "kvf_chunk_keys wrote %d keys, expected %d"
-                       % (got, count), "tokens")
-        return list(out64)
     raw = bytes(seed) if isinstance(seed, (bytes, bytearray, memoryview)) else None
-    if raw is None or len(raw) != KEY_BYTES:
-        raise fail(Status.INVALID_ARGUMENT, "a seed is %d bytes (chunk_seed())" % KEY_BYTES,
-                   "seed")
-    seed_buf = (ctypes.c_uint8 * KEY_BYTES).from_buffer_copy(raw)
+    if raw is None or len(raw) != KEY_BYTES or not any(raw):
+        raise fail(Status.INVALID_ARGUMENT, "a seed is %d bytes, not all zero (chunk_seed())"
+                   % KEY_BYTES, "seed")
+    seed_buf = S.kvf_chunk_key.from_buffer_copy(raw)
     out = (ctypes.c_uint8 * (KEY_BYTES * count))()
-    got = lib.kvf_chunk_keys(seed_buf, _ptr(buf), width, n, chunk_tokens, out)
+    got = lib.kvf_chunk_keys(byref(seed_buf), _ptr(buf), width, n, chunk_tokens, out)
     if got != count:
         raise fail(Status.INVALID_ARGUMENT, "kvf_chunk_keys wrote %d keys, expected %d"
                    % (got, count), "tokens")
@@ -406,18 +383,6 @@ def _keys_array(keys: Any) -> Tuple[Any, int]:
     if keys is None:
         raise fail(Status.INVALID_ARGUMENT, "required", "keys")
     np = sys.modules.get("numpy")
-    if KEY_BYTES == 8:
-        if np is not None and isinstance(keys, np.ndarray):
-            if keys.ndim != 1 or keys.dtype.kind not in "iu":
-                raise fail(Status.INVALID_ARGUMENT, "a 1-D integer array is required (shape %s, "
-                           "dtype %s)" % (keys.shape, keys.dtype), "keys")
-            keys = keys.tolist()
-        values = list(keys)
-        for i, k in enumerate(values):
-            if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < 1 << 64:
-                raise fail(Status.INVALID_ARGUMENT, "%r is not a chunk key (an int of 64 bits "
-                           "with this library)" % (k,), "keys[%d]" % i)
-        return (c_uint64 * max(len(values), 1))(*values), len(values)
     if isinstance(keys, (bytes, bytearray, memoryview)):
         raw = bytes(keys)
         if len(raw) % KEY_BYTES:
@@ -626,7 +591,7 @@ class Client:
 
     def register(self, geometry: Union[Geometry, str, bytes], regions: Sequence[RegionLike],
                  device: int = -1, shard_index: int = 0, shard_count: int = 1) -> Registration:
-        """Register a geometry and the memory of its regions (kvf_client_register).
+        """Register a geometry and the memory of its regions (kvf_client_register_desc).
 
         Args:
             geometry: a finalized :class:`kvferry.Geometry`, or the geometry
@@ -638,8 +603,9 @@ class Client:
                 may share one allocation: it is exported once.
             device: the GPU the engine runs on; -1 for the host backend.
             shard_index, shard_count: this worker's tensor-parallel (x DCP)
-                rank and their number (needs kvf_client_register_desc; shard
-                0 of 1 works with every library).
+                rank and their number (0 of 1 or 0 of 0: unsharded). The
+                server files what a registration stores under its geometry's
+                fingerprint and its shard: another shard never finds it.
 
         All or nothing on the server: on failure the previous registration
         keeps serving. Raises KvferryError with the server's status and field
@@ -689,26 +655,18 @@ class Client:
         shard_index = _u32(shard_index, "shard_index")
         shard_count = _u32(shard_count, "shard_count")
         out = S.kvf_client_registration.init()
-        sharded = not (shard_index == 0 and shard_count in (0, 1))
         with self._handle.use() as c, contextlib.ExitStack() as stack:
             for a in allocs:  # the allocations stay open for the length of the call
                 stack.enter_context(a._handle.use())
-            if has_register_desc():
-                desc = S.kvf_client_register_desc.init()
-                desc.geometry_json = text
-                desc.geometry_len = len(text)
-                desc.device = device
-                desc.regions = ctypes.cast(arr, c_void_p)
-                desc.num_regions = len(items)
-                desc.shard_index = shard_index
-                desc.shard_count = shard_count
-                st = _register_desc(c, byref(desc), byref(out))  # type: ignore[misc]
-            elif sharded:
-                raise _unsupported("kvf_client_register_desc",
-                                   "REGISTER with a shard (i12-keys)")
-            else:
-                st = lib.kvf_client_register(c, text, len(text), device, arr, len(items),
-                                             byref(out))
+            desc = S.kvf_client_register_desc.init()
+            desc.geometry_json = text
+            desc.geometry_len = len(text)
+            desc.device = device
+            desc.regions = ctypes.cast(arr, c_void_p)
+            desc.num_regions = len(items)
+            desc.shard_index = shard_index
+            desc.shard_count = shard_count
+            st = lib.kvf_client_register_desc(c, byref(desc), byref(out))
         _check(st)
         self._regions = allocs
         return Registration(out.registration_id, out.fingerprint, out.imports, out.aliases)

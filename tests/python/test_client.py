@@ -68,9 +68,7 @@ def engine():
 
 
 def keys_for(tokens, seed=7):
-    if kc.KEY_BYTES == 32:
-        return chunk_keys(kc.chunk_seed(b"test-model|%d" % seed), tokens, chunk_tokens=CHUNK)
-    return chunk_keys(seed, tokens, chunk_tokens=CHUNK)
+    return chunk_keys(kc.chunk_seed(b"test-model|%d" % seed), tokens, chunk_tokens=CHUNK)
 
 
 TOKENS = list(range(1000, 1016))  # 16 tokens: 2 chunks of 8, 4 blocks
@@ -154,10 +152,10 @@ def test_register_errors_name_the_field(server, engine):
         with pytest.raises(kvferry.KvferryError) as e:
             c.register(42, [engine.alloc])
         assert e.value.field == "geometry"
-        if not kc.has_register_desc():
-            with pytest.raises(kvferry.KvferryError) as e:
-                engine.register(c, shard_index=1, shard_count=2)
-            assert e.value.status == kvferry.Status.UNSUPPORTED
+        with pytest.raises(kvferry.KvferryError) as e:
+            engine.register(c, shard_index=2, shard_count=2)
+        assert e.value.status == kvferry.Status.INVALID_ARGUMENT and e.value.field, e.value
+        assert "shard_index" in e.value.field, e.value
         assert c.stat().active == 0  # nothing registered, the connection still serves
         assert engine.register(c).registration_id > 0
 
@@ -320,14 +318,13 @@ def test_errors_name_the_field(server, engine):
 def test_bad_keys(server, engine):
     with Client.connect(server.socket_dir) as c:
         engine.register(c)
-        bad = [b"short", 1.5] if kc.KEY_BYTES == 32 else [-1, "x"]
+        bad = [b"short", 1.5, 7]
         for k in bad:
             with pytest.raises(kvferry.KvferryError) as e:
                 c.store(0, 8, [k], [[0, 1]])
             assert e.value.field == "keys[0]"
-        zero = bytes(32) if kc.KEY_BYTES == 32 else 0
         with pytest.raises(kvferry.KvferryError) as e:
-            c.store(0, 8, [zero], [[0, 1]])
+            c.store(0, 8, [bytes(32)], [[0, 1]])
         assert e.value.field == "xfer.chunk_keys[0]", e.value
 
 
@@ -411,8 +408,7 @@ def test_lookup_unsupported_without_the_symbols(server):
 @needs_lookup
 def test_lookup_and_pin(server, engine):
     tokens = list(range(24))
-    keys = chunk_keys(kc.chunk_seed(b"lookup"), tokens, chunk_tokens=CHUNK) \
-        if kc.KEY_BYTES == 32 else chunk_keys(11, tokens, chunk_tokens=CHUNK)
+    keys = chunk_keys(kc.chunk_seed(b"lookup"), tokens, chunk_tokens=CHUNK)
     with Client.connect(server.socket_dir) as c:
         engine.register(c)
         empty = c.lookup(0, 24, keys)
@@ -459,7 +455,7 @@ def test_wait_retired_after_a_timeout(server, engine):
 # ---- chunk keys ------------------------------------------------------------------------------
 
 def test_chunk_keys_chain_and_inputs():
-    seed = kc.chunk_seed(b"model") if kc.KEY_BYTES == 32 else 12345
+    seed = kc.chunk_seed(b"model")
     tokens = list(range(20))
     keys = chunk_keys(seed, tokens, chunk_tokens=8)
     assert len(keys) == 3 and len(set(keys)) == 3
@@ -470,16 +466,16 @@ def test_chunk_keys_chain_and_inputs():
     assert chunk_keys(seed, tokens, chunk_tokens=8, token_bytes=8) == \
         chunk_keys(seed, np.array(tokens, dtype=np.int64), chunk_tokens=8)
     assert chunk_keys(seed, [], chunk_tokens=8) == []
-    other = kc.chunk_seed(b"other") if kc.KEY_BYTES == 32 else 54321
+    other = kc.chunk_seed(b"other")
     assert chunk_keys(other, tokens, chunk_tokens=8)[0] != keys[0]
-    if kc.KEY_BYTES == 32:
-        assert all(isinstance(k, bytes) and len(k) == 32 for k in keys)
-        assert kc.chunk_seed("model") == seed
-    else:
-        assert all(isinstance(k, int) and k != 0 for k in keys)
-        with pytest.raises(kvferry.KvferryError) as e:
-            kc.chunk_seed(b"x")
-        assert e.value.status == kvferry.Status.UNSUPPORTED
+    assert all(isinstance(k, bytes) and len(k) == 32 for k in keys)
+    assert kc.chunk_seed("model") == seed and len(seed) == 32
+    with pytest.raises(kvferry.KvferryError) as e:
+        chunk_keys(bytes(32), tokens)
+    assert e.value.field == "seed"
+    with pytest.raises(kvferry.KvferryError) as e:
+        chunk_keys(12345, tokens)
+    assert e.value.field == "seed"
     with pytest.raises(kvferry.KvferryError) as e:
         chunk_keys(seed, tokens, chunk_tokens=0)
     assert e.value.field == "chunk_tokens"
@@ -491,6 +487,71 @@ def test_chunk_keys_chain_and_inputs():
     assert e.value.field == "token_bytes"
 
 
+def test_chunk_keys_match_the_documented_test_vector():
+    """docs/protocol.md: model "example-model", tokens 0..9 as int32, C = 4."""
+    seed = kc.chunk_seed(b"example-model")
+    assert seed.hex() == "62042d691c2d741b6591302f95fd5fd4324ad444d32ea1ad2680340208423b11"
+    keys = chunk_keys(seed, list(range(10)), chunk_tokens=4)
+    assert [k.hex() for k in keys] == [
+        "a813754b0dd61ef046617af334fb6c329e8295e91382cc97045d58ad695bce17",
+        "c13df430f4da64bb3431e25fd70af8ae807b4b0547e84a20fa1c46d622b5eaec",
+        "dd9400ddcaabd6d4f394a8bc010ae14eaaf99bbeedac7ea6b2b042c3aa586492"]
+    # The construction, from hashlib: SHA-256(previous key || the chunk's token bytes).
+    import hashlib
+    assert hashlib.sha256(b"kvferry-seed-v1example-model").digest() == seed
+    want, prev = [], seed
+    for k in range(3):
+        prev = hashlib.sha256(prev + np.arange(4 * k, min(4 * k + 4, 10), dtype="<i4").tobytes()
+                              ).digest()
+        want.append(prev)
+    assert keys == want
+
+
+def test_engine_hashes_as_keys(server, engine):
+    """32-byte block hashes of the engine's own (vLLM's SHA-256 ones) are
+    keys as they are: a list of bytes, one bytes object, or an (n, 32) array."""
+    import hashlib
+    hashes = [hashlib.sha256(b"block %d" % i).digest() for i in range(2)]
+    with Client.connect(server.socket_dir) as c:
+        engine.register(c)
+        want = engine.blocks[:, [0, 1, 2, 3]].copy()
+        assert c.store(0, 16, hashes, [[0, 1, 2, 3]]).objects_done == 2
+        assert c.retrieve(0, 16, b"".join(hashes), [[4, 5, 6, 7]]).prefix_tokens == 16
+        assert (engine.blocks[:, [4, 5, 6, 7]] == want).all()
+        as_array = np.frombuffer(b"".join(hashes), np.uint8).reshape(2, 32)
+        assert c.retrieve(0, 16, as_array, [[4, 5, 6, 7]]).prefix_tokens == 16
+        with pytest.raises(kvferry.KvferryError) as e:
+            c.retrieve(0, 16, b"x" * 33, [[4, 5, 6, 7]])
+        assert e.value.field == "keys"
+
+
+def test_shards_do_not_share_objects(server_factory):
+    """The server files objects under the geometry and the shard: shard 1 of
+    2 sending shard 0's keys misses, stores its own, and each is served its
+    own bytes."""
+    server = server_factory()
+    keys = keys_for(TOKENS)
+    e0, e1 = Engine(seed=1), Engine(seed=2)
+    try:
+        with Client.connect(server.socket_dir, name="rank0") as c0, \
+                Client.connect(server.socket_dir, name="rank1") as c1:
+            e0.register(c0, shard_index=0, shard_count=2)
+            e1.register(c1, shard_index=1, shard_count=2)
+            want0, want1 = e0.blocks[:, [0, 1, 2, 3]].copy(), e1.blocks[:, [0, 1, 2, 3]].copy()
+            assert c0.store(0, 16, keys, [[0, 1, 2, 3]]).objects_done == 2
+            miss = c1.retrieve(0, 16, keys, [[4, 5, 6, 7]])
+            assert miss.done and miss.prefix_tokens == 0
+            assert c1.store(0, 16, keys, [[0, 1, 2, 3]]).objects_done == 2  # its own objects
+            assert c1.retrieve(0, 16, keys, [[4, 5, 6, 7]]).prefix_tokens == 16
+            assert c0.retrieve(0, 16, keys, [[4, 5, 6, 7]]).prefix_tokens == 16
+            assert (e0.blocks[:, [4, 5, 6, 7]] == want0).all()
+            assert (e1.blocks[:, [4, 5, 6, 7]] == want1).all()
+            assert c0.stat().l1_objects == 4
+    finally:
+        e0.close()
+        e1.close()
+
+
 # ---- without numpy ------------------------------------------------------------------------
 
 NO_NUMPY = r'''
@@ -498,7 +559,7 @@ import ctypes, sys
 sys.modules["numpy"] = None  # importing numpy now fails
 sys.path.insert(0, sys.argv[2])
 import kvferry
-from kvferry.client import Client, chunk_keys, chunk_seed, KEY_BYTES
+from kvferry.client import Client, chunk_keys, chunk_seed
 g = kvferry.Geometry("raw")
 r = g.add_region(align=8)
 grp = g.add_group("full", block_size=4, num_blocks=4)
@@ -511,7 +572,7 @@ with kvferry.Allocation.create(size, "host") as a:
     cache = (ctypes.c_uint8 * size).from_address(a.ptr)
     for i in range(size):
         cache[i] = (7 * i) % 251
-    seed = chunk_seed(b"raw") if KEY_BYTES == 32 else 99
+    seed = chunk_seed(b"raw")
     keys = chunk_keys(seed, [1, 2, 3, 4], chunk_tokens=4)
     with Client.connect(sys.argv[1], name="no-numpy") as c:
         c.register(g, [a])

@@ -226,10 +226,8 @@ def assert_equal_bytes(got, want, what):
 
 
 def keys_for(geometry, tokens, salt):
-    C = geometry.policy.chunk_tokens
-    if kc.KEY_BYTES == 32:
-        return chunk_keys(kc.chunk_seed(b"gpu-test|%s" % salt.encode()), tokens, chunk_tokens=C)
-    return chunk_keys(abs(hash(salt)) % (1 << 63) + 1, tokens, chunk_tokens=C)
+    return chunk_keys(kc.chunk_seed(b"gpu-test|%s" % salt.encode()), tokens,
+                      chunk_tokens=geometry.policy.chunk_tokens)
 
 
 def blocks_for(geometry, tokens, seed):
@@ -300,8 +298,8 @@ def test_gpu_store_then_retrieve_into_other_blocks(gpu, gpu_server, make, tokens
             again = c.store(0, tokens, keys, [src])
             assert again.done and again.objects_present == chunks * nog and \
                 again.objects_done == 0, again
-            s = c.stat()
-            assert s.lanes >= (1 if EMULATE else 2) and s.l1_objects >= chunks * nog and s.in_flight == 0, s
+            s = c.stat()  # (in_flight may still count the last request: it retires after its reply)
+            assert s.lanes >= (1 if EMULATE else 2) and s.l1_objects >= chunks * nog, s
             c.unregister()
     finally:
         engine.close()
