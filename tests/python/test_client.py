@@ -422,9 +422,26 @@ def test_lookup_and_pin(server, engine):
         r = c.retrieve(0, 24, keys, [[4, 5, 6, 7, None, None]])
         assert r.prefix_tokens == 16
         c.unpin(pinned.pin_id)
+        c.unpin(pinned.pin_id)  # idempotent
+        assert c.lookup(8, 24, keys[1:]).prefix_tokens == 16  # from the second chunk on
+        missed = c.lookup(0, 24, keys_for(list(range(24)), seed=3), pin_ms=1000)
+        assert missed.prefix_tokens == 0 and missed.pin_id == 0 and missed.pinned_chunks == 0
         with pytest.raises(kvferry.KvferryError) as e:
             c.lookup(0, 24, keys, pin_ms=60001)
+        assert e.value.status == kvferry.Status.INVALID_ARGUMENT
         assert e.value.field and "pin_ms" in e.value.field, e.value
+        with pytest.raises(kvferry.KvferryError) as e:
+            c.lookup(0, 24, keys[:2])  # 2 keys for 3 chunks
+        assert e.value.field == "payload.chunk_keys", e.value
+        with pytest.raises(kvferry.KvferryError) as e:
+            c.lookup(0, 24, [bytes(32)] * 3)
+        assert e.value.field and "chunk_keys[0]" in e.value.field, e.value
+        with pytest.raises(kvferry.KvferryError) as e:
+            c.unpin(0)
+        assert e.value.status == kvferry.Status.INVALID_ARGUMENT
+        with pytest.raises(kvferry.KvferryError) as e:
+            c.unpin(pinned.pin_id + 1000)  # never a pin of this connection
+        assert e.value.status == kvferry.Status.NOT_FOUND
 
 
 @needs_lookup
@@ -447,6 +464,11 @@ def test_wait_retired_after_a_timeout(server, engine):
             os.kill(server.pid, signal.SIGCONT)
         c.wait_retired(rid, 10000)
         c.wait_retired(rid, 10000)  # retired stays retired
+        r = c.wait(rid)  # the reply itself stays for wait
+        assert r.done and r.prefix_tokens == 0  # nothing was stored: a miss
+        done = c.submit("store", 0, 16, keys, [[0, 1, 2, 3]])
+        assert c.wait(done).done
+        c.wait_retired(done, 100)  # done: retired before its reply
         with pytest.raises(kvferry.KvferryError) as e:
             c.wait_retired(rid + 1000, 100)
         assert e.value.status == kvferry.Status.NOT_FOUND
