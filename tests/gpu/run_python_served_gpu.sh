@@ -4,7 +4,9 @@
 #         cuMem memory (CUDA through ctypes, no torch), registered with a real kvferryd serving
 #         the GPU; STORE, RETRIEVE into other blocks, the whole cache checked to the byte
 #         against host copies (4 geometries, 8 requests in flight, a ready event, GPU <-> host
-#         engines). Every test must run: a skip counts as a failure here.
+#         engines, a RETRIEVE timed out under a 1 ms request timeout and then retired).
+#         Every test must run: a skip counts as a failure here, except the LOOKUP/RETIRED
+#         case on a library without kvf_client_lookup (i13-lookup), which is reported.
 #   host  tests/python/test_client.py: the host-backend client tests with the same binaries
 #         (skips allowed: LOOKUP/RETIRED cases skip on a library without them).
 # Nothing is fetched or built here.
@@ -78,7 +80,9 @@ run() { # run NAME MODULE LIMIT_S ALLOW_SKIPS
 import sys, xml.etree.ElementTree as ET
 root = ET.parse(sys.argv[1]).getroot()
 suites = [root] if root.tag == "testsuite" else list(root)
-print(sum(int(s.get("skipped", 0)) for s in suites))
+# A case that needs LOOKUP may skip on a library without it (said in the summary).
+print(sum(1 for s in suites for case in s.iter("testcase") for skip in case.iter("skipped")
+          if "kvf_client_lookup" not in (skip.get("message") or "")))
 EOF
 )
   if [ "$rc" -eq 0 ] && [ "$allow_skips" != yes ] && [ "${skipped:-1}" != 0 ]; then

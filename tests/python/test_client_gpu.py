@@ -258,6 +258,22 @@ def gpu_server(gpu, tmp_path):
         print("kvferryd log tail:\n" + server.log_text(2000))
 
 
+@pytest.fixture
+def gpu_server_1ms(gpu, tmp_path):
+    """kvferryd with a request timeout of 1 ms: a GPU RETRIEVE of tens of MiB
+    is reported timed out while its copy still runs (host-lane requests are
+    never timed out: they have no event to wait for)."""
+    if gpu.device_count <= DEVICE:
+        pytest.skip("KVF_TEST_DEVICE=%d, but %d GPUs are visible" % (DEVICE, gpu.device_count))
+    gpu.check(gpu.lib.cudaSetDevice(DEVICE), "cudaSetDevice")
+    gpu.check(gpu.lib.cudaFree(c_void_p(0)), "cudaFree(0): the primary context")
+    devices = "none" if EMULATE else str(DEVICE)
+    with served.factory(tmp_path, devices=devices, l1_mb=256 if EMULATE else 1024) as start:
+        server = start("--request-timeout-ms", "1", "--host-l1-mb", "512")
+        yield server
+        print("kvferryd log tail:\n" + server.log_text(2000))
+
+
 GEOMETRIES = [
     pytest.param(lambda: tiny_geometry(num_blocks=64, chunk_tokens=8)[0], 64, id="tiny"),
     pytest.param(lambda: kvferry.Geometry.preset("llama-3.1-8b-fa-hnd", num_blocks=64), 512,
@@ -425,6 +441,57 @@ def test_gpu_and_host_engines_share_objects(gpu, gpu_server, direction):
             want = model_after_retrieve(sent, geometry, g_engine.offsets, 0, tokens, src, dst,
                                         receiver=receiver_before)
             assert_equal_bytes(after, want, "the receiver's cache after the RETRIEVE")
+    finally:
+        g_engine.close()
+        h_engine.close()
+        geometry.close()
+
+
+@pytest.mark.skipif(not kc.has_lookup(), reason="this libkvferry has no kvf_client_lookup / "
+                    "kvf_client_wait_retired (i13-lookup not merged)")
+def test_gpu_timed_out_retrieve_is_retired_and_its_bytes_are_whole(gpu, gpu_server_1ms):
+    """A host engine stores 64 MiB (the host lane never times out); a GPU
+    engine LOOKUPs it with a pin, then RETRIEVEs it under a 1 ms request
+    timeout: the reply may come TIMED_OUT while the copy runs. Once
+    wait_retired returns, the blocks must hold every byte, and the whole cache
+    must match the host model; then a second RETRIEVE of the same blocks
+    (after the retirement) gives the same bytes."""
+    geometry = kvferry.Geometry.preset("llama-3.1-8b-fa-hnd", num_blocks=64)
+    tokens = 512
+    g_engine = GpuEngine(gpu, geometry, seed=31)
+    h_engine = HostEngine(geometry, seed=32)
+    try:
+        src, dst = blocks_for(geometry, tokens, seed=8)
+        keys = keys_for(geometry, list(range(11, 11 + tokens)), "retired")
+        chunks = geometry.num_chunks(0, tokens)
+        with Client.connect(gpu_server_1ms.socket_dir, name="gpu-retired", timeout_ms=60000) as cg, \
+                Client.connect(gpu_server_1ms.socket_dir, name="host-store", timeout_ms=60000) as ch:
+            cg.register(geometry, g_engine.regions(), device=ENGINE_DEVICE)
+            ch.register(geometry, h_engine.regions(), device=-1)
+            sent, before = h_engine.cache.copy(), g_engine.host.copy()
+            r = ch.store(0, tokens, keys, [src])
+            assert r.done and r.prefix_tokens == tokens and r.objects_done == chunks, r
+            found = cg.lookup(0, tokens, keys, pin_ms=30000)
+            assert found.prefix_tokens == tokens and found.object_group_prefix == (tokens,), found
+            assert found.pin_id != 0 and found.pinned_chunks == chunks, found
+            outcomes = []
+            for attempt in range(2):
+                rid = cg.submit("retrieve", 0, tokens, keys, [dst])
+                r = cg.wait(rid)
+                outcomes.append(r.outcome)
+                if r.outcome == kc.Outcome.TIMED_OUT:
+                    assert r.status == kvferry.Status.TIMEOUT, r
+                else:
+                    assert r.done and r.prefix_tokens == tokens, r
+                cg.wait_retired(rid, 60000)  # at once when it was done
+                after = g_engine.download()
+                check_blocks_moved(sent, after, geometry, g_engine.offsets, src, dst)
+                want = model_after_retrieve(sent, geometry, g_engine.offsets, 0, tokens, src, dst,
+                                            receiver=before)
+                assert_equal_bytes(after, want, "the GPU cache once retrieve %d retired "
+                                   "(outcome %s)" % (attempt, r.outcome))
+            print("outcomes under a 1 ms request timeout: %s" % [o.name for o in outcomes])
+            cg.unpin(found.pin_id)
     finally:
         g_engine.close()
         h_engine.close()
