@@ -335,10 +335,6 @@ class kvf_client_register_desc(_Struct):
     _defaults_ = {"device": DEVICE_HOST, "shard_count": 1}
 
 
-# LOOKUP (i13-lookup): defined here so kvferry.client can use them once the
-# library has kvf_client_lookup; listed in STRUCTS (and so checked by the
-# layout test) once the headers have them.
-
 class kvf_client_lookup_desc(_Struct):
     _fields_ = [("struct_size", c_uint32), ("version", c_uint32), ("registration_id", c_uint64),
                 ("token_begin", c_uint64), ("token_end", c_uint64), ("format", c_enum),
@@ -366,7 +362,7 @@ STRUCTS: Dict[str, Type[_Struct]] = {
                 kvf_numa_node_info, kvf_gpu_placement, kvf_client_options, kvf_client_info,
                 kvf_client_region, kvf_client_registration, kvf_client_stats,
                 kvf_client_stat_record, kvf_chunk_key, kvf_client_xfer, kvf_client_result,
-                kvf_client_register_desc)
+                kvf_client_register_desc, kvf_client_lookup_desc, kvf_client_lookup_result)
 }
 
 UNBOUND: Dict[str, str] = {
@@ -374,8 +370,6 @@ UNBOUND: Dict[str, str] = {
     "kvf_import_view": "the import table comes in a later part of issue 13",
     "kvf_import_view_info": "the import table comes in a later part of issue 13",
     "kvf_import_stats": "the import table comes in a later part of issue 13",
-    "kvf_client_lookup_desc": "kvferry.client binds it with LOOKUP",
-    "kvf_client_lookup_result": "kvferry.client binds it with LOOKUP",
 }
 
 # Enums the package does not mirror yet (the import table).
