@@ -33,5 +33,16 @@ static inline int kvf_mul_u64(uint64_t a, uint64_t b, uint64_t *out) {
 static inline int kvf_add_u64(uint64_t a, uint64_t b, uint64_t *out) {
   return !__builtin_add_overflow(a, b, out);
 }
+/* a rounded up to a multiple of m (m > 0); false when that passes 2^64 - 1. */
+static inline int kvf_round_up_u64(uint64_t a, uint64_t m, uint64_t *out) {
+  uint64_t q = a / m;
+  if (a % m == 0) {
+    *out = a;
+    return 1;
+  }
+  return q + 1 != 0 && kvf_mul_u64(q + 1, m, out);
+}
+/* ceil(a / m) for m > 0, without the overflow of (a + m - 1) / m. */
+static inline uint64_t kvf_div_up_u64(uint64_t a, uint64_t m) { return a / m + (a % m != 0); }
 
 #endif

@@ -27,8 +27,7 @@ static kvf_status request_in(const kvf_copy_request *caller, kvf_copy_request *l
 
 static uint64_t request_chunks(const kvf_geometry *g, const kvf_copy_request *r) {
   if (r->token_end <= r->token_begin) return 0;
-  uint64_t c = g->policy.chunk_tokens;
-  return (r->token_end - r->token_begin + c - 1) / c;
+  return kvf_div_up_u64(r->token_end - r->token_begin, g->policy.chunk_tokens);
 }
 
 uint64_t kvf_copy_request_chunks(const kvf_geometry *g, const kvf_copy_request *caller) {
@@ -66,7 +65,7 @@ static int chunk_moves_group(const kvf_geometry *g, const kvf_copy_request *r, u
     return ce - cb == c && block_for(r, gi, cb / c) != KVF_BLOCK_SKIP;
   }
   uint64_t lb = kvf_local_token(g, cb), le = kvf_local_token(g, ce), bs = gr->desc.block_size;
-  for (uint64_t blk = lb / bs; blk * bs < le; blk++)
+  for (uint64_t blk = lb / bs, end = kvf_div_up_u64(le, bs); blk < end; blk++)
     if (block_for(r, gi, blk) != KVF_BLOCK_SKIP) return 1;
   return 0;
 }
@@ -80,6 +79,14 @@ static kvf_status check_request(const kvf_geometry *g, const kvf_copy_request *r
   if (r->token_end <= r->token_begin)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "token_end %llu: must be greater than token_begin %llu",
                     (unsigned long long)r->token_end, (unsigned long long)r->token_begin);
+  /* Chunks and blocks are counted to the end of the chunk that holds the
+   * last token: that end must be a 64-bit number, or the arithmetic wraps. */
+  uint64_t chunk_end;
+  if (!kvf_round_up_u64(r->token_end, c, &chunk_end))
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                    "token_end %llu: the chunk of %llu tokens that holds it ends past 2^64 - 1 (at most %llu)",
+                    (unsigned long long)r->token_end, (unsigned long long)c,
+                    (unsigned long long)(UINT64_MAX / c * c));
   if ((unsigned)r->format > KVF_FORMAT_NATIVE)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "format %d: not an object format", (int)r->format);
   if (!r->groups) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "groups: NULL (one entry per group is required)");

@@ -1101,7 +1101,7 @@ kvf_status kvf_geometry_local_blocks(const kvf_geometry *g, uint32_t group, uint
   uint64_t bs = g->groups[group].desc.block_size;
   uint64_t lb = kvf_local_token(g, token_begin), le = kvf_local_token(g, token_end);
   *first_block = lb / bs;
-  *end_block = le > lb ? (le + bs - 1) / bs : lb / bs;
+  *end_block = le > lb ? le / bs + (le % bs != 0) : lb / bs; /* no wrap near 2^64 */
   return KVF_SUCCESS;
 }
 
@@ -1114,7 +1114,7 @@ kvf_status kvf_geometry_retained_tokens(const kvf_geometry *g, uint32_t group, u
   uint64_t n = prefix_tokens;
   switch (d->kind) {
   case KVF_GROUP_FULL: *token_begin = 0; break;
-  case KVF_GROUP_SLIDING_WINDOW: *token_begin = n + 1 > d->window ? n + 1 - d->window : 0; break;
+  case KVF_GROUP_SLIDING_WINDOW: *token_begin = n >= d->window ? n - d->window + 1 : 0; break;
   case KVF_GROUP_CHUNKED_LOCAL: *token_begin = n / d->chunk * d->chunk; break;
   case KVF_GROUP_RECURRENT: *token_begin = n; break;
   }

@@ -81,7 +81,7 @@ static inline const kvf_view *kvf_group_view(const kvf_geometry *g, uint32_t gro
 static inline uint64_t kvf_local_token(const kvf_geometry *g, uint64_t t) {
   if (g->dcp_world == 1) return t;
   if (t <= g->dcp_rank) return 0;
-  return (t - g->dcp_rank + g->dcp_world - 1) / g->dcp_world;
+  return (t - g->dcp_rank - 1) / g->dcp_world + 1; /* ceil((t - rank) / world), never wrapping */
 }
 
 /* kvf_copy_request_check, which also hands back the library's copy of the

@@ -854,4 +854,44 @@ TEST(CopyRequest, BadRequestsNameTheField) {
   EXPECT_EQ(kvf_reference_gather(b->g, &r), KVF_SUCCESS) << kvf_last_error();
 }
 
+// A range at the top of the 64-bit range (issue 12): the chunk that holds
+// token_end must end by 2^64 - 1, else the check refuses it naming
+// token_end. The block loop of the check used to wrap there and spin
+// forever; the block helpers round up without wrapping.
+TEST(CopyRequest, ARangeAtTheTopOf64BitsIsRefusedNotLooped) {
+  auto b = build(Spec::baseline());
+  ASSERT_EQ(b->status, KVF_SUCCESS);
+  kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
+  ASSERT_EQ(kvf_geometry_policy(b->g, &pol), KVF_SUCCESS);
+  const uint64_t C = pol.chunk_tokens, top = UINT64_MAX / C * C;  // the last chunk boundary
+  std::vector<uint8_t> r0(1 << 20), r1(1 << 20), obj(1 << 20);
+  auto align = [](std::vector<uint8_t> &v) { return (void *)(((uintptr_t)v.data() + 255) & ~(uintptr_t)255); };
+  void *bases[2] = {align(r0), align(r1)};
+  uint32_t ids[1] = {1};
+  kvf_group_blocks groups[1] = {{ids, 0, 1}};
+  void *objects[1] = {obj.data()};
+  kvf_copy_request req = KVF_COPY_REQUEST_INIT;
+  req.region_bases = bases;
+  req.groups = groups;
+  req.objects = objects;
+  for (uint64_t end : {top + 1, UINT64_MAX}) {
+    req.token_begin = top;
+    req.token_end = end;
+    EXPECT_EQ(kvf_copy_request_check(b->g, &req), KVF_ERR_INVALID_ARGUMENT) << end;
+    EXPECT_EQ(std::string(kvf_last_error()).rfind("token_end ", 0), 0u) << kvf_last_error();
+    EXPECT_EQ(kvf_copy_request_chunks(b->g, &req), 1u);
+  }
+  // The last whole chunk below 2^64 is a request like any other.
+  req.token_begin = top - C;
+  req.token_end = top;
+  EXPECT_EQ(kvf_copy_request_check(b->g, &req), KVF_SUCCESS) << kvf_last_error();
+  // Blocks of [0, 2^64 - 1): rounded up, not wrapped to 0.
+  kvf_group_info gi = KVF_GROUP_INFO_INIT;
+  ASSERT_EQ(kvf_geometry_group(b->g, 0, &gi), KVF_SUCCESS);
+  uint64_t fb = 1, eb = 0;
+  ASSERT_EQ(kvf_geometry_local_blocks(b->g, 0, 0, UINT64_MAX, &fb, &eb), KVF_SUCCESS);
+  EXPECT_EQ(fb, 0u);
+  EXPECT_EQ(eb, UINT64_MAX / gi.block_size + (UINT64_MAX % gi.block_size != 0));
+}
+
 }  // namespace

@@ -11,7 +11,10 @@
 //     memory is never written;
 //   - REGISTERs claiming sparse allocations until the address space is
 //     full: refused by the mapped-bytes quotas, and an engine still
-//     registers.
+//     registers;
+//   - STOREs and RETRIEVEs whose numbers sit at the top of the 64-bit
+//     range (tokens, block ids): refused naming the field within a second,
+//     where the block arithmetic used to wrap and spin the loop forever.
 // Each test ends with the server's descriptors and memfd mappings back at
 // their count before the attack and a clean stop.
 #include <gtest/gtest.h>
@@ -210,10 +213,10 @@ struct ServerProcess {
   int fds() const { return steady([this] { return proc_entries(proc("fd")); }); }
   int memfd_maps() const { return steady([this] { return memfd_mappings(proc("maps")); }); }
   // SIGTERM and the exit status (see kServerCodes).
-  int stop() {
+  int stop(int timeout_ms = 60000) {
     if (pid <= 0) return -1;
     kill(pid, SIGTERM);
-    int st = reap(pid, 60000);
+    int st = reap(pid, timeout_ms);
     if (st != -1) pid = -1;
     return st;
   }
@@ -1223,6 +1226,98 @@ TEST_F(Isolation, TheServerWideCapAndTheRegistrationCapHold) {
   EXPECT_EQ(server_.fds(), fds0) << "the server kept descriptors";
   EXPECT_EQ(server_.memfd_maps(), maps0) << "the server kept mappings";
   EXPECT_EQ(server_.stop(), 0) << kServerCodes;
+}
+
+// ---- 4. numbers at the top of the 64-bit range ---------------------------------
+
+// One STORE or RETRIEVE on c's live registration of the tiny geometry (16
+// tokens a chunk and a block, 4 blocks): tokens [begin, end), one key, the
+// group's table at first_block with `ids`; the reply within timeout_ms.
+kvf_status xfer_raw(RawConn &c, uint16_t type, uint64_t begin, uint64_t end, uint64_t first_block,
+                    std::vector<uint32_t> ids, kvf_proto_msg *reply, int timeout_ms) {
+  kvf_chunk_key keys[1] = {KeyOf(0x70b)};
+  kvf_proto_group g;
+  std::memset(&g, 0, sizeof g);
+  g.first_block = first_block;
+  g.block_ids = ids.data();
+  g.count = (uint32_t)ids.size();
+  kvf_proto_msg m;
+  std::memset(&m, 0, sizeof m);
+  m.type = type;
+  m.u.xfer.token_begin = begin;
+  m.u.xfer.token_end = end;
+  m.u.xfer.chunk_keys = keys;
+  m.u.xfer.num_chunk_keys = 1;
+  m.u.xfer.groups = &g;
+  m.u.xfer.num_groups = 1;
+  return c.call(&m, nullptr, 0, reply, timeout_ms);
+}
+
+// A one-frame hang (issue 12): a request whose token range lies at the top
+// of the 64-bit range made the request check's block loop wrap and spin the
+// event loop forever (nobody served, SIGTERM ignored). Each is refused with
+// an ERROR naming the field within a second, the connection stays, and the
+// server still stops cleanly.
+TEST_F(Isolation, NumbersAtTheTopOfThe64BitRangeAreRefusedNamingTheField) {
+  ASSERT_TRUE(server_.start(dir_, 30000, [](kvf_server_options &o) { o.l1_bytes = 64ull << 20; }));
+  HostAlloc a(1);
+  RawConn conn;
+  ASSERT_EQ(conn.open(dir_), KVF_SUCCESS);
+  kvf_proto_msg reply;
+  ASSERT_EQ(register_tiny(conn, a.id, a.region, a.fd(), &reply), KVF_SUCCESS);
+  ASSERT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
+  kvf_proto_msg_clear(&reply);
+  const uint64_t top = UINT64_MAX - 15;  // 2^64 - 16: a multiple of chunk_tokens 16
+  struct Case {
+    const char *what;
+    uint64_t begin, end, first_block;
+    std::vector<uint32_t> ids;
+    const char *field;
+  } cases[] = {
+      {"tokens [2^64-16, 2^64-15), block 0 at first_block 0 (the issue's frame)", top, top + 1, 0, {0},
+       "payload.token_end"},
+      {"tokens [2^64-16, 2^64-1)", top, UINT64_MAX, 0, {0}, "payload.token_end"},
+      {"tokens [2^64-16, 2^64-15), the block table where those tokens are", top, top + 1, top / 16, {0},
+       "payload.token_end"},
+      {"tokens [0, 16), first_block 2^64-1 with 2 ids (first_block + count wraps)", 0, 16, UINT64_MAX, {0, 1},
+       "payload.groups[0].first_block"},
+  };
+  for (uint16_t type : {(uint16_t)KVF_PROTO_STORE, (uint16_t)KVF_PROTO_RETRIEVE})
+    for (const Case &k : cases) {
+      SCOPED_TRACE(std::string(kvf_proto_type_name(type)) + " " + k.what);
+      int64_t t0 = mono_us();
+      kvf_status st = xfer_raw(conn, type, k.begin, k.end, k.first_block, k.ids, &reply, 5000);
+      double ms = (double)(mono_us() - t0) / 1000.0;
+      std::printf("%s %s: %s in %.1f ms\n", kvf_proto_type_name(type), k.what,
+                  st == KVF_SUCCESS ? describe(reply).c_str() : kvf_status_string(st), ms);
+      if (st != KVF_SUCCESS) {
+        int rc = server_.stop(10000);
+        FAIL() << "no reply within 5 s (" << kvf_status_string(st) << "): the server hangs; SIGTERM "
+               << (rc == -1 ? "did not stop it within 10 s" : "then stopped it");
+      }
+      EXPECT_LT(ms, 1000.0);
+      EXPECT_EQ(reply.type, KVF_PROTO_ERROR) << describe(reply);
+      EXPECT_EQ(reply.u.error.status, (uint32_t)KVF_ERR_INVALID_ARGUMENT) << describe(reply);
+      EXPECT_STREQ(reply.u.error.field, k.field) << describe(reply);
+      kvf_proto_msg_clear(&reply);
+      // The connection stays and is served.
+      ASSERT_EQ(conn.simple(KVF_PROTO_HEARTBEAT, &reply), KVF_SUCCESS);
+      EXPECT_EQ(reply.type, KVF_PROTO_HEARTBEAT_REPLY);
+      kvf_proto_msg_clear(&reply);
+    }
+  // A request at the top that fits still works as any other: the last
+  // chunk below 2^64, stored and restored (nothing held there: a miss).
+  ASSERT_EQ(xfer_raw(conn, KVF_PROTO_RETRIEVE, top - 16, top, (top - 16) / 16, {0}, &reply, 5000), KVF_SUCCESS);
+  EXPECT_EQ(reply.type, KVF_PROTO_RETRIEVE_REPLY) << describe(reply);
+  kvf_proto_msg_clear(&reply);
+  ASSERT_EQ(xfer_raw(conn, KVF_PROTO_STORE, top - 16, top, (top - 16) / 16, {0}, &reply, 5000), KVF_SUCCESS);
+  ASSERT_EQ(reply.type, KVF_PROTO_STORE_REPLY) << describe(reply);
+  EXPECT_EQ(reply.u.xfer_reply.outcome, 1u) << reply.u.xfer_reply.message;
+  EXPECT_EQ(reply.u.xfer_reply.prefix_tokens, top);
+  kvf_proto_msg_clear(&reply);
+  conn.close();
+  int rc = server_.stop(10000);
+  EXPECT_EQ(rc, 0) << (rc == -1 ? "SIGTERM did not stop the server within 10 s" : kServerCodes);
 }
 
 }  // namespace

@@ -347,7 +347,7 @@ static void chunk_blocks(const kvf_geometry *g, const kvf_group_info *gi, uint64
                          uint64_t *le) {
   uint64_t ltb = kvf_geometry_local_tokens(g, cb), lte = kvf_geometry_local_tokens(g, ce);
   *lb = ltb / gi->block_size;
-  *le = (lte + gi->block_size - 1) / gi->block_size;
+  *le = kvf_div_up_u64(lte, gi->block_size);
 }
 
 static uint32_t table_id(const kvf_group_blocks *t, uint64_t block) {
@@ -395,8 +395,8 @@ static uint64_t blocks_moved(const dp_job *j, const kvf_group_info *gi, uint32_t
   uint64_t n = 0;
   if (gi->kind == KVF_GROUP_RECURRENT) {
     for (uint32_t i = 0; i < t->count; i++) {
-      uint64_t blk = t->first_block + i;
-      uint64_t end_token = (blk + 1) * j->b->chunk_tokens;
+      uint64_t blk = t->first_block + i, end_token; /* first_block + count was checked */
+      if (!kvf_mul_u64(blk + 1, j->b->chunk_tokens, &end_token)) break; /* past 2^64: past the range */
       if (t->block_ids[i] != KVF_BLOCK_SKIP && end_token > j->req.token_begin && end_token <= j->req.token_end) n++;
     }
     return n;
@@ -845,7 +845,16 @@ static kvf_status check_range(const kvf_dp_binding *b, uint64_t registration_id,
   if (te <= tb)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.token_end: %llu must exceed token_begin %llu",
                     (unsigned long long)te, (unsigned long long)tb);
-  uint64_t span = te - tb, chunks = span / C + (span % C != 0); /* no overflow near the top of the range */
+  /* Chunk and block arithmetic runs to the end of the chunk that holds the
+   * last token: that end must be a 64-bit number (2^64 - 1 at most), or it
+   * wraps (the block loops then spun forever, issue 12). */
+  uint64_t chunk_end;
+  if (!kvf_round_up_u64(te, C, &chunk_end))
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                    "payload.token_end: %llu: the chunk of %u tokens that holds it ends past 2^64 - 1 (token_end "
+                    "is at most %llu)",
+                    (unsigned long long)te, (unsigned)C, (unsigned long long)(UINT64_MAX / C * C));
+  uint64_t chunks = kvf_div_up_u64(te - tb, C);
   if (num_chunk_keys != chunks)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.chunk_keys: %u keys sent, tokens [%llu, %llu) span %llu chunks",
                     (unsigned)num_chunk_keys, (unsigned long long)tb, (unsigned long long)te,
@@ -865,6 +874,10 @@ static kvf_status check_xfer(const kvf_dp_binding *b, const kvf_proto_msg *m) {
     kvf_group_info gi = KVF_GROUP_INFO_INIT;
     (void)kvf_geometry_group(b->geometry, g, &gi);
     const kvf_proto_group *pg = &x->groups[g];
+    uint64_t table_end;
+    if (!kvf_add_u64(pg->first_block, pg->count, &table_end))
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.groups[%u].first_block: %llu + count %u passes 2^64 - 1",
+                      (unsigned)g, (unsigned long long)pg->first_block, (unsigned)pg->count);
     for (uint32_t i = 0; i < pg->count; i++)
       if (pg->block_ids[i] != KVF_BLOCK_SKIP && pg->block_ids[i] >= gi.num_blocks)
         return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.groups[%u].block_ids[%u]: %u is out of range (group '%s' has %u blocks)",
