@@ -2,6 +2,7 @@
 // message, every rejection naming its field, the incremental reader.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -410,6 +411,56 @@ TEST(Protocol, HelloRejections) {
   f.resize(H + 20);
   FixLen(f);
   ExpectReject(f, "payload.generation");
+}
+
+// HELLO names are UTF-8 (docs/protocol.md, "Encodings"): what is not
+// well-formed is refused naming payload.name by the decoder and hello.name
+// by the encoder; well-formed names of every length class pass.
+TEST(Protocol, HelloNamesMustBeUtf8) {
+  // A name frame: HELLO with `name` as the name's bytes.
+  auto frame = [](const std::string &name) {
+    std::vector<uint8_t> f = Encode(Hello());
+    f.resize(H + 28);  // up to the name's length
+    PutLe(f, H + 24, name.size(), 4);
+    f.insert(f.end(), name.begin(), name.end());
+    FixLen(f);
+    return f;
+  };
+  const std::pair<const char *, std::string> bad[] = {
+      {"overlong '/' (C0 AF)", "a\xc0\xaf"},
+      {"overlong NUL (C0 80)", "\xc0\x80"},
+      {"overlong 3-byte (E0 80 AF)", "x\xe0\x80\xaf"},
+      {"overlong 4-byte (F0 82 82 AC)", "\xf0\x82\x82\xac"},
+      {"surrogate U+D800 (ED A0 80)", "\xed\xa0\x80"},
+      {"surrogate U+DFFF (ED BF BF)", "ok\xed\xbf\xbf"},
+      {"U+110000 (F4 90 80 80)", "\xf4\x90\x80\x80"},
+      {"F5 lead byte", "\xf5\x80\x80\x80"},
+      {"FF byte", "name\xff"},
+      {"lone continuation byte", "\x80"},
+      {"truncated 2-byte sequence at the end", "abc\xc3"},
+      {"truncated 3-byte sequence at the end", "\xe2\x82"},
+      {"truncated 4-byte sequence, then ASCII", "\xf0\x9f\x98x"},
+  };
+  for (const auto &b : bad) {
+    SCOPED_TRACE(b.first);
+    ExpectReject(frame(b.second), "payload.name: not UTF-8");
+    kvf_proto_msg m = Hello();
+    std::snprintf(m.u.hello.name, sizeof m.u.hello.name, "%s", b.second.c_str());
+    uint8_t *buf = nullptr;
+    size_t len = 0;
+    EXPECT_EQ(kvf_proto_encode(&m, &buf, &len), KVF_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(kvf_last_error()).rfind("hello.name: not UTF-8", 0), 0u) << kvf_last_error();
+    std::free(buf);
+  }
+  const char *good[] = {"", "engine-0", "w\xc3\xb6rker", "\xe2\x82\xac", "\xef\xbf\xbf", "\xf0\x9f\x98\x80",
+                        "\xf4\x8f\xbf\xbf", "\xed\x9f\xbf", "\x1b[31mred"};
+  for (const char *g : good) {
+    SCOPED_TRACE(g);
+    kvf_proto_msg out;
+    ASSERT_EQ(Decode(frame(g), &out), KVF_SUCCESS) << kvf_last_error();
+    EXPECT_STREQ(out.u.hello.name, g);
+    kvf_proto_msg_clear(&out);
+  }
 }
 
 TEST(Protocol, HelloReplyRejections) {

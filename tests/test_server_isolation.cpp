@@ -14,7 +14,8 @@
 //     registers;
 //   - STOREs and RETRIEVEs whose numbers sit at the top of the 64-bit
 //     range (tokens, block ids): refused naming the field within a second,
-//     where the block arithmetic used to wrap and spin the loop forever.
+//     where the block arithmetic used to wrap and spin the loop forever;
+//   - HELLO names that are not UTF-8: refused naming payload.name.
 // Each test ends with the server's descriptors and memfd mappings back at
 // their count before the attack and a clean stop.
 #include <gtest/gtest.h>
@@ -244,7 +245,7 @@ class RawConn {
     open_ = false;
   }
   // Connect and say HELLO with this process's instance (or the one given).
-  kvf_status open(const std::string &dir, uint64_t instance = 0, uint64_t generation = 0) {
+  kvf_status open(const std::string &dir, uint64_t instance = 0, uint64_t generation = 0, const char *name = "") {
     kvf_status st = kvf_endpoint_connect(dir.c_str(), 0, &conn_);
     if (st != KVF_SUCCESS) return st;
     open_ = true;
@@ -256,6 +257,7 @@ class RawConn {
     kvf_mem_instance(&m.u.hello.instance_id, &m.u.hello.generation);
     if (instance) m.u.hello.instance_id = instance;
     if (generation) m.u.hello.generation = generation;
+    std::snprintf(m.u.hello.name, sizeof m.u.hello.name, "%s", name);
     kvf_proto_msg reply;
     st = call(&m, nullptr, 0, &reply);
     if (st == KVF_SUCCESS && reply.type != KVF_PROTO_HELLO_REPLY) st = (kvf_status)reply.u.error.status;
@@ -1318,6 +1320,91 @@ TEST_F(Isolation, NumbersAtTheTopOfThe64BitRangeAreRefusedNamingTheField) {
   conn.close();
   int rc = server_.stop(10000);
   EXPECT_EQ(rc, 0) << (rc == -1 ? "SIGTERM did not stop the server within 10 s" : kServerCodes);
+}
+
+// ---- 5. names -----------------------------------------------------------------------
+
+// HELLO over a fresh connection with the name's raw bytes (the client
+// library refuses to send what is not UTF-8); the reply.
+kvf_status hello_raw(const std::string &dir, const std::string &name, kvf_proto_msg *reply, kvf_conn *conn) {
+  kvf_status st = kvf_endpoint_connect(dir.c_str(), 0, conn);
+  if (st != KVF_SUCCESS) return st;
+  uint64_t instance = 0, generation = 0;
+  kvf_mem_instance(&instance, &generation);
+  std::vector<uint8_t> f(KVF_PROTO_HEADER_SIZE + 28 + name.size());
+  auto le = [&](size_t at, uint64_t v, unsigned n) {
+    for (unsigned i = 0; i < n; i++) f[at + i] = (uint8_t)(v >> (8 * i));
+  };
+  le(0, KVF_PROTO_MAGIC, 4);
+  le(4, KVF_PROTO_VERSION, 2);
+  le(6, KVF_PROTO_HELLO, 2);
+  le(8, 1, 8);
+  le(16, f.size() - KVF_PROTO_HEADER_SIZE, 4);
+  size_t p = KVF_PROTO_HEADER_SIZE;
+  le(p + 0, KVF_PROTO_VERSION, 2);
+  le(p + 2, KVF_PROTO_VERSION, 2);
+  le(p + 4, (uint32_t)getpid(), 4);
+  le(p + 8, instance, 8);
+  le(p + 16, generation, 8);
+  le(p + 24, name.size(), 4);
+  std::memcpy(f.data() + p + 28, name.data(), name.size());
+  if (!put(conn->fd, f.data(), f.size())) return KVF_ERR_SYSTEM;
+  kvf_proto_header h;
+  uint8_t *payload = nullptr;
+  uint32_t n = 0;
+  st = kvf_conn_read_frame(conn, 5000, &h, &payload, nullptr, 0, &n);
+  if (st != KVF_SUCCESS) return st;
+  st = kvf_proto_decode(&h, payload, reply);
+  std::free(payload);
+  return st;
+}
+
+// The protocol says names are UTF-8: a HELLO whose name is not (overlong,
+// surrogate, past U+10FFFF, cut short) gets an ERROR naming payload.name and
+// the connection is closed; the server serves the next client as before.
+TEST_F(Isolation, HelloNamesThatAreNotUtf8AreRefusedNamingTheField) {
+  ASSERT_TRUE(server_.start(dir_, 30000, [](kvf_server_options &o) { o.l1_bytes = 64ull << 20; }));
+  const std::pair<const char *, std::string> bad[] = {
+      {"an overlong '/' (C0 AF)", "engine\xc0\xaf"},
+      {"a surrogate (ED A0 80)", "\xed\xa0\x80"},
+      {"U+110000 (F4 90 80 80)", "\xf4\x90\x80\x80-x"},
+      {"a sequence cut short at the end (E2 82)", "price \xe2\x82"},
+      {"a lone continuation byte (80)", "\x80"},
+  };
+  for (const auto &b : bad) {
+    SCOPED_TRACE(b.first);
+    kvf_conn conn;
+    kvf_proto_msg reply;
+    std::memset(&reply, 0, sizeof reply);
+    ASSERT_EQ(hello_raw(dir_, b.second, &reply, &conn), KVF_SUCCESS) << kvf_last_error();
+    std::printf("a name with %s: %s\n", b.first, describe(reply).c_str());
+    EXPECT_EQ(reply.type, KVF_PROTO_ERROR) << describe(reply);
+    EXPECT_EQ(reply.u.error.status, (uint32_t)KVF_ERR_PROTOCOL) << describe(reply);
+    EXPECT_STREQ(reply.u.error.field, "payload.name") << describe(reply);
+    kvf_proto_msg_clear(&reply);
+    // Then the server closes the connection.
+    kvf_proto_header h;
+    uint8_t *payload = nullptr;
+    uint32_t n = 0;
+    EXPECT_NE(kvf_conn_read_frame(&conn, 5000, &h, &payload, nullptr, 0, &n), KVF_SUCCESS);
+    std::free(payload);
+    kvf_conn_close(&conn);
+  }
+  // Well-formed names of every length class are welcome, and the client
+  // library refuses to send one that is not.
+  for (const char *good : {"w\xc3\xb6rker", "\xe2\x82\xac-engine", "\xf0\x9f\x98\x80"}) {
+    RawConn c;
+    EXPECT_EQ(c.open(dir_, 0, 0, good), KVF_SUCCESS) << good;
+  }
+  kvf_client_options o = KVF_CLIENT_OPTIONS_INIT;
+  o.socket_dir = dir_.c_str();
+  o.name = "bad\xc0\xaf";
+  kvf_client *cl = nullptr;
+  EXPECT_EQ(kvf_client_connect(&o, &cl, nullptr), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(kvf_last_error()).rfind("options.name: not UTF-8", 0), 0u) << kvf_last_error();
+  kvf_client_disconnect(cl);
+  EXPECT_EQ(stat_now().active, 0u);
+  EXPECT_EQ(server_.stop(), 0) << kServerCodes;
 }
 
 }  // namespace

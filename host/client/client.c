@@ -45,6 +45,7 @@
 
 #include "common/clock.h"
 #include "common/error.h"
+#include "common/utf8.h"
 #include "common/versioned.h"
 #include "host/client/client_internal.h"
 #include "host/ipc/endpoint.h"
@@ -558,6 +559,11 @@ kvf_status kvf_client_connect(const kvf_client_options *caller, kvf_client **out
   if (!options->socket_dir) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "options.socket_dir: required");
   if (options->name && strlen(options->name) >= KVF_PROTO_NAME_MAX)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "options.name: longer than %u bytes", KVF_PROTO_NAME_MAX - 1);
+  size_t name_bad = 0;
+  const char *name_why = "";
+  if (options->name && !kvf_utf8_valid(options->name, strlen(options->name), &name_bad, &name_why))
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "options.name: not UTF-8: %s at byte %zu (0x%02x)", name_why, name_bad,
+                    (unsigned)(uint8_t)options->name[name_bad]);
   if (options->heartbeat_thread != 0 && options->heartbeat_thread != 1)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "options.heartbeat_thread: %d is neither 0 nor 1",
                     options->heartbeat_thread);

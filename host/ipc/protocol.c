@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "common/error.h"
+#include "common/utf8.h"
 
 _Static_assert(KVF_PROTO_KEY_BYTES == KVF_CHUNK_KEY_BYTES && sizeof(kvf_chunk_key) == KVF_PROTO_KEY_BYTES,
                "a chunk key is its 32 bytes, on the wire and in memory");
@@ -258,6 +259,11 @@ static kvf_status encode_payload(const kvf_proto_msg *m, wbuf *w) {
   case KVF_PROTO_HELLO: {
     const kvf_proto_hello *h = &m->u.hello;
     if ((st = e_str(h->name, KVF_PROTO_NAME_MAX, "hello.name", &n))) return st;
+    size_t bad = 0;
+    const char *why = "";
+    if (!kvf_utf8_valid(h->name, n, &bad, &why))
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "hello.name: not UTF-8: %s at byte %zu (0x%02x)", why, bad,
+                      (unsigned)(uint8_t)h->name[bad]);
     w_u16(w, h->min_version);
     w_u16(w, h->max_version);
     w_u32(w, h->pid);
@@ -866,6 +872,10 @@ static kvf_status decode_payload(uint16_t type, rbuf *r, kvf_proto_msg *m) {
     if (h->instance_id == 0) BAD("payload.instance_id: 0 is not an instance id");
     R(r_u64(r, &h->generation, "payload.generation"));
     R(r_str_fixed(r, h->name, sizeof h->name, "payload.name"));
+    size_t bad = 0;
+    const char *why = "";
+    if (!kvf_utf8_valid(h->name, strlen(h->name), &bad, &why))
+      BAD("payload.name: not UTF-8: %s at byte %zu (0x%02x)", why, bad, (unsigned)(uint8_t)h->name[bad]);
     break;
   }
   case KVF_PROTO_HELLO_REPLY: {

@@ -57,7 +57,7 @@ typedef struct kvf_client_options {
   uint32_t struct_size;
   uint32_t version;
   const char *socket_dir; /* the server's socket directory; required */
-  const char *name;       /* for the server's logs and STAT (at most 63 bytes); NULL: "" */
+  const char *name;       /* for the server's logs and STAT: UTF-8, at most 63 bytes; NULL: "" */
   uint32_t timeout_ms;    /* the longest one request waits for its reply; 0: 10000 */
   int heartbeat_thread;   /* 1: a thread sends heartbeats at heartbeat_period_ms (0: the server's
                              period) until disconnect; 0: the caller sends them */
