@@ -15,7 +15,9 @@
 //   - STOREs and RETRIEVEs whose numbers sit at the top of the 64-bit
 //     range (tokens, block ids): refused naming the field within a second,
 //     where the block arithmetic used to wrap and spin the loop forever;
-//   - HELLO names that are not UTF-8: refused naming payload.name.
+//   - HELLO names that are not UTF-8: refused naming payload.name; and a
+//     name that is an escape sequence reaches `kvferry stat`'s terminal
+//     output escaped.
 // Each test ends with the server's descriptors and memfd mappings back at
 // their count before the attack and a clean stop.
 #include <gtest/gtest.h>
@@ -1406,5 +1408,61 @@ TEST_F(Isolation, HelloNamesThatAreNotUtf8AreRefusedNamingTheField) {
   EXPECT_EQ(stat_now().active, 0u);
   EXPECT_EQ(server_.stop(), 0) << kServerCodes;
 }
+
+#if defined(KVF_KVFERRYD_PATH) && defined(KVF_KVFERRY_PATH)
+// What a command printed on stdout (and its exit status in *rc).
+std::string run_capture(const std::string &cmd, int *rc) {
+  std::string out;
+  FILE *p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  int st = pclose(p);
+  *rc = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return out;
+}
+
+// A client named with terminal escape sequences (set the window title,
+// clear the screen, ring the bell): `kvferry stat` against the kvferryd
+// binary shows them as \xNN text, never as raw bytes.
+TEST_F(Isolation, KvferryStatEscapesControlCharactersInClientNames) {
+  pid_t d = fork_clean();
+  ASSERT_GE(d, 0);
+  if (d == 0) {
+    execl(KVF_KVFERRYD_PATH, KVF_KVFERRYD_PATH, "--socket-dir", dir_.c_str(), "--log-level", "none", "--l1-mb", "64",
+          (char *)nullptr);
+    _exit(127);
+  }
+  server_.pid = d;  // killed by the fixture if anything fails
+  bool up = false;
+  for (int i = 0; i < 500 && !up; i++) {
+    kvf_conn c;
+    up = kvf_endpoint_connect(dir_.c_str(), 0, &c) == KVF_SUCCESS;
+    if (up) kvf_conn_close(&c);
+    if (!up) sleep_ms(10);
+  }
+  ASSERT_TRUE(up) << "kvferryd did not start";
+  const char *evil = "\x1b]0;pwned\x07\x1b[2J\x1b[31mred\\x";
+  RawConn c;
+  ASSERT_EQ(c.open(dir_, 0, 0, evil), KVF_SUCCESS);
+  for (const char *json : {"", " --json"}) {
+    SCOPED_TRACE(json[0] ? "--json" : "text");
+    int rc = -1;
+    std::string out = run_capture(std::string(KVF_KVFERRY_PATH) + " stat --socket-dir " + dir_ + json, &rc);
+    EXPECT_EQ(rc, 0) << out;
+    size_t raw = out.find_first_of("\x1b\x07");
+    EXPECT_EQ(raw, std::string::npos) << "a raw control byte at offset " << raw << " of:\n" << out;
+    for (unsigned char ch : out)
+      EXPECT_TRUE(ch == '\n' || (ch >= 0x20 && ch < 0x7f)) << "byte 0x" << std::hex << (int)ch << " in:\n" << out;
+    if (!json[0]) {
+      EXPECT_NE(out.find("\\x1b]0;pwned\\x07\\x1b[2J\\x1b[31mred\\\\x"), std::string::npos) << out;
+      std::printf("%s", out.c_str());
+    }
+  }
+  c.close();
+  EXPECT_EQ(server_.stop(10000), 0) << "kvferryd's exit status";
+}
+#endif
 
 }  // namespace

@@ -805,6 +805,27 @@ static const char *json_safe(const char *name) {
   return buf;
 }
 
+/* A client name for the terminal: a name is whatever its client sent, so
+ * control characters (an escape sequence would drive the terminal) and
+ * every other byte outside printable ASCII are shown as \xNN, and a
+ * backslash as \\; printable ASCII is shown as is. */
+static const char *text_safe(const char *name, char *buf, size_t cap) {
+  size_t o = 0;
+  for (size_t i = 0; name[i] && o + 5 < cap; i++) {
+    unsigned char ch = (unsigned char)name[i];
+    if (ch == '\\') {
+      buf[o++] = '\\';
+      buf[o++] = '\\';
+    } else if (ch >= 0x20 && ch < 0x7f) {
+      buf[o++] = (char)ch;
+    } else {
+      o += (size_t)snprintf(buf + o, cap - o, "\\x%02x", ch);
+    }
+  }
+  buf[o] = 0;
+  return buf;
+}
+
 static int cmd_stat(int argc, char **argv) {
   const char *dir = getenv("KVF_SOCKET_DIR");
   int json = 0;
@@ -858,7 +879,7 @@ static int cmd_stat(int argc, char **argv) {
              rec[i].draining, rec[i].imports, rec[i].aliases, rec[i].leases);
     printf("]}\n");
   } else {
-    char a[32], b[32];
+    char a[32], b[32], shown[4 * sizeof(rec[0].name) + 8];
     printf("kvferryd pid %u, boot token %016" PRIx64 ", %u lanes (GPUs served, plus the host)\n", info.server_pid,
            st.boot_token, st.lanes);
     printf("  registrations: %u active, %u registering, %u draining (%u closed, %u failed since start)\n", st.active,
@@ -874,7 +895,8 @@ static int cmd_stat(int argc, char **argv) {
     for (uint32_t i = 0; i < nrec; i++)
       printf("    %-6" PRIu64 " pid %-8u %-20s registrations %u active, %u registering, %u draining; imports %" PRIu64
              ", aliases %" PRIu64 ", leases %" PRIu64 "\n",
-             rec[i].client_id, rec[i].pid, rec[i].name[0] ? rec[i].name : "-", rec[i].active, rec[i].registering,
+             rec[i].client_id, rec[i].pid, rec[i].name[0] ? text_safe(rec[i].name, shown, sizeof shown) : "-",
+             rec[i].active, rec[i].registering,
              rec[i].draining, rec[i].imports, rec[i].aliases, rec[i].leases);
   }
   return 0;
