@@ -64,9 +64,18 @@ static int chunk_moves_group(const kvf_geometry *g, const kvf_copy_request *r, u
     uint64_t c = g->policy.chunk_tokens;
     return ce - cb == c && block_for(r, gi, cb / c) != KVF_BLOCK_SKIP;
   }
+  /* Only blocks of the table can move: walk the chunk's blocks inside
+   * [first_block, first_block + count) (no overflow: checked first), so the
+   * cost is bounded by the table the caller sent, never by chunk_tokens /
+   * block_size (up to 2^24 per chunk). */
+  const kvf_group_blocks *b = &r->groups[gi];
   uint64_t lb = kvf_local_token(g, cb), le = kvf_local_token(g, ce), bs = gr->desc.block_size;
-  for (uint64_t blk = lb / bs, end = kvf_div_up_u64(le, bs); blk < end; blk++)
-    if (block_for(r, gi, blk) != KVF_BLOCK_SKIP) return 1;
+  uint64_t from = lb / bs, to = kvf_div_up_u64(le, bs);
+  if (!group_moves(r, gi)) return 0;
+  if (from < b->first_block) from = b->first_block;
+  if (to > b->first_block + b->count) to = b->first_block + b->count;
+  for (uint64_t blk = from; blk < to; blk++)
+    if (b->block_ids[blk - b->first_block] != KVF_BLOCK_SKIP) return 1;
   return 0;
 }
 

@@ -15,6 +15,8 @@
 //   - STOREs and RETRIEVEs whose numbers sit at the top of the 64-bit
 //     range (tokens, block ids): refused naming the field within a second,
 //     where the block arithmetic used to wrap and spin the loop forever;
+//   - a STORE or RETRIEVE of 2^40 one-token blocks naming one of them:
+//     answered within a second (admission walks the table, not the range);
 //   - HELLO names that are not UTF-8: refused naming payload.name; and a
 //     name that is an escape sequence reaches `kvferry stat`'s terminal
 //     output escaped.
@@ -43,6 +45,7 @@
 #include <deque>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -1322,6 +1325,78 @@ TEST_F(Isolation, NumbersAtTheTopOfThe64BitRangeAreRefusedNamingTheField) {
   conn.close();
   int rc = server_.stop(10000);
   EXPECT_EQ(rc, 0) << (rc == -1 ? "SIGTERM did not stop the server within 10 s" : kServerCodes);
+}
+
+// A one-frame stall: a geometry of 1-token blocks and chunks of 2^24
+// tokens (both within the limits), and a STORE or RETRIEVE of 65536 chunks
+// naming one block. The request check walked every block of every chunk
+// (2^40 of them) whatever the table held; it now walks only the blocks the
+// table names, so the request is answered within a second and another
+// client is served meanwhile.
+TEST_F(Isolation, AdmissionWorkIsBoundedByTheTableNotTheChunkSize) {
+  ASSERT_TRUE(server_.start(dir_, 30000, [](kvf_server_options &o) { o.l1_bytes = 64ull << 20; }));
+  const std::string json = R"({"format": "kvferry-geometry", "version": 1, "name": "wide-chunks",
+    "regions": [{"name": "kv", "size": 0}],
+    "groups": [{"name": "full", "kind": "full", "block_size": 1, "num_blocks": 4,
+      "layers": [{"count": 1, "name": "layer", "region": "kv", "offset": 0, "elem_bytes": 2,
+        "block_stride": 64, "planes": 1, "heads": 1, "head_bytes": 64, "plane_stride": 0,
+        "token_stride": 64, "head_stride": 64}]}],
+    "objects": {"chunk_tokens": 16777216, "format": "canonical"}})";
+  std::vector<uint64_t> sizes = region_sizes(json);
+  ASSERT_EQ(sizes.size(), 1u);
+  uint64_t size = round_page(sizes[0]);
+  kvf_mem_alloc_options ao = KVF_MEM_ALLOC_OPTIONS_INIT;
+  ao.size = size;
+  kvf_mem_alloc *raw = nullptr;
+  ASSERT_EQ(kvf_mem_alloc_create(&ao, &raw), KVF_SUCCESS) << kvf_last_error();
+  std::unique_ptr<kvf_mem_alloc, void (*)(kvf_mem_alloc *)> a(raw, kvf_mem_alloc_destroy);
+  kvf_mem_identity id;
+  int fd = -1;
+  ASSERT_EQ(kvf_mem_alloc_export(a.get(), &fd, &id), KVF_SUCCESS);
+  RawConn conn;
+  ASSERT_EQ(conn.open(dir_), KVF_SUCCESS);
+  kvf_proto_msg reply;
+  ASSERT_EQ(register_raw(conn, json, {region_of(id, 0, sizes[0], 0)}, {fd}, &reply), KVF_SUCCESS);
+  close(fd);
+  ASSERT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
+  kvf_proto_msg_clear(&reply);
+  const uint32_t chunks = KVF_PROTO_MAX_CHUNKS;
+  std::vector<kvf_chunk_key> keys(chunks);
+  for (uint32_t k = 0; k < chunks; k++) keys[k] = KeyOf(0x9000 + k);
+  uint32_t ids[1] = {0};
+  for (uint16_t type : {(uint16_t)KVF_PROTO_STORE, (uint16_t)KVF_PROTO_RETRIEVE}) {
+    SCOPED_TRACE(kvf_proto_type_name(type));
+    kvf_proto_group g;
+    std::memset(&g, 0, sizeof g);
+    g.block_ids = ids;
+    g.count = 1;
+    kvf_proto_msg m;
+    std::memset(&m, 0, sizeof m);
+    m.type = type;
+    m.u.xfer.token_end = (uint64_t)chunks << 24;
+    m.u.xfer.chunk_keys = keys.data();
+    m.u.xfer.num_chunk_keys = chunks;
+    m.u.xfer.groups = &g;
+    m.u.xfer.num_groups = 1;
+    int64_t t0 = mono_us();
+    kvf_status st = conn.call(&m, nullptr, 0, &reply, 5000);
+    double ms = (double)(mono_us() - t0) / 1000.0;
+    std::printf("%s of 2^40 tokens (65536 chunks of 2^24 one-token blocks; a 2 MiB frame), one block named: %s in %.1f ms\n",
+                kvf_proto_type_name(type), st == KVF_SUCCESS ? describe(reply).c_str() : kvf_status_string(st), ms);
+    if (st != KVF_SUCCESS) {
+      int rc = server_.stop(10000);
+      FAIL() << "no reply within 5 s (" << kvf_status_string(st) << "): the loop is stuck in admission; SIGTERM "
+             << (rc == -1 ? "did not stop it within 10 s" : "then stopped it");
+    }
+    EXPECT_LT(ms, 1000.0);
+    EXPECT_EQ(reply.type, (uint16_t)(type | KVF_PROTO_REPLY)) << describe(reply);
+    kvf_proto_msg_clear(&reply);
+  }
+  double stat_ms = 0;
+  stat_now(&stat_ms);
+  EXPECT_LT(stat_ms, 1000.0);
+  conn.close();
+  EXPECT_EQ(server_.stop(10000), 0) << kServerCodes;
 }
 
 // ---- 5. names -----------------------------------------------------------------------

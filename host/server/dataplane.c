@@ -350,6 +350,16 @@ static void chunk_blocks(const kvf_geometry *g, const kvf_group_info *gi, uint64
   *le = kvf_div_up_u64(lte, gi->block_size);
 }
 
+/* [lb, le) clipped to the blocks t holds, [first_block, first_block +
+ * count) (checked not to overflow at admission): loops over a chunk's
+ * blocks walk only these, so their cost is bounded by what the client sent
+ * and never by chunk_tokens / block_size (up to 2^24 blocks a chunk). */
+static void table_span(const kvf_group_blocks *t, uint64_t lb, uint64_t le, uint64_t *from, uint64_t *to) {
+  *from = lb > t->first_block ? lb : t->first_block;
+  *to = le < t->first_block + t->count ? le : t->first_block + t->count;
+  if (!t->block_ids || *to < *from) *to = *from;
+}
+
 static uint32_t table_id(const kvf_group_blocks *t, uint64_t block) {
   if (!t->block_ids || block < t->first_block || block - t->first_block >= t->count) return KVF_BLOCK_SKIP;
   return t->block_ids[block - t->first_block];
@@ -365,10 +375,10 @@ static void skip_chunk(dp_job *j, const kvf_group_info *gi, uint32_t group, uint
       j->ids[group][slot_block - t->first_block] = KVF_BLOCK_SKIP;
     return;
   }
-  uint64_t lb, le;
+  uint64_t lb, le, from, to;
   chunk_blocks(j->b->geometry, gi, cb, ce, &lb, &le);
-  for (uint64_t blk = lb; blk < le; blk++)
-    if (blk >= t->first_block && blk - t->first_block < t->count) j->ids[group][blk - t->first_block] = KVF_BLOCK_SKIP;
+  table_span(t, lb, le, &from, &to);
+  for (uint64_t blk = from; blk < to; blk++) j->ids[group][blk - t->first_block] = KVF_BLOCK_SKIP;
 }
 
 /* Does group `group`'s table hold every block of chunk [cb, ce)? For a
@@ -377,10 +387,12 @@ static int chunk_complete(const dp_job *j, const kvf_group_info *gi, uint32_t gr
   const kvf_group_blocks *t = &j->groups[group];
   if (gi->kind == KVF_GROUP_RECURRENT)
     return ce - cb == j->b->chunk_tokens && table_id(t, cb / j->b->chunk_tokens) != KVF_BLOCK_SKIP;
-  uint64_t lb, le;
+  uint64_t lb, le, from, to;
   chunk_blocks(j->b->geometry, gi, cb, ce, &lb, &le);
-  for (uint64_t blk = lb; blk < le; blk++)
-    if (table_id(t, blk) == KVF_BLOCK_SKIP) return 0;
+  table_span(t, lb, le, &from, &to);
+  if (to - from != (le > lb ? le - lb : 0)) return 0; /* the table lacks a block of the chunk */
+  for (uint64_t blk = from; blk < to; blk++)
+    if (t->block_ids[blk - t->first_block] == KVF_BLOCK_SKIP) return 0;
   return 1;
 }
 
@@ -814,9 +826,10 @@ static kvf_status admit_retrieve(kvf_dataplane *dp, dp_job *j, const kvf_proto_x
           moves = ce == P && ce - cb == C && table_id(t, cb / C) != KVF_BLOCK_SKIP;
           continue;
         }
-        uint64_t lb, le;
+        uint64_t lb, le, from, to;
         chunk_blocks(g, &gi, cb, ce, &lb, &le);
-        for (uint64_t blk = lb; blk < le && !moves; blk++) moves = table_id(t, blk) != KVF_BLOCK_SKIP;
+        table_span(t, lb, le, &from, &to);
+        for (uint64_t blk = from; blk < to && !moves; blk++) moves = t->block_ids[blk - t->first_block] != KVF_BLOCK_SKIP;
       }
       if (!moves) continue;
       j->objects[k * nog + og] = (void *)f->data;
