@@ -246,9 +246,14 @@ def _assign_units(groups: List[GroupPlan], build: Any, chunk_of: Mapping[int, in
 
 
 def build_layout(inputs: Sequence[GroupInput], blocks_per_chunk: int,
-                 source: str = "registered") -> Layout:
+                 source: str = "registered", chunk_blocks: int = 1) -> Layout:
     """The units, geometries and object placement of the offloaded groups,
-    in the order of a job's ``group_sizes``."""
+    in the order of a job's ``group_sizes``.
+
+    ``chunk_blocks``: vLLM blocks per kvferry chunk (the geometry's
+    ``chunk_tokens`` is that many blocks' tokens). The in-process spec keeps
+    1, one object per block; the served connector (kvferry.vllm.connector)
+    makes chunks of several blocks, the unit kvferryd stores and names."""
     plans: List[GroupPlan] = []
     for index, gin in enumerate(inputs):
         if not gin.layers:
@@ -266,7 +271,7 @@ def build_layout(inputs: Sequence[GroupInput], blocks_per_chunk: int,
             tgs.append(TensorGroup(gin.layers, gin.layout, kind=p.kind, name=p.name,
                                    window=gin.window if p.kind == GroupKind.SLIDING_WINDOW else 0,
                                    chunk=gin.chunk if p.kind == GroupKind.CHUNKED_LOCAL else 0))
-        return from_tensors(tgs, chunk_tokens=chunk_tokens, separate_windowed=True,
+        return from_tensors(tgs, chunk_tokens=chunk_tokens * chunk_blocks, separate_windowed=True,
                             separate_recurrent=True,
                             name="vllm-%s" % "-".join(plans[g].name for g in members),
                             description="vLLM KV cache groups %s (kvferry.vllm, %s)"
@@ -278,7 +283,8 @@ def build_layout(inputs: Sequence[GroupInput], blocks_per_chunk: int,
 
 
 def layout_from_registered(kv_caches: Mapping[str, Any], kv_cache_config: Any,
-                           offload_groups: Sequence[Any], blocks_per_chunk: int) -> Layout:
+                           offload_groups: Sequence[Any], blocks_per_chunk: int,
+                           chunk_blocks: int = 1) -> Layout:
     """The layout from the tensors vLLM registered (``register_kv_caches``)
     and the KV cache config.
 
@@ -288,6 +294,7 @@ def layout_from_registered(kv_caches: Mapping[str, Any], kv_cache_config: Any,
         offload_groups: the offloaded groups, ``OffloadingConfig.groups``
             (their order is the order of a job's ``group_sizes``).
         blocks_per_chunk: vLLM blocks per CPU chunk.
+        chunk_blocks: vLLM blocks per kvferry chunk (build_layout).
     """
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 
@@ -335,7 +342,7 @@ def layout_from_registered(kv_caches: Mapping[str, Any], kv_cache_config: Any,
             raise _fail("group %d mixes layer kinds %s" % (group_id, sorted(k.name for k in kinds)))
         gin.kind = kinds.pop()
         inputs.append(gin)
-    return build_layout(inputs, blocks_per_chunk, "registered")
+    return build_layout(inputs, blocks_per_chunk, "registered", chunk_blocks)
 
 
 def layout_from_canonical(kv_caches: Any, offload_groups: Sequence[Any],
