@@ -13,8 +13,11 @@ them when vLLM loads them (or when an attribute below is first read).
   cache tensors and the KV cache config to the spec (so the geometry has
   tokens, heads and K/V planes), and it reports failed loads to the
   scheduler instead of vLLM's assertion.
-- ``kvferry.vllm.connector`` (served, to come): ``KvferryConnector``, a KV
-  connector over kvferryd, once the kvferryd client is in the package.
+- :mod:`kvferry.vllm.connector` (served): :class:`KvferryConnector`, a KV
+  connector over kvferryd (kvferry.client): the KV cache is registered with
+  kvferryd, hits are LOOKUPs, loads RETRIEVEs and finished chunks STOREs,
+  named by keys derived from vLLM's block hashes; the objects outlive the
+  engine.
 
 docs/vllm.md has the ``--kv-transfer-config`` lines, what moves when, and
 the limits. The adapters are written against vLLM :data:`VLLM_VERSION`.
@@ -29,14 +32,20 @@ VLLM_VERSION = "0.33.0"
 
 #: ``spec_module_path`` / ``kv_connector_module_path`` for vLLM's config.
 OFFLOADING_MODULE = "kvferry.vllm.offloading"
+#: ``kv_connector_module_path`` of the served connector.
+CONNECTOR_MODULE = "kvferry.vllm.connector"
 
 _LAZY = {
     "KvferryOffloadingSpec": OFFLOADING_MODULE,
     "KvferryOffloadingWorker": OFFLOADING_MODULE,
     "KvferryOffloadingConnector": OFFLOADING_MODULE,
+    "KvferryConnector": CONNECTOR_MODULE,
+    "served_transfer_config": CONNECTOR_MODULE,
+    "host_kv_caches": CONNECTOR_MODULE,
 }
 
-__all__ = ["VLLM_VERSION", "OFFLOADING_MODULE", "offloading_transfer_config", *_LAZY]
+__all__ = ["VLLM_VERSION", "OFFLOADING_MODULE", "CONNECTOR_MODULE", "offloading_transfer_config",
+           *_LAZY]
 
 
 def offloading_transfer_config(cpu_bytes_to_use: int, *, report_failures: bool = True,
