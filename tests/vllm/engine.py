@@ -99,7 +99,11 @@ class Engine:
 
     def __init__(self, transfer: dict, specs: Dict[str, object], *, memory: int = 1 << 22,
                  block_size: int = 16, max_num_batched_tokens: int = 256,
-                 mamba: bool = False, kernel_block_size: Optional[int] = None) -> None:
+                 mamba: bool = False, kernel_block_size: Optional[int] = None,
+                 kv_alloc=None) -> None:
+        """``kv_alloc(kv_cache_config, device, layout, kernel_block_sizes)``
+        allocates the KV cache instead of vLLM's ``allocate_kv_cache`` (the
+        served connector's tests: memory kvferryd can import)."""
         self.config = make_vllm_config(transfer, block_size=block_size,
                                        max_num_batched_tokens=max_num_batched_tokens, mamba=mamba)
         self.kv_cache_config, self.layout = plan_kv_cache(self.config, specs, memory)
@@ -112,8 +116,8 @@ class Engine:
         kernel = None
         if kernel_block_size is not None:  # the attention backend splits blocks
             kernel = [kernel_block_size] * len(self.kv_cache_config.kv_cache_groups)
-        self.kv_caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), self.layout,
-                                           kernel_block_sizes=kernel)
+        self.kv_caches = (kv_alloc or allocate_kv_cache)(
+            self.kv_cache_config, torch.device("cpu"), self.layout, kernel_block_sizes=kernel)
         self.worker.register_kv_caches(self.kv_caches)
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(self.hash_block_size(), sha256)
@@ -226,10 +230,14 @@ class Engine:
 
     # -- one engine step ----------------------------------------------------------
 
-    def step(self):
+    def step(self, before_worker=None):
+        """One step; ``before_worker(scheduler_output)`` runs between the
+        scheduler and the worker (what may happen between them)."""
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
-        self.loads.extend(meta.load_jobs.values())
+        self.loads.extend(getattr(meta, "load_jobs", {}).values())
+        if before_worker is not None:
+            before_worker(out)
         for new in out.scheduled_new_reqs:
             self.tables[new.req_id] = [list(ids) for ids in new.block_ids]
         cached = out.scheduled_cached_reqs
