@@ -283,12 +283,12 @@ class Engine:
         self.scheduler.update_from_output(out, runner)
         return out
 
-    def run(self, max_steps: int = 200) -> None:
+    def run(self, max_steps: int = 200, before_worker=None) -> None:
         """Step until no request is left and every transfer has completed."""
         for _ in range(max_steps):
             if not self.scheduler.requests and not self.scheduler.connector.has_pending_push_work():
                 return
-            self.step()
+            self.step(before_worker)
         raise AssertionError("the engine did not finish in %d steps" % max_steps)
 
     def poison(self) -> None:

@@ -267,6 +267,94 @@ def test_engine_restart_objects_still_served(kvferryd):
         second.shutdown()
 
 
+class Loads:
+    """before_worker hook: the load ops the scheduler sent."""
+
+    def __init__(self):
+        self.ops = []
+
+    def __call__(self, out):
+        self.ops.extend(out.kv_connector_metadata.loads)
+
+
+def test_hybrid_sliding_window(kvferryd):
+    """Full attention and sliding-window layers (vLLM's hybrid allocation,
+    groups overlaid on one tensor per layer pair): one geometry, two object
+    groups; the load restores every full block and the window's blocks."""
+    server = kvferryd()
+    specs = attention_specs([(0, "full"), (1, "sliding"), (2, "full"), (3, "sliding")])
+    engine = Engine(transfer(server), specs, kv_alloc=HostAlloc())
+    tokens = prompt(200, salt=11)
+    try:
+        geometry = worker_side(engine).geometry
+        assert geometry.num_object_groups == 2 and geometry.num_aliases == 2
+        engine.add(tokens)
+        engine.run()
+        engine.poison()
+        engine.reset_gpu_prefix_cache()
+        loads = Loads()
+        req = engine.add(tokens)
+        engine.run(before_worker=loads)
+        assert worker_side(engine).stats["loads"] == 1, worker_side(engine).stats
+        (op,) = loads.ops
+        assert op.token_begin == 0 and op.token_end == 192
+        checked = {0: 0, 1: 0}
+        for layer, name, gi, view in engine.layer_views():
+            table = engine.tables[req.request_id][gi]
+            for i in range(op.token_end // BS):
+                if table[i] == 0:          # a block the window dropped: vLLM's null block
+                    continue
+                want = expected_block(engine, layer, view, tokens, i, BS)
+                assert torch.equal(view[table[i]], want), (name, i, table[i])
+                checked[gi] += 1
+        assert checked[0] == 2 * 12 and 0 < checked[1] < checked[0], checked
+    finally:
+        engine.shutdown()
+
+
+def test_mamba_padded_pages(kvferryd):
+    """Attention and Mamba layers over one allocation, Mamba pages padded to
+    the attention page: the state at the hit's end is restored into the
+    hit's last Mamba block, without its padding."""
+    from test_offloading import mamba_specs
+
+    server = kvferryd()
+    engine = Engine(transfer(server), mamba_specs(), mamba=True, kv_alloc=HostAlloc())
+    tokens = prompt(200, salt=13)
+    try:
+        geometry = worker_side(engine).geometry
+        assert geometry.num_object_groups == 4
+        engine.add(tokens)
+        engine.run()
+        engine.poison()
+        engine.reset_gpu_prefix_cache()
+        loads = Loads()
+        req = engine.add(tokens)
+        engine.run(before_worker=loads)
+        assert worker_side(engine).stats["loads"] == 1, worker_side(engine).stats
+        (op,) = loads.ops
+        hit = op.token_end
+        assert hit > 0 and hit % C == 0
+        for layer, name, gi, view in engine.layer_views():
+            table = engine.tables[req.request_id][gi]
+            for i in range(hit // BS):
+                want = expected_block(engine, layer, view, tokens, i, BS)
+                assert torch.equal(view[table[i]], want), (name, i)
+        states = 0
+        for layer, name, gi, pages in engine.mamba_views():
+            block = engine.tables[req.request_id][gi][hit // BS - 1]
+            state_bytes = engine.specs[name].real_page_size_bytes
+            want = engine.mamba_state(layer, hit, pages.shape[1])
+            assert torch.equal(pages[block, :state_bytes], want[:state_bytes]), name
+            padding = torch.empty(0, dtype=torch.uint8).set_(pages.untyped_storage())[
+                block * pages.stride(0) + state_bytes:(block + 1) * pages.stride(0)]
+            assert bool((padding == POISON).all()), name
+            states += 1
+        assert states == 3
+    finally:
+        engine.shutdown()
+
+
 def test_chunk_not_whole_blocks_refused(kvferryd):
     server = kvferryd()
     with pytest.raises(ValueError, match="kvferry_chunk_tokens = 24 is not a whole number"):
