@@ -250,32 +250,11 @@ def _twin_caches(kv_cache_config: Any) -> Tuple[Dict[str, torch.Tensor], Allocat
     for t in tensors:
         t.size = offset
     twin.kv_cache_tensors = tensors
-    layout = getattr(kv_cache_config, "kv_cache_layout", None) or "NHD"
-    caches, alloc = _views_one_block(twin, layout)
+    # The engine core's layout (strides never change a canonical fingerprint:
+    # any layout gives the twin the workers' fingerprint).
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or "LBHNC"
+    caches, alloc = host_kv_caches(twin, layout, name="vllm-kv-twin")
     return caches, alloc, twin
-
-
-def _views_one_block(twin: Any, layout: Any) -> Tuple[Dict[str, torch.Tensor], Allocation]:
-    import numpy as np
-
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-
-    if isinstance(layout, str):
-        layout = KVCacheLayout[layout]
-    size = twin.kv_cache_tensors[0].size
-    alloc = Allocation.create(max(size, 1), provider=MemProvider.HOST, name="vllm-kv-twin")
-    buf = torch.from_numpy(np.asarray(alloc)).view(torch.int8)[:size]
-    caches: Dict[str, torch.Tensor] = {}
-    for t in twin.kv_cache_tensors:
-        layer = t.layers[0]
-        group = next(g for g in twin.kv_cache_groups if layer in g.layer_names)
-        spec = group.kv_cache_spec
-        if isinstance(spec, UniformTypeKVCacheSpecs):
-            spec = spec.kv_cache_specs[layer]
-        if not spec.has_layer_views:
-            continue
-        caches.update(zip(t.layers, create_kv_cache_views(buf, spec, 1, layout, t)))
-    return caches, alloc
 
 
 def _regions(geometry: Geometry, provider: MemProvider) -> List[Tuple[Allocation, int, int]]:
