@@ -95,11 +95,18 @@ def check_blocks(engine, req_id, tokens, num_tokens):
     return checked
 
 
+def settle(engine):
+    """What the next step would do first (handle_preemptions): collect the
+    STOREs in flight, before anything rewrites their blocks."""
+    engine.worker.handle_preemptions(None)
+
+
 def store_and_reload(engine, tokens):
     """Run a prompt (stored), poison the cache, reset vLLM's prefix cache and
     run it again: returns the second request."""
     first = engine.add(tokens)
     engine.run()
+    settle(engine)
     assert worker_side(engine).stats["stores"] > 0, worker_side(engine).stats
     engine.poison()
     engine.reset_gpu_prefix_cache()
@@ -147,6 +154,7 @@ def test_keys_follow_vllm_block_hashes(kvferryd):
     try:
         ra = engine.add(a)
         engine.run()
+        settle(engine)
         sched = scheduler_side(engine)
         seed = sched.settings.seed
         keys = []
@@ -179,6 +187,7 @@ def test_failed_load_reported(kvferryd):
     try:
         engine.add(tokens)
         engine.run()
+        settle(engine)
         engine.poison()
         engine.reset_gpu_prefix_cache()
         req = engine.add(tokens)
@@ -221,6 +230,7 @@ def test_kvferryd_restart(kvferryd):
     try:
         engine.add(prompt(70, salt=7))
         engine.run()
+        settle(engine)
         w, s = worker_side(engine), scheduler_side(engine)
         assert w.link.registrations == 1 and s.link.registrations == 1
         old_boot = w.link.boot_token
@@ -250,6 +260,7 @@ def test_engine_restart_objects_still_served(kvferryd):
     try:
         first.add(tokens)
         first.run()
+        settle(first)
         assert worker_side(first).stats["stores"] > 0
     finally:
         first.shutdown()
@@ -290,6 +301,7 @@ def test_hybrid_sliding_window(kvferryd):
         assert geometry.num_object_groups == 2 and geometry.num_aliases == 2
         engine.add(tokens)
         engine.run()
+        settle(engine)
         engine.poison()
         engine.reset_gpu_prefix_cache()
         loads = Loads()
@@ -326,6 +338,7 @@ def test_mamba_padded_pages(kvferryd):
         assert geometry.num_object_groups == 4
         engine.add(tokens)
         engine.run()
+        settle(engine)
         engine.poison()
         engine.reset_gpu_prefix_cache()
         loads = Loads()
