@@ -200,5 +200,6 @@ def test_documented_transfer_configs_are_the_tested_ones():
     gib = 64 << 30
     assert kvferry.vllm.offloading_transfer_config(gib) in documented
     assert kvferry.vllm.offloading_transfer_config(gib, report_failures=False) in documented
+    assert kvferry.vllm.served_transfer_config("/run/kvferry") in documented
     for config in documented:
         KVTransferConfig(**config)
