@@ -533,6 +533,12 @@ class _Worker:
         if not meta.loads:
             return
         client = self.link.get() if self.link is not None else None
+        if client is not None and self.device >= 0:
+            # A RETRIEVE carries no event for kvferryd to wait on (protocol:
+            # ready_kind 0): blocks just freed may still be read by work
+            # queued on the compute stream (asynchronous scheduling). vLLM
+            # does not zero blocks an asynchronous load writes.
+            torch.cuda.current_stream(self.device).synchronize()
         for op in meta.loads:
             if client is None:
                 self._fail_load(op, op.token_begin, "kvferryd is not connected")
