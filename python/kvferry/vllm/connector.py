@@ -769,7 +769,14 @@ class _Scheduler:
         false), a RETRIEVE on the twin whose block tables skip every block,
         which answers the same prefix, moves nothing and pins nothing."""
         if kvc.has_lookup():
-            found = client.lookup(0, num_tokens, list(keys), pin_ms=pin_ms)
+            try:
+                found = client.lookup(0, num_tokens, list(keys), pin_ms=pin_ms)
+            except KvferryError as e:
+                if e.status != Status.BUSY or not pin_ms:
+                    raise
+                # The connection's pin quota (kvferryd --max-pins): a hit
+                # without a pin, which an eviction may turn into a failed load.
+                found = client.lookup(0, num_tokens, list(keys), pin_ms=0)
             return int(found.prefix_tokens), int(found.pin_id)
         assert self._twin is not None
         geometry = self._twin[2].units[0].geometry
