@@ -121,6 +121,7 @@ def test_store_hit_load(kvferryd):
     engine = make_engine(server)
     tokens = prompt(100)                                  # 3 whole chunks (96 tokens) + 4
     try:
+        assert engine.worker.get_mem_pool_context() is None     # the CPU: host_kv_caches
         second = store_and_reload(engine, tokens)
         w = worker_side(engine)
         assert w.stats["loads"] == 1 and w.stats["load_failures"] == 0, w.stats
@@ -364,6 +365,36 @@ def test_mamba_padded_pages(kvferryd):
             assert bool((padding == POISON).all()), name
             states += 1
         assert states == 3
+    finally:
+        engine.shutdown()
+
+
+def test_local_hit_then_served(kvferryd):
+    """vLLM's own prefix cache has part of the prompt (3 blocks, not a whole
+    number of chunks) and kvferryd more: the load starts at the chunk
+    holding the local hit's end and skips the blocks vLLM had (shared with
+    another request: never written), then fills the rest."""
+    server = kvferryd()
+    engine = make_engine(server)
+    a = prompt(100, salt=21)
+    x = a[:48] + prompt(20, salt=22)          # a's first 3 blocks, then different
+    try:
+        engine.add(a)
+        engine.run()
+        settle(engine)
+        engine.poison()
+        engine.reset_gpu_prefix_cache()
+        loads = Loads()
+        rx = engine.add(x)                    # kvferryd: chunk 0; vLLM keeps blocks 0..2
+        engine.run(before_worker=loads)
+        settle(engine)
+        ra = engine.add(a)
+        engine.run(before_worker=loads)
+        assert [(op.token_begin, op.token_end, op.skip_tokens) for op in loads.ops] == \
+            [(0, 32, 0), (32, 96, 48)]
+        assert engine.tables[ra.request_id][0][:3] == engine.tables[rx.request_id][0][:3]
+        assert check_blocks(engine, ra.request_id, a, 96) == 4 * 6
+        assert worker_side(engine).stats["loads"] == 2
     finally:
         engine.shutdown()
 
