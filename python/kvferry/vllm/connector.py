@@ -293,9 +293,10 @@ class _Link:
         self._next_try = 0.0
         self._warned = False
 
-    def get(self) -> Optional[Any]:
-        """The connected, registered client, or None (kvferryd is down: tried
-        again every kvferry_reconnect_ms)."""
+    def get(self, raise_errors: bool = False) -> Optional[Any]:
+        """The connected, registered client, or None (kvferryd is down, or
+        refused the registration: tried again every kvferry_reconnect_ms).
+        ``raise_errors``: a refused registration raises (at start)."""
         c = self.client
         if c is not None:
             try:
@@ -323,6 +324,13 @@ class _Link:
             return None
         try:
             self.registration = self._register(c)
+        except KvferryError as e:
+            c.close()
+            if raise_errors:
+                raise
+            logger.error("kvferry connector %s: kvferryd refused the registration: %s",
+                         self.name, e)
+            return None
         except BaseException:
             c.close()
             raise
@@ -459,7 +467,7 @@ class _Worker:
         logger.info("kvferry connector worker %d: %s, %d-token chunks, %d regions", self.rank,
                     layout.describe(), s.chunk_tokens, len(self.regions))
         self.link = _Link(s, "vllm-worker-%d" % self.rank, self._register)
-        self.link.get()
+        self.link.get(raise_errors=True)   # a geometry kvferryd refuses fails the start
 
     def _register(self, client: Any) -> Any:
         return client.register(self.geometry, self.regions, device=self.device,
