@@ -252,6 +252,31 @@ def test_kvferryd_restart(kvferryd):
         server.stop()
 
 
+def test_kvferryd_down_at_start(kvferryd):
+    """An engine that starts while kvferryd is down runs without it (no hit,
+    stores dropped), and connects and registers once kvferryd serves."""
+    server = kvferryd()
+    server.kill()                                         # the directory stays, nobody serves
+    engine = make_engine(server)
+    try:
+        w, s = worker_side(engine), scheduler_side(engine)
+        assert w.link.client is None and w.link.registrations == 0
+        engine.add(prompt(70, salt=17))
+        engine.run()
+        assert w.stats["stores"] == 0 and w.stats["store_failures"] > 0, w.stats
+        assert s.link.registrations == 0
+        server = kvferryd()
+        time.sleep(0.1)                                   # past kvferry_reconnect_ms (50)
+        tokens = prompt(100, salt=18)
+        second = store_and_reload(engine, tokens)
+        assert w.link.registrations == 1 and s.link.registrations == 1
+        assert w.stats["loads"] == 1, w.stats
+        assert check_blocks(engine, second.request_id, tokens, 96) == 4 * 6
+    finally:
+        engine.shutdown()
+        server.stop()
+
+
 def test_engine_restart_objects_still_served(kvferryd):
     """A new engine (new vLLM objects, new connector instances, a new KV
     cache) on the same kvferryd hits the objects the first one stored."""
