@@ -427,6 +427,8 @@ class _Worker:
         self._failed_recving: Set[str] = set()
         self._invalid_blocks: Set[int] = set()
         self._reported_registrations = 0
+        self._event: Any = None                 # the interprocess ready event (GPU)
+        self._event_handle = b""
         self.stats = {"stores": 0, "store_failures": 0, "loads": 0, "load_failures": 0}
 
     # -- registration --
@@ -572,9 +574,15 @@ class _Worker:
         event, handle = None, None
         if self.device >= 0:
             # Recorded after the forward pass: kvferryd's stream waits for it.
-            event = torch.cuda.Event(enable_timing=False, interprocess=True)
+            # One event serves every step: the STOREs of a step are answered
+            # (drain_stores) before the next step records it again.
+            if self._stores:
+                self._poll_stores(block=True)   # not drained by this step's start
+            if self._event is None:
+                self._event = torch.cuda.Event(enable_timing=False, interprocess=True)
+                self._event_handle = bytes(self._event.ipc_handle())
+            event, handle = self._event, self._event_handle
             event.record(torch.cuda.current_stream(self.device))
-            handle = bytes(event.ipc_handle())
         for op in meta.stores:
             try:
                 rid = client.submit("store", op.token_begin, op.token_end, op.keys,
