@@ -19,7 +19,9 @@
 //     answered within a second (admission walks the table, not the range);
 //   - HELLO names that are not UTF-8: refused naming payload.name; and a
 //     name that is an escape sequence reaches `kvferry stat`'s terminal
-//     output escaped.
+//     output escaped;
+//   - a REGISTER region past its allocation (or whose end wraps 64 bits):
+//     refused naming payload.regions[i].length, and the connection stays.
 // Each test ends with the server's descriptors and memfd mappings back at
 // their count before the attack and a clean stop.
 #include <gtest/gtest.h>
@@ -831,6 +833,95 @@ TEST_F(Isolation, ADescriptorMustBeTheAllocationItsIdentityNames) {
   EXPECT_EQ(reply.type, KVF_PROTO_UNREGISTER_REPLY) << describe(reply);
   kvf_proto_msg_clear(&reply);
   conn.close();
+  EXPECT_EQ(server_.stop(), 0) << kServerCodes;
+}
+
+// A REGISTER whose region runs past its allocation (offset + length over
+// the size, or wrapping 64 bits) is a request the server refuses, not a bad
+// frame: an ERROR naming the region's length, nothing mapped or kept, and
+// the connection registers correctly afterwards. It used to be refused by
+// the frame decoder (KVF_ERR_PROTOCOL), and the connection dropped.
+TEST_F(Isolation, ARegionPastItsAllocationIsRefusedAndTheConnectionStays) {
+  ASSERT_TRUE(server_.start(dir_, 30000));
+  HostAlloc a(1);
+  const uint64_t R = a.region;  // the allocation holds 2 R bytes, region 1 needs R
+  const std::string past = "passes the allocation's " + std::to_string(2 * R) + " bytes";
+  RawConn conn;
+  ASSERT_EQ(conn.open(dir_), KVF_SUCCESS);
+  int fds0 = server_.fds(), maps0 = server_.memfd_maps();
+  auto nothing_kept = [&](const std::string &what) {
+    kvf_proto_msg r;
+    ASSERT_EQ(conn.simple(KVF_PROTO_HEARTBEAT, &r), KVF_SUCCESS) << what << ": the connection must stay";
+    EXPECT_EQ(r.type, KVF_PROTO_HEARTBEAT_REPLY) << what;
+    kvf_proto_msg_clear(&r);
+    kvf_client_stats s = stat_now();
+    EXPECT_EQ(s.active, 0u) << what;
+    EXPECT_EQ(s.imports, 0u) << what;
+    EXPECT_EQ(server_.fds(), fds0) << what << ": the server kept the descriptor";
+    EXPECT_EQ(server_.memfd_maps(), maps0) << what << ": the server kept a mapping";
+  };
+  struct Case {
+    std::string what;
+    uint64_t offset, length;
+  } cases[] = {
+      {"offset R + 4096, length R: 4096 bytes past the end", R + 4096, R},
+      {"offset R, length 2R", R, 2 * R},
+      {"offset 0, length 2R + 1", 0, 2 * R + 1},
+      {"offset 2^64 - 4096, length 8192 (the end wraps to 4096)", UINT64_MAX - 4095, 8192},
+      {"offset 2^64 - 4096, length R + 4096 (the end wraps to R)", UINT64_MAX - 4095, R + 4096},
+      {"offset 2^64 - 1, length 2^64 - 1", UINT64_MAX, UINT64_MAX},
+  };
+  kvf_proto_msg reply;
+  for (const Case &k : cases) {
+    SCOPED_TRACE(k.what);
+    int fd = a.fd();
+    kvf_status st =
+        register_raw(conn, kTinyGeometry, {region_of(a.id, 0, R, 0), region_of(a.id, k.offset, k.length, 0)}, {fd},
+                     &reply);
+    close(fd);
+    ASSERT_EQ(st, KVF_SUCCESS) << "no reply: the server dropped the connection";
+    std::printf("%s: %s\n", k.what.c_str(), describe(reply).c_str());
+    ASSERT_EQ(reply.type, KVF_PROTO_ERROR) << describe(reply);
+    EXPECT_EQ(reply.u.error.status, (uint32_t)KVF_ERR_INVALID_ARGUMENT) << describe(reply);
+    EXPECT_STREQ(reply.u.error.field, "payload.regions[1].length") << describe(reply);
+    EXPECT_NE(std::string(reply.u.error.message).find(past), std::string::npos) << describe(reply);
+    EXPECT_NE(std::string(reply.u.error.message).find("offset " + std::to_string(k.offset)), std::string::npos)
+        << describe(reply);
+    kvf_proto_msg_clear(&reply);
+    nothing_kept(k.what);
+  }
+  // The same connection registers the allocation correctly, and unregisters.
+  int fd = a.fd();
+  kvf_status st = register_raw(conn, kTinyGeometry, {region_of(a.id, 0, R, 0), region_of(a.id, R, R, 0)}, {fd}, &reply);
+  close(fd);
+  ASSERT_EQ(st, KVF_SUCCESS);
+  ASSERT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
+  kvf_proto_msg_clear(&reply);
+  ASSERT_EQ(conn.simple(KVF_PROTO_UNREGISTER, &reply), KVF_SUCCESS);
+  EXPECT_EQ(reply.type, KVF_PROTO_UNREGISTER_REPLY) << describe(reply);
+  kvf_proto_msg_clear(&reply);
+  conn.close();
+
+  // The C client sends such a region as given: it gets the server's
+  // refusal and registers on the same connection afterwards.
+  kvf_client_options o = KVF_CLIENT_OPTIONS_INIT;
+  o.socket_dir = dir_.c_str();
+  kvf_client *c = nullptr;
+  ASSERT_EQ(kvf_client_connect(&o, &c, nullptr), KVF_SUCCESS) << kvf_last_error();
+  kvf_client_region bad[2] = {{a.a, 0, R}, {a.a, R + 4096, R}};
+  EXPECT_EQ(kvf_client_register(c, kTinyGeometry, strlen(kTinyGeometry), -1, bad, 2, nullptr),
+            KVF_ERR_INVALID_ARGUMENT);
+  std::string err = kvf_last_error();
+  std::printf("kvf_client_register: %s\n", err.c_str());
+  EXPECT_NE(err.find("payload.regions[1].length: offset " + std::to_string(R + 4096)), std::string::npos) << err;
+  EXPECT_NE(err.find(past), std::string::npos) << err;
+  EXPECT_EQ(kvf_client_heartbeat(c, nullptr), KVF_SUCCESS) << kvf_last_error();
+  kvf_client_region good[2] = {{a.a, 0, R}, {a.a, R, R}};
+  EXPECT_EQ(kvf_client_register(c, kTinyGeometry, strlen(kTinyGeometry), -1, good, 2, nullptr), KVF_SUCCESS)
+      << kvf_last_error();
+  EXPECT_EQ(kvf_client_unregister(c, 0, nullptr), KVF_SUCCESS) << kvf_last_error();
+  kvf_client_disconnect(c);
+  EXPECT_EQ(server_.memfd_maps(), maps0);
   EXPECT_EQ(server_.stop(), 0) << kServerCodes;
 }
 

@@ -85,18 +85,21 @@ static kvf_status register_prepare(const kvf_proto_register *rg, int *fds, uint3
                     (unsigned)i, (unsigned)pr->fd_index, (unsigned)num_fds);
       goto out;
     }
+    /* Within its allocation, the sum checked (an offset near 2^64 must not
+     * wrap back inside). A refusal like any other here: the frame was
+     * well formed, so the connection stays (the decoder leaves this to us). */
+    uint64_t end = 0;
+    if (!kvf_add_u64(pr->offset, pr->length, &end) || end > pr->size) {
+      st = kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                    "payload.regions[%u].length: offset %llu + length %llu passes the allocation's %llu bytes",
+                    (unsigned)i, (unsigned long long)pr->offset, (unsigned long long)pr->length,
+                    (unsigned long long)pr->size);
+      goto out;
+    }
     if (pr->length < info.size) {
       st = kvf_fail(KVF_ERR_INVALID_ARGUMENT,
                     "payload.regions[%u].length: %llu bytes, the geometry's region '%s' needs %llu", (unsigned)i,
                     (unsigned long long)pr->length, info.name, (unsigned long long)info.size);
-      goto out;
-    }
-    uint64_t end = 0;
-    if (!kvf_add_u64(pr->offset, pr->length, &end) || end > pr->size) {
-      st = kvf_fail(KVF_ERR_INVALID_ARGUMENT,
-                    "payload.regions[%u].length: offset %llu + length %llu exceeds the allocation's %llu bytes",
-                    (unsigned)i, (unsigned long long)pr->offset, (unsigned long long)pr->length,
-                    (unsigned long long)pr->size);
       goto out;
     }
     if (info.align > 1 && (pr->offset % info.align) != 0) {

@@ -643,8 +643,9 @@ class Client:
                                "bytes" % (offset, size), what + ".offset")
                 length = size - offset
             elif offset + length > size:
-                # Checked here: kvferryd takes a region past its allocation for a bad frame
-                # and drops the connection (PROTOCOL).
+                # Checked here too, before anything is exported or sent (this field
+                # name, regions[i].length); kvferryd refuses it as well, with
+                # INVALID_ARGUMENT naming payload.regions[i].length, and keeps the connection.
                 raise fail(Status.INVALID_ARGUMENT, "offset %d + length %d runs past the "
                            "allocation's %d bytes" % (offset, length, size), what + ".length")
             arr[i].alloc = alloc._handle.ptr
