@@ -11,7 +11,9 @@
  * several benches on several GPUs can share), and for each in-flight depth Q keeps Q requests outstanding
  * (submit, wait for the oldest, submit the next) until R requests of N
  * tokens are done, every request with its own chunk keys (so every object is
- * written). Retrieve reads back the objects of the last round. Each figure is
+ * written): each key chain starts from a seed naming the phase, round and
+ * request (kvf_chunk_seed), over the request's token ids (kvf_chunk_keys).
+ * Retrieve reads back the objects of the last round. Each figure is
  * the median over K rounds of payload bytes / wall time; latency is the
  * median of submit-to-reply over the requests of those rounds. In the same
  * run: kvf_xfer gather/scatter of one request's bytes into pinned objects in
@@ -24,6 +26,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <inttypes.h>
 #include <signal.h>
 #include <stdio.h>
@@ -46,6 +49,13 @@ static double now_s(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+  (void)st;
+  (void)flag;
+  (void)ftw;
+  return remove(path);
+}
+
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return x < y ? -1 : x > y;
@@ -54,15 +64,6 @@ static int cmp_double(const void *a, const void *b) {
 static double median(double *v, int n) {
   qsort(v, (size_t)n, sizeof *v, cmp_double);
   return n ? (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2])) : 0;
-}
-
-static uint64_t mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  x ^= x >> 33;
-  return x ? x : 1;
 }
 
 typedef struct bench {
@@ -83,6 +84,8 @@ typedef struct bench {
   FILE *out;
   uint32_t **ids; /* per slot (request modulo slots), per group */
   uint32_t slots;
+  uint32_t *tokens; /* a request's token ids: 0 .. tokens_per_request - 1 */
+  char tmp_dir[64];  /* the socket directory's parent this run made ("" with --socket-dir) */
 } bench;
 
 
@@ -125,7 +128,9 @@ static int setup(bench *b) {
   if (kvf_geometry_load_file(b->geometry_path, &lo, &b->g, &err)) return -1;
   if (kvf_geometry_to_json(b->g, &b->json, &b->json_len)) return -1;
   b->ids = calloc((size_t)b->slots * b->num_groups, sizeof *b->ids);
-  if (!b->ids) return -1;
+  b->tokens = malloc(sizeof *b->tokens * b->tokens_per_request);
+  if (!b->ids || !b->tokens) return -1;
+  for (uint64_t t = 0; t < b->tokens_per_request; t++) b->tokens[t] = (uint32_t)t;
   for (uint32_t s = 0; s < b->slots; s++)
     for (uint32_t gidx = 0; gidx < b->num_groups; gidx++) {
       kvf_group_info gi = KVF_GROUP_INFO_INIT;
@@ -165,9 +170,12 @@ static int setup(bench *b) {
   if (b->socket_dir) {
     snprintf(sock, sizeof sock, "%s", b->socket_dir);
   } else {
-    char dir[] = "/tmp/kvf-served-bench-XXXXXX";
-    if (!mkdtemp(dir)) return -1;
-    snprintf(sock, sizeof sock, "%s/sock", dir);
+    snprintf(b->tmp_dir, sizeof b->tmp_dir, "/tmp/kvf-served-bench-XXXXXX");
+    if (!mkdtemp(b->tmp_dir)) {
+      b->tmp_dir[0] = 0;
+      return -1;
+    }
+    snprintf(sock, sizeof sock, "%s/sock", b->tmp_dir);
   }
   uint64_t request_bytes = 0;
   for (uint32_t og = 0; og < kvf_geometry_num_object_groups(b->g); og++)
@@ -216,9 +224,34 @@ static int setup(bench *b) {
   return 0;
 }
 
-/* One round: `total` requests of type op, q in flight. Returns seconds; adds
+/* The chunk keys of request `request` of round `round` of `phase`, as an
+ * engine makes them: a chain over the request's token ids from a seed that
+ * names the device, the phase, the round and the request. Every (phase,
+ * round, request, chunk) gets a key of its own, and a key always names the
+ * same chunk of the same tokens: kvferryd refuses a key stored at another
+ * token range (header.token_begin differs), as the old scheme (a counter
+ * plus the chunk index, so one request's chunk 1 was the next one's chunk
+ * 0) found at 4096 tokens a request. The device goes in so that benches
+ * sharing one server never share objects. Returns 0, or -1 with a message. */
+static int request_keys(const bench *b, const char *phase, int round, int request, kvf_chunk_key *keys,
+                        uint64_t chunks) {
+  char name[160];
+  int n = snprintf(name, sizeof name, "kvf_served_bench device %d %s round %d request %d", b->device, phase, round,
+                   request);
+  kvf_chunk_key seed;
+  if (n < 0 || (size_t)n >= sizeof name || kvf_chunk_seed(name, (size_t)n, &seed) != KVF_SUCCESS ||
+      kvf_chunk_keys(&seed, b->tokens, sizeof *b->tokens, b->tokens_per_request, b->chunk_tokens, keys) != chunks) {
+    fprintf(stderr, "kvf_served_bench: the keys of %s round %d request %d: %s\n", phase, round, request,
+            kvf_last_error());
+    return -1;
+  }
+  return 0;
+}
+
+/* One round: `total` requests of type op, q in flight, with the keys of
+ * (phase, round) (request_keys). Returns seconds, or -1 on failure; adds
  * each request's latency to lat[] and its bytes to *bytes. */
-static double round_run(bench *b, kvf_client_op op, int q, int total, uint64_t key_base, double *lat,
+static double round_run(bench *b, kvf_client_op op, int q, int total, const char *phase, int round, double *lat,
                         uint64_t *bytes) {
   uint64_t chunks = (b->tokens_per_request + b->chunk_tokens - 1) / b->chunk_tokens;
   kvf_chunk_key *keys = calloc(chunks * (size_t)total, sizeof *keys);
@@ -226,15 +259,8 @@ static double round_run(bench *b, kvf_client_op op, int q, int total, uint64_t k
   double *t_sub = malloc(sizeof *t_sub * (size_t)total);
   kvf_group_blocks gb[64];
   if (!keys || !ids || !t_sub) return -1;
-  /* Keys the way an engine that sends its own block hashes would: 32 bytes
-   * each, here a distinct mixed word in front and a nonzero tail. */
   for (int r = 0; r < total; r++)
-    for (uint64_t k = 0; k < chunks; k++) {
-      kvf_chunk_key *key = &keys[(size_t)r * chunks + k];
-      uint64_t w = mix(key_base + (uint64_t)r * 1000003u + k);
-      memcpy(key->bytes, &w, sizeof w);
-      key->bytes[KVF_CHUNK_KEY_BYTES - 1] = 1;
-    }
+    if (request_keys(b, phase, round, r, keys + (size_t)r * chunks, chunks)) return -1;
   int next = 0, done = 0;
   double t0 = now_s();
   while (done < total) {
@@ -495,8 +521,7 @@ int main(int argc, char **argv) {
     double first[5];
     uint64_t bytes = 0;
     for (int i = 0; i < 5; i++) {
-      double dt = round_run(&b, KVF_CLIENT_STORE, 1, 1, ((uint64_t)(b.device + 2) << 52) + (0xf1ull << 40) + (uint64_t)i,
-                            &first[i], &bytes);
+      double dt = round_run(&b, KVF_CLIENT_STORE, 1, 1, "served-first", i, &first[i], &bytes);
       if (dt <= 0) goto out;
     }
     double later = median(first + 1, 4);
@@ -512,6 +537,8 @@ int main(int argc, char **argv) {
   }
   for (int qi = 0; qi < b.num_inflight; qi++) {
     int q = b.inflight[qi];
+    char phase[64]; /* by index too: --inflight may name one depth twice */
+    snprintf(phase, sizeof phase, "served inflight[%d] %d", qi, q);
     for (int dir = 0; dir < 2; dir++) {
       double *gbps = calloc((size_t)b.rounds, sizeof(double));
       double *lat = calloc((size_t)b.rounds * (size_t)b.requests, sizeof(double));
@@ -519,11 +546,8 @@ int main(int argc, char **argv) {
       for (int r = 0; r < b.rounds; r++) {
         uint64_t bytes = 0;
         /* Stores write new keys every round; retrieves read the last round's. */
-        /* The device goes into the keys: benches sharing one server never share objects. */
-        uint64_t key_base = ((uint64_t)(b.device + 2) << 52) + ((uint64_t)qi << 40) +
-                            ((uint64_t)(dir == 0 ? r : b.rounds - 1) << 32) + 1;
-        double dt = round_run(&b, dir == 0 ? KVF_CLIENT_STORE : KVF_CLIENT_RETRIEVE, q, b.requests, key_base,
-                              lat + (size_t)r * (size_t)b.requests, &bytes);
+        double dt = round_run(&b, dir == 0 ? KVF_CLIENT_STORE : KVF_CLIENT_RETRIEVE, q, b.requests, phase,
+                              dir == 0 ? r : b.rounds - 1, lat + (size_t)r * (size_t)b.requests, &bytes);
         if (dt <= 0) goto out;
         gbps[r] = (double)bytes / dt / 1e9;
         bytes_round = bytes;
@@ -552,6 +576,8 @@ out:
     kill(b.server, SIGTERM);
     waitpid(b.server, NULL, 0);
   }
+  /* The socket directory this run made, with what kvferryd left there (its lock file). */
+  if (b.tmp_dir[0]) nftw(b.tmp_dir, remove_entry, 8, FTW_DEPTH | FTW_PHYS);
   kvf_mem_alloc_destroy(b.alloc);
   if (b.out && b.out != stdout) fclose(b.out);
   return rc;
