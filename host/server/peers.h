@@ -1,0 +1,116 @@
+/*
+ * Internal: kvferryd peers (DESIGN.md §14, docs/peers.md). Other kvferryd
+ * instances, reached through the peer transport (host/server/peer_transport.h,
+ * UCX), lend their L1 objects: a RETRIEVE that misses locally asks the peers
+ * which of the missing objects they hold, pulls them with one-sided gets
+ * into a local L1 reservation and commits only whole, checked objects.
+ *
+ * Trust: every connection starts with a challenge-response over a shared
+ * secret (HMAC-SHA-256, both ways, the secret never on the wire); until both
+ * sides proved it, nothing else is accepted or sent. Only L1 pools are
+ * registered with the transport, so the only memory a peer can read is L1.
+ * Every count, offset and length a peer sends is checked; a bad, oversized
+ * or truncated message gets an ERROR and a disconnect. Each side's boot
+ * token travels in its HELLO: a peer that restarted is logged and its stale
+ * keys were dropped with its old connection.
+ *
+ * Threading: one peer thread owns the transport and runs everything here;
+ * kvf_peers_fetch, kvf_peers_ready and kvf_peers_info may be called from any
+ * thread (the server's loop, STAT). A fetch's done callback runs on the
+ * peer thread (or in destroy).
+ */
+#ifndef KVF_HOST_PEERS_H
+#define KVF_HOST_PEERS_H
+
+#include <stdint.h>
+
+#include <kvferry/status.h>
+
+#include "host/server/l1.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kvf_peers kvf_peers;
+
+#define KVF_PEERS_MAX 32u          /* --peer addresses, and incoming peers at once */
+#define KVF_PEERS_MAX_OBJECTS 16384u /* objects one HAS may name */
+
+typedef struct kvf_peers_options {
+  const char *listen;             /* "ADDR:PORT" to accept peers on; NULL: none */
+  const char *const *peers;       /* "ADDR:PORT" of peers to connect to (and reconnect) */
+  uint32_t num_peers;
+  const char *secret_file;        /* required: a regular file of this user, no group/other bits, 16..4096 bytes */
+  uint64_t boot_token;            /* the server's */
+  kvf_l1 *l1;                     /* the store fetched objects are committed into and served from */
+  const kvf_l1_pool_desc *pools;  /* the L1 pools, registered with the transport for peers' gets */
+  uint32_t num_pools;
+  uint32_t fetch_timeout_ms;      /* one step (an answer, a pull) of a fetch; 0: 5000 */
+  uint32_t handshake_timeout_ms;  /* a connection not authenticated by then is closed; 0: 5000 */
+} kvf_peers_options;
+
+/* Read the secret, create the transport, register the pools, listen, start
+ * the peer thread (connections to options->peers are made from it).
+ * Returns KVF_SUCCESS and *out; KVF_ERR_PERMISSION naming the secret file
+ * (group or other may access it, or another user owns it);
+ * KVF_ERR_INVALID_ARGUMENT (no secret file, too short or long, bad
+ * address); KVF_ERR_SYSTEM (the transport). Nothing is left on failure. */
+kvf_status kvf_peers_create(const kvf_peers_options *options, kvf_peers **out);
+
+/* Stop the thread, fail the fetches in flight (their reservations aborted,
+ * their done callbacks called), close connections, deregister. NULL: no-op. */
+void kvf_peers_destroy(kvf_peers *p);
+
+/* The port the listener bound (0 without --listen). */
+uint16_t kvf_peers_port(const kvf_peers *p);
+
+/* Peers authenticated both ways with their keys received. */
+uint32_t kvf_peers_ready(kvf_peers *p);
+
+/* done(arg, objects) runs once the fetch is over: objects were committed
+ * into L1 (0 when no peer had them, or the pulls failed). */
+typedef void (*kvf_peers_fetch_done)(void *arg, uint64_t objects);
+
+/* Fetch the objects specs[0 .. n) describe (key, object group, the header
+ * they must carry) into pool `device`. Copies specs. Returns KVF_SUCCESS
+ * (done will run); KVF_ERR_INVALID_ARGUMENT (n 0 or over
+ * KVF_PEERS_MAX_OBJECTS); KVF_ERR_STATE (stopping); KVF_ERR_OUT_OF_MEMORY. */
+kvf_status kvf_peers_fetch(kvf_peers *p, int device, const kvf_l1_object_spec *specs, uint32_t n,
+                           kvf_peers_fetch_done done, void *arg);
+
+typedef enum kvf_peer_state {
+  KVF_PEER_DOWN = 0,      /* not connected (an outgoing peer retries every second) */
+  KVF_PEER_HANDSHAKE = 1, /* connected, not authenticated both ways yet */
+  KVF_PEER_READY = 2,     /* authenticated, keys received */
+} kvf_peer_state;
+
+typedef struct kvf_peer_info {
+  char addr[64];          /* the --peer address, or "incoming" */
+  uint32_t state;         /* kvf_peer_state */
+  uint32_t outgoing;      /* 1: a --peer this server connects to */
+  uint64_t boot_token;    /* the peer's, from its last HELLO (0: never heard) */
+  uint64_t connects;      /* handshakes completed */
+  uint64_t objects_pulled, bytes_pulled; /* committed here from it */
+  uint64_t objects_served;               /* it was told where to read them here */
+  uint64_t failures;      /* refused handshakes, bad messages, failed or timed-out pulls, bad headers */
+} kvf_peer_info;
+
+/* Copy up to max peers' info into out; returns how many peers there are. */
+uint32_t kvf_peers_info(kvf_peers *p, kvf_peer_info *out, uint32_t max);
+
+/* Totals for tests: fetches in flight and L1 pins held for peers' reads. */
+typedef struct kvf_peers_counters {
+  uint64_t fetches_in_flight;
+  uint64_t serve_pins;
+  uint64_t fetches_total;
+  uint64_t objects_pulled;
+  uint64_t failures;
+} kvf_peers_counters;
+void kvf_peers_counters_get(kvf_peers *p, kvf_peers_counters *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVF_HOST_PEERS_H */
