@@ -80,6 +80,15 @@ static void usage(FILE *f) {
           "                              (default 256)\n"
           "  --max-pinned-chunks N       per client: chunks its LOOKUP pins hold at once\n"
           "                              (quota.pinned_chunks) (default 65536)\n"
+          "  --listen ADDR:PORT          accept kvferryd peers there (UCX; numeric IPv4; docs/peers.md)\n"
+          "  --peer ADDR:PORT            a kvferryd peer to connect to (repeatable, at most 32): a\n"
+          "                              RETRIEVE that misses here fetches the missing objects from\n"
+          "                              the peers that hold them. Reconnects every second when lost\n"
+          "  --peer-secret-file FILE     required with --listen or --peer: the secret peers prove at\n"
+          "                              connect (HMAC-SHA-256 challenge-response, never sent); a\n"
+          "                              file of this user with mode 0600, 16 to 4096 bytes\n"
+          "  --peer-fetch-timeout-ms N   a peer's answer, or a pull from it, taking longer fails and\n"
+          "                              drops the connection (default 5000)\n"
           "  --log-level LEVEL           none, warn, info or trace (default: KVF_DEBUG, else warn)\n"
           "  --help                      this text\n"
           "\n"
@@ -125,6 +134,8 @@ int main(int argc, char **argv) {
   int devices[64];
   uint32_t num_devices = 0;
   int all_devices = 1;
+  const char *peers[32];
+  uint32_t num_peers = 0;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -221,6 +232,22 @@ int main(int argc, char **argv) {
     } else if (!strcmp(a, "--max-pinned-chunks") && v) {
       if (parse_u32(a, v, &opt.max_client_pinned_chunks) != 0) return 2;
       i++;
+    } else if (!strcmp(a, "--listen") && v) {
+      opt.peer_listen = v;
+      i++;
+    } else if (!strcmp(a, "--peer") && v) {
+      if (num_peers >= 32) {
+        fprintf(stderr, "kvferryd: --peer: at most 32\n");
+        return 2;
+      }
+      peers[num_peers++] = v;
+      i++;
+    } else if (!strcmp(a, "--peer-secret-file") && v) {
+      opt.peer_secret_file = v;
+      i++;
+    } else if (!strcmp(a, "--peer-fetch-timeout-ms") && v) {
+      if (parse_u32(a, v, &opt.peer_fetch_timeout_ms) != 0) return 2;
+      i++;
     } else if (!strcmp(a, "--log-level") && v) {
       kvf_log_level level;
       if (kvf_log_parse_level(v, &level) != 0) {
@@ -247,6 +274,8 @@ int main(int argc, char **argv) {
   }
   opt.devices = devices;
   opt.num_devices = num_devices;
+  opt.peers = peers;
+  opt.num_peers = num_peers;
   kvf_status st = kvf_server_create(&opt, &g_server);
   if (st != KVF_SUCCESS) {
     fprintf(stderr, "kvferryd: %s\n", kvf_last_error());

@@ -1388,3 +1388,73 @@ kvf_status kvf_dataplane_stats_get(kvf_dataplane *dp, kvf_dataplane_stats *out) 
   out->lanes = dp->num_lanes;
   return kvf_l1_stats_get(dp->l1, KVF_L1_ALL_POOLS, &out->l1);
 }
+
+kvf_l1 *kvf_dataplane_l1(kvf_dataplane *dp) { return dp ? dp->l1 : NULL; }
+
+uint32_t kvf_dataplane_pools(kvf_dataplane *dp, kvf_l1_pool_desc *out, uint32_t max) {
+  for (uint32_t i = 0; i < dp->num_lanes && i < max; i++)
+    out[i] = (kvf_l1_pool_desc){dp->lanes[i].device, dp->lanes[i].pool, dp->lanes[i].pool_bytes};
+  return dp->num_lanes;
+}
+
+kvf_status kvf_dataplane_retrieve_missing(kvf_dataplane *dp, kvf_dp_binding *b, const kvf_proto_msg *m,
+                                          kvf_l1_object_spec **specs, uint32_t *n, int *device) {
+  *specs = NULL;
+  *n = 0;
+  *device = -1;
+  if (!dp || !b || !m || m->type != KVF_PROTO_RETRIEVE)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_dataplane_retrieve_missing: not a RETRIEVE");
+  kvf_status st = check_xfer(b, m);
+  if (st != KVF_SUCCESS) return st;
+  const kvf_proto_xfer *x = &m->u.xfer;
+  const kvf_geometry *g = b->geometry;
+  uint32_t nog = b->num_object_groups, C = b->chunk_tokens;
+  uint64_t nchunks = x->num_chunk_keys, total = nchunks * nog;
+  *device = b->lane->device;
+  /* Object groups with a group the request moves. */
+  int og_requested[KVF_MAX_GROUPS] = {0};
+  for (uint32_t og = 0; og < nog; og++) {
+    kvf_object_group_info oi = KVF_OBJECT_GROUP_INFO_INIT;
+    (void)kvf_geometry_object_group(g, og, &oi);
+    for (uint32_t i = 0; i < oi.num_groups; i++)
+      og_requested[og] |= x->groups[oi.groups[i]].count > 0;
+  }
+  kvf_l1_query *q = calloc(total ? total : 1, sizeof(*q));
+  kvf_l1_found *found = calloc(total ? total : 1, sizeof(*found));
+  kvf_l1_object_spec *out = calloc(total ? total : 1, sizeof(*out));
+  kvf_l1_pin *pin = NULL;
+  if (!q || !found || !out) {
+    st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "retrieve: out of memory");
+    goto done;
+  }
+  for (uint64_t k = 0; k < nchunks; k++)
+    for (uint32_t og = 0; og < nog; og++) q[k * nog + og] = (kvf_l1_query){x->chunk_keys[k], og};
+  st = kvf_l1_lookup_pin(dp->l1, q, (uint32_t)total, found, &pin);
+  if (st != KVF_SUCCESS) goto done;
+  uint32_t cnt = 0;
+  for (uint64_t k = 0; k < nchunks; k++)
+    for (uint32_t og = 0; og < nog; og++) {
+      if (!og_requested[og]) continue;
+      kvf_object_header want;
+      if (kvf_object_header_init(g, (kvf_object_format)x->format, og, x->token_begin / C + k, x->token_end, &want) !=
+          KVF_SUCCESS)
+        continue;
+      if (want.payload_bytes == 0) continue; /* no object for it */
+      const kvf_l1_found *f = &found[k * nog + og];
+      if (f->found && f->header.token_begin == want.token_begin && f->header.token_end == want.token_end) continue;
+      out[cnt++] = (kvf_l1_object_spec){x->chunk_keys[k], og, want};
+    }
+  kvf_l1_unpin(dp->l1, pin);
+  pin = NULL;
+  if (cnt) {
+    *specs = out;
+    *n = cnt;
+    out = NULL;
+  }
+done:
+  kvf_l1_unpin(dp->l1, pin);
+  free(q);
+  free(found);
+  free(out);
+  return st;
+}

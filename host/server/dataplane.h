@@ -156,6 +156,21 @@ kvf_status kvf_dataplane_lookup(kvf_dataplane *dp, kvf_dp_binding *binding, cons
 /* Release a LOOKUP's pin. NULL is a no-op. Any thread. */
 void kvf_dataplane_unpin(kvf_dataplane *dp, kvf_l1_pin *pin);
 
+/* For peers (host/server/peers.h): the L1 store, and its pools (up to max
+ * into out; returns how many there are). */
+kvf_l1 *kvf_dataplane_l1(kvf_dataplane *dp);
+uint32_t kvf_dataplane_pools(kvf_dataplane *dp, kvf_l1_pool_desc *out, uint32_t max);
+
+/* The objects a RETRIEVE (msg) on `binding` would read that L1 does not hold
+ * now (absent, or held with another token range), for every requested object
+ * group: *specs (malloc'd, the caller frees; NULL when none) and *n, and
+ * *device, the pool the binding's lane reserves in. Changes nothing (the pins
+ * of the lookup are dropped at once). KVF_SUCCESS, also when nothing is
+ * missing; otherwise the request is one kvf_dataplane_submit refuses. Loop
+ * thread, as submit. */
+kvf_status kvf_dataplane_retrieve_missing(kvf_dataplane *dp, kvf_dp_binding *binding, const kvf_proto_msg *msg,
+                                          kvf_l1_object_spec **specs, uint32_t *n, int *device);
+
 /* Counters of the data plane. */
 typedef struct kvf_dataplane_stats {
   kvf_l1_stats l1;

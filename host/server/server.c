@@ -25,6 +25,7 @@
 #include "common/error.h"
 #include "common/versioned.h"
 #include "host/server/dataplane.h"
+#include "host/server/peers.h"
 #include "host/server/register.h"
 #include "host/memory/import_table.h"
 #include "host/ipc/endpoint.h"
@@ -167,7 +168,22 @@ struct kvf_server {
   kvf_register_worker *reg_worker;
   kvf_register_req *reg_done_head, *reg_done_tail; /* finished REGISTERs for the loop (out_mu) */
   uint64_t pin_deadline_ns; /* the earliest deadline of any pin (UINT64_MAX: none); loop thread */
+  kvf_peers *peers;            /* NULL: no peering */
+  struct kvf_server_fetch *fetching;                /* RETRIEVEs waiting for peers (the loop's) */
+  struct kvf_server_fetch *fetch_done_head, *fetch_done_tail; /* ... whose fetch is over (out_mu) */
 };
+
+/* A RETRIEVE that missed here, waiting for the peers' fetch (its frame,
+ * decoded again when the fetch is over and submitted as any other). */
+typedef struct kvf_server_fetch {
+  struct kvf_server_fetch *next;      /* in s->fetching */
+  struct kvf_server_fetch *done_next; /* in the done list */
+  kvf_server *s;
+  uint64_t client_id;
+  kvf_proto_header h;
+  uint8_t *payload;
+  uint64_t objects; /* what the fetch committed */
+} kvf_server_fetch;
 
 /* ---- helpers -------------------------------------------------------------- */
 
@@ -798,6 +814,113 @@ static kvf_status handle_unpin(kvf_server *s, kvf_server_conn *c, const kvf_prot
   return server_send(s, c, &r);
 }
 
+/* ---- fetch on miss (host/server/peers.h) ---------------------------------- */
+
+/* The peer thread's callback: the fetch is over, hand it to the loop. */
+static void server_post_fetch(void *arg, uint64_t objects) {
+  kvf_server_fetch *f = arg;
+  kvf_server *s = f->s;
+  f->objects = objects;
+  f->done_next = NULL;
+  pthread_mutex_lock(&s->out_mu);
+  if (s->fetch_done_tail)
+    s->fetch_done_tail->done_next = f;
+  else
+    s->fetch_done_head = f;
+  s->fetch_done_tail = f;
+  pthread_mutex_unlock(&s->out_mu);
+  char b = 1;
+  ssize_t n = write(s->stop_pipe[1], &b, 1); /* full pipe: a wake-up is already pending */
+  (void)n;
+}
+
+static int server_fetch_pending(kvf_server *s, uint64_t client_id, uint64_t request_id) {
+  for (kvf_server_fetch *f = s->fetching; f; f = f->next)
+    if (f->client_id == client_id && f->h.request_id == request_id) return 1;
+  return 0;
+}
+
+/* A RETRIEVE: when ready peers may hold what L1 lacks, start a fetch and
+ * return 1 (the RETRIEVE is submitted when it is over); 0: submit it now. */
+static int server_fetch_start(kvf_server *s, kvf_server_conn *c, const kvf_proto_header *h, const uint8_t *payload,
+                              const kvf_proto_msg *m) {
+  if (!s->peers || !c->binding || kvf_peers_ready(s->peers) == 0) return 0;
+  kvf_l1_object_spec *specs = NULL;
+  uint32_t n = 0;
+  int device = -1;
+  if (kvf_dataplane_retrieve_missing(s->dp, c->binding, m, &specs, &n, &device) != KVF_SUCCESS || n == 0) {
+    free(specs);
+    return 0; /* a request submit refuses, or nothing missing */
+  }
+  if (n > KVF_PEERS_MAX_OBJECTS) n = KVF_PEERS_MAX_OBJECTS; /* the first chunks: the prefix is what counts */
+  kvf_server_fetch *f = calloc(1, sizeof(*f));
+  uint8_t *copy = malloc(h->payload_len ? h->payload_len : 1);
+  if (!f || !copy) {
+    free(f);
+    free(copy);
+    free(specs);
+    return 0;
+  }
+  if (h->payload_len) memcpy(copy, payload, h->payload_len);
+  f->s = s;
+  f->client_id = c->client_id;
+  f->h = *h;
+  f->payload = copy;
+  if (kvf_peers_fetch(s->peers, device, specs, n, server_post_fetch, f) != KVF_SUCCESS) {
+    KVF_INFO(SERVER, "client %llu: RETRIEVE %llu: no fetch from peers: %s", (unsigned long long)c->client_id,
+             (unsigned long long)h->request_id, kvf_last_error());
+    free(copy);
+    free(f);
+    free(specs);
+    return 0;
+  }
+  free(specs);
+  KVF_INFO(SERVER, "client %llu: RETRIEVE %llu: %u objects missing here, asking %u peers",
+           (unsigned long long)c->client_id, (unsigned long long)h->request_id, n, kvf_peers_ready(s->peers));
+  f->next = s->fetching;
+  s->fetching = f;
+  return 1;
+}
+
+static void server_fetch_free(kvf_server_fetch *f) {
+  free(f->payload);
+  free(f);
+}
+
+/* Submit the RETRIEVEs whose fetch is over (loop thread): L1 now holds what
+ * the peers gave; the data plane restores the prefix it finds, as always. */
+static void server_finish_fetches(kvf_server *s) {
+  pthread_mutex_lock(&s->out_mu);
+  kvf_server_fetch *f = s->fetch_done_head;
+  s->fetch_done_head = s->fetch_done_tail = NULL;
+  pthread_mutex_unlock(&s->out_mu);
+  while (f) {
+    kvf_server_fetch *next = f->done_next;
+    for (kvf_server_fetch **pp = &s->fetching; *pp; pp = &(*pp)->next)
+      if (*pp == f) {
+        *pp = f->next;
+        break;
+      }
+    uint32_t index = 0;
+    kvf_server_conn *c = conn_by_client(s, f->client_id, &index);
+    if (c) {
+      kvf_proto_msg m;
+      kvf_status st = kvf_proto_decode(&f->h, f->payload, &m);
+      int decoded = st == KVF_SUCCESS;
+      if (decoded) st = kvf_dataplane_submit(s->dp, c->binding, c->client_id, &m);
+      if (st != KVF_SUCCESS) {
+        id_set_remove(&c->in_flight, f->h.request_id);
+        KVF_INFO(SERVER, "client %llu: RETRIEVE %llu refused after its fetch: %s", (unsigned long long)c->client_id,
+                 (unsigned long long)f->h.request_id, kvf_last_error());
+        (void)server_send_error(s, c, f->h.request_id, st, NULL);
+      }
+      if (decoded) kvf_proto_msg_clear(&m);
+    }
+    server_fetch_free(f);
+    f = next;
+  }
+}
+
 /* One whole frame from c. Returns KVF_SUCCESS to keep the connection. */
 static kvf_status server_dispatch(kvf_server *s, kvf_server_conn *c, const kvf_proto_header *h, const uint8_t *payload,
                                   int *fds, uint32_t num_fds) {
@@ -856,6 +979,8 @@ static kvf_status server_dispatch(kvf_server *s, kvf_server_conn *c, const kvf_p
         st = server_send_error(s, c, h->request_id, st, NULL);
         break;
       }
+      if (known && server_fetch_pending(s, c->client_id, h->request_id)) break; /* its reply answers both */
+      if (!known && h->type == KVF_PROTO_RETRIEVE && server_fetch_start(s, c, h, payload, &m)) break;
       st = kvf_dataplane_submit(s->dp, c->binding, c->client_id, &m);
       if (st != KVF_SUCCESS) {
         if (!known) id_set_remove(&c->in_flight, h->request_id);
@@ -1053,6 +1178,8 @@ kvf_status kvf_server_create(const kvf_server_options *caller, kvf_server **out)
   if (!s->opt.max_client_pinned_chunks) s->opt.max_client_pinned_chunks = 65536;
   s->pin_deadline_ns = UINT64_MAX;
   s->opt.socket_dir = NULL; /* not kept: only the endpoint needs it */
+  s->opt.peer_listen = s->opt.peer_secret_file = NULL;
+  s->opt.peers = NULL;
   s->next_client_id = 1;
   while (s->boot_token == 0) {
     if (getrandom(&s->boot_token, sizeof(s->boot_token), 0) != (ssize_t)sizeof(s->boot_token)) {
@@ -1117,6 +1244,23 @@ kvf_status kvf_server_create(const kvf_server_options *caller, kvf_server **out)
   ro.done_ctx = s;
   st = kvf_register_worker_create(&ro, &s->reg_worker);
   if (st != KVF_SUCCESS) goto fail;
+  if (options->peer_listen || options->num_peers) {
+    kvf_l1_pool_desc pools[65];
+    uint32_t np = kvf_dataplane_pools(s->dp, pools, 65);
+    kvf_peers_options po;
+    memset(&po, 0, sizeof(po));
+    po.listen = options->peer_listen;
+    po.peers = options->peers;
+    po.num_peers = options->num_peers;
+    po.secret_file = options->peer_secret_file;
+    po.boot_token = s->boot_token;
+    po.l1 = kvf_dataplane_l1(s->dp);
+    po.pools = pools;
+    po.num_pools = np > 65 ? 65 : np;
+    po.fetch_timeout_ms = options->peer_fetch_timeout_ms;
+    st = kvf_peers_create(&po, &s->peers);
+    if (st != KVF_SUCCESS) goto fail;
+  }
   st = kvf_endpoint_listen(options->socket_dir, 0, &s->ep);
   if (st != KVF_SUCCESS) goto fail;
   KVF_INFO(SERVER, "listening on %s (heartbeat timeout %u ms, boot token %016llx)", kvf_endpoint_socket_path(s->ep),
@@ -1380,6 +1524,7 @@ kvf_status kvf_server_run(kvf_server *s) {
     }
     server_flush_outbox(s);
     server_finish_registers(s);
+    server_finish_fetches(s);
     for (uint32_t i = s->num_conns; i-- > 0;)
       if (s->conns[i]->q_failed != KVF_SUCCESS) server_conn_drop(s, i, "reply not delivered");
     server_reap(s, poll_ns);
@@ -1394,6 +1539,8 @@ kvf_status kvf_server_run(kvf_server *s) {
   s->ep = NULL;
   return result;
 }
+
+struct kvf_peers *kvf_server_peers(kvf_server *s) { return s ? s->peers : NULL; }
 
 void kvf_server_destroy(kvf_server *s) {
   if (!s) return;
@@ -1416,6 +1563,17 @@ void kvf_server_destroy(kvf_server *s) {
     req = next;
   }
   s->reg_done_head = s->reg_done_tail = NULL;
+  /* The peers before the data plane: their fetches abort their L1
+   * reservations and call back (into the done list, freed here). */
+  kvf_peers_destroy(s->peers);
+  s->peers = NULL;
+  for (kvf_server_fetch *f = s->fetch_done_head; f;) {
+    kvf_server_fetch *next = f->done_next;
+    server_fetch_free(f);
+    f = next;
+  }
+  s->fetch_done_head = s->fetch_done_tail = NULL;
+  s->fetching = NULL; /* every one of them was in the done list */
   /* The data plane retires every request (releasing its lease) before the
    * registry unmaps what is left. */
   kvf_dataplane_destroy(s->dp);

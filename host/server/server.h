@@ -129,9 +129,17 @@ typedef struct kvf_server_options {
   uint32_t max_client_pins;          /* pins held at once per connection; 0: 256 */
   uint32_t max_client_pinned_chunks; /* chunks pinned at once per connection; a LOOKUP counts as many
                                         as it sends keys until it is answered; 0: 65536 */
+  /* Peers (host/server/peers.h, docs/peers.md): other kvferryd a RETRIEVE
+   * that misses here fetches from. None of them: no peering at all. */
+  const char *peer_listen;           /* "ADDR:PORT" to accept peers on; NULL: none */
+  const char *const *peers;          /* "ADDR:PORT" of peers to connect to */
+  uint32_t num_peers;
+  const char *peer_secret_file;      /* required with peer_listen or peers (0600) */
+  uint32_t peer_fetch_timeout_ms;    /* one step of a fetch from a peer; 0: 5000 */
 } kvf_server_options;
 #define KVF_SERVER_OPTIONS_INIT \
-  {sizeof(kvf_server_options), KVF_SERVER_VERSION, NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+  {sizeof(kvf_server_options), KVF_SERVER_VERSION, NULL, 0, 0, 0, 0, NULL, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, \
+   NULL, NULL, 0, NULL, 0}
 
 /* Create a server: an import table (no extra access devices), a registry
  * over it, and the endpoint listening on options->socket_dir. Returns
@@ -163,6 +171,11 @@ kvf_status kvf_server_stats(kvf_server *s, kvf_registry_stats *out);
 
 /* The data plane's counters (L1, requests). Thread-safe. */
 kvf_status kvf_server_data_stats(kvf_server *s, kvf_dataplane_stats *out);
+
+/* The server's peers (NULL without peering): host/server/peers.h's
+ * kvf_peers_info, kvf_peers_counters_get and kvf_peers_port are
+ * thread-safe on it. */
+struct kvf_peers *kvf_server_peers(kvf_server *s);
 
 /* Free the server: connections, endpoint (if run did not already close
  * them), registry and import table. NULL is a no-op. Must not race run. */
