@@ -399,6 +399,20 @@ void round_trip(Peers *t, Daemon &, ServerB &b, const std::string &dir_a, const 
       }
   kvf_peer_info after = b.info();
   EXPECT_EQ(after.objects_pulled - before.objects_pulled, keys.size());
+  // STAT shows the peers on both sides.
+  kvf_client_peer_record rec[4];
+  uint32_t n = 0;
+  ASSERT_EQ(kvf_client_stat_peers(dst.c, rec, 4, &n), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_EQ(n, 1u);
+  EXPECT_EQ(rec[0].state, 2u);
+  EXPECT_EQ(rec[0].outgoing, 1u);
+  EXPECT_EQ(rec[0].boot_token, after.boot_token);
+  EXPECT_EQ(rec[0].objects_pulled, after.objects_pulled);
+  EXPECT_EQ(rec[0].bytes_pulled, after.bytes_pulled);
+  ASSERT_EQ(kvf_client_stat_peers(src.c, rec, 4, &n), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_GE(n, 1u);
+  EXPECT_EQ(std::string(rec[n - 1].addr), "incoming");
+  EXPECT_GE(rec[n - 1].objects_served, keys.size());
   EXPECT_GT(after.bytes_pulled, before.bytes_pulled);
   ASSERT_EQ(xfer(dst, false, keys, rids, T, &r), KVF_SUCCESS) << kvf_last_error();
   EXPECT_EQ(r.prefix_tokens, T);

@@ -270,6 +270,40 @@ TEST(Protocol, RoundTripStatReply) {
   kvf_proto_msg_clear(&out);
 }
 
+// The peers section (KVF_PROTO_STAT_PEERS): present when the server was
+// asked, absent otherwise; a bad state is refused naming the record.
+TEST(Protocol, RoundTripStatReplyWithPeers) {
+  kvf_proto_stat_peer peers[2];
+  memset(peers, 0, sizeof peers);
+  strcpy(peers[0].addr, "10.0.0.2:7000");
+  peers[0].state = 2;
+  peers[0].outgoing = 1;
+  peers[0].boot_token = 0xABCD;
+  peers[0].connects = 3;
+  peers[0].objects_pulled = 40;
+  peers[0].bytes_pulled = 4096;
+  peers[0].objects_served = 5;
+  peers[0].failures = 1;
+  strcpy(peers[1].addr, "incoming");
+  kvf_proto_msg in = Msg(KVF_PROTO_STAT_REPLY), out;
+  in.u.stat_reply.has_peers = 1;
+  in.u.stat_reply.peers = peers;
+  in.u.stat_reply.num_peers = 2;
+  ASSERT_EQ(Decode(Encode(in), &out), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(out.u.stat_reply.has_peers, 1u);
+  ASSERT_EQ(out.u.stat_reply.num_peers, 2u);
+  for (int i = 0; i < 2; i++) EXPECT_EQ(0, memcmp(&out.u.stat_reply.peers[i], &peers[i], sizeof peers[i])) << i;
+  kvf_proto_msg_clear(&out);
+  kvf_proto_msg none = Msg(KVF_PROTO_STAT_REPLY);
+  ASSERT_EQ(Decode(Encode(none), &out), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(out.u.stat_reply.has_peers, 0u);
+  EXPECT_EQ(out.u.stat_reply.num_peers, 0u);
+  kvf_proto_msg_clear(&out);
+  peers[1].state = 7;
+  EXPECT_EQ(Decode(Encode(in), &out), KVF_ERR_PROTOCOL);
+  EXPECT_NE(std::string(kvf_last_error()).find("payload.peers[1].state"), std::string::npos) << kvf_last_error();
+}
+
 TEST(Protocol, RoundTripStoreAndRetrieve) {
   for (uint16_t t : {KVF_PROTO_STORE, KVF_PROTO_RETRIEVE}) {
     Xfer in(t);

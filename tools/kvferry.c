@@ -852,9 +852,15 @@ static int cmd_stat(int argc, char **argv) {
   enum { MAX_RECORDS = 1024 };
   static kvf_client_stat_record rec[MAX_RECORDS];
   uint32_t nrec = 0;
+  enum { MAX_PEERS = 64 };
+  static kvf_client_peer_record peers[MAX_PEERS];
+  uint32_t npeers = 0;
   kvf_status s = kvf_client_connect(&opt, &c, &info);
   if (s == KVF_SUCCESS) s = kvf_client_stat_clients(c, &st, rec, MAX_RECORDS, &nrec);
+  if (s == KVF_SUCCESS) s = kvf_client_stat_peers(c, peers, MAX_PEERS, &npeers);
   kvf_client_disconnect(c);
+  if (npeers > MAX_PEERS) npeers = MAX_PEERS;
+  static const char *const peer_states[] = {"down", "handshake", "ready"};
   if (nrec > MAX_RECORDS) nrec = MAX_RECORDS;
   if (s != KVF_SUCCESS) {
     fprintf(stderr, "kvferry stat: %s: %s\n", kvf_status_string(s), kvf_last_error());
@@ -877,6 +883,14 @@ static int cmd_stat(int argc, char **argv) {
              ", \"leases\": %" PRIu64 "}",
              i ? ", " : "", rec[i].client_id, rec[i].pid, json_safe(rec[i].name), rec[i].registering, rec[i].active,
              rec[i].draining, rec[i].imports, rec[i].aliases, rec[i].leases);
+    printf("], \"peers\": [");
+    for (uint32_t i = 0; i < npeers; i++)
+      printf("%s{\"addr\": \"%s\", \"state\": \"%s\", \"outgoing\": %s, \"boot_token\": \"%016" PRIx64
+             "\", \"connects\": %" PRIu64 ", \"objects_pulled\": %" PRIu64 ", \"bytes_pulled\": %" PRIu64
+             ", \"objects_served\": %" PRIu64 ", \"failures\": %" PRIu64 "}",
+             i ? ", " : "", json_safe(peers[i].addr), peer_states[peers[i].state < 3 ? peers[i].state : 0],
+             peers[i].outgoing ? "true" : "false", peers[i].boot_token, peers[i].connects, peers[i].objects_pulled,
+             peers[i].bytes_pulled, peers[i].objects_served, peers[i].failures);
     printf("]}\n");
   } else {
     char a[32], b[32], shown[4 * sizeof(rec[0].name) + 8];
@@ -898,6 +912,15 @@ static int cmd_stat(int argc, char **argv) {
              rec[i].client_id, rec[i].pid, rec[i].name[0] ? text_safe(rec[i].name, shown, sizeof shown) : "-",
              rec[i].active, rec[i].registering,
              rec[i].draining, rec[i].imports, rec[i].aliases, rec[i].leases);
+    if (npeers) printf("  peers: %u\n", npeers);
+    for (uint32_t i = 0; i < npeers; i++) {
+      human(peers[i].bytes_pulled, a, sizeof a);
+      printf("    %-21s %-9s %s boot token %016" PRIx64 ", %" PRIu64 " connects, %" PRIu64 " objects (%s) pulled, %" PRIu64
+             " served, %" PRIu64 " failures\n",
+             peers[i].addr, peer_states[peers[i].state < 3 ? peers[i].state : 0],
+             peers[i].outgoing ? "outgoing" : "incoming", peers[i].boot_token, peers[i].connects,
+             peers[i].objects_pulled, a, peers[i].objects_served, peers[i].failures);
+    }
   }
   return 0;
 }

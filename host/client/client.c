@@ -845,6 +845,35 @@ kvf_status kvf_client_stat_clients(kvf_client *client, kvf_client_stats *out, kv
   return client_stat(client, KVF_PROTO_STAT_PER_CLIENT, out, records, capacity, count);
 }
 
+kvf_status kvf_client_stat_peers(kvf_client *client, kvf_client_peer_record *records, uint32_t capacity,
+                                 uint32_t *count) {
+  if (!client || !count || (capacity && !records))
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_client_stat_peers: NULL argument");
+  kvf_proto_msg req, rep;
+  memset(&req, 0, sizeof(req));
+  req.type = KVF_PROTO_STAT;
+  req.u.stat.flags = KVF_PROTO_STAT_PEERS;
+  kvf_status st = client_call(client, &req, NULL, 0, KVF_PROTO_STAT_REPLY, &rep);
+  if (st != KVF_SUCCESS) return st;
+  *count = rep.u.stat_reply.num_peers;
+  for (uint32_t i = 0; i < rep.u.stat_reply.num_peers && i < capacity; i++) {
+    const kvf_proto_stat_peer *p = &rep.u.stat_reply.peers[i];
+    kvf_client_peer_record *r = &records[i];
+    memset(r, 0, sizeof(*r));
+    snprintf(r->addr, sizeof(r->addr), "%s", p->addr);
+    r->state = p->state;
+    r->outgoing = p->outgoing;
+    r->boot_token = p->boot_token;
+    r->connects = p->connects;
+    r->objects_pulled = p->objects_pulled;
+    r->bytes_pulled = p->bytes_pulled;
+    r->objects_served = p->objects_served;
+    r->failures = p->failures;
+  }
+  kvf_proto_msg_clear(&rep);
+  return KVF_SUCCESS;
+}
+
 /* ---- chunk keys ------------------------------------------------------------------ */
 
 /* SHA-256 through OpenSSL's one-shot EVP_Digest (not deprecated in

@@ -371,6 +371,25 @@ static kvf_status encode_payload(const kvf_proto_msg *m, wbuf *w) {
       w_str(w, c->name, n);
       w_counters(w, &c->counters);
     }
+    if (s->has_peers) {
+      if (s->num_peers > KVF_PROTO_MAX_STAT_PEERS || (s->num_peers && !s->peers))
+        return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "stat_reply.num_peers: %u (at most %u, with peers)", s->num_peers,
+                        KVF_PROTO_MAX_STAT_PEERS);
+      w_u32(w, s->num_peers);
+      for (uint32_t i = 0; i < s->num_peers; i++) {
+        const kvf_proto_stat_peer *pr = &s->peers[i];
+        if ((st = e_str(pr->addr, KVF_PROTO_NAME_MAX, "stat_reply.peers[].addr", &n))) return st;
+        w_str(w, pr->addr, n);
+        w_u32(w, pr->state);
+        w_u32(w, pr->outgoing);
+        w_u64(w, pr->boot_token);
+        w_u64(w, pr->connects);
+        w_u64(w, pr->objects_pulled);
+        w_u64(w, pr->bytes_pulled);
+        w_u64(w, pr->objects_served);
+        w_u64(w, pr->failures);
+      }
+    }
     return KVF_SUCCESS;
   }
   case KVF_PROTO_STORE:
@@ -921,8 +940,8 @@ static kvf_status decode_payload(uint16_t type, rbuf *r, kvf_proto_msg *m) {
     break;
   case KVF_PROTO_STAT:
     R(r_u32(r, &m->u.stat.flags, "payload.flags"));
-    if (m->u.stat.flags & ~KVF_PROTO_STAT_PER_CLIENT)
-      BAD("payload.flags: unknown bits 0x%x", m->u.stat.flags & ~KVF_PROTO_STAT_PER_CLIENT);
+    if (m->u.stat.flags & ~(KVF_PROTO_STAT_PER_CLIENT | KVF_PROTO_STAT_PEERS))
+      BAD("payload.flags: unknown bits 0x%x", m->u.stat.flags & ~(KVF_PROTO_STAT_PER_CLIENT | KVF_PROTO_STAT_PEERS));
     break;
   case KVF_PROTO_STAT_REPLY: {
     kvf_proto_stat_reply *s = &m->u.stat_reply;
@@ -957,6 +976,32 @@ static kvf_status decode_payload(uint16_t type, rbuf *r, kvf_proto_msg *m) {
       R(r_str_fixed(r, c->name, sizeof c->name, f));
       snprintf(f, sizeof f, "payload.clients[%u].counters", i);
       R(r_counters(r, &c->counters, f));
+    }
+    if (r->pos == r->len) break; /* no peer section: the STAT did not ask */
+    s->has_peers = 1;
+    /* A peer record is at least 4 + 8 + 48 bytes. */
+    R(r_count(r, &s->num_peers, KVF_PROTO_MAX_STAT_PEERS, 60u, "payload.peers"));
+    if (s->num_peers) {
+      s->peers = calloc(s->num_peers, sizeof *s->peers);
+      if (!s->peers) {
+        st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "payload: out of memory decoding STAT_REPLY");
+        goto out;
+      }
+    }
+    for (uint32_t i = 0; i < s->num_peers; i++) {
+      kvf_proto_stat_peer *pr = &s->peers[i];
+      snprintf(f, sizeof f, "payload.peers[%u].addr", i);
+      R(r_str_fixed(r, pr->addr, sizeof pr->addr, f));
+      snprintf(f, sizeof f, "payload.peers[%u]", i);
+      R(r_u32(r, &pr->state, f));
+      R(r_u32(r, &pr->outgoing, f));
+      R(r_u64(r, &pr->boot_token, f));
+      R(r_u64(r, &pr->connects, f));
+      R(r_u64(r, &pr->objects_pulled, f));
+      R(r_u64(r, &pr->bytes_pulled, f));
+      R(r_u64(r, &pr->objects_served, f));
+      R(r_u64(r, &pr->failures, f));
+      if (pr->state > 2) BAD("payload.peers[%u].state: %u is not a peer state", i, pr->state);
     }
     break;
   }
@@ -1064,7 +1109,10 @@ void kvf_proto_msg_clear(kvf_proto_msg *msg) {
     free(msg->u.reg.geometry_json);
     free(msg->u.reg.regions);
     break;
-  case KVF_PROTO_STAT_REPLY: free(msg->u.stat_reply.clients); break;
+  case KVF_PROTO_STAT_REPLY:
+    free(msg->u.stat_reply.clients);
+    free(msg->u.stat_reply.peers);
+    break;
   case KVF_PROTO_STORE:
   case KVF_PROTO_RETRIEVE:
     free(msg->u.xfer.chunk_keys);

@@ -52,6 +52,7 @@ extern "C" {
 #define KVF_PROTO_MAX_SHARDS 65536u             /* = KVF_CLIENT_MAX_SHARDS: REGISTER's shard_count */
 #define KVF_PROTO_KEY_BYTES 32u                 /* = KVF_CHUNK_KEY_BYTES: one chunk key on the wire */
 #define KVF_PROTO_MAX_STAT_CLIENTS 1024u        /* client records in one STAT reply */
+#define KVF_PROTO_MAX_STAT_PEERS 64u            /* peer records in one STAT reply */
 #define KVF_PROTO_NAME_MAX 64u                  /* client names: at most 63 bytes */
 #define KVF_PROTO_FIELD_MAX 128u                /* ERROR's field: at most 127 bytes */
 #define KVF_PROTO_MESSAGE_MAX 512u              /* ERROR's message: at most 511 bytes */
@@ -94,6 +95,7 @@ typedef enum kvf_proto_reg_state {
 
 /* STAT request flags. */
 #define KVF_PROTO_STAT_PER_CLIENT 1u /* include one record per client */
+#define KVF_PROTO_STAT_PEERS 2u      /* include one record per kvferryd peer (docs/peers.md) */
 
 typedef struct kvf_proto_header {
   uint32_t magic;
@@ -193,12 +195,24 @@ typedef struct kvf_proto_data_counters {
   uint32_t lanes;                       /* including the host lane */
 } kvf_proto_data_counters;
 
+/* One kvferryd peer in a STAT reply (host/server/peers.h's kvf_peer_info). */
+typedef struct kvf_proto_stat_peer {
+  char addr[KVF_PROTO_NAME_MAX];
+  uint32_t state;    /* 0 down, 1 handshake, 2 ready */
+  uint32_t outgoing; /* 1: a --peer the server connects to */
+  uint64_t boot_token, connects, objects_pulled, bytes_pulled, objects_served, failures;
+} kvf_proto_stat_peer;
+
 typedef struct kvf_proto_stat_reply {
   uint64_t boot_token;
   kvf_proto_counters total;
   kvf_proto_data_counters data;
   kvf_proto_stat_client *clients; /* [num_clients] */
   uint32_t num_clients;
+  /* Present only when the STAT asked (KVF_PROTO_STAT_PEERS): */
+  uint32_t has_peers;
+  kvf_proto_stat_peer *peers; /* [num_peers] */
+  uint32_t num_peers;
 } kvf_proto_stat_reply;
 
 /* One group's blocks in a STORE or RETRIEVE (kvf_group_blocks on the wire). */

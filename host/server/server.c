@@ -730,8 +730,36 @@ static kvf_status handle_stat(kvf_server *s, kvf_server_conn *c, const kvf_proto
     r.u.stat_reply.clients = clients;
     r.u.stat_reply.num_clients = n;
   }
+  kvf_proto_stat_peer *peers = NULL;
+  if (m->u.stat.flags & KVF_PROTO_STAT_PEERS) {
+    kvf_peer_info info[KVF_PROTO_MAX_STAT_PEERS];
+    uint32_t n = kvf_peers_info(s->peers, info, KVF_PROTO_MAX_STAT_PEERS);
+    if (n > KVF_PROTO_MAX_STAT_PEERS) n = KVF_PROTO_MAX_STAT_PEERS;
+    peers = calloc(n ? n : 1, sizeof(*peers));
+    if (!peers) {
+      free(clients);
+      return server_send_error(s, c, m->request_id, KVF_ERR_OUT_OF_MEMORY, "stat: out of memory");
+    }
+    for (uint32_t i = 0; i < n; i++) {
+      _Static_assert(sizeof(peers[i].addr) == sizeof(info[i].addr), "peer addresses fit the wire's");
+      memcpy(peers[i].addr, info[i].addr, sizeof(peers[i].addr));
+      peers[i].addr[sizeof(peers[i].addr) - 1] = 0;
+      peers[i].state = info[i].state;
+      peers[i].outgoing = info[i].outgoing;
+      peers[i].boot_token = info[i].boot_token;
+      peers[i].connects = info[i].connects;
+      peers[i].objects_pulled = info[i].objects_pulled;
+      peers[i].bytes_pulled = info[i].bytes_pulled;
+      peers[i].objects_served = info[i].objects_served;
+      peers[i].failures = info[i].failures;
+    }
+    r.u.stat_reply.has_peers = 1;
+    r.u.stat_reply.peers = peers;
+    r.u.stat_reply.num_peers = n;
+  }
   rc = server_send(s, c, &r);
   free(clients);
+  free(peers);
   return rc;
 }
 

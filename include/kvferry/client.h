@@ -196,6 +196,25 @@ KVF_API kvf_status kvf_client_stat(kvf_client *client, kvf_client_stats *out);
 KVF_API kvf_status kvf_client_stat_clients(kvf_client *client, kvf_client_stats *out,
                                            kvf_client_stat_record *records, uint32_t capacity, uint32_t *count);
 
+/* One kvferryd peer in STAT (docs/peers.md). An array element: a fixed
+ * layout (kvferry/kvferry.h), never extended. */
+typedef struct kvf_client_peer_record {
+  char addr[64];           /* the --peer address, or "incoming" */
+  uint32_t state;          /* 0 down, 1 handshake, 2 ready */
+  uint32_t outgoing;       /* 1: a --peer the server connects to */
+  uint64_t boot_token;     /* the peer's, from its last HELLO (0: never heard) */
+  uint64_t connects;       /* handshakes completed */
+  uint64_t objects_pulled, bytes_pulled; /* committed into this server from it */
+  uint64_t objects_served; /* objects it was told where to read here */
+  uint64_t failures;       /* refused handshakes, bad messages, failed pulls, bad headers */
+} kvf_client_peer_record;
+
+/* The server's kvferryd peers: up to `capacity` into records[], *count gets
+ * how many there are (at most 64; 0 for a server without peering). Statuses
+ * as kvf_client_stat. */
+KVF_API kvf_status kvf_client_stat_peers(kvf_client *client, kvf_client_peer_record *records, uint32_t capacity,
+                                         uint32_t *count);
+
 /* ---- STORE and RETRIEVE -------------------------------------------------- */
 
 /* One STORE or RETRIEVE on the client's registration. The token range and

@@ -53,7 +53,7 @@
  * carry no header:
  *   - array elements, whose stride is the element's size: kvf_group_blocks,
  *     kvf_state_desc, kvf_import_view, kvf_import_view_info,
- *     kvf_client_region, kvf_client_stat_record, kvf_chunk_key;
+ *     kvf_client_region, kvf_client_stat_record, kvf_client_peer_record, kvf_chunk_key;
  *   - layouts that travel between processes or are stored with objects:
  *     kvf_mem_identity, kvf_object_header (their own version fields, where
  *     they have one, belong to that format);

@@ -370,6 +370,7 @@ UNBOUND: Dict[str, str] = {
     "kvf_import_view": "the import table comes in a later part of issue 13",
     "kvf_import_view_info": "the import table comes in a later part of issue 13",
     "kvf_import_stats": "the import table comes in a later part of issue 13",
+    "kvf_client_peer_record": "kvferry.client does not show kvferryd peers yet (STAT's peer records, docs/peers.md)",
 }
 
 # Enums the package does not mirror yet (the import table).

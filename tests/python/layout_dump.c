@@ -80,6 +80,8 @@
 #define L_kvf_client_register_desc(F)                                                             \
   F(struct_size) F(version) F(geometry_json) F(geometry_len) F(device) F(regions) F(num_regions) \
   F(shard_index) F(shard_count)
+#define L_kvf_client_peer_record(F) \
+  F(addr) F(state) F(outgoing) F(boot_token) F(connects) F(objects_pulled) F(bytes_pulled) F(objects_served) F(failures)
 #define L_kvf_client_xfer(F)                                                                       \
   F(struct_size) F(version) F(registration_id) F(token_begin) F(token_end) F(format) F(chunk_keys) \
   F(num_chunk_keys) F(groups) F(num_groups) F(ready_event)
@@ -102,7 +104,7 @@
   S(kvf_mem_alloc_options) S(kvf_import_table_options) S(kvf_import_view) S(kvf_import_view_info) \
   S(kvf_import_stats) S(kvf_topology_info) S(kvf_numa_node_info) S(kvf_gpu_placement)            \
   S(kvf_client_options) S(kvf_client_info) S(kvf_client_region) S(kvf_client_registration)       \
-  S(kvf_client_stats) S(kvf_client_stat_record) S(kvf_chunk_key) S(kvf_client_xfer) S(kvf_client_result) \
+  S(kvf_client_stats) S(kvf_client_stat_record) S(kvf_client_peer_record) S(kvf_chunk_key) S(kvf_client_xfer) S(kvf_client_result) \
   S(kvf_client_lookup_desc) S(kvf_client_lookup_result)
 
 /* Structs declared as a tag only (struct kvf_client_register_desc: a typedef
