@@ -130,6 +130,9 @@ typedef struct fetch {
   uint32_t gets_out;
   int get_failed;
   uint64_t committed;
+  kvf_status mismatch;      /* KVF_SUCCESS, or why a peer's object cannot serve this geometry */
+  uint32_t mismatch_spec;
+  char mismatch_msg[256];
   kvf_peers_fetch_done done;
   void *arg;
 } fetch;
@@ -474,7 +477,9 @@ static void on_has(kvf_peers *p, peer *pr, uint64_t id, const uint8_t *b, size_t
   uint64_t served = 0;
   for (uint32_t i = 0; i < cnt; i++) {
     uint8_t *e = r + PM_HDR + 8 + (size_t)i * (16 + PM_HEADER_BYTES);
-    if (!f[i].found || memcmp(&f[i].header, &want[i], PM_HEADER_BYTES) != 0) continue; /* another object */
+    /* Found with another header too: the asker names the difference (a
+     * different model is refused, another token range is a miss). */
+    if (!f[i].found) continue;
     uint32_t pool = UINT32_MAX;
     for (uint32_t k = 0; k < p->num_pools; k++) {
       uintptr_t base = (uintptr_t)p->pools[k].base, d = (uintptr_t)f[i].data;
@@ -563,6 +568,7 @@ static void on_has_reply(kvf_peers *p, peer *pr, uint64_t id, const uint8_t *b, 
   f->num_pulling = 0;
   f->state = F_PULLING;
   f->deadline_ns = kvf_now_ns() + (uint64_t)p->opt.fetch_timeout_ms * 1000000ull;
+  uint32_t refused = 0;
   if (!specs || !slots || !addr || !pool || !f->pulling) goto out;
   for (uint32_t i = 0; i < cnt; i++) {
     const uint8_t *e = b + 8 + (size_t)i * (16 + PM_HEADER_BYTES);
@@ -573,27 +579,53 @@ static void on_has_reply(kvf_peers *p, peer *pr, uint64_t id, const uint8_t *b, 
     kvf_object_header h;
     memcpy(&h, e + 16, PM_HEADER_BYTES);
     const char *bad = NULL;
+    if (found == 1 && h.magic == want->header.magic && h.header_version == want->header.header_version &&
+        h.object_group == want->header.object_group &&
+        (h.fingerprint != want->header.fingerprint || h.format != want->header.format)) {
+      /* The peer holds this key through another geometry or format: what a
+       * RETRIEVE refuses in its own L1, it refuses from a peer. */
+      if (f->mismatch == KVF_SUCCESS) {
+        f->mismatch = KVF_ERR_GEOMETRY_MISMATCH;
+        f->mismatch_spec = f->asked[i];
+        if (h.format != want->header.format)
+          snprintf(f->mismatch_msg, sizeof(f->mismatch_msg),
+                   "format: peer %s holds it as %s, the request asks for %s", pr->addr,
+                   kvf_object_format_name((kvf_object_format)h.format),
+                   kvf_object_format_name((kvf_object_format)want->header.format));
+        else
+          snprintf(f->mismatch_msg, sizeof(f->mismatch_msg),
+                   "fingerprint %016llx: peer %s holds it from a different geometry (this one is %016llx): another "
+                   "model, or another layout in native format", (unsigned long long)h.fingerprint, pr->addr,
+                   (unsigned long long)want->header.fingerprint);
+      }
+      continue;
+    }
+    if (found == 1 && h.magic == want->header.magic && h.object_group == want->header.object_group &&
+        h.fingerprint == want->header.fingerprint && h.format == want->header.format &&
+        (h.token_begin != want->header.token_begin || h.token_end != want->header.token_end))
+      continue; /* another token range (a partial chunk): a miss, as in local L1 */
     if (found != 1) bad = "found";
     else if (h.magic != want->header.magic || h.header_version != want->header.header_version) bad = "header.magic";
-    else if (h.fingerprint != want->header.fingerprint) bad = "header.fingerprint";
-    else if (h.format != want->header.format) bad = "header.format";
     else if (h.object_group != want->header.object_group) bad = "header.object_group";
     else if (h.dcp_rank != want->header.dcp_rank) bad = "header.dcp_rank";
-    else if (h.token_begin != want->header.token_begin || h.token_end != want->header.token_end) bad = "header.token_range";
     else if (h.payload_bytes != want->header.payload_bytes) bad = "header.payload_bytes";
     else if (pi >= pr->num_pools) bad = "pool";
     else if (off > pr->pools[pi].size || h.payload_bytes > pr->pools[pi].size - off) bad = "offset";
     if (bad) {
-      KVF_WARN(SERVER, "peer %s: HAS_REPLY %llu: objects[%u] (chunk key %016llx, object group %u): %s does not match: "
-               "not pulled", pr->addr, (unsigned long long)id, i, (unsigned long long)want->chunk_key,
-               (unsigned)want->object_group, bad);
-      count_failure(p, pr);
+      if (refused++ == 0)
+        KVF_WARN(SERVER, "peer %s: HAS_REPLY %llu: objects[%u] (chunk key %016llx, object group %u): %s does not "
+                 "match: not pulled", pr->addr, (unsigned long long)id, i, (unsigned long long)want->chunk_key,
+                 (unsigned)want->object_group, bad);
       continue;
     }
     specs[f->num_pulling] = *want;
     addr[f->num_pulling] = pr->pools[pi].base + off;
     pool[f->num_pulling] = pi;
     f->pulling[f->num_pulling++] = f->asked[i];
+  }
+  if (refused) {
+    if (refused > 1) KVF_WARN(SERVER, "peer %s: HAS_REPLY %llu: %u objects refused in all", pr->addr, (unsigned long long)id, refused);
+    count_failure(p, pr);
   }
   if (f->num_pulling == 0) goto out;
   uint32_t bad = UINT32_MAX;
@@ -714,13 +746,13 @@ static void fetches_step(kvf_peers *p) {
                 p->opt.fetch_timeout_ms);
     }
     if (f->state == F_PULLING && f->gets_out == 0) fetch_finish_pull(p, f);
-    if (f->state == F_NEXT && !fetch_ask(p, f)) {
+    if (f->state == F_NEXT && (f->mismatch != KVF_SUCCESS || !fetch_ask(p, f))) {
       /* Nobody else to ask: done. */
       *fp = f->next;
       pthread_mutex_lock(&p->mu);
       p->counters.fetches_in_flight--;
       pthread_mutex_unlock(&p->mu);
-      f->done(f->arg, f->committed);
+      f->done(f->arg, f->committed, f->mismatch_spec, f->mismatch, f->mismatch_msg);
       fetch_free(f);
       continue;
     }
@@ -991,7 +1023,7 @@ void kvf_peers_destroy(kvf_peers *p) {
     fetch *f = p->fetches;
     p->fetches = f->next;
     if (f->res) kvf_l1_abort(p->opt.l1, f->res);
-    f->done(f->arg, f->committed);
+    f->done(f->arg, f->committed, f->mismatch_spec, f->mismatch, f->mismatch_msg);
     fetch_free(f);
   }
   while (p->peers) peer_free(p, p->peers);

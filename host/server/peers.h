@@ -68,9 +68,15 @@ uint16_t kvf_peers_port(const kvf_peers *p);
 /* Peers authenticated both ways with their keys received. */
 uint32_t kvf_peers_ready(kvf_peers *p);
 
-/* done(arg, objects) runs once the fetch is over: objects were committed
- * into L1 (0 when no peer had them, or the pulls failed). */
-typedef void (*kvf_peers_fetch_done)(void *arg, uint64_t objects);
+/* done runs once the fetch is over: `objects` were committed into L1 (0
+ * when no peer had them, or the pulls failed). status is KVF_SUCCESS, or
+ * KVF_ERR_GEOMETRY_MISMATCH when a peer holds one of the keys as an object
+ * of another geometry or format (message, borrowed for the call, names the
+ * key, its object group and the header field: "chunk_key <hex>: object
+ * group <og>: ..."), which a RETRIEVE refuses as it refuses such an object
+ * in its own L1. */
+typedef void (*kvf_peers_fetch_done)(void *arg, uint64_t objects, uint32_t spec, kvf_status status,
+                                     const char *message);
 
 /* Fetch the objects specs[0 .. n) describe (key, object group, the header
  * they must carry) into pool `device`. Copies specs. Returns KVF_SUCCESS

@@ -183,6 +183,10 @@ typedef struct kvf_server_fetch {
   kvf_proto_header h;
   uint8_t *payload;
   uint64_t objects; /* what the fetch committed */
+  uint32_t spec;    /* status: the missing object a peer holds through another geometry */
+  kvf_status status;
+  char message[256];
+  kvf_l1_object_spec *specs; /* what was asked for (to name a refused one) */
 } kvf_server_fetch;
 
 /* ---- helpers -------------------------------------------------------------- */
@@ -845,10 +849,13 @@ static kvf_status handle_unpin(kvf_server *s, kvf_server_conn *c, const kvf_prot
 /* ---- fetch on miss (host/server/peers.h) ---------------------------------- */
 
 /* The peer thread's callback: the fetch is over, hand it to the loop. */
-static void server_post_fetch(void *arg, uint64_t objects) {
+static void server_post_fetch(void *arg, uint64_t objects, uint32_t spec, kvf_status status, const char *message) {
   kvf_server_fetch *f = arg;
   kvf_server *s = f->s;
   f->objects = objects;
+  f->spec = spec;
+  f->status = status;
+  snprintf(f->message, sizeof(f->message), "%s", message ? message : "");
   f->done_next = NULL;
   pthread_mutex_lock(&s->out_mu);
   if (s->fetch_done_tail)
@@ -894,6 +901,7 @@ static int server_fetch_start(kvf_server *s, kvf_server_conn *c, const kvf_proto
   f->client_id = c->client_id;
   f->h = *h;
   f->payload = copy;
+  f->specs = specs;
   if (kvf_peers_fetch(s->peers, device, specs, n, server_post_fetch, f) != KVF_SUCCESS) {
     KVF_INFO(SERVER, "client %llu: RETRIEVE %llu: no fetch from peers: %s", (unsigned long long)c->client_id,
              (unsigned long long)h->request_id, kvf_last_error());
@@ -902,7 +910,6 @@ static int server_fetch_start(kvf_server *s, kvf_server_conn *c, const kvf_proto
     free(specs);
     return 0;
   }
-  free(specs);
   KVF_INFO(SERVER, "client %llu: RETRIEVE %llu: %u objects missing here, asking %u peers",
            (unsigned long long)c->client_id, (unsigned long long)h->request_id, n, kvf_peers_ready(s->peers));
   f->next = s->fetching;
@@ -911,6 +918,7 @@ static int server_fetch_start(kvf_server *s, kvf_server_conn *c, const kvf_proto
 }
 
 static void server_fetch_free(kvf_server_fetch *f) {
+  free(f->specs);
   free(f->payload);
   free(f);
 }
@@ -935,7 +943,16 @@ static void server_finish_fetches(kvf_server *s) {
       kvf_proto_msg m;
       kvf_status st = kvf_proto_decode(&f->h, f->payload, &m);
       int decoded = st == KVF_SUCCESS;
-      if (decoded) st = kvf_dataplane_submit(s->dp, c->binding, c->client_id, &m);
+      if (decoded && f->status != KVF_SUCCESS) {
+        /* A peer holds a key of this request through another geometry:
+         * refused as the same object in local L1 is, naming it. */
+        uint64_t k = 0;
+        while (k < m.u.xfer.num_chunk_keys && m.u.xfer.chunk_keys[k] != f->specs[f->spec].chunk_key) k++;
+        st = kvf_fail(f->status, "payload.chunk_keys[%llu]: object group %u: %s", (unsigned long long)k,
+                      (unsigned)f->specs[f->spec].object_group, f->message);
+      } else if (decoded) {
+        st = kvf_dataplane_submit(s->dp, c->binding, c->client_id, &m);
+      }
       if (st != KVF_SUCCESS) {
         id_set_remove(&c->in_flight, f->h.request_id);
         KVF_INFO(SERVER, "client %llu: RETRIEVE %llu refused after its fetch: %s", (unsigned long long)c->client_id,
