@@ -28,6 +28,9 @@
 #include <thread>
 #include <vector>
 
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+
 #include <kvferry/client.h>
 #include <kvferry/geometry.h>
 #include <kvferry/memory.h>
@@ -656,6 +659,272 @@ TEST_F(Peers, PeerKilledMidPullAbortsAndARestartedPeerIsUsedAgain) {
   EXPECT_GE(fin.connects, 4u);
   b.stop();
   EXPECT_EQ(a.stop(), 0);
+  unsetenv("UCX_TLS");
+}
+
+// ---- heterogeneous prefill/decode ---------------------------------------------
+
+// 2 layers (one region each), 2 KV heads of 128 bytes, chunk_tokens 64.
+// FlashAttention NHD, physical [P][NB][T][H][R], 16-token blocks; or
+// FlashInfer HND, physical [NB][P][H][T][R], 32-token blocks.
+struct Layout2 {
+  bool hnd;
+  uint32_t block, heads, nb;
+  uint64_t block_stride() const { return (uint64_t)(hnd ? 2 : 1) * block * heads * 128; }
+  uint64_t plane_stride() const { return hnd ? (uint64_t)heads * block * 128 : (uint64_t)nb * block_stride(); }
+  uint64_t token_stride() const { return hnd ? 128 : (uint64_t)heads * 128; }
+  uint64_t head_stride() const { return hnd ? (uint64_t)block * 128 : 128; }
+  std::string json() const {
+    char buf[2048];
+    snprintf(buf, sizeof buf, R"({
+  "format": "kvferry-geometry", "version": 1, "name": "%s",
+  "regions": [{"name": "kv", "count": 2, "size": 0}],
+  "groups": [{"name": "full", "kind": "full", "block_size": %u, "num_blocks": %u,
+    "layers": [{"count": 2, "name": "layer", "region": "kv", "region_step": 1, "offset": 0,
+      "elem_bytes": 2, "block_stride": %llu, "planes": 2, "heads": %u, "head_bytes": 128,
+      "plane_stride": %llu, "token_stride": %llu, "head_stride": %llu}]}],
+  "objects": {"chunk_tokens": 64, "format": "canonical"}
+})",
+             hnd ? "flashinfer-hnd-32" : "fa-nhd-16", block, nb, (unsigned long long)block_stride(), heads,
+             (unsigned long long)plane_stride(), (unsigned long long)token_stride(), (unsigned long long)head_stride());
+    return buf;
+  }
+  // Offset in region of (plane, token t of the prompt, head) given the prompt's block ids.
+  uint64_t at(const std::vector<uint32_t> &ids, uint32_t plane, uint64_t t, uint32_t h) const {
+    return plane * plane_stride() + ids[t / block] * block_stride() + (t % block) * token_stride() + h * head_stride();
+  }
+};
+
+TEST_F(Peers, HeterogeneousLayoutsRetrieveCanonicalObjectsAndAnotherModelIsRefused) {
+  setenv("UCX_TLS", "tcp", 1);
+  ASSERT_EQ(start_a(), "");
+  ASSERT_EQ(b.start(dir_b, addr, secret), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_TRUE(b.wait_ready());
+  Layout2 la{false, 16, 2, 128}, lb{true, 32, 2, 64};
+  Engine src, dst;
+  ASSERT_EQ(src.open(dir_a, la.json(), 41), "");
+  ASSERT_EQ(dst.open(dir_b, lb.json(), 42), "");
+  ASSERT_EQ(kvf_geometry_fingerprint(src.g, KVF_FORMAT_CANONICAL), kvf_geometry_fingerprint(dst.g, KVF_FORMAT_CANONICAL))
+      << "the same model in two layouts must make the same canonical objects";
+  const uint64_t T = 1984; // 31 chunks: 124 blocks on A, 62 on B
+  std::vector<uint64_t> keys = prompt_keys(src.g, 41, T, 64);
+  std::vector<uint32_t> ida = shuffled(la.nb, 1), idb = shuffled(lb.nb, 2);
+  ida.resize(T / 16);
+  idb.resize(T / 32);
+  kvf_client_result r;
+  ASSERT_EQ(xfer(src, true, keys, ida, T, &r), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_EQ(r.prefix_tokens, T);
+  ASSERT_EQ(xfer(dst, false, keys, idb, T, &r), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(r.status, KVF_SUCCESS) << kvf_status_string(r.status);
+  ASSERT_EQ(r.prefix_tokens, T);
+  for (size_t reg = 0; reg < 2; reg++)
+    for (uint32_t p = 0; p < 2; p++)
+      for (uint64_t t = 0; t < T; t++)
+        for (uint32_t h = 0; h < 2; h++)
+          ASSERT_EQ(memcmp(src.mem() + src.offsets[reg] + la.at(ida, p, t, h),
+                           dst.mem() + dst.offsets[reg] + lb.at(idb, p, t, h), 128), 0)
+              << "region " << reg << " plane " << p << " token " << t << " head " << h;
+  // Another model (4 KV heads): the keys are A's, the objects are not its.
+  Layout2 lc{true, 32, 4, 64};
+  Engine other;
+  ASSERT_EQ(other.open(dir_b, lc.json(), 43), "");
+  std::vector<uint64_t> keys2 = prompt_keys(src.g, 44, 640, 64);
+  std::vector<uint32_t> ids2 = shuffled(la.nb, 3);
+  ids2.resize(40);
+  ASSERT_EQ(xfer(src, true, keys2, ids2, 640, &r), KVF_SUCCESS) << kvf_last_error();
+  std::vector<uint32_t> idc = shuffled(lc.nb, 4);
+  idc.resize(20);
+  uint64_t failures = b.info().failures;
+  EXPECT_EQ(xfer(other, false, keys2, idc, 640, &r), KVF_ERR_GEOMETRY_MISMATCH);
+  std::string why = kvf_last_error();
+  EXPECT_NE(why.find("payload.chunk_keys[0]"), std::string::npos) << why;
+  EXPECT_NE(why.find("fingerprint"), std::string::npos) << why;
+  EXPECT_EQ(b.info().failures, failures) << "a different model is the client's error, not the peer's";
+  expect_b_idle(b, "after the refusal");
+  b.stop();
+  EXPECT_EQ(a.stop(), 0);
+  unsetenv("UCX_TLS");
+}
+
+// ---- a lying peer --------------------------------------------------------------
+
+// A fake peer A that knows the secret and speaks the protocol, answering
+// B's HAS with what `lie` says. Runs its transport on its own thread.
+struct LyingPeer {
+  enum Lie { kOffsetPastPool, kBadPool, kPayloadBytes, kWrongCount, kMagic };
+  kvf_pt *t = nullptr;
+  kvf_pt_conn *c = nullptr;
+  kvf_pt_mem *mem = nullptr;
+  std::vector<uint8_t> pool = std::vector<uint8_t>(1 << 20, 0x5A);
+  std::string secret;
+  uint8_t nonce[32] = {1, 2, 3}, their_nonce[32] = {};
+  uint64_t their_boot = 0;
+  std::atomic<int> lie{kOffsetPastPool}, has_seen{0}, stop{0}, errored{0};
+  std::thread th;
+  uint16_t port = 0;
+
+  static void put(std::vector<uint8_t> &m, const void *p, size_t n) {
+    const uint8_t *b = static_cast<const uint8_t *>(p);
+    m.insert(m.end(), b, b + n);
+  }
+  void send_msg(uint16_t type, uint64_t id, const std::vector<uint8_t> &payload) {
+    std::vector<uint8_t> m = peer_header_(type, (uint32_t)(24 + payload.size()), id);
+    m.insert(m.end(), payload.begin(), payload.end());
+    kvf_pt_send(c, m.data(), m.size());
+  }
+  static std::vector<uint8_t> peer_header_(uint16_t type, uint32_t len, uint64_t id) {
+    std::vector<uint8_t> m(24, 0);
+    uint32_t magic = 0x5046564Bu;
+    uint16_t version = 1;
+    memcpy(&m[0], &magic, 4);
+    memcpy(&m[4], &type, 2);
+    memcpy(&m[6], &version, 2);
+    memcpy(&m[8], &len, 4);
+    memcpy(&m[16], &id, 8);
+    return m;
+  }
+  void on_msg(const uint8_t *m, size_t n) {
+    if (n < 24) return;
+    uint16_t type;
+    memcpy(&type, m + 4, 2);
+    uint64_t id;
+    memcpy(&id, m + 16, 8);
+    const uint8_t *b = m + 24;
+    if (type == 1) { // HELLO: answer with AUTH over its nonce, ours, our boot token
+      memcpy(their_nonce, b, 32);
+      memcpy(&their_boot, b + 32, 8);
+      std::vector<uint8_t> data;
+      put(data, "kvferry-peer-auth-v1", 20);
+      put(data, their_nonce, 32);
+      put(data, nonce, 32);
+      uint64_t boot = 0x1234;
+      put(data, &boot, 8);
+      uint8_t mac[32];
+      unsigned int len = 0;
+      HMAC(EVP_sha256(), secret.data(), (int)secret.size(), data.data(), data.size(), mac, &len);
+      send_msg(2, 0, std::vector<uint8_t>(mac, mac + 32));
+    } else if (type == 2) { // AUTH (not checked): our KEYS
+      const void *key;
+      size_t kl;
+      kvf_pt_mem_key(mem, &key, &kl);
+      std::vector<uint8_t> p(8, 0);
+      uint32_t one = 1;
+      memcpy(&p[0], &one, 4);
+      int32_t dev = -1;
+      uint32_t kl32 = (uint32_t)kl;
+      uint64_t base = (uint64_t)(uintptr_t)pool.data(), size = pool.size();
+      put(p, &dev, 4);
+      put(p, &kl32, 4);
+      put(p, &base, 8);
+      put(p, &size, 8);
+      put(p, key, kl);
+      p.resize((p.size() + 7) & ~(size_t)7, 0);
+      send_msg(3, 0, p);
+    } else if (type == 4) { // HAS: lie
+      uint32_t cnt;
+      memcpy(&cnt, b, 4);
+      std::vector<uint8_t> p(8, 0);
+      uint32_t out = lie == kWrongCount ? cnt + 1 : cnt;
+      memcpy(&p[0], &out, 4);
+      for (uint32_t i = 0; i < out; i++) {
+        kvf_object_header h;
+        memcpy(&h, b + 8 + (size_t)(i < cnt ? i : 0) * 56 + 8, 48);
+        uint32_t found = 1, poolix = lie == kBadPool ? 5 : 0;
+        uint64_t off = lie == kOffsetPastPool ? pool.size() - 64 : 0;
+        if (lie == kPayloadBytes) h.payload_bytes += 256;
+        if (lie == kMagic) h.magic ^= 1;
+        put(p, &found, 4);
+        put(p, &poolix, 4);
+        put(p, &off, 8);
+        put(p, &h, 48);
+      }
+      has_seen++;
+      send_msg(5, id, p);
+    }
+  }
+  static void cb_accept(void *ctx, kvf_pt_conn *conn) {
+    auto *self = static_cast<LyingPeer *>(ctx);
+    self->c = conn;
+    std::vector<uint8_t> hello(self->nonce, self->nonce + 32);
+    uint64_t boot = 0x1234;
+    put(hello, &boot, 8);
+    self->send_msg(1, 0, hello);
+  }
+  static void cb_message(void *ctx, kvf_pt_conn *, const void *d, size_t n) {
+    static_cast<LyingPeer *>(ctx)->on_msg(static_cast<const uint8_t *>(d), n);
+  }
+  static void cb_error(void *ctx, kvf_pt_conn *, kvf_status, const char *) { static_cast<LyingPeer *>(ctx)->errored = 1; }
+  kvf_status start(const std::string &addr, const std::string &sec) {
+    secret = sec;
+    kvf_pt_callbacks cb = {this, cb_accept, cb_message, cb_error};
+    kvf_status st = kvf_pt_create(&cb, &t);
+    if (st == KVF_SUCCESS) st = kvf_pt_mem_register(t, pool.data(), pool.size(), &mem);
+    if (st == KVF_SUCCESS) st = kvf_pt_listen(t, addr.c_str(), &port);
+    if (st != KVF_SUCCESS) return st;
+    th = std::thread([this] {
+      while (!stop) {
+        kvf_pt_progress(t);
+        if (errored && c) { // B disconnected us: wait for its reconnect
+          kvf_pt_close(c);
+          c = nullptr;
+          errored = 0;
+        }
+        kvf_pt_wait(t, 5);
+      }
+      kvf_pt_close(c);
+      kvf_pt_mem_deregister(mem);
+      kvf_pt_destroy(t);
+    });
+    return KVF_SUCCESS;
+  }
+  ~LyingPeer() {
+    stop = 1;
+    if (th.joinable()) th.join();
+  }
+};
+
+TEST_F(Peers, APeerLyingAboutItsObjectsIsRefusedAndNothingIsCommitted) {
+  setenv("UCX_TLS", "tcp", 1);
+  LyingPeer liar;
+  ASSERT_EQ(liar.start(addr, "correct horse battery staple 0123456789"), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_EQ(b.start(dir_b, addr, secret), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_TRUE(b.wait_ready()) << "B did not accept the fake peer's proof of the secret";
+  Engine dst;
+  ASSERT_EQ(dst.open(dir_b, geometry_json(kBlocks), 7), "");
+  std::vector<uint64_t> keys = prompt_keys(dst.g, 7, 640, 64);
+  std::vector<uint32_t> ids = shuffled(kBlocks, 7);
+  ids.resize(40);
+  const struct {
+    int lie;
+    const char *what;
+    bool disconnects;
+  } cases[] = {{LyingPeer::kOffsetPastPool, "an offset past its pool", false},
+               {LyingPeer::kBadPool, "a pool it has no key for", false},
+               {LyingPeer::kPayloadBytes, "another payload size", false},
+               {LyingPeer::kMagic, "a header that is no object header", false},
+               {LyingPeer::kWrongCount, "more answers than questions", true}};
+  for (const auto &cs : cases) {
+    SCOPED_TRACE(cs.what);
+    ASSERT_TRUE(b.wait_ready()) << "B did not reconnect to the fake peer";
+    liar.lie = cs.lie;
+    int seen = liar.has_seen;
+    uint64_t failures = b.info().failures;
+    kvf_client_result r;
+    ASSERT_EQ(xfer(dst, false, keys, ids, 640, &r), KVF_SUCCESS) << kvf_last_error();
+    EXPECT_EQ(r.prefix_tokens, 0u);
+    EXPECT_GT(liar.has_seen, seen) << "B did not ask the peer";
+    EXPECT_GT(b.info().failures, failures) << "the lie was not counted";
+    EXPECT_EQ(b.info().objects_pulled, 0u);
+    kvf_dataplane_stats d = b.data();
+    EXPECT_EQ(d.l1.objects, 0u) << "something was committed";
+    expect_b_idle(b, cs.what);
+    if (cs.disconnects) {
+      auto t0 = Clock::now();
+      while (b.info().connects < 2 && ms_since(t0) < 5000) sleep_ms(10);
+      EXPECT_GE(b.info().connects, 2u) << "B neither dropped nor reconnected to the peer that broke the protocol";
+    }
+  }
+  b.stop();
   unsetenv("UCX_TLS");
 }
 
