@@ -746,6 +746,128 @@ TEST_F(Peers, HeterogeneousLayoutsRetrieveCanonicalObjectsAndAnotherModelIsRefus
   unsetenv("UCX_TLS");
 }
 
+// ---- windows and recurrent groups ------------------------------------------------
+
+// The hybrid preset (full, sliding_window 512, recurrent; chunk_tokens 256;
+// three object groups) with nb blocks per group, as the JSON an engine sends.
+std::string hybrid_json(uint32_t nb) {
+  std::string path = std::string(KVF_PRESET_DIR) + "/glm-like-hybrid.json";
+  kvf_geometry_load_options o = KVF_GEOMETRY_LOAD_OPTIONS_INIT;
+  o.num_blocks_override = nb;
+  kvf_geometry *g = nullptr;
+  char *json = nullptr;
+  size_t len = 0;
+  EXPECT_EQ(kvf_geometry_load_file(path.c_str(), &o, &g, nullptr), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(kvf_geometry_to_json(g, &json, &len), KVF_SUCCESS) << kvf_last_error();
+  std::string out = json ? std::string(json, len) : std::string();
+  free(json);
+  kvf_geometry_destroy(g);
+  return out;
+}
+
+// Block tables for every group: a STORE of [0, T) gives the full group's
+// blocks, the window retained at T, the recurrent state at T; a RETRIEVE the
+// whole table and one recurrent slot (test_dataplane.cpp's rules).
+struct GroupTables {
+  std::vector<std::vector<uint32_t>> ids;
+  std::vector<kvf_group_blocks> gb;
+  GroupTables(const kvf_geometry *g, uint64_t T, bool store, uint64_t seed) {
+    uint32_t C = 0;
+    {
+      kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
+      kvf_geometry_policy(g, &pol);
+      C = pol.chunk_tokens;
+    }
+    uint32_t ng = kvf_geometry_num_groups(g);
+    ids.resize(ng);
+    gb.resize(ng);
+    std::vector<uint64_t> first(ng, 0);
+    uint64_t next = 0;
+    /* Groups alias one tensor per layer index: they take disjoint ids from one pool, as an engine does. */
+    kvf_group_info g0 = KVF_GROUP_INFO_INIT;
+    kvf_geometry_group(g, 0, &g0);
+    std::vector<uint32_t> pool = shuffled(g0.num_blocks, seed);
+    for (uint32_t i = 0; i < ng; i++) {
+      kvf_group_info gi = KVF_GROUP_INFO_INIT;
+      kvf_geometry_group(g, i, &gi);
+      uint64_t lb = 0, n = 0;
+      if (gi.kind == KVF_GROUP_RECURRENT) {
+        lb = store ? T / C - 1 : 0;
+        n = 1;
+      } else {
+        uint64_t le = 0;
+        kvf_geometry_local_blocks(g, i, 0, T, &lb, &le);
+        if (store && gi.kind != KVF_GROUP_FULL) {
+          uint64_t fb = 0, eb = 0;
+          kvf_geometry_retained_blocks(g, i, T, &fb, &eb);
+          lb = std::max(lb, fb);
+          le = std::min(le, eb);
+        }
+        n = le > lb ? le - lb : 0;
+      }
+      first[i] = lb;
+      for (uint64_t k = 0; k < n; k++) ids[i].push_back(pool.at(next++));
+    }
+    for (uint32_t i = 0; i < ng; i++) gb[i] = {ids[i].data(), first[i], (uint32_t)ids[i].size()};
+  }
+};
+
+kvf_status xfer_groups(Engine &e, bool store, const std::vector<uint64_t> &keys, GroupTables &t, uint64_t T,
+                       kvf_client_result *r) {
+  kvf_client_xfer x = KVF_CLIENT_XFER_INIT;
+  x.token_begin = 0;
+  x.token_end = T;
+  x.format = KVF_FORMAT_CANONICAL;
+  x.chunk_keys = keys.data();
+  x.num_chunk_keys = (uint32_t)keys.size();
+  x.groups = t.gb.data();
+  x.num_groups = (uint32_t)t.gb.size();
+  *r = KVF_CLIENT_RESULT_INIT;
+  return store ? kvf_client_store(e.c, &x, r) : kvf_client_retrieve(e.c, &x, r);
+}
+
+// The oracle: the same RETRIEVE through A itself (one server, the contract
+// test_dataplane checks against the CPU reference), into a cache filled as
+// B's: B's cache must end up identical, byte for byte (padding, blocks out
+// of the window and other slots keep their poison in both).
+TEST_F(Peers, WindowsAndRecurrentGroupsRetrieveThroughBAsThroughA) {
+  setenv("UCX_TLS", "tcp", 1);
+  ASSERT_EQ(start_a(), "");
+  ASSERT_EQ(b.start(dir_b, addr, secret), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_TRUE(b.wait_ready());
+  const std::string json = hybrid_json(160);
+  const uint64_t T = 1024;
+  Engine src, via_a, via_b;
+  ASSERT_EQ(src.open(dir_a, json, 51), "");
+  ASSERT_EQ(via_a.open(dir_a, json, 52), "");
+  ASSERT_EQ(via_b.open(dir_b, json, 52), "");
+  ASSERT_EQ(kvf_geometry_num_object_groups(src.g), 3u);
+  std::vector<uint64_t> keys = prompt_keys(src.g, 51, T, 256);
+  GroupTables st(src.g, T, true, 5), rt(src.g, T, false, 9), rt2(src.g, T, false, 9);
+  kvf_client_result r, ra, rb;
+  ASSERT_EQ(xfer_groups(src, true, keys, st, T, &r), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_EQ(r.prefix_tokens, T);
+  EXPECT_EQ(r.objects_done, 7u); // full: 4, the window: 2, the state: 1
+  ASSERT_EQ(xfer_groups(via_a, false, keys, rt, T, &ra), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_EQ(ra.prefix_tokens, T);
+  ASSERT_EQ(xfer_groups(via_b, false, keys, rt2, T, &rb), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(rb.status, KVF_SUCCESS);
+  EXPECT_EQ(rb.prefix_tokens, ra.prefix_tokens);
+  EXPECT_EQ(rb.objects_done, ra.objects_done);
+  EXPECT_EQ(rb.bytes_done, ra.bytes_done);
+  ASSERT_EQ(rb.num_object_groups, ra.num_object_groups);
+  for (uint32_t og = 0; og < ra.num_object_groups; og++)
+    EXPECT_EQ(rb.object_group_prefix[og], ra.object_group_prefix[og]) << "object group " << og;
+  for (uint32_t g = 0; g < ra.num_groups; g++) EXPECT_EQ(rb.group_blocks[g], ra.group_blocks[g]) << "group " << g;
+  ASSERT_EQ(via_a.total, via_b.total);
+  EXPECT_EQ(memcmp(via_a.mem(), via_b.mem(), via_a.total), 0) << "B's cache differs from the one A restored";
+  EXPECT_EQ(b.info().objects_pulled, 7u);
+  expect_b_idle(b, "after the hybrid retrieve");
+  b.stop();
+  EXPECT_EQ(a.stop(), 0);
+  unsetenv("UCX_TLS");
+}
+
 // ---- a lying peer --------------------------------------------------------------
 
 // A fake peer A that knows the secret and speaks the protocol, answering
