@@ -799,6 +799,8 @@ static void cb_message(void *ctx, kvf_pt_conn *c, const void *data, size_t len) 
   if (!pr || pr->doomed) return;
   const uint8_t *m = data;
   if (len < PM_HDR) return peer_refuse(p, pr, KVF_ERR_PROTOCOL, "a message of %zu bytes (the header is %u)", len, PM_HDR);
+  if (len > KVF_PT_MAX_MESSAGE)
+    return peer_refuse(p, pr, KVF_ERR_PROTOCOL, "a message of %zu bytes (at most %u)", len, KVF_PT_MAX_MESSAGE);
   uint16_t type, version;
   memcpy(&type, m + 4, 2);
   memcpy(&version, m + 6, 2);

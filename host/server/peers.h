@@ -35,7 +35,7 @@ extern "C" {
 typedef struct kvf_peers kvf_peers;
 
 #define KVF_PEERS_MAX 32u          /* --peer addresses, and incoming peers at once */
-#define KVF_PEERS_MAX_OBJECTS 16384u /* objects one HAS may name */
+#define KVF_PEERS_MAX_OBJECTS 8192u /* objects one HAS may name (its reply fits KVF_PT_MAX_MESSAGE) */
 
 typedef struct kvf_peers_options {
   const char *listen;             /* "ADDR:PORT" to accept peers on; NULL: none */
