@@ -255,7 +255,12 @@ static void peer_set_state(kvf_peers *p, peer *pr, uint32_t state) {
  * their next step). An incoming peer is forgotten; an outgoing one retries. */
 static void peer_close(kvf_peers *p, peer *pr) {
   if (pr->conn) {
-    KVF_WARN(SERVER, "peer %s: disconnected: %s", pr->addr, pr->doom_why[0] ? pr->doom_why : "closed");
+    /* A peer we heard from is worth a warning; a reconnect attempt to one
+     * that is down (every second) is not. */
+    if (pr->got_hello)
+      KVF_WARN(SERVER, "peer %s: disconnected: %s", pr->addr, pr->doom_why[0] ? pr->doom_why : "closed");
+    else
+      KVF_INFO(SERVER, "peer %s: no connection: %s", pr->addr, pr->doom_why[0] ? pr->doom_why : "closed");
     peer_drop_keys(pr);
     kvf_pt_close(pr->conn);
     pr->conn = NULL;
