@@ -123,6 +123,7 @@ typedef struct fetch {
   uint64_t last_uid;  /* the last peer asked */
   peer *at;           /* the peer asked or pulled from */
   uint64_t deadline_ns;
+  uint64_t timeout_ns;  /* fetch_timeout_ms */
   kvf_l1_reservation *res;
   uint32_t *pulling;  /* spec indices being pulled into res */
   uint32_t num_pulling;
@@ -553,6 +554,8 @@ static void on_get_done(void *arg, kvf_status st) {
   fetch *f = arg;
   f->gets_out--;
   if (st != KVF_SUCCESS) f->get_failed = 1;
+  /* A completed get is progress: a large pull times out only when it stalls. */
+  f->deadline_ns = kvf_now_ns() + f->timeout_ns;
 }
 
 /* The answer to the HAS f asked at: check each claimed object, reserve
@@ -747,7 +750,7 @@ static void fetches_step(kvf_peers *p) {
     if (f->state == F_PULLING && f->gets_out && now > f->deadline_ns && f->at && !f->at->doomed) {
       /* Closing the connection fails the gets (their callbacks run in the close). */
       count_failure(p, f->at);
-      peer_doom(f->at, "fetch %llu: the pull did not complete in %u ms", (unsigned long long)f->id,
+      peer_doom(f->at, "fetch %llu: the pull made no progress in %u ms", (unsigned long long)f->id,
                 p->opt.fetch_timeout_ms);
     }
     if (f->state == F_PULLING && f->gets_out == 0) fetch_finish_pull(p, f);
@@ -1068,6 +1071,7 @@ kvf_status kvf_peers_fetch(kvf_peers *p, int device, const kvf_l1_object_spec *s
   }
   memcpy(f->specs, specs, (size_t)n * sizeof(*specs));
   f->n = n;
+  f->timeout_ns = (uint64_t)p->opt.fetch_timeout_ms * 1000000ull;
   f->device = device;
   f->done = done;
   f->arg = arg;

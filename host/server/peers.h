@@ -46,7 +46,7 @@ typedef struct kvf_peers_options {
   kvf_l1 *l1;                     /* the store fetched objects are committed into and served from */
   const kvf_l1_pool_desc *pools;  /* the L1 pools, registered with the transport for peers' gets */
   uint32_t num_pools;
-  uint32_t fetch_timeout_ms;      /* one step (an answer, a pull) of a fetch; 0: 5000 */
+  uint32_t fetch_timeout_ms;      /* a peer's answer, or a pull's next completed get; 0: 5000 */
   uint32_t handshake_timeout_ms;  /* a connection not authenticated by then is closed; 0: 5000 */
 } kvf_peers_options;
 
