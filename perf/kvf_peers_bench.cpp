@@ -43,11 +43,11 @@ static double median(std::vector<double> v) {
 }
 
 static pid_t spawn(const std::vector<std::string> &args) {
+  std::vector<char *> argv; // built before fork: the child only calls execv and _exit
+  for (auto &a : args) argv.push_back(const_cast<char *>(a.c_str()));
+  argv.push_back(nullptr);
   pid_t pid = fork();
   if (pid == 0) {
-    std::vector<char *> argv;
-    for (auto &a : args) argv.push_back(const_cast<char *>(a.c_str()));
-    argv.push_back(nullptr);
     execv(argv[0], argv.data());
     _exit(127);
   }

@@ -112,13 +112,15 @@ struct Daemon {
     std::vector<std::string> args = {KVF_KVFERRYD_PATH, "--socket-dir", socket_dir, "--devices", "none",
                                      "--l1-mb", "256"};
     args.insert(args.end(), extra.begin(), extra.end());
+    // argv is built before fork: the child of this multi-threaded process
+    // (B's threads, UCX's) calls nothing but execv and _exit.
+    std::vector<char *> argv;
+    for (auto &arg : args) argv.push_back(const_cast<char *>(arg.c_str()));
+    argv.push_back(nullptr);
     fflush(stdout);
     fflush(stderr);
     pid = fork();
     if (pid == 0) {
-      std::vector<char *> argv;
-      for (auto &a : args) argv.push_back(const_cast<char *>(a.c_str()));
-      argv.push_back(nullptr);
       execv(argv[0], argv.data());
       _exit(127);
     }
