@@ -1428,7 +1428,7 @@ kvf_status kvf_dataplane_retrieve_missing(kvf_dataplane *dp, kvf_dp_binding *b, 
     goto done;
   }
   for (uint64_t k = 0; k < nchunks; k++)
-    for (uint32_t og = 0; og < nog; og++) q[k * nog + og] = (kvf_l1_query){x->chunk_keys[k], og};
+    for (uint32_t og = 0; og < nog; og++) q[k * nog + og] = (kvf_l1_query){l1_key(b, &x->chunk_keys[k]), og};
   st = kvf_l1_lookup_pin(dp->l1, q, (uint32_t)total, found, &pin);
   if (st != KVF_SUCCESS) goto done;
   uint32_t cnt = 0;
@@ -1442,7 +1442,7 @@ kvf_status kvf_dataplane_retrieve_missing(kvf_dataplane *dp, kvf_dp_binding *b, 
       if (want.payload_bytes == 0) continue; /* no object for it */
       const kvf_l1_found *f = &found[k * nog + og];
       if (f->found && f->header.token_begin == want.token_begin && f->header.token_end == want.token_end) continue;
-      out[cnt++] = (kvf_l1_object_spec){x->chunk_keys[k], og, want};
+      out[cnt++] = (kvf_l1_object_spec){l1_key(b, &x->chunk_keys[k]), og, want};
     }
   kvf_l1_unpin(dp->l1, pin);
   pin = NULL;

@@ -9,7 +9,8 @@
  *             receiver's nonce || sender's nonce || sender's boot token)
  *   KEYS      u32 n, u32 0, then n x {i32 device, u32 key_len, u64 base, u64 size,
  *             key bytes padded to 8}
- *   HAS       u32 n, u32 0, then n x {u64 chunk key, object header (48 bytes)}
+ *   HAS       u32 n, u32 0, then n x {L1 key: chunk key (32 bytes), u64 canonical
+ *             fingerprint, u32 shard_index, u32 shard_count; object header (48 bytes)}
  *   HAS_REPLY u32 n, u32 0, then n x {u32 found, u32 pool, u64 offset, header}
  *   RELEASE   (id: the HAS whose pins may go)
  *   ERROR     u32 status, text
@@ -44,12 +45,15 @@
 #define PM_NONCE 32u
 #define PM_MAC 32u
 #define PM_HEADER_BYTES 48u
+#define PM_KEY_BYTES 48u /* kvf_l1_key: the chunk key and its scope */
+#define PM_HAS_ENTRY (PM_KEY_BYTES + PM_HEADER_BYTES)
 #define PM_MAX_POOLS 65u
 #define PM_MAX_KEY 4096u
 #define PM_PIN_MS 30000u
 #define PM_RETRY_MS 1000u
 
 _Static_assert(sizeof(kvf_object_header) == PM_HEADER_BYTES, "the object header travels as its 48 bytes");
+_Static_assert(sizeof(kvf_l1_key) == PM_KEY_BYTES, "an L1 key travels as its 48 bytes");
 
 enum {
   PM_HELLO = 1,
@@ -172,6 +176,13 @@ static uint32_t get32(const uint8_t *p) {
 static uint64_t get64(const uint8_t *p) {
   uint64_t v;
   memcpy(&v, p, 8);
+  return v;
+}
+
+/* The first 8 bytes of a chunk key, big-endian, for logs. */
+static uint64_t key_prefix(const kvf_l1_key *k) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; i++) v = (v << 8) | k->chunk.bytes[i];
   return v;
 }
 
@@ -450,7 +461,7 @@ static void on_has(kvf_peers *p, peer *pr, uint64_t id, const uint8_t *b, size_t
   uint32_t cnt = get32(b);
   if (cnt == 0 || cnt > KVF_PEERS_MAX_OBJECTS)
     return peer_refuse(p, pr, KVF_ERR_PROTOCOL, "HAS: n %u (1..%u)", cnt, KVF_PEERS_MAX_OBJECTS);
-  if (n != 8 + (size_t)cnt * (8 + PM_HEADER_BYTES))
+  if (n != 8 + (size_t)cnt * PM_HAS_ENTRY)
     return peer_refuse(p, pr, KVF_ERR_PROTOCOL, "HAS: %zu payload bytes for %u objects", n, cnt);
   for (serve_pin *sp = pr->pins; sp; sp = sp->next)
     if (sp->id == id) return peer_refuse(p, pr, KVF_ERR_PROTOCOL, "HAS: id %llu repeated", (unsigned long long)id);
@@ -465,12 +476,14 @@ static void on_has(kvf_peers *p, peer *pr, uint64_t id, const uint8_t *b, size_t
     goto out;
   }
   for (uint32_t i = 0; i < cnt; i++) {
-    const uint8_t *e = b + 8 + (size_t)i * (8 + PM_HEADER_BYTES);
-    q[i].chunk_key = get64(e);
-    memcpy(&want[i], e + 8, PM_HEADER_BYTES);
+    const uint8_t *e = b + 8 + (size_t)i * PM_HAS_ENTRY;
+    memcpy(&q[i].key, e, PM_KEY_BYTES);
+    memcpy(&want[i], e + PM_KEY_BYTES, PM_HEADER_BYTES);
     q[i].object_group = want[i].object_group;
-    if (q[i].chunk_key == 0 || q[i].object_group >= KVF_MAX_GROUPS) {
-      peer_refuse(p, pr, KVF_ERR_PROTOCOL, "HAS: objects[%u]: key 0 or object group %u", i, q[i].object_group);
+    static const kvf_chunk_key zero;
+    if (memcmp(&q[i].key.chunk, &zero, sizeof(zero)) == 0 || q[i].object_group >= KVF_MAX_GROUPS) {
+      peer_refuse(p, pr, KVF_ERR_PROTOCOL, "HAS: objects[%u]: an all-zero key or object group %u", i,
+                  q[i].object_group);
       goto out;
     }
   }
@@ -621,8 +634,8 @@ static void on_has_reply(kvf_peers *p, peer *pr, uint64_t id, const uint8_t *b, 
     else if (off > pr->pools[pi].size || h.payload_bytes > pr->pools[pi].size - off) bad = "offset";
     if (bad) {
       if (refused++ == 0)
-        KVF_WARN(SERVER, "peer %s: HAS_REPLY %llu: objects[%u] (chunk key %016llx, object group %u): %s does not "
-                 "match: not pulled", pr->addr, (unsigned long long)id, i, (unsigned long long)want->chunk_key,
+        KVF_WARN(SERVER, "peer %s: HAS_REPLY %llu: objects[%u] (chunk key %016llx..., object group %u): %s does not "
+                 "match: not pulled", pr->addr, (unsigned long long)id, i, (unsigned long long)key_prefix(&want->key),
                  (unsigned)want->object_group, bad);
       continue;
     }
@@ -708,15 +721,15 @@ static int fetch_ask(kvf_peers *p, fetch *f) {
     if (!f->have[i]) f->asked[cnt++] = i;
   if (!cnt) return 0;
   f->num_asked = cnt;
-  size_t len = PM_HDR + 8 + (size_t)cnt * (8 + PM_HEADER_BYTES);
+  size_t len = PM_HDR + 8 + (size_t)cnt * PM_HAS_ENTRY;
   uint8_t *m = calloc(1, len);
   if (!m) return 0;
   hdr_fill(m, PM_HAS, (uint32_t)len, f->id);
   put32(m + PM_HDR, cnt);
   for (uint32_t i = 0; i < cnt; i++) {
-    uint8_t *e = m + PM_HDR + 8 + (size_t)i * (8 + PM_HEADER_BYTES);
-    put64(e, f->specs[f->asked[i]].chunk_key);
-    memcpy(e + 8, &f->specs[f->asked[i]].header, PM_HEADER_BYTES);
+    uint8_t *e = m + PM_HDR + 8 + (size_t)i * PM_HAS_ENTRY;
+    memcpy(e, &f->specs[f->asked[i]].key, PM_KEY_BYTES);
+    memcpy(e + PM_KEY_BYTES, &f->specs[f->asked[i]].header, PM_HEADER_BYTES);
   }
   peer_send(pr, m, len);
   free(m);

@@ -35,7 +35,7 @@ extern "C" {
 typedef struct kvf_peers kvf_peers;
 
 #define KVF_PEERS_MAX 32u          /* --peer addresses, and incoming peers at once */
-#define KVF_PEERS_MAX_OBJECTS 8192u /* objects one HAS may name (its reply fits KVF_PT_MAX_MESSAGE) */
+#define KVF_PEERS_MAX_OBJECTS 8192u /* objects one HAS may name (it and its reply fit KVF_PT_MAX_MESSAGE) */
 
 typedef struct kvf_peers_options {
   const char *listen;             /* "ADDR:PORT" to accept peers on; NULL: none */
@@ -72,8 +72,7 @@ uint32_t kvf_peers_ready(kvf_peers *p);
  * when no peer had them, or the pulls failed). status is KVF_SUCCESS, or
  * KVF_ERR_GEOMETRY_MISMATCH when a peer holds one of the keys as an object
  * of another geometry or format (message, borrowed for the call, names the
- * key, its object group and the header field: "chunk_key <hex>: object
- * group <og>: ..."), which a RETRIEVE refuses as it refuses such an object
+ * header field; spec is the index of that object in specs), which a RETRIEVE refuses as it refuses such an object
  * in its own L1. */
 typedef void (*kvf_peers_fetch_done)(void *arg, uint64_t objects, uint32_t spec, kvf_status status,
                                      const char *message);

@@ -947,7 +947,9 @@ static void server_finish_fetches(kvf_server *s) {
         /* A peer holds a key of this request through another geometry:
          * refused as the same object in local L1 is, naming it. */
         uint64_t k = 0;
-        while (k < m.u.xfer.num_chunk_keys && m.u.xfer.chunk_keys[k] != f->specs[f->spec].chunk_key) k++;
+        while (k < m.u.xfer.num_chunk_keys &&
+               memcmp(&m.u.xfer.chunk_keys[k], &f->specs[f->spec].key.chunk, sizeof(kvf_chunk_key)) != 0)
+          k++;
         st = kvf_fail(f->status, "payload.chunk_keys[%llu]: object group %u: %s", (unsigned long long)k,
                       (unsigned)f->specs[f->spec].object_group, f->message);
       } else if (decoded) {
