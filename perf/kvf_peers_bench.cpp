@@ -173,8 +173,10 @@ int main(int argc, char **argv) {
     for (uint32_t r = 0; r < rounds + 1; r++) {
       std::vector<uint32_t> toks(tokens);
       for (uint64_t t = 0; t < tokens; t++) toks[t] = (uint32_t)(t * 31 + r * 1000003 + 7);
-      std::vector<uint64_t> keys((tokens + C - 1) / C);
-      kvf_chunk_keys(kvf_geometry_fingerprint(src.g, KVF_FORMAT_CANONICAL), toks.data(), 4, tokens, C, keys.data());
+      std::vector<kvf_chunk_key> keys((tokens + C - 1) / C);
+      kvf_chunk_key model;
+      kvf_chunk_seed("kvf_peers_bench", 15, &model);
+      kvf_chunk_keys(&model, toks.data(), 4, tokens, C, keys.data());
       kvf_client_xfer x = KVF_CLIENT_XFER_INIT;
       x.token_end = tokens;
       x.chunk_keys = keys.data();
