@@ -1,10 +1,11 @@
-"""An owned C handle: used by calls in flight, closed exactly once."""
+"""An owned C handle: used by calls in flight, closed exactly once; and the
+lifetime methods of the objects that own one."""
 
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 from ._errors import KvferryError, Status
 
@@ -94,3 +95,49 @@ class Handle:
         with self._cond:
             ptr, self._ptr = self._ptr, None
             return ptr
+
+
+_Owner = TypeVar("_Owner", bound="HandleOwner")
+
+
+class HandleOwner:
+    """Mixin for an object whose C object is the :class:`Handle` in
+    ``self._handle`` (a client, an allocation, a geometry, a transfer
+    context): ``closed``, an idempotent ``close()``, the context manager
+    (``with`` closes on the way out) and a ``__del__`` that closes a dropped
+    object and swallows what that raises.
+
+    The subclass sets ``self._handle`` in its ``__init__``; one that holds
+    more than the handle overrides ``close()`` and calls ``super().close()``
+    first, so nothing is dropped when the handle refuses to close.
+    """
+
+    __slots__ = ()
+
+    _handle: Handle
+
+    @property
+    def closed(self) -> bool:
+        """True once close() destroyed the C object."""
+        return self._handle.closed
+
+    def close(self) -> None:
+        """Destroy the C object, once the calls in flight on other threads
+        are done. Idempotent."""
+        self._handle.close()
+
+    def __enter__(self: _Owner) -> _Owner:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # The handle only: __init__ may have failed before it was set, and
+        # what else close() releases goes with the object anyway.
+        handle = getattr(self, "_handle", None)
+        if handle is not None:
+            try:
+                handle.close()
+            except Exception:
+                pass

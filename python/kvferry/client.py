@@ -38,7 +38,7 @@ from . import _lib
 from . import _structs as S
 from ._buffers import as_buffer, block_ids as _block_ids
 from ._errors import KvferryError, Status
-from ._handle import Handle
+from ._handle import Handle, HandleOwner
 from ._lib import fail, lib
 from .copy import BlockTable
 from .geometry import Geometry, ObjectFormat
@@ -495,7 +495,7 @@ def _format(value: Union[ObjectFormat, str, int]) -> int:
     return int(ObjectFormat.parse(value))
 
 
-class Client:
+class Client(HandleOwner):
     """A connection to kvferryd (kvf_client). Make one with :meth:`connect`;
     close it with :meth:`close` or the context manager (``__del__`` as a
     fallback): the server then drains what it registered.
@@ -551,30 +551,11 @@ class Client:
 
     # -- lifetime --
 
-    @property
-    def closed(self) -> bool:
-        """True once close() disconnected."""
-        return self._handle.closed
-
     def close(self) -> None:
         """Disconnect (kvf_client_disconnect), after the calls in flight on
         other threads. Idempotent."""
-        self._handle.close()
+        super().close()
         self._regions = []
-
-    def __enter__(self) -> "Client":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        handle = getattr(self, "_handle", None)
-        if handle is not None:
-            try:
-                handle.close()
-            except Exception:
-                pass
 
     def __repr__(self) -> str:
         if self.closed:

@@ -27,7 +27,7 @@ from typing import Any, List, Mapping, Optional, Tuple, Union
 from . import _lib
 from . import _structs as S
 from ._errors import Status
-from ._handle import Handle
+from ._handle import Handle, HandleOwner
 from ._lib import check, fail, lib
 
 __all__ = ["GroupKind", "ObjectFormat", "State", "View", "Region", "Group", "ObjectGroup",
@@ -340,7 +340,7 @@ def presets() -> List[str]:
 
 # ---- the geometry ----------------------------------------------------------------
 
-class Geometry:
+class Geometry(HandleOwner):
     """A kvferry geometry (kvf_geometry).
 
     ``Geometry()`` starts an empty one to build in code; the classmethods
@@ -513,31 +513,12 @@ class Geometry:
         """True once finalize() succeeded (loaded geometries are finalized)."""
         return self._finalized
 
-    @property
-    def closed(self) -> bool:
-        """True once close() freed the geometry."""
-        return self._handle.closed
-
     def close(self) -> None:
         """Free the geometry, once reads in flight on other threads are done.
         Refused (Status.STATE) while a Transfer made for it is open. Closing
         twice does nothing."""
-        self._handle.close()
+        super().close()
         self.bases = None
-
-    def __enter__(self) -> "Geometry":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        handle = getattr(self, "_handle", None)
-        if handle is not None:
-            try:
-                handle.close()
-            except Exception:
-                pass
 
     def __repr__(self) -> str:
         if self.closed:

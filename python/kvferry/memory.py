@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 from . import _structs as S
 from ._buffers import as_buffer
 from ._errors import Status
-from ._handle import Handle
+from ._handle import Handle, HandleOwner
 from ._lib import fail, lib
 
 __all__ = ["MemProvider", "MemIdentity", "Allocation", "mem_instance", "set_mem_instance",
@@ -95,15 +95,16 @@ class MemIdentity:
         return S.text(lib.kvf_mem_identity_format(byref(c), buf, len(buf)))
 
 
-class Allocation:
+class Allocation(HandleOwner):
     """An exportable allocation (kvf_mem_alloc): created here, or found under
     a pointer someone else allocated.
 
     Use :meth:`create` or :meth:`find`. ``close()`` (or the context manager,
-    or ``__del__`` as a fallback) drops this object's reference; the last one
-    unmaps memory this process created (importers that still map it keep it
-    alive). Arrays that view the memory do not keep it mapped: close the
-    allocation only when nothing uses it any more.
+    or ``__del__`` as a fallback) drops this object's reference
+    (kvf_mem_alloc_destroy); the last one unmaps memory this process created
+    (importers that still map it keep it alive). Arrays that view the memory
+    do not keep it mapped: close the allocation only when nothing uses it any
+    more.
 
     Host allocations expose ``__array_interface__`` and cumem allocations
     ``__cuda_array_interface__`` (one dimension of ``size`` bytes), so they
@@ -166,11 +167,6 @@ class Allocation:
         return cls(out.value or 0, provider)
 
     @property
-    def closed(self) -> bool:
-        """True once close() dropped this reference."""
-        return self._handle.closed
-
-    @property
     def ptr(self) -> int:
         """Base address in this process (a device address for cumem)."""
         with self._handle.use() as a:
@@ -215,24 +211,6 @@ class Allocation:
         if self.provider != MemProvider.CUMEM:
             raise AttributeError("__cuda_array_interface__: a host allocation is host memory")
         return self._interface()
-
-    def close(self) -> None:
-        """Drop this reference (kvf_mem_alloc_destroy). Idempotent."""
-        self._handle.close()
-
-    def __enter__(self) -> "Allocation":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        handle = getattr(self, "_handle", None)
-        if handle is not None:
-            try:
-                handle.close()
-            except Exception:
-                pass
 
     def __repr__(self) -> str:
         if self.closed:

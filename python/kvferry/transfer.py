@@ -21,7 +21,7 @@ from typing import Any, Optional
 from . import _structs as S
 from ._buffers import stream_handle
 from ._errors import Status
-from ._handle import Handle
+from ._handle import Handle, HandleOwner
 from ._lib import fail, lib
 from .copy import CopyRequest
 from .geometry import Geometry
@@ -52,7 +52,7 @@ class TransferStats:
     payload_bytes: int  #: bytes moved (padding excluded)
 
 
-class Transfer:
+class Transfer(HandleOwner):
     """A transfer context (kvf_xfer) binding a finalized geometry to a backend.
 
     Args:
@@ -65,6 +65,9 @@ class Transfer:
 
     Raises KvferryError: NO_DRIVER / NO_DEVICE / UNSUPPORTED when a GPU is
     asked for where there is none, INVALID_ARGUMENT for an unknown device.
+
+    ``close()`` (or the context manager, or ``__del__`` as a fallback)
+    destroys the context, waiting for its calls' GPU work.
     """
 
     def __init__(self, geometry: Geometry, device: int = DEVICE_HOST, *, max_sms: int = 0,
@@ -95,11 +98,6 @@ class Transfer:
 
         self._handle = Handle(out.value or 0, destroy, "transfer context")
 
-    @property
-    def closed(self) -> bool:
-        """True once close() destroyed the context."""
-        return self._handle.closed
-
     def _run(self, fn: Any, direction: str, request: CopyRequest, stream: Any) -> None:
         if not isinstance(request, CopyRequest):
             raise fail(Status.INVALID_ARGUMENT, "a kvferry.CopyRequest is required", "request")
@@ -128,24 +126,6 @@ class Transfer:
         with self._handle.use() as x:
             lib.kvf_xfer_last_stats(x, byref(stats))
         return TransferStats(Route(stats.route), stats.sms, stats.tasks, stats.payload_bytes)
-
-    def close(self) -> None:
-        """Destroy the context (waits for its calls' GPU work). Idempotent."""
-        self._handle.close()
-
-    def __enter__(self) -> "Transfer":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        handle = getattr(self, "_handle", None)
-        if handle is not None:
-            try:
-                handle.close()
-            except Exception:
-                pass
 
     def __repr__(self) -> str:
         where = "host" if self.device == DEVICE_HOST else "cuda:%d" % self.device
