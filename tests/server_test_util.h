@@ -1,16 +1,48 @@
-// Shared by the server, client and data-path tests: a tiny geometry and a
-// kvferryd server object run on a thread of the test process.
+// Shared by the server, client and data-path tests: a tiny geometry, a
+// preset as an engine sends it, and a kvferryd server object run on a
+// thread of the test process.
 #ifndef KVF_TESTS_SERVER_TEST_UTIL_H
 #define KVF_TESTS_SERVER_TEST_UTIL_H
 
 #include <gtest/gtest.h>
 
+#include <stdint.h>
+#include <stdlib.h>
+
 #include <atomic>
+#include <string>
 #include <thread>
+
+#include <kvferry/geometry.h>
 
 #include "host/server/server.h"
 
 namespace kvf_server_test {
+
+// splitmix64: the next value of the sequence at *s (test data, keys, poison).
+inline uint64_t splitmix(uint64_t *s) {
+  uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// A preset of geometry/presets loaded with nb blocks per group, as the JSON
+// an engine sends (kvf_geometry_to_json: the server loads the text as sent).
+inline std::string preset_json(const char *file, uint32_t nb) {
+  std::string path = std::string(KVF_PRESET_DIR) + "/" + file;
+  kvf_geometry_load_options o = KVF_GEOMETRY_LOAD_OPTIONS_INIT;
+  o.num_blocks_override = nb;
+  kvf_geometry *g = nullptr;
+  char *json = nullptr;
+  size_t len = 0;
+  EXPECT_EQ(kvf_geometry_load_file(path.c_str(), &o, &g, nullptr), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(kvf_geometry_to_json(g, &json, &len), KVF_SUCCESS) << kvf_last_error();
+  std::string out = json ? std::string(json, len) : std::string();
+  free(json);
+  kvf_geometry_destroy(g);
+  return out;
+}
 
 // Two regions of 16 KiB (2 planes x 4 blocks x 2048 bytes), one layer each.
 inline constexpr char kTinyGeometry[] = R"({

@@ -61,12 +61,8 @@ bool has(const char *haystack, const std::string &needle) {
   return std::string(haystack).find(needle) != std::string::npos;
 }
 
-uint64_t splitmix(uint64_t *s) {
-  uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
+using kvf_server_test::preset_json;
+using kvf_server_test::splitmix;
 
 int remove_one(const char *path, const struct stat *, int, struct FTW *) { return remove(path); }
 
@@ -84,23 +80,6 @@ struct TempDir {
 };
 
 // ---- geometries ----------------------------------------------------------------
-
-// A preset loaded with nb blocks per group, as the JSON an engine sends
-// (kvf_geometry_to_json: the server loads the text as sent).
-std::string preset_json(const char *file, uint32_t nb) {
-  std::string path = std::string(KVF_PRESET_DIR) + "/" + file;
-  kvf_geometry_load_options o = KVF_GEOMETRY_LOAD_OPTIONS_INIT;
-  o.num_blocks_override = nb;
-  kvf_geometry *g = nullptr;
-  char *json = nullptr;
-  size_t len = 0;
-  EXPECT_EQ(kvf_geometry_load_file(path.c_str(), &o, &g, nullptr), KVF_SUCCESS) << kvf_last_error();
-  EXPECT_EQ(kvf_geometry_to_json(g, &json, &len), KVF_SUCCESS) << kvf_last_error();
-  std::string out = json ? std::string(json, len) : std::string();
-  free(json);
-  kvf_geometry_destroy(g);
-  return out;
-}
 
 // The hybrid preset: 8 regions, groups full / sliding(512) / recurrent.
 std::string hybrid_json(uint32_t nb) { return preset_json("glm-like-hybrid.json", nb); }

@@ -30,6 +30,8 @@
 #include "host/ipc/endpoint.h"
 #include "host/server/server.h"
 
+#include "server_test_util.h"
+
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer)
 #define KVF_TEST_LSAN 1
@@ -53,29 +55,12 @@ int64_t ms_since(Clock::time_point t0) {
 bool has(const std::string &s, const std::string &needle) { return s.find(needle) != std::string::npos; }
 int remove_one(const char *path, const struct stat *, int, struct FTW *) { return remove(path); }
 
-uint64_t splitmix(uint64_t *s) {
-  uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
+using kvf_server_test::preset_json;
+using kvf_server_test::splitmix;
 
 // The hybrid preset (full, sliding_window 512, recurrent; chunk_tokens 256;
 // three object groups) with nb blocks per group, as an engine sends it.
-std::string hybrid_json(uint32_t nb) {
-  std::string path = std::string(KVF_PRESET_DIR) + "/glm-like-hybrid.json";
-  kvf_geometry_load_options o = KVF_GEOMETRY_LOAD_OPTIONS_INIT;
-  o.num_blocks_override = nb;
-  kvf_geometry *g = nullptr;
-  char *json = nullptr;
-  size_t len = 0;
-  EXPECT_EQ(kvf_geometry_load_file(path.c_str(), &o, &g, nullptr), KVF_SUCCESS) << kvf_last_error();
-  EXPECT_EQ(kvf_geometry_to_json(g, &json, &len), KVF_SUCCESS) << kvf_last_error();
-  std::string out = json ? std::string(json, len) : std::string();
-  free(json);
-  kvf_geometry_destroy(g);
-  return out;
-}
+std::string hybrid_json(uint32_t nb) { return preset_json("glm-like-hybrid.json", nb); }
 
 // Full attention only: 2 layers, 16-token blocks of 2 planes x 128 bytes,
 // chunk_tokens 64: one object is 2 * 2 * 64 * 128 = 32 KiB.
