@@ -1,20 +1,26 @@
 // Shared by the server, client and data-path tests: a tiny geometry, a
-// preset as an engine sends it, and a kvferryd server object run on a
-// thread of the test process.
+// preset as an engine sends it, a kvferryd server object run on a thread of
+// the test process, and the start and stop of one forked into a process of
+// its own.
 #ifndef KVF_TESTS_SERVER_TEST_UTIL_H
 #define KVF_TESTS_SERVER_TEST_UTIL_H
 
 #include <gtest/gtest.h>
 
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <sys/types.h>
+#include <sys/wait.h>
 
 #include <atomic>
+#include <chrono>
 #include <string>
 #include <thread>
 
 #include <kvferry/geometry.h>
 
+#include "host/ipc/endpoint.h"
 #include "host/server/server.h"
 
 namespace kvf_server_test {
@@ -42,6 +48,33 @@ inline std::string preset_json(const char *file, uint32_t nb) {
   free(json);
   kvf_geometry_destroy(g);
   return out;
+}
+
+// Whether the socket of a server on dir accepts within 5 s (a connection
+// tried every 10 ms, closed at once): how a test waits for the server it
+// forked.
+inline bool wait_until_accepting(const std::string &dir) {
+  for (int i = 0; i < 500; i++) {
+    kvf_conn c;
+    if (kvf_endpoint_connect(dir.c_str(), 0, &c) == KVF_SUCCESS) {
+      kvf_conn_close(&c);
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
+// SIGTERM the forked server `pid` and expect it to exit 0 (`codes` says what
+// its other exit statuses mean); pid is -1 once it is reaped.
+inline void stop_expect_clean(pid_t &pid, const char *codes) {
+  ASSERT_GT(pid, 0);
+  ASSERT_EQ(kill(pid, SIGTERM), 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  pid = -1;
+  ASSERT_TRUE(WIFEXITED(status)) << "the server died of signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << codes;
 }
 
 // Two regions of 16 KiB (2 planes x 4 blocks x 2048 bytes), one layer each.

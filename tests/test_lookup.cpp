@@ -27,7 +27,6 @@
 #include <kvferry/geometry.h>
 #include <kvferry/memory.h>
 
-#include "host/ipc/endpoint.h"
 #include "host/server/server.h"
 
 #include "server_test_util.h"
@@ -132,24 +131,10 @@ class Lookup : public ::testing::Test {
 #endif
       _exit(st == KVF_SUCCESS ? 0 : 3);
     }
-    for (int i = 0; i < 500; i++) {
-      kvf_conn c;
-      if (kvf_endpoint_connect(dir_.c_str(), 0, &c) == KVF_SUCCESS) {
-        kvf_conn_close(&c);
-        return;
-      }
-      sleep_ms(10);
-    }
-    FAIL() << "the server did not start";
+    if (!kvf_server_test::wait_until_accepting(dir_)) FAIL() << "the server did not start";
   }
   void stop_expect_clean() {
-    ASSERT_GT(pid_, 0);
-    ASSERT_EQ(kill(pid_, SIGTERM), 0);
-    int status = 0;
-    ASSERT_EQ(waitpid(pid_, &status, 0), pid_);
-    pid_ = -1;
-    ASSERT_TRUE(WIFEXITED(status)) << "the server died of signal " << WTERMSIG(status);
-    EXPECT_EQ(WEXITSTATUS(status), 0) << "2 create, 3 run, 4 leaks (sanitizer builds)";
+    kvf_server_test::stop_expect_clean(pid_, "2 create, 3 run, 4 leaks (sanitizer builds)");
   }
   void kill_server() {
     kill(pid_, SIGKILL);

@@ -146,25 +146,11 @@ class Server : public ::testing::Test {
       _exit(0);
     }
     // Ready once the socket accepts.
-    for (int i = 0; i < 500; i++) {
-      kvf_conn c;
-      if (kvf_endpoint_connect(dir_.c_str(), 0, &c) == KVF_SUCCESS) {
-        kvf_conn_close(&c);
-        return;
-      }
-      sleep_ms(10);
-    }
-    FAIL() << "the server did not start";
+    if (!kvf_server_test::wait_until_accepting(dir_)) FAIL() << "the server did not start";
   }
 
   void stop_server_expect_clean() {
-    ASSERT_GT(server_pid_, 0);
-    ASSERT_EQ(kill(server_pid_, SIGTERM), 0);
-    int status = 0;
-    ASSERT_EQ(waitpid(server_pid_, &status, 0), server_pid_);
-    server_pid_ = -1;
-    ASSERT_TRUE(WIFEXITED(status)) << "the server died of signal " << WTERMSIG(status);
-    EXPECT_EQ(WEXITSTATUS(status), 0) << "2 create, 3 run, 4 still mapped, 5 descriptors leaked";
+    kvf_server_test::stop_expect_clean(server_pid_, "2 create, 3 run, 4 still mapped, 5 descriptors leaked");
   }
 
   Engine &start_engine() {

@@ -207,15 +207,7 @@ struct ServerProcess {
       if (memfd_mappings("/proc/self/maps") != maps) _exit(6);
       _exit(0);
     }
-    for (int i = 0; i < 500; i++) {
-      kvf_conn c;
-      if (kvf_endpoint_connect(dir.c_str(), 0, &c) == KVF_SUCCESS) {
-        kvf_conn_close(&c);
-        return true;
-      }
-      sleep_ms(10);
-    }
-    return false;
+    return kvf_server_test::wait_until_accepting(dir);
   }
   std::string proc(const char *what) const { return "/proc/" + std::to_string(pid) + "/" + what; }
   int fds() const { return steady([this] { return proc_entries(proc("fd")); }); }
