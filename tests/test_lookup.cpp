@@ -529,11 +529,29 @@ TEST_F(Lookup, PinLimitsAreRefusedNamingTheField) {
 // and the one queued behind it times out, then retires at about 2 * kDelayMs.
 constexpr uint32_t kDelayMs = 300, kTimeoutMs = 500;
 
-TEST_F(Lookup, TimedOutRetrieveIsFollowedByItsRetiredNotice) {
+ServerConfig delayed_config() {
   ServerConfig cfg;
   cfg.delay_ms = kDelayMs;
   cfg.timeout_ms = kTimeoutMs;
-  start(cfg);
+  return cfg;
+}
+
+// Such a burst: a filler STORE of kf's two chunks, then the RETRIEVE of kx
+// (stored before) queued behind it, which times out. Their request ids in
+// *fid and *rid.
+void submit_filler_then_retrieve(const Engine &e, const std::vector<kvf_chunk_key> &kx,
+                                 const std::vector<kvf_chunk_key> &kf, uint64_t *fid, uint64_t *rid) {
+  const uint32_t C = e.C;
+  ASSERT_EQ(e.xfer(KVF_CLIENT_STORE, kf, 0, 2 * C, e.tables(0, 2 * C, false, false, true, 8), nullptr, fid),
+            KVF_SUCCESS)
+      << kvf_last_error();
+  ASSERT_EQ(e.xfer(KVF_CLIENT_RETRIEVE, kx, 0, 2 * C, e.tables(0, 2 * C, true, false, true, 20), nullptr, rid),
+            KVF_SUCCESS)
+      << kvf_last_error();
+}
+
+TEST_F(Lookup, TimedOutRetrieveIsFollowedByItsRetiredNotice) {
+  start(delayed_config());
   Engine e;
   ASSERT_EQ(e.open(dir_, small_json(64), "engine"), "");
   const uint32_t C = e.C;
@@ -543,12 +561,7 @@ TEST_F(Lookup, TimedOutRetrieveIsFollowedByItsRetiredNotice) {
   // A filler store, then the retrieve queued behind it: it times out.
   uint64_t fid = 0, rid = 0;
   auto t0 = Clock::now();
-  ASSERT_EQ(e.xfer(KVF_CLIENT_STORE, kf, 0, 2 * C, e.tables(0, 2 * C, false, false, true, 8), nullptr, &fid),
-            KVF_SUCCESS)
-      << kvf_last_error();
-  ASSERT_EQ(e.xfer(KVF_CLIENT_RETRIEVE, kx, 0, 2 * C, e.tables(0, 2 * C, true, false, true, 20), nullptr, &rid),
-            KVF_SUCCESS)
-      << kvf_last_error();
+  ASSERT_NO_FATAL_FAILURE(submit_filler_then_retrieve(e, kx, kf, &fid, &rid));
   // Before its reply: in flight, not retired.
   EXPECT_EQ(kvf_client_wait_retired(e.c, rid, 50), KVF_ERR_TIMEOUT);
   EXPECT_TRUE(has(kvf_last_error(), "still in flight")) << kvf_last_error();
@@ -595,20 +608,14 @@ TEST_F(Lookup, TimedOutRetrieveIsFollowedByItsRetiredNotice) {
 }
 
 TEST_F(Lookup, AConnectionThatDiesBeforeTheNoticeSaysSo) {
-  ServerConfig cfg;
-  cfg.delay_ms = kDelayMs;
-  cfg.timeout_ms = kTimeoutMs;
-  start(cfg);
+  start(delayed_config());
   Engine e;
   ASSERT_EQ(e.open(dir_, small_json(64), "engine"), "");
   const uint32_t C = e.C;
   const std::vector<kvf_chunk_key> kx = e.keys(1, 2 * C), kf = e.keys(2, 2 * C);
   ASSERT_EQ(e.store(kx, 0, 2 * C), KVF_SUCCESS) << kvf_last_error();
   uint64_t fid = 0, rid = 0;
-  ASSERT_EQ(e.xfer(KVF_CLIENT_STORE, kf, 0, 2 * C, e.tables(0, 2 * C, false, false, true, 8), nullptr, &fid),
-            KVF_SUCCESS);
-  ASSERT_EQ(e.xfer(KVF_CLIENT_RETRIEVE, kx, 0, 2 * C, e.tables(0, 2 * C, true, false, true, 20), nullptr, &rid),
-            KVF_SUCCESS);
+  ASSERT_NO_FATAL_FAILURE(submit_filler_then_retrieve(e, kx, kf, &fid, &rid));
   kvf_client_result rr = KVF_CLIENT_RESULT_INIT;
   ASSERT_EQ(kvf_client_wait(e.c, rid, 0, &rr), KVF_SUCCESS) << kvf_last_error();
   ASSERT_EQ(rr.outcome, KVF_CLIENT_TIMED_OUT);
