@@ -722,6 +722,14 @@ kvf_status register_tiny(RawConn &c, const kvf_mem_identity &id, uint64_t region
   return st;
 }
 
+// REGISTER the tiny geometry in a on c and expect it accepted.
+void expect_registered(RawConn &c, const HostAlloc &a) {
+  kvf_proto_msg reply;
+  ASSERT_EQ(register_tiny(c, a.id, a.region, a.fd(), &reply), KVF_SUCCESS);
+  ASSERT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
+  kvf_proto_msg_clear(&reply);
+}
+
 // Descriptors that are not a sealed memfd of `size` bytes.
 std::vector<std::pair<const char *, int>> wrong_descriptors(const std::string &dir, uint64_t size) {
   std::vector<std::pair<const char *, int>> out;
@@ -750,10 +758,8 @@ TEST_F(Isolation, ADescriptorMustBeTheAllocationItsIdentityNames) {
   HostAlloc a(1), b(2), c(3);
   RawConn conn;
   ASSERT_EQ(conn.open(dir_), KVF_SUCCESS);
+  ASSERT_NO_FATAL_FAILURE(expect_registered(conn, a));
   kvf_proto_msg reply;
-  ASSERT_EQ(register_tiny(conn, a.id, a.region, a.fd(), &reply), KVF_SUCCESS);
-  ASSERT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
-  kvf_proto_msg_clear(&reply);
   int fds0 = server_.fds(), maps0 = server_.memfd_maps();
   auto still_serving = [&](const char *what) {
     kvf_proto_msg r;
@@ -1065,10 +1071,8 @@ TEST_F(Isolation, AMappingBelongsToTheConnectionThatImportedIt) {
   RawConn one, two;
   ASSERT_EQ(one.open(dir_), KVF_SUCCESS);
   ASSERT_EQ(two.open(dir_), KVF_SUCCESS);
+  ASSERT_NO_FATAL_FAILURE(expect_registered(one, a));
   kvf_proto_msg reply;
-  ASSERT_EQ(register_tiny(one, a.id, a.region, a.fd(), &reply), KVF_SUCCESS);
-  ASSERT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
-  kvf_proto_msg_clear(&reply);
   ASSERT_EQ(register_tiny(two, a.id, a.region, a.fd(), &reply), KVF_SUCCESS);
   std::printf("the other connection, a's own descriptor: %s\n", describe(reply).c_str());
   ASSERT_EQ(reply.type, KVF_PROTO_ERROR) << describe(reply);
@@ -1353,10 +1357,8 @@ TEST_F(Isolation, NumbersAtTheTopOfThe64BitRangeAreRefusedNamingTheField) {
   HostAlloc a(1);
   RawConn conn;
   ASSERT_EQ(conn.open(dir_), KVF_SUCCESS);
+  ASSERT_NO_FATAL_FAILURE(expect_registered(conn, a));
   kvf_proto_msg reply;
-  ASSERT_EQ(register_tiny(conn, a.id, a.region, a.fd(), &reply), KVF_SUCCESS);
-  ASSERT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
-  kvf_proto_msg_clear(&reply);
   const uint64_t top = UINT64_MAX - 15;  // 2^64 - 16: a multiple of chunk_tokens 16
   struct Case {
     const char *what;
