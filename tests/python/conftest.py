@@ -68,6 +68,22 @@ def subprocess_env(**changes):
     return env
 
 
+# Python source for the scripts that run without numpy (after `import
+# kvferry`): `g`, a finalized one-region geometry of one full group (4 blocks
+# of 4 tokens, 2 planes x 2 heads x 4 bytes at block stride 64, chunk_tokens
+# 4), and `size`, its region's bytes.
+RAW_GEOMETRY_SCRIPT = '''\
+g = kvferry.Geometry("raw")
+r = g.add_region(align=8)
+grp = g.add_group("full", block_size=4, num_blocks=4)
+g.add_view(grp, region=r, elem_bytes=1, block_stride=64, planes=2, heads=2, plane_stride=32,
+           token_stride=8, head_stride=4, head_bytes=4)
+g.set_policy(chunk_tokens=4)
+g.finalize()
+size = g.regions[0].size
+'''
+
+
 def tiny_geometry(num_blocks=8, chunk_tokens=8):
     """A small geometry built in code: one region, one full group of block
     size 4, two layers of 2 planes x 2 heads x 16 bytes (FlashInfer-like

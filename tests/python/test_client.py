@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import served
-from conftest import ROOT, subprocess_env, tiny_geometry
+from conftest import RAW_GEOMETRY_SCRIPT, ROOT, subprocess_env, tiny_geometry
 
 import kvferry
 from kvferry import client as kc
@@ -582,14 +582,7 @@ sys.modules["numpy"] = None  # importing numpy now fails
 sys.path.insert(0, sys.argv[2])
 import kvferry
 from kvferry.client import Client, chunk_keys, chunk_seed
-g = kvferry.Geometry("raw")
-r = g.add_region(align=8)
-grp = g.add_group("full", block_size=4, num_blocks=4)
-g.add_view(grp, region=r, elem_bytes=1, block_stride=64, planes=2, heads=2, plane_stride=32,
-           token_stride=8, head_stride=4, head_bytes=4)
-g.set_policy(chunk_tokens=4)
-g.finalize()
-size = g.regions[0].size
+''' + RAW_GEOMETRY_SCRIPT + r'''
 with kvferry.Allocation.create(size, "host") as a:
     cache = (ctypes.c_uint8 * size).from_address(a.ptr)
     for i in range(size):

@@ -10,21 +10,14 @@ import sys
 
 import pytest
 
-from conftest import ROOT, subprocess_env
+from conftest import RAW_GEOMETRY_SCRIPT, ROOT, subprocess_env
 
 SCRIPT = r'''
 import ctypes, sys
 import kvferry
 assert not any(m in sys.modules for m in ("numpy", "torch")), sorted(sys.modules)
 print(kvferry.library_path())
-g = kvferry.Geometry("raw")
-r = g.add_region(align=8)
-grp = g.add_group("full", block_size=4, num_blocks=4)
-g.add_view(grp, region=r, elem_bytes=1, block_stride=64, planes=2, heads=2, plane_stride=32,
-           token_stride=8, head_stride=4, head_bytes=4)
-g.set_policy(chunk_tokens=4)
-g.finalize()
-size = g.regions[0].size
+''' + RAW_GEOMETRY_SCRIPT + r'''
 cache = (ctypes.c_uint8 * size)(*[(7 * i) % 251 for i in range(size)])
 want = b"".join(bytes(cache[2 * 64 + p * 32 + t * 8 + h * 4:][:4])
                 for p in range(2) for t in range(4) for h in range(2))
