@@ -924,25 +924,35 @@ uint64_t kvf_chunk_keys(const kvf_chunk_key *seed, const void *tokens, uint32_t 
 
 /* ---- STORE and RETRIEVE ------------------------------------------------------------ */
 
+/* The rules a STORE, a RETRIEVE and a LOOKUP share: a token range, an object
+ * format and a chunk key per chunk of it (1..KVF_PROTO_MAX_CHUNKS, none all
+ * zero). Fields are named "<what>.<field>" (what: "xfer" or "lookup"). */
+static kvf_status range_check(const char *what, uint64_t token_begin, uint64_t token_end, kvf_object_format format,
+                              const kvf_chunk_key *chunk_keys, uint32_t num_chunk_keys) {
+  if (token_end <= token_begin)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "%s.token_end: %llu is not after token_begin %llu", what,
+                    (unsigned long long)token_end, (unsigned long long)token_begin);
+  if (format != KVF_FORMAT_CANONICAL && format != KVF_FORMAT_NATIVE)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "%s.format: %d is neither canonical (0) nor native (1)", what,
+                    (int)format);
+  if (num_chunk_keys == 0 || num_chunk_keys > KVF_PROTO_MAX_CHUNKS)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "%s.num_chunk_keys: %u is not in 1..%u", what, num_chunk_keys,
+                    KVF_PROTO_MAX_CHUNKS);
+  if (num_chunk_keys > token_end - token_begin)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "%s.num_chunk_keys: %u chunks for a range of %llu tokens", what,
+                    num_chunk_keys, (unsigned long long)(token_end - token_begin));
+  if (!chunk_keys) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "%s.chunk_keys: NULL", what);
+  for (uint32_t k = 0; k < num_chunk_keys; k++)
+    if (key_is_zero(&chunk_keys[k]))
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "%s.chunk_keys[%u]: all zero is not a key", what, k);
+  return KVF_SUCCESS;
+}
+
 /* Check a kvf_client_xfer against what the protocol carries, naming the
  * field, before anything is sent. *payload gets the frame's payload bytes. */
 static kvf_status xfer_check(const kvf_client *c, kvf_client_op op, const kvf_client_xfer *x, uint64_t *payload) {
-  if (x->token_end <= x->token_begin)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.token_end: %llu is not after token_begin %llu",
-                    (unsigned long long)x->token_end, (unsigned long long)x->token_begin);
-  if (x->format != KVF_FORMAT_CANONICAL && x->format != KVF_FORMAT_NATIVE)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.format: %d is neither canonical (0) nor native (1)",
-                    (int)x->format);
-  if (x->num_chunk_keys == 0 || x->num_chunk_keys > KVF_PROTO_MAX_CHUNKS)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.num_chunk_keys: %u is not in 1..%u", x->num_chunk_keys,
-                    KVF_PROTO_MAX_CHUNKS);
-  if (x->num_chunk_keys > x->token_end - x->token_begin)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.num_chunk_keys: %u chunks for a range of %llu tokens",
-                    x->num_chunk_keys, (unsigned long long)(x->token_end - x->token_begin));
-  if (!x->chunk_keys) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.chunk_keys: NULL");
-  for (uint32_t k = 0; k < x->num_chunk_keys; k++)
-    if (key_is_zero(&x->chunk_keys[k]))
-      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.chunk_keys[%u]: all zero is not a key", k);
+  kvf_status st = range_check("xfer", x->token_begin, x->token_end, x->format, x->chunk_keys, x->num_chunk_keys);
+  if (st != KVF_SUCCESS) return st;
   if (x->num_groups == 0 || x->num_groups > KVF_PROTO_MAX_GROUPS)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "xfer.num_groups: %u is not in 1..%u", x->num_groups,
                     KVF_PROTO_MAX_GROUPS);
@@ -1122,22 +1132,8 @@ kvf_status kvf_client_lookup(kvf_client *client, const kvf_client_lookup_desc *c
   kvf_status st = KVF_VERSIONED_IN(kvf_client_lookup_desc, &local, caller);
   if (st == KVF_SUCCESS) st = KVF_VERSIONED_CHECK(kvf_client_lookup_result, out);
   if (st != KVF_SUCCESS) return st;
-  if (q->token_end <= q->token_begin)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "lookup.token_end: %llu is not after token_begin %llu",
-                    (unsigned long long)q->token_end, (unsigned long long)q->token_begin);
-  if (q->format != KVF_FORMAT_CANONICAL && q->format != KVF_FORMAT_NATIVE)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "lookup.format: %d is neither canonical (0) nor native (1)",
-                    (int)q->format);
-  if (q->num_chunk_keys == 0 || q->num_chunk_keys > KVF_PROTO_MAX_CHUNKS)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "lookup.num_chunk_keys: %u is not in 1..%u", q->num_chunk_keys,
-                    KVF_PROTO_MAX_CHUNKS);
-  if (q->num_chunk_keys > q->token_end - q->token_begin)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "lookup.num_chunk_keys: %u chunks for a range of %llu tokens",
-                    q->num_chunk_keys, (unsigned long long)(q->token_end - q->token_begin));
-  if (!q->chunk_keys) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "lookup.chunk_keys: NULL");
-  for (uint32_t k = 0; k < q->num_chunk_keys; k++)
-    if (key_is_zero(&q->chunk_keys[k]))
-      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "lookup.chunk_keys[%u]: all zero is not a key", k);
+  st = range_check("lookup", q->token_begin, q->token_end, q->format, q->chunk_keys, q->num_chunk_keys);
+  if (st != KVF_SUCCESS) return st;
   if (q->pin_ms > KVF_CLIENT_MAX_PIN_MS)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "lookup.pin_ms: %u exceeds the %u ms limit", q->pin_ms,
                     KVF_CLIENT_MAX_PIN_MS);
