@@ -89,8 +89,15 @@ engine() { # engine DIR ROLE NAME SEED
     --seed "$4" --device "$DEVICE" < /dev/null
 }
 stop_all() {
-  [ -n "${B:-}" ] && kill -TERM "$B" 2> /dev/null && wait "$B"
-  local rb=$?
+  # Under compute-sanitizer, B is the sanitizer and kvferryd its child: the
+  # child gets the SIGTERM (the sanitizer does not pass it on), the sanitizer
+  # then exits with kvferryd's status or its own error exit code.
+  local rb=0
+  if [ -n "${B:-}" ]; then
+    if pgrep -P "$B" > /dev/null 2>&1; then pkill -TERM -P "$B"; else kill -TERM "$B" 2> /dev/null; fi
+    wait "$B"
+    rb=$?
+  fi
   [ -n "${A:-}" ] && kill -TERM "$A" 2> /dev/null && wait "$A"
   B=; A=
   return $rb
