@@ -42,6 +42,9 @@ def test_kvf_library_is_used_and_a_bad_one_is_an_error():
 
 
 def test_the_build_tree_is_found_from_the_checkout():
+    if not kvferry._lib.build_dirs(ROOT):
+        pytest.skip("this checkout has no build tree holding libkvferry.so (the library was carried "
+                    "from another machine's build)")
     out = _run(IMPORT % str(ROOT / "python"), KVF_LIBRARY=None)
     assert out.returncode == 0, out.stderr
     assert Path(out.stdout.strip()).resolve().is_relative_to((ROOT / "build").resolve())
