@@ -6,6 +6,8 @@
 #define _GNU_SOURCE
 #include "host/server/peer_transport.h"
 
+#include "common/clock.h"
+
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -299,7 +301,17 @@ void kvf_pt_destroy(kvf_pt *t) {
   while (t->conns) kvf_pt_close(t->conns);
   if (t->listener) ucp_listener_destroy(t->listener);
   if (t->addr) ucp_worker_release_address(t->worker, t->addr);
-  if (t->worker) ucp_worker_destroy(t->worker);
+  if (t->worker) {
+    /* A peer that was reconnecting as we stop leaves UCX's own wireup
+     * endpoints with messages in flight; UCX 1.13 asserts in
+     * ucp_worker_destroy when it purges them (seen once in CI, the lying-peer
+     * case). Progress the worker a short, bounded while first. */
+    uint64_t until = kvf_now_ns() + 100000000ull;
+    while (kvf_now_ns() < until) {
+      if (!ucp_worker_progress(t->worker)) usleep(1000);
+    }
+    ucp_worker_destroy(t->worker);
+  }
   if (t->ctx) ucp_cleanup(t->ctx);
   if (t->wake[0] >= 0) close(t->wake[0]);
   if (t->wake[1] >= 0) close(t->wake[1]);
