@@ -24,6 +24,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -707,7 +708,7 @@ struct Layout2 {
   }
 };
 
-TEST_F(Peers, HeterogeneousLayoutsRetrieveCanonicalObjectsAndAnotherModelMisses) {
+TEST_F(Peers, HeterogeneousLayoutsRetrieveCanonicalObjectsAndAnotherModelIsRefused) {
   setenv("UCX_TLS", "tcp", 1);
   ASSERT_EQ(start_a(), "");
   ASSERT_EQ(b.start(dir_b, addr, secret), KVF_SUCCESS) << kvf_last_error();
@@ -737,7 +738,9 @@ TEST_F(Peers, HeterogeneousLayoutsRetrieveCanonicalObjectsAndAnotherModelMisses)
                            dst.mem() + dst.offsets[reg] + lb.at(idb, p, t, h), 128), 0)
               << "region " << reg << " plane " << p << " token " << t << " head " << h;
   // Another model (4 KV heads) sending A's keys: L1 scopes keys by the
-  // canonical fingerprint, so A answers a miss and nothing moves.
+  // canonical fingerprint, so A holds nothing for it, but it holds the key
+  // for this model: B refuses the RETRIEVE naming the fingerprint, and
+  // nothing moves.
   Layout2 lc{true, 32, 4, 64};
   Engine other;
   ASSERT_EQ(other.open(dir_b, lc.json(), 43), "");
@@ -748,11 +751,15 @@ TEST_F(Peers, HeterogeneousLayoutsRetrieveCanonicalObjectsAndAnotherModelMisses)
   std::vector<uint32_t> idc = shuffled(lc.nb, 4);
   idc.resize(20);
   uint64_t failures = b.info().failures, pulled = b.info().objects_pulled;
-  ASSERT_EQ(xfer(other, false, keys2, idc, 640, &r), KVF_SUCCESS) << kvf_last_error();
-  EXPECT_EQ(r.prefix_tokens, 0u) << "another model was served this model's objects";
+  EXPECT_EQ(xfer(other, false, keys2, idc, 640, &r), KVF_ERR_GEOMETRY_MISMATCH) << kvf_last_error();
+  std::string why = kvf_last_error();
+  EXPECT_NE(why.find("payload.chunk_keys[0]"), std::string::npos) << why;
+  EXPECT_NE(why.find("geometry.fingerprint"), std::string::npos) << why;
+  EXPECT_NE(why.find("different model"), std::string::npos) << why;
   EXPECT_EQ(b.info().objects_pulled, pulled);
-  EXPECT_EQ(b.info().failures, failures) << "a different model is a miss, not the peer's failure";
-  expect_b_idle(b, "after the other model's miss");
+  EXPECT_EQ(b.info().failures, failures) << "a different model is refused, not counted as the peer's failure";
+  EXPECT_EQ(b.data().l1.objects, (uint64_t)keys.size()) << "the other model's RETRIEVE committed something";
+  expect_b_idle(b, "after the other model's refusal");
   b.stop();
   EXPECT_EQ(a.stop(), 0);
   unsetenv("UCX_TLS");
@@ -894,6 +901,13 @@ struct LyingPeer {
   uint8_t nonce[32] = {1, 2, 3}, their_nonce[32] = {};
   uint64_t their_boot = 0;
   std::atomic<int> lie{kOffsetPastPool}, has_seen{0}, stop{0}, errored{0};
+  // An OFFER to send from the transport's thread (it owns the connection),
+  // and what B answered to it.
+  std::mutex offer_mu;
+  std::vector<uint8_t> offer_out;
+  uint64_t offer_id = 0;
+  std::atomic<int> offer_pending{0}, offer_answered{0};
+  std::vector<uint8_t> offer_result;
   std::thread th;
   uint16_t port = 0;
 
@@ -954,6 +968,12 @@ struct LyingPeer {
       put(p, key, kl);
       p.resize((p.size() + 7) & ~(size_t)7, 0);
       send_msg(3, 0, p);
+    } else if (type == 9) { // OFFER_DONE
+      std::lock_guard<std::mutex> g(offer_mu);
+      uint32_t cnt;
+      memcpy(&cnt, b, 4);
+      offer_result.assign(b + 8, b + 8 + cnt);
+      offer_answered++;
     } else if (type == 4 && lie == kNoAnswer) { // HAS: silence
       has_seen++;
     } else if (type == 4) { // HAS: lie
@@ -1000,6 +1020,11 @@ struct LyingPeer {
     th = std::thread([this] {
       while (!stop) {
         kvf_pt_progress(t);
+        if (offer_pending && c) {
+          std::lock_guard<std::mutex> g(offer_mu);
+          kvf_pt_send(c, offer_out.data(), offer_out.size());
+          offer_pending = 0;
+        }
         if (errored && c) { // B disconnected us: wait for its reconnect
           kvf_pt_close(c);
           c = nullptr;
@@ -1012,6 +1037,38 @@ struct LyingPeer {
       kvf_pt_destroy(t);
     });
     return KVF_SUCCESS;
+  }
+  // Queue an OFFER of entries {L1 key, header, pool, offset}; raw_len
+  // nonzero overrides the length the header states (a truncated message).
+  struct OfferEntry {
+    kvf_chunk_key chunk;
+    uint64_t fingerprint;
+    uint32_t shard_index, shard_count;
+    kvf_object_header h;
+    uint32_t pool;
+    uint64_t off;
+  };
+  void offer(uint64_t id, const std::vector<OfferEntry> &es, int cut = 0) {
+    std::vector<uint8_t> p(8, 0);
+    uint32_t n = (uint32_t)es.size();
+    memcpy(&p[0], &n, 4);
+    for (const auto &e : es) {
+      put(p, &e.chunk, 32);
+      put(p, &e.fingerprint, 8);
+      put(p, &e.shard_index, 4);
+      put(p, &e.shard_count, 4);
+      put(p, &e.h, 48);
+      uint32_t zero = 0;
+      put(p, &e.pool, 4);
+      put(p, &zero, 4);
+      put(p, &e.off, 8);
+    }
+    std::vector<uint8_t> m = peer_header_(8, (uint32_t)(24 + p.size() - cut), id);
+    m.insert(m.end(), p.begin(), p.end() - cut);
+    std::lock_guard<std::mutex> g(offer_mu);
+    offer_out = m;
+    offer_id = id;
+    offer_pending = 1;
   }
   ~LyingPeer() {
     stop = 1;
@@ -1063,6 +1120,232 @@ TEST_F(Peers, APeerLyingAboutItsObjectsIsRefusedAndNothingIsCommitted) {
       EXPECT_GT(b.info().connects, connects_before) << "B did not drop the peer and reconnect";
     }
   }
+  b.stop();
+  unsetenv("UCX_TLS");
+}
+
+// ---- push (prefill -> decode) and LOOKUP through peers ---------------------------
+
+kvf_status push(Engine &e, const std::vector<kvf_chunk_key> &keys, uint64_t T, const std::string &peer,
+                kvf_client_push_result *out) {
+  kvf_client_push_desc d = KVF_CLIENT_PUSH_DESC_INIT;
+  d.token_begin = 0;
+  d.token_end = T;
+  d.chunk_keys = keys.data();
+  d.num_chunk_keys = (uint32_t)keys.size();
+  d.peer = peer.c_str();
+  *out = KVF_CLIENT_PUSH_RESULT_INIT;
+  return kvf_client_push(e.c, &d, out);
+}
+
+// The name A knows B by: B connected to A, so its boot token (kvferry stat).
+std::string incoming_peer_name(Engine &on_a) {
+  kvf_client_peer_record rec[4];
+  uint32_t n = 0;
+  EXPECT_EQ(kvf_client_stat_peers(on_a.c, rec, 4, &n), KVF_SUCCESS) << kvf_last_error();
+  for (uint32_t i = 0; i < n && i < 4; i++)
+    if (!rec[i].outgoing && rec[i].state == 2) {
+      char hex[17];
+      snprintf(hex, sizeof hex, "%016" PRIx64, rec[i].boot_token);
+      return hex;
+    }
+  return "";
+}
+
+TEST_F(Peers, PushCopiesChunksToTheNamedPeerWhichThenServesThemAlone) {
+  setenv("UCX_TLS", "tcp", 1);
+  ASSERT_EQ(start_a(), "");
+  ASSERT_EQ(b.start(dir_b, addr, secret), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_TRUE(b.wait_ready());
+  Engine src, dst;
+  ASSERT_EQ(src.open(dir_a, geometry_json(kBlocks), 51), "");
+  ASSERT_EQ(dst.open(dir_b, geometry_json(kBlocks), 52), "");
+  const uint64_t T = 1984; // 31 chunks
+  std::vector<kvf_chunk_key> keys = prompt_keys(src.g, 51, T, 64);
+  std::vector<uint32_t> ids = shuffled(kBlocks, 5);
+  ids.resize(T / 16);
+  kvf_client_result r;
+  ASSERT_EQ(xfer(src, true, keys, ids, T, &r), KVF_SUCCESS) << kvf_last_error();
+  std::string name;
+  auto t0 = Clock::now();
+  while ((name = incoming_peer_name(src)).empty() && ms_since(t0) < 10000) sleep_ms(10);
+  ASSERT_FALSE(name.empty()) << "A does not see B as a ready peer";
+
+  // A name no peer has: refused naming the field, listing the peers.
+  kvf_client_push_result pr;
+  EXPECT_EQ(push(src, keys, T, "10.1.2.3:9", &pr), KVF_ERR_NOT_FOUND);
+  std::string why = kvf_last_error();
+  EXPECT_NE(why.find("payload.peer"), std::string::npos) << why;
+  EXPECT_NE(why.find(name), std::string::npos) << "the refusal does not list the peers: " << why;
+
+  uint64_t pulled = b.info().objects_pulled;
+  ASSERT_EQ(push(src, keys, T, name, &pr), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(pr.objects_pushed, keys.size());
+  EXPECT_EQ(pr.objects_present, 0u);
+  EXPECT_EQ(pr.objects_missing, 0u);
+  EXPECT_EQ(pr.objects_failed, 0u);
+  EXPECT_EQ(pr.chunks_on_peer, keys.size());
+  EXPECT_EQ(pr.bytes_pushed, (uint64_t)T * 2 * 2 * kHeads * 128) << "2 layers x K,V x heads x 128 bytes per token";
+  EXPECT_EQ(b.info().objects_pulled - pulled, keys.size()) << "B did not pull what A offered";
+  EXPECT_EQ(b.data().l1.objects, (uint64_t)keys.size());
+  kvf_client_peer_record rec[4];
+  uint32_t n = 0;
+  ASSERT_EQ(kvf_client_stat_peers(src.c, rec, 4, &n), KVF_SUCCESS);
+  ASSERT_GE(n, 1u);
+  EXPECT_EQ(rec[n - 1].objects_pushed, keys.size());
+  EXPECT_EQ(rec[n - 1].bytes_pushed, pr.bytes_pushed);
+
+  // Again: B holds them already; keys A never stored are not held here.
+  ASSERT_EQ(push(src, keys, T, name, &pr), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(pr.objects_present, keys.size());
+  EXPECT_EQ(pr.objects_pushed, 0u);
+  EXPECT_EQ(pr.chunks_on_peer, keys.size());
+  std::vector<kvf_chunk_key> unknown = prompt_keys(src.g, 999, 640, 64);
+  ASSERT_EQ(push(src, unknown, 640, name, &pr), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(pr.objects_missing, unknown.size());
+  EXPECT_EQ(pr.chunks_on_peer, 0u);
+
+  // A gone: B serves the pushed prefix from its own L1, byte for byte.
+  a.kill_now();
+  ASSERT_EQ(xfer(dst, false, keys, ids, T, &r), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(r.prefix_tokens, T);
+  EXPECT_EQ(compare_blocks(src, dst, ids, T / 16, kBlocks, kBlockBytes), "");
+  kvf_peers_counters pc;
+  kvf_peers_counters_get(b.peers(), &pc);
+  EXPECT_EQ(pc.offers_in_flight, 0u);
+  expect_b_idle(b, "after the push");
+  b.stop();
+  unsetenv("UCX_TLS");
+}
+
+TEST_F(Peers, PushToAServerWithoutPeersIsRefusedNamingTheField) {
+  Daemon lone;
+  std::string dir = tmp.path + "/lone";
+  ASSERT_EQ(lone.start(dir, {}), "");
+  Engine e;
+  ASSERT_EQ(e.open(dir, geometry_json(kBlocks), 3), "");
+  std::vector<kvf_chunk_key> keys = prompt_keys(e.g, 3, 128, 64);
+  kvf_client_push_result pr;
+  EXPECT_EQ(push(e, keys, 128, "127.0.0.1:1", &pr), KVF_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(kvf_last_error()).find("payload.peer"), std::string::npos) << kvf_last_error();
+  // The client checks what it can before sending.
+  EXPECT_EQ(push(e, keys, 128, "", &pr), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvf_last_error()).find("push.peer"), std::string::npos) << kvf_last_error();
+  EXPECT_EQ(push(e, keys, 128, "bad name", &pr), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvf_last_error()).find("push.peer"), std::string::npos) << kvf_last_error();
+  e.close();
+  EXPECT_EQ(lone.stop(), 0);
+}
+
+TEST_F(Peers, LookupOnBFetchesFromASoTheRetrieveNeedsNoPeer) {
+  setenv("UCX_TLS", "tcp", 1);
+  ASSERT_EQ(start_a(), "");
+  ASSERT_EQ(b.start(dir_b, addr, secret), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_TRUE(b.wait_ready());
+  Engine src, dst;
+  ASSERT_EQ(src.open(dir_a, geometry_json(kBlocks), 61), "");
+  ASSERT_EQ(dst.open(dir_b, geometry_json(kBlocks), 62), "");
+  const uint64_t T = 1024;
+  std::vector<kvf_chunk_key> keys = prompt_keys(src.g, 61, T, 64);
+  std::vector<uint32_t> ids = shuffled(kBlocks, 6);
+  ids.resize(T / 16);
+  kvf_client_result r;
+  ASSERT_EQ(xfer(src, true, keys, ids, T, &r), KVF_SUCCESS) << kvf_last_error();
+  kvf_client_lookup_desc q = KVF_CLIENT_LOOKUP_DESC_INIT;
+  q.token_begin = 0;
+  q.token_end = T;
+  q.chunk_keys = keys.data();
+  q.num_chunk_keys = (uint32_t)keys.size();
+  q.pin_ms = 5000;
+  kvf_client_lookup_result lr = KVF_CLIENT_LOOKUP_RESULT_INIT;
+  ASSERT_EQ(kvf_client_lookup(dst.c, &q, &lr), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(lr.prefix_tokens, T) << "LOOKUP on B did not count what A holds";
+  EXPECT_EQ(lr.pinned_chunks, keys.size());
+  EXPECT_EQ(b.info().objects_pulled, keys.size());
+  a.kill_now();
+  ASSERT_EQ(xfer(dst, false, keys, ids, T, &r), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(r.prefix_tokens, T);
+  EXPECT_EQ(compare_blocks(src, dst, ids, T / 16, kBlocks, kBlockBytes), "");
+  ASSERT_EQ(kvf_client_unpin(dst.c, lr.pin_id), KVF_SUCCESS) << kvf_last_error();
+  expect_b_idle(b, "after the LOOKUP's fetch");
+  b.stop();
+  unsetenv("UCX_TLS");
+}
+
+TEST_F(Peers, OffersWithBadHeadersAreRefusedAndAGoodOneIsCommittedWhole) {
+  setenv("UCX_TLS", "tcp", 1);
+  LyingPeer liar;
+  ASSERT_EQ(liar.start(addr, "correct horse battery staple 0123456789"), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_EQ(b.start(dir_b, addr, secret), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_TRUE(b.wait_ready());
+  Engine dst;
+  ASSERT_EQ(dst.open(dir_b, geometry_json(kBlocks), 8), "");
+  std::vector<kvf_chunk_key> keys = prompt_keys(dst.g, 8, 64, 64);
+  LyingPeer::OfferEntry good;
+  memset(&good, 0, sizeof good);
+  good.chunk = keys[0];
+  good.fingerprint = kvf_geometry_fingerprint(dst.g, KVF_FORMAT_CANONICAL);
+  good.shard_index = 0;
+  good.shard_count = 1;
+  ASSERT_EQ(kvf_object_header_init(dst.g, KVF_FORMAT_CANONICAL, 0, 0, 64, &good.h), KVF_SUCCESS);
+  ASSERT_LE(good.h.payload_bytes, liar.pool.size());
+  auto send = [&](uint64_t id, const LyingPeer::OfferEntry &e) -> int {
+    int answered = liar.offer_answered;
+    liar.offer(id, {e});
+    auto t0 = Clock::now();
+    while (liar.offer_answered == answered && ms_since(t0) < 5000) sleep_ms(5);
+    if (liar.offer_answered == answered) return -1;
+    std::lock_guard<std::mutex> g(liar.offer_mu);
+    return liar.offer_result.size() == 1 ? liar.offer_result[0] : -2;
+  };
+  struct Bad {
+    const char *what;
+    void (*spoil)(LyingPeer::OfferEntry &, size_t pool_size);
+  };
+  const Bad bad[] = {
+      {"a header fingerprint that is not its key's", [](LyingPeer::OfferEntry &e, size_t) { e.h.fingerprint ^= 1; }},
+      {"an offset past its pool", [](LyingPeer::OfferEntry &e, size_t n) { e.off = n - 64; }},
+      {"a pool it sent no key for", [](LyingPeer::OfferEntry &e, size_t) { e.pool = 5; }},
+      {"no payload", [](LyingPeer::OfferEntry &e, size_t) { e.h.payload_bytes = 0; }},
+      {"a header that is no object header", [](LyingPeer::OfferEntry &e, size_t) { e.h.magic ^= 1; }},
+      {"an empty token range", [](LyingPeer::OfferEntry &e, size_t) { e.h.token_end = e.h.token_begin; }},
+  };
+  uint64_t id = 100;
+  for (const Bad &c : bad) {
+    SCOPED_TRACE(c.what);
+    LyingPeer::OfferEntry e = good;
+    c.spoil(e, liar.pool.size());
+    uint64_t failures = b.info().failures;
+    EXPECT_EQ(send(++id, e), 0) << "refused (0) expected";
+    EXPECT_GT(b.info().failures, failures) << "not counted as the peer's failure";
+    EXPECT_EQ(b.data().l1.objects, 0u) << "something was committed";
+    EXPECT_EQ(b.info().state, (uint32_t)KVF_PEER_READY) << "a refused object is no reason to disconnect";
+  }
+  // A whole, well-formed object: committed, then served as any other.
+  EXPECT_EQ(send(++id, good), 1);
+  EXPECT_EQ(b.data().l1.objects, 1u);
+  EXPECT_EQ(send(++id, good), 2) << "offered again: held already";
+  std::vector<uint32_t> ids = shuffled(kBlocks, 9);
+  ids.resize(4);
+  kvf_client_result r;
+  ASSERT_EQ(xfer(dst, false, keys, ids, 64, &r), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(r.prefix_tokens, 64u);
+  for (size_t reg = 0; reg < dst.offsets.size(); reg++)
+    for (uint32_t plane = 0; plane < 2; plane++)
+      for (uint32_t k = 0; k < 4; k++) {
+        const uint8_t *blk = dst.mem() + dst.offsets[reg] + (uint64_t)plane * kBlocks * kBlockBytes +
+                             (uint64_t)ids[k] * kBlockBytes;
+        for (uint32_t i = 0; i < kBlockBytes; i++)
+          ASSERT_EQ(blk[i], 0x5A) << "region " << reg << " plane " << plane << " block " << k << " byte " << i;
+      }
+  // A truncated OFFER is a bad message: an ERROR and a disconnect.
+  uint64_t connects = b.info().connects;
+  liar.offer(++id, {good}, 8);
+  auto t0 = Clock::now();
+  while (!(b.info().connects > connects && b.info().state == (uint32_t)KVF_PEER_READY) && ms_since(t0) < 8000)
+    sleep_ms(10);
+  EXPECT_GT(b.info().connects, connects) << "B did not drop the peer that sent a truncated OFFER";
+  expect_b_idle(b, "after the offers");
   b.stop();
   unsetenv("UCX_TLS");
 }

@@ -1207,6 +1207,117 @@ TEST(Protocol, RoundTripLookupUnpinAndRetired) {
   EXPECT_TRUE(KVF_PROTO_RETIRED & KVF_PROTO_REPLY);
 }
 
+// ---- PUSH ---------------------------------------------------------------------
+
+namespace {
+
+// A PUSH of 2 chunks [0, 128) to a peer named by address.
+struct Push {
+  std::vector<kvf_proto_chunk_key> keys = {Key(0x21), Key(0x42)};
+  kvf_proto_msg m;
+  Push() {
+    m = Msg(KVF_PROTO_PUSH, 13);
+    m.u.push.registration_id = 4;
+    m.u.push.token_begin = 0;
+    m.u.push.token_end = 128;
+    m.u.push.format = 0;
+    snprintf(m.u.push.peer, sizeof m.u.push.peer, "%s", "10.0.0.2:7400");
+    m.u.push.chunk_keys = keys.data();
+    m.u.push.num_chunk_keys = (uint32_t)keys.size();
+  }
+};
+
+// PUSH payload offsets (docs/protocol.md): u64 registration_id, token_begin,
+// token_end, u32 format, num_chunk_keys, then the peer (u32 length, bytes), keys.
+constexpr size_t kPushKeys = H + 28, kPushPeerLen = H + 32, kPushPeer = H + 36;
+
+}  // namespace
+
+TEST(Protocol, RoundTripPush) {
+  Push q;
+  auto f = Encode(q.m);
+  ASSERT_EQ(f.size(), H + 36 + 13 + 2 * KVF_PROTO_KEY_BYTES);
+  kvf_proto_msg d;
+  ASSERT_EQ(Decode(f, &d), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(d.type, KVF_PROTO_PUSH);
+  EXPECT_EQ(d.u.push.registration_id, 4u);
+  EXPECT_EQ(d.u.push.token_end, 128u);
+  EXPECT_STREQ(d.u.push.peer, "10.0.0.2:7400");
+  ASSERT_EQ(d.u.push.num_chunk_keys, 2u);
+  EXPECT_EQ(memcmp(&d.u.push.chunk_keys[1], &q.keys[1], KVF_PROTO_KEY_BYTES), 0);
+  kvf_proto_msg_clear(&d);
+  kvf_proto_msg r = Msg(KVF_PROTO_PUSH_REPLY, 13);
+  r.u.push_reply.objects_pushed = 3;
+  r.u.push_reply.objects_present = 1;
+  r.u.push_reply.objects_missing = 2;
+  r.u.push_reply.objects_failed = 4;
+  r.u.push_reply.bytes_pushed = 4096;
+  r.u.push_reply.chunks_on_peer = 1;
+  f = Encode(r);
+  ASSERT_EQ(f.size(), H + 48);
+  ASSERT_EQ(Decode(f, &d), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(d.type, KVF_PROTO_PUSH_REPLY);
+  EXPECT_EQ(d.u.push_reply.objects_pushed, 3u);
+  EXPECT_EQ(d.u.push_reply.objects_present, 1u);
+  EXPECT_EQ(d.u.push_reply.objects_missing, 2u);
+  EXPECT_EQ(d.u.push_reply.objects_failed, 4u);
+  EXPECT_EQ(d.u.push_reply.bytes_pushed, 4096u);
+  EXPECT_EQ(d.u.push_reply.chunks_on_peer, 1u);
+  EXPECT_STREQ(kvf_proto_type_name(KVF_PROTO_PUSH), "PUSH");
+  EXPECT_STREQ(kvf_proto_type_name(KVF_PROTO_PUSH_REPLY), "PUSH_REPLY");
+}
+
+TEST(Protocol, PushRejectionsNameTheirField) {
+  Push q;
+  const std::vector<uint8_t> good = Encode(q.m);
+  auto f = good;
+  PutLe(f, kPushKeys, 0, 4);
+  ExpectReject(f, "payload.num_chunk_keys: 0");
+  f = good;
+  PutLe(f, kPushKeys, 200, 4);
+  ExpectReject(f, "payload.num_chunk_keys: 200 chunks for a range of 128 tokens");
+  f = good;
+  PutLe(f, kPushPeerLen, 64, 4);
+  ExpectReject(f, "payload.peer: length 64 exceeds the 63 limit");
+  f = good;
+  f[kPushPeer + 2] = ' ';
+  ExpectReject(f, "payload.peer: byte 0x20 at 2");
+  f = good;
+  f[kPushPeer + 2] = 0;
+  ExpectReject(f, "payload.peer: NUL byte");
+  f = good;
+  PutLe(f, H + 16, 0, 8);
+  ExpectReject(f, "payload.token_end");
+  f = good;
+  f.push_back(0);
+  FixLen(f);
+  ExpectReject(f, "left over after the PUSH message");
+  kvf_proto_msg r = Msg(KVF_PROTO_PUSH_REPLY);
+  r.u.push_reply.objects_pushed = 1;
+  r.u.push_reply.bytes_pushed = 10;
+  f = Encode(r);
+  PutLe(f, H, 0, 8);
+  ExpectReject(f, "payload.bytes_pushed: 10 bytes for 0 objects");
+  for (const auto &g : {good, Encode(r)})
+    for (size_t cut = 0; cut < g.size() - H; cut++) {
+      auto t = g;
+      t.resize(H + cut);
+      FixLen(t);
+      kvf_proto_msg m;
+      EXPECT_NE(Decode(t, &m), KVF_SUCCESS) << "a cut at " << cut << " decoded";
+    }
+  uint8_t *buf = nullptr;
+  size_t len = 0;
+  Push empty;
+  empty.m.u.push.peer[0] = 0;
+  EXPECT_EQ(kvf_proto_encode(&empty.m, &buf, &len), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvf_last_error()).find("push.peer: empty"), std::string::npos) << kvf_last_error();
+  Push spaced;
+  spaced.m.u.push.peer[3] = '\n';
+  EXPECT_EQ(kvf_proto_encode(&spaced.m, &buf, &len), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvf_last_error()).find("push.peer: byte 0x0a at 3"), std::string::npos) << kvf_last_error();
+}
+
 TEST(Protocol, LookupRejectionsNameTheirField) {
   Lookup q;
   const std::vector<uint8_t> good = Encode(q.m);

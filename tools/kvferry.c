@@ -887,10 +887,12 @@ static int cmd_stat(int argc, char **argv) {
     for (uint32_t i = 0; i < npeers; i++)
       printf("%s{\"addr\": \"%s\", \"state\": \"%s\", \"outgoing\": %s, \"boot_token\": \"%016" PRIx64
              "\", \"connects\": %" PRIu64 ", \"objects_pulled\": %" PRIu64 ", \"bytes_pulled\": %" PRIu64
-             ", \"objects_served\": %" PRIu64 ", \"failures\": %" PRIu64 "}",
+             ", \"objects_served\": %" PRIu64 ", \"failures\": %" PRIu64 ", \"objects_pushed\": %" PRIu64
+             ", \"bytes_pushed\": %" PRIu64 "}",
              i ? ", " : "", json_safe(peers[i].addr), peer_states[peers[i].state < 3 ? peers[i].state : 0],
              peers[i].outgoing ? "true" : "false", peers[i].boot_token, peers[i].connects, peers[i].objects_pulled,
-             peers[i].bytes_pulled, peers[i].objects_served, peers[i].failures);
+             peers[i].bytes_pulled, peers[i].objects_served, peers[i].failures, peers[i].objects_pushed,
+             peers[i].bytes_pushed);
     printf("]}\n");
   } else {
     char a[32], b[32], shown[4 * sizeof(rec[0].name) + 8];
@@ -915,11 +917,12 @@ static int cmd_stat(int argc, char **argv) {
     if (npeers) printf("  peers: %u\n", npeers);
     for (uint32_t i = 0; i < npeers; i++) {
       human(peers[i].bytes_pulled, a, sizeof a);
+      human(peers[i].bytes_pushed, b, sizeof b);
       printf("    %-21s %-9s %s boot token %016" PRIx64 ", %" PRIu64 " connects, %" PRIu64 " objects (%s) pulled, %" PRIu64
-             " served, %" PRIu64 " failures\n",
+             " (%s) pushed, %" PRIu64 " served, %" PRIu64 " failures\n",
              peers[i].addr, peer_states[peers[i].state < 3 ? peers[i].state : 0],
              peers[i].outgoing ? "outgoing" : "incoming", peers[i].boot_token, peers[i].connects,
-             peers[i].objects_pulled, a, peers[i].objects_served, peers[i].failures);
+             peers[i].objects_pulled, a, peers[i].objects_pushed, b, peers[i].objects_served, peers[i].failures);
     }
   }
   return 0;

@@ -869,6 +869,8 @@ kvf_status kvf_client_stat_peers(kvf_client *client, kvf_client_peer_record *rec
     r->bytes_pulled = p->bytes_pulled;
     r->objects_served = p->objects_served;
     r->failures = p->failures;
+    r->objects_pushed = p->objects_pushed;
+    r->bytes_pushed = p->bytes_pushed;
   }
   kvf_proto_msg_clear(&rep);
   return KVF_SUCCESS;
@@ -1163,6 +1165,48 @@ kvf_status kvf_client_lookup(kvf_client *client, const kvf_client_lookup_desc *c
   res.pinned_chunks = r->pinned_chunks;
   kvf_proto_msg_clear(&rep);
   return KVF_VERSIONED_OUT(kvf_client_lookup_result, out, &res);
+}
+
+kvf_status kvf_client_push(kvf_client *client, const kvf_client_push_desc *caller, kvf_client_push_result *out) {
+  if (!client || !caller || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_client_push: NULL argument");
+  kvf_client_push_desc local = KVF_CLIENT_PUSH_DESC_INIT;
+  const kvf_client_push_desc *q = &local;
+  kvf_status st = KVF_VERSIONED_IN(kvf_client_push_desc, &local, caller);
+  if (st == KVF_SUCCESS) st = KVF_VERSIONED_CHECK(kvf_client_push_result, out);
+  if (st != KVF_SUCCESS) return st;
+  st = range_check("push", q->token_begin, q->token_end, q->format, q->chunk_keys, q->num_chunk_keys);
+  if (st != KVF_SUCCESS) return st;
+  if (!q->peer) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "push.peer: NULL; name a peer (ADDR:PORT or boot token)");
+  size_t plen = strnlen(q->peer, KVF_PROTO_NAME_MAX);
+  if (plen >= KVF_PROTO_NAME_MAX)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "push.peer: longer than %u bytes", KVF_PROTO_NAME_MAX - 1);
+  uint64_t bytes = 40u + plen + (uint64_t)KVF_PROTO_KEY_BYTES * q->num_chunk_keys;
+  if (bytes > client->max_payload)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                    "push.chunk_keys: the request needs %llu payload bytes, the server takes at most %u: split it",
+                    (unsigned long long)bytes, client->max_payload);
+  kvf_proto_msg req, rep;
+  memset(&req, 0, sizeof(req));
+  req.type = KVF_PROTO_PUSH;
+  req.u.push.registration_id = q->registration_id;
+  req.u.push.token_begin = q->token_begin;
+  req.u.push.token_end = q->token_end;
+  req.u.push.format = (uint32_t)q->format;
+  memcpy(req.u.push.peer, q->peer, plen);
+  req.u.push.chunk_keys = (kvf_proto_chunk_key *)q->chunk_keys; /* the encoder only reads them */
+  req.u.push.num_chunk_keys = q->num_chunk_keys;
+  st = client_call(client, &req, NULL, 0, KVF_PROTO_PUSH_REPLY, &rep);
+  if (st != KVF_SUCCESS) return st;
+  kvf_client_push_result res = KVF_CLIENT_PUSH_RESULT_INIT;
+  const kvf_proto_push_reply *r = &rep.u.push_reply;
+  res.objects_pushed = r->objects_pushed;
+  res.objects_present = r->objects_present;
+  res.objects_missing = r->objects_missing;
+  res.objects_failed = r->objects_failed;
+  res.bytes_pushed = r->bytes_pushed;
+  res.chunks_on_peer = r->chunks_on_peer;
+  kvf_proto_msg_clear(&rep);
+  return KVF_VERSIONED_OUT(kvf_client_push_result, out, &res);
 }
 
 kvf_status kvf_client_unpin(kvf_client *client, uint64_t pin_id) {

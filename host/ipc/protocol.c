@@ -32,6 +32,7 @@ const char *kvf_proto_type_name(uint16_t type) {
   case KVF_PROTO_RETRIEVE: return "RETRIEVE";
   case KVF_PROTO_LOOKUP: return "LOOKUP";
   case KVF_PROTO_UNPIN: return "UNPIN";
+  case KVF_PROTO_PUSH: return "PUSH";
   case KVF_PROTO_HELLO_REPLY: return "HELLO_REPLY";
   case KVF_PROTO_REGISTER_REPLY: return "REGISTER_REPLY";
   case KVF_PROTO_UNREGISTER_REPLY: return "UNREGISTER_REPLY";
@@ -41,6 +42,7 @@ const char *kvf_proto_type_name(uint16_t type) {
   case KVF_PROTO_RETRIEVE_REPLY: return "RETRIEVE_REPLY";
   case KVF_PROTO_LOOKUP_REPLY: return "LOOKUP_REPLY";
   case KVF_PROTO_UNPIN_REPLY: return "UNPIN_REPLY";
+  case KVF_PROTO_PUSH_REPLY: return "PUSH_REPLY";
   case KVF_PROTO_RETIRED: return "RETIRED";
   case KVF_PROTO_ERROR: return "ERROR";
   default: return "unknown";
@@ -163,6 +165,29 @@ static kvf_status lookup_reply_check(const kvf_proto_lookup_reply *x, const char
   if ((x->pin_id == 0) != (x->pinned_chunks == 0))
     return kvf_fail(err, "%s.pinned_chunks: %u with pin_id %llu (0 exactly when nothing is pinned)", p,
                     x->pinned_chunks, (unsigned long long)x->pin_id);
+  return KVF_SUCCESS;
+}
+
+/* ---- PUSH rules both directions share -------------------------------------- */
+
+static kvf_status push_check_fixed(const kvf_proto_push *q, const char *p, kvf_status err) {
+  if (q->token_end <= q->token_begin)
+    return kvf_fail(err, "%s.token_end: %llu is not after token_begin %llu", p, (unsigned long long)q->token_end,
+                    (unsigned long long)q->token_begin);
+  if (q->format > 1) return kvf_fail(err, "%s.format: %u is neither 0 (canonical) nor 1 (native)", p, q->format);
+  if (q->num_chunk_keys == 0) return kvf_fail(err, "%s.num_chunk_keys: 0, a push spans at least one chunk", p);
+  if (q->num_chunk_keys > KVF_PROTO_MAX_CHUNKS)
+    return kvf_fail(err, "%s.num_chunk_keys: count %u exceeds the %u limit", p, q->num_chunk_keys,
+                    KVF_PROTO_MAX_CHUNKS);
+  if (q->num_chunk_keys > q->token_end - q->token_begin)
+    return kvf_fail(err, "%s.num_chunk_keys: %u chunks for a range of %llu tokens", p, q->num_chunk_keys,
+                    (unsigned long long)(q->token_end - q->token_begin));
+  return KVF_SUCCESS;
+}
+
+static kvf_status push_reply_check(const kvf_proto_push_reply *x, const char *p, kvf_status err) {
+  if (x->bytes_pushed && !x->objects_pushed)
+    return kvf_fail(err, "%s.bytes_pushed: %llu bytes for 0 objects", p, (unsigned long long)x->bytes_pushed);
   return KVF_SUCCESS;
 }
 
@@ -388,6 +413,8 @@ static kvf_status encode_payload(const kvf_proto_msg *m, wbuf *w) {
         w_u64(w, pr->bytes_pulled);
         w_u64(w, pr->objects_served);
         w_u64(w, pr->failures);
+        w_u64(w, pr->objects_pushed);
+        w_u64(w, pr->bytes_pushed);
       }
     }
     return KVF_SUCCESS;
@@ -475,6 +502,39 @@ static kvf_status encode_payload(const kvf_proto_msg *m, wbuf *w) {
     w_u32(w, x->pinned_chunks);
     w_u32(w, x->num_object_groups);
     for (uint32_t i = 0; i < x->num_object_groups; i++) w_u64(w, x->og_prefix_tokens[i]);
+    return KVF_SUCCESS;
+  }
+  case KVF_PROTO_PUSH: {
+    const kvf_proto_push *q = &m->u.push;
+    if ((st = push_check_fixed(q, "push", KVF_ERR_INVALID_ARGUMENT))) return st;
+    if ((st = e_str(q->peer, KVF_PROTO_NAME_MAX, "push.peer", &n))) return st;
+    if (n == 0) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "push.peer: empty; name a peer (ADDR:PORT or boot token)");
+    for (size_t i = 0; i < n; i++)
+      if (q->peer[i] < 0x21 || q->peer[i] > 0x7e)
+        return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "push.peer: byte 0x%02x at %zu (an address or boot token is printable ASCII)",
+                        (unsigned)(uint8_t)q->peer[i], i);
+    if (!q->chunk_keys) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "push.chunk_keys: NULL with a nonzero count");
+    uint32_t zero = keys_first_zero(q->chunk_keys, q->num_chunk_keys);
+    if (zero < q->num_chunk_keys)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "push.chunk_keys[%u]: all zero is not a key", zero);
+    w_u64(w, q->registration_id);
+    w_u64(w, q->token_begin);
+    w_u64(w, q->token_end);
+    w_u32(w, q->format);
+    w_u32(w, q->num_chunk_keys);
+    w_str(w, q->peer, n);
+    w_keys(w, q->chunk_keys, q->num_chunk_keys);
+    return KVF_SUCCESS;
+  }
+  case KVF_PROTO_PUSH_REPLY: {
+    const kvf_proto_push_reply *x = &m->u.push_reply;
+    if ((st = push_reply_check(x, "push_reply", KVF_ERR_INVALID_ARGUMENT))) return st;
+    w_u64(w, x->objects_pushed);
+    w_u64(w, x->objects_present);
+    w_u64(w, x->objects_missing);
+    w_u64(w, x->objects_failed);
+    w_u64(w, x->bytes_pushed);
+    w_u64(w, x->chunks_on_peer);
     return KVF_SUCCESS;
   }
   case KVF_PROTO_UNPIN:
@@ -855,6 +915,43 @@ out:
   return st;
 }
 
+static kvf_status decode_push(rbuf *r, kvf_proto_push *q) {
+  kvf_status st = KVF_SUCCESS;
+  R(r_u64(r, &q->registration_id, "payload.registration_id"));
+  R(r_u64(r, &q->token_begin, "payload.token_begin"));
+  R(r_u64(r, &q->token_end, "payload.token_end"));
+  R(r_u32(r, &q->format, "payload.format"));
+  R(r_u32(r, &q->num_chunk_keys, "payload.num_chunk_keys"));
+  R(push_check_fixed(q, "payload", KVF_ERR_PROTOCOL));
+  R(r_str_fixed(r, q->peer, sizeof q->peer, "payload.peer"));
+  if (!q->peer[0]) {
+    st = kvf_fail(KVF_ERR_PROTOCOL, "payload.peer: empty");
+    goto out;
+  }
+  for (const char *c = q->peer; *c; c++)
+    if (*c < 0x21 || *c > 0x7e) {
+      st = kvf_fail(KVF_ERR_PROTOCOL, "payload.peer: byte 0x%02x at %zu (an address or boot token is printable ASCII)",
+                    (unsigned)(uint8_t)*c, (size_t)(c - q->peer));
+      goto out;
+    }
+  R(r_keys(r, q->num_chunk_keys, &q->chunk_keys, "payload.chunk_keys"));
+out:
+  return st;
+}
+
+static kvf_status decode_push_reply(rbuf *r, kvf_proto_push_reply *x) {
+  kvf_status st = KVF_SUCCESS;
+  R(r_u64(r, &x->objects_pushed, "payload.objects_pushed"));
+  R(r_u64(r, &x->objects_present, "payload.objects_present"));
+  R(r_u64(r, &x->objects_missing, "payload.objects_missing"));
+  R(r_u64(r, &x->objects_failed, "payload.objects_failed"));
+  R(r_u64(r, &x->bytes_pushed, "payload.bytes_pushed"));
+  R(r_u64(r, &x->chunks_on_peer, "payload.chunks_on_peer"));
+  R(push_reply_check(x, "payload", KVF_ERR_PROTOCOL));
+out:
+  return st;
+}
+
 static kvf_status decode_lookup_reply(rbuf *r, kvf_proto_lookup_reply *x) {
   kvf_status st = KVF_SUCCESS;
   R(r_u64(r, &x->prefix_tokens, "payload.prefix_tokens"));
@@ -1001,6 +1098,8 @@ static kvf_status decode_payload(uint16_t type, rbuf *r, kvf_proto_msg *m) {
       R(r_u64(r, &pr->bytes_pulled, f));
       R(r_u64(r, &pr->objects_served, f));
       R(r_u64(r, &pr->failures, f));
+      R(r_u64(r, &pr->objects_pushed, f));
+      R(r_u64(r, &pr->bytes_pushed, f));
       if (pr->state > 2) BAD("payload.peers[%u].state: %u is not a peer state", i, pr->state);
     }
     break;
@@ -1011,6 +1110,8 @@ static kvf_status decode_payload(uint16_t type, rbuf *r, kvf_proto_msg *m) {
   case KVF_PROTO_RETRIEVE_REPLY: R(decode_xfer_reply(r, type, &m->u.xfer_reply)); break;
   case KVF_PROTO_LOOKUP: R(decode_lookup(r, &m->u.lookup)); break;
   case KVF_PROTO_LOOKUP_REPLY: R(decode_lookup_reply(r, &m->u.lookup_reply)); break;
+  case KVF_PROTO_PUSH: R(decode_push(r, &m->u.push)); break;
+  case KVF_PROTO_PUSH_REPLY: R(decode_push_reply(r, &m->u.push_reply)); break;
   case KVF_PROTO_UNPIN:
     R(r_u64(r, &m->u.unpin.pin_id, "payload.pin_id"));
     if (m->u.unpin.pin_id == 0) BAD("payload.pin_id: 0 is not a pin");
@@ -1127,6 +1228,7 @@ void kvf_proto_msg_clear(kvf_proto_msg *msg) {
     break;
   case KVF_PROTO_LOOKUP: free(msg->u.lookup.chunk_keys); break;
   case KVF_PROTO_LOOKUP_REPLY: free(msg->u.lookup_reply.og_prefix_tokens); break;
+  case KVF_PROTO_PUSH: free(msg->u.push.chunk_keys); break;
   default: break;
   }
   memset(msg, 0, sizeof *msg);

@@ -69,6 +69,7 @@ typedef enum kvf_proto_type {
   KVF_PROTO_RETRIEVE = 0x0007,
   KVF_PROTO_LOOKUP = 0x0008,
   KVF_PROTO_UNPIN = 0x0009,
+  KVF_PROTO_PUSH = 0x000A,
   KVF_PROTO_REPLY = 0x8000, /* bit set on every reply */
   KVF_PROTO_HELLO_REPLY = 0x8001,
   KVF_PROTO_REGISTER_REPLY = 0x8002,
@@ -79,6 +80,7 @@ typedef enum kvf_proto_type {
   KVF_PROTO_RETRIEVE_REPLY = 0x8007,
   KVF_PROTO_LOOKUP_REPLY = 0x8008,
   KVF_PROTO_UNPIN_REPLY = 0x8009,
+  KVF_PROTO_PUSH_REPLY = 0x800A,
   KVF_PROTO_RETIRED = 0x8100, /* a notice (server -> client), not a reply: 0x81xx */
   KVF_PROTO_ERROR = 0x80FF, /* the reply to any request that failed */
 } kvf_proto_type;
@@ -201,6 +203,7 @@ typedef struct kvf_proto_stat_peer {
   uint32_t state;    /* 0 down, 1 handshake, 2 ready */
   uint32_t outgoing; /* 1: a --peer the server connects to */
   uint64_t boot_token, connects, objects_pulled, bytes_pulled, objects_served, failures;
+  uint64_t objects_pushed, bytes_pushed; /* committed on it by this server's pushes */
 } kvf_proto_stat_peer;
 
 typedef struct kvf_proto_stat_reply {
@@ -302,6 +305,28 @@ typedef struct kvf_proto_unpin_reply {
   uint32_t released; /* 1: this UNPIN released it; 0: it was gone already (expired or unpinned) */
 } kvf_proto_unpin_reply;
 
+/* PUSH: copy the objects this server holds for chunk_keys (every object
+ * group of the registration, the range read as a RETRIEVE's) into the L1
+ * of the kvferryd peer named `peer` (docs/peers.md): the peer pulls them
+ * and commits only whole, checked objects. */
+typedef struct kvf_proto_push {
+  uint64_t registration_id;        /* 0: the client's live registration */
+  uint64_t token_begin, token_end; /* token_end > token_begin */
+  uint32_t format;                 /* kvf_object_format: 0 canonical, 1 native */
+  char peer[KVF_PROTO_NAME_MAX];   /* its --peer ADDR:PORT, or its boot token as 16 hex digits; not empty */
+  kvf_proto_chunk_key *chunk_keys; /* [num_chunk_keys], none all zero */
+  uint32_t num_chunk_keys;         /* 1 .. KVF_PROTO_MAX_CHUNKS, <= token_end - token_begin */
+} kvf_proto_push;
+
+typedef struct kvf_proto_push_reply {
+  uint64_t objects_pushed;  /* copied to the peer and committed there */
+  uint64_t objects_present; /* the peer held them already */
+  uint64_t objects_missing; /* not held here: nothing to push */
+  uint64_t objects_failed;  /* refused by the peer, or the copy failed: not committed there */
+  uint64_t bytes_pushed;    /* payload bytes of objects_pushed */
+  uint64_t chunks_on_peer;  /* leading chunks of the range whose every object is on the peer now */
+} kvf_proto_push_reply;
+
 /* RETIRED (header.request_id: the STORE or RETRIEVE): the work of a request
  * answered before it was proven complete (timed out, cancelled) is now
  * proven done: nothing of it can touch the engine's blocks any more. */
@@ -338,6 +363,8 @@ typedef struct kvf_proto_msg {
     kvf_proto_lookup_reply lookup_reply;
     kvf_proto_unpin unpin;
     kvf_proto_unpin_reply unpin_reply;
+    kvf_proto_push push;
+    kvf_proto_push_reply push_reply;
     kvf_proto_retired retired;
     kvf_proto_error error;
   } u;

@@ -1397,6 +1397,68 @@ uint32_t kvf_dataplane_pools(kvf_dataplane *dp, kvf_l1_pool_desc *out, uint32_t 
   return dp->num_lanes;
 }
 
+/* The objects of chunks [0 .. nchunks) of a checked range, for the object
+ * groups og_requested marks: every one (only_missing 0) or those L1 does not
+ * hold with that token range (1). chunk_of (may be NULL) gets each spec's
+ * chunk index. */
+static kvf_status object_specs(kvf_dataplane *dp, kvf_dp_binding *b, uint32_t format, uint64_t token_begin,
+                               uint64_t token_end, const kvf_chunk_key *keys, uint64_t nchunks,
+                               const int *og_requested, int only_missing, kvf_l1_object_spec **specs,
+                               uint32_t **chunk_of, uint32_t *n, int *device) {
+  const kvf_geometry *g = b->geometry;
+  uint32_t nog = b->num_object_groups, C = b->chunk_tokens;
+  uint64_t total = nchunks * nog;
+  *device = b->lane->device;
+  kvf_status st = KVF_SUCCESS;
+  kvf_l1_query *q = calloc(total ? total : 1, sizeof(*q));
+  kvf_l1_found *found = calloc(total ? total : 1, sizeof(*found));
+  kvf_l1_object_spec *out = calloc(total ? total : 1, sizeof(*out));
+  uint32_t *chunk = chunk_of ? calloc(total ? total : 1, sizeof(*chunk)) : NULL;
+  kvf_l1_pin *pin = NULL;
+  if (!q || !found || !out || (chunk_of && !chunk)) {
+    st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "lookup: out of memory");
+    goto done;
+  }
+  if (only_missing) {
+    for (uint64_t k = 0; k < nchunks; k++)
+      for (uint32_t og = 0; og < nog; og++) q[k * nog + og] = (kvf_l1_query){l1_key(b, &keys[k]), og};
+    st = kvf_l1_lookup_pin(dp->l1, q, (uint32_t)total, found, &pin);
+    if (st != KVF_SUCCESS) goto done;
+  }
+  uint32_t cnt = 0;
+  for (uint64_t k = 0; k < nchunks; k++)
+    for (uint32_t og = 0; og < nog; og++) {
+      if (!og_requested[og]) continue;
+      kvf_object_header want;
+      if (kvf_object_header_init(g, (kvf_object_format)format, og, token_begin / C + k, token_end, &want) !=
+          KVF_SUCCESS)
+        continue;
+      if (want.payload_bytes == 0) continue; /* no object for it */
+      const kvf_l1_found *f = &found[k * nog + og];
+      if (only_missing && f->found && f->header.token_begin == want.token_begin &&
+          f->header.token_end == want.token_end)
+        continue;
+      if (chunk) chunk[cnt] = (uint32_t)k;
+      out[cnt++] = (kvf_l1_object_spec){l1_key(b, &keys[k]), og, want};
+    }
+  if (cnt) {
+    *specs = out;
+    *n = cnt;
+    out = NULL;
+    if (chunk_of) {
+      *chunk_of = chunk;
+      chunk = NULL;
+    }
+  }
+done:
+  kvf_l1_unpin(dp->l1, pin);
+  free(q);
+  free(found);
+  free(out);
+  free(chunk);
+  return st;
+}
+
 kvf_status kvf_dataplane_retrieve_missing(kvf_dataplane *dp, kvf_dp_binding *b, const kvf_proto_msg *m,
                                           kvf_l1_object_spec **specs, uint32_t *n, int *device) {
   *specs = NULL;
@@ -1407,54 +1469,44 @@ kvf_status kvf_dataplane_retrieve_missing(kvf_dataplane *dp, kvf_dp_binding *b, 
   kvf_status st = check_xfer(b, m);
   if (st != KVF_SUCCESS) return st;
   const kvf_proto_xfer *x = &m->u.xfer;
-  const kvf_geometry *g = b->geometry;
-  uint32_t nog = b->num_object_groups, C = b->chunk_tokens;
-  uint64_t nchunks = x->num_chunk_keys, total = nchunks * nog;
-  *device = b->lane->device;
   /* Object groups with a group the request moves. */
   int og_requested[KVF_MAX_GROUPS] = {0};
-  for (uint32_t og = 0; og < nog; og++) {
+  for (uint32_t og = 0; og < b->num_object_groups; og++) {
     kvf_object_group_info oi = KVF_OBJECT_GROUP_INFO_INIT;
-    (void)kvf_geometry_object_group(g, og, &oi);
-    for (uint32_t i = 0; i < oi.num_groups; i++)
-      og_requested[og] |= x->groups[oi.groups[i]].count > 0;
+    (void)kvf_geometry_object_group(b->geometry, og, &oi);
+    for (uint32_t i = 0; i < oi.num_groups; i++) og_requested[og] |= x->groups[oi.groups[i]].count > 0;
   }
-  kvf_l1_query *q = calloc(total ? total : 1, sizeof(*q));
-  kvf_l1_found *found = calloc(total ? total : 1, sizeof(*found));
-  kvf_l1_object_spec *out = calloc(total ? total : 1, sizeof(*out));
-  kvf_l1_pin *pin = NULL;
-  if (!q || !found || !out) {
-    st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "retrieve: out of memory");
-    goto done;
-  }
-  for (uint64_t k = 0; k < nchunks; k++)
-    for (uint32_t og = 0; og < nog; og++) q[k * nog + og] = (kvf_l1_query){l1_key(b, &x->chunk_keys[k]), og};
-  st = kvf_l1_lookup_pin(dp->l1, q, (uint32_t)total, found, &pin);
-  if (st != KVF_SUCCESS) goto done;
-  uint32_t cnt = 0;
-  for (uint64_t k = 0; k < nchunks; k++)
-    for (uint32_t og = 0; og < nog; og++) {
-      if (!og_requested[og]) continue;
-      kvf_object_header want;
-      if (kvf_object_header_init(g, (kvf_object_format)x->format, og, x->token_begin / C + k, x->token_end, &want) !=
-          KVF_SUCCESS)
-        continue;
-      if (want.payload_bytes == 0) continue; /* no object for it */
-      const kvf_l1_found *f = &found[k * nog + og];
-      if (f->found && f->header.token_begin == want.token_begin && f->header.token_end == want.token_end) continue;
-      out[cnt++] = (kvf_l1_object_spec){l1_key(b, &x->chunk_keys[k]), og, want};
-    }
-  kvf_l1_unpin(dp->l1, pin);
-  pin = NULL;
-  if (cnt) {
-    *specs = out;
-    *n = cnt;
-    out = NULL;
-  }
-done:
-  kvf_l1_unpin(dp->l1, pin);
-  free(q);
-  free(found);
-  free(out);
-  return st;
+  return object_specs(dp, b, x->format, x->token_begin, x->token_end, x->chunk_keys, x->num_chunk_keys,
+                      og_requested, 1, specs, NULL, n, device);
+}
+
+kvf_status kvf_dataplane_lookup_missing(kvf_dataplane *dp, kvf_dp_binding *b, const kvf_proto_lookup *q,
+                                        kvf_l1_object_spec **specs, uint32_t *n, int *device) {
+  *specs = NULL;
+  *n = 0;
+  *device = -1;
+  if (!dp || !q) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_dataplane_lookup_missing: NULL argument");
+  if (!b) return kvf_fail(KVF_ERR_STATE, "payload.registration_id: this client has no registration");
+  kvf_status st = check_range(b, q->registration_id, q->format, q->token_begin, q->token_end, q->num_chunk_keys);
+  if (st != KVF_SUCCESS) return st;
+  int all[KVF_MAX_GROUPS];
+  for (uint32_t og = 0; og < KVF_MAX_GROUPS; og++) all[og] = 1;
+  return object_specs(dp, b, q->format, q->token_begin, q->token_end, q->chunk_keys, q->num_chunk_keys, all, 1,
+                      specs, NULL, n, device);
+}
+
+kvf_status kvf_dataplane_push_specs(kvf_dataplane *dp, kvf_dp_binding *b, const kvf_proto_push *q,
+                                    kvf_l1_object_spec **specs, uint32_t **chunk_of, uint32_t *n) {
+  *specs = NULL;
+  *chunk_of = NULL;
+  *n = 0;
+  if (!dp || !q) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_dataplane_push_specs: NULL argument");
+  if (!b) return kvf_fail(KVF_ERR_STATE, "payload.registration_id: this client has no registration");
+  kvf_status st = check_range(b, q->registration_id, q->format, q->token_begin, q->token_end, q->num_chunk_keys);
+  if (st != KVF_SUCCESS) return st;
+  int all[KVF_MAX_GROUPS];
+  for (uint32_t og = 0; og < KVF_MAX_GROUPS; og++) all[og] = 1;
+  int device;
+  return object_specs(dp, b, q->format, q->token_begin, q->token_end, q->chunk_keys, q->num_chunk_keys, all, 0,
+                      specs, chunk_of, n, &device);
 }

@@ -171,6 +171,17 @@ uint32_t kvf_dataplane_pools(kvf_dataplane *dp, kvf_l1_pool_desc *out, uint32_t 
 kvf_status kvf_dataplane_retrieve_missing(kvf_dataplane *dp, kvf_dp_binding *binding, const kvf_proto_msg *msg,
                                           kvf_l1_object_spec **specs, uint32_t *n, int *device);
 
+/* As kvf_dataplane_retrieve_missing, for a LOOKUP: every object group. */
+kvf_status kvf_dataplane_lookup_missing(kvf_dataplane *dp, kvf_dp_binding *binding, const kvf_proto_lookup *q,
+                                        kvf_l1_object_spec **specs, uint32_t *n, int *device);
+
+/* The objects a PUSH names (every object group of every chunk of its range,
+ * held here or not), with each one's chunk index in *chunk_of (malloc'd;
+ * both NULL when the range has no object). KVF_SUCCESS; otherwise a
+ * refusal naming the field (registration, range). Loop thread. */
+kvf_status kvf_dataplane_push_specs(kvf_dataplane *dp, kvf_dp_binding *binding, const kvf_proto_push *q,
+                                    kvf_l1_object_spec **specs, uint32_t **chunk_of, uint32_t *n);
+
 /* Counters of the data plane. */
 typedef struct kvf_dataplane_stats {
   kvf_l1_stats l1;

@@ -51,6 +51,7 @@
 #include "host/core/log.h"
 
 #define L1_MAX_POOLS 64u
+#define L1_MAX_SCOPES KVF_L1_MAX_SCOPES
 #define L1_MIN_TABLE 16u
 
 typedef struct l1_extent {
@@ -124,6 +125,17 @@ struct kvf_l1 {
   uint64_t table_secret; /* seeds key_hash; fixed at create */
   l1_entry *lru_head, *lru_tail; /* most / least recently used */
   uint64_t gen;                  /* reserve calls so far (marks entries a call names) */
+
+  /* The scopes (fingerprint, shard) entries are filed under, with their
+   * entry counts, so that a miss can tell "held for another model" from
+   * "not held" (kvf_l1_other_scope) without a second index. Scopes past
+   * L1_MAX_SCOPES are not tracked: their entries are only found directly. */
+  struct {
+    uint64_t fingerprint;
+    uint32_t shard_index, shard_count;
+    uint64_t entries;
+  } scopes[L1_MAX_SCOPES];
+  uint32_t num_scopes;
 
   l1_handle *reservations, *pins; /* live handles */
   uint64_t num_reservations, num_pins;
@@ -374,7 +386,35 @@ static void object_drop(kvf_l1 *l1, l1_object *o) {
   free(o);
 }
 
+static int scope_find(const kvf_l1 *l1, const kvf_l1_key *k) {
+  for (uint32_t i = 0; i < l1->num_scopes; i++)
+    if (l1->scopes[i].fingerprint == k->fingerprint && l1->scopes[i].shard_index == k->shard_index &&
+        l1->scopes[i].shard_count == k->shard_count)
+      return (int)i;
+  return -1;
+}
+
+static void scope_add(kvf_l1 *l1, const kvf_l1_key *k) {
+  int i = scope_find(l1, k);
+  if (i < 0) {
+    if (l1->num_scopes == L1_MAX_SCOPES) return;
+    i = (int)l1->num_scopes++;
+    l1->scopes[i].fingerprint = k->fingerprint;
+    l1->scopes[i].shard_index = k->shard_index;
+    l1->scopes[i].shard_count = k->shard_count;
+    l1->scopes[i].entries = 0;
+  }
+  l1->scopes[i].entries++;
+}
+
+static void scope_remove(kvf_l1 *l1, const kvf_l1_key *k) {
+  int i = scope_find(l1, k);
+  if (i < 0) return;
+  if (--l1->scopes[i].entries == 0) l1->scopes[i] = l1->scopes[--l1->num_scopes];
+}
+
 static void entry_remove(kvf_l1 *l1, l1_entry *e) {
+  scope_remove(l1, &e->key);
   table_remove(l1, e);
   lru_unlink(l1, e);
   free(e);
@@ -784,6 +824,7 @@ kvf_status kvf_l1_reserve(kvf_l1 *l1, int device, const kvf_l1_object_spec *spec
       e->key = w[i].key;
       e->mark = l1->gen;
       table_insert(l1, e);
+      scope_add(l1, &e->key);
       lru_push_head(l1, e);
     }
     l1_object *o = w[i].obj;
@@ -917,6 +958,28 @@ void kvf_l1_unpin(kvf_l1 *l1, kvf_l1_pin *pin) {
   l1->num_pins--;
   pthread_mutex_unlock(&l1->lock);
   free(pin);
+}
+
+int kvf_l1_other_scope(kvf_l1 *l1, const kvf_l1_key *key, uint32_t object_group, kvf_l1_key *other,
+                       kvf_object_header *header) {
+  if (l1 == NULL || key == NULL || key_zero(key) || object_group >= KVF_MAX_GROUPS) return 0;
+  int hit = 0;
+  pthread_mutex_lock(&l1->lock);
+  for (uint32_t i = 0; i < l1->num_scopes && !hit; i++) {
+    if (l1->scopes[i].fingerprint == key->fingerprint) continue;
+    kvf_l1_key k = *key;
+    k.fingerprint = l1->scopes[i].fingerprint;
+    k.shard_index = l1->scopes[i].shard_index;
+    k.shard_count = l1->scopes[i].shard_count;
+    l1_entry *e = table_find(l1, &k);
+    l1_object *o = e ? entry_object(e, object_group) : NULL;
+    if (o == NULL || o->state != L1_COMMITTED) continue;
+    hit = 1;
+    if (other) *other = k;
+    if (header) *header = o->header;
+  }
+  pthread_mutex_unlock(&l1->lock);
+  return hit;
 }
 
 /* ---- counters ---------------------------------------------------------------------- */

@@ -158,6 +158,17 @@ kvf_status kvf_l1_lookup_pin(kvf_l1 *l1, const kvf_l1_query *queries, uint32_t n
 /* Release a pin handle from kvf_l1_lookup_pin. NULL is a no-op. */
 void kvf_l1_unpin(kvf_l1 *l1, kvf_l1_pin *pin);
 
+/* 1 when the chunk key of `key` has a committed object of object_group
+ * filed under another canonical fingerprint (another model; any shard),
+ * with that scope in *other and its header in *header (either may be
+ * NULL); 0 otherwise. Only the first KVF_L1_MAX_SCOPES scopes (fingerprint,
+ * shard) are searched: a peer refuses a request for another model's
+ * objects by name instead of answering a miss (docs/peers.md). Pins
+ * nothing. */
+#define KVF_L1_MAX_SCOPES 64u
+int kvf_l1_other_scope(kvf_l1 *l1, const kvf_l1_key *key, uint32_t object_group, kvf_l1_key *other,
+                       kvf_object_header *header);
+
 /* ---- counters ------------------------------------------------------------- */
 
 typedef struct kvf_l1_stats {

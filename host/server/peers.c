@@ -12,8 +12,15 @@
  *   HAS       u32 n, u32 0, then n x {L1 key: chunk key (32 bytes), u64 canonical
  *             fingerprint, u32 shard_index, u32 shard_count; object header (48 bytes)}
  *   HAS_REPLY u32 n, u32 0, then n x {u32 found, u32 pool, u64 offset, header}
+ *             (found 1: at pool/offset, pinned; 2: not in the asked scope but
+ *             held for another model: offset is that scope's fingerprint,
+ *             header its object's)
  *   RELEASE   (id: the HAS whose pins may go)
  *   ERROR     u32 status, text
+ *   OFFER     (push) u32 n, u32 0, then n x {L1 key, header, u32 pool, u32 0,
+ *             u64 offset}: pinned here until the OFFER_DONE of the same id
+ *   OFFER_DONE u32 n, u32 0, then n x u8 (0 refused or failed, 1 committed,
+ *             2 held already)
  * HELLO, AUTH first; KEYS only once the sender verified the receiver's AUTH;
  * anything else before both are verified is refused. */
 #define _GNU_SOURCE
@@ -51,6 +58,10 @@
 #define PM_MAX_KEY 4096u
 #define PM_PIN_MS 30000u
 #define PM_RETRY_MS 1000u
+#define PM_OFFER_ENTRY (PM_KEY_BYTES + PM_HEADER_BYTES + 16u)
+#define PM_MAX_PINS_PER_PEER 64u   /* HAS answers holding pins for one peer; past it a HAS is answered "none" */
+#define PM_MAX_OFFERS_PER_PEER 4u  /* OFFERs one peer may have this side pulling at once */
+#define PM_PUSH_BYTES_PER_MS 50000u /* a push's deadline grows 1 ms per 50 kB (a 50 MB/s floor) */
 
 _Static_assert(sizeof(kvf_object_header) == PM_HEADER_BYTES, "the object header travels as its 48 bytes");
 _Static_assert(sizeof(kvf_l1_key) == PM_KEY_BYTES, "an L1 key travels as its 48 bytes");
@@ -63,6 +74,8 @@ enum {
   PM_HAS_REPLY = 5,
   PM_RELEASE = 6,
   PM_ERROR = 7,
+  PM_OFFER = 8,
+  PM_OFFER_DONE = 9,
 };
 
 static const char *pm_name(uint32_t t) {
@@ -74,6 +87,8 @@ static const char *pm_name(uint32_t t) {
     case PM_HAS_REPLY: return "HAS_REPLY";
     case PM_RELEASE: return "RELEASE";
     case PM_ERROR: return "ERROR";
+    case PM_OFFER: return "OFFER";
+    case PM_OFFER_DONE: return "OFFER_DONE";
     default: return "unknown";
   }
 }
@@ -138,9 +153,33 @@ typedef struct fetch {
   kvf_status mismatch;      /* KVF_SUCCESS, or why a peer's object cannot serve this geometry */
   uint32_t mismatch_spec;
   char mismatch_msg[256];
-  kvf_peers_fetch_done done;
+  kvf_peers_fetch_done done;  /* NULL for an offer */
   void *arg;
+  /* An OFFER a peer pushed: pulled from it (at), then answered with
+   * OFFER_DONE (id: the peer's) and never asked of anyone else. */
+  int offer;
+  uint64_t offer_uid;  /* the peer that offered */
+  uint8_t *result;     /* [n] what OFFER_DONE says of each */
 } fetch;
+
+/* A PUSH: objects of this L1, pinned, offered to one peer. */
+typedef struct push_job {
+  struct push_job *next;
+  uint64_t id;
+  char peer_name[64];
+  kvf_l1_object_spec *specs;
+  uint32_t n;
+  uint8_t *result;     /* [n] KVF_PEERS_PUSH_* */
+  uint32_t *offered;   /* spec indices in the OFFER */
+  uint32_t num_offered;
+  uint64_t bytes;      /* payload of the offered objects */
+  kvf_l1_pin *pin;
+  uint64_t at_uid;     /* the peer offered to (0: not sent yet) */
+  uint64_t at_connects; /* its handshakes then: a reconnect is another connection */
+  uint64_t deadline_ns;
+  kvf_peers_push_done done;
+  void *arg;
+} push_job;
 
 struct kvf_peers {
   kvf_peers_options opt;
@@ -161,6 +200,9 @@ struct kvf_peers {
   peer *peers;              /* the thread's; the list itself changes under mu */
   uint64_t next_uid;
   fetch *fetches;           /* the thread's */
+  push_job *push_incoming;  /* posted, not taken by the thread yet (mu) */
+  uint64_t next_push_id;    /* mu */
+  push_job *pushes;         /* the thread's */
   kvf_peers_counters counters; /* mu */
 };
 
@@ -487,18 +529,37 @@ static void on_has(kvf_peers *p, peer *pr, uint64_t id, const uint8_t *b, size_t
       goto out;
     }
   }
+  uint32_t held = 0;
+  for (serve_pin *sp = pr->pins; sp; sp = sp->next) held++;
+  hdr_fill(r, PM_HAS_REPLY, (uint32_t)rlen, id);
+  put32(r + PM_HDR, cnt);
+  if (held >= PM_MAX_PINS_PER_PEER) {
+    /* One peer cannot hold this L1 pinned without bound: answered "none". */
+    KVF_WARN(SERVER, "peer %s: HAS %llu answered with no objects: it holds %u answers' pins already (at most %u)",
+             pr->addr, (unsigned long long)id, held, PM_MAX_PINS_PER_PEER);
+    count_failure(p, pr);
+    peer_send(pr, r, rlen);
+    goto out;
+  }
   if (kvf_l1_lookup_pin(p->opt.l1, q, cnt, f, &pin) != KVF_SUCCESS) {
     peer_refuse(p, pr, KVF_ERR_INTERNAL, "HAS: lookup: %s", kvf_last_error());
     goto out;
   }
-  hdr_fill(r, PM_HAS_REPLY, (uint32_t)rlen, id);
-  put32(r + PM_HDR, cnt);
   uint64_t served = 0;
   for (uint32_t i = 0; i < cnt; i++) {
     uint8_t *e = r + PM_HDR + 8 + (size_t)i * (16 + PM_HEADER_BYTES);
     /* Found with another header too: the asker names the difference (a
      * different model is refused, another token range is a miss). */
-    if (!f[i].found) continue;
+    if (!f[i].found) {
+      kvf_l1_key other;
+      kvf_object_header oh;
+      if (kvf_l1_other_scope(p->opt.l1, &q[i].key, q[i].object_group, &other, &oh)) {
+        put32(e, 2);
+        put64(e + 8, other.fingerprint);
+        memcpy(e + 16, &oh, PM_HEADER_BYTES);
+      }
+      continue;
+    }
     uint32_t pool = UINT32_MAX;
     for (uint32_t k = 0; k < p->num_pools; k++) {
       uintptr_t base = (uintptr_t)p->pools[k].base, d = (uintptr_t)f[i].data;
@@ -571,6 +632,36 @@ static void on_get_done(void *arg, kvf_status st) {
   f->deadline_ns = kvf_now_ns() + f->timeout_ns;
 }
 
+/* Reserve specs[0 .. f->num_pulling) in f's pool and start the gets from
+ * pr (addr/pool: where each lies there). Nothing reserved: f->num_pulling 0. */
+static void fetch_pull(kvf_peers *p, fetch *f, peer *pr, const kvf_l1_object_spec *specs, const uint64_t *addr,
+                       const uint32_t *pool, kvf_l1_slot *slots) {
+  if (f->num_pulling == 0) return;
+  uint32_t bad = UINT32_MAX;
+  if (kvf_l1_reserve(p->opt.l1, f->device, specs, f->num_pulling, slots, &f->res, &bad) != KVF_SUCCESS) {
+    KVF_WARN(SERVER, "peer %s: %s %llu: no room in L1 for %u objects: %s", pr->addr, f->offer ? "offer" : "fetch",
+             (unsigned long long)f->id, f->num_pulling, kvf_last_error());
+    f->res = NULL;
+    f->num_pulling = 0;
+    return;
+  }
+  f->pull_bytes = 0;
+  for (uint32_t i = 0; i < f->num_pulling; i++) {
+    if (slots[i].state != KVF_L1_SLOT_RESERVED) {
+      if (f->offer) f->result[f->pulling[i]] = 2; /* held here already */
+      continue;
+    }
+    kvf_status st = kvf_pt_get(pr->conn, pr->pools[pool[i]].rkey, addr[i], slots[i].data,
+                               (size_t)specs[i].header.payload_bytes, on_get_done, f);
+    if (st != KVF_SUCCESS) {
+      f->get_failed = 1;
+      break;
+    }
+    f->gets_out++;
+    f->pull_bytes += specs[i].header.payload_bytes;
+  }
+}
+
 /* The answer to the HAS f asked at: check each claimed object, reserve
  * what is good, start the gets. */
 static void on_has_reply(kvf_peers *p, peer *pr, uint64_t id, const uint8_t *b, size_t n) {
@@ -600,6 +691,20 @@ static void on_has_reply(kvf_peers *p, peer *pr, uint64_t id, const uint8_t *b, 
     kvf_object_header h;
     memcpy(&h, e + 16, PM_HEADER_BYTES);
     const char *bad = NULL;
+    if (found == 2) {
+      /* Not held for this model, but for another one under the same key: a
+       * peer pairing meant for one model serves a different one. Refused by
+       * name rather than silently recomputed (docs/peers.md). */
+      if (f->mismatch == KVF_SUCCESS) {
+        f->mismatch = KVF_ERR_GEOMETRY_MISMATCH;
+        f->mismatch_spec = f->asked[i];
+        snprintf(f->mismatch_msg, sizeof(f->mismatch_msg),
+                 "geometry.fingerprint: peer %s holds this chunk key for a different model (canonical fingerprint "
+                 "%016llx; this registration's is %016llx)", pr->addr, (unsigned long long)off,
+                 (unsigned long long)want->key.fingerprint);
+      }
+      continue;
+    }
     if (found == 1 && h.magic == want->header.magic && h.header_version == want->header.header_version &&
         h.object_group == want->header.object_group &&
         (h.fingerprint != want->header.fingerprint || h.format != want->header.format)) {
@@ -648,27 +753,7 @@ static void on_has_reply(kvf_peers *p, peer *pr, uint64_t id, const uint8_t *b, 
     if (refused > 1) KVF_WARN(SERVER, "peer %s: HAS_REPLY %llu: %u objects refused in all", pr->addr, (unsigned long long)id, refused);
     count_failure(p, pr);
   }
-  if (f->num_pulling == 0) goto out;
-  uint32_t bad = UINT32_MAX;
-  if (kvf_l1_reserve(p->opt.l1, f->device, specs, f->num_pulling, slots, &f->res, &bad) != KVF_SUCCESS) {
-    KVF_WARN(SERVER, "peer %s: fetch %llu: no room in L1 for %u objects: %s", pr->addr, (unsigned long long)f->id,
-             f->num_pulling, kvf_last_error());
-    f->res = NULL;
-    f->num_pulling = 0;
-    goto out;
-  }
-  f->pull_bytes = 0;
-  for (uint32_t i = 0; i < f->num_pulling; i++) {
-    if (slots[i].state != KVF_L1_SLOT_RESERVED) continue;
-    kvf_status st = kvf_pt_get(pr->conn, pr->pools[pool[i]].rkey, addr[i], slots[i].data,
-                               (size_t)specs[i].header.payload_bytes, on_get_done, f);
-    if (st != KVF_SUCCESS) {
-      f->get_failed = 1;
-      break;
-    }
-    f->gets_out++;
-    f->pull_bytes += specs[i].header.payload_bytes;
-  }
+  fetch_pull(p, f, pr, specs, addr, pool, slots);
 out:
   free(specs);
   free(slots);
@@ -682,7 +767,10 @@ static void fetch_finish_pull(kvf_peers *p, fetch *f) {
   if (f->res) {
     if (!f->get_failed) {
       kvf_l1_commit(p->opt.l1, f->res);
-      for (uint32_t i = 0; i < f->num_pulling; i++) f->have[f->pulling[i]] = 1;
+      for (uint32_t i = 0; i < f->num_pulling; i++) {
+        f->have[f->pulling[i]] = 1;
+        if (f->offer && f->result[f->pulling[i]] == 0) f->result[f->pulling[i]] = 1;
+      }
       f->committed += f->num_pulling;
       pthread_mutex_lock(&p->mu);
       if (pr) {
@@ -701,7 +789,7 @@ static void fetch_finish_pull(kvf_peers *p, fetch *f) {
     }
     f->res = NULL;
   }
-  if (pr && pr->conn && !pr->doomed) fetch_release_remote(pr, f->id);
+  if (!f->offer && pr && pr->conn && !pr->doomed) fetch_release_remote(pr, f->id);
   free(f->pulling);
   f->pulling = NULL;
   f->num_pulling = 0;
@@ -740,12 +828,16 @@ static int fetch_ask(kvf_peers *p, fetch *f) {
 }
 
 static void fetch_free(fetch *f) {
+  free(f->result);
   free(f->specs);
   free(f->have);
   free(f->asked);
   free(f->pulling);
   free(f);
 }
+
+static void offer_answer(kvf_peers *p, fetch *f);
+static void push_finish(kvf_peers *p, struct push_job *j, kvf_status st, const char *why);
 
 /* Advance every fetch; finished ones call back and go. */
 static void fetches_step(kvf_peers *p) {
@@ -767,6 +859,12 @@ static void fetches_step(kvf_peers *p) {
                 p->opt.fetch_timeout_ms);
     }
     if (f->state == F_PULLING && f->gets_out == 0) fetch_finish_pull(p, f);
+    if (f->state == F_NEXT && f->offer) {
+      offer_answer(p, f);
+      *fp = f->next;
+      fetch_free(f);
+      continue;
+    }
     if (f->state == F_NEXT && (f->mismatch != KVF_SUCCESS || !fetch_ask(p, f))) {
       /* Nobody else to ask: done. */
       *fp = f->next;
@@ -789,6 +887,364 @@ static void fetches_forget(kvf_peers *p, peer *pr) {
       if (f->state == F_ASKED) f->state = F_NEXT;
       if (f->state == F_PULLING && f->gets_out) f->get_failed = 1;
     }
+}
+
+/* ---- pushes: OFFER (receiver) ------------------------------------------------- */
+
+/* Tell the peer that offered f what became of each object. */
+static void offer_answer(kvf_peers *p, fetch *f) {
+  peer *pr = p->peers;
+  while (pr && pr->uid != f->offer_uid) pr = pr->next;
+  uint32_t committed = 0;
+  for (uint32_t i = 0; i < f->n; i++) committed += f->result[i] == 1;
+  KVF_INFO(SERVER, "peer %s: offer %llu: %u of %u objects committed", pr ? pr->addr : "(gone)",
+           (unsigned long long)f->id, committed, f->n);
+  pthread_mutex_lock(&p->mu);
+  p->counters.offers_in_flight--;
+  pthread_mutex_unlock(&p->mu);
+  if (!pr || !pr->conn || pr->doomed) return;
+  size_t len = PM_HDR + 8 + f->n;
+  uint8_t *m = calloc(1, len);
+  if (!m) return peer_doom(pr, "OFFER_DONE: out of memory");
+  hdr_fill(m, PM_OFFER_DONE, (uint32_t)len, f->id);
+  put32(m + PM_HDR, f->n);
+  memcpy(m + PM_HDR + 8, f->result, f->n);
+  peer_send(pr, m, len);
+  free(m);
+}
+
+/* The field of an offered object's header that cannot be right, or NULL. */
+static const char *offer_header_bad(const kvf_peers *p, const peer *pr, const kvf_l1_key *key,
+                                    const kvf_object_header *h, uint32_t pool, uint64_t off) {
+  static const kvf_chunk_key zero;
+  if (memcmp(&key->chunk, &zero, sizeof(zero)) == 0) return "key.chunk";
+  if (key->shard_count == 0 || key->shard_index >= key->shard_count) return "key.shard_index";
+  if (h->magic != KVF_OBJECT_MAGIC || h->header_version != 1) return "header.magic";
+  if (h->format > KVF_FORMAT_NATIVE) return "header.format";
+  if (h->object_group >= KVF_MAX_GROUPS) return "header.object_group";
+  if (h->format == KVF_FORMAT_CANONICAL && h->fingerprint != key->fingerprint) return "header.fingerprint";
+  if (h->token_end <= h->token_begin) return "header.token_end";
+  if (h->payload_bytes == 0) return "header.payload_bytes";
+  (void)p;
+  if (pool >= pr->num_pools) return "pool";
+  if (off > pr->pools[pool].size || h->payload_bytes > pr->pools[pool].size - off) return "offset";
+  return NULL;
+}
+
+/* A peer pushes objects: check each, skip what is held here, pull the rest
+ * into a reservation and commit them whole (the fetch's rules), then answer
+ * OFFER_DONE. */
+static void on_offer(kvf_peers *p, peer *pr, uint64_t id, const uint8_t *b, size_t n) {
+  if (n < 8) return peer_refuse(p, pr, KVF_ERR_PROTOCOL, "OFFER: truncated");
+  uint32_t cnt = get32(b);
+  if (cnt == 0 || cnt > KVF_PEERS_MAX_OBJECTS)
+    return peer_refuse(p, pr, KVF_ERR_PROTOCOL, "OFFER: n %u (1..%u)", cnt, KVF_PEERS_MAX_OBJECTS);
+  if (n != 8 + (size_t)cnt * PM_OFFER_ENTRY)
+    return peer_refuse(p, pr, KVF_ERR_PROTOCOL, "OFFER: %zu payload bytes for %u objects", n, cnt);
+  uint32_t open = 0;
+  for (fetch *g = p->fetches; g; g = g->next)
+    if (g->offer && g->offer_uid == pr->uid) {
+      if (g->id == id) return peer_refuse(p, pr, KVF_ERR_PROTOCOL, "OFFER: id %llu repeated", (unsigned long long)id);
+      open++;
+    }
+  fetch *f = calloc(1, sizeof(*f));
+  kvf_l1_query *q = calloc(cnt, sizeof(*q));
+  kvf_l1_found *fd = calloc(cnt, sizeof(*fd));
+  kvf_l1_object_spec *specs = calloc(cnt, sizeof(*specs));
+  kvf_l1_slot *slots = calloc(cnt, sizeof(*slots));
+  uint64_t *addr = calloc(cnt, sizeof(*addr));
+  uint32_t *pool = calloc(cnt, sizeof(*pool));
+  kvf_l1_pin *pin = NULL;
+  if (f) {
+    f->specs = calloc(cnt, sizeof(*f->specs));
+    f->have = calloc(cnt, 1);
+    f->asked = calloc(1, sizeof(*f->asked));
+    f->result = calloc(cnt, 1);
+    f->pulling = calloc(cnt, sizeof(*f->pulling));
+  }
+  if (!f || !q || !fd || !specs || !slots || !addr || !pool || !f->specs || !f->have || !f->asked || !f->result ||
+      !f->pulling) {
+    if (f) fetch_free(f);
+    f = NULL;
+    peer_doom(pr, "OFFER: out of memory");
+    goto out;
+  }
+  f->offer = 1;
+  f->offer_uid = pr->uid;
+  f->id = id;
+  f->n = cnt;
+  f->at = pr;
+  f->timeout_ns = (uint64_t)p->opt.fetch_timeout_ms * 1000000ull;
+  f->state = F_PULLING;
+  f->deadline_ns = kvf_now_ns() + f->timeout_ns;
+  /* The pool named like the offering side's, else this side's first. */
+  f->device = p->pools[0].device;
+  uint32_t refused = 0;
+  for (uint32_t i = 0; i < cnt; i++) {
+    const uint8_t *e = b + 8 + (size_t)i * PM_OFFER_ENTRY;
+    memcpy(&f->specs[i].key, e, PM_KEY_BYTES);
+    memcpy(&f->specs[i].header, e + PM_KEY_BYTES, PM_HEADER_BYTES);
+    f->specs[i].object_group = f->specs[i].header.object_group;
+    uint32_t pi = get32(e + PM_KEY_BYTES + PM_HEADER_BYTES);
+    uint64_t off = get64(e + PM_KEY_BYTES + PM_HEADER_BYTES + 8);
+    const char *bad = offer_header_bad(p, pr, &f->specs[i].key, &f->specs[i].header, pi, off);
+    if (bad) {
+      if (refused++ == 0)
+        KVF_WARN(SERVER, "peer %s: OFFER %llu: objects[%u] (chunk key %016llx...): %s is not valid: refused", pr->addr,
+                 (unsigned long long)id, i, (unsigned long long)key_prefix(&f->specs[i].key), bad);
+      f->have[i] = 2; /* refused: result 0 */
+      continue;
+    }
+    if (i == 0)
+      for (uint32_t k = 0; k < p->num_pools; k++)
+        if (p->pools[k].device == pr->pools[pi].device) f->device = p->pools[k].device;
+    q[i] = (kvf_l1_query){f->specs[i].key, f->specs[i].object_group};
+    addr[i] = pr->pools[pi].base + off;
+    pool[i] = pi;
+  }
+  if (refused) {
+    if (refused > 1) KVF_WARN(SERVER, "peer %s: OFFER %llu: %u objects refused in all", pr->addr, (unsigned long long)id, refused);
+    count_failure(p, pr);
+  }
+  if (open >= PM_MAX_OFFERS_PER_PEER) {
+    KVF_WARN(SERVER, "peer %s: OFFER %llu refused: %u of its offers are being pulled already (at most %u)", pr->addr,
+             (unsigned long long)id, open, PM_MAX_OFFERS_PER_PEER);
+    count_failure(p, pr);
+    memset(f->have, 2, cnt);
+  }
+  /* What L1 holds already: the same object is "held", another header refused. */
+  uint32_t nq = 0;
+  for (uint32_t i = 0; i < cnt; i++)
+    if (!f->have[i]) q[nq++] = q[i];
+  if (nq && kvf_l1_lookup_pin(p->opt.l1, q, nq, fd, &pin) != KVF_SUCCESS) {
+    fetch_free(f);
+    f = NULL;
+    peer_refuse(p, pr, KVF_ERR_INTERNAL, "OFFER: lookup: %s", kvf_last_error());
+    goto out;
+  }
+  kvf_l1_unpin(p->opt.l1, pin);
+  pin = NULL;
+  uint32_t k = 0, np = 0;
+  for (uint32_t i = 0; i < cnt; i++) {
+    if (f->have[i]) continue;
+    const kvf_l1_found *h = &fd[k++];
+    if (h->found) {
+      if (memcmp(&h->header, &f->specs[i].header, sizeof(h->header)) == 0) {
+        f->result[i] = 2;
+      } else {
+        KVF_WARN(SERVER, "peer %s: OFFER %llu: objects[%u] (chunk key %016llx...): held here with another header: "
+                 "refused", pr->addr, (unsigned long long)id, i, (unsigned long long)key_prefix(&f->specs[i].key));
+        count_failure(p, pr);
+      }
+      continue;
+    }
+    specs[np] = f->specs[i];
+    addr[np] = addr[i];
+    pool[np] = pool[i];
+    f->pulling[np++] = i;
+  }
+  f->num_pulling = np;
+  pthread_mutex_lock(&p->mu);
+  p->counters.offers_in_flight++;
+  pthread_mutex_unlock(&p->mu);
+  fetch_pull(p, f, pr, specs, addr, pool, slots);
+  if (f->num_pulling == 0) f->state = F_PULLING; /* answered at the next step (gets_out 0) */
+  f->next = p->fetches;
+  p->fetches = f;
+  f = NULL;
+out:
+  free(q);
+  free(fd);
+  free(specs);
+  free(slots);
+  free(addr);
+  free(pool);
+}
+
+/* ---- pushes: the sending side ------------------------------------------------ */
+
+static void push_finish(kvf_peers *p, push_job *j, kvf_status st, const char *why) {
+  kvf_l1_unpin(p->opt.l1, j->pin);
+  j->pin = NULL;
+  pthread_mutex_lock(&p->mu);
+  p->counters.pushes_in_flight--;
+  pthread_mutex_unlock(&p->mu);
+  uint64_t bytes = 0;
+  for (uint32_t i = 0; i < j->num_offered; i++)
+    if (j->result[j->offered[i]] == KVF_PEERS_PUSH_COPIED) bytes += j->specs[j->offered[i]].header.payload_bytes;
+  j->done(j->arg, j->result, j->n, bytes, st, why);
+  free(j->specs);
+  free(j->result);
+  free(j->offered);
+  free(j);
+}
+
+/* The ready peer `name` names: its --peer address, or its boot token. */
+static peer *peer_by_name(kvf_peers *p, const char *name) {
+  char *end = NULL;
+  unsigned long long boot = strlen(name) == 16 ? strtoull(name, &end, 16) : 0;
+  if (end && *end) boot = 0;
+  for (peer *pr = p->peers; pr; pr = pr->next) {
+    if (pr->state != KVF_PEER_READY || pr->doomed) continue;
+    if ((pr->outgoing && strcmp(pr->addr, name) == 0) || (boot && pr->boot_token == boot)) return pr;
+  }
+  return NULL;
+}
+
+/* Pin what j names, offer it to its peer. 0: j is finished (and freed). */
+static int push_start(kvf_peers *p, push_job *j) {
+  peer *pr = peer_by_name(p, j->peer_name);
+  if (!pr) {
+    char names[512] = "";
+    size_t used = 0;
+    for (peer *q = p->peers; q && used < sizeof(names) - 80; q = q->next)
+      used += (size_t)snprintf(names + used, sizeof(names) - used, "%s%s %016llx (%s)", used ? ", " : "",
+                               q->outgoing ? q->addr : "incoming", (unsigned long long)q->boot_token,
+                               q->state == KVF_PEER_READY ? "ready" : "not ready");
+    char why[768];
+    snprintf(why, sizeof(why), "payload.peer: no ready peer is named '%s' (its --peer ADDR:PORT or its boot token); "
+             "peers: %s", j->peer_name, used ? names : "none");
+    push_finish(p, j, KVF_ERR_NOT_FOUND, why);
+    return 0;
+  }
+  kvf_l1_query *q = calloc(j->n, sizeof(*q));
+  kvf_l1_found *fd = calloc(j->n, sizeof(*fd));
+  if (!q || !fd) {
+    free(q);
+    free(fd);
+    push_finish(p, j, KVF_ERR_OUT_OF_MEMORY, "push: out of memory");
+    return 0;
+  }
+  for (uint32_t i = 0; i < j->n; i++) q[i] = (kvf_l1_query){j->specs[i].key, j->specs[i].object_group};
+  if (kvf_l1_lookup_pin(p->opt.l1, q, j->n, fd, &j->pin) != KVF_SUCCESS) {
+    free(q);
+    free(fd);
+    push_finish(p, j, KVF_ERR_INTERNAL, kvf_last_error());
+    return 0;
+  }
+  size_t len = PM_HDR + 8;
+  uint8_t *m = calloc(1, len + (size_t)j->n * PM_OFFER_ENTRY);
+  if (!m) {
+    free(q);
+    free(fd);
+    push_finish(p, j, KVF_ERR_OUT_OF_MEMORY, "push: out of memory");
+    return 0;
+  }
+  for (uint32_t i = 0; i < j->n; i++) {
+    const kvf_object_header *want = &j->specs[i].header, *h = &fd[i].header;
+    /* Only the object this registration would read: the same header. */
+    if (!fd[i].found || memcmp(h, want, sizeof(*h)) != 0) {
+      j->result[i] = KVF_PEERS_PUSH_MISSING;
+      continue;
+    }
+    uint32_t pool = UINT32_MAX;
+    for (uint32_t k = 0; k < p->num_pools; k++) {
+      uintptr_t base = (uintptr_t)p->pools[k].base, d = (uintptr_t)fd[i].data;
+      if (d >= base && d - base < p->pools[k].size) pool = k;
+    }
+    if (pool == UINT32_MAX) {
+      j->result[i] = KVF_PEERS_PUSH_MISSING;
+      continue;
+    }
+    uint8_t *e = m + len;
+    memcpy(e, &j->specs[i].key, PM_KEY_BYTES);
+    memcpy(e + PM_KEY_BYTES, h, PM_HEADER_BYTES);
+    put32(e + PM_KEY_BYTES + PM_HEADER_BYTES, pool);
+    put64(e + PM_KEY_BYTES + PM_HEADER_BYTES + 8, (uint64_t)((uintptr_t)fd[i].data - (uintptr_t)p->pools[pool].base));
+    len += PM_OFFER_ENTRY;
+    j->offered[j->num_offered++] = i;
+    j->bytes += h->payload_bytes;
+  }
+  free(q);
+  free(fd);
+  if (j->num_offered == 0) {
+    free(m);
+    push_finish(p, j, KVF_SUCCESS, "");
+    return 0;
+  }
+  hdr_fill(m, PM_OFFER, (uint32_t)len, j->id);
+  put32(m + PM_HDR, j->num_offered);
+  peer_send(pr, m, len);
+  free(m);
+  j->at_uid = pr->uid;
+  j->at_connects = pr->info.connects;
+  /* The peer pulls at its own pace; a push that outlives this was lost. */
+  j->deadline_ns = kvf_now_ns() + ((uint64_t)p->opt.fetch_timeout_ms + j->bytes / PM_PUSH_BYTES_PER_MS) * 1000000ull;
+  KVF_INFO(SERVER, "peer %s: push %llu: %u objects (%llu bytes) offered", pr->addr, (unsigned long long)j->id,
+           j->num_offered, (unsigned long long)j->bytes);
+  return 1;
+}
+
+static void on_offer_done(kvf_peers *p, peer *pr, uint64_t id, const uint8_t *b, size_t n) {
+  push_job **jp = &p->pushes;
+  while (*jp && !((*jp)->id == id && (*jp)->at_uid == pr->uid)) jp = &(*jp)->next;
+  if (!*jp) return peer_refuse(p, pr, KVF_ERR_PROTOCOL, "OFFER_DONE: id %llu answers no OFFER", (unsigned long long)id);
+  push_job *j = *jp;
+  if (n < 8 || get32(b) != j->num_offered || n != 8 + (size_t)j->num_offered)
+    return peer_refuse(p, pr, KVF_ERR_PROTOCOL, "OFFER_DONE: %zu payload bytes, %u objects offered", n, j->num_offered);
+  for (uint32_t i = 0; i < j->num_offered; i++) {
+    uint8_t r = b[8 + i];
+    if (r > 2) return peer_refuse(p, pr, KVF_ERR_PROTOCOL, "OFFER_DONE: objects[%u]: result %u (0..2)", i, r);
+    j->result[j->offered[i]] = r == 1 ? KVF_PEERS_PUSH_COPIED : r == 2 ? KVF_PEERS_PUSH_PRESENT : KVF_PEERS_PUSH_FAILED;
+  }
+  uint64_t copied = 0, bytes = 0;
+  for (uint32_t i = 0; i < j->num_offered; i++)
+    if (j->result[j->offered[i]] == KVF_PEERS_PUSH_COPIED) {
+      copied++;
+      bytes += j->specs[j->offered[i]].header.payload_bytes;
+    }
+  pthread_mutex_lock(&p->mu);
+  pr->info.objects_pushed += copied;
+  pr->info.bytes_pushed += bytes;
+  pthread_mutex_unlock(&p->mu);
+  *jp = j->next;
+  push_finish(p, j, KVF_SUCCESS, "");
+}
+
+/* Start new pushes; fail those whose peer went or that ran out of time. */
+static void pushes_step(kvf_peers *p) {
+  pthread_mutex_lock(&p->mu);
+  push_job *in = p->push_incoming;
+  p->push_incoming = NULL;
+  pthread_mutex_unlock(&p->mu);
+  /* Oldest first: the list was built by prepending. */
+  push_job *rev = NULL;
+  while (in) {
+    push_job *j = in;
+    in = in->next;
+    j->next = rev;
+    rev = j;
+  }
+  while (rev) {
+    push_job *j = rev;
+    rev = rev->next;
+    if (push_start(p, j)) {
+      j->next = p->pushes;
+      p->pushes = j;
+    }
+  }
+  uint64_t now = kvf_now_ns();
+  for (push_job **jp = &p->pushes; *jp;) {
+    push_job *j = *jp;
+    peer *pr = p->peers;
+    while (pr && pr->uid != j->at_uid) pr = pr->next;
+    int gone = !pr || !pr->conn || pr->doomed || pr->state != KVF_PEER_READY || pr->info.connects != j->at_connects;
+    if (!gone && now <= j->deadline_ns) {
+      jp = &j->next;
+      continue;
+    }
+    if (!gone) {
+      /* Its pulls may still be reading the pinned objects: closing the
+       * connection ends them before the pins go (at the next turn). */
+      count_failure(p, pr);
+      peer_doom(pr, "push %llu: no OFFER_DONE in time", (unsigned long long)j->id);
+      jp = &j->next;
+      continue;
+    }
+    *jp = j->next;
+    for (uint32_t i = 0; i < j->num_offered; i++) j->result[j->offered[i]] = KVF_PEERS_PUSH_FAILED;
+    push_finish(p, j, KVF_ERR_DISCONNECTED, "the peer was lost before it answered the push");
+  }
 }
 
 /* ---- the transport's callbacks (peer thread) ------------------------------------ */
@@ -849,6 +1305,8 @@ static void cb_message(void *ctx, kvf_pt_conn *c, const void *data, size_t len) 
     case PM_HAS: return on_has(p, pr, id, b, n);
     case PM_HAS_REPLY: return on_has_reply(p, pr, id, b, n);
     case PM_RELEASE: return on_release(p, pr, id, n);
+    case PM_OFFER: return on_offer(p, pr, id, b, n);
+    case PM_OFFER_DONE: return on_offer_done(p, pr, id, b, n);
     default: return peer_refuse(p, pr, KVF_ERR_PROTOCOL, "header.type: %u is not a peer message", type);
   }
 }
@@ -918,6 +1376,7 @@ static void peers_turn(kvf_peers *p) {
     send_hello(p, pr);
   }
   fetches_step(p);
+  pushes_step(p);
 }
 
 static void *peers_thread(void *arg) {
@@ -1046,8 +1505,23 @@ void kvf_peers_destroy(kvf_peers *p) {
     fetch *f = p->fetches;
     p->fetches = f->next;
     if (f->res) kvf_l1_abort(p->opt.l1, f->res);
-    f->done(f->arg, f->committed, f->mismatch_spec, f->mismatch, f->mismatch_msg);
+    if (f->done) f->done(f->arg, f->committed, f->mismatch_spec, f->mismatch, f->mismatch_msg);
     fetch_free(f);
+  }
+  pthread_mutex_lock(&p->mu);
+  push_job *pin_ = p->push_incoming;
+  p->push_incoming = NULL;
+  pthread_mutex_unlock(&p->mu);
+  while (pin_) {
+    push_job *j = pin_;
+    pin_ = j->next;
+    j->next = p->pushes;
+    p->pushes = j;
+  }
+  while (p->pushes) {
+    push_job *j = p->pushes;
+    p->pushes = j->next;
+    push_finish(p, j, KVF_ERR_STATE, "the server is stopping");
   }
   while (p->peers) peer_free(p, p->peers);
   for (uint32_t i = 0; i < p->num_pools; i++) kvf_pt_mem_deregister(p->mems[i]);
@@ -1094,6 +1568,45 @@ kvf_status kvf_peers_fetch(kvf_peers *p, int device, const kvf_l1_object_spec *s
   p->incoming = f;
   p->counters.fetches_in_flight++;
   p->counters.fetches_total++;
+  pthread_mutex_unlock(&p->mu);
+  kvf_pt_signal(p->t);
+  return KVF_SUCCESS;
+}
+
+kvf_status kvf_peers_push(kvf_peers *p, const char *peer_name, const kvf_l1_object_spec *specs, uint32_t n,
+                          kvf_peers_push_done done, void *arg) {
+  if (!p || !peer_name || !specs || !done || n == 0 || n > KVF_PEERS_MAX_OBJECTS)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_peers_push: %u objects (1..%u)", n, KVF_PEERS_MAX_OBJECTS);
+  push_job *j = calloc(1, sizeof(*j));
+  if (!j) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "peers: out of memory");
+  if (strlen(peer_name) >= sizeof(j->peer_name)) {
+    free(j);
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "peer: longer than %zu bytes", sizeof(j->peer_name) - 1);
+  }
+  if (__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) {
+    free(j);
+    return kvf_fail(KVF_ERR_STATE, "peers: stopping");
+  }
+  snprintf(j->peer_name, sizeof(j->peer_name), "%s", peer_name);
+  j->specs = malloc((size_t)n * sizeof(*specs));
+  j->result = calloc(n, 1);
+  j->offered = calloc(n, sizeof(*j->offered));
+  if (!j->specs || !j->result || !j->offered) {
+    free(j->specs);
+    free(j->result);
+    free(j->offered);
+    free(j);
+    return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "peers: out of memory");
+  }
+  memcpy(j->specs, specs, (size_t)n * sizeof(*specs));
+  j->n = n;
+  j->done = done;
+  j->arg = arg;
+  pthread_mutex_lock(&p->mu);
+  j->id = ++p->next_push_id;
+  j->next = p->push_incoming;
+  p->push_incoming = j;
+  p->counters.pushes_in_flight++;
   pthread_mutex_unlock(&p->mu);
   kvf_pt_signal(p->t);
   return KVF_SUCCESS;

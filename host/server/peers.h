@@ -84,6 +84,34 @@ typedef void (*kvf_peers_fetch_done)(void *arg, uint64_t objects, uint32_t spec,
 kvf_status kvf_peers_fetch(kvf_peers *p, int device, const kvf_l1_object_spec *specs, uint32_t n,
                            kvf_peers_fetch_done done, void *arg);
 
+/* What a push did with each object it was given. */
+enum {
+  KVF_PEERS_PUSH_FAILED = 0,  /* offered; the peer refused it or its pull failed: not committed there */
+  KVF_PEERS_PUSH_COPIED = 1,  /* copied, committed on the peer */
+  KVF_PEERS_PUSH_PRESENT = 2, /* the peer held it already */
+  KVF_PEERS_PUSH_MISSING = 3, /* not held here (with that header): not offered */
+};
+
+/* done runs once the push is over (on the peer thread, or in destroy):
+ * result[i] (KVF_PEERS_PUSH_*, borrowed for the call) for specs[i];
+ * bytes: payload committed on the peer. status: KVF_SUCCESS when the peer
+ * answered (results say the rest); KVF_ERR_NOT_FOUND (no ready peer of that
+ * name: message lists the peers); KVF_ERR_DISCONNECTED (the peer was lost
+ * or did not answer in time: nothing offered counts as copied);
+ * KVF_ERR_STATE (stopping). */
+typedef void (*kvf_peers_push_done)(void *arg, const uint8_t *result, uint32_t n, uint64_t bytes, kvf_status status,
+                                    const char *message);
+
+/* Push the objects specs[0 .. n) describe (those this L1 holds with
+ * exactly that header) to the ready peer `peer`: its --peer ADDR:PORT, or
+ * its boot token as 16 hex digits (kvferry stat). They stay pinned here
+ * until the peer answers; the peer pulls them and commits only whole,
+ * checked objects. Copies specs. Returns KVF_SUCCESS (done will run);
+ * KVF_ERR_INVALID_ARGUMENT (n 0 or over KVF_PEERS_MAX_OBJECTS, a name over
+ * 63 bytes); KVF_ERR_STATE (stopping); KVF_ERR_OUT_OF_MEMORY. */
+kvf_status kvf_peers_push(kvf_peers *p, const char *peer, const kvf_l1_object_spec *specs, uint32_t n,
+                          kvf_peers_push_done done, void *arg);
+
 typedef enum kvf_peer_state {
   KVF_PEER_DOWN = 0,      /* not connected (an outgoing peer retries every second) */
   KVF_PEER_HANDSHAKE = 1, /* connected, not authenticated both ways yet */
@@ -96,7 +124,8 @@ typedef struct kvf_peer_info {
   uint32_t outgoing;      /* 1: a --peer this server connects to */
   uint64_t boot_token;    /* the peer's, from its last HELLO (0: never heard) */
   uint64_t connects;      /* handshakes completed */
-  uint64_t objects_pulled, bytes_pulled; /* committed here from it */
+  uint64_t objects_pulled, bytes_pulled; /* committed here from it (its pushes included) */
+  uint64_t objects_pushed, bytes_pushed; /* committed there by our pushes */
   uint64_t objects_served;               /* it was told where to read them here */
   uint64_t failures;      /* refused handshakes, bad messages, failed or timed-out pulls, bad headers */
 } kvf_peer_info;
@@ -111,6 +140,8 @@ typedef struct kvf_peers_counters {
   uint64_t fetches_total;
   uint64_t objects_pulled;
   uint64_t failures;
+  uint64_t pushes_in_flight; /* ours, waiting for the peer's answer */
+  uint64_t offers_in_flight; /* peers' pushes being pulled here */
 } kvf_peers_counters;
 void kvf_peers_counters_get(kvf_peers *p, kvf_peers_counters *out);
 

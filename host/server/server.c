@@ -135,6 +135,7 @@ typedef struct kvf_server_conn {
   uint32_t num_pins, pins_cap;
   uint64_t pinned_chunks; /* the sum of pins[].chunks */
   uint64_t last_pin_id;   /* ids count up from 1; every id up to this one was given out */
+  uint32_t pushes;        /* PUSHes waiting for their peer's answer */
 } kvf_server_conn;
 
 
@@ -173,8 +174,11 @@ struct kvf_server {
   struct kvf_server_fetch *fetch_done_head, *fetch_done_tail; /* ... whose fetch is over (out_mu) */
 };
 
-/* A RETRIEVE that missed here, waiting for the peers' fetch (its frame,
- * decoded again when the fetch is over and submitted as any other). */
+/* Work handed to the peers for one request: a RETRIEVE or LOOKUP that
+ * missed here, waiting for the peers' fetch (its frame, decoded again when
+ * the fetch is over and answered as any other), or a PUSH waiting for its
+ * peer's answer. */
+#define KVF_SERVER_MAX_PUSHES 16u /* PUSHes in flight per connection */
 typedef struct kvf_server_fetch {
   struct kvf_server_fetch *next;      /* in s->fetching */
   struct kvf_server_fetch *done_next; /* in the done list */
@@ -187,6 +191,11 @@ typedef struct kvf_server_fetch {
   kvf_status status;
   char message[256];
   kvf_l1_object_spec *specs; /* what was asked for (to name a refused one) */
+  /* A PUSH (h.type KVF_PROTO_PUSH; payload unused): */
+  uint32_t n;           /* specs */
+  uint32_t *chunk_of;   /* [n] each spec's chunk */
+  uint8_t *result;      /* [n] KVF_PEERS_PUSH_* */
+  uint64_t bytes;       /* committed on the peer */
 } kvf_server_fetch;
 
 /* ---- helpers -------------------------------------------------------------- */
@@ -756,6 +765,8 @@ static kvf_status handle_stat(kvf_server *s, kvf_server_conn *c, const kvf_proto
       peers[i].bytes_pulled = info[i].bytes_pulled;
       peers[i].objects_served = info[i].objects_served;
       peers[i].failures = info[i].failures;
+      peers[i].objects_pushed = info[i].objects_pushed;
+      peers[i].bytes_pushed = info[i].bytes_pushed;
     }
     r.u.stat_reply.has_peers = 1;
     r.u.stat_reply.peers = peers;
@@ -849,13 +860,19 @@ static kvf_status handle_unpin(kvf_server *s, kvf_server_conn *c, const kvf_prot
 /* ---- fetch on miss (host/server/peers.h) ---------------------------------- */
 
 /* The peer thread's callback: the fetch is over, hand it to the loop. */
+static void server_post_done(kvf_server_fetch *f);
 static void server_post_fetch(void *arg, uint64_t objects, uint32_t spec, kvf_status status, const char *message) {
   kvf_server_fetch *f = arg;
-  kvf_server *s = f->s;
   f->objects = objects;
   f->spec = spec;
   f->status = status;
   snprintf(f->message, sizeof(f->message), "%s", message ? message : "");
+  server_post_done(f);
+}
+
+/* Hand f to the loop (any thread). */
+static void server_post_done(kvf_server_fetch *f) {
+  kvf_server *s = f->s;
   f->done_next = NULL;
   pthread_mutex_lock(&s->out_mu);
   if (s->fetch_done_tail)
@@ -875,15 +892,19 @@ static int server_fetch_pending(kvf_server *s, uint64_t client_id, uint64_t requ
   return 0;
 }
 
-/* A RETRIEVE: when ready peers may hold what L1 lacks, start a fetch and
- * return 1 (the RETRIEVE is submitted when it is over); 0: submit it now. */
+/* A RETRIEVE or LOOKUP: when ready peers may hold what L1 lacks, start a
+ * fetch and return 1 (the request is answered when it is over); 0: answer
+ * it now. */
 static int server_fetch_start(kvf_server *s, kvf_server_conn *c, const kvf_proto_header *h, const uint8_t *payload,
                               const kvf_proto_msg *m) {
   if (!s->peers || !c->binding || kvf_peers_ready(s->peers) == 0) return 0;
   kvf_l1_object_spec *specs = NULL;
   uint32_t n = 0;
   int device = -1;
-  if (kvf_dataplane_retrieve_missing(s->dp, c->binding, m, &specs, &n, &device) != KVF_SUCCESS || n == 0) {
+  kvf_status ms = h->type == KVF_PROTO_LOOKUP
+                      ? kvf_dataplane_lookup_missing(s->dp, c->binding, &m->u.lookup, &specs, &n, &device)
+                      : kvf_dataplane_retrieve_missing(s->dp, c->binding, m, &specs, &n, &device);
+  if (ms != KVF_SUCCESS || n == 0) {
     free(specs);
     return 0; /* a request submit refuses, or nothing missing */
   }
@@ -903,24 +924,133 @@ static int server_fetch_start(kvf_server *s, kvf_server_conn *c, const kvf_proto
   f->payload = copy;
   f->specs = specs;
   if (kvf_peers_fetch(s->peers, device, specs, n, server_post_fetch, f) != KVF_SUCCESS) {
-    KVF_INFO(SERVER, "client %llu: RETRIEVE %llu: no fetch from peers: %s", (unsigned long long)c->client_id,
-             (unsigned long long)h->request_id, kvf_last_error());
+    KVF_INFO(SERVER, "client %llu: %s %llu: no fetch from peers: %s", (unsigned long long)c->client_id,
+             kvf_proto_type_name(h->type), (unsigned long long)h->request_id, kvf_last_error());
     free(copy);
     free(f);
     free(specs);
     return 0;
   }
-  KVF_INFO(SERVER, "client %llu: RETRIEVE %llu: %u objects missing here, asking %u peers",
-           (unsigned long long)c->client_id, (unsigned long long)h->request_id, n, kvf_peers_ready(s->peers));
+  KVF_INFO(SERVER, "client %llu: %s %llu: %u objects missing here, asking %u peers", (unsigned long long)c->client_id,
+           kvf_proto_type_name(h->type), (unsigned long long)h->request_id, n, kvf_peers_ready(s->peers));
   f->next = s->fetching;
   s->fetching = f;
   return 1;
 }
 
 static void server_fetch_free(kvf_server_fetch *f) {
+  free(f->chunk_of);
+  free(f->result);
   free(f->specs);
   free(f->payload);
   free(f);
+}
+
+/* The peer thread's callback: a PUSH is over. */
+static void server_post_push(void *arg, const uint8_t *result, uint32_t n, uint64_t bytes, kvf_status status,
+                             const char *message) {
+  kvf_server_fetch *f = arg;
+  memcpy(f->result, result, n);
+  f->bytes = bytes;
+  f->status = status;
+  snprintf(f->message, sizeof(f->message), "%s", message ? message : "");
+  server_post_done(f);
+}
+
+/* PUSH: checked here (registration, range, the object count a peer message
+ * holds), then handed to the peer thread; answered when the peer has
+ * answered (server_push_reply). Nothing but bookkeeping on the loop. */
+static kvf_status handle_push(kvf_server *s, kvf_server_conn *c, const kvf_proto_msg *m) {
+  const kvf_proto_push *q = &m->u.push;
+  if (!s->peers) {
+    kvf_fail(KVF_ERR_UNSUPPORTED, "payload.peer: this kvferryd has no peers (start it with --peer or --listen)");
+    return server_send_error(s, c, m->request_id, KVF_ERR_UNSUPPORTED, NULL);
+  }
+  if (c->pushes >= KVF_SERVER_MAX_PUSHES) {
+    kvf_fail(KVF_ERR_BUSY, "quota.pushes: %u PUSHes in flight, the limit is %u; wait for a reply", (unsigned)c->pushes,
+             KVF_SERVER_MAX_PUSHES);
+    return server_send_error(s, c, m->request_id, KVF_ERR_BUSY, NULL);
+  }
+  kvf_l1_object_spec *specs = NULL;
+  uint32_t *chunk_of = NULL, n = 0;
+  kvf_status st = kvf_dataplane_push_specs(s->dp, c->binding, q, &specs, &chunk_of, &n);
+  if (st == KVF_SUCCESS && n > KVF_PEERS_MAX_OBJECTS)
+    st = kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                  "payload.num_chunk_keys: %u chunks name %u objects, one PUSH moves at most %u: split it",
+                  q->num_chunk_keys, n, KVF_PEERS_MAX_OBJECTS);
+  if (st == KVF_SUCCESS && n == 0)
+    st = kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.token_end: the range names no object");
+  kvf_server_fetch *f = st == KVF_SUCCESS ? calloc(1, sizeof(*f)) : NULL;
+  if (st == KVF_SUCCESS && f) {
+    f->result = calloc(n, 1);
+    if (!f->result) {
+      free(f);
+      f = NULL;
+    }
+  }
+  if (st == KVF_SUCCESS && !f) st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "push: out of memory");
+  if (st == KVF_SUCCESS) {
+    f->s = s;
+    f->client_id = c->client_id;
+    f->h.type = KVF_PROTO_PUSH;
+    f->h.request_id = m->request_id;
+    f->specs = specs;
+    f->chunk_of = chunk_of;
+    f->n = n;
+    st = kvf_peers_push(s->peers, q->peer, specs, n, server_post_push, f);
+    if (st != KVF_SUCCESS) {
+      f->specs = NULL;
+      f->chunk_of = NULL;
+      server_fetch_free(f);
+    }
+  }
+  if (st != KVF_SUCCESS) {
+    free(specs);
+    free(chunk_of);
+    KVF_INFO(SERVER, "client %llu: PUSH %llu refused: %s", (unsigned long long)c->client_id,
+             (unsigned long long)m->request_id, kvf_last_error());
+    return server_send_error(s, c, m->request_id, st, NULL);
+  }
+  c->pushes++;
+  f->next = s->fetching;
+  s->fetching = f;
+  KVF_INFO(SERVER, "client %llu: PUSH %llu: %u objects of %u chunks to peer %s", (unsigned long long)c->client_id,
+           (unsigned long long)m->request_id, n, q->num_chunk_keys, q->peer);
+  return KVF_SUCCESS;
+}
+
+/* Answer a PUSH whose peer answered (or was lost). */
+static void server_push_reply(kvf_server *s, kvf_server_conn *c, const kvf_server_fetch *f) {
+  if (c->pushes) c->pushes--;
+  if (f->status != KVF_SUCCESS) {
+    kvf_fail(f->status, "%s", f->message);
+    (void)server_send_error(s, c, f->h.request_id, f->status, NULL);
+    return;
+  }
+  kvf_proto_msg r;
+  memset(&r, 0, sizeof(r));
+  r.type = KVF_PROTO_PUSH_REPLY;
+  r.request_id = f->h.request_id;
+  kvf_proto_push_reply *x = &r.u.push_reply;
+  uint64_t chunks = 0;
+  int whole = 1;
+  for (uint32_t i = 0; i < f->n; i++) {
+    uint8_t v = f->result[i];
+    x->objects_pushed += v == KVF_PEERS_PUSH_COPIED;
+    x->objects_present += v == KVF_PEERS_PUSH_PRESENT;
+    x->objects_missing += v == KVF_PEERS_PUSH_MISSING;
+    x->objects_failed += v == KVF_PEERS_PUSH_FAILED;
+    /* Specs come chunk by chunk: a chunk counts once all of its are there. */
+    if (whole && v != KVF_PEERS_PUSH_COPIED && v != KVF_PEERS_PUSH_PRESENT) whole = 0;
+    if (whole && (i + 1 == f->n || f->chunk_of[i + 1] != f->chunk_of[i])) chunks = (uint64_t)f->chunk_of[i] + 1;
+  }
+  x->bytes_pushed = f->bytes;
+  x->chunks_on_peer = chunks;
+  KVF_INFO(SERVER, "client %llu: PUSH %llu: %llu pushed, %llu there already, %llu not here, %llu failed",
+           (unsigned long long)c->client_id, (unsigned long long)f->h.request_id,
+           (unsigned long long)x->objects_pushed, (unsigned long long)x->objects_present,
+           (unsigned long long)x->objects_missing, (unsigned long long)x->objects_failed);
+  (void)server_send(s, c, &r);
 }
 
 /* Submit the RETRIEVEs whose fetch is over (loop thread): L1 now holds what
@@ -939,7 +1069,26 @@ static void server_finish_fetches(kvf_server *s) {
       }
     uint32_t index = 0;
     kvf_server_conn *c = conn_by_client(s, f->client_id, &index);
-    if (c) {
+    if (c && f->h.type == KVF_PROTO_PUSH) {
+      server_push_reply(s, c, f);
+    } else if (c && f->h.type == KVF_PROTO_LOOKUP) {
+      kvf_proto_msg m;
+      kvf_status st = kvf_proto_decode(&f->h, f->payload, &m);
+      if (st == KVF_SUCCESS && f->status != KVF_SUCCESS) {
+        uint64_t k = 0;
+        while (k < m.u.lookup.num_chunk_keys &&
+               memcmp(&m.u.lookup.chunk_keys[k], &f->specs[f->spec].key.chunk, sizeof(kvf_chunk_key)) != 0)
+          k++;
+        st = kvf_fail(f->status, "payload.chunk_keys[%llu]: object group %u: %s", (unsigned long long)k,
+                      (unsigned)f->specs[f->spec].object_group, f->message);
+        (void)server_send_error(s, c, f->h.request_id, st, NULL);
+      } else if (st == KVF_SUCCESS) {
+        (void)handle_lookup(s, c, &m);
+      } else {
+        (void)server_send_error(s, c, f->h.request_id, st, NULL);
+      }
+      kvf_proto_msg_clear(&m);
+    } else if (c) {
       kvf_proto_msg m;
       kvf_status st = kvf_proto_decode(&f->h, f->payload, &m);
       int decoded = st == KVF_SUCCESS;
@@ -1007,7 +1156,10 @@ static kvf_status server_dispatch(kvf_server *s, kvf_server_conn *c, const kvf_p
       break;
     }
     case KVF_PROTO_STAT: st = handle_stat(s, c, &m); break;
-    case KVF_PROTO_LOOKUP: st = handle_lookup(s, c, &m); break;
+    case KVF_PROTO_LOOKUP:
+      st = server_fetch_start(s, c, h, payload, &m) ? KVF_SUCCESS : handle_lookup(s, c, &m);
+      break;
+    case KVF_PROTO_PUSH: st = handle_push(s, c, &m); break;
     case KVF_PROTO_UNPIN: st = handle_unpin(s, c, &m); break;
     case KVF_PROTO_STORE:
     case KVF_PROTO_RETRIEVE: {

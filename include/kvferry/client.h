@@ -207,6 +207,7 @@ typedef struct kvf_client_peer_record {
   uint64_t objects_pulled, bytes_pulled; /* committed into this server from it */
   uint64_t objects_served; /* objects it was told where to read here */
   uint64_t failures;       /* refused handshakes, bad messages, failed pulls, bad headers */
+  uint64_t objects_pushed, bytes_pushed; /* committed on it by this server's pushes (kvf_client_push) */
 } kvf_client_peer_record;
 
 /* The server's kvferryd peers: up to `capacity` into records[], *count gets
@@ -398,6 +399,56 @@ KVF_API kvf_status kvf_client_lookup(kvf_client *client, const kvf_client_lookup
  * of this connection); KVF_ERR_TIMEOUT; KVF_ERR_DISCONNECTED (the pins went
  * with the connection). */
 KVF_API kvf_status kvf_client_unpin(kvf_client *client, uint64_t pin_id);
+
+/* ---- PUSH: to a kvferryd peer -------------------------------------------- */
+
+/* One PUSH: the objects this server holds for a range of chunk keys (as a
+ * RETRIEVE names them) copied into the L1 of one of its kvferryd peers
+ * (docs/peers.md): the prefill side sends what a decode host will
+ * retrieve. Fill from KVF_CLIENT_PUSH_DESC_INIT. */
+typedef struct kvf_client_push_desc {
+  uint32_t struct_size;
+  uint32_t version;
+  uint64_t registration_id; /* 0: the live registration (its geometry and shard scope the keys) */
+  uint64_t token_begin;     /* a multiple of chunk_tokens */
+  uint64_t token_end;
+  kvf_object_format format;
+  const kvf_chunk_key *chunk_keys; /* [num_chunk_keys], none all zero: as kvf_client_xfer's */
+  uint32_t num_chunk_keys;
+  const char *peer; /* the peer: its --peer ADDR:PORT on this server, or its boot token as 16 hex digits
+                       (kvferry stat); 1 .. 63 printable ASCII bytes */
+} kvf_client_push_desc;
+#define KVF_CLIENT_PUSH_DESC_INIT \
+  {sizeof(kvf_client_push_desc), KVF_CLIENT_VERSION, 0, 0, 0, KVF_FORMAT_CANONICAL, NULL, 0, NULL}
+
+typedef struct kvf_client_push_result {
+  uint32_t struct_size;
+  uint32_t version;
+  uint64_t objects_pushed;  /* copied to the peer and committed there */
+  uint64_t objects_present; /* the peer held them already */
+  uint64_t objects_missing; /* not held here: nothing to push */
+  uint64_t objects_failed;  /* refused by the peer (a header it found wrong, another object under the key, no
+                               room) or their copy failed: nothing of them is visible there */
+  uint64_t bytes_pushed;    /* payload bytes of objects_pushed */
+  uint64_t chunks_on_peer;  /* leading chunks of the range whose every object is on the peer now: what a
+                               RETRIEVE there restores, chunk_tokens each */
+} kvf_client_push_result;
+#define KVF_CLIENT_PUSH_RESULT_INIT {sizeof(kvf_client_push_result), KVF_CLIENT_VERSION, 0, 0, 0, 0, 0, 0}
+
+/* PUSH: the server pins the objects it holds for req's chunks (every object
+ * group of the registration), offers them to the peer, which pulls them
+ * with one-sided gets and commits only whole objects whose header checks
+ * (the rules of a fetch on miss); the server answers once the peer has.
+ * Returns KVF_SUCCESS with *out (objects the server does not hold are
+ * counted in objects_missing, not an error); KVF_ERR_NOT_FOUND naming
+ * push.peer / payload.peer (no ready peer of that name; the message lists
+ * them); KVF_ERR_UNSUPPORTED (a server without peers); KVF_ERR_BUSY
+ * (quota.pushes: 16 in flight per connection); KVF_ERR_INVALID_ARGUMENT
+ * naming the field (range, keys, more than 8192 objects in one PUSH:
+ * split it); KVF_ERR_DISCONNECTED (the peer was lost before it answered:
+ * what it committed stays, whole); KVF_ERR_TIMEOUT (no reply within the
+ * client's timeout: the push may still complete). */
+KVF_API kvf_status kvf_client_push(kvf_client *client, const kvf_client_push_desc *req, kvf_client_push_result *out);
 
 /* ---- retirement ------------------------------------------------------------ */
 

@@ -349,6 +349,27 @@ class kvf_client_lookup_result(_Struct):
     _init_version_ = CLIENT_VERSION
 
 
+class kvf_client_push_desc(_Struct):
+    _fields_ = [("struct_size", c_uint32), ("version", c_uint32), ("registration_id", c_uint64),
+                ("token_begin", c_uint64), ("token_end", c_uint64), ("format", c_enum),
+                ("chunk_keys", c_void_p), ("num_chunk_keys", c_uint32), ("peer", c_char_p)]
+    _init_version_ = CLIENT_VERSION
+
+
+class kvf_client_push_result(_Struct):
+    _fields_ = [("struct_size", c_uint32), ("version", c_uint32), ("objects_pushed", c_uint64),
+                ("objects_present", c_uint64), ("objects_missing", c_uint64),
+                ("objects_failed", c_uint64), ("bytes_pushed", c_uint64), ("chunks_on_peer", c_uint64)]
+    _init_version_ = CLIENT_VERSION
+
+
+class kvf_client_peer_record(_Struct):
+    _fields_ = [("addr", c_char * 64), ("state", c_uint32), ("outgoing", c_uint32),
+                ("boot_token", c_uint64), ("connects", c_uint64), ("objects_pulled", c_uint64),
+                ("bytes_pulled", c_uint64), ("objects_served", c_uint64), ("failures", c_uint64),
+                ("objects_pushed", c_uint64), ("bytes_pushed", c_uint64)]
+
+
 # Every struct the package binds, by C name. Structs of the headers that the
 # package does not bind yet are listed in UNBOUND, with the reason; the
 # layout test requires every header struct to be in one of the two.
@@ -362,7 +383,8 @@ STRUCTS: Dict[str, Type[_Struct]] = {
                 kvf_numa_node_info, kvf_gpu_placement, kvf_client_options, kvf_client_info,
                 kvf_client_region, kvf_client_registration, kvf_client_stats,
                 kvf_client_stat_record, kvf_chunk_key, kvf_client_xfer, kvf_client_result,
-                kvf_client_register_desc, kvf_client_lookup_desc, kvf_client_lookup_result)
+                kvf_client_register_desc, kvf_client_lookup_desc, kvf_client_lookup_result,
+                kvf_client_push_desc, kvf_client_push_result, kvf_client_peer_record)
 }
 
 UNBOUND: Dict[str, str] = {
@@ -370,7 +392,6 @@ UNBOUND: Dict[str, str] = {
     "kvf_import_view": "the import table comes in a later part of issue 13",
     "kvf_import_view_info": "the import table comes in a later part of issue 13",
     "kvf_import_stats": "the import table comes in a later part of issue 13",
-    "kvf_client_peer_record": "kvferry.client does not show kvferryd peers yet (STAT's peer records, docs/peers.md)",
 }
 
 # Enums the package does not mirror yet (the import table).

@@ -45,8 +45,8 @@ from .geometry import Geometry, ObjectFormat
 from .memory import Allocation
 
 __all__ = ["Client", "ClientInfo", "Registration", "Result", "Outcome", "Op", "Stats",
-           "ClientRecord", "LookupResult", "chunk_seed", "chunk_keys", "KEY_BYTES",
-           "READY_EVENT_BYTES", "has_lookup"]
+           "ClientRecord", "LookupResult", "PushResult", "PeerRecord", "chunk_seed", "chunk_keys",
+           "KEY_BYTES", "READY_EVENT_BYTES", "has_lookup", "has_push"]
 
 #: Bytes of one chunk key (kvf_chunk_key).
 KEY_BYTES: int = S.CHUNK_KEY_BYTES
@@ -90,6 +90,14 @@ _lib.plain_fn("kvf_chunk_keys", c_uint64, _P(S.kvf_chunk_key), c_void_p, c_uint3
 _lookup = _declare_optional("kvf_client_lookup", c_int, c_void_p, c_void_p, c_void_p)
 _unpin = _declare_optional("kvf_client_unpin", c_int, c_void_p, c_uint64)
 _wait_retired = _declare_optional("kvf_client_wait_retired", c_int, c_void_p, c_uint64, c_uint32)
+_push = _declare_optional("kvf_client_push", c_int, c_void_p, c_void_p, c_void_p)
+_stat_peers = _declare_optional("kvf_client_stat_peers", c_int, c_void_p, c_void_p, c_uint32, c_void_p)
+
+
+def has_push() -> bool:
+    """Whether the loaded library has PUSH and STAT's peer records
+    (kvf_client_push, kvf_client_stat_peers; docs/peers.md)."""
+    return _push is not None and _stat_peers is not None
 
 
 def has_lookup() -> bool:
@@ -255,6 +263,47 @@ class LookupResult:
     object_group_prefix: Tuple[int, ...]
     pin_id: int
     pinned_chunks: int
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What a PUSH did (kvf_client_push_result): objects copied to the peer
+    and committed there, held there already, not held here, refused or
+    failed; ``chunks_on_peer`` leading chunks of the range are whole on the
+    peer now."""
+
+    objects_pushed: int
+    objects_present: int
+    objects_missing: int
+    objects_failed: int
+    bytes_pushed: int
+    chunks_on_peer: int
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    """One kvferryd peer in STAT (kvf_client_peer_record, docs/peers.md):
+    ``state`` is "down", "handshake" or "ready"; ``boot_token`` names the
+    peer for :meth:`Client.push` when it connected to this server."""
+
+    addr: str
+    state: str
+    outgoing: bool
+    boot_token: int
+    connects: int
+    objects_pulled: int
+    bytes_pulled: int
+    objects_served: int
+    failures: int
+    objects_pushed: int
+    bytes_pushed: int
+
+    @classmethod
+    def _from_c(cls, r: S.kvf_client_peer_record) -> "PeerRecord":
+        states = ("down", "handshake", "ready")
+        return cls(S.text(r.addr), states[r.state] if r.state < 3 else "down", bool(r.outgoing),
+                   r.boot_token, r.connects, r.objects_pulled, r.bytes_pulled, r.objects_served,
+                   r.failures, r.objects_pushed, r.bytes_pushed)
 
 
 # ---- chunk keys ----------------------------------------------------------------------
@@ -703,6 +752,18 @@ class Client(HandleOwner):
         return Stats._from_c(out), [ClientRecord._from_c(records[i])
                                     for i in range(min(count.value, capacity))]
 
+    def stat_peers(self) -> List[PeerRecord]:
+        """The server's kvferryd peers (STAT with peer records; empty for a
+        server without peering). Raises KvferryError UNSUPPORTED with a
+        library without peers."""
+        if not has_push():
+            raise _unsupported("kvf_client_stat_peers", "peers (i16-peers)")
+        records = (S.kvf_client_peer_record * 64)()
+        count = c_uint32(0)
+        with self._handle.use() as c:
+            _check(_stat_peers(c, records, 64, byref(count)))  # type: ignore[misc]
+        return [PeerRecord._from_c(records[i]) for i in range(min(count.value, 64))]
+
     # -- STORE and RETRIEVE --
 
     def submit(self, op: Union[Op, str], token_begin: int, token_end: int, keys: Any,
@@ -816,6 +877,39 @@ class Client(HandleOwner):
         nog = min(out.num_object_groups, S.MAX_GROUPS)
         return LookupResult(out.prefix_tokens, tuple(out.object_group_prefix[:nog]), out.pin_id,
                             out.pinned_chunks)
+
+    def push(self, peer: str, token_begin: int, token_end: int, keys: Any,
+             format: Union[ObjectFormat, str] = "canonical", registration_id: int = 0) -> PushResult:
+        """Copy the objects the server holds for ``keys`` (the chunks of
+        [token_begin, token_end), every object group) into the L1 of the
+        kvferryd peer ``peer`` (kvf_client_push): its ``--peer ADDR:PORT``,
+        or its boot token as 16 hex digits (:meth:`stat_peers`). Returns once
+        the peer has committed them (whole, checked objects only). Raises
+        KvferryError NOT_FOUND (no ready peer of that name, field
+        ``payload.peer``), UNSUPPORTED (a server without peers), BUSY (16
+        pushes in flight), INVALID_ARGUMENT (naming the field), DISCONNECTED
+        (the peer was lost first)."""
+        if not has_push():
+            raise _unsupported("kvf_client_push", "PUSH (i16-peers)")
+        if not isinstance(peer, str):
+            raise fail(Status.INVALID_ARGUMENT, "a str (ADDR:PORT or a boot token)", "push.peer")
+        if not peer.isascii():
+            raise fail(Status.INVALID_ARGUMENT, "not ASCII", "push.peer")
+        name = peer.encode("ascii")
+        karr, nkeys = _keys_array(keys)
+        req = S.kvf_client_push_desc.init()
+        req.registration_id = _u64(registration_id, "registration_id")
+        req.token_begin = _u64(token_begin, "token_begin")
+        req.token_end = _u64(token_end, "token_end")
+        req.format = _format(format)
+        req.chunk_keys = ctypes.cast(karr, c_void_p)
+        req.num_chunk_keys = nkeys
+        req.peer = name
+        out = S.kvf_client_push_result.init()
+        with self._handle.use() as c:
+            _check(_push(c, byref(req), byref(out)))  # type: ignore[misc]
+        return PushResult(out.objects_pushed, out.objects_present, out.objects_missing,
+                          out.objects_failed, out.bytes_pushed, out.chunks_on_peer)
 
     def unpin(self, pin_id: int) -> None:
         """Give back the pin a :meth:`lookup` took (kvf_client_unpin)."""

@@ -81,7 +81,8 @@
   F(struct_size) F(version) F(geometry_json) F(geometry_len) F(device) F(regions) F(num_regions) \
   F(shard_index) F(shard_count)
 #define L_kvf_client_peer_record(F) \
-  F(addr) F(state) F(outgoing) F(boot_token) F(connects) F(objects_pulled) F(bytes_pulled) F(objects_served) F(failures)
+  F(addr) F(state) F(outgoing) F(boot_token) F(connects) F(objects_pulled) F(bytes_pulled) F(objects_served) F(failures) \
+  F(objects_pushed) F(bytes_pushed)
 #define L_kvf_client_xfer(F)                                                                       \
   F(struct_size) F(version) F(registration_id) F(token_begin) F(token_end) F(format) F(chunk_keys) \
   F(num_chunk_keys) F(groups) F(num_groups) F(ready_event)
@@ -94,6 +95,12 @@
 #define L_kvf_client_lookup_result(F)                                                              \
   F(struct_size) F(version) F(prefix_tokens) F(num_object_groups) F(object_group_prefix) F(pin_id) \
   F(pinned_chunks)
+#define L_kvf_client_push_desc(F)                                                                  \
+  F(struct_size) F(version) F(registration_id) F(token_begin) F(token_end) F(format) F(chunk_keys) \
+  F(num_chunk_keys) F(peer)
+#define L_kvf_client_push_result(F)                                                                \
+  F(struct_size) F(version) F(objects_pushed) F(objects_present) F(objects_missing)                \
+  F(objects_failed) F(bytes_pushed) F(chunks_on_peer)
 
 /* Every struct: (type). */
 #define STRUCTS(S)                                                                                 \
@@ -105,7 +112,7 @@
   S(kvf_import_stats) S(kvf_topology_info) S(kvf_numa_node_info) S(kvf_gpu_placement)            \
   S(kvf_client_options) S(kvf_client_info) S(kvf_client_region) S(kvf_client_registration)       \
   S(kvf_client_stats) S(kvf_client_stat_record) S(kvf_client_peer_record) S(kvf_chunk_key) S(kvf_client_xfer) S(kvf_client_result) \
-  S(kvf_client_lookup_desc) S(kvf_client_lookup_result)
+  S(kvf_client_lookup_desc) S(kvf_client_lookup_result) S(kvf_client_push_desc) S(kvf_client_push_result)
 
 /* Structs declared as a tag only (struct kvf_client_register_desc: a typedef
  * cannot share the name of the function that takes it). */
@@ -127,7 +134,8 @@
   I(kvf_client_stats, KVF_CLIENT_STATS_INIT) I(kvf_client_xfer, KVF_CLIENT_XFER_INIT)            \
   I(kvf_client_result, KVF_CLIENT_RESULT_INIT)                                                \
   I(kvf_client_lookup_desc, KVF_CLIENT_LOOKUP_DESC_INIT)                                          \
-  I(kvf_client_lookup_result, KVF_CLIENT_LOOKUP_RESULT_INIT)
+  I(kvf_client_lookup_result, KVF_CLIENT_LOOKUP_RESULT_INIT)                                      \
+  I(kvf_client_push_desc, KVF_CLIENT_PUSH_DESC_INIT) I(kvf_client_push_result, KVF_CLIENT_PUSH_RESULT_INIT)
 
 /* Every enum: (type, values...). */
 #define ENUMS(E, V)                                                                                  \

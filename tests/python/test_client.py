@@ -605,3 +605,59 @@ def test_client_without_numpy(server):
                           str(ROOT / "python")], capture_output=True, text=True, timeout=120,
                          env=subprocess_env(PYTHONPATH=None))
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+
+
+# ---- kvferryd peers: PUSH (docs/peers.md) ------------------------------------------
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_push_to_a_peer_which_then_serves_alone(tmp_path, monkeypatch):
+    """Two real kvferryd over UCX (tcp): an engine on A stores and pushes to
+    B (named by the boot token A sees it by); with A killed, an engine on B
+    retrieves every byte. A name no peer has is refused naming the field."""
+    if not kc.has_push():
+        pytest.skip("the library has no kvf_client_push")
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"a peer secret of thirty-two bytes!\n")
+    secret.chmod(0o600)
+    addr = "127.0.0.1:%d" % _free_port()
+    a = served.Kvferryd(tmp_path / "a", tmp_path / "a.log",
+                        ["--listen", addr, "--peer-secret-file", str(secret)]).start()
+    b = served.Kvferryd(tmp_path / "b", tmp_path / "b.log",
+                        ["--peer", addr, "--peer-secret-file", str(secret)]).start()
+    src, dst = Engine(seed=3), Engine(seed=4)
+    try:
+        keys = keys_for(TOKENS, seed=31)
+        blocks = [5, 2, 7, 0]
+        with Client.connect(a.socket_dir, name="prefill") as ca:
+            src.register(ca)
+            assert ca.store(0, 16, keys, [blocks]).done
+            assert wait_until(lambda: any(p.state == "ready" and not p.outgoing
+                                          for p in ca.stat_peers()), 15), a.log_text()
+            incoming = [p for p in ca.stat_peers() if not p.outgoing][0]
+            with pytest.raises(kvferry.KvferryError) as err:
+                ca.push("10.9.8.7:1", 0, 16, keys)
+            assert err.value.status == kvferry.Status.NOT_FOUND
+            assert err.value.field == "payload.peer", err.value
+            r = ca.push("%016x" % incoming.boot_token, 0, 16, keys)
+            assert (r.objects_pushed, r.objects_failed, r.chunks_on_peer) == (2, 0, 2)
+            assert r.bytes_pushed == 4 * 2 * BLOCK
+            assert ca.stat_peers()[-1].objects_pushed == 2
+        a.kill()
+        with Client.connect(b.socket_dir, name="decode") as cb:
+            dst.register(cb)
+            r = cb.retrieve(0, 16, keys, [blocks])
+            assert r.done and r.prefix_tokens == 16
+            assert (dst.blocks[:, blocks] == src.blocks[:, blocks]).all(), "the pushed bytes differ"
+            assert cb.stat_peers()[0].objects_pulled == 2
+    finally:
+        src.close()
+        dst.close()
+        a.stop()
+        b.stop()
