@@ -26,6 +26,28 @@
 
 typedef struct dp_lane dp_lane;
 
+/* Ready events a registration keeps open (DP_READY_EVENTS per binding).
+ * kvferryd opened the engine's interprocess event for every STORE and
+ * destroyed it after the wait (cudaIpcOpenEventHandle and cudaEventDestroy
+ * per request). Noticed while chasing the first-STORE cost of issue 15 (on
+ * an H200 the first STORE after a registration took 1.251 ms against 0.807
+ * for the four after it, a 256-token chunk: perf/results/2026-12-01-h200/
+ * served.md; kvf_served_bench sends no ready event, so that figure holds no
+ * open): the open is work the driver need do once per event, and an engine
+ * re-records one event for every step (python/kvferry/vllm/connector.py).
+ * So an event is opened at the first STORE that names its handle and kept,
+ * keyed by the handle's bytes, until the registration's binding goes;
+ * every wait on it waits for the engine's latest record. A few per
+ * registration (an engine may alternate events); beyond that the least
+ * recently used is closed. */
+#define DP_READY_EVENTS 8
+
+typedef struct dp_ready_event {
+  uint8_t handle[KVF_PROTO_READY_HANDLE_BYTES];
+  kvf_scuda_ipc_event *event; /* NULL: a free entry */
+  uint64_t used;              /* the binding's ready_tick at its last use */
+} dp_ready_event;
+
 struct kvf_dp_binding {
   int refs; /* atomic */
   kvf_dataplane *dp;
@@ -35,6 +57,11 @@ struct kvf_dp_binding {
   uint64_t registration_id;
   uint32_t num_groups, num_object_groups, chunk_tokens;
   kvf_l1_key scope; /* the fingerprint and shard every L1 key of this registration carries (chunk zero) */
+  /* Opened ready events. Only the lane's worker touches them (every request
+   * of the binding runs there), and the last unbind closes them, once no
+   * request holds the binding: no lock. */
+  dp_ready_event ready[DP_READY_EVENTS];
+  uint64_t ready_tick;
 };
 
 typedef struct dp_job {
@@ -173,6 +200,8 @@ static kvf_dp_binding *binding_ref(kvf_dp_binding *b) {
 
 void kvf_dataplane_unbind(kvf_dp_binding *b) {
   if (!b || __atomic_sub_fetch(&b->refs, 1, __ATOMIC_ACQ_REL) != 0) return;
+  /* Every request using them has retired: their waits have completed. */
+  for (uint32_t i = 0; i < DP_READY_EVENTS; i++) kvf_scuda_ipc_event_close(b->ready[i].event);
   kvf_xfer_destroy(b->xfer); /* every request using it has retired: nothing to wait for */
   kvf_geometry_destroy(b->geometry);
   free(b);
@@ -1089,12 +1118,47 @@ static void pin_thread(int cpu) {
   if (rc != 0) KVF_INFO(SERVER, "pinning a lane thread to cpu %d: %s", cpu, strerror(rc));
 }
 
+/* Make the lane's stream wait for j's ready event: the binding's opened
+ * one for that handle, opened now if there is none (lane worker only). A
+ * handle the driver refuses is not kept; an event whose wait failed is
+ * closed, so the next request opens it afresh. */
+static kvf_status wait_ready(dp_lane *lane, dp_job *j) {
+  kvf_dp_binding *b = j->b;
+  dp_ready_event *slot = NULL, *victim = NULL; /* victim: a free entry, else the least recently used */
+  for (uint32_t i = 0; i < DP_READY_EVENTS && !slot; i++) {
+    dp_ready_event *r = &b->ready[i];
+    if (!r->event) {
+      if (!victim || victim->event) victim = r;
+    } else if (!memcmp(r->handle, j->ready_handle, sizeof(r->handle))) {
+      slot = r;
+    } else if (!victim || (victim->event && r->used < victim->used)) {
+      victim = r;
+    }
+  }
+  if (!slot) {
+    kvf_scuda_ipc_event *ev = NULL;
+    kvf_status st = kvf_scuda_ipc_event_open(lane->device, j->ready_handle, &ev);
+    if (st != KVF_SUCCESS) return st;
+    kvf_scuda_ipc_event_close(victim->event); /* its earlier waits are enqueued: they keep what they need */
+    slot = victim;
+    slot->event = ev;
+    memcpy(slot->handle, j->ready_handle, sizeof(slot->handle));
+  }
+  slot->used = ++b->ready_tick;
+  kvf_status st = kvf_scuda_ipc_event_wait(slot->event, lane->stream);
+  if (st != KVF_SUCCESS) {
+    kvf_scuda_ipc_event_close(slot->event);
+    slot->event = NULL;
+  }
+  return st;
+}
+
 /* Run j's copy: enqueue (GPU) or perform (host) it, then record the proof. */
 static void lane_run(dp_lane *lane, dp_job *j) {
   kvf_status st = KVF_SUCCESS;
   if (j->req.token_end > j->req.token_begin) {
     if (lane->device >= 0 && j->ready_kind == KVF_PROTO_READY_CUDA_EVENT) {
-      st = kvf_scuda_wait_ipc_event(lane->device, lane->stream, j->ready_handle);
+      st = wait_ready(lane, j);
       if (st == KVF_SUCCESS) j->queued = 1;
     }
     if (st == KVF_SUCCESS && j->inject_step == KVF_DP_FAIL_COPY) {

@@ -54,26 +54,55 @@ void kvf_scuda_stream_destroy(int device, void *stream) {
   leave(device, prev);
 }
 
-kvf_status kvf_scuda_wait_ipc_event(int device, void *stream, const uint8_t handle[64]) {
+struct kvf_scuda_ipc_event {
+  int device;
+  cudaEvent_t event;
+};
+
+kvf_status kvf_scuda_ipc_event_open(int device, const uint8_t handle[64], kvf_scuda_ipc_event **out) {
+  *out = NULL;
+  kvf_scuda_ipc_event *ev = calloc(1, sizeof(*ev));
+  if (!ev) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "ready event: out of memory");
+  ev->device = device;
   int prev;
   kvf_status st = enter(device, &prev);
-  if (st != KVF_SUCCESS) return st;
+  if (st != KVF_SUCCESS) {
+    free(ev);
+    return st;
+  }
   cudaIpcEventHandle_t h;
   memcpy(&h, handle, sizeof(h));
-  cudaEvent_t ev = NULL;
-  cudaError_t e = cudaIpcOpenEventHandle(&ev, h);
-  if (e != cudaSuccess) {
-    st = kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.ready_handle: cudaIpcOpenEventHandle refused it: %s",
-                  cudaGetErrorString(e));
-    goto out;
-  }
-  e = cudaStreamWaitEvent((cudaStream_t)stream, ev, 0);
-  /* The wait captured the event's state: closing it now is safe. */
-  (void)cudaEventDestroy(ev);
-  if (e != cudaSuccess) st = kvf_fail(KVF_ERR_CUDA, "cudaStreamWaitEvent: %s", cudaGetErrorString(e));
-out:
+  cudaError_t e = cudaIpcOpenEventHandle(&ev->event, h);
   leave(device, prev);
-  return st;
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    free(ev);
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.ready_handle: cudaIpcOpenEventHandle refused it: %s",
+                    cudaGetErrorString(e));
+  }
+  *out = ev;
+  return KVF_SUCCESS;
+}
+
+kvf_status kvf_scuda_ipc_event_wait(kvf_scuda_ipc_event *ev, void *stream) {
+  int prev;
+  kvf_status st = enter(ev->device, &prev);
+  if (st != KVF_SUCCESS) return st;
+  cudaError_t e = cudaStreamWaitEvent((cudaStream_t)stream, ev->event, 0);
+  if (e != cudaSuccess) (void)cudaGetLastError();
+  leave(ev->device, prev);
+  if (e != cudaSuccess) return kvf_fail(KVF_ERR_CUDA, "cudaStreamWaitEvent: %s", cudaGetErrorString(e));
+  return KVF_SUCCESS;
+}
+
+void kvf_scuda_ipc_event_close(kvf_scuda_ipc_event *ev) {
+  if (!ev) return;
+  int prev;
+  if (enter(ev->device, &prev) == KVF_SUCCESS) {
+    (void)cudaEventDestroy(ev->event);
+    leave(ev->device, prev);
+  }
+  free(ev);
 }
 
 kvf_status kvf_scuda_event_record(int device, void *stream, kvf_scuda_event **out) {
@@ -165,12 +194,21 @@ void kvf_scuda_stream_destroy(int device, void *stream) {
   (void)device;
   (void)stream;
 }
-kvf_status kvf_scuda_wait_ipc_event(int device, void *stream, const uint8_t handle[64]) {
+struct kvf_scuda_ipc_event {
+  int unused;
+};
+kvf_status kvf_scuda_ipc_event_open(int device, const uint8_t handle[64], kvf_scuda_ipc_event **out) {
   (void)device;
-  (void)stream;
   (void)handle;
+  *out = NULL;
   return no_cuda();
 }
+kvf_status kvf_scuda_ipc_event_wait(kvf_scuda_ipc_event *event, void *stream) {
+  (void)event;
+  (void)stream;
+  return no_cuda();
+}
+void kvf_scuda_ipc_event_close(kvf_scuda_ipc_event *event) { (void)event; }
 kvf_status kvf_scuda_event_record(int device, void *stream, kvf_scuda_event **out) {
   (void)device;
   (void)stream;

@@ -24,11 +24,25 @@ typedef struct kvf_scuda_event kvf_scuda_event;
 kvf_status kvf_scuda_stream_create(int device, void **stream);
 void kvf_scuda_stream_destroy(int device, void *stream);
 
-/* Make `stream` wait for the interprocess event whose 64-byte
- * cudaIpcEventHandle_t is `handle` (opened, waited on, closed: the wait
- * keeps what it needs). KVF_ERR_INVALID_ARGUMENT naming ready_handle when
- * the driver refuses the handle; KVF_ERR_CUDA. */
-kvf_status kvf_scuda_wait_ipc_event(int device, void *stream, const uint8_t handle[64]);
+/* An engine's ready event (a cudaEventInterprocess event of another
+ * process) opened in `device`'s context, kept open so that it can be waited
+ * on again: every cudaStreamWaitEvent on it waits for the engine's latest
+ * record at the time of the wait. */
+typedef struct kvf_scuda_ipc_event kvf_scuda_ipc_event;
+
+/* Open the event whose 64-byte cudaIpcEventHandle_t is `handle`. Returns
+ * KVF_SUCCESS and *out; KVF_ERR_INVALID_ARGUMENT naming
+ * payload.ready_handle when the driver refuses the handle;
+ * KVF_ERR_OUT_OF_MEMORY; KVF_ERR_CUDA. */
+kvf_status kvf_scuda_ipc_event_open(int device, const uint8_t handle[64], kvf_scuda_ipc_event **out);
+
+/* Make `stream` (of the event's device) wait for the event's latest record.
+ * KVF_ERR_CUDA. */
+kvf_status kvf_scuda_ipc_event_wait(kvf_scuda_ipc_event *event, void *stream);
+
+/* Close the event (the waits already enqueued keep what they need). NULL is
+ * a no-op. */
+void kvf_scuda_ipc_event_close(kvf_scuda_ipc_event *event);
 
 /* An event (timing disabled) recorded on `stream` now: what the stream has
  * queued so far is done once it has completed. */
