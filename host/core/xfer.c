@@ -1431,6 +1431,28 @@ static kvf_status transfer(kvf_xfer *x, const kvf_copy_request *request, kvf_str
   return st;
 }
 
+kvf_status kvf_xfer_prepare_regions(kvf_xfer *x, void *const *region_bases) {
+  if (!x || !region_bases) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_prepare_regions: NULL argument");
+  if (x->device == KVF_DEVICE_HOST) return KVF_SUCCESS;
+#ifdef KVF_WITH_CUDA
+  const kvf_geometry *g = x->geometry;
+  pthread_mutex_lock(&x->lock);
+  int prev = 0;
+  cudaGetDevice(&prev);
+  if (prev != x->device) cudaSetDevice(x->device);
+  for (uint32_t reg = 0; reg < g->num_regions; reg++) {
+    mem_kind k = MEM_LOCAL;
+    if (!region_bases[reg] || classify(x, region_bases[reg], "region_bases", reg, &k) != KVF_SUCCESS) continue;
+    x->region_seen[reg] = k == MEM_HOST ? NULL : region_bases[reg];
+    x->region_kind[reg] = (unsigned char)k;
+  }
+  cudaGetLastError();
+  if (prev != x->device) cudaSetDevice(prev);
+  pthread_mutex_unlock(&x->lock);
+#endif
+  return KVF_SUCCESS;
+}
+
 kvf_status kvf_xfer_gather(kvf_xfer *x, const kvf_copy_request *r, kvf_stream stream) {
   return transfer(x, r, stream, 1);
 }

@@ -20,6 +20,7 @@
 #include "common/error.h"
 #include "host/core/log.h"
 #include "host/core/param.h"
+#include "host/core/xfer_internal.h"
 #include "host/server/server_cuda.h"
 
 #define DP_MAX_LANES 65u
@@ -205,6 +206,26 @@ void kvf_dataplane_unbind(kvf_dp_binding *b) {
   kvf_xfer_destroy(b->xfer); /* every request using it has retired: nothing to wait for */
   kvf_geometry_destroy(b->geometry);
   free(b);
+}
+
+void kvf_dataplane_prepare(kvf_dp_binding *b, uint64_t client_id) {
+  if (!b || b->lane->device < 0) return;
+  kvf_registry_reg *lease = NULL;
+  if (kvf_registry_lease_acquire(b->dp->registry, client_id, &lease) != KVF_SUCCESS) return;
+  const kvf_import_reg *ir = kvf_registry_reg_import(lease);
+  uint32_t nreg = kvf_geometry_num_regions(b->geometry);
+  void **bases = calloc(nreg ? nreg : 1, sizeof(*bases));
+  int ok = bases && kvf_registry_reg_id(lease) == b->registration_id && kvf_import_reg_num_views(ir) == nreg;
+  for (uint32_t r = 0; ok && r < nreg; r++) {
+    kvf_import_view_info vi;
+    if (kvf_import_reg_view(ir, r, &vi) != KVF_SUCCESS) ok = 0;
+    else bases[r] = vi.ptr;
+  }
+  /* The lease keeps the mappings until the queries are done. */
+  if (ok) (void)kvf_xfer_prepare_regions(b->xfer, bases);
+  free(bases);
+  if (kvf_registry_lease_release(b->dp->registry, lease) != KVF_SUCCESS)
+    KVF_WARN(SERVER, "lease release: %s (the unmap is retried later)", kvf_last_error());
 }
 
 const kvf_geometry *kvf_dp_binding_geometry(const kvf_dp_binding *b) { return b ? b->geometry : NULL; }
