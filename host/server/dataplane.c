@@ -1226,10 +1226,32 @@ static void queue_wait(kvf_dataplane *dp, dp_queue *q, pthread_cond_t *cv, int p
   pthread_cond_wait(cv, &dp->mu);
 }
 
+/* A GPU lane's first request set up, on its way, the process's first
+ * launches and copies, the lane stream's first work and its threads' CUDA
+ * state: on an H200 the first STORE after a registration took 1.55x a
+ * later one (1.251 ms against 0.807 for a 256-token chunk,
+ * perf/results/2026-12-01-h200/served.md). The worker does that now, before
+ * it serves (kvf_scuda_lane_warm; KVF_SERVER_WARMUP=0: not), off the loop:
+ * requests admitted meanwhile wait in its queue. */
+static void lane_warm(dp_lane *lane) {
+  if (lane->device < 0) return;
+  if (kvf_scuda_thread_bind(lane->device) != KVF_SUCCESS)
+    KVF_INFO(SERVER, "lane %d: %s", lane->device, kvf_last_error());
+  if (kvf_param_server_warmup() <= 0) return;
+  uint64_t t0 = kvf_now_ns();
+  kvf_status st = kvf_scuda_lane_warm(lane->device, lane->stream);
+  if (st != KVF_SUCCESS)
+    KVF_WARN(SERVER, "lane %d: warm-up failed (%s); its first request sets up what it needs", lane->device,
+             kvf_last_error());
+  else
+    KVF_INFO(SERVER, "lane %d: warmed up in %.1f ms", lane->device, (double)(kvf_now_ns() - t0) / 1e6);
+}
+
 static void *lane_worker(void *arg) {
   dp_lane *lane = arg;
   kvf_dataplane *dp = lane->dp;
   pin_thread(lane->worker_cpu);
+  lane_warm(lane);
   pthread_mutex_lock(&dp->mu);
   for (;;) {
     while (!lane->todo.head && !dp->stopping) queue_wait(dp, &lane->todo, &lane->todo_cv, lane->worker_cpu >= 0);
@@ -1267,6 +1289,9 @@ static void *lane_completer(void *arg) {
   /* Its short sleeps between event queries are the proof's latency: without
    * this, the default 50 us timer slack stretches each 20 us sleep to ~70. */
   (void)prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
+  /* Its CUDA state set up now, not at the first event query. */
+  if (lane->device >= 0 && kvf_scuda_thread_bind(lane->device) != KVF_SUCCESS)
+    KVF_INFO(SERVER, "lane %d: %s", lane->device, kvf_last_error());
   pthread_mutex_lock(&dp->mu);
   for (;;) {
     while (!lane->flight.head && !(dp->stopping && !lane->worker_started))

@@ -67,6 +67,25 @@ kvf_status kvf_scuda_stream_sync(int device, void *stream);
 kvf_status kvf_scuda_pool_alloc(int pin_device, int numa_node, uint64_t bytes, void **base);
 void kvf_scuda_pool_free(int pin_device, void *base, uint64_t bytes);
 
+/* Make `device` the calling thread's current device for good (a lane's
+ * own threads: their calls then switch nothing). KVF_ERR_CUDA. */
+kvf_status kvf_scuda_thread_bind(int device);
+
+/* Warm a GPU lane up before its first request: one gather and one scatter
+ * on `stream` through each route the lane's requests take (the copy
+ * engine's batch API, the staged route, the direct kernel; those the
+ * KVF_XFER_* parameters leave on), between a small device buffer and
+ * pinned host memory of its own, then the completion event a request
+ * records, waited for. So the first launches, copies and event operations
+ * of the process, of the lane's stream and of the lane's threads, and
+ * whatever the driver sets up on first use behind them, are paid here and
+ * not by the first STORE. Everything it makes is released before it
+ * returns. Blocks the caller until the stream is idle (a lane thread,
+ * before it serves). Returns KVF_SUCCESS; on failure, the step that failed
+ * (kvf_last_error; the lane still serves: its first request sets up what
+ * this did not). */
+kvf_status kvf_scuda_lane_warm(int device, void *stream);
+
 /* Number of visible CUDA devices (0 without a driver, a GPU, or CUDA). */
 int kvf_scuda_device_count(void);
 
