@@ -94,6 +94,12 @@ typedef struct dp_job {
   int answered;         /* the outcome was reported (a timeout answers early) */
   uint32_t answered_kind; /* the outcome reported */
   uint64_t deadline_ns;
+  /* Where its time went (KVF_DEBUG=TRACE, KVF_DEBUG_SUBSYS=SERVER: one line
+   * at retirement), to tell a first request's setup from its copy: admitted,
+   * taken by the worker, enqueued, proven. */
+  uint64_t admitted_ns, started_ns, enqueued_ns, proven_ns;
+  double xfer_us;       /* host time of the transfer call (kvf_xfer_last_path) */
+  kvf_xfer_path xfer_path;
   uint32_t inject_step; /* tests: kvf_dp_fail_step for this request */
   kvf_status status;
   char message[KVF_PROTO_MESSAGE_MAX];
@@ -353,7 +359,24 @@ static void post_retired(kvf_dataplane *dp, uint64_t client_id, uint64_t request
   dp->opt.reply(dp->opt.reply_ctx, client_id, &r);
 }
 
+/* The TRACE line of j's timings (microseconds between its steps). */
+static void job_trace(const dp_job *j) {
+  if (!kvf_log_enabled(KVF_LOG_TRACE, KVF_LOG_SERVER)) return;
+  uint64_t now = kvf_now_ns();
+  uint64_t started = j->started_ns ? j->started_ns : j->admitted_ns;
+  uint64_t enqueued = j->enqueued_ns ? j->enqueued_ns : started;
+  uint64_t proven = j->proven_ns ? j->proven_ns : enqueued;
+  KVF_TRACE(SERVER,
+            "lane %d: client %llu %s %llu: waited %.1f us for the worker, enqueued in %.1f us (%s route, %.1f us "
+            "in the transfer call), proven %.1f us later, retiring %.1f us after that; %.1f us in all",
+            j->b->lane->device, (unsigned long long)j->client_id, j->type == KVF_PROTO_STORE ? "STORE" : "RETRIEVE",
+            (unsigned long long)j->request_id, (double)(started - j->admitted_ns) / 1e3,
+            (double)(enqueued - started) / 1e3, kvf_xfer_path_name(j->xfer_path), j->xfer_us,
+            (double)(proven - enqueued) / 1e3, (double)(now - proven) / 1e3, (double)(now - j->admitted_ns) / 1e3);
+}
+
 static void job_retire(kvf_dataplane *dp, dp_job *j) {
+  job_trace(j);
   int done = j->status == KVF_SUCCESS && !j->answered;
   /* Answered before its work was proven done (timed out, cancelled): the
    * client learns of the proof from a RETIRED notice, sent below once
@@ -1031,7 +1054,8 @@ kvf_status kvf_dataplane_submit(kvf_dataplane *dp, kvf_dp_binding *b, uint64_t c
     st = kvf_fail(KVF_ERR_SYSTEM, "payload: injected failure after the reservation");
     goto refuse;
   }
-  j->deadline_ns = kvf_now_ns() + (uint64_t)dp->opt.job_timeout_ms * 1000000ull;
+  j->admitted_ns = kvf_now_ns();
+  j->deadline_ns = j->admitted_ns + (uint64_t)dp->opt.job_timeout_ms * 1000000ull;
   pthread_mutex_lock(&dp->mu);
   if (m->type == KVF_PROTO_STORE)
     dp->counters.stores_total++;
@@ -1189,6 +1213,12 @@ static void lane_run(dp_lane *lane, dp_job *j) {
     } else if (st == KVF_SUCCESS) {
       st = j->type == KVF_PROTO_STORE ? kvf_xfer_gather(j->b->xfer, &j->req, (kvf_stream)lane->stream)
                                        : kvf_xfer_scatter(j->b->xfer, &j->req, (kvf_stream)lane->stream);
+      if (st == KVF_SUCCESS && kvf_log_enabled(KVF_LOG_TRACE, KVF_LOG_SERVER)) {
+        kvf_xfer_path_info pi;
+        kvf_xfer_last_path(j->b->xfer, &pi); /* this worker is the context's only caller */
+        j->xfer_path = pi.path;
+        j->xfer_us = pi.host_us;
+      }
       /* A failed call enqueued nothing (kvf_xfer's contract), but a failed
        * launch may have: count it as queued. */
       if (st == KVF_SUCCESS || st == KVF_ERR_CUDA) j->queued = 1;
@@ -1265,7 +1295,9 @@ static void *lane_worker(void *arg) {
       job_answer(dp, j, KVF_OUTCOME_CANCELLED);
       job_retire(dp, j);
     } else {
+      j->started_ns = kvf_now_ns();
       lane_run(lane, j);
+      j->enqueued_ns = kvf_now_ns();
     }
     pthread_mutex_lock(&dp->mu);
     if (!cancel) {
@@ -1319,6 +1351,7 @@ static void *lane_completer(void *arg) {
         kvf_status err;
         if (kvf_scuda_event_done(j->event, &err)) {
           if (err != KVF_SUCCESS) job_fail(j, err, kvf_last_error());
+          j->proven_ns = kvf_now_ns();
           break;
         }
         if (!j->answered && kvf_now_ns() > j->deadline_ns) {
