@@ -249,6 +249,9 @@ static void run_on_cpu(const kvf_xfer *x, const void *blob) {
 
 #ifdef KVF_WITH_CUDA
 static kvf_status grow_stage(kvf_xfer *x, size_t need);
+static kvf_status grow_host_blob(kvf_xfer *x, size_t size);
+
+static uint64_t round256(uint64_t x) { return (x + 255) & ~(uint64_t)255; }
 
 /* Staging room of the largest chunk: every object group's full-chunk
  * object, each rounded as the staged plan rounds it. */
@@ -339,6 +342,34 @@ kvf_status kvf_xfer_create(const kvf_geometry *g, const kvf_xfer_options *option
   }
   if (x->tune.staging_mb > 0 && (st = grow_stage(x, largest_chunk(g)))) {
     cudaSetDevice(prev);
+    goto fail;
+  }
+  /* The rest of what a first call would set up, done here too: kvferryd
+   * makes its contexts when a registration completes, off its event loop,
+   * and its first STORE after a registration still took 1.55x a later one
+   * with the modules and staging buffers ready (H200, 256-token chunk:
+   * 1.251 ms against 0.807, perf/results/2026-12-01-h200/served.md).
+   * - The tables' host buffer, with room for a one-chunk staged call whose
+   *   pieces and direct launch all go in kernel parameters (one parameter
+   *   room each), written once so that its pages are faulted in now and
+   *   not by the first call's table builds (a buffer this large is a fresh
+   *   mapping).
+   * - One event recorded on the copy-engine stream and waited for: the
+   *   stream's first work, so whatever the driver defers to it is not in
+   *   the first staged call. */
+  size_t tables = (size_t)(x->tune.stage_pieces + 1) * (size_t)round256(KVF_KERNEL_PARAM_MAX);
+  if ((st = grow_host_blob(x, tables))) {
+    cudaSetDevice(prev);
+    goto fail;
+  }
+  memset(x->host_blob, 0, x->host_blob_cap);
+  e = cudaEventRecord(x->join, x->ce_stream);
+  if (e == cudaSuccess) e = cudaEventSynchronize(x->join);
+  if (e != cudaSuccess) {
+    cudaSetDevice(prev);
+    st = kvf_fail(KVF_ERR_CUDA, "kvf_xfer_create: device %d: the copy-engine stream: %s", x->device,
+                  cudaGetErrorString(e));
+    cudaGetLastError();
     goto fail;
   }
   cudaSetDevice(prev);
@@ -531,8 +562,6 @@ static kvf_status route_of(kvf_xfer *x, const kvf_copy_request *r, int gather, k
 /* ---- tables: in kernel parameters, or uploaded through a slot ------------- */
 
 static kvf_status grow_staging(kvf_xfer *x, staging *s, size_t size);
-
-static uint64_t round256(uint64_t x) { return (x + 255) & ~(uint64_t)255; }
 
 /* The host buffer tables are built in when they go in kernel parameters:
  * at least `size` bytes (readable past a blob up to its parameter room). */
@@ -1400,6 +1429,28 @@ static kvf_status transfer(kvf_xfer *x, const kvf_copy_request *request, kvf_str
   if (st == KVF_SUCCESS) x->path.host_us = (double)(kvf_now_ns() - t0) / 1e3;
   pthread_mutex_unlock(&x->lock);
   return st;
+}
+
+kvf_status kvf_xfer_prepare_regions(kvf_xfer *x, void *const *region_bases) {
+  if (!x || !region_bases) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_prepare_regions: NULL argument");
+  if (x->device == KVF_DEVICE_HOST) return KVF_SUCCESS;
+#ifdef KVF_WITH_CUDA
+  const kvf_geometry *g = x->geometry;
+  pthread_mutex_lock(&x->lock);
+  int prev = 0;
+  cudaGetDevice(&prev);
+  if (prev != x->device) cudaSetDevice(x->device);
+  for (uint32_t reg = 0; reg < g->num_regions; reg++) {
+    mem_kind k = MEM_LOCAL;
+    if (!region_bases[reg] || classify(x, region_bases[reg], "region_bases", reg, &k) != KVF_SUCCESS) continue;
+    x->region_seen[reg] = k == MEM_HOST ? NULL : region_bases[reg];
+    x->region_kind[reg] = (unsigned char)k;
+  }
+  cudaGetLastError();
+  if (prev != x->device) cudaSetDevice(prev);
+  pthread_mutex_unlock(&x->lock);
+#endif
+  return KVF_SUCCESS;
 }
 
 kvf_status kvf_xfer_gather(kvf_xfer *x, const kvf_copy_request *r, kvf_stream stream) {

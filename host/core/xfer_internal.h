@@ -138,6 +138,19 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *out);
 kvf_status kvf_xfer_set_tuning(kvf_xfer *xfer, const kvf_xfer_tuning *tuning);
 void kvf_xfer_get_tuning(const kvf_xfer *xfer, kvf_xfer_tuning *out);
 
+/* ---- ready before the first call ------------------------------------------ */
+
+/* Classify region_bases[0 .. num_regions) as a call's route_of does and
+ * remember those in device memory, so a first call with these bases makes
+ * no pointer query for them (one cudaPointerGetAttributes per region, up to
+ * 23 us on an 80-region geometry). For a caller that knows the bases before
+ * its first call (kvferryd, once a registration's memory is mapped). A base
+ * a call would refuse is left for that call to refuse, naming the field:
+ * nothing is remembered for it and KVF_SUCCESS is still returned. Host
+ * contexts: nothing to do. Returns KVF_ERR_INVALID_ARGUMENT for NULLs. Not
+ * while calls run on the context. */
+kvf_status kvf_xfer_prepare_regions(kvf_xfer *xfer, void *const *region_bases);
+
 /* How the last successful call on a context moved its bytes. */
 typedef enum kvf_xfer_path {
   KVF_PATH_NONE = 0,

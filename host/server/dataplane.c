@@ -20,11 +20,34 @@
 #include "common/error.h"
 #include "host/core/log.h"
 #include "host/core/param.h"
+#include "host/core/xfer_internal.h"
 #include "host/server/server_cuda.h"
 
 #define DP_MAX_LANES 65u
 
 typedef struct dp_lane dp_lane;
+
+/* Ready events a registration keeps open (DP_READY_EVENTS per binding).
+ * kvferryd opened the engine's interprocess event for every STORE and
+ * destroyed it after the wait (cudaIpcOpenEventHandle and cudaEventDestroy
+ * per request). Noticed while chasing the first-STORE cost of issue 15 (on
+ * an H200 the first STORE after a registration took 1.251 ms against 0.807
+ * for the four after it, a 256-token chunk: perf/results/2026-12-01-h200/
+ * served.md; kvf_served_bench sends no ready event, so that figure holds no
+ * open): the open is work the driver need do once per event, and an engine
+ * re-records one event for every step (python/kvferry/vllm/connector.py).
+ * So an event is opened at the first STORE that names its handle and kept,
+ * keyed by the handle's bytes, until the registration's binding goes;
+ * every wait on it waits for the engine's latest record. A few per
+ * registration (an engine may alternate events); beyond that the least
+ * recently used is closed. */
+#define DP_READY_EVENTS 8
+
+typedef struct dp_ready_event {
+  uint8_t handle[KVF_PROTO_READY_HANDLE_BYTES];
+  kvf_scuda_ipc_event *event; /* NULL: a free entry */
+  uint64_t used;              /* the binding's ready_tick at its last use */
+} dp_ready_event;
 
 struct kvf_dp_binding {
   int refs; /* atomic */
@@ -35,6 +58,11 @@ struct kvf_dp_binding {
   uint64_t registration_id;
   uint32_t num_groups, num_object_groups, chunk_tokens;
   kvf_l1_key scope; /* the fingerprint and shard every L1 key of this registration carries (chunk zero) */
+  /* Opened ready events. Only the lane's worker touches them (every request
+   * of the binding runs there), and the last unbind closes them, once no
+   * request holds the binding: no lock. */
+  dp_ready_event ready[DP_READY_EVENTS];
+  uint64_t ready_tick;
 };
 
 typedef struct dp_job {
@@ -66,6 +94,12 @@ typedef struct dp_job {
   int answered;         /* the outcome was reported (a timeout answers early) */
   uint32_t answered_kind; /* the outcome reported */
   uint64_t deadline_ns;
+  /* Where its time went (KVF_DEBUG=TRACE, KVF_DEBUG_SUBSYS=SERVER: one line
+   * at retirement), to tell a first request's setup from its copy: admitted,
+   * taken by the worker, enqueued, proven. */
+  uint64_t admitted_ns, started_ns, enqueued_ns, proven_ns;
+  double xfer_us;       /* host time of the transfer call (kvf_xfer_last_path) */
+  kvf_xfer_path xfer_path;
   uint32_t inject_step; /* tests: kvf_dp_fail_step for this request */
   kvf_status status;
   char message[KVF_PROTO_MESSAGE_MAX];
@@ -173,9 +207,31 @@ static kvf_dp_binding *binding_ref(kvf_dp_binding *b) {
 
 void kvf_dataplane_unbind(kvf_dp_binding *b) {
   if (!b || __atomic_sub_fetch(&b->refs, 1, __ATOMIC_ACQ_REL) != 0) return;
+  /* Every request using them has retired: their waits have completed. */
+  for (uint32_t i = 0; i < DP_READY_EVENTS; i++) kvf_scuda_ipc_event_close(b->ready[i].event);
   kvf_xfer_destroy(b->xfer); /* every request using it has retired: nothing to wait for */
   kvf_geometry_destroy(b->geometry);
   free(b);
+}
+
+void kvf_dataplane_prepare(kvf_dp_binding *b, uint64_t client_id) {
+  if (!b || b->lane->device < 0) return;
+  kvf_registry_reg *lease = NULL;
+  if (kvf_registry_lease_acquire(b->dp->registry, client_id, &lease) != KVF_SUCCESS) return;
+  const kvf_import_reg *ir = kvf_registry_reg_import(lease);
+  uint32_t nreg = kvf_geometry_num_regions(b->geometry);
+  void **bases = calloc(nreg ? nreg : 1, sizeof(*bases));
+  int ok = bases && kvf_registry_reg_id(lease) == b->registration_id && kvf_import_reg_num_views(ir) == nreg;
+  for (uint32_t r = 0; ok && r < nreg; r++) {
+    kvf_import_view_info vi;
+    if (kvf_import_reg_view(ir, r, &vi) != KVF_SUCCESS) ok = 0;
+    else bases[r] = vi.ptr;
+  }
+  /* The lease keeps the mappings until the queries are done. */
+  if (ok) (void)kvf_xfer_prepare_regions(b->xfer, bases);
+  free(bases);
+  if (kvf_registry_lease_release(b->dp->registry, lease) != KVF_SUCCESS)
+    KVF_WARN(SERVER, "lease release: %s (the unmap is retried later)", kvf_last_error());
 }
 
 const kvf_geometry *kvf_dp_binding_geometry(const kvf_dp_binding *b) { return b ? b->geometry : NULL; }
@@ -303,7 +359,24 @@ static void post_retired(kvf_dataplane *dp, uint64_t client_id, uint64_t request
   dp->opt.reply(dp->opt.reply_ctx, client_id, &r);
 }
 
+/* The TRACE line of j's timings (microseconds between its steps). */
+static void job_trace(const dp_job *j) {
+  if (!kvf_log_enabled(KVF_LOG_TRACE, KVF_LOG_SERVER)) return;
+  uint64_t now = kvf_now_ns();
+  uint64_t started = j->started_ns ? j->started_ns : j->admitted_ns;
+  uint64_t enqueued = j->enqueued_ns ? j->enqueued_ns : started;
+  uint64_t proven = j->proven_ns ? j->proven_ns : enqueued;
+  KVF_TRACE(SERVER,
+            "lane %d: client %llu %s %llu: waited %.1f us for the worker, enqueued in %.1f us (%s route, %.1f us "
+            "in the transfer call), proven %.1f us later, retiring %.1f us after that; %.1f us in all",
+            j->b->lane->device, (unsigned long long)j->client_id, j->type == KVF_PROTO_STORE ? "STORE" : "RETRIEVE",
+            (unsigned long long)j->request_id, (double)(started - j->admitted_ns) / 1e3,
+            (double)(enqueued - started) / 1e3, kvf_xfer_path_name(j->xfer_path), j->xfer_us,
+            (double)(proven - enqueued) / 1e3, (double)(now - proven) / 1e3, (double)(now - j->admitted_ns) / 1e3);
+}
+
 static void job_retire(kvf_dataplane *dp, dp_job *j) {
+  job_trace(j);
   int done = j->status == KVF_SUCCESS && !j->answered;
   /* Answered before its work was proven done (timed out, cancelled): the
    * client learns of the proof from a RETIRED notice, sent below once
@@ -981,7 +1054,8 @@ kvf_status kvf_dataplane_submit(kvf_dataplane *dp, kvf_dp_binding *b, uint64_t c
     st = kvf_fail(KVF_ERR_SYSTEM, "payload: injected failure after the reservation");
     goto refuse;
   }
-  j->deadline_ns = kvf_now_ns() + (uint64_t)dp->opt.job_timeout_ms * 1000000ull;
+  j->admitted_ns = kvf_now_ns();
+  j->deadline_ns = j->admitted_ns + (uint64_t)dp->opt.job_timeout_ms * 1000000ull;
   pthread_mutex_lock(&dp->mu);
   if (m->type == KVF_PROTO_STORE)
     dp->counters.stores_total++;
@@ -1089,12 +1163,47 @@ static void pin_thread(int cpu) {
   if (rc != 0) KVF_INFO(SERVER, "pinning a lane thread to cpu %d: %s", cpu, strerror(rc));
 }
 
+/* Make the lane's stream wait for j's ready event: the binding's opened
+ * one for that handle, opened now if there is none (lane worker only). A
+ * handle the driver refuses is not kept; an event whose wait failed is
+ * closed, so the next request opens it afresh. */
+static kvf_status wait_ready(dp_lane *lane, dp_job *j) {
+  kvf_dp_binding *b = j->b;
+  dp_ready_event *slot = NULL, *victim = NULL; /* victim: a free entry, else the least recently used */
+  for (uint32_t i = 0; i < DP_READY_EVENTS && !slot; i++) {
+    dp_ready_event *r = &b->ready[i];
+    if (!r->event) {
+      if (!victim || victim->event) victim = r;
+    } else if (!memcmp(r->handle, j->ready_handle, sizeof(r->handle))) {
+      slot = r;
+    } else if (!victim || (victim->event && r->used < victim->used)) {
+      victim = r;
+    }
+  }
+  if (!slot) {
+    kvf_scuda_ipc_event *ev = NULL;
+    kvf_status st = kvf_scuda_ipc_event_open(lane->device, j->ready_handle, &ev);
+    if (st != KVF_SUCCESS) return st;
+    kvf_scuda_ipc_event_close(victim->event); /* its earlier waits are enqueued: they keep what they need */
+    slot = victim;
+    slot->event = ev;
+    memcpy(slot->handle, j->ready_handle, sizeof(slot->handle));
+  }
+  slot->used = ++b->ready_tick;
+  kvf_status st = kvf_scuda_ipc_event_wait(slot->event, lane->stream);
+  if (st != KVF_SUCCESS) {
+    kvf_scuda_ipc_event_close(slot->event);
+    slot->event = NULL;
+  }
+  return st;
+}
+
 /* Run j's copy: enqueue (GPU) or perform (host) it, then record the proof. */
 static void lane_run(dp_lane *lane, dp_job *j) {
   kvf_status st = KVF_SUCCESS;
   if (j->req.token_end > j->req.token_begin) {
     if (lane->device >= 0 && j->ready_kind == KVF_PROTO_READY_CUDA_EVENT) {
-      st = kvf_scuda_wait_ipc_event(lane->device, lane->stream, j->ready_handle);
+      st = wait_ready(lane, j);
       if (st == KVF_SUCCESS) j->queued = 1;
     }
     if (st == KVF_SUCCESS && j->inject_step == KVF_DP_FAIL_COPY) {
@@ -1104,6 +1213,12 @@ static void lane_run(dp_lane *lane, dp_job *j) {
     } else if (st == KVF_SUCCESS) {
       st = j->type == KVF_PROTO_STORE ? kvf_xfer_gather(j->b->xfer, &j->req, (kvf_stream)lane->stream)
                                        : kvf_xfer_scatter(j->b->xfer, &j->req, (kvf_stream)lane->stream);
+      if (st == KVF_SUCCESS && kvf_log_enabled(KVF_LOG_TRACE, KVF_LOG_SERVER)) {
+        kvf_xfer_path_info pi;
+        kvf_xfer_last_path(j->b->xfer, &pi); /* this worker is the context's only caller */
+        j->xfer_path = pi.path;
+        j->xfer_us = pi.host_us;
+      }
       /* A failed call enqueued nothing (kvf_xfer's contract), but a failed
        * launch may have: count it as queued. */
       if (st == KVF_SUCCESS || st == KVF_ERR_CUDA) j->queued = 1;
@@ -1141,10 +1256,32 @@ static void queue_wait(kvf_dataplane *dp, dp_queue *q, pthread_cond_t *cv, int p
   pthread_cond_wait(cv, &dp->mu);
 }
 
+/* A GPU lane's first request set up, on its way, the process's first
+ * launches and copies, the lane stream's first work and its threads' CUDA
+ * state: on an H200 the first STORE after a registration took 1.55x a
+ * later one (1.251 ms against 0.807 for a 256-token chunk,
+ * perf/results/2026-12-01-h200/served.md). The worker does that now, before
+ * it serves (kvf_scuda_lane_warm; KVF_SERVER_WARMUP=0: not), off the loop:
+ * requests admitted meanwhile wait in its queue. */
+static void lane_warm(dp_lane *lane) {
+  if (lane->device < 0) return;
+  if (kvf_scuda_thread_bind(lane->device) != KVF_SUCCESS)
+    KVF_INFO(SERVER, "lane %d: %s", lane->device, kvf_last_error());
+  if (kvf_param_server_warmup() <= 0) return;
+  uint64_t t0 = kvf_now_ns();
+  kvf_status st = kvf_scuda_lane_warm(lane->device, lane->stream);
+  if (st != KVF_SUCCESS)
+    KVF_WARN(SERVER, "lane %d: warm-up failed (%s); its first request sets up what it needs", lane->device,
+             kvf_last_error());
+  else
+    KVF_INFO(SERVER, "lane %d: warmed up in %.1f ms", lane->device, (double)(kvf_now_ns() - t0) / 1e6);
+}
+
 static void *lane_worker(void *arg) {
   dp_lane *lane = arg;
   kvf_dataplane *dp = lane->dp;
   pin_thread(lane->worker_cpu);
+  lane_warm(lane);
   pthread_mutex_lock(&dp->mu);
   for (;;) {
     while (!lane->todo.head && !dp->stopping) queue_wait(dp, &lane->todo, &lane->todo_cv, lane->worker_cpu >= 0);
@@ -1158,7 +1295,9 @@ static void *lane_worker(void *arg) {
       job_answer(dp, j, KVF_OUTCOME_CANCELLED);
       job_retire(dp, j);
     } else {
+      j->started_ns = kvf_now_ns();
       lane_run(lane, j);
+      j->enqueued_ns = kvf_now_ns();
     }
     pthread_mutex_lock(&dp->mu);
     if (!cancel) {
@@ -1182,6 +1321,9 @@ static void *lane_completer(void *arg) {
   /* Its short sleeps between event queries are the proof's latency: without
    * this, the default 50 us timer slack stretches each 20 us sleep to ~70. */
   (void)prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
+  /* Its CUDA state set up now, not at the first event query. */
+  if (lane->device >= 0 && kvf_scuda_thread_bind(lane->device) != KVF_SUCCESS)
+    KVF_INFO(SERVER, "lane %d: %s", lane->device, kvf_last_error());
   pthread_mutex_lock(&dp->mu);
   for (;;) {
     while (!lane->flight.head && !(dp->stopping && !lane->worker_started))
@@ -1209,6 +1351,7 @@ static void *lane_completer(void *arg) {
         kvf_status err;
         if (kvf_scuda_event_done(j->event, &err)) {
           if (err != KVF_SUCCESS) job_fail(j, err, kvf_last_error());
+          j->proven_ns = kvf_now_ns();
           break;
         }
         if (!j->answered && kvf_now_ns() > j->deadline_ns) {

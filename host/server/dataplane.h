@@ -115,6 +115,16 @@ void kvf_dataplane_destroy(kvf_dataplane *dp);
 kvf_status kvf_dataplane_bind(kvf_dataplane *dp, kvf_geometry *geometry, int device, uint64_t registration_id,
                               uint32_t shard_index, uint32_t shard_count, kvf_dp_binding **out);
 
+/* Get a binding ready for its first request once its registration is
+ * active (its memory mapped): the engine's region bases are classified now
+ * (kvf_xfer_prepare_regions) rather than by the first STORE. Takes a lease
+ * on client_id's live registration for the while, and does nothing when
+ * that is not binding's (closed or replaced meanwhile) or binding is on the
+ * host lane. Registration worker thread, before the binding is handed to
+ * the loop; never fails (what it could not prepare, the first request
+ * does, or refuses naming the field). */
+void kvf_dataplane_prepare(kvf_dp_binding *binding, uint64_t client_id);
+
 /* Drop the caller's reference (requests in flight keep theirs). NULL is a
  * no-op. */
 void kvf_dataplane_unbind(kvf_dp_binding *binding);

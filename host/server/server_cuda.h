@@ -24,11 +24,25 @@ typedef struct kvf_scuda_event kvf_scuda_event;
 kvf_status kvf_scuda_stream_create(int device, void **stream);
 void kvf_scuda_stream_destroy(int device, void *stream);
 
-/* Make `stream` wait for the interprocess event whose 64-byte
- * cudaIpcEventHandle_t is `handle` (opened, waited on, closed: the wait
- * keeps what it needs). KVF_ERR_INVALID_ARGUMENT naming ready_handle when
- * the driver refuses the handle; KVF_ERR_CUDA. */
-kvf_status kvf_scuda_wait_ipc_event(int device, void *stream, const uint8_t handle[64]);
+/* An engine's ready event (a cudaEventInterprocess event of another
+ * process) opened in `device`'s context, kept open so that it can be waited
+ * on again: every cudaStreamWaitEvent on it waits for the engine's latest
+ * record at the time of the wait. */
+typedef struct kvf_scuda_ipc_event kvf_scuda_ipc_event;
+
+/* Open the event whose 64-byte cudaIpcEventHandle_t is `handle`. Returns
+ * KVF_SUCCESS and *out; KVF_ERR_INVALID_ARGUMENT naming
+ * payload.ready_handle when the driver refuses the handle;
+ * KVF_ERR_OUT_OF_MEMORY; KVF_ERR_CUDA. */
+kvf_status kvf_scuda_ipc_event_open(int device, const uint8_t handle[64], kvf_scuda_ipc_event **out);
+
+/* Make `stream` (of the event's device) wait for the event's latest record.
+ * KVF_ERR_CUDA. */
+kvf_status kvf_scuda_ipc_event_wait(kvf_scuda_ipc_event *event, void *stream);
+
+/* Close the event (the waits already enqueued keep what they need). NULL is
+ * a no-op. */
+void kvf_scuda_ipc_event_close(kvf_scuda_ipc_event *event);
 
 /* An event (timing disabled) recorded on `stream` now: what the stream has
  * queued so far is done once it has completed. */
@@ -52,6 +66,25 @@ kvf_status kvf_scuda_stream_sync(int device, void *stream);
  * (page-aligned); KVF_ERR_OUT_OF_MEMORY; KVF_ERR_CUDA. */
 kvf_status kvf_scuda_pool_alloc(int pin_device, int numa_node, uint64_t bytes, void **base);
 void kvf_scuda_pool_free(int pin_device, void *base, uint64_t bytes);
+
+/* Make `device` the calling thread's current device for good (a lane's
+ * own threads: their calls then switch nothing). KVF_ERR_CUDA. */
+kvf_status kvf_scuda_thread_bind(int device);
+
+/* Warm a GPU lane up before its first request: one gather and one scatter
+ * on `stream` through each route the lane's requests take (the copy
+ * engine's batch API, the staged route, the direct kernel; those the
+ * KVF_XFER_* parameters leave on), between a small device buffer and
+ * pinned host memory of its own, then the completion event a request
+ * records, waited for. So the first launches, copies and event operations
+ * of the process, of the lane's stream and of the lane's threads, and
+ * whatever the driver sets up on first use behind them, are paid here and
+ * not by the first STORE. Everything it makes is released before it
+ * returns. Blocks the caller until the stream is idle (a lane thread,
+ * before it serves). Returns KVF_SUCCESS; on failure, the step that failed
+ * (kvf_last_error; the lane still serves: its first request sets up what
+ * this did not). */
+kvf_status kvf_scuda_lane_warm(int device, void *stream);
 
 /* Number of visible CUDA devices (0 without a driver, a GPU, or CUDA). */
 int kvf_scuda_device_count(void);

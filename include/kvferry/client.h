@@ -239,7 +239,9 @@ typedef struct kvf_client_xfer {
   uint32_t num_groups;
   const void *ready_event; /* STORE on a GPU: the 64 bytes of a cudaIpcEventHandle_t of an event
                               (cudaEventInterprocess | cudaEventDisableTiming) recorded after the
-                              blocks were written; the server's stream waits on it. NULL: the
+                              blocks were written; the server's stream waits on it. The server
+                              keeps the event open for the registration: reuse one event (record
+                              it again) and keep it alive until the registration goes. NULL: the
                               blocks are ready when the call is made. RETRIEVE: NULL */
 } kvf_client_xfer;
 #define KVF_CLIENT_XFER_INIT \

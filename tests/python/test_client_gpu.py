@@ -410,6 +410,62 @@ def test_gpu_store_waits_for_the_ready_event(gpu, gpu_server):
         geometry.close()
 
 
+def test_gpu_store_reuses_the_ready_event(gpu, gpu_server):
+    """One event recorded again for each of three STOREs (as the vLLM
+    connector does): the server keeps it open across STOREs of the
+    registration, and each copy still waits for the latest record, so each
+    STORE holds that round's final bytes, never an earlier round's."""
+    if EMULATE:
+        pytest.skip("needs a GPU: a ready event is a CUDA interprocess event")
+    geometry = kvferry.Geometry.preset("llama-3.1-8b-fa-hnd", num_blocks=64)
+    engine = GpuEngine(gpu, geometry, seed=15)
+    lib = gpu.lib
+    stream = gpu.stream()
+    junk = gpu.pinned(engine.nbytes)
+    final = gpu.pinned(engine.nbytes)
+    event = c_void_p()
+    try:
+        rng = np.random.default_rng(16)
+        np.frombuffer(junk.array, np.uint8)[:] = rng.integers(0, 256, engine.nbytes, np.uint8)
+        gpu.check(lib.cudaEventCreateWithFlags(byref(event), EVENT_DISABLE_TIMING |
+                                               EVENT_INTERPROCESS), "cudaEventCreateWithFlags")
+        handle = (ctypes.c_char * 64)()
+        gpu.check(lib.cudaIpcGetEventHandle(byref(handle), event), "cudaIpcGetEventHandle")
+        tokens = 512
+        src, dst = blocks_for(geometry, tokens, seed=7)
+        with Client.connect(gpu_server.socket_dir, name="gpu-event-reuse", timeout_ms=60000) as c:
+            c.register(geometry, engine.regions(), device=ENGINE_DEVICE)
+            for round_ in range(3):
+                new = rng.integers(0, 256, engine.nbytes, dtype=np.uint8)
+                np.frombuffer(final.array, np.uint8)[:] = new
+                keys = keys_for(geometry, list(range(tokens)), "ready-event-reuse-%d" % round_)
+                for _ in range(8):
+                    gpu.check(lib.cudaMemcpyAsync(c_void_p(engine.alloc.ptr), c_void_p(junk.ptr),
+                                                  c_size_t(engine.nbytes), H2D,
+                                                  c_void_p(stream.handle)), "cudaMemcpyAsync")
+                gpu.check(lib.cudaMemcpyAsync(c_void_p(engine.alloc.ptr), c_void_p(final.ptr),
+                                              c_size_t(engine.nbytes), H2D, c_void_p(stream.handle)),
+                          "cudaMemcpyAsync")
+                gpu.check(lib.cudaEventRecord(event, c_void_p(stream.handle)), "cudaEventRecord")
+                r = c.store(0, tokens, keys, [src], ready_event=bytes(handle))
+                assert r.done and r.prefix_tokens == tokens, (round_, r)
+                stream.synchronize()
+                r = c.retrieve(0, tokens, keys, [dst])
+                assert r.done and r.prefix_tokens == tokens, (round_, r)
+                after = engine.download()
+                check_blocks_moved(new, after, geometry, engine.offsets, src, dst)
+                want = model_after_retrieve(new, geometry, engine.offsets, 0, tokens, src, dst)
+                assert_equal_bytes(after, want, "round %d: the cache after the RETRIEVE" % round_)
+    finally:
+        if event.value:
+            lib.cudaEventDestroy(event)
+        stream.destroy()
+        junk.free()
+        final.free()
+        engine.close()
+        geometry.close()
+
+
 @pytest.mark.parametrize("direction", ["host-to-gpu", "gpu-to-host"])
 def test_gpu_and_host_engines_share_objects(gpu, gpu_server, direction):
     """One engine stores, an engine of the other kind (same geometry, its own
