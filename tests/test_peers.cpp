@@ -1350,4 +1350,78 @@ TEST_F(Peers, OffersWithBadHeadersAreRefusedAndAGoodOneIsCommittedWhole) {
   unsetenv("UCX_TLS");
 }
 
+TEST_F(Peers, PusherKilledMidPullCommitsNothingPartialAndARestartedPusherIsUsedAgain) {
+  setenv("UCX_TLS", "tcp", 1);
+  const uint32_t nb = 4096;
+  std::string json = geometry_json(nb);
+  uint64_t rng = 77;
+  int mid_pull = 0;
+  ASSERT_EQ(b.start(dir_b, addr, secret), KVF_SUCCESS) << kvf_last_error();
+  for (int round = 0; round < 4; round++) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    ASSERT_EQ(start_a(), "");
+    ASSERT_TRUE(b.wait_ready(15000)) << "B did not (re)connect to A";
+    Engine src, dst;
+    ASSERT_EQ(src.open(dir_a, json, 300 + round), "");
+    ASSERT_EQ(dst.open(dir_b, json, 400 + round), "");
+    const uint64_t T = 16384 * 2; // 512 chunks: 32 MiB of objects in one OFFER
+    std::vector<kvf_chunk_key> keys = prompt_keys(src.g, 300 + round, T, 64);
+    std::vector<uint32_t> ids = shuffled(nb, round);
+    ids.resize(T / 16);
+    kvf_client_result r;
+    ASSERT_EQ(xfer(src, true, keys, ids, T, &r), KVF_SUCCESS) << kvf_last_error();
+    std::string name;
+    auto t0 = Clock::now();
+    while ((name = incoming_peer_name(src)).empty() && ms_since(t0) < 10000) sleep_ms(10);
+    ASSERT_FALSE(name.empty());
+    bool last = round == 3;
+    std::thread killer;
+    if (!last) {
+      int delay_us = (int)(splitmix(&rng) % 40000);
+      killer = std::thread([this, delay_us] {
+        std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+        a.kill_now();
+      });
+    }
+    kvf_client_push_result pr;
+    uint64_t aborted = b.data().l1.aborted_total;
+    kvf_status st = push(src, keys, T, name, &pr);
+    if (killer.joinable()) killer.join();
+    if (last) {
+      ASSERT_EQ(st, KVF_SUCCESS) << kvf_last_error();
+      EXPECT_EQ(pr.chunks_on_peer, keys.size()) << "the restarted A's push did not land";
+    }
+    a.kill_now();
+    // Whatever B holds is whole: a RETRIEVE restores a prefix of the
+    // source's bytes, all of it or none (one OFFER is one reservation).
+    ASSERT_EQ(xfer(dst, false, keys, ids, T, &r), KVF_SUCCESS) << kvf_last_error();
+    EXPECT_TRUE(r.prefix_tokens == 0 || r.prefix_tokens == T) << "prefix " << r.prefix_tokens;
+    if (last) {
+      EXPECT_EQ(r.prefix_tokens, T);
+    }
+    EXPECT_EQ(compare_blocks(src, dst, ids, r.prefix_tokens / 16, nb, kBlockBytes), "");
+    uint64_t aborted_now = b.data().l1.aborted_total - aborted;
+    mid_pull += aborted_now > 0;
+    printf("round %d: push %s, B aborted %llu reserved objects, restores %llu of %llu tokens\n", round,
+           kvf_status_string(st), (unsigned long long)aborted_now, (unsigned long long)r.prefix_tokens,
+           (unsigned long long)T);
+    kvf_peers_counters pc;
+    t0 = Clock::now();
+    do {
+      kvf_peers_counters_get(b.peers(), &pc);
+      if (pc.offers_in_flight == 0) break;
+      sleep_ms(10);
+    } while (ms_since(t0) < 10000);
+    EXPECT_EQ(pc.offers_in_flight, 0u) << "an offer of a dead pusher is still open";
+    expect_b_idle(b, "after the push");
+    src.close();
+    dst.close();
+    t0 = Clock::now();
+    while (kvf_peers_ready(b.peers()) > 0 && ms_since(t0) < 10000) sleep_ms(10);
+  }
+  EXPECT_GT(mid_pull, 0) << "no kill landed while B was pulling: the test did not test";
+  b.stop();
+  unsetenv("UCX_TLS");
+}
+
 }  // namespace
