@@ -59,6 +59,8 @@ extern "C" {
     "tasks per warp a launch aims at: smaller tasks (down to 512 bytes) for small requests (0: always KVF_XFER_TASK_BYTES)") \
   X(xfer_batch_min_run, "KVF_XFER_BATCH_MIN_RUN", 32768,                                 \
     "host<->device requests whose contiguous runs are at least this many bytes go to the copy engine's batch API (cudaMemcpyBatchAsync), no kernel") \
+  X(xfer_small_stage_mb, "KVF_XFER_SMALL_STAGE_MB", 24,                                  \
+    "staged host<->device requests of at most this many MiB use 2 pieces and 64 SMs for their staging kernels (0: the defaults above for every size)") \
   X(xfer_batch_max_runs, "KVF_XFER_BATCH_MAX_RUNS", 256,                                 \
     "... and have at most this many runs (its host cost grows with them; 0: never use the batch API route)") \
   X(xfer_kernel, "KVF_XFER_KERNEL", 2,                                                   \
