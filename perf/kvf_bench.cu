@@ -176,7 +176,8 @@ void usage(FILE *f) {
           "  --peers-max-tokens N      run the peers at request sizes up to N tokens (default 16384)\n"
           "  --tune SPEC               also time kvferry with tuning SPEC = key=value[,key=value...] (repeatable);\n"
           "                            keys: pieces, growth, dma_batch, param_bytes, task_bytes, task_waves,\n"
-          "                            batch_min_run, batch_max_runs, stage_sms, pcie_sms, staging_mb, kernel\n"
+          "                            batch_min_run, batch_max_runs, stage_sms, pcie_sms, staging_mb, kernel,\n"
+          "                            small_stage_mb\n"
           "                            (host/core/xfer_internal.h),\n"
           "                            cap (the context's max_sms). Variants are checked like every contender.\n"
           "  --enqueue-reps N          synchronized calls timing the host enqueue of each kvferry entry (default 15;\n"
@@ -923,6 +924,7 @@ void apply_tune(const std::string &spec, kvf_xfer_tuning *t, int *cap) {
     else if (k == "stage_sms") t->stage_sms = v;
     else if (k == "pcie_sms") t->pcie_sms = v;
     else if (k == "staging_mb") t->staging_mb = v;
+    else if (k == "small_stage_mb") t->small_stage_mb = v;
     else if (k == "cap") *cap = (int)v;
     else throw BenchError("--tune: unknown key '" + k + "'");
   }

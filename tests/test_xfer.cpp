@@ -1781,11 +1781,22 @@ const RouteVariant kRouteVariants[] = {
        t.batch_max_runs = 0;
        t.stage_pieces = 16;
        t.task_waves = 8;
+       t.small_stage_mb = 0; // the 16 pieces themselves, not the small-request rule's 2
      },
      [](const kvf_xfer_path_info &p, Mem) {
        EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
        EXPECT_GE(p.pieces, 1u);
        EXPECT_EQ(p.uploads, 0u);
+     }},
+    {"small_stage_rule", true,
+     [](kvf_xfer_tuning &t) {
+       t.batch_max_runs = 0;
+       t.stage_pieces = 4;
+       t.small_stage_mb = 1 << 20; // every request counts as small
+     },
+     [](const kvf_xfer_path_info &p, Mem) {
+       EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
+       EXPECT_LE(p.pieces, 2u) << "a small request is staged in at most 2 pieces";
      }},
     {"grid_stride_walk", false, [](kvf_xfer_tuning &t) { t.kernel = 1; },
      [](const kvf_xfer_path_info &p, Mem m) {
@@ -1799,6 +1810,7 @@ const RouteVariant kRouteVariants[] = {
        t.stage_pieces = 3;
        t.stage_dma_batch = 0;
        t.param_bytes = 0;
+       t.small_stage_mb = 0;
      },
      [](const kvf_xfer_path_info &p, Mem) {
        EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);

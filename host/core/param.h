@@ -31,6 +31,8 @@ extern "C" {
     "kvferryd populates this many MiB of an L1 pool that is not pinned at start, so no STORE pays first-touch page faults (0: never)") \
   X(server_spin_us, "KVF_SERVER_SPIN_US", 2000,                                          \
     "a kvferryd lane thread pinned to its own core polls for its next request this long before it sleeps (0: never)") \
+  X(server_loop_spin_us, "KVF_SERVER_LOOP_SPIN_US", 2000,                                \
+    "a kvferryd serving GPUs polls its sockets without sleeping this long after its last activity (0: never; never without GPU lanes)") \
   X(server_warmup, "KVF_SERVER_WARMUP", 1,                                               \
     "1: each kvferryd GPU lane runs one tiny gather and scatter through every route when it starts, so its first STORE sets nothing up (0: off)") \
   X(peer_shm, "KVF_PEER_SHM", 0,                                                        \
@@ -57,6 +59,8 @@ extern "C" {
     "tasks per warp a launch aims at: smaller tasks (down to 512 bytes) for small requests (0: always KVF_XFER_TASK_BYTES)") \
   X(xfer_batch_min_run, "KVF_XFER_BATCH_MIN_RUN", 32768,                                 \
     "host<->device requests whose contiguous runs are at least this many bytes go to the copy engine's batch API (cudaMemcpyBatchAsync), no kernel") \
+  X(xfer_small_stage_mb, "KVF_XFER_SMALL_STAGE_MB", 24,                                  \
+    "staged host<->device requests of at most this many MiB use 2 pieces and 64 SMs for their staging kernels (0: the defaults above for every size)") \
   X(xfer_batch_max_runs, "KVF_XFER_BATCH_MAX_RUNS", 256,                                 \
     "... and have at most this many runs (its host cost grows with them; 0: never use the batch API route)") \
   X(xfer_kernel, "KVF_XFER_KERNEL", 2,                                                   \

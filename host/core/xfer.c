@@ -128,7 +128,8 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
                          .task_waves = kvf_param_xfer_task_waves(),
                          .batch_min_run = kvf_param_xfer_batch_min_run(),
                          .batch_max_runs = kvf_param_xfer_batch_max_runs(),
-                         .kernel = kvf_param_xfer_kernel()};
+                         .kernel = kvf_param_xfer_kernel(),
+                         .small_stage_mb = kvf_param_xfer_small_stage_mb()};
   /* Out-of-range values from the environment fall back to the defaults'
    * behaviour rather than failing every call. */
   if (t->task_bytes < 16 || t->task_bytes > 65536 || t->task_bytes % 16) t->task_bytes = KVF_SLICE_BYTES;
@@ -142,7 +143,7 @@ kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
   if (t->pcie_sms < 0 || t->staging_mb < 0 || t->stage_sms < 0 || t->stage_pieces < 1 ||
       t->stage_pieces > KVF_STAGE_MAX_PIECES || t->param_bytes < 0 || t->task_bytes < 16 || t->task_bytes > 65536 ||
       t->task_bytes % 16 || t->task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->stage_dma_batch < 0 ||
-      t->kernel < 0 || t->kernel > 2 || t->stage_growth < 1 || t->stage_growth > 16)
+      t->small_stage_mb < 0 || t->kernel < 0 || t->kernel > 2 || t->stage_growth < 1 || t->stage_growth > 16)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_set_tuning: a value is out of range");
   pthread_mutex_lock(&x->lock);
   x->tune = *t;
@@ -1117,14 +1118,14 @@ out:
  * and finish_staged joins the internal stream back (include/kvferry/
  * transfer.h states this). */
 static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream,
-                                uint32_t stage_sms, uint32_t pcie_sms) {
+                                uint32_t stage_sms, uint32_t pcie_sms, uint32_t pieces) {
   const char *dir = gather ? "gather" : "scatter";
   uint64_t nb = 0, bi = 0, payload = 0, tasks = 0;
   uint32_t used_sms = 0;
   int forked = 0, retry = 0;
   cudaError_t e = cudaSuccess;
   staged_call c;
-  uint32_t pieces = x->tune.stage_pieces > 1 ? (uint32_t)x->tune.stage_pieces : 1;
+  if (pieces < 1) pieces = 1;
   kvf_status st = plan_staged(x, r, gather, pieces, stage_sms, pcie_sms, &c, &retry);
   if (!st && retry) {
     staged_call_free(&c);
@@ -1340,6 +1341,23 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
   return KVF_SUCCESS;
 }
 
+/* Whether the objects the request names hold at most `limit` payload bytes
+ * (every object group of every chunk it spans; a cheap bound, stopping as
+ * soon as it passes the limit). */
+static int request_payload_at_most(const kvf_xfer *x, const kvf_copy_request *r, uint64_t limit) {
+  const kvf_geometry *g = x->geometry;
+  uint64_t c = g->policy.chunk_tokens, total = 0;
+  if (c == 0 || r->token_end <= r->token_begin) return 0;
+  for (uint64_t k = r->token_begin / c; k * c < r->token_end; k++)
+    for (uint32_t og = 0; og < g->num_object_groups; og++) {
+      uint64_t size = 0;
+      if (kvf_geometry_object_size(g, og, k, r->token_end, &size) != KVF_SUCCESS) return 0;
+      total += size;
+      if (total > limit) return 0;
+    }
+  return 1;
+}
+
 /* The legacy default stream (NULL, cudaStreamLegacy) and the per-thread one,
  * which cudaMemcpyBatchAsync refuses or may refuse. */
 static int default_stream(cudaStream_t s) { return s == NULL || s == cudaStreamLegacy || s == cudaStreamPerThread; }
@@ -1370,8 +1388,29 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
     if (x->tune.staging_mb > 0) {
       uint32_t stage_sms = (uint32_t)x->sm_count;
       if (x->tune.stage_sms > 0 && (uint64_t)x->tune.stage_sms < stage_sms) stage_sms = (uint32_t)x->tune.stage_sms;
+      uint32_t pieces = x->tune.stage_pieces > 1 ? (uint32_t)x->tune.stage_pieces : 1;
+      /* A small request (one chunk of a small cache: 8-17 MiB) spends a
+       * large share of its time in the pipeline's fixed cost, each piece's
+       * hand-off from the kernel to the copy engine and the first piece's
+       * kernel: two pieces, with kernels on 64 SMs so the first is short.
+       * Measured on an H200 (perf/results/2026-12-01-h200-tune): one chunk
+       * d2h/h2d of memcpy, 4 pieces at 16 SMs -> 2 pieces at 64: glm-like
+       * 86.4/82.6% -> 90.5/88.3%, gpt-oss-like 90.1/87.2 -> 90.5/90.1,
+       * fp8-inline (16.5 MiB) 93.6/93.0 -> 94.6/94.3; the GEMM running
+       * alongside was slowed no more than by the default (the kernels only
+       * touch device memory). The 32 MiB Llama chunk lost 1.6 points with
+       * 2 pieces at 16 SMs, so the rule stops below it (24 MiB). */
+      /* Under a cap below 64 SMs (the 4-SM case) the kernels stay slow and
+       * 4 pieces overlap them better: gpt-oss-like d2h at 4 SMs fell from
+       * 88.8% to 81.7% with 2 pieces, so the rule needs its 64 SMs. */
+      if (x->tune.small_stage_mb > 0 && (!x->max_sms || x->max_sms >= KVF_SMALL_STAGE_SMS) &&
+          (uint64_t)x->sm_count >= KVF_SMALL_STAGE_SMS &&
+          request_payload_at_most(x, r, (uint64_t)x->tune.small_stage_mb << 20)) {
+        if (stage_sms < KVF_SMALL_STAGE_SMS) stage_sms = KVF_SMALL_STAGE_SMS;
+        if (pieces > KVF_SMALL_STAGE_PIECES) pieces = KVF_SMALL_STAGE_PIECES;
+      }
       if (x->max_sms && x->max_sms < stage_sms) stage_sms = x->max_sms;
-      return launch_staged(x, r, gather, stream, stage_sms, pcie_sms);
+      return launch_staged(x, r, gather, stream, stage_sms, pcie_sms, pieces);
     }
   }
   uint32_t ctas = (uint32_t)x->sm_count;

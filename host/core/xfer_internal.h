@@ -129,7 +129,13 @@ typedef struct kvf_xfer_tuning {
   int64_t batch_min_run;   /* KVF_XFER_BATCH_MIN_RUN: smallest run for the copy-engine batch route */
   int64_t batch_max_runs;  /* KVF_XFER_BATCH_MAX_RUNS: most runs for it (0: the route is off) */
   int64_t kernel;          /* KVF_XFER_KERNEL: 1 the grid-stride walk, 2 (or 0) the warp walk (kernels/walk.h) */
+  int64_t small_stage_mb;  /* KVF_XFER_SMALL_STAGE_MB: staged requests of at most this payload use 2 pieces
+                              and at least KVF_SMALL_STAGE_SMS SMs (0: off) */
 } kvf_xfer_tuning;
+
+/* The staged route's kernels for a small request (KVF_XFER_SMALL_STAGE_MB). */
+#define KVF_SMALL_STAGE_SMS 64
+#define KVF_SMALL_STAGE_PIECES 2
 
 void kvf_xfer_tuning_from_params(kvf_xfer_tuning *out);
 
