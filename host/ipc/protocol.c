@@ -141,21 +141,27 @@ static uint32_t keys_first_zero(const kvf_proto_chunk_key *keys, uint32_t n) {
 /* The checks on a LOOKUP that need none of its keys (prefix "lookup" and
  * KVF_ERR_INVALID_ARGUMENT for the encoder, "payload" and KVF_ERR_PROTOCOL
  * for the decoder, as xfer_check_fixed). */
+/* The range, format and key count of a LOOKUP or PUSH (`what` names it in
+ * the count's message). */
+static kvf_status keyed_range_check(uint64_t token_begin, uint64_t token_end, uint32_t format,
+                                    uint32_t num_chunk_keys, const char *what, const char *p, kvf_status err) {
+  if (token_end <= token_begin)
+    return kvf_fail(err, "%s.token_end: %llu is not after token_begin %llu", p, (unsigned long long)token_end,
+                    (unsigned long long)token_begin);
+  if (format > 1) return kvf_fail(err, "%s.format: %u is neither 0 (canonical) nor 1 (native)", p, format);
+  if (num_chunk_keys == 0) return kvf_fail(err, "%s.num_chunk_keys: 0, a %s spans at least one chunk", p, what);
+  if (num_chunk_keys > KVF_PROTO_MAX_CHUNKS)
+    return kvf_fail(err, "%s.num_chunk_keys: count %u exceeds the %u limit", p, num_chunk_keys, KVF_PROTO_MAX_CHUNKS);
+  if (num_chunk_keys > token_end - token_begin)
+    return kvf_fail(err, "%s.num_chunk_keys: %u chunks for a range of %llu tokens", p, num_chunk_keys,
+                    (unsigned long long)(token_end - token_begin));
+  return KVF_SUCCESS;
+}
+
 static kvf_status lookup_check_fixed(const kvf_proto_lookup *q, const char *p, kvf_status err) {
-  if (q->token_end <= q->token_begin)
-    return kvf_fail(err, "%s.token_end: %llu is not after token_begin %llu", p, (unsigned long long)q->token_end,
-                    (unsigned long long)q->token_begin);
-  if (q->format > 1) return kvf_fail(err, "%s.format: %u is neither 0 (canonical) nor 1 (native)", p, q->format);
   if (q->pin_ms > KVF_PROTO_MAX_PIN_MS)
     return kvf_fail(err, "%s.pin_ms: %u exceeds the %u ms limit", p, q->pin_ms, KVF_PROTO_MAX_PIN_MS);
-  if (q->num_chunk_keys == 0) return kvf_fail(err, "%s.num_chunk_keys: 0, a lookup spans at least one chunk", p);
-  if (q->num_chunk_keys > KVF_PROTO_MAX_CHUNKS)
-    return kvf_fail(err, "%s.num_chunk_keys: count %u exceeds the %u limit", p, q->num_chunk_keys,
-                    KVF_PROTO_MAX_CHUNKS);
-  if (q->num_chunk_keys > q->token_end - q->token_begin)
-    return kvf_fail(err, "%s.num_chunk_keys: %u chunks for a range of %llu tokens", p, q->num_chunk_keys,
-                    (unsigned long long)(q->token_end - q->token_begin));
-  return KVF_SUCCESS;
+  return keyed_range_check(q->token_begin, q->token_end, q->format, q->num_chunk_keys, "lookup", p, err);
 }
 
 static kvf_status lookup_reply_check(const kvf_proto_lookup_reply *x, const char *p, kvf_status err) {
@@ -171,18 +177,7 @@ static kvf_status lookup_reply_check(const kvf_proto_lookup_reply *x, const char
 /* ---- PUSH rules both directions share -------------------------------------- */
 
 static kvf_status push_check_fixed(const kvf_proto_push *q, const char *p, kvf_status err) {
-  if (q->token_end <= q->token_begin)
-    return kvf_fail(err, "%s.token_end: %llu is not after token_begin %llu", p, (unsigned long long)q->token_end,
-                    (unsigned long long)q->token_begin);
-  if (q->format > 1) return kvf_fail(err, "%s.format: %u is neither 0 (canonical) nor 1 (native)", p, q->format);
-  if (q->num_chunk_keys == 0) return kvf_fail(err, "%s.num_chunk_keys: 0, a push spans at least one chunk", p);
-  if (q->num_chunk_keys > KVF_PROTO_MAX_CHUNKS)
-    return kvf_fail(err, "%s.num_chunk_keys: count %u exceeds the %u limit", p, q->num_chunk_keys,
-                    KVF_PROTO_MAX_CHUNKS);
-  if (q->num_chunk_keys > q->token_end - q->token_begin)
-    return kvf_fail(err, "%s.num_chunk_keys: %u chunks for a range of %llu tokens", p, q->num_chunk_keys,
-                    (unsigned long long)(q->token_end - q->token_begin));
-  return KVF_SUCCESS;
+  return keyed_range_check(q->token_begin, q->token_end, q->format, q->num_chunk_keys, "push", p, err);
 }
 
 static kvf_status push_reply_check(const kvf_proto_push_reply *x, const char *p, kvf_status err) {

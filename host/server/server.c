@@ -31,6 +31,7 @@
 #include "host/memory/import_table.h"
 #include "host/ipc/endpoint.h"
 #include "host/core/log.h"
+#include "host/core/param.h"
 #include "host/ipc/protocol.h"
 
 /* An encoded frame on its way out: in the outbox (from a completion thread,
@@ -1054,6 +1055,16 @@ static void server_push_reply(kvf_server *s, kvf_server_conn *c, const kvf_serve
   (void)server_send(s, c, &r);
 }
 
+/* A peer holds a key of f's request through another geometry or for
+ * another model: the request is refused as such an object in local L1 is,
+ * naming the key (its index among the request's keys). */
+static kvf_status fetch_refusal(const kvf_server_fetch *f, const kvf_chunk_key *keys, uint32_t n) {
+  uint64_t k = 0;
+  while (k < n && memcmp(&keys[k], &f->specs[f->spec].key.chunk, sizeof(kvf_chunk_key)) != 0) k++;
+  return kvf_fail(f->status, "payload.chunk_keys[%llu]: object group %u: %s", (unsigned long long)k,
+                  (unsigned)f->specs[f->spec].object_group, f->message);
+}
+
 /* Submit the RETRIEVEs whose fetch is over (loop thread): L1 now holds what
  * the peers gave; the data plane restores the prefix it finds, as always. */
 static void server_finish_fetches(kvf_server *s) {
@@ -1076,12 +1087,7 @@ static void server_finish_fetches(kvf_server *s) {
       kvf_proto_msg m;
       kvf_status st = kvf_proto_decode(&f->h, f->payload, &m);
       if (st == KVF_SUCCESS && f->status != KVF_SUCCESS) {
-        uint64_t k = 0;
-        while (k < m.u.lookup.num_chunk_keys &&
-               memcmp(&m.u.lookup.chunk_keys[k], &f->specs[f->spec].key.chunk, sizeof(kvf_chunk_key)) != 0)
-          k++;
-        st = kvf_fail(f->status, "payload.chunk_keys[%llu]: object group %u: %s", (unsigned long long)k,
-                      (unsigned)f->specs[f->spec].object_group, f->message);
+        st = fetch_refusal(f, m.u.lookup.chunk_keys, m.u.lookup.num_chunk_keys);
         (void)server_send_error(s, c, f->h.request_id, st, NULL);
       } else if (st == KVF_SUCCESS) {
         (void)handle_lookup(s, c, &m);
@@ -1094,14 +1100,7 @@ static void server_finish_fetches(kvf_server *s) {
       kvf_status st = kvf_proto_decode(&f->h, f->payload, &m);
       int decoded = st == KVF_SUCCESS;
       if (decoded && f->status != KVF_SUCCESS) {
-        /* A peer holds a key of this request through another geometry:
-         * refused as the same object in local L1 is, naming it. */
-        uint64_t k = 0;
-        while (k < m.u.xfer.num_chunk_keys &&
-               memcmp(&m.u.xfer.chunk_keys[k], &f->specs[f->spec].key.chunk, sizeof(kvf_chunk_key)) != 0)
-          k++;
-        st = kvf_fail(f->status, "payload.chunk_keys[%llu]: object group %u: %s", (unsigned long long)k,
-                      (unsigned)f->specs[f->spec].object_group, f->message);
+        st = fetch_refusal(f, m.u.xfer.chunk_keys, m.u.xfer.num_chunk_keys);
       } else if (decoded) {
         st = kvf_dataplane_submit(s->dp, c->binding, c->client_id, &m);
       }
