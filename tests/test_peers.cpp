@@ -530,7 +530,7 @@ struct RawPeer {
   }
   kvf_status connect(const std::string &addr) {
     kvf_pt_callbacks cb = {this, on_accept, on_message, on_error};
-    kvf_status st = kvf_pt_create(&cb, &t);
+    kvf_status st = kvf_pt_create(nullptr, &cb, &t);
     if (st != KVF_SUCCESS) return st;
     return kvf_pt_connect(t, addr.c_str(), &c);
   }
@@ -546,6 +546,73 @@ struct RawPeer {
     kvf_pt_destroy(t);
   }
 };
+
+// The /proc/self/maps line of the mapping holding p ("" when none does).
+std::string mapping_of(const void *p) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  if (!f) return "";
+  char line[512];
+  std::string found;
+  uintptr_t a = (uintptr_t)p;
+  while (fgets(line, sizeof(line), f)) {
+    unsigned long lo = 0, hi = 0;
+    if (sscanf(line, "%lx-%lx", &lo, &hi) == 2 && a >= lo && a < hi) {
+      found = line;
+      break;
+    }
+  }
+  fclose(f);
+  return found;
+}
+
+// Memory the transport allocates (kvferryd's L1 pools with KVF_PEER_SHM=1)
+// is a shared-memory segment UCX can map into a peer; registering a range
+// inside it shares its key instead of mapping it again (a second mapping
+// would lose the shared-memory domains), and it outlives the transport.
+TEST(PeersTransport, AllocatedMemoryIsSharedRegisteredOnceAndOutlivesTheTransport) {
+  setenv("UCX_TLS", "sm,self,tcp", 1);
+  kvf_pt_context *ctx = nullptr;
+  ASSERT_EQ(kvf_pt_context_create(&ctx), KVF_SUCCESS) << kvf_last_error();
+  kvf_pt_mem *m = nullptr;
+  EXPECT_EQ(kvf_pt_mem_alloc(ctx, 0, &m), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(m, nullptr);
+  const size_t len = 4u << 20;
+  ASSERT_EQ(kvf_pt_mem_alloc(ctx, len, &m), KVF_SUCCESS) << kvf_last_error();
+  uint8_t *base = static_cast<uint8_t *>(kvf_pt_mem_base(m));
+  ASSERT_NE(base, nullptr);
+  EXPECT_EQ((uintptr_t)base % 4096, 0u);
+  memset(base, 0x5a, len);
+  std::string map = mapping_of(base);
+  EXPECT_TRUE(map.find("SYSV") != std::string::npos || map.find("/dev/shm") != std::string::npos)
+      << "not a shared-memory segment: " << map;
+  const void *akey = nullptr;
+  size_t akey_len = 0;
+  kvf_pt_mem_key(m, &akey, &akey_len);
+  ASSERT_GT(akey_len, 0u);
+
+  RawPeer unused; // callbacks only
+  kvf_pt_callbacks cb = {&unused, RawPeer::on_accept, RawPeer::on_message, RawPeer::on_error};
+  kvf_pt *t = nullptr;
+  ASSERT_EQ(kvf_pt_create(ctx, &cb, &t), KVF_SUCCESS) << kvf_last_error();
+  kvf_pt_mem *inside = nullptr, *outside = nullptr;
+  ASSERT_EQ(kvf_pt_mem_register(t, base + 4096, len - 8192, &inside), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(kvf_pt_mem_base(inside), base + 4096);
+  const void *ikey = nullptr;
+  size_t ikey_len = 0;
+  kvf_pt_mem_key(inside, &ikey, &ikey_len);
+  ASSERT_EQ(ikey_len, akey_len);
+  EXPECT_EQ(memcmp(ikey, akey, akey_len), 0);
+  std::vector<uint8_t> plain(1u << 20, 1);
+  ASSERT_EQ(kvf_pt_mem_register(t, plain.data(), plain.size(), &outside), KVF_SUCCESS) << kvf_last_error();
+  kvf_pt_mem_deregister(outside);
+  kvf_pt_mem_deregister(inside);
+  kvf_pt_destroy(t);
+  // The memory is the context's: still there after the transport.
+  EXPECT_EQ(base[len - 1], 0x5a);
+  kvf_pt_mem_free(m);
+  kvf_pt_context_destroy(ctx);
+  unsetenv("UCX_TLS");
+}
 
 std::vector<uint8_t> peer_header(uint16_t type, uint32_t len, uint64_t id = 0) {
   std::vector<uint8_t> m(24, 0);
@@ -1013,7 +1080,7 @@ struct LyingPeer {
   kvf_status start(const std::string &addr, const std::string &sec) {
     secret = sec;
     kvf_pt_callbacks cb = {this, cb_accept, cb_message, cb_error};
-    kvf_status st = kvf_pt_create(&cb, &t);
+    kvf_status st = kvf_pt_create(nullptr, &cb, &t);
     if (st == KVF_SUCCESS) st = kvf_pt_mem_register(t, pool.data(), pool.size(), &mem);
     if (st == KVF_SUCCESS) st = kvf_pt_listen(t, addr.c_str(), &port);
     if (st != KVF_SUCCESS) return st;

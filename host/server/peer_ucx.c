@@ -2,7 +2,9 @@
  * one worker (single-threaded: the peer thread), a sockaddr listener,
  * endpoints with peer error handling, active messages for control (always
  * eager, id 0, the sender's endpoint as reply_ep), ucp_mem_map + rkeys and
- * ucp_get_nbx for the data. */
+ * ucp_get_nbx for the data. A context (kvf_pt_context) is the UCP context:
+ * memory it allocates (ucp_mem_map with ALLOCATE) is what posix/sysv can
+ * map into a peer on this host. */
 #define _GNU_SOURCE
 #include "host/server/peer_transport.h"
 
@@ -60,11 +62,23 @@ struct kvf_pt_conn {
   pt_get *gets;   /* in flight */
 };
 
+struct kvf_pt_context {
+  ucp_context_h ucp;
+  kvf_pt_mem *allocs; /* kvf_pt_mem_alloc's regions, for kvf_pt_mem_register to find */
+  uint32_t transports; /* made on it and not destroyed yet */
+};
+
 struct kvf_pt_mem {
-  kvf_pt *t;
+  kvf_pt_context *ctx;
   ucp_mem_h memh;
+  kvf_pt_mem *parent; /* a registration inside an allocation: its memh and key are the parent's */
+  void *base;
+  size_t len;
   void *key;
   size_t key_len;
+  int allocated;           /* by kvf_pt_mem_alloc */
+  kvf_pt_mem *next, *prev; /* an allocation: in ctx->allocs */
+  uint32_t users;          /* an allocation: registrations inside it */
 };
 
 struct kvf_pt_rkey {
@@ -73,7 +87,8 @@ struct kvf_pt_rkey {
 
 struct kvf_pt {
   kvf_pt_callbacks cb;
-  ucp_context_h ctx;
+  kvf_pt_context *ctx;
+  int own_ctx;     /* made with no context: ctx is ours */
   ucp_worker_h worker;
   ucp_listener_h listener;
   int efd;         /* the worker's event descriptor */
@@ -217,7 +232,50 @@ static void on_conn_request(ucp_conn_request_h req, void *arg) {
   t->cb.on_accept(t->cb.ctx, c);
 }
 
-kvf_status kvf_pt_create(const kvf_pt_callbacks *cb, kvf_pt **out) {
+kvf_status kvf_pt_context_create(kvf_pt_context **out) {
+  if (!out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_pt_context_create: NULL argument");
+  *out = NULL;
+  kvf_pt_context *c = calloc(1, sizeof(*c));
+  if (!c) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "peer transport: out of memory");
+  ucp_config_t *config = NULL;
+  /* A restarted kvferryd listens on its port again at once, while sockets
+   * of its previous run may linger in TIME_WAIT (ucp_config_modify does not
+   * reach the CM's options in UCX 1.13: the environment does). A value the
+   * user set wins. */
+  (void)setenv("UCX_TCP_CM_REUSEADDR", "y", 0);
+  ucs_status_t s = ucp_config_read(NULL, NULL, &config);
+  if (s != UCS_OK) {
+    free(c);
+    return ucs_fail("ucp_config_read (check the UCX_* environment)", s);
+  }
+  ucp_params_t pp;
+  memset(&pp, 0, sizeof(pp));
+  pp.field_mask = UCP_PARAM_FIELD_FEATURES;
+  pp.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  s = ucp_init(&pp, config, &c->ucp);
+  ucp_config_release(config);
+  if (s != UCS_OK) {
+    free(c);
+    return ucs_fail("ucp_init (check UCX_TLS)", s);
+  }
+  *out = c;
+  return KVF_SUCCESS;
+}
+
+void kvf_pt_context_destroy(kvf_pt_context *c) {
+  if (!c) return;
+  if (c->allocs || c->transports) {
+    /* The caller's bug: cleaning UCX up under them would be a use after
+     * free. Report it and keep the context (a leak). */
+    KVF_WARN(SERVER, "peer transport: a context freed while %s still uses it (left allocated)",
+             c->allocs ? "allocated memory" : "a transport");
+    return;
+  }
+  ucp_cleanup(c->ucp);
+  free(c);
+}
+
+kvf_status kvf_pt_create(kvf_pt_context *ctx, const kvf_pt_callbacks *cb, kvf_pt **out) {
   if (!cb || !out || !cb->on_accept || !cb->on_message || !cb->on_error)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_pt_create: NULL argument");
   *out = NULL;
@@ -227,32 +285,22 @@ kvf_status kvf_pt_create(const kvf_pt_callbacks *cb, kvf_pt **out) {
   t->efd = -1;
   t->wake[0] = t->wake[1] = -1;
   kvf_status st = KVF_SUCCESS;
-  ucp_config_t *config = NULL;
-  /* A restarted kvferryd listens on its port again at once, while sockets
-   * of its previous run may linger in TIME_WAIT (ucp_config_modify does not
-   * reach the CM's options in UCX 1.13: the environment does). A value the
-   * user set wins. */
-  (void)setenv("UCX_TCP_CM_REUSEADDR", "y", 0);
-  ucs_status_t s = ucp_config_read(NULL, NULL, &config);
-  if (s != UCS_OK) {
-    st = ucs_fail("ucp_config_read (check the UCX_* environment)", s);
-    goto fail;
+  if (!ctx) {
+    st = kvf_pt_context_create(&ctx);
+    if (st != KVF_SUCCESS) {
+      free(t);
+      return st;
+    }
+    t->own_ctx = 1;
   }
-  ucp_params_t pp;
-  memset(&pp, 0, sizeof(pp));
-  pp.field_mask = UCP_PARAM_FIELD_FEATURES;
-  pp.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
-  s = ucp_init(&pp, config, &t->ctx);
-  ucp_config_release(config);
-  if (s != UCS_OK) {
-    st = ucs_fail("ucp_init (check UCX_TLS)", s);
-    goto fail;
-  }
+  t->ctx = ctx;
+  ctx->transports++;
+  ucs_status_t s;
   ucp_worker_params_t wp;
   memset(&wp, 0, sizeof(wp));
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;
-  s = ucp_worker_create(t->ctx, &wp, &t->worker);
+  s = ucp_worker_create(t->ctx->ucp, &wp, &t->worker);
   if (s != UCS_OK) {
     st = ucs_fail("ucp_worker_create", s);
     goto fail;
@@ -312,7 +360,8 @@ void kvf_pt_destroy(kvf_pt *t) {
     }
     ucp_worker_destroy(t->worker);
   }
-  if (t->ctx) ucp_cleanup(t->ctx);
+  t->ctx->transports--;
+  if (t->own_ctx) kvf_pt_context_destroy(t->ctx);
   if (t->wake[0] >= 0) close(t->wake[0]);
   if (t->wake[1] >= 0) close(t->wake[1]);
   free(t);
@@ -459,39 +508,131 @@ kvf_status kvf_pt_send(kvf_pt_conn *c, const void *data, size_t len) {
   return send_raw(c, PT_AM_ID, data, len);
 }
 
-kvf_status kvf_pt_mem_register(kvf_pt *t, void *base, size_t len, kvf_pt_mem **out) {
-  *out = NULL;
-  kvf_pt_mem *m = calloc(1, sizeof(*m));
-  if (!m) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "peer transport: out of memory");
-  m->t = t;
-  ucp_mem_map_params_t mp;
-  memset(&mp, 0, sizeof(mp));
-  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
-  mp.address = base;
-  mp.length = len;
-  ucs_status_t s = ucp_mem_map(t->ctx, &mp, &m->memh);
-  if (s != UCS_OK) {
-    free(m);
-    return ucs_fail("ucp_mem_map of an L1 pool", s);
-  }
+/* Pack memh's key into a copy m owns. */
+static kvf_status mem_pack(kvf_pt_mem *m) {
   void *buf = NULL;
   size_t n = 0;
-  s = ucp_rkey_pack(t->ctx, m->memh, &buf, &n);
-  if (s != UCS_OK) {
-    (void)ucp_mem_unmap(t->ctx, m->memh);
-    free(m);
-    return ucs_fail("ucp_rkey_pack", s);
-  }
+  ucs_status_t s = ucp_rkey_pack(m->ctx->ucp, m->memh, &buf, &n);
+  if (s != UCS_OK) return ucs_fail("ucp_rkey_pack", s);
   m->key = malloc(n ? n : 1);
   if (!m->key) {
     ucp_rkey_buffer_release(buf);
-    (void)ucp_mem_unmap(t->ctx, m->memh);
-    free(m);
     return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "peer transport: out of memory");
   }
   memcpy(m->key, buf, n);
   m->key_len = n;
   ucp_rkey_buffer_release(buf);
+  return KVF_SUCCESS;
+}
+
+kvf_status kvf_pt_mem_alloc(kvf_pt_context *c, size_t len, kvf_pt_mem **out) {
+  *out = NULL;
+  if (len == 0) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "peer transport: an allocation of 0 bytes");
+  kvf_pt_mem *m = calloc(1, sizeof(*m));
+  if (!m) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "peer transport: out of memory");
+  m->ctx = c;
+  ucp_mem_map_params_t mp;
+  memset(&mp, 0, sizeof(mp));
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+  mp.address = NULL;
+  mp.length = len;
+  mp.flags = UCP_MEM_MAP_ALLOCATE;
+  ucs_status_t s = ucp_mem_map(c->ucp, &mp, &m->memh);
+  if (s != UCS_OK) {
+    free(m);
+    return kvf_fail(s == UCS_ERR_NO_MEMORY ? KVF_ERR_OUT_OF_MEMORY : KVF_ERR_SYSTEM,
+                    "ucp_mem_map (ALLOCATE) of %zu bytes: %s", len, ucs_status_string(s));
+  }
+  ucp_mem_attr_t a;
+  memset(&a, 0, sizeof(a));
+  a.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+  kvf_status st;
+  s = ucp_mem_query(m->memh, &a);
+  if (s != UCS_OK || !a.address || a.length < len) {
+    st = s != UCS_OK ? ucs_fail("ucp_mem_query", s)
+                     : kvf_fail(KVF_ERR_SYSTEM, "ucp_mem_map (ALLOCATE) of %zu bytes gave %zu", len, a.length);
+    goto fail;
+  }
+  m->base = a.address;
+  m->len = len;
+  m->allocated = 1;
+  st = mem_pack(m);
+  if (st != KVF_SUCCESS) goto fail;
+  m->next = c->allocs;
+  if (c->allocs) c->allocs->prev = m;
+  c->allocs = m;
+  *out = m;
+  return KVF_SUCCESS;
+fail:
+  (void)ucp_mem_unmap(c->ucp, m->memh);
+  free(m);
+  return st;
+}
+
+void kvf_pt_mem_free(kvf_pt_mem *m) {
+  if (!m) return;
+  kvf_pt_context *c = m->ctx;
+  if (!m->allocated) {
+    KVF_WARN(SERVER, "peer transport: kvf_pt_mem_free of a registration (kvf_pt_mem_deregister it)");
+    return;
+  }
+  if (m->users) {
+    /* The caller's bug (a registration inside it is still live, a peer
+     * may hold its key): keep the memory rather than unmap it under them. */
+    KVF_WARN(SERVER, "peer transport: memory freed while %u registrations use it (left allocated)",
+             (unsigned)m->users);
+    return;
+  }
+  if (m->prev)
+    m->prev->next = m->next;
+  else
+    c->allocs = m->next;
+  if (m->next) m->next->prev = m->prev;
+  (void)ucp_mem_unmap(c->ucp, m->memh);
+  free(m->key);
+  free(m);
+}
+
+void *kvf_pt_mem_base(const kvf_pt_mem *m) { return m->base; }
+
+kvf_status kvf_pt_mem_register(kvf_pt *t, void *base, size_t len, kvf_pt_mem **out) {
+  *out = NULL;
+  kvf_pt_mem *m = calloc(1, sizeof(*m));
+  if (!m) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "peer transport: out of memory");
+  m->ctx = t->ctx;
+  m->base = base;
+  m->len = len;
+  uintptr_t b = (uintptr_t)base;
+  for (kvf_pt_mem *a = t->ctx->allocs; a; a = a->next) {
+    uintptr_t ab = (uintptr_t)a->base;
+    if (b >= ab && len <= a->len && b - ab <= a->len - len) {
+      /* Registered already, by UCX's allocation: mapping it again would
+       * give a key without the shared-memory domains. */
+      m->parent = a;
+      m->memh = a->memh;
+      m->key = a->key;
+      m->key_len = a->key_len;
+      a->users++;
+      *out = m;
+      return KVF_SUCCESS;
+    }
+  }
+  ucp_mem_map_params_t mp;
+  memset(&mp, 0, sizeof(mp));
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  mp.address = base;
+  mp.length = len;
+  ucs_status_t s = ucp_mem_map(t->ctx->ucp, &mp, &m->memh);
+  if (s != UCS_OK) {
+    free(m);
+    return ucs_fail("ucp_mem_map of an L1 pool", s);
+  }
+  kvf_status st = mem_pack(m);
+  if (st != KVF_SUCCESS) {
+    (void)ucp_mem_unmap(t->ctx->ucp, m->memh);
+    free(m);
+    return st;
+  }
   *out = m;
   return KVF_SUCCESS;
 }
@@ -503,8 +644,12 @@ void kvf_pt_mem_key(const kvf_pt_mem *m, const void **key, size_t *len) {
 
 void kvf_pt_mem_deregister(kvf_pt_mem *m) {
   if (!m) return;
-  (void)ucp_mem_unmap(m->t->ctx, m->memh);
-  free(m->key);
+  if (m->parent) {
+    m->parent->users--;
+  } else {
+    (void)ucp_mem_unmap(m->ctx->ucp, m->memh);
+    free(m->key);
+  }
   free(m);
 }
 

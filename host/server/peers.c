@@ -1442,7 +1442,7 @@ kvf_status kvf_peers_create(const kvf_peers_options *opt, kvf_peers **out) {
   kvf_status st = read_secret(p, opt->secret_file);
   if (st != KVF_SUCCESS) goto fail;
   kvf_pt_callbacks cb = {p, cb_accept, cb_message, cb_error};
-  st = kvf_pt_create(&cb, &p->t);
+  st = kvf_pt_create(opt->transport_context, &cb, &p->t);
   if (st != KVF_SUCCESS) goto fail;
   p->num_pools = opt->num_pools;
   for (uint32_t i = 0; i < opt->num_pools; i++) {
