@@ -156,6 +156,21 @@ struct Daemon {
   }
 };
 
+// The largest System V or POSIX shared-memory mapping of process pid.
+uint64_t largest_shared_segment(pid_t pid) {
+  FILE *f = fopen(("/proc/" + std::to_string(pid) + "/maps").c_str(), "r");
+  if (!f) return 0;
+  char line[512];
+  uint64_t best = 0;
+  while (fgets(line, sizeof(line), f)) {
+    unsigned long lo = 0, hi = 0;
+    if (sscanf(line, "%lx-%lx", &lo, &hi) != 2) continue;
+    if ((strstr(line, "SYSV") || strstr(line, "/dev/shm/")) && hi - lo > best) best = hi - lo;
+  }
+  fclose(f);
+  return best;
+}
+
 // ---- kvferryd B, in this process ------------------------------------------------
 
 struct ServerB : kvf_server_test::InProcessServer {
@@ -465,6 +480,10 @@ TEST_F(Peers, StoreThroughARetrieveThroughBOverSharedMemory) {
                     "run the case alone, as ctest does";
   }
   ASSERT_EQ(start_a(), "");
+  // A's L1 pool is UCX's memory (a System V or POSIX segment), which UCX
+  // maps into B for gets that are a memcpy: memory kvferryd allocated would
+  // fall back to active messages.
+  EXPECT_GE(largest_shared_segment(a.pid), 256ull << 20) << "A's L1 pool is not a shared-memory segment";
   ASSERT_EQ(b.start(dir_b, addr, secret), KVF_SUCCESS) << kvf_last_error();
   ASSERT_TRUE(b.wait_ready()) << "B never authenticated with A";
   round_trip(this, a, b, dir_a, dir_b, 23);
