@@ -983,6 +983,11 @@ struct LyingPeer {
   kvf_pt_conn *c = nullptr;
   kvf_pt_mem *mem = nullptr;
   std::vector<uint8_t> pool = std::vector<uint8_t>(1 << 20, 0x5A);
+  // Instead of `pool`: memory its transport allocated (a System V segment
+  // under UCX_TLS=sm,...), claimed in KEYS as shm_claim bytes.
+  kvf_pt_context *ctx = nullptr;
+  kvf_pt_mem *shm = nullptr;
+  std::atomic<uint64_t> shm_claim{0};
   std::string secret;
   uint8_t nonce[32] = {1, 2, 3}, their_nonce[32] = {};
   uint64_t their_boot = 0;
@@ -1046,7 +1051,8 @@ struct LyingPeer {
       memcpy(&p[0], &one, 4);
       int32_t dev = -1;
       uint32_t kl32 = (uint32_t)kl;
-      uint64_t base = (uint64_t)(uintptr_t)pool.data(), size = pool.size();
+      uint64_t base = (uint64_t)(uintptr_t)(shm ? kvf_pt_mem_base(shm) : pool.data());
+      uint64_t size = shm ? shm_claim.load() : pool.size();
       put(p, &dev, 4);
       put(p, &kl32, 4);
       put(p, &base, 8);
@@ -1096,11 +1102,19 @@ struct LyingPeer {
     static_cast<LyingPeer *>(ctx)->on_msg(static_cast<const uint8_t *>(d), n);
   }
   static void cb_error(void *ctx, kvf_pt_conn *, kvf_status, const char *) { static_cast<LyingPeer *>(ctx)->errored = 1; }
-  kvf_status start(const std::string &addr, const std::string &sec) {
+  kvf_status start(const std::string &addr, const std::string &sec, bool shared = false) {
     secret = sec;
     kvf_pt_callbacks cb = {this, cb_accept, cb_message, cb_error};
-    kvf_status st = kvf_pt_create(nullptr, &cb, &t);
-    if (st == KVF_SUCCESS) st = kvf_pt_mem_register(t, pool.data(), pool.size(), &mem);
+    kvf_status st = KVF_SUCCESS;
+    if (shared) {
+      st = kvf_pt_context_create(&ctx);
+      if (st == KVF_SUCCESS) st = kvf_pt_mem_alloc(ctx, pool.size(), &shm);
+      if (st != KVF_SUCCESS) return st;
+      shm_claim = pool.size();
+    }
+    st = kvf_pt_create(ctx, &cb, &t);
+    if (st == KVF_SUCCESS && shm) st = kvf_pt_mem_register(t, kvf_pt_mem_base(shm), pool.size(), &mem);
+    else if (st == KVF_SUCCESS) st = kvf_pt_mem_register(t, pool.data(), pool.size(), &mem);
     if (st == KVF_SUCCESS) st = kvf_pt_listen(t, addr.c_str(), &port);
     if (st != KVF_SUCCESS) return st;
     th = std::thread([this] {
@@ -1159,6 +1173,8 @@ struct LyingPeer {
   ~LyingPeer() {
     stop = 1;
     if (th.joinable()) th.join();
+    kvf_pt_mem_free(shm);
+    kvf_pt_context_destroy(ctx);
   }
 };
 
@@ -1208,6 +1224,53 @@ TEST_F(Peers, APeerLyingAboutItsObjectsIsRefusedAndNothingIsCommitted) {
   }
   b.stop();
   unsetenv("UCX_TLS");
+}
+
+// Over shared memory B reads a peer's pool through its own mapping of the
+// peer's segment, which UCX does not bound: a peer claiming a pool larger
+// than its segment would make B read its own memory, or fault. Such keys
+// are refused; the same peer telling the truth is used. A POSIX segment
+// (a file its owner can truncate under the reader) is not read through the
+// mapping at all: its gets go over the network transports.
+TEST_F(Peers, SharedMemoryKeysAreBoundedByTheirSegmentOrReadOverTheNetwork) {
+  if (::testing::UnitTest::GetInstance()->test_to_run_count() > 1)
+    GTEST_SKIP() << "KVF_PEER_SHM is a per-process parameter: run this case alone, as ctest does";
+  setenv("UCX_TLS", "sm,self,tcp", 1);
+  setenv("KVF_PEER_SHM", "1", 1);
+  if (kvf_param_peer_shm() != 1) {
+    unsetenv("UCX_TLS");
+    GTEST_SKIP() << "KVF_PEER_SHM was read before this case set it: run the case alone, as ctest does";
+  }
+  {
+    LyingPeer liar;
+    ASSERT_EQ(liar.start(addr, "correct horse battery staple 0123456789", true), KVF_SUCCESS) << kvf_last_error();
+    liar.shm_claim = liar.pool.size() + (1ull << 30);
+    ASSERT_EQ(b.start(dir_b, addr, secret), KVF_SUCCESS) << kvf_last_error();
+    EXPECT_FALSE(b.wait_ready(2500)) << "B took a pool larger than the segment its key maps";
+    EXPECT_GT(b.info().failures, 0u);
+    liar.shm_claim = liar.pool.size();
+    EXPECT_TRUE(b.wait_ready()) << "B refused a pool that its segment holds";
+  }
+  // A POSIX segment (a file the peer could truncate under B) is not read
+  // through B's mapping: B takes the key, its gets go over the network.
+  uint64_t connects = b.info().connects;
+  setenv("UCX_ALLOC_PRIO", "md:posix", 1);
+  {
+    LyingPeer liar;
+    kvf_status st = liar.start(addr, "correct horse battery staple 0123456789", true);
+    unsetenv("UCX_ALLOC_PRIO");
+    ASSERT_EQ(st, KVF_SUCCESS) << kvf_last_error();
+    ASSERT_NE(mapping_of(kvf_pt_mem_base(liar.shm)).find("/dev/shm"), std::string::npos)
+        << mapping_of(kvf_pt_mem_base(liar.shm));
+    liar.shm_claim = liar.pool.size() + (1ull << 30);
+    auto t0 = Clock::now();
+    while (ms_since(t0) < 10000 && !(b.info().connects > connects && b.info().state == (uint32_t)KVF_PEER_READY))
+      sleep_ms(10);
+    EXPECT_GT(b.info().connects, connects) << "B refused a key it reads over the network";
+  }
+  b.stop();
+  unsetenv("UCX_TLS");
+  unsetenv("KVF_PEER_SHM");
 }
 
 // ---- push (prefill -> decode) and LOOKUP through peers ---------------------------

@@ -128,8 +128,14 @@ kvf_status kvf_pt_mem_register(kvf_pt *t, void *base, size_t len, kvf_pt_mem **o
 void kvf_pt_mem_key(const kvf_pt_mem *m, const void **key, size_t *len);
 void kvf_pt_mem_deregister(kvf_pt_mem *m);
 
-/* Unpack a key the peer on c sent. KVF_ERR_PROTOCOL when it does not unpack. */
-kvf_status kvf_pt_rkey_unpack(kvf_pt_conn *c, const void *key, size_t len, kvf_pt_rkey **out);
+/* Unpack a key the peer on c sent for its region [base, base + size).
+ * Where the key maps that region into this process (shared memory with a
+ * peer on this host), the mapping must hold all of it: a System V segment,
+ * whose gets are then copies bounded by the region; other shared memory
+ * makes the gets go over the network transports. KVF_ERR_PROTOCOL when the
+ * key does not unpack, the region wraps, or the mapping does not hold it. */
+kvf_status kvf_pt_rkey_unpack(kvf_pt_conn *c, const void *key, size_t len, uint64_t base, uint64_t size,
+                              kvf_pt_rkey **out);
 /* Destroy before closing the connection it was unpacked on. NULL is a no-op. */
 void kvf_pt_rkey_destroy(kvf_pt_rkey *k);
 
@@ -140,8 +146,9 @@ typedef void (*kvf_pt_get_done)(void *arg, kvf_status status);
 
 /* Read len bytes at remote_addr of the region k names into local. done runs
  * once, later, from kvf_pt_progress or kvf_pt_close (never from inside this
- * call). Bounds are the caller's to check: the transport only refuses what
- * the key does not cover. */
+ * call; a get from a region mapped here has copied before it returns).
+ * Bounds are the caller's to check: the transport only refuses what the
+ * key does not cover (KVF_ERR_INVALID_ARGUMENT outside a mapped region). */
 kvf_status kvf_pt_get(kvf_pt_conn *c, kvf_pt_rkey *k, uint64_t remote_addr, void *local, size_t len,
                       kvf_pt_get_done done, void *arg);
 

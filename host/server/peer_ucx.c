@@ -83,6 +83,10 @@ struct kvf_pt_mem {
 
 struct kvf_pt_rkey {
   ucp_rkey_h rkey;
+  ucp_ep_h ep;            /* the endpoint it was unpacked on: its gets go there */
+  const uint8_t *mapped;  /* the region, mapped here (a peer's System V segment on this host): its gets
+                             are memcpys from it, bounded by it; NULL: UCX's gets */
+  uint64_t base, size;    /* the region (remote addresses), when mapped */
 };
 
 struct kvf_pt {
@@ -653,10 +657,73 @@ void kvf_pt_mem_deregister(kvf_pt_mem *m) {
   free(m);
 }
 
-kvf_status kvf_pt_rkey_unpack(kvf_pt_conn *c, const void *key, size_t len, kvf_pt_rkey **out) {
+/* Whether [p, p + len) lies in one System V shared-memory segment mapped
+ * here (contiguous mappings of one shmid, readable and shared), from
+ * /proc/self/maps: 1 it does; 0 p is in such a segment, which ends before
+ * p + len; -1 p is in no System V segment. */
+static int sysv_mapping_covers(const void *p, uint64_t len) {
+  FILE *f = fopen("/proc/self/maps", "re");
+  if (!f) return -1; /* nothing to bound it by */
+  uintptr_t a = (uintptr_t)p, end = 0;
+  unsigned long inode = 0;
+  char *line = NULL;
+  size_t cap = 0;
+  int ok = -1;
+  while (getline(&line, &cap, f) > 0) {
+    unsigned long lo, hi, off, ino;
+    char perms[8], dev[16];
+    int path = 0;
+    if (sscanf(line, "%lx-%lx %7s %lx %15s %lu %n", &lo, &hi, perms, &off, dev, &ino, &path) < 6 || !path) continue;
+    int sysv = strncmp(line + path, "/SYSV", 5) == 0 && perms[0] == 'r' && perms[3] == 's';
+    if (!end) {
+      if (a < lo || a >= hi) continue;
+      if (!sysv) break;
+      inode = ino;
+      end = hi;
+      ok = 0;
+    } else if (lo != end || !sysv || ino != inode) {
+      break;
+    } else {
+      end = hi;
+    }
+    if (end - a >= len) {
+      ok = 1;
+      break;
+    }
+  }
+  free(line);
+  fclose(f);
+  return ok;
+}
+
+/* k (unpacked on ep) maps the peer's region into this process when UCX
+ * can read it through shared memory. UCX's own gets through such a mapping
+ * are a memcpy that nothing bounds: a peer claiming a region larger than
+ * its segment would make us read our own memory, or past it. So a mapped
+ * region must lie inside one System V segment (which cannot shrink under
+ * us, where a POSIX file can), and we read it ourselves, bounded by it.
+ * Returns 1 (mapped and checked: k->mapped set), 0 (not mapped: UCX's
+ * gets), -1 (a System V segment smaller than the region claimed), -2
+ * (mapped, but not in a System V segment). */
+static int rkey_map(kvf_pt_rkey *k, uint64_t base, uint64_t size) {
+  void *p = NULL;
+  if (ucp_rkey_ptr(k->rkey, base, &p) != UCS_OK || !p) return 0;
+  int covers = sysv_mapping_covers(p, size);
+  if (covers <= 0) return covers == 0 ? -1 : -2;
+  k->mapped = p;
+  k->base = base;
+  k->size = size;
+  return 1;
+}
+
+kvf_status kvf_pt_rkey_unpack(kvf_pt_conn *c, const void *key, size_t len, uint64_t base, uint64_t size,
+                              kvf_pt_rkey **out) {
   *out = NULL;
   (void)len; /* UCP reads the packed key's own length */
   if (!c->ep || c->failed) return kvf_fail(KVF_ERR_DISCONNECTED, "peer transport: the connection failed");
+  if (size == 0 || base + size < base)
+    return kvf_fail(KVF_ERR_PROTOCOL, "a remote region of %llu bytes at %llx", (unsigned long long)size,
+                    (unsigned long long)base);
   if (!c->data_ep && c->peer_addr) {
     ucp_ep_params_t p;
     memset(&p, 0, sizeof(p));
@@ -680,10 +747,31 @@ kvf_status kvf_pt_rkey_unpack(kvf_pt_conn *c, const void *key, size_t len, kvf_p
   }
   kvf_pt_rkey *k = calloc(1, sizeof(*k));
   if (!k) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "peer transport: out of memory");
-  ucs_status_t s = ucp_ep_rkey_unpack(c->data_ep ? c->data_ep : c->ep, key, &k->rkey);
+  k->ep = c->data_ep ? c->data_ep : c->ep;
+  ucs_status_t s = ucp_ep_rkey_unpack(k->ep, key, &k->rkey);
   if (s != UCS_OK) {
     free(k);
     return kvf_fail(KVF_ERR_PROTOCOL, "a remote key that does not unpack: %s", ucs_status_string(s));
+  }
+  int m = rkey_map(k, base, size);
+  if (m == -1) {
+    ucp_rkey_destroy(k->rkey);
+    free(k);
+    return kvf_fail(KVF_ERR_PROTOCOL, "a remote key whose shared-memory segment does not hold the %llu bytes "
+                    "claimed", (unsigned long long)size);
+  }
+  if (m == -2 && k->ep != c->ep) {
+    /* Shared memory we cannot bound: the message endpoint instead, whose
+     * network transports have the peer read its own memory. */
+    KVF_INFO(SERVER, "peer transport: a remote region of %llu bytes mapped here outside any System V segment: "
+             "its gets go over the network transports", (unsigned long long)size);
+    ucp_rkey_destroy(k->rkey);
+    k->ep = c->ep;
+    s = ucp_ep_rkey_unpack(k->ep, key, &k->rkey);
+    if (s != UCS_OK) {
+      free(k);
+      return kvf_fail(KVF_ERR_PROTOCOL, "a remote key that does not unpack: %s", ucs_status_string(s));
+    }
   }
   *out = k;
   return KVF_SUCCESS;
@@ -718,17 +806,28 @@ static void on_get_done(void *request, ucs_status_t status, void *user_data) {
 kvf_status kvf_pt_get(kvf_pt_conn *c, kvf_pt_rkey *k, uint64_t remote_addr, void *local, size_t len,
                       kvf_pt_get_done done, void *arg) {
   if (!c->ep || c->failed || c->closing) return kvf_fail(KVF_ERR_DISCONNECTED, "peer transport: the connection failed");
+  if (k->mapped && (remote_addr < k->base || len > k->size || remote_addr - k->base > k->size - len))
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "peer transport: a get of %zu bytes at %llx, outside the region its "
+                    "key maps", len, (unsigned long long)remote_addr);
   pt_get *g = calloc(1, sizeof(*g));
   if (!g) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "peer transport: out of memory");
   g->conn = c;
   g->done = done;
   g->arg = arg;
+  if (k->mapped) {
+    /* What UCX's sysv get would do, bounded: one copy from the mapping. */
+    memcpy(local, k->mapped + (remote_addr - k->base), len);
+    g->status = KVF_SUCCESS;
+    g->done_next = c->t->done_head;
+    c->t->done_head = g;
+    return KVF_SUCCESS;
+  }
   ucp_request_param_t p;
   memset(&p, 0, sizeof(p));
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.send = on_get_done;
   p.user_data = g;
-  ucs_status_ptr_t r = ucp_get_nbx(c->data_ep ? c->data_ep : c->ep, local, len, remote_addr, k->rkey, &p);
+  ucs_status_ptr_t r = ucp_get_nbx(k->ep, local, len, remote_addr, k->rkey, &p);
   if (r == NULL) {
     g->status = KVF_SUCCESS;
     g->done_next = c->t->done_head;

@@ -474,7 +474,7 @@ static void on_keys(kvf_peers *p, peer *pr, const uint8_t *b, size_t n) {
                          (unsigned long long)base, (unsigned long long)size);
     }
     remote_pool *rp = &pr->pools[i];
-    if (kvf_pt_rkey_unpack(pr->conn, b + off + 24, kl, &rp->rkey) != KVF_SUCCESS) {
+    if (kvf_pt_rkey_unpack(pr->conn, b + off + 24, kl, base, size, &rp->rkey) != KVF_SUCCESS) {
       peer_drop_keys(pr);
       return peer_refuse(p, pr, KVF_ERR_PROTOCOL, "KEYS: pools[%u]: %s", i, kvf_last_error());
     }
