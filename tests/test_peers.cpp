@@ -8,12 +8,14 @@
 #include <gtest/gtest.h>
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/shm.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -604,6 +606,15 @@ TEST(PeersTransport, AllocatedMemoryIsSharedRegisteredOnceAndOutlivesTheTranspor
   std::string map = mapping_of(base);
   EXPECT_TRUE(map.find("SYSV") != std::string::npos || map.find("/dev/shm") != std::string::npos)
       << "not a shared-memory segment: " << map;
+  if (map.find("SYSV") != std::string::npos) {
+    // The kvferryd user's alone (UCX makes its segments 0660).
+    unsigned long lo, hi, off, shmid = 0;
+    char perms[8], dev[16];
+    ASSERT_EQ(sscanf(map.c_str(), "%lx-%lx %7s %lx %15s %lu", &lo, &hi, perms, &off, dev, &shmid), 6) << map;
+    struct shmid_ds ds;
+    ASSERT_EQ(shmctl((int)shmid, IPC_STAT, &ds), 0) << strerror(errno);
+    EXPECT_EQ(ds.shm_perm.mode & 0777u, 0600u);
+  }
   const void *akey = nullptr;
   size_t akey_len = 0;
   kvf_pt_mem_key(m, &akey, &akey_len);

@@ -13,11 +13,13 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/shm.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -512,6 +514,44 @@ kvf_status kvf_pt_send(kvf_pt_conn *c, const void *data, size_t len) {
   return send_raw(c, PT_AM_ID, data, len);
 }
 
+/* The System V segment mapped at p (its shmid, the inode /proc/self/maps
+ * shows), or -1 when p is in none. */
+static int sysv_shmid_at(const void *p) {
+  FILE *f = fopen("/proc/self/maps", "re");
+  if (!f) return -1;
+  uintptr_t a = (uintptr_t)p;
+  char *line = NULL;
+  size_t cap = 0;
+  int id = -1;
+  while (getline(&line, &cap, f) > 0) {
+    unsigned long lo, hi, off, ino;
+    char perms[8], dev[16];
+    int path = 0;
+    if (sscanf(line, "%lx-%lx %7s %lx %15s %lu %n", &lo, &hi, perms, &off, dev, &ino, &path) < 6) continue;
+    if (a < lo || a >= hi) continue;
+    if (path && strncmp(line + path, "/SYSV", 5) == 0 && ino <= INT_MAX) id = (int)ino;
+    break;
+  }
+  free(line);
+  fclose(f);
+  return id;
+}
+
+/* UCX makes its System V segments mode 0660: anyone in the kvferryd user's
+ * group could attach an L1 pool. Ours are the user's alone, as the process
+ * memory they replace was (a peer kvferryd runs as the same user). */
+static kvf_status sysv_restrict(const void *base) {
+  int id = sysv_shmid_at(base);
+  if (id < 0) return KVF_SUCCESS; /* not a System V segment (POSIX: reached through /proc/PID/fd only) */
+  struct shmid_ds ds;
+  if (shmctl(id, IPC_STAT, &ds) != 0)
+    return kvf_fail(KVF_ERR_SYSTEM, "shmctl(IPC_STAT) of an L1 segment: %s", strerror(errno));
+  ds.shm_perm.mode = (ds.shm_perm.mode & ~0777u) | 0600u;
+  if (shmctl(id, IPC_SET, &ds) != 0)
+    return kvf_fail(KVF_ERR_SYSTEM, "shmctl(IPC_SET, 0600) of an L1 segment: %s", strerror(errno));
+  return KVF_SUCCESS;
+}
+
 /* Pack memh's key into a copy m owns. */
 static kvf_status mem_pack(kvf_pt_mem *m) {
   void *buf = NULL;
@@ -560,6 +600,8 @@ kvf_status kvf_pt_mem_alloc(kvf_pt_context *c, size_t len, kvf_pt_mem **out) {
   m->base = a.address;
   m->len = len;
   m->allocated = 1;
+  st = sysv_restrict(m->base);
+  if (st != KVF_SUCCESS) goto fail;
   st = mem_pack(m);
   if (st != KVF_SUCCESS) goto fail;
   m->next = c->allocs;
