@@ -10,7 +10,8 @@
 // Both kvferryd run here, on loopback, with this process's UCX_TLS (and
 // KVF_PEER_SHM); the engines are host-backend clients in this process.
 // Results: one JSON object per line on stdout; figures are medians over K
-// rounds of payload bytes / wall time of the RETRIEVE.
+// rounds of payload bytes / wall time of the RETRIEVE (round_gb_per_s:
+// each round's pull, in order).
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -210,14 +211,22 @@ int main(int argc, char **argv) {
       local_objs.push_back((double)objects / (t3 - t2));
     }
     const char *tls = getenv("UCX_TLS");
+    // Each round's pull too: the first reads of a peer's pool through a
+    // shared-memory mapping fault its pages in (docs/peers.md).
+    std::string each;
+    for (size_t i = 0; i < pull_gbs.size(); i++) {
+      char v[32];
+      snprintf(v, sizeof v, "%s%.3f", i ? ", " : "", pull_gbs[i]);
+      each += v;
+    }
     printf("{\"bench\": \"peer-pull\", \"ucx_tls\": \"%s\", \"peer_shm\": \"%s\", \"geometry\": \"%s\", \"tokens\": %llu, "
            "\"objects\": %llu, \"object_bytes\": %llu, \"bytes\": %llu, \"rounds\": %u, \"gb_per_s\": %.3f, "
-           "\"objects_per_s\": %.1f, \"local_gb_per_s\": %.3f, \"local_objects_per_s\": %.1f}\n",
+           "\"objects_per_s\": %.1f, \"local_gb_per_s\": %.3f, \"local_objects_per_s\": %.1f, \"round_gb_per_s\": [%s]}\n",
            tls ? tls : "", getenv("KVF_PEER_SHM") ? getenv("KVF_PEER_SHM") : "0",
            strrchr(geometry.c_str(), '/') ? strrchr(geometry.c_str(), '/') + 1 : geometry.c_str(),
            (unsigned long long)tokens, (unsigned long long)objects,
            (unsigned long long)(objects ? bytes / objects : 0), (unsigned long long)bytes, rounds, median(pull_gbs),
-           median(pull_objs), median(local_gbs), median(local_objs));
+           median(pull_objs), median(local_gbs), median(local_objs), each.c_str());
     rc = 0;
   }
 out:

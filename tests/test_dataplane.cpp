@@ -25,6 +25,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -43,8 +44,10 @@
 #include <kvferry/memory.h>
 
 #include "server_test_util.h"
+#include "common/error.h"
 #include "host/client/client_internal.h"
 #include "host/server/dataplane.h"
+#include "host/server/registry.h"
 #include "host/server/server.h"
 
 namespace {
@@ -1780,6 +1783,79 @@ TEST(Dataplane, EightClientsInThreads) {
   EXPECT_EQ(d.stores_total, (uint64_t)kClients * kRounds);
   EXPECT_EQ(d.retrieves_total, (uint64_t)kClients * kRounds);
   EXPECT_EQ(d.l1.objects, (uint64_t)kClients / 2 * kRounds * 3);
+}
+
+// options.pool_alloc (kvferryd's peer transport with KVF_PEER_SHM=1): the
+// pool is the caller's region and goes back through pool_free at destroy;
+// a failed or unaligned allocation is given back at once and the lane takes
+// anonymous memory, so nothing is leaked either way.
+struct PoolAllocator {
+  int allocs = 0, frees = 0;
+  int fail = 0;      // 1: pool_alloc fails; 2: it returns an unaligned base
+  void *given = nullptr, *freed = nullptr;
+  static kvf_status alloc(void *ctx, int device, uint64_t bytes, void **base, void **handle) {
+    auto *a = static_cast<PoolAllocator *>(ctx);
+    a->allocs++;
+    EXPECT_EQ(device, -1);
+    if (a->fail == 1) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "test: no memory");
+    void *p = mmap(nullptr, bytes + 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "test: mmap");
+    a->given = p;
+    *base = static_cast<uint8_t *>(p) + (a->fail == 2 ? 64 : 0);
+    *handle = p;
+    return KVF_SUCCESS;
+  }
+  static void release(void *ctx, void *handle) {
+    auto *a = static_cast<PoolAllocator *>(ctx);
+    a->frees++;
+    a->freed = handle;
+  }
+};
+
+void noop_reply(void *, uint64_t, const kvf_proto_msg *) {}
+
+TEST(Dataplane, PoolsComeFromTheCallersAllocatorAndGoBackToIt) {
+  kvf_import_table *table = nullptr;
+  kvf_registry *registry = nullptr;
+  ASSERT_EQ(kvf_import_table_create(nullptr, &table), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_EQ(kvf_registry_create(table, nullptr, &registry), KVF_SUCCESS) << kvf_last_error();
+  for (int fail = 0; fail < 3; fail++) {
+    SCOPED_TRACE("fail " + std::to_string(fail));
+    PoolAllocator a;
+    a.fail = fail;
+    kvf_dataplane_options o;
+    memset(&o, 0, sizeof(o));
+    o.registry = registry;
+    o.l1_bytes = 8u << 20;
+    o.reply = noop_reply;
+    o.pool_alloc = PoolAllocator::alloc;
+    o.pool_ctx = &a;
+    kvf_dataplane *dp = nullptr;
+    EXPECT_EQ(kvf_dataplane_create(&o, &dp), KVF_ERR_INVALID_ARGUMENT) << "pool_alloc without pool_free";
+    o.pool_free = PoolAllocator::release;
+    ASSERT_EQ(kvf_dataplane_create(&o, &dp), KVF_SUCCESS) << kvf_last_error();
+    kvf_l1_pool_desc pools[2];
+    ASSERT_EQ(kvf_dataplane_pools(dp, pools, 2), 1u);
+    EXPECT_EQ(a.allocs, 1);
+    ASSERT_NE(pools[0].base, nullptr);
+    EXPECT_EQ(pools[0].size, 8u << 20);
+    if (fail == 0) {
+      EXPECT_EQ(pools[0].base, a.given);
+      EXPECT_EQ(a.frees, 0);
+    } else {
+      EXPECT_NE(pools[0].base, a.given) << "a failed allocation must not be used";
+      EXPECT_EQ(a.frees, fail == 2 ? 1 : 0) << "an unaligned region goes back at once";
+    }
+    memset(pools[0].base, 0x11, 8u << 20);
+    kvf_dataplane_destroy(dp);
+    EXPECT_EQ(a.frees, fail == 1 ? 0 : 1);
+    if (fail != 1) {
+      EXPECT_EQ(a.freed, a.given);
+    }
+    if (a.given) munmap(a.given, (8u << 20) + 4096);
+  }
+  kvf_registry_destroy(registry);
+  kvf_import_table_destroy(table);
 }
 
 }  // namespace

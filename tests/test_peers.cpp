@@ -8,12 +8,14 @@
 #include <gtest/gtest.h>
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/shm.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -155,6 +157,21 @@ struct Daemon {
     return status;
   }
 };
+
+// The largest System V or POSIX shared-memory mapping of process pid.
+uint64_t largest_shared_segment(pid_t pid) {
+  FILE *f = fopen(("/proc/" + std::to_string(pid) + "/maps").c_str(), "r");
+  if (!f) return 0;
+  char line[512];
+  uint64_t best = 0;
+  while (fgets(line, sizeof(line), f)) {
+    unsigned long lo = 0, hi = 0;
+    if (sscanf(line, "%lx-%lx", &lo, &hi) != 2) continue;
+    if ((strstr(line, "SYSV") || strstr(line, "/dev/shm/")) && hi - lo > best) best = hi - lo;
+  }
+  fclose(f);
+  return best;
+}
 
 // ---- kvferryd B, in this process ------------------------------------------------
 
@@ -465,6 +482,10 @@ TEST_F(Peers, StoreThroughARetrieveThroughBOverSharedMemory) {
                     "run the case alone, as ctest does";
   }
   ASSERT_EQ(start_a(), "");
+  // A's L1 pool is UCX's memory (a System V or POSIX segment), which UCX
+  // maps into B for gets that are a memcpy: memory kvferryd allocated would
+  // fall back to active messages.
+  EXPECT_GE(largest_shared_segment(a.pid), 256ull << 20) << "A's L1 pool is not a shared-memory segment";
   ASSERT_EQ(b.start(dir_b, addr, secret), KVF_SUCCESS) << kvf_last_error();
   ASSERT_TRUE(b.wait_ready()) << "B never authenticated with A";
   round_trip(this, a, b, dir_a, dir_b, 23);
@@ -530,7 +551,7 @@ struct RawPeer {
   }
   kvf_status connect(const std::string &addr) {
     kvf_pt_callbacks cb = {this, on_accept, on_message, on_error};
-    kvf_status st = kvf_pt_create(&cb, &t);
+    kvf_status st = kvf_pt_create(nullptr, &cb, &t);
     if (st != KVF_SUCCESS) return st;
     return kvf_pt_connect(t, addr.c_str(), &c);
   }
@@ -546,6 +567,82 @@ struct RawPeer {
     kvf_pt_destroy(t);
   }
 };
+
+// The /proc/self/maps line of the mapping holding p ("" when none does).
+std::string mapping_of(const void *p) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  if (!f) return "";
+  char line[512];
+  std::string found;
+  uintptr_t a = (uintptr_t)p;
+  while (fgets(line, sizeof(line), f)) {
+    unsigned long lo = 0, hi = 0;
+    if (sscanf(line, "%lx-%lx", &lo, &hi) == 2 && a >= lo && a < hi) {
+      found = line;
+      break;
+    }
+  }
+  fclose(f);
+  return found;
+}
+
+// Memory the transport allocates (kvferryd's L1 pools with KVF_PEER_SHM=1)
+// is a shared-memory segment UCX can map into a peer; registering a range
+// inside it shares its key instead of mapping it again (a second mapping
+// would lose the shared-memory domains), and it outlives the transport.
+TEST(PeersTransport, AllocatedMemoryIsSharedRegisteredOnceAndOutlivesTheTransport) {
+  setenv("UCX_TLS", "sm,self,tcp", 1);
+  kvf_pt_context *ctx = nullptr;
+  ASSERT_EQ(kvf_pt_context_create(&ctx), KVF_SUCCESS) << kvf_last_error();
+  kvf_pt_mem *m = nullptr;
+  EXPECT_EQ(kvf_pt_mem_alloc(ctx, 0, &m), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(m, nullptr);
+  const size_t len = 4u << 20;
+  ASSERT_EQ(kvf_pt_mem_alloc(ctx, len, &m), KVF_SUCCESS) << kvf_last_error();
+  uint8_t *base = static_cast<uint8_t *>(kvf_pt_mem_base(m));
+  ASSERT_NE(base, nullptr);
+  EXPECT_EQ((uintptr_t)base % 4096, 0u);
+  memset(base, 0x5a, len);
+  std::string map = mapping_of(base);
+  EXPECT_TRUE(map.find("SYSV") != std::string::npos || map.find("/dev/shm") != std::string::npos)
+      << "not a shared-memory segment: " << map;
+  if (map.find("SYSV") != std::string::npos) {
+    // The kvferryd user's alone (UCX makes its segments 0660).
+    unsigned long lo, hi, off, shmid = 0;
+    char perms[8], dev[16];
+    ASSERT_EQ(sscanf(map.c_str(), "%lx-%lx %7s %lx %15s %lu", &lo, &hi, perms, &off, dev, &shmid), 6) << map;
+    struct shmid_ds ds;
+    ASSERT_EQ(shmctl((int)shmid, IPC_STAT, &ds), 0) << strerror(errno);
+    EXPECT_EQ(ds.shm_perm.mode & 0777u, 0600u);
+  }
+  const void *akey = nullptr;
+  size_t akey_len = 0;
+  kvf_pt_mem_key(m, &akey, &akey_len);
+  ASSERT_GT(akey_len, 0u);
+
+  RawPeer unused; // callbacks only
+  kvf_pt_callbacks cb = {&unused, RawPeer::on_accept, RawPeer::on_message, RawPeer::on_error};
+  kvf_pt *t = nullptr;
+  ASSERT_EQ(kvf_pt_create(ctx, &cb, &t), KVF_SUCCESS) << kvf_last_error();
+  kvf_pt_mem *inside = nullptr, *outside = nullptr;
+  ASSERT_EQ(kvf_pt_mem_register(t, base + 4096, len - 8192, &inside), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(kvf_pt_mem_base(inside), base + 4096);
+  const void *ikey = nullptr;
+  size_t ikey_len = 0;
+  kvf_pt_mem_key(inside, &ikey, &ikey_len);
+  ASSERT_EQ(ikey_len, akey_len);
+  EXPECT_EQ(memcmp(ikey, akey, akey_len), 0);
+  std::vector<uint8_t> plain(1u << 20, 1);
+  ASSERT_EQ(kvf_pt_mem_register(t, plain.data(), plain.size(), &outside), KVF_SUCCESS) << kvf_last_error();
+  kvf_pt_mem_deregister(outside);
+  kvf_pt_mem_deregister(inside);
+  kvf_pt_destroy(t);
+  // The memory is the context's: still there after the transport.
+  EXPECT_EQ(base[len - 1], 0x5a);
+  kvf_pt_mem_free(m);
+  kvf_pt_context_destroy(ctx);
+  unsetenv("UCX_TLS");
+}
 
 std::vector<uint8_t> peer_header(uint16_t type, uint32_t len, uint64_t id = 0) {
   std::vector<uint8_t> m(24, 0);
@@ -897,6 +994,11 @@ struct LyingPeer {
   kvf_pt_conn *c = nullptr;
   kvf_pt_mem *mem = nullptr;
   std::vector<uint8_t> pool = std::vector<uint8_t>(1 << 20, 0x5A);
+  // Instead of `pool`: memory its transport allocated (a System V segment
+  // under UCX_TLS=sm,...), claimed in KEYS as shm_claim bytes.
+  kvf_pt_context *ctx = nullptr;
+  kvf_pt_mem *shm = nullptr;
+  std::atomic<uint64_t> shm_claim{0};
   std::string secret;
   uint8_t nonce[32] = {1, 2, 3}, their_nonce[32] = {};
   uint64_t their_boot = 0;
@@ -960,7 +1062,8 @@ struct LyingPeer {
       memcpy(&p[0], &one, 4);
       int32_t dev = -1;
       uint32_t kl32 = (uint32_t)kl;
-      uint64_t base = (uint64_t)(uintptr_t)pool.data(), size = pool.size();
+      uint64_t base = (uint64_t)(uintptr_t)(shm ? kvf_pt_mem_base(shm) : pool.data());
+      uint64_t size = shm ? shm_claim.load() : pool.size();
       put(p, &dev, 4);
       put(p, &kl32, 4);
       put(p, &base, 8);
@@ -1010,11 +1113,19 @@ struct LyingPeer {
     static_cast<LyingPeer *>(ctx)->on_msg(static_cast<const uint8_t *>(d), n);
   }
   static void cb_error(void *ctx, kvf_pt_conn *, kvf_status, const char *) { static_cast<LyingPeer *>(ctx)->errored = 1; }
-  kvf_status start(const std::string &addr, const std::string &sec) {
+  kvf_status start(const std::string &addr, const std::string &sec, bool shared = false) {
     secret = sec;
     kvf_pt_callbacks cb = {this, cb_accept, cb_message, cb_error};
-    kvf_status st = kvf_pt_create(&cb, &t);
-    if (st == KVF_SUCCESS) st = kvf_pt_mem_register(t, pool.data(), pool.size(), &mem);
+    kvf_status st = KVF_SUCCESS;
+    if (shared) {
+      st = kvf_pt_context_create(&ctx);
+      if (st == KVF_SUCCESS) st = kvf_pt_mem_alloc(ctx, pool.size(), &shm);
+      if (st != KVF_SUCCESS) return st;
+      shm_claim = pool.size();
+    }
+    st = kvf_pt_create(ctx, &cb, &t);
+    if (st == KVF_SUCCESS && shm) st = kvf_pt_mem_register(t, kvf_pt_mem_base(shm), pool.size(), &mem);
+    else if (st == KVF_SUCCESS) st = kvf_pt_mem_register(t, pool.data(), pool.size(), &mem);
     if (st == KVF_SUCCESS) st = kvf_pt_listen(t, addr.c_str(), &port);
     if (st != KVF_SUCCESS) return st;
     th = std::thread([this] {
@@ -1073,6 +1184,8 @@ struct LyingPeer {
   ~LyingPeer() {
     stop = 1;
     if (th.joinable()) th.join();
+    kvf_pt_mem_free(shm);
+    kvf_pt_context_destroy(ctx);
   }
 };
 
@@ -1122,6 +1235,53 @@ TEST_F(Peers, APeerLyingAboutItsObjectsIsRefusedAndNothingIsCommitted) {
   }
   b.stop();
   unsetenv("UCX_TLS");
+}
+
+// Over shared memory B reads a peer's pool through its own mapping of the
+// peer's segment, which UCX does not bound: a peer claiming a pool larger
+// than its segment would make B read its own memory, or fault. Such keys
+// are refused; the same peer telling the truth is used. A POSIX segment
+// (a file its owner can truncate under the reader) is not read through the
+// mapping at all: its gets go over the network transports.
+TEST_F(Peers, SharedMemoryKeysAreBoundedByTheirSegmentOrReadOverTheNetwork) {
+  if (::testing::UnitTest::GetInstance()->test_to_run_count() > 1)
+    GTEST_SKIP() << "KVF_PEER_SHM is a per-process parameter: run this case alone, as ctest does";
+  setenv("UCX_TLS", "sm,self,tcp", 1);
+  setenv("KVF_PEER_SHM", "1", 1);
+  if (kvf_param_peer_shm() != 1) {
+    unsetenv("UCX_TLS");
+    GTEST_SKIP() << "KVF_PEER_SHM was read before this case set it: run the case alone, as ctest does";
+  }
+  {
+    LyingPeer liar;
+    ASSERT_EQ(liar.start(addr, "correct horse battery staple 0123456789", true), KVF_SUCCESS) << kvf_last_error();
+    liar.shm_claim = liar.pool.size() + (1ull << 30);
+    ASSERT_EQ(b.start(dir_b, addr, secret), KVF_SUCCESS) << kvf_last_error();
+    EXPECT_FALSE(b.wait_ready(2500)) << "B took a pool larger than the segment its key maps";
+    EXPECT_GT(b.info().failures, 0u);
+    liar.shm_claim = liar.pool.size();
+    EXPECT_TRUE(b.wait_ready()) << "B refused a pool that its segment holds";
+  }
+  // A POSIX segment (a file the peer could truncate under B) is not read
+  // through B's mapping: B takes the key, its gets go over the network.
+  uint64_t connects = b.info().connects;
+  setenv("UCX_ALLOC_PRIO", "md:posix", 1);
+  {
+    LyingPeer liar;
+    kvf_status st = liar.start(addr, "correct horse battery staple 0123456789", true);
+    unsetenv("UCX_ALLOC_PRIO");
+    ASSERT_EQ(st, KVF_SUCCESS) << kvf_last_error();
+    ASSERT_NE(mapping_of(kvf_pt_mem_base(liar.shm)).find("/dev/shm"), std::string::npos)
+        << mapping_of(kvf_pt_mem_base(liar.shm));
+    liar.shm_claim = liar.pool.size() + (1ull << 30);
+    auto t0 = Clock::now();
+    while (ms_since(t0) < 10000 && !(b.info().connects > connects && b.info().state == (uint32_t)KVF_PEER_READY))
+      sleep_ms(10);
+    EXPECT_GT(b.info().connects, connects) << "B refused a key it reads over the network";
+  }
+  b.stop();
+  unsetenv("UCX_TLS");
+  unsetenv("KVF_PEER_SHM");
 }
 
 // ---- push (prefill -> decode) and LOOKUP through peers ---------------------------

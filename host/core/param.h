@@ -36,7 +36,7 @@ extern "C" {
   X(server_warmup, "KVF_SERVER_WARMUP", 1,                                               \
     "1: each kvferryd GPU lane runs one tiny gather and scatter through every route when it starts, so its first STORE sets nothing up (0: off)") \
   X(peer_shm, "KVF_PEER_SHM", 0,                                                        \
-    "1: kvferryd pulls from peers on one host over shared memory (cma, posix, sysv); UCX 1.13 then gives that endpoint no peer-failure handling, so a peer that dies mid-pull is caught by the fetch timeout only (docs/peers.md)") \
+    "1: kvferryd pulls from peers on one host over shared memory: its L1 pools are UCX-allocated shared-memory segments a peer reads zero-copy; UCX 1.13 then gives that endpoint no peer-failure handling, so a peer that dies mid-pull is caught by the fetch timeout only (docs/peers.md)") \
   X(xfer_host_threads, "KVF_XFER_HOST_THREADS", 8,                                       \
     "most CPU threads one host-backend transfer uses (and at most one per online CPU)")  \
   X(xfer_host_stream_mb, "KVF_XFER_HOST_STREAM_MB", 4,                                   \

@@ -122,6 +122,8 @@ struct dp_lane {
   int pin_device; /* the device its pool was pinned through, or -1 */
   void *stream;
   void *pool;
+  int pool_given;    /* pool came from options.pool_alloc: pool_free(pool_handle) takes it back */
+  void *pool_handle;
   uint64_t pool_bytes;
   pthread_t worker, completer;
   int worker_started, completer_started;
@@ -1391,6 +1393,28 @@ static void prefault_pool(dp_lane *lane) {
   for (uint64_t off = 0; off < bytes; off += 4096) ((volatile char *)lane->pool)[off] = 0;
 }
 
+/* The lane's pool from options.pool_alloc, placed and pinned; left NULL
+ * (anonymous memory then) when a step fails. */
+static void pool_take(kvf_dataplane *dp, dp_lane *lane) {
+  void *base = NULL, *handle = NULL;
+  kvf_status st = dp->opt.pool_alloc(dp->opt.pool_ctx, lane->device, lane->pool_bytes, &base, &handle);
+  if (st == KVF_SUCCESS && ((uintptr_t)base & 4095u)) {
+    dp->opt.pool_free(dp->opt.pool_ctx, handle);
+    st = kvf_fail(KVF_ERR_SYSTEM, "the region is not page-aligned");
+  } else if (st == KVF_SUCCESS) {
+    st = kvf_scuda_pool_pin(lane->pin_device, lane->numa_node, base, lane->pool_bytes);
+    if (st != KVF_SUCCESS) dp->opt.pool_free(dp->opt.pool_ctx, handle);
+  }
+  if (st != KVF_SUCCESS) {
+    KVF_WARN(SERVER, "lane %d: L1 pool from options.pool_alloc: %s; anonymous memory instead", lane->device,
+             kvf_last_error());
+    return;
+  }
+  lane->pool = base;
+  lane->pool_given = 1;
+  lane->pool_handle = handle;
+}
+
 static kvf_status lane_start(kvf_dataplane *dp, dp_lane *lane, int device) {
   lane->dp = dp;
   lane->device = device;
@@ -1414,8 +1438,11 @@ static kvf_status lane_start(kvf_dataplane *dp, dp_lane *lane, int device) {
    * objects a host engine stored (lookups span every pool), and a kernel
    * cannot reach pageable memory. */
   lane->pin_device = device >= 0 ? device : (dp->opt.num_devices ? dp->first_device : -1);
-  st = kvf_scuda_pool_alloc(lane->pin_device, lane->numa_node, lane->pool_bytes, &lane->pool);
-  if (st != KVF_SUCCESS) return st;
+  if (dp->opt.pool_alloc) pool_take(dp, lane);
+  if (!lane->pool) {
+    st = kvf_scuda_pool_alloc(lane->pin_device, lane->numa_node, lane->pool_bytes, &lane->pool);
+    if (st != KVF_SUCCESS) return st;
+  }
   if (lane->pin_device < 0) prefault_pool(lane);
   KVF_INFO(SERVER, "lane %d: %llu MiB of L1 on NUMA node %d, worker on cpu %d, completion on cpu %d", device,
            (unsigned long long)(lane->pool_bytes >> 20), lane->numa_node, lane->worker_cpu, lane->completion_cpu);
@@ -1433,7 +1460,7 @@ static kvf_status lane_threads(dp_lane *lane) {
 }
 
 kvf_status kvf_dataplane_create(const kvf_dataplane_options *opt, kvf_dataplane **out) {
-  if (!opt || !out || !opt->registry || !opt->reply)
+  if (!opt || !out || !opt->registry || !opt->reply || (opt->pool_alloc && !opt->pool_free))
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_dataplane_create: NULL argument");
   *out = NULL;
   if (opt->num_devices + 1 > DP_MAX_LANES)
@@ -1512,7 +1539,12 @@ void kvf_dataplane_destroy(kvf_dataplane *dp) {
   kvf_l1_destroy(dp->l1);
   for (uint32_t i = 0; i < dp->num_lanes; i++) {
     dp_lane *lane = &dp->lanes[i];
-    kvf_scuda_pool_free(lane->pin_device, lane->pool, lane->pool_bytes);
+    if (lane->pool_given) {
+      kvf_scuda_pool_unpin(lane->pin_device, lane->pool);
+      dp->opt.pool_free(dp->opt.pool_ctx, lane->pool_handle);
+    } else {
+      kvf_scuda_pool_free(lane->pin_device, lane->pool, lane->pool_bytes);
+    }
     kvf_scuda_stream_destroy(lane->device, lane->stream);
     if (dp->cv_init) {
       pthread_cond_destroy(&lane->todo_cv);

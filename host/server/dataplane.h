@@ -78,6 +78,18 @@ typedef struct kvf_dataplane_options {
   const kvf_topology *topology; /* placement of GPU lanes; NULL: unpinned threads, any NUMA node */
   kvf_dp_reply_fn reply;     /* required */
   void *reply_ctx;
+  /* Where the lanes' L1 pools come from (kvferryd with KVF_PEER_SHM=1: the
+   * peer transport, whose own memory a peer on this host can map). NULL:
+   * anonymous memory. pool_alloc gives a page-aligned, untouched region of
+   * `bytes` for lane `device` (-1: the host lane) and a handle; the data
+   * plane places, pins and prefaults it as it does its own, and hands the
+   * handle to pool_free at destroy (after unpinning; also when create fails
+   * later). A lane whose pool_alloc fails, or whose memory does not pin,
+   * warns and takes anonymous memory. Both are called on the thread that
+   * calls create and destroy. */
+  kvf_status (*pool_alloc)(void *ctx, int device, uint64_t bytes, void **base, void **handle);
+  void (*pool_free)(void *ctx, void *handle);
+  void *pool_ctx;
   /* Tests only: fail every request at one step (kvf_dp_fail_step), and hold
    * each completion back this long before it is proven (a slow GPU). */
   uint32_t test_fail_step;

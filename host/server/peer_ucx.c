@@ -2,7 +2,9 @@
  * one worker (single-threaded: the peer thread), a sockaddr listener,
  * endpoints with peer error handling, active messages for control (always
  * eager, id 0, the sender's endpoint as reply_ep), ucp_mem_map + rkeys and
- * ucp_get_nbx for the data. */
+ * ucp_get_nbx for the data. A context (kvf_pt_context) is the UCP context:
+ * memory it allocates (ucp_mem_map with ALLOCATE) is what posix/sysv can
+ * map into a peer on this host. */
 #define _GNU_SOURCE
 #include "host/server/peer_transport.h"
 
@@ -11,11 +13,13 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/shm.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -60,20 +64,37 @@ struct kvf_pt_conn {
   pt_get *gets;   /* in flight */
 };
 
+struct kvf_pt_context {
+  ucp_context_h ucp;
+  kvf_pt_mem *allocs; /* kvf_pt_mem_alloc's regions, for kvf_pt_mem_register to find */
+  uint32_t transports; /* made on it and not destroyed yet */
+};
+
 struct kvf_pt_mem {
-  kvf_pt *t;
+  kvf_pt_context *ctx;
   ucp_mem_h memh;
+  kvf_pt_mem *parent; /* a registration inside an allocation: its memh and key are the parent's */
+  void *base;
+  size_t len;
   void *key;
   size_t key_len;
+  int allocated;           /* by kvf_pt_mem_alloc */
+  kvf_pt_mem *next, *prev; /* an allocation: in ctx->allocs */
+  uint32_t users;          /* an allocation: registrations inside it */
 };
 
 struct kvf_pt_rkey {
   ucp_rkey_h rkey;
+  ucp_ep_h ep;            /* the endpoint it was unpacked on: its gets go there */
+  const uint8_t *mapped;  /* the region, mapped here (a peer's System V segment on this host): its gets
+                             are memcpys from it, bounded by it; NULL: UCX's gets */
+  uint64_t base, size;    /* the region (remote addresses), when mapped */
 };
 
 struct kvf_pt {
   kvf_pt_callbacks cb;
-  ucp_context_h ctx;
+  kvf_pt_context *ctx;
+  int own_ctx;     /* made with no context: ctx is ours */
   ucp_worker_h worker;
   ucp_listener_h listener;
   int efd;         /* the worker's event descriptor */
@@ -217,7 +238,50 @@ static void on_conn_request(ucp_conn_request_h req, void *arg) {
   t->cb.on_accept(t->cb.ctx, c);
 }
 
-kvf_status kvf_pt_create(const kvf_pt_callbacks *cb, kvf_pt **out) {
+kvf_status kvf_pt_context_create(kvf_pt_context **out) {
+  if (!out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_pt_context_create: NULL argument");
+  *out = NULL;
+  kvf_pt_context *c = calloc(1, sizeof(*c));
+  if (!c) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "peer transport: out of memory");
+  ucp_config_t *config = NULL;
+  /* A restarted kvferryd listens on its port again at once, while sockets
+   * of its previous run may linger in TIME_WAIT (ucp_config_modify does not
+   * reach the CM's options in UCX 1.13: the environment does). A value the
+   * user set wins. */
+  (void)setenv("UCX_TCP_CM_REUSEADDR", "y", 0);
+  ucs_status_t s = ucp_config_read(NULL, NULL, &config);
+  if (s != UCS_OK) {
+    free(c);
+    return ucs_fail("ucp_config_read (check the UCX_* environment)", s);
+  }
+  ucp_params_t pp;
+  memset(&pp, 0, sizeof(pp));
+  pp.field_mask = UCP_PARAM_FIELD_FEATURES;
+  pp.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  s = ucp_init(&pp, config, &c->ucp);
+  ucp_config_release(config);
+  if (s != UCS_OK) {
+    free(c);
+    return ucs_fail("ucp_init (check UCX_TLS)", s);
+  }
+  *out = c;
+  return KVF_SUCCESS;
+}
+
+void kvf_pt_context_destroy(kvf_pt_context *c) {
+  if (!c) return;
+  if (c->allocs || c->transports) {
+    /* The caller's bug: cleaning UCX up under them would be a use after
+     * free. Report it and keep the context (a leak). */
+    KVF_WARN(SERVER, "peer transport: a context freed while %s still uses it (left allocated)",
+             c->allocs ? "allocated memory" : "a transport");
+    return;
+  }
+  ucp_cleanup(c->ucp);
+  free(c);
+}
+
+kvf_status kvf_pt_create(kvf_pt_context *ctx, const kvf_pt_callbacks *cb, kvf_pt **out) {
   if (!cb || !out || !cb->on_accept || !cb->on_message || !cb->on_error)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_pt_create: NULL argument");
   *out = NULL;
@@ -227,32 +291,22 @@ kvf_status kvf_pt_create(const kvf_pt_callbacks *cb, kvf_pt **out) {
   t->efd = -1;
   t->wake[0] = t->wake[1] = -1;
   kvf_status st = KVF_SUCCESS;
-  ucp_config_t *config = NULL;
-  /* A restarted kvferryd listens on its port again at once, while sockets
-   * of its previous run may linger in TIME_WAIT (ucp_config_modify does not
-   * reach the CM's options in UCX 1.13: the environment does). A value the
-   * user set wins. */
-  (void)setenv("UCX_TCP_CM_REUSEADDR", "y", 0);
-  ucs_status_t s = ucp_config_read(NULL, NULL, &config);
-  if (s != UCS_OK) {
-    st = ucs_fail("ucp_config_read (check the UCX_* environment)", s);
-    goto fail;
+  if (!ctx) {
+    st = kvf_pt_context_create(&ctx);
+    if (st != KVF_SUCCESS) {
+      free(t);
+      return st;
+    }
+    t->own_ctx = 1;
   }
-  ucp_params_t pp;
-  memset(&pp, 0, sizeof(pp));
-  pp.field_mask = UCP_PARAM_FIELD_FEATURES;
-  pp.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
-  s = ucp_init(&pp, config, &t->ctx);
-  ucp_config_release(config);
-  if (s != UCS_OK) {
-    st = ucs_fail("ucp_init (check UCX_TLS)", s);
-    goto fail;
-  }
+  t->ctx = ctx;
+  ctx->transports++;
+  ucs_status_t s;
   ucp_worker_params_t wp;
   memset(&wp, 0, sizeof(wp));
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;
-  s = ucp_worker_create(t->ctx, &wp, &t->worker);
+  s = ucp_worker_create(t->ctx->ucp, &wp, &t->worker);
   if (s != UCS_OK) {
     st = ucs_fail("ucp_worker_create", s);
     goto fail;
@@ -312,7 +366,8 @@ void kvf_pt_destroy(kvf_pt *t) {
     }
     ucp_worker_destroy(t->worker);
   }
-  if (t->ctx) ucp_cleanup(t->ctx);
+  t->ctx->transports--;
+  if (t->own_ctx) kvf_pt_context_destroy(t->ctx);
   if (t->wake[0] >= 0) close(t->wake[0]);
   if (t->wake[1] >= 0) close(t->wake[1]);
   free(t);
@@ -459,39 +514,171 @@ kvf_status kvf_pt_send(kvf_pt_conn *c, const void *data, size_t len) {
   return send_raw(c, PT_AM_ID, data, len);
 }
 
-kvf_status kvf_pt_mem_register(kvf_pt *t, void *base, size_t len, kvf_pt_mem **out) {
-  *out = NULL;
-  kvf_pt_mem *m = calloc(1, sizeof(*m));
-  if (!m) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "peer transport: out of memory");
-  m->t = t;
-  ucp_mem_map_params_t mp;
-  memset(&mp, 0, sizeof(mp));
-  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
-  mp.address = base;
-  mp.length = len;
-  ucs_status_t s = ucp_mem_map(t->ctx, &mp, &m->memh);
-  if (s != UCS_OK) {
-    free(m);
-    return ucs_fail("ucp_mem_map of an L1 pool", s);
+/* The System V segment mapped at p (its shmid, the inode /proc/self/maps
+ * shows), or -1 when p is in none. */
+static int sysv_shmid_at(const void *p) {
+  FILE *f = fopen("/proc/self/maps", "re");
+  if (!f) return -1;
+  uintptr_t a = (uintptr_t)p;
+  char *line = NULL;
+  size_t cap = 0;
+  int id = -1;
+  while (getline(&line, &cap, f) > 0) {
+    unsigned long lo, hi, off, ino;
+    char perms[8], dev[16];
+    int path = 0;
+    if (sscanf(line, "%lx-%lx %7s %lx %15s %lu %n", &lo, &hi, perms, &off, dev, &ino, &path) < 6) continue;
+    if (a < lo || a >= hi) continue;
+    if (path && strncmp(line + path, "/SYSV", 5) == 0 && ino <= INT_MAX) id = (int)ino;
+    break;
   }
+  free(line);
+  fclose(f);
+  return id;
+}
+
+/* UCX makes its System V segments mode 0660: anyone in the kvferryd user's
+ * group could attach an L1 pool. Ours are the user's alone, as the process
+ * memory they replace was (a peer kvferryd runs as the same user). */
+static kvf_status sysv_restrict(const void *base) {
+  int id = sysv_shmid_at(base);
+  if (id < 0) return KVF_SUCCESS; /* not a System V segment (POSIX: reached through /proc/PID/fd only) */
+  struct shmid_ds ds;
+  if (shmctl(id, IPC_STAT, &ds) != 0)
+    return kvf_fail(KVF_ERR_SYSTEM, "shmctl(IPC_STAT) of an L1 segment: %s", strerror(errno));
+  ds.shm_perm.mode = (ds.shm_perm.mode & ~0777u) | 0600u;
+  if (shmctl(id, IPC_SET, &ds) != 0)
+    return kvf_fail(KVF_ERR_SYSTEM, "shmctl(IPC_SET, 0600) of an L1 segment: %s", strerror(errno));
+  return KVF_SUCCESS;
+}
+
+/* Pack memh's key into a copy m owns. */
+static kvf_status mem_pack(kvf_pt_mem *m) {
   void *buf = NULL;
   size_t n = 0;
-  s = ucp_rkey_pack(t->ctx, m->memh, &buf, &n);
-  if (s != UCS_OK) {
-    (void)ucp_mem_unmap(t->ctx, m->memh);
-    free(m);
-    return ucs_fail("ucp_rkey_pack", s);
-  }
+  ucs_status_t s = ucp_rkey_pack(m->ctx->ucp, m->memh, &buf, &n);
+  if (s != UCS_OK) return ucs_fail("ucp_rkey_pack", s);
   m->key = malloc(n ? n : 1);
   if (!m->key) {
     ucp_rkey_buffer_release(buf);
-    (void)ucp_mem_unmap(t->ctx, m->memh);
-    free(m);
     return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "peer transport: out of memory");
   }
   memcpy(m->key, buf, n);
   m->key_len = n;
   ucp_rkey_buffer_release(buf);
+  return KVF_SUCCESS;
+}
+
+kvf_status kvf_pt_mem_alloc(kvf_pt_context *c, size_t len, kvf_pt_mem **out) {
+  *out = NULL;
+  if (len == 0) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "peer transport: an allocation of 0 bytes");
+  kvf_pt_mem *m = calloc(1, sizeof(*m));
+  if (!m) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "peer transport: out of memory");
+  m->ctx = c;
+  ucp_mem_map_params_t mp;
+  memset(&mp, 0, sizeof(mp));
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+  mp.address = NULL;
+  mp.length = len;
+  mp.flags = UCP_MEM_MAP_ALLOCATE;
+  ucs_status_t s = ucp_mem_map(c->ucp, &mp, &m->memh);
+  if (s != UCS_OK) {
+    free(m);
+    return kvf_fail(s == UCS_ERR_NO_MEMORY ? KVF_ERR_OUT_OF_MEMORY : KVF_ERR_SYSTEM,
+                    "ucp_mem_map (ALLOCATE) of %zu bytes: %s", len, ucs_status_string(s));
+  }
+  ucp_mem_attr_t a;
+  memset(&a, 0, sizeof(a));
+  a.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+  kvf_status st;
+  s = ucp_mem_query(m->memh, &a);
+  if (s != UCS_OK || !a.address || a.length < len) {
+    st = s != UCS_OK ? ucs_fail("ucp_mem_query", s)
+                     : kvf_fail(KVF_ERR_SYSTEM, "ucp_mem_map (ALLOCATE) of %zu bytes gave %zu", len, a.length);
+    goto fail;
+  }
+  m->base = a.address;
+  m->len = len;
+  m->allocated = 1;
+  st = sysv_restrict(m->base);
+  if (st != KVF_SUCCESS) goto fail;
+  st = mem_pack(m);
+  if (st != KVF_SUCCESS) goto fail;
+  m->next = c->allocs;
+  if (c->allocs) c->allocs->prev = m;
+  c->allocs = m;
+  *out = m;
+  return KVF_SUCCESS;
+fail:
+  (void)ucp_mem_unmap(c->ucp, m->memh);
+  free(m);
+  return st;
+}
+
+void kvf_pt_mem_free(kvf_pt_mem *m) {
+  if (!m) return;
+  kvf_pt_context *c = m->ctx;
+  if (!m->allocated) {
+    KVF_WARN(SERVER, "peer transport: kvf_pt_mem_free of a registration (kvf_pt_mem_deregister it)");
+    return;
+  }
+  if (m->users) {
+    /* The caller's bug (a registration inside it is still live, a peer
+     * may hold its key): keep the memory rather than unmap it under them. */
+    KVF_WARN(SERVER, "peer transport: memory freed while %u registrations use it (left allocated)",
+             (unsigned)m->users);
+    return;
+  }
+  if (m->prev)
+    m->prev->next = m->next;
+  else
+    c->allocs = m->next;
+  if (m->next) m->next->prev = m->prev;
+  (void)ucp_mem_unmap(c->ucp, m->memh);
+  free(m->key);
+  free(m);
+}
+
+void *kvf_pt_mem_base(const kvf_pt_mem *m) { return m->base; }
+
+kvf_status kvf_pt_mem_register(kvf_pt *t, void *base, size_t len, kvf_pt_mem **out) {
+  *out = NULL;
+  kvf_pt_mem *m = calloc(1, sizeof(*m));
+  if (!m) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "peer transport: out of memory");
+  m->ctx = t->ctx;
+  m->base = base;
+  m->len = len;
+  uintptr_t b = (uintptr_t)base;
+  for (kvf_pt_mem *a = t->ctx->allocs; a; a = a->next) {
+    uintptr_t ab = (uintptr_t)a->base;
+    if (b >= ab && len <= a->len && b - ab <= a->len - len) {
+      /* Registered already, by UCX's allocation: mapping it again would
+       * give a key without the shared-memory domains. */
+      m->parent = a;
+      m->memh = a->memh;
+      m->key = a->key;
+      m->key_len = a->key_len;
+      a->users++;
+      *out = m;
+      return KVF_SUCCESS;
+    }
+  }
+  ucp_mem_map_params_t mp;
+  memset(&mp, 0, sizeof(mp));
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  mp.address = base;
+  mp.length = len;
+  ucs_status_t s = ucp_mem_map(t->ctx->ucp, &mp, &m->memh);
+  if (s != UCS_OK) {
+    free(m);
+    return ucs_fail("ucp_mem_map of an L1 pool", s);
+  }
+  kvf_status st = mem_pack(m);
+  if (st != KVF_SUCCESS) {
+    (void)ucp_mem_unmap(t->ctx->ucp, m->memh);
+    free(m);
+    return st;
+  }
   *out = m;
   return KVF_SUCCESS;
 }
@@ -503,15 +690,82 @@ void kvf_pt_mem_key(const kvf_pt_mem *m, const void **key, size_t *len) {
 
 void kvf_pt_mem_deregister(kvf_pt_mem *m) {
   if (!m) return;
-  (void)ucp_mem_unmap(m->t->ctx, m->memh);
-  free(m->key);
+  if (m->parent) {
+    m->parent->users--;
+  } else {
+    (void)ucp_mem_unmap(m->ctx->ucp, m->memh);
+    free(m->key);
+  }
   free(m);
 }
 
-kvf_status kvf_pt_rkey_unpack(kvf_pt_conn *c, const void *key, size_t len, kvf_pt_rkey **out) {
+/* Whether [p, p + len) lies in one System V shared-memory segment mapped
+ * here (contiguous mappings of one shmid, readable and shared), from
+ * /proc/self/maps: 1 it does; 0 p is in such a segment, which ends before
+ * p + len; -1 p is in no System V segment. */
+static int sysv_mapping_covers(const void *p, uint64_t len) {
+  FILE *f = fopen("/proc/self/maps", "re");
+  if (!f) return -1; /* nothing to bound it by */
+  uintptr_t a = (uintptr_t)p, end = 0;
+  unsigned long inode = 0;
+  char *line = NULL;
+  size_t cap = 0;
+  int ok = -1;
+  while (getline(&line, &cap, f) > 0) {
+    unsigned long lo, hi, off, ino;
+    char perms[8], dev[16];
+    int path = 0;
+    if (sscanf(line, "%lx-%lx %7s %lx %15s %lu %n", &lo, &hi, perms, &off, dev, &ino, &path) < 6 || !path) continue;
+    int sysv = strncmp(line + path, "/SYSV", 5) == 0 && perms[0] == 'r' && perms[3] == 's';
+    if (!end) {
+      if (a < lo || a >= hi) continue;
+      if (!sysv) break;
+      inode = ino;
+      end = hi;
+      ok = 0;
+    } else if (lo != end || !sysv || ino != inode) {
+      break;
+    } else {
+      end = hi;
+    }
+    if (end - a >= len) {
+      ok = 1;
+      break;
+    }
+  }
+  free(line);
+  fclose(f);
+  return ok;
+}
+
+/* k (unpacked on ep) maps the peer's region into this process when UCX
+ * can read it through shared memory. UCX's own gets through such a mapping
+ * are a memcpy that nothing bounds: a peer claiming a region larger than
+ * its segment would make us read our own memory, or past it. So a mapped
+ * region must lie inside one System V segment (which cannot shrink under
+ * us, where a POSIX file can), and we read it ourselves, bounded by it.
+ * Returns 1 (mapped and checked: k->mapped set), 0 (not mapped: UCX's
+ * gets), -1 (a System V segment smaller than the region claimed), -2
+ * (mapped, but not in a System V segment). */
+static int rkey_map(kvf_pt_rkey *k, uint64_t base, uint64_t size) {
+  void *p = NULL;
+  if (ucp_rkey_ptr(k->rkey, base, &p) != UCS_OK || !p) return 0;
+  int covers = sysv_mapping_covers(p, size);
+  if (covers <= 0) return covers == 0 ? -1 : -2;
+  k->mapped = p;
+  k->base = base;
+  k->size = size;
+  return 1;
+}
+
+kvf_status kvf_pt_rkey_unpack(kvf_pt_conn *c, const void *key, size_t len, uint64_t base, uint64_t size,
+                              kvf_pt_rkey **out) {
   *out = NULL;
   (void)len; /* UCP reads the packed key's own length */
   if (!c->ep || c->failed) return kvf_fail(KVF_ERR_DISCONNECTED, "peer transport: the connection failed");
+  if (size == 0 || base + size < base)
+    return kvf_fail(KVF_ERR_PROTOCOL, "a remote region of %llu bytes at %llx", (unsigned long long)size,
+                    (unsigned long long)base);
   if (!c->data_ep && c->peer_addr) {
     ucp_ep_params_t p;
     memset(&p, 0, sizeof(p));
@@ -535,10 +789,31 @@ kvf_status kvf_pt_rkey_unpack(kvf_pt_conn *c, const void *key, size_t len, kvf_p
   }
   kvf_pt_rkey *k = calloc(1, sizeof(*k));
   if (!k) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "peer transport: out of memory");
-  ucs_status_t s = ucp_ep_rkey_unpack(c->data_ep ? c->data_ep : c->ep, key, &k->rkey);
+  k->ep = c->data_ep ? c->data_ep : c->ep;
+  ucs_status_t s = ucp_ep_rkey_unpack(k->ep, key, &k->rkey);
   if (s != UCS_OK) {
     free(k);
     return kvf_fail(KVF_ERR_PROTOCOL, "a remote key that does not unpack: %s", ucs_status_string(s));
+  }
+  int m = rkey_map(k, base, size);
+  if (m == -1) {
+    ucp_rkey_destroy(k->rkey);
+    free(k);
+    return kvf_fail(KVF_ERR_PROTOCOL, "a remote key whose shared-memory segment does not hold the %llu bytes "
+                    "claimed", (unsigned long long)size);
+  }
+  if (m == -2 && k->ep != c->ep) {
+    /* Shared memory we cannot bound: the message endpoint instead, whose
+     * network transports have the peer read its own memory. */
+    KVF_INFO(SERVER, "peer transport: a remote region of %llu bytes mapped here outside any System V segment: "
+             "its gets go over the network transports", (unsigned long long)size);
+    ucp_rkey_destroy(k->rkey);
+    k->ep = c->ep;
+    s = ucp_ep_rkey_unpack(k->ep, key, &k->rkey);
+    if (s != UCS_OK) {
+      free(k);
+      return kvf_fail(KVF_ERR_PROTOCOL, "a remote key that does not unpack: %s", ucs_status_string(s));
+    }
   }
   *out = k;
   return KVF_SUCCESS;
@@ -573,17 +848,28 @@ static void on_get_done(void *request, ucs_status_t status, void *user_data) {
 kvf_status kvf_pt_get(kvf_pt_conn *c, kvf_pt_rkey *k, uint64_t remote_addr, void *local, size_t len,
                       kvf_pt_get_done done, void *arg) {
   if (!c->ep || c->failed || c->closing) return kvf_fail(KVF_ERR_DISCONNECTED, "peer transport: the connection failed");
+  if (k->mapped && (remote_addr < k->base || len > k->size || remote_addr - k->base > k->size - len))
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "peer transport: a get of %zu bytes at %llx, outside the region its "
+                    "key maps", len, (unsigned long long)remote_addr);
   pt_get *g = calloc(1, sizeof(*g));
   if (!g) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "peer transport: out of memory");
   g->conn = c;
   g->done = done;
   g->arg = arg;
+  if (k->mapped) {
+    /* What UCX's sysv get would do, bounded: one copy from the mapping. */
+    memcpy(local, k->mapped + (remote_addr - k->base), len);
+    g->status = KVF_SUCCESS;
+    g->done_next = c->t->done_head;
+    c->t->done_head = g;
+    return KVF_SUCCESS;
+  }
   ucp_request_param_t p;
   memset(&p, 0, sizeof(p));
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.send = on_get_done;
   p.user_data = g;
-  ucs_status_ptr_t r = ucp_get_nbx(c->data_ep ? c->data_ep : c->ep, local, len, remote_addr, k->rkey, &p);
+  ucs_status_ptr_t r = ucp_get_nbx(k->ep, local, len, remote_addr, k->rkey, &p);
   if (r == NULL) {
     g->status = KVF_SUCCESS;
     g->done_next = c->t->done_head;

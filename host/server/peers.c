@@ -474,7 +474,7 @@ static void on_keys(kvf_peers *p, peer *pr, const uint8_t *b, size_t n) {
                          (unsigned long long)base, (unsigned long long)size);
     }
     remote_pool *rp = &pr->pools[i];
-    if (kvf_pt_rkey_unpack(pr->conn, b + off + 24, kl, &rp->rkey) != KVF_SUCCESS) {
+    if (kvf_pt_rkey_unpack(pr->conn, b + off + 24, kl, base, size, &rp->rkey) != KVF_SUCCESS) {
       peer_drop_keys(pr);
       return peer_refuse(p, pr, KVF_ERR_PROTOCOL, "KEYS: pools[%u]: %s", i, kvf_last_error());
     }
@@ -1442,7 +1442,7 @@ kvf_status kvf_peers_create(const kvf_peers_options *opt, kvf_peers **out) {
   kvf_status st = read_secret(p, opt->secret_file);
   if (st != KVF_SUCCESS) goto fail;
   kvf_pt_callbacks cb = {p, cb_accept, cb_message, cb_error};
-  st = kvf_pt_create(&cb, &p->t);
+  st = kvf_pt_create(opt->transport_context, &cb, &p->t);
   if (st != KVF_SUCCESS) goto fail;
   p->num_pools = opt->num_pools;
   for (uint32_t i = 0; i < opt->num_pools; i++) {

@@ -27,6 +27,7 @@
 #include <kvferry/status.h>
 
 #include "host/server/l1.h"
+#include "host/server/peer_transport.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -48,6 +49,9 @@ typedef struct kvf_peers_options {
   uint32_t num_pools;
   uint32_t fetch_timeout_ms;      /* a peer's answer, or a pull's next completed get; 0: 5000 */
   uint32_t handshake_timeout_ms;  /* a connection not authenticated by then is closed; 0: 5000 */
+  kvf_pt_context *transport_context; /* the transport's context (borrowed: it outlives the peers); pools
+                                        allocated from it are read by peers on this host through shared
+                                        memory. NULL: one of its own */
 } kvf_peers_options;
 
 /* Read the secret, create the transport, register the pools, listen, start

@@ -26,6 +26,7 @@
 #include "common/error.h"
 #include "common/versioned.h"
 #include "host/server/dataplane.h"
+#include "host/server/peer_transport.h"
 #include "host/server/peers.h"
 #include "host/server/register.h"
 #include "host/memory/import_table.h"
@@ -172,6 +173,8 @@ struct kvf_server {
   kvf_register_req *reg_done_head, *reg_done_tail; /* finished REGISTERs for the loop (out_mu) */
   uint64_t pin_deadline_ns; /* the earliest deadline of any pin (UINT64_MAX: none); loop thread */
   kvf_peers *peers;            /* NULL: no peering */
+  kvf_pt_context *pt_ctx;      /* the peer transport's context (NULL: no peering); made before the data
+                                  plane and freed after it, since the pools may be its memory */
   struct kvf_server_fetch *fetching;                /* RETRIEVEs waiting for peers (the loop's) */
   struct kvf_server_fetch *fetch_done_head, *fetch_done_tail; /* ... whose fetch is over (out_mu) */
 };
@@ -1323,6 +1326,26 @@ static void conn_seen(kvf_server *s, kvf_server_conn *c, uint64_t t_ns) {
 
 /* ---- the object ----------------------------------------------------------- */
 
+/* With KVF_PEER_SHM=1 the L1 pools are the peer transport's memory: UCX's
+ * posix/sysv then map a pool into a peer on this host and its gets are a
+ * memcpy, where from memory we allocated they fall back to active messages
+ * (30x slower, perf/results/2026-12-01-cpu-peers). */
+static kvf_status server_pool_alloc(void *ctx, int device, uint64_t bytes, void **base, void **handle) {
+  kvf_server *s = ctx;
+  kvf_pt_mem *m = NULL;
+  kvf_status st = kvf_pt_mem_alloc(s->pt_ctx, (size_t)bytes, &m);
+  if (st != KVF_SUCCESS) return st;
+  *base = kvf_pt_mem_base(m);
+  *handle = m;
+  KVF_INFO(SERVER, "lane %d: L1 pool allocated by the peer transport (KVF_PEER_SHM=1)", device);
+  return KVF_SUCCESS;
+}
+
+static void server_pool_free(void *ctx, void *handle) {
+  (void)ctx;
+  kvf_pt_mem_free(handle);
+}
+
 kvf_status kvf_server_create(const kvf_server_options *caller, kvf_server **out) {
   if (!caller || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_server_create: NULL argument");
   kvf_server_options local = KVF_SERVER_OPTIONS_INIT;
@@ -1418,9 +1441,18 @@ kvf_status kvf_server_create(const kvf_server_options *caller, kvf_server **out)
     KVF_WARN(SERVER, "topology: %s; lane threads stay unpinned", kvf_last_error());
     s->topology = NULL;
   }
+  if (options->peer_listen || options->num_peers) {
+    st = kvf_pt_context_create(&s->pt_ctx);
+    if (st != KVF_SUCCESS) goto fail;
+  }
   kvf_dataplane_options dpo;
   memset(&dpo, 0, sizeof(dpo));
   dpo.registry = s->registry;
+  if (s->pt_ctx && kvf_param_peer_shm() == 1) {
+    dpo.pool_alloc = server_pool_alloc;
+    dpo.pool_free = server_pool_free;
+    dpo.pool_ctx = s;
+  }
   dpo.devices = options->devices;
   dpo.num_devices = options->num_devices;
   dpo.l1_bytes = options->l1_bytes;
@@ -1457,6 +1489,7 @@ kvf_status kvf_server_create(const kvf_server_options *caller, kvf_server **out)
     po.pools = pools;
     po.num_pools = np > 65 ? 65 : np;
     po.fetch_timeout_ms = options->peer_fetch_timeout_ms;
+    po.transport_context = s->pt_ctx;
     st = kvf_peers_create(&po, &s->peers);
     if (st != KVF_SUCCESS) goto fail;
   }
@@ -1795,6 +1828,8 @@ void kvf_server_destroy(kvf_server *s) {
   /* The data plane retires every request (releasing its lease) before the
    * registry unmaps what is left. */
   kvf_dataplane_destroy(s->dp);
+  /* After the peers (their transport) and the data plane (the pools). */
+  kvf_pt_context_destroy(s->pt_ctx);
   kvf_topology_destroy(s->topology);
   if (s->out_mu_init) {
     kvf_server_out *o = s->out_head;

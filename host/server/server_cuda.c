@@ -416,13 +416,10 @@ kvf_status kvf_scuda_pool_alloc(int pin_device, int numa_node, uint64_t bytes, v
   if (p == MAP_FAILED)
     return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "L1 pool of %llu bytes: mmap: %s", (unsigned long long)bytes,
                     strerror(errno));
-  if (numa_node >= 0) bind_to_node(p, bytes, numa_node);
-  if (pin_device >= 0) {
-    kvf_status st = pin_pool(pin_device, p, bytes);
-    if (st != KVF_SUCCESS) {
-      munmap(p, bytes);
-      return st;
-    }
+  kvf_status st = kvf_scuda_pool_pin(pin_device, numa_node, p, bytes);
+  if (st != KVF_SUCCESS) {
+    munmap(p, bytes);
+    return st;
   }
   *base = p;
   return KVF_SUCCESS;
@@ -430,6 +427,15 @@ kvf_status kvf_scuda_pool_alloc(int pin_device, int numa_node, uint64_t bytes, v
 
 void kvf_scuda_pool_free(int pin_device, void *base, uint64_t bytes) {
   if (!base) return;
-  if (pin_device >= 0) unpin_pool(base);
+  kvf_scuda_pool_unpin(pin_device, base);
   munmap(base, bytes);
+}
+
+kvf_status kvf_scuda_pool_pin(int pin_device, int numa_node, void *base, uint64_t bytes) {
+  if (numa_node >= 0) bind_to_node(base, bytes, numa_node);
+  return pin_device >= 0 ? pin_pool(pin_device, base, bytes) : KVF_SUCCESS;
+}
+
+void kvf_scuda_pool_unpin(int pin_device, void *base) {
+  if (base && pin_device >= 0) unpin_pool(base);
 }

@@ -67,6 +67,13 @@ kvf_status kvf_scuda_stream_sync(int device, void *stream);
 kvf_status kvf_scuda_pool_alloc(int pin_device, int numa_node, uint64_t bytes, void **base);
 void kvf_scuda_pool_free(int pin_device, void *base, uint64_t bytes);
 
+/* Place and pin memory allocated elsewhere (not touched yet) as
+ * kvf_scuda_pool_alloc does its own: bound to NUMA node numa_node (-1:
+ * anywhere), page-locked through pin_device (-1: not). KVF_ERR_CUDA.
+ * kvf_scuda_pool_unpin undoes the pinning (the memory stays). */
+kvf_status kvf_scuda_pool_pin(int pin_device, int numa_node, void *base, uint64_t bytes);
+void kvf_scuda_pool_unpin(int pin_device, void *base);
+
 /* Make `device` the calling thread's current device for good (a lane's
  * own threads: their calls then switch nothing). KVF_ERR_CUDA. */
 kvf_status kvf_scuda_thread_bind(int device);
