@@ -837,6 +837,20 @@ static void fetch_free(fetch *f) {
 }
 
 static void offer_answer(kvf_peers *p, fetch *f);
+
+/* Move the fetches posted by kvf_peers_fetch into the thread's list. */
+static void fetches_take_incoming(kvf_peers *p) {
+  pthread_mutex_lock(&p->mu);
+  fetch *in = p->incoming;
+  p->incoming = NULL;
+  pthread_mutex_unlock(&p->mu);
+  while (in) {
+    fetch *f = in;
+    in = in->next;
+    f->next = p->fetches;
+    p->fetches = f;
+  }
+}
 static void push_finish(kvf_peers *p, struct push_job *j, kvf_status st, const char *why);
 
 /* Advance every fetch; finished ones call back and go. */
@@ -958,12 +972,10 @@ static void on_offer(kvf_peers *p, peer *pr, uint64_t id, const uint8_t *b, size
   if (f) {
     f->specs = calloc(cnt, sizeof(*f->specs));
     f->have = calloc(cnt, 1);
-    f->asked = calloc(1, sizeof(*f->asked));
     f->result = calloc(cnt, 1);
     f->pulling = calloc(cnt, sizeof(*f->pulling));
   }
-  if (!f || !q || !fd || !specs || !slots || !addr || !pool || !f->specs || !f->have || !f->asked || !f->result ||
-      !f->pulling) {
+  if (!f || !q || !fd || !specs || !slots || !addr || !pool || !f->specs || !f->have || !f->result || !f->pulling) {
     if (f) fetch_free(f);
     f = NULL;
     peer_doom(pr, "OFFER: out of memory");
@@ -1047,8 +1059,7 @@ static void on_offer(kvf_peers *p, peer *pr, uint64_t id, const uint8_t *b, size
   pthread_mutex_lock(&p->mu);
   p->counters.offers_in_flight++;
   pthread_mutex_unlock(&p->mu);
-  fetch_pull(p, f, pr, specs, addr, pool, slots);
-  if (f->num_pulling == 0) f->state = F_PULLING; /* answered at the next step (gets_out 0) */
+  fetch_pull(p, f, pr, specs, addr, pool, slots); /* nothing pulled: answered at the next step */
   f->next = p->fetches;
   p->fetches = f;
   f = NULL;
@@ -1201,13 +1212,12 @@ static void on_offer_done(kvf_peers *p, peer *pr, uint64_t id, const uint8_t *b,
   push_finish(p, j, KVF_SUCCESS, "");
 }
 
-/* Start new pushes; fail those whose peer went or that ran out of time. */
-static void pushes_step(kvf_peers *p) {
+/* The pushes posted by kvf_peers_push, oldest first (posting prepends). */
+static push_job *pushes_take_incoming(kvf_peers *p) {
   pthread_mutex_lock(&p->mu);
   push_job *in = p->push_incoming;
   p->push_incoming = NULL;
   pthread_mutex_unlock(&p->mu);
-  /* Oldest first: the list was built by prepending. */
   push_job *rev = NULL;
   while (in) {
     push_job *j = in;
@@ -1215,6 +1225,12 @@ static void pushes_step(kvf_peers *p) {
     j->next = rev;
     rev = j;
   }
+  return rev;
+}
+
+/* Start new pushes; fail those whose peer went or that ran out of time. */
+static void pushes_step(kvf_peers *p) {
+  push_job *rev = pushes_take_incoming(p);
   while (rev) {
     push_job *j = rev;
     rev = rev->next;
@@ -1322,17 +1338,7 @@ static void cb_error(void *ctx, kvf_pt_conn *c, kvf_status st, const char *why) 
 
 static void peers_turn(kvf_peers *p) {
   uint64_t now = kvf_now_ns();
-  /* New fetches. */
-  pthread_mutex_lock(&p->mu);
-  fetch *in = p->incoming;
-  p->incoming = NULL;
-  pthread_mutex_unlock(&p->mu);
-  while (in) {
-    fetch *f = in;
-    in = in->next;
-    f->next = p->fetches;
-    p->fetches = f;
-  }
+  fetches_take_incoming(p);
   for (peer *pr = p->peers; pr; pr = pr->next) {
     if (pr->state == KVF_PEER_HANDSHAKE && !pr->got_keys && now > pr->deadline_ns) {
       count_failure(p, pr);
@@ -1491,16 +1497,7 @@ void kvf_peers_destroy(kvf_peers *p) {
     peer_close(p, pr);
     fetches_forget(p, pr);
   }
-  pthread_mutex_lock(&p->mu);
-  fetch *in = p->incoming;
-  p->incoming = NULL;
-  pthread_mutex_unlock(&p->mu);
-  while (in) {
-    fetch *f = in;
-    in = in->next;
-    f->next = p->fetches;
-    p->fetches = f;
-  }
+  fetches_take_incoming(p);
   while (p->fetches) {
     fetch *f = p->fetches;
     p->fetches = f->next;
@@ -1508,15 +1505,9 @@ void kvf_peers_destroy(kvf_peers *p) {
     if (f->done) f->done(f->arg, f->committed, f->mismatch_spec, f->mismatch, f->mismatch_msg);
     fetch_free(f);
   }
-  pthread_mutex_lock(&p->mu);
-  push_job *pin_ = p->push_incoming;
-  p->push_incoming = NULL;
-  pthread_mutex_unlock(&p->mu);
-  while (pin_) {
-    push_job *j = pin_;
-    pin_ = j->next;
-    j->next = p->pushes;
-    p->pushes = j;
+  for (push_job *j = pushes_take_incoming(p), *next; j; j = next) {
+    next = j->next;
+    push_finish(p, j, KVF_ERR_STATE, "the server is stopping");
   }
   while (p->pushes) {
     push_job *j = p->pushes;
