@@ -7,8 +7,10 @@
 
 #include <gtest/gtest.h>
 
+#include <ftw.h>
 #include <signal.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -32,6 +34,25 @@ inline uint64_t splitmix(uint64_t *s) {
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
 }
+
+// A temporary directory under /tmp named from prefix ("kvf-peers" ->
+// /tmp/kvf-peers-XXXXXX), removed with everything in it; path is empty when
+// it could not be made. A server's socket directory is sock(), <path>/s.
+struct TempDir {
+  std::string path;
+  explicit TempDir(const char *prefix) {
+    std::string t = std::string("/tmp/") + prefix + "-XXXXXX";
+    if (mkdtemp(&t[0]) != nullptr) path = t;
+  }
+  ~TempDir() {
+    if (!path.empty())
+      nftw(path.c_str(), [](const char *p, const struct stat *, int, struct FTW *) { return remove(p); }, 16,
+           FTW_DEPTH | FTW_PHYS);
+  }
+  TempDir(const TempDir &) = delete;
+  TempDir &operator=(const TempDir &) = delete;
+  std::string sock() const { return path + "/s"; }
+};
 
 // A preset of geometry/presets loaded with nb blocks per group, as the JSON
 // an engine sends (kvf_geometry_to_json: the server loads the text as sent).

@@ -20,7 +20,6 @@
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
-#include <ftw.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -67,19 +66,9 @@ bool has(const char *haystack, const std::string &needle) {
 using kvf_server_test::preset_json;
 using kvf_server_test::splitmix;
 
-int remove_one(const char *path, const struct stat *, int, struct FTW *) { return remove(path); }
-
 // A temporary directory; the server's socket directory is <tmp>/s.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char t[] = "/tmp/kvf-dataplane-XXXXXX";
-    if (mkdtemp(t) != nullptr) path = t;
-  }
-  ~TempDir() {
-    if (!path.empty()) nftw(path.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS);
-  }
-  std::string sock() const { return path + "/s"; }
+struct TempDir : kvf_server_test::TempDir {
+  TempDir() : kvf_server_test::TempDir("kvf-dataplane") {}
 };
 
 // ---- geometries ----------------------------------------------------------------

@@ -10,7 +10,6 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -53,24 +52,11 @@ int64_t ms_since(Clock::time_point t0) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
 }
 
-uint64_t splitmix(uint64_t *s) {
-  uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
+using kvf_server_test::preset_json;
+using kvf_server_test::splitmix;
 
-int remove_one(const char *path, const struct stat *, int, struct FTW *) { return remove(path); }
-
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char t[] = "/tmp/kvf-peers-XXXXXX";
-    if (mkdtemp(t) != nullptr) path = t;
-  }
-  ~TempDir() {
-    if (!path.empty()) nftw(path.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS);
-  }
+struct TempDir : kvf_server_test::TempDir {
+  TempDir() : kvf_server_test::TempDir("kvf-peers") {}
 };
 
 std::string write_secret(const std::string &path, const std::string &text, mode_t mode = 0600) {
@@ -352,6 +338,25 @@ std::string compare_blocks(const Engine &a, const Engine &b, const std::vector<u
 
 // ---- the fixture -----------------------------------------------------------------
 
+// Shared memory for the gets: UCX_TLS=sm,self,tcp and KVF_PEER_SHM=1 for B
+// (this process) and the A it starts. KVF_PEER_SHM is read once per
+// process: set by a case, it would stay on for the in-process B of every
+// later case while their A (a new process) has it off, and UCX refuses
+// endpoints whose failure handling differs; so such a case runs alone (as
+// ctest runs it). Returns why it cannot ("": it can).
+std::string use_shared_memory() {
+  if (::testing::UnitTest::GetInstance()->test_to_run_count() > 1)
+    return "KVF_PEER_SHM is a per-process parameter: run this case alone, as ctest does";
+  setenv("UCX_TLS", "sm,self,tcp", 1);
+  setenv("KVF_PEER_SHM", "1", 1);
+  if (kvf_param_peer_shm() != 1) {
+    unsetenv("UCX_TLS");
+    return "KVF_PEER_SHM was read before this case set it (parameters are read once per process): run the case "
+           "alone, as ctest does";
+  }
+  return "";
+}
+
 class Peers : public ::testing::Test {
  public:
   static constexpr uint32_t kBlocks = 256, kHeads = 2;
@@ -467,20 +472,10 @@ TEST_F(Peers, StoreThroughARetrieveThroughBOverSharedMemory) {
   // Shared memory for the gets (cma, posix, sysv); the connection and the
   // messages go over the sockaddr CM and tcp.
   // KVF_PEER_SHM=1: UCX 1.13 uses shared memory only without peer-failure
-  // handling on the data endpoint (docs/peers.md).
-  // KVF_PEER_SHM is read once per process: set here, it would stay on for the
-  // in-process B of every later case while their A (a new process) has it off,
-  // and UCX refuses endpoints whose failure handling differs. Run it alone (as
-  // ctest does, one case per process).
-  if (::testing::UnitTest::GetInstance()->test_to_run_count() > 1)
-    GTEST_SKIP() << "KVF_PEER_SHM is a per-process parameter: run this case alone, as ctest does";
-  setenv("UCX_TLS", "sm,self,tcp", 1);
-  setenv("KVF_PEER_SHM", "1", 1);
-  if (kvf_param_peer_shm() != 1) {
-    unsetenv("UCX_TLS");
-    GTEST_SKIP() << "KVF_PEER_SHM was read before this case set it (parameters are read once per process): "
-                    "run the case alone, as ctest does";
-  }
+  // handling on the data endpoint (docs/peers.md); use_shared_memory says why
+  // the case runs alone.
+  std::string no_shm = use_shared_memory();
+  if (!no_shm.empty()) GTEST_SKIP() << no_shm;
   ASSERT_EQ(start_a(), "");
   // A's L1 pool is UCX's memory (a System V or POSIX segment), which UCX
   // maps into B for gets that are a memcpy: memory kvferryd allocated would
@@ -866,20 +861,7 @@ TEST_F(Peers, HeterogeneousLayoutsRetrieveCanonicalObjectsAndAnotherModelIsRefus
 
 // The hybrid preset (full, sliding_window 512, recurrent; chunk_tokens 256;
 // three object groups) with nb blocks per group, as the JSON an engine sends.
-std::string hybrid_json(uint32_t nb) {
-  std::string path = std::string(KVF_PRESET_DIR) + "/glm-like-hybrid.json";
-  kvf_geometry_load_options o = KVF_GEOMETRY_LOAD_OPTIONS_INIT;
-  o.num_blocks_override = nb;
-  kvf_geometry *g = nullptr;
-  char *json = nullptr;
-  size_t len = 0;
-  EXPECT_EQ(kvf_geometry_load_file(path.c_str(), &o, &g, nullptr), KVF_SUCCESS) << kvf_last_error();
-  EXPECT_EQ(kvf_geometry_to_json(g, &json, &len), KVF_SUCCESS) << kvf_last_error();
-  std::string out = json ? std::string(json, len) : std::string();
-  free(json);
-  kvf_geometry_destroy(g);
-  return out;
-}
+std::string hybrid_json(uint32_t nb) { return preset_json("glm-like-hybrid.json", nb); }
 
 // Block tables for every group: a STORE of [0, T) gives the full group's
 // blocks, the window retained at T, the recurrent state at T; a RETRIEVE the
@@ -1244,14 +1226,8 @@ TEST_F(Peers, APeerLyingAboutItsObjectsIsRefusedAndNothingIsCommitted) {
 // (a file its owner can truncate under the reader) is not read through the
 // mapping at all: its gets go over the network transports.
 TEST_F(Peers, SharedMemoryKeysAreBoundedByTheirSegmentOrReadOverTheNetwork) {
-  if (::testing::UnitTest::GetInstance()->test_to_run_count() > 1)
-    GTEST_SKIP() << "KVF_PEER_SHM is a per-process parameter: run this case alone, as ctest does";
-  setenv("UCX_TLS", "sm,self,tcp", 1);
-  setenv("KVF_PEER_SHM", "1", 1);
-  if (kvf_param_peer_shm() != 1) {
-    unsetenv("UCX_TLS");
-    GTEST_SKIP() << "KVF_PEER_SHM was read before this case set it: run the case alone, as ctest does";
-  }
+  std::string no_shm = use_shared_memory();
+  if (!no_shm.empty()) GTEST_SKIP() << no_shm;
   {
     LyingPeer liar;
     ASSERT_EQ(liar.start(addr, "correct horse battery staple 0123456789", true), KVF_SUCCESS) << kvf_last_error();
