@@ -1,0 +1,166 @@
+/* perf/kvf_param_probe.cu - what a kernel's parameter size costs.
+ *
+ * kvferry passes a small request's launch tables in the kernel's parameters
+ * (kernels/xfer_kernel.cu, ParamBlob<N>), in a few sizes N, since a launch
+ * copies all N bytes. This measures, on the GPU it runs on, what N costs:
+ *   host:  the host time of one launch of an empty kernel (132x512), alone
+ *          (the stream idle) and back to back, for each N, next to the
+ *          other CUDA calls a transfer makes (an event record, an 11 KB
+ *          pinned upload);
+ *   gpu:   the GPU time of each call of a copy kernel moving `bytes` device
+ *          to device, with N bytes of parameters, back to back behind a spin
+ *          kernel (so the host's launch rate is hidden), next to a
+ *          cudaMemcpyAsync of the same bytes.
+ * Medians of 300 (host) and 200 (gpu) calls. One line of text per figure,
+ * and one JSON object per figure with --json FILE. */
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#define CK(x)                                                                     \
+  do {                                                                            \
+    cudaError_t e_ = (x);                                                         \
+    if (e_ != cudaSuccess) {                                                      \
+      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      exit(1);                                                                    \
+    }                                                                             \
+  } while (0)
+
+template <int N> struct alignas(16) Params {
+  const uint4 *src;
+  uint4 *dst;
+  size_t units;
+  char pad[N - 24];
+};
+
+template <int N> __global__ void __launch_bounds__(512, 1) empty_kernel(const __grid_constant__ Params<N> p) {
+  if (p.units == ~(size_t)0) p.dst[threadIdx.x] = p.src[p.pad[threadIdx.x % (N - 24)]];
+}
+
+template <int N> __global__ void __launch_bounds__(512, 1) copy_kernel(const __grid_constant__ Params<N> p) {
+  size_t stride = (size_t)gridDim.x * blockDim.x;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < p.units; i += stride) p.dst[i] = p.src[i];
+}
+
+__global__ void spin_kernel(unsigned long long ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); while (t - t0 < ns);
+}
+
+double now_us() {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+FILE *g_json;
+
+void report(const char *kind, const char *what, size_t bytes, double us, double other) {
+  printf("%-5s %-28s %9zu B  %8.2f us%s", kind, what, bytes, us, other > 0 ? "" : "\n");
+  if (other > 0) printf("  (alone %.2f us)\n", other);
+  if (g_json)
+    fprintf(g_json, "{\"kind\": \"%s\", \"what\": \"%s\", \"bytes\": %zu, \"median_us\": %.3f%s%.3f}\n", kind, what, bytes,
+            us, other > 0 ? ", \"alone_us\": " : ", \"unused\": ", other);
+}
+
+template <class F> void host_time(const char *what, size_t bytes, cudaStream_t s, F call) {
+  std::vector<double> alone, b2b;
+  for (int i = 0; i < 20; i++) call();
+  CK(cudaStreamSynchronize(s));
+  for (int i = 0; i < 300; i++) {
+    double a = now_us();
+    call();
+    alone.push_back(now_us() - a);
+    CK(cudaStreamSynchronize(s));
+  }
+  for (int i = 0; i < 300; i++) {
+    double a = now_us();
+    call();
+    b2b.push_back(now_us() - a);
+  }
+  CK(cudaStreamSynchronize(s));
+  report("host", what, bytes, median(b2b), median(alone));
+}
+
+template <class F> void gpu_time(const char *what, size_t bytes, cudaStream_t s, std::vector<cudaEvent_t> &ev, F call) {
+  for (int i = 0; i < 10; i++) call();
+  CK(cudaStreamSynchronize(s));
+  spin_kernel<<<1, 1, 0, s>>>(20000000ull); /* 20 ms: longer than queueing 200 calls */
+  for (int i = 0; i < 200; i++) {
+    CK(cudaEventRecord(ev[2 * i], s));
+    call();
+    CK(cudaEventRecord(ev[2 * i + 1], s));
+  }
+  CK(cudaStreamSynchronize(s));
+  std::vector<double> us;
+  for (int i = 0; i < 200; i++) {
+    float ms;
+    CK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+    us.push_back(ms * 1e3);
+  }
+  report("gpu", what, bytes, median(us), 0);
+}
+
+template <int N> void both(const char *label, size_t bytes, const uint4 *a, uint4 *b, cudaStream_t s,
+                           std::vector<cudaEvent_t> &ev, bool host) {
+  static Params<N> p; /* static: 32 KiB is large for a stack */
+  memset(&p, 0, sizeof p);
+  p.src = a;
+  p.dst = b;
+  p.units = bytes / 16;
+  char what[64];
+  if (host) {
+    snprintf(what, sizeof what, "launch, %s params", label);
+    host_time(what, N, s, [&] { empty_kernel<N><<<132, 512, 0, s>>>(p); });
+  } else {
+    snprintf(what, sizeof what, "copy kernel, %s params", label);
+    gpu_time(what, bytes, s, ev, [&] { copy_kernel<N><<<132, 512, 0, s>>>(p); });
+  }
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  for (int i = 1; i + 1 < argc; i++)
+    if (!strcmp(argv[i], "--json") && !(g_json = fopen(argv[i + 1], "w"))) return 1;
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  uint4 *a, *b;
+  char *pinned;
+  CK(cudaMalloc(&a, 64 << 20));
+  CK(cudaMalloc(&b, 64 << 20));
+  CK(cudaMallocHost(&pinned, 1 << 20));
+  std::vector<cudaEvent_t> ev(400);
+  for (auto &e : ev) CK(cudaEventCreate(&e));
+  cudaEvent_t mark;
+  CK(cudaEventCreateWithFlags(&mark, cudaEventDisableTiming));
+  host_time("cudaEventRecord", 0, s, [&] { CK(cudaEventRecord(mark, s)); });
+  host_time("cudaMemcpyAsync pinned H2D", 11000, s,
+            [&] { CK(cudaMemcpyAsync(b, pinned, 11000, cudaMemcpyHostToDevice, s)); });
+  for (int pass = 0; pass < 1 + 3; pass++) {
+    bool host = pass == 0;
+    size_t bytes = host ? 0 : (size_t[]){4u << 20, 17u << 20, 32u << 20}[pass - 1];
+    both<2048>("2 KiB", bytes, a, b, s, ev, host);
+    both<4096>("4 KiB", bytes, a, b, s, ev, host);
+    both<8192>("8 KiB", bytes, a, b, s, ev, host);
+    both<12288>("12 KiB", bytes, a, b, s, ev, host);
+    both<16384>("16 KiB", bytes, a, b, s, ev, host);
+    both<32752>("32752 B", bytes, a, b, s, ev, host);
+    if (!host)
+      gpu_time("cudaMemcpyAsync D2D", bytes, s, ev,
+               [&] { CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s)); });
+  }
+  CK(cudaDeviceSynchronize());
+  if (g_json) fclose(g_json);
+  return 0;
+}
