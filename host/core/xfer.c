@@ -1282,7 +1282,7 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
     x->last.payload_bytes = h->payload_bytes;
     return KVF_SUCCESS;
   }
-  staging captured = {0}, *s;
+  staging captured = {0}, *s = NULL; /* set on both paths below; gcc -O2 cannot tell */
   retired *keep = NULL; /* a captured call's tables, kept until destroy */
   if (capture == cudaStreamCaptureStatusActive) {
     /* A graph replays this call later: its tables must never be reused. The
