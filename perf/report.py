@@ -153,6 +153,19 @@ def gbps(x):
     return x["gbps"] if x and x.get("gbps") is not None else None
 
 
+def sustained_gbps(x):
+    """GB/s of calls back to back from one host thread, host enqueue charged (kvf_bench's
+    sustained pass); None where not measured (--no-sustained, or JSON from before it)."""
+    return x["sustained_gbps"] if x and x.get("sustained_gbps") is not None else None
+
+
+# The two ways kvf_bench times a contender, as the verdicts and tables name them.
+GPU_TIME = "GPU time (events, host enqueue hidden)"
+SUSTAINED_HOW = "one host thread, back to back, host enqueue charged"
+SUSTAINED = f"sustained ({SUSTAINED_HOW})"
+NO_SUSTAINED = "no sustained_us (JSON from before kvf_bench's sustained pass, or a run with --no-sustained)"
+
+
 def ratio(a, b):
     if a is None or b is None or b == 0:
         return None
@@ -567,26 +580,11 @@ def evaluate15(d):
         v.met = all(judged)
     vs.append(v)
 
-    v = Verdict(f"kvferry ≥ cudaMemcpyBatchAsync and ≥ cub::DeviceMemcpy::Batched on every row (within {I15_NOISE:.0%})")
-    total, misses = 0, []
-    for r in recs:
-        e = kvf_default(r)
-        if not e:
-            continue
-        for k, label in (("batch", "cudaMemcpyBatchAsync"), ("cub", "cub::DeviceMemcpy::Batched")):
-            b = base(r, k)
-            if not b:
-                continue
-            total += 1
-            x = ratio(e["gbps"], b["gbps"])
-            if x is not None and x < 1 - I15_NOISE:
-                misses.append((x, f"missed: {r['preset']} {r['direction']} {r['tokens']}: {fx(x)} {label} "
-                                  f"({fg(e['gbps'])} vs {fg(b['gbps'])} GB/s), behind by {(1 - x) * 100:.1f}%"))
-    if total:
-        v.met = not misses
-        v.lines.append(f"{total - len(misses)} of {total} comparisons meet it.")
-        v.lines += [m for _, m in sorted(misses)]
-    vs.append(v)
+    # kvferry >= batch and cub, judged twice: on GPU time, which hides the host's enqueue
+    # (cudaMemcpyBatchAsync over many runs queues far longer than it copies), and on
+    # sustained time, which charges it: the rate one engine thread can keep.
+    for how, rate in ((GPU_TIME, gbps), (SUSTAINED, sustained_gbps)):
+        vs.append(versus_batch_cub(recs, how, rate))
 
     v = Verdict("kvferry ahead of every peer on every row (LMCache MP block, MP staged, legacy; SGLang HiCache IO)")
     total, misses = 0, []
@@ -613,6 +611,40 @@ def evaluate15(d):
     return vs
 
 
+def versus_batch_cub(recs, how, rate):
+    """Issue 15's kvferry >= cudaMemcpyBatchAsync and >= cub::DeviceMemcpy::Batched (within
+    I15_NOISE) on the rate rate(measurement) of one timing, named by how."""
+    v = Verdict(f"kvferry ≥ cudaMemcpyBatchAsync and ≥ cub::DeviceMemcpy::Batched on every row "
+                f"(within {I15_NOISE:.0%}), {how}")
+    rows, unmeasured = [], 0
+    for r in recs:
+        e = kvf_default(r)
+        if not e:
+            continue
+        for k, label in (("batch", "cudaMemcpyBatchAsync"), ("cub", "cub::DeviceMemcpy::Batched")):
+            b = base(r, k)
+            if not b:
+                continue
+            x = ratio(rate(e), rate(b))
+            if x is None:
+                unmeasured += 1
+                continue
+            rows.append((x, f"{r['preset']} {r['direction']} {r['tokens']}: {fx(x)} {label} "
+                            f"({fg(rate(e))} vs {fg(rate(b))} GB/s)"))
+    misses = sorted(x for x in rows if x[0] < 1 - I15_NOISE)
+    if rows:
+        v.met = not misses
+        v.lines.append(f"{len(rows) - len(misses)} of {len(rows)} comparisons meet it.")
+        v.lines += [f"missed: {det}, behind by {(1 - x) * 100:.1f}%" for x, det in misses]
+        if not misses:
+            x, det = min(rows)
+            v.lines.append(f"tightest: {det}")
+    if unmeasured:
+        v.lines.append(f"skipped {unmeasured} comparison{'s' if unmeasured > 1 else ''}: {NO_SUSTAINED}"
+                       if rate is sustained_gbps else f"skipped {unmeasured} comparisons without a rate")
+    return v
+
+
 def size_tables(d):
     """One table per request size: every (preset, direction) row against every baseline and peer."""
     recs = sweep_records(d)
@@ -637,8 +669,29 @@ def size_tables(d):
             cells.append(fx(ratio(gbps(e), best[1])) if best and e else "–")
             rows.append(cells)
         out.append((tok, md_table(["preset", "dir", "payload", "limit", "kvferry (vs limit)", "kvferry 4 SMs", "path",
-                                   "enqueue µs", "batch", "cub"] + peer_names + ["fastest other", "kvferry ÷ it"], rows)))
+                                   "enqueue µs", "batch", "cub"] + peer_names + ["fastest other", "kvferry ÷ it"], rows),
+                    sustained_table([r for r in recs if r["tokens"] == tok])))
     return out
+
+
+def sustained_table(recs):
+    """kvferry (default) against batch and cub on sustained time, with the GPU-time ratio
+    beside it for contrast; None when no row of recs has a sustained figure."""
+    rows, any_sustained = [], False
+    for r in sorted(recs, key=lambda r: (r["preset"], dir_key(r["direction"]))):
+        e, bat, cub = kvf_default(r), base(r, "batch"), base(r, "cub")
+        if not any(sustained_gbps(x) is not None for x in (e, bat, cub)):
+            continue
+        any_sustained = True
+        rows.append([r["preset"], r["direction"], fg(sustained_gbps(e)),
+                     fg(sustained_gbps(bat)) + ("†" if bat and bat.get("extrapolated") else ""),
+                     fg(sustained_gbps(cub)),
+                     fx(ratio(sustained_gbps(e), sustained_gbps(bat))), fx(ratio(sustained_gbps(e), sustained_gbps(cub))),
+                     fx(ratio(gbps(e), gbps(bat)))])
+    if not any_sustained:
+        return None
+    return md_table(["preset", "dir", "kvferry sustained", "batch sustained", "cub sustained",
+                     "kvferry ÷ batch (sustained)", "kvferry ÷ cub (sustained)", "kvferry ÷ batch (GPU time)"], rows)
 
 
 def crossover_table(d):
@@ -673,18 +726,21 @@ def brief(d, verdicts15):
         e, lim, e4 = kvf_default(r), base(r, "limit"), kvf_cap(r, 4)
         best = max(others(r), key=lambda x: x[1], default=None)
         p = (e or {}).get("path") or {}
+        sus_vs_batch = ratio(sustained_gbps(e), sustained_gbps(base(r, "batch")))
         lines.append(f"{r['preset'][:26]:26} {r['direction']:4} {r['tokens']:>6} lim {fg(gbps(lim)):>5} "
                      f"kvf {fg(gbps(e)):>5} {fpct(ratio(gbps(e), gbps(lim))):>6}"
                      + (f" 4sm {fpct(ratio(gbps(e4), gbps(lim))):>6}" if e4 and r["direction"] in PCIE else " " * 11)
                      + f" {p.get('name', '-')[:10]:10}"
                      + (f" enq {e['enqueue_alone_us']:5.1f}" if e and e.get("enqueue_alone_us") is not None else "")
+                     + (f" sus/batch x{sus_vs_batch:.2f}" if sus_vs_batch is not None else "")
                      + (f" | {best[0][:18]} {fg(best[1])} x{ratio(gbps(e), best[1]):.2f}" if best and e else ""))
     lines.append("")
     for v in verdicts15:
         lines.append(f"{v.status().replace('*', ''):>12}  {v.name}")
         shown = 0
         for line in v.lines:
-            if line.startswith(("missed", "MISSED", "behind", "tightest", "slowest")) or "meet it" in line or "ahead in" in line:
+            if (line.startswith(("missed", "MISSED", "behind", "tightest", "slowest", "skipped"))
+                    or "meet it" in line or "ahead in" in line):
                 if shown < 6:
                     lines.append(f"              {line}")
                 shown += 1
@@ -754,12 +810,30 @@ def render_markdown(d, verdicts, pngs, verdicts15=()):
                    "staged: kernels through device staging buffers and the copy engine; kernel: one launch); *enqueue*: "
                    "host time of one call alone. Peers: our implementations of LMCache's and SGLang's kernels "
                    "(perf/bench_peers.h), checked against the CPU reference like kvferry; n/a: outside the design.")
+        any_sustained = any(sus for _, _, sus in tables)
+        if any_sustained:
+            out.append("")
+            out.append(f"The first table per size is {GPU_TIME}; the second is {SUSTAINED}: calls back to back, "
+                       "wall time to the return of the synchronize after the last, so a contender whose enqueue "
+                       "outlasts its copy is held to the rate one engine thread can keep. † extrapolated from a "
+                       "sample of the runs.")
+        else:
+            out.append("")
+            out.append(f"Sustained GB/s not shown: {NO_SUSTAINED}.")
         out.append("")
-        for tok, tab in tables:
+        for tok, tab, sus in tables:
             out.append(f"### {tok} tokens")
             out.append("")
             out.append(tab)
             out.append("")
+            if sus:
+                out.append(f"Sustained GB/s ({SUSTAINED_HOW}):")
+                out.append("")
+                out.append(sus)
+                out.append("")
+            elif any_sustained:
+                out.append("Sustained: not measured at this size.")
+                out.append("")
     cross = crossover_table(d)
     if cross:
         out.append("## Crossovers: kvferry under tuning variants")

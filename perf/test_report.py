@@ -2,6 +2,7 @@
 """perf/test_report.py - checks perf/report.py on synthetic kvf_bench output
 (no GPU): the target verdicts (planted misses are reported as missed, with
 the shortfall), the markdown sections, and the plots when matplotlib is there.
+Runs as a script (ctest perf_report) or under pytest.
 
 The synthetic records follow kvf_bench.cu's writer field for field; they are
 written to a temporary directory only and are never results."""
@@ -16,12 +17,24 @@ import report  # noqa: E402
 LIMIT = {"d2h": 54.0, "h2d": 54.5, "d2d": 2100.0, "d2d-scatter": 2100.0}
 
 
-def timing(gb, payload, **extra):
+def timing(gb, payload, sustained=None, **extra):
+    """A write_timing record at gb GB/s of GPU time; sustained: GB/s of the sustained pass
+    (None: left out, as in JSON from before it)."""
     us = payload / (gb * 1e3)
     t = {"ok": True, "reps": 20, "median_us": us, "p10_us": us * 0.98, "p90_us": us * 1.02, "min_us": us * 0.97,
          "enqueue_us": 5.0, "primed": True, "gbps": gb}
+    if sustained is not None:
+        t.update(sustained_us=payload / (sustained * 1e3), sustained_reps=20, sustained_gbps=sustained)
     t.update(extra)
     return t
+
+
+def add_sustained(r, kvf, batch, cub):
+    """Give transfer record r sustained figures: kvferry's default entry, batch and cub."""
+    payload = r["payload_bytes"]
+    for e, gb in ((next(e for e in r["kvferry"] if e["sms_cap"] == 0 and not e.get("tune")), kvf),
+                  (r["baselines"]["batch"], batch), (r["baselines"]["cub"], cub)):
+        e.update(sustained_us=payload / (gb * 1e3), sustained_reps=20, sustained_gbps=gb)
 
 
 def transfer(preset, direction, tokens, kvf, small=None, avg_run=32768.0, batch=5.0, cub=None):
@@ -109,9 +122,12 @@ def synthetic(directory):
 def issue15_doc():
     """Synthetic runs for issue 15's verdicts: one-chunk rows with peers,
     tuning variants, enqueue times, an MLA latency record, interference with
-    peers. Planted: llama-hnd d2h one chunk at 92.6% (default cap), its
-    enqueue at 14 us, lmcache-mp ahead of kvferry on llama-nhd d2h, the MLA
-    D2D latency at 1.5x."""
+    peers, sustained figures. Planted: llama-hnd d2h one chunk at 92.6%
+    (default cap), its enqueue at 14 us, lmcache-mp ahead of kvferry on
+    llama-nhd d2h, the MLA D2D latency at 1.5x; batch ahead of kvferry on GPU
+    time on llama-nhd d2h (55 vs 52 GB/s) but far behind sustained (its host
+    enqueue: 20 vs 50 GB/s); cub behind on GPU time on llama-hnd d2h but ahead
+    sustained (44 vs 40 GB/s)."""
     meta = {"gpu": "NVIDIA H200", "date": "2026-12-01", "sm_count": 132}
     results = []
     for p, kvf, enq in (("llama-nhd", 52.0, 6.0), ("llama-hnd", 50.0, 14.0)):
@@ -126,9 +142,20 @@ def issue15_doc():
             if p == "llama-nhd" and dr == "d2h":
                 r["kvferry"].append(dict(sms_cap=0, sms_cap_label="default", tune="batch_max_runs=0,pieces=8",
                                          path={"name": "staged", "pieces": 8}, **timing(53.5, r["payload_bytes"])))
+            kvf_gb = r["kvferry"][0]["gbps"]
+            cub_gb = r["baselines"]["cub"]["gbps"]
+            if p == "llama-nhd" and dr == "d2h":
+                r["baselines"]["batch"].update(timing(55.0, r["payload_bytes"]))
+                add_sustained(r, kvf=50.0, batch=20.0, cub=cub_gb * 0.9)
+            elif p == "llama-hnd" and dr == "d2h":
+                add_sustained(r, kvf=40.0, batch=2.5, cub=44.0)
+            else:
+                add_sustained(r, kvf=kvf_gb * 0.97, batch=2.5, cub=cub_gb * 0.9)
             results.append(r)
         r = transfer(p, "d2d", 4096, 1950.0)
         r["chunk_tokens"] = 256
+        if p == "llama-nhd":  # llama-hnd's d2d stays without them: a size where they are missing
+            add_sustained(r, kvf=1900.0, batch=4.0, cub=1600.0)
         results.append(r)
     results.append({"kind": "latency", "preset": "deepseek-v3-mla-bf16", "direction": "d2d", "tokens": 256,
                     "kvferry": {"ok": True, "gpu_us": 25.0, "wall_us": 30.0, "enqueue_us": 5.0},
@@ -172,6 +199,15 @@ def main():
         check(any("short by 10.0 points" in line for line in verdicts[3].lines), "small-run shortfall of 10 points")
         check(verdicts[4].met is False, "cub comparison should be missed (1470 < 1600)")
         check("P2P not measured: needs a second GPU" in md, "p2p skip reason in the summary")
+        # This JSON has no sustained fields (as before kvf_bench measured them): noted, not judged.
+        v15 = report.evaluate15(d)
+        gpu_v, sus_v = v15[7], v15[8]
+        check(report.GPU_TIME in gpu_v.name and gpu_v.met is not None, "GPU-time batch/cub verdict judged")
+        check(report.SUSTAINED in sus_v.name and sus_v.met is None, "sustained verdict not measured without fields")
+        check(any(x.startswith("skipped") and "no sustained_us" in x for x in sus_v.lines),
+              "missing sustained fields are skipped with a note: " + repr(sus_v.lines))
+        check("Sustained GB/s not shown: no sustained_us" in md and "kvferry ÷ batch (sustained)" not in md,
+              "no sustained table without sustained fields, one note")
         for section in ("## Targets", "## Bandwidth", "## SM caps", "## Latency of one request", "## Interference"):
             check(section in md, f"markdown section {section}")
         check("†" in md, "extrapolated baselines are marked")
@@ -213,21 +249,46 @@ def main():
         check(any("met: d2h" in x for x in vs[5].lines), "MLA D2H latency met")
         check(vs[6].met is True, "interference: kvferry rows at 1% and 2% meet < 3%")
         check(any("lmcache-legacy" in x for x in vs[6].lines), "interference lists the peers' rows")
-        check(vs[8].met is False and any("behind: llama-nhd d2h 256: lmcache-mp" in x for x in vs[8].lines),
-              "peer ahead of kvferry is reported: " + repr(vs[8].lines))
-        check(any("not applicable" in x for x in vs[8].lines), "a peer outside its design is listed")
+        gpu_v, sus_v = vs[7], vs[8]
+        check(report.GPU_TIME in gpu_v.name and report.SUSTAINED in sus_v.name, "both batch/cub verdicts, labelled")
+        check(gpu_v.met is False and "11 of 12 comparisons meet it." in gpu_v.lines,
+              "GPU time: batch ahead on llama-nhd d2h is the one miss: " + repr(gpu_v.lines))
+        check(any(x.startswith("missed: llama-nhd d2h 256: 0.95× cudaMemcpyBatchAsync") and "behind by 5.5%" in x
+                  for x in gpu_v.lines), "GPU-time miss names the row and the shortfall: " + repr(gpu_v.lines))
+        check(sus_v.met is False and "9 of 10 comparisons meet it." in sus_v.lines,
+              "sustained: cub ahead on llama-hnd d2h is the one miss: " + repr(sus_v.lines))
+        check(any(x.startswith("missed: llama-hnd d2h 256: 0.91× cub::DeviceMemcpy::Batched") for x in sus_v.lines),
+              "sustained miss names the row: " + repr(sus_v.lines))
+        check(not any("llama-nhd d2h" in x and "missed" in x for x in sus_v.lines),
+              "batch's GPU-time win on llama-nhd d2h is a loss sustained")
+        check(any(x.startswith("skipped 2 comparisons") for x in sus_v.lines),
+              "llama-hnd d2d has no sustained fields: skipped with a note: " + repr(sus_v.lines))
+        check(vs[9].met is False and any("behind: llama-nhd d2h 256: lmcache-mp" in x for x in vs[9].lines),
+              "peer ahead of kvferry is reported: " + repr(vs[9].lines))
+        check(any("not applicable" in x for x in vs[9].lines), "a peer outside its design is listed")
+        # The per-size sustained tables: kvferry 50 vs batch 20 GB/s sustained, 52 vs 55 on GPU time.
+        check("| kvferry sustained | batch sustained | cub sustained | kvferry ÷ batch (sustained) |" in md,
+              "sustained table header")
+        check("| llama-nhd | d2h | 50.0 | 20.0 | 41.3 | 2.50× | 1.21× | 0.95× |" in md,
+              "sustained row of llama-nhd d2h (GPU-time ratio beside it)")
+        check("Sustained: not measured at this size." not in md, "every size here has sustained figures")
         for section in ("## Issue 15 targets", "## One table per request size", "### 256 tokens", "### 4096 tokens",
                         "## Crossovers", "batch_max_runs=0,pieces=8"):
             check(section in md, f"markdown section {section}")
         check("lmcache-mp" in md and "n/a" in md, "peers in the per-size tables")
         b = report.brief(d, v15)
         check("llama-hnd" in b and "missed" in b and len(b) < 12000, "brief summary")
+        check(report.GPU_TIME in b and report.SUSTAINED in b and "sus/batch x2.50" in b, "brief: both verdicts")
     if failures:
         for f in failures:
             print("FAIL:", f)
         return 1
     print("test_report: ok")
     return 0
+
+
+def test_report():
+    assert main() == 0
 
 
 if __name__ == "__main__":
