@@ -30,6 +30,7 @@
 #             the grid-stride kernel, every peer, and the copy engine's memcpy
 #   served    kvf_served_bench through kvferryd on GPU 0 (llama nhd, 256 tokens at 1 and 8
 #             in flight, 4096 at 1; the first STORE after a registration against later ones)
+#   params    perf/kvf_param_probe: a launch's host and GPU cost by parameter size
 #   summary   report.py's per-size tables of what was measured (stdout, and OUTDIR/results.md),
 #             report_served.py's table, and a short table last
 # If the plain conformance run fails on the warp-walk kernel (the default) but not on
@@ -60,7 +61,7 @@ while (($#)); do
   esac
   shift
 done
-[[ -z $steps ]] && steps="conf,chunk,cross,large,latency,interf,served,summary"
+[[ -z $steps ]] && steps="conf,params,chunk,cross,large,latency,interf,served,summary"
 [[ -z $outdir ]] && outdir=${OUT:-./issue15-out}
 mkdir -p "$outdir" || exit 2
 # Everything is written under a work folder and packed after every step into
@@ -238,6 +239,19 @@ step() { # NAME LIMIT ARGS...
   ((rc == 0)) || failed=1
   pack
 }
+
+if want params; then
+  # What a kernel's parameter size costs, host and GPU (the launch blob's sizes).
+  limit=$(limit_for 30)
+  if ((limit == 0)); then say "== params: skipped (time budget spent)"
+  elif [[ -x $bin/kvf_param_probe ]]; then
+    timeout -k 5 "$limit" "$bin/kvf_param_probe" --json "$work/params.json" > "$work/params.log" 2>&1
+    say "== params: exit $?"
+  else
+    say "== params: kvf_param_probe missing"
+  fi
+  pack
+fi
 
 if want chunk; then
   # One chunk on every preset (with every peer); 4096 tokens on all (full) or a few (explore).
