@@ -181,7 +181,7 @@ void usage(FILE *f) {
           "  --tune SPEC               also time kvferry with tuning SPEC = key=value[,key=value...] (repeatable);\n"
           "                            keys: pieces, growth, dma_batch, param_bytes, task_bytes, task_waves,\n"
           "                            batch_min_run, batch_max_runs, stage_sms, pcie_sms, staging_mb, kernel,\n"
-          "                            small_stage_mb\n"
+          "                            small_stage_mb, edge_mb, multi_pieces\n"
           "                            (host/core/xfer_internal.h),\n"
           "                            cap (the context's max_sms). Variants are checked like every contender.\n"
           "  --enqueue-reps N          synchronized calls timing the host enqueue of each kvferry entry (default 15;\n"
@@ -952,6 +952,8 @@ void apply_tune(const std::string &spec, kvf_xfer_tuning *t, int *cap) {
     int64_t v = (int64_t)parse_u64(kv.substr(eq + 1), "--tune");
     if (k == "pieces") t->stage_pieces = v;
     else if (k == "growth") t->stage_growth = v;
+    else if (k == "edge_mb") t->stage_edge_mb = v;
+    else if (k == "multi_pieces") t->stage_multi_pieces = v;
     else if (k == "kernel") t->kernel = v;
     else if (k == "dma_batch") t->stage_dma_batch = v;
     else if (k == "param_bytes") t->param_bytes = v;

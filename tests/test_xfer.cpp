@@ -870,9 +870,12 @@ uint64_t object_bytes(const kvf_geometry *g, const kvf_copy_request *r, uint64_t
   return size;
 }
 
-// The invariants of a plan split for buffers of `cap` bytes.
-void check_batches(const kvf_geometry *g, const kvf_copy_request *r, const kvf_stage_plan &p, uint64_t cap) {
+// The invariants of a plan split for buffers of `cap` bytes, the batch at
+// the exposed end (a gather's first, a scatter's last) at `edge` (0: cap).
+void check_batches(const kvf_geometry *g, const kvf_copy_request *r, const kvf_stage_plan &p, uint64_t cap,
+                   uint64_t edge = 0, int gather = 1) {
   uint64_t nog = kvf_geometry_num_object_groups(g), next = 0;
+  const uint64_t ecap = edge == 0 || edge > cap ? cap : edge, nb = p.num_batches;
   ASSERT_EQ(p.num_objects, p.num_chunks * nog);
   ASSERT_GE(p.num_batches, 1u);
   ASSERT_LE(p.num_batches, p.num_chunks);
@@ -904,12 +907,20 @@ void check_batches(const kvf_geometry *g, const kvf_copy_request *r, const kvf_s
       used += p.size[i];
     }
     EXPECT_EQ(b.bytes, used);
-    EXPECT_LE(b.bytes, std::max(cap, p.max_chunk));
+    const bool edge_batch = ecap < cap && (gather ? bi == 0 : bi + 1 == nb);
+    const uint64_t limit = edge_batch ? ecap : cap;
+    EXPECT_LE(b.bytes, std::max(limit, p.max_chunk));
     if (b.k1 - b.k0 > 1) {
-      EXPECT_LE(b.bytes, cap) << "several chunks must fit one buffer";
+      EXPECT_LE(b.bytes, limit) << "several chunks must fit one buffer (the edge batch its smaller limit)";
     }
-    if (b.k1 < p.num_chunks) {
-      EXPECT_GT(b.bytes + chunk_bytes(b.k1), cap) << "the next chunk would have fit";
+    // Greedy: the next chunk would not have fit, except where a scatter's
+    // batches stop at its last batch.
+    const bool before_edge = !gather && ecap < cap && bi + 2 == nb;
+    if (b.k1 < p.num_chunks && !before_edge) {
+      EXPECT_GT(b.bytes + chunk_bytes(b.k1), limit) << "the next chunk would have fit";
+    }
+    if (edge_batch && !gather && b.k0 > 0) {
+      EXPECT_GT(b.bytes + chunk_bytes(b.k0 - 1), ecap) << "a scatter's last batch takes every trailing chunk that fits";
     }
   }
   EXPECT_EQ(next, p.num_chunks) << "the batches must cover every chunk";
@@ -935,17 +946,26 @@ TEST(XferStagePlan, BatchesAreWholeChunksThatFitOneBuffer) {
       for (uint64_t i = 0; i < sp.p.num_objects; i++) EXPECT_TRUE(sp.p.staged[i]) << "object " << i;
       ASSERT_GT(sp.p.max_chunk, 0u);
       uint64_t m = sp.p.max_chunk;
-      for (uint64_t cap : {m, 2 * m + 1, m * 7 / 2, m * 100}) {
-        SCOPED_TRACE("cap " + std::to_string(cap));
-        kvf_stage_plan_batches(&sp.p, cap);
-        ASSERT_NO_FATAL_FAILURE(check_batches(g, r.get(), sp.p, cap));
-        if (cap == m) {
-          EXPECT_GE(sp.p.num_batches, 3u) << "six full chunks in buffers of one chunk";
+      for (uint64_t cap : {m, 2 * m + 1, m * 7 / 2, m * 100})
+        for (uint64_t edge : {(uint64_t)0, (uint64_t)1, m, 2 * m + 1}) {
+          SCOPED_TRACE("cap " + std::to_string(cap) + ", edge " + std::to_string(edge));
+          kvf_stage_plan_batches(&sp.p, cap, edge, gather);
+          ASSERT_NO_FATAL_FAILURE(check_batches(g, r.get(), sp.p, cap, edge, gather));
+          if (cap == m) {
+            EXPECT_GE(sp.p.num_batches, 3u) << "six full chunks in buffers of one chunk";
+          }
+          if (cap == m * 100 && edge == 0) {
+            EXPECT_EQ(sp.p.num_batches, 1u);
+          }
+          if (cap == m * 100 && (edge == 1 || edge == m)) {
+            // One chunk at the exposed end, the others together.
+            EXPECT_EQ(sp.p.num_batches, 2u);
+            const kvf_stage_batch &e = gather ? sp.p.batches[0] : sp.p.batches[sp.p.num_batches - 1];
+            if (edge == 1) {
+              EXPECT_EQ(e.k1 - e.k0, 1u) << "the edge batch takes at least its one chunk";
+            }
+          }
         }
-        if (cap == m * 100) {
-          EXPECT_EQ(sp.p.num_batches, 1u);
-        }
-      }
     }
   }
 }
@@ -1000,8 +1020,8 @@ TEST(XferStagePlan, GatherSendsObjectsItWritesInPartDirect) {
       }
     }
     EXPECT_EQ(sp.p.any_direct, gather);
-    kvf_stage_plan_batches(&sp.p, sp.p.max_chunk);
-    ASSERT_NO_FATAL_FAILURE(check_batches(g, r.get(), sp.p, sp.p.max_chunk));
+    kvf_stage_plan_batches(&sp.p, sp.p.max_chunk, 0, gather);
+    ASSERT_NO_FATAL_FAILURE(check_batches(g, r.get(), sp.p, sp.p.max_chunk, 0, gather));
   }
 }
 
@@ -1781,12 +1801,28 @@ const RouteVariant kRouteVariants[] = {
        t.batch_max_runs = 0;
        t.stage_pieces = 16;
        t.task_waves = 8;
-       t.small_stage_mb = 0; // the 16 pieces themselves, not the small-request rule's 2
+       t.small_stage_mb = 0;     // the 16 pieces themselves, not the small-request rule's 2
+       t.stage_multi_pieces = 0; // nor the multi-batch rule's
      },
      [](const kvf_xfer_path_info &p, Mem) {
        EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
        EXPECT_GE(p.pieces, 1u);
        EXPECT_EQ(p.uploads, 0u);
+     }},
+    {"edge_batch", true,
+     [](kvf_xfer_tuning &t) {
+       t.batch_max_runs = 0;
+       t.staging_mb = 2;  // several chunks a batch where chunks are small,
+       t.stage_edge_mb = 1; // fewer in the first (gather) or last (scatter)
+       t.stage_pieces = 4;
+       t.stage_multi_pieces = 2;
+       t.small_stage_mb = 0;
+     },
+     [](const kvf_xfer_path_info &p, Mem) {
+       EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
+       if (p.batches > 1) {
+         EXPECT_LE(p.pieces, 2u) << "a call of several batches has at most KVF_XFER_STAGE_MULTI_PIECES pieces a batch";
+       }
      }},
     {"small_stage_rule", true,
      [](kvf_xfer_tuning &t) {
@@ -2397,7 +2433,11 @@ TEST(XferGpu, StagedCallRefusedAtABatchKeepsTheBatchesBeforeIt) {
       Req r(s.plan, fmt, dcache.payloads(), dobjs.payloads());
       ASSERT_EQ(kvf_stage_plan_objects(g, r.get(), gather, &sp.p), KVF_SUCCESS) << kvf_last_error();
     }
-    kvf_stage_plan_batches(&sp.p, cap);
+    {
+      kvf_xfer_tuning t;  // the batch sizes the context plans with
+      kvf_xfer_get_tuning(x.get(), &t);
+      kvf_stage_plan_batches(&sp.p, cap, (uint64_t)t.stage_edge_mb << 20, gather);
+    }
     ASSERT_GE(sp.p.num_batches, 3u) << "the case needs batches before, at and after the refused one";
     ASSERT_EQ(sp.p.staged[og0] == 0, gather) << "chunk 0's object of group 0 goes direct for a gather only";
     const uint64_t kept = sp.p.batches[kRefused].k0;  // chunks [0, kept) are written

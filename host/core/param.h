@@ -41,8 +41,12 @@ extern "C" {
     "most CPU threads one host-backend transfer uses (and at most one per online CPU)")  \
   X(xfer_host_stream_mb, "KVF_XFER_HOST_STREAM_MB", 4,                                   \
     "host-backend transfers of at least this many MiB write with streaming (non-temporal) stores (0: never)") \
-  X(xfer_staging_mb, "KVF_XFER_STAGING_MB", 16,                                          \
+  X(xfer_staging_mb, "KVF_XFER_STAGING_MB", 64,                                          \
     "MiB of each of the two device buffers that stage objects for the copy engine (0: kernels write host memory directly)") \
+  X(xfer_stage_edge_mb, "KVF_XFER_STAGE_EDGE_MB", 16,                                    \
+    "most MiB of a staged call's first batch (a gather) or last batch (a scatter), at least one chunk, so the copy engine starts early and the last kernel is short (0: as large as the others)") \
+  X(xfer_stage_multi_pieces, "KVF_XFER_STAGE_MULTI_PIECES", 2,                           \
+    "most pieces per batch of a staged call of more than one batch (0: KVF_XFER_STAGE_PIECES)") \
   X(xfer_stage_sms, "KVF_XFER_STAGE_SMS", 16,                                             \
     "SM cap of the on-GPU gather/scatter between the cache and the staging buffers")     \
   X(xfer_stage_pieces, "KVF_XFER_STAGE_PIECES", 4,                                       \

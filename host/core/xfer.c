@@ -122,6 +122,8 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
                          .stage_sms = kvf_param_xfer_stage_sms(),
                          .stage_pieces = kvf_param_xfer_stage_pieces(),
                          .stage_growth = kvf_param_xfer_stage_growth(),
+                         .stage_edge_mb = kvf_param_xfer_stage_edge_mb(),
+                         .stage_multi_pieces = kvf_param_xfer_stage_multi_pieces(),
                          .stage_dma_batch = kvf_param_xfer_stage_dma_batch(),
                          .param_bytes = kvf_param_xfer_param_table_bytes(),
                          .task_bytes = kvf_param_xfer_task_bytes(),
@@ -136,6 +138,8 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
   if (t->stage_pieces < 1) t->stage_pieces = 1;
   if (t->stage_pieces > KVF_STAGE_MAX_PIECES) t->stage_pieces = KVF_STAGE_MAX_PIECES;
   if (t->stage_growth < 1 || t->stage_growth > 16) t->stage_growth = 2;
+  if (t->stage_edge_mb < 0) t->stage_edge_mb = 0;
+  if (t->stage_multi_pieces < 0 || t->stage_multi_pieces > KVF_STAGE_MAX_PIECES) t->stage_multi_pieces = 0;
 }
 
 kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
@@ -143,7 +147,8 @@ kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
   if (t->pcie_sms < 0 || t->staging_mb < 0 || t->stage_sms < 0 || t->stage_pieces < 1 ||
       t->stage_pieces > KVF_STAGE_MAX_PIECES || t->param_bytes < 0 || t->task_bytes < 16 || t->task_bytes > 65536 ||
       t->task_bytes % 16 || t->task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->stage_dma_batch < 0 ||
-      t->small_stage_mb < 0 || t->kernel < 0 || t->kernel > 2 || t->stage_growth < 1 || t->stage_growth > 16)
+      t->small_stage_mb < 0 || t->kernel < 0 || t->kernel > 2 || t->stage_growth < 1 || t->stage_growth > 16 ||
+      t->stage_edge_mb < 0 || t->stage_multi_pieces < 0 || t->stage_multi_pieces > KVF_STAGE_MAX_PIECES)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_set_tuning: a value is out of range");
   pthread_mutex_lock(&x->lock);
   x->tune = *t;
@@ -1000,8 +1005,20 @@ static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather
   memset(c, 0, sizeof *c);
   if ((st = kvf_stage_plan_objects(g, r, gather, &c->sp))) return st;
   if ((st = grow_stage(x, c->sp.max_chunk))) return st;
-  kvf_stage_plan_batches(&c->sp, x->stage_cap);
+  /* Batches of the configured size even when the buffers grew larger (a
+   * larger chunk, an earlier tuning): the size is what was measured. */
+  uint64_t cap = (uint64_t)x->tune.staging_mb << 20;
+  if (cap < c->sp.max_chunk) cap = c->sp.max_chunk;
+  if (cap > x->stage_cap) cap = x->stage_cap;
+  kvf_stage_plan_batches(&c->sp, cap, (uint64_t)x->tune.stage_edge_mb << 20, gather);
   uint64_t nb = c->sp.num_batches, n = c->sp.num_objects;
+  /* Past the first batch the pipeline overlaps a batch's kernels with the
+   * previous batch's copies, so more pieces only add hand-offs between the
+   * streams (about a microsecond each on an H200, where the copy engine
+   * idles): KVF_XFER_STAGE_MULTI_PIECES bounds them (measured in
+   * perf/results/2026-12-01-h200-large, with the batch sizes above). */
+  if (nb > 1 && x->tune.stage_multi_pieces > 0 && pieces > (uint32_t)x->tune.stage_multi_pieces)
+    pieces = (uint32_t)x->tune.stage_multi_pieces;
   c->masks = malloc((size_t)(ns ? ns : 1) * (pieces ? pieces : 1));
   if (!c->masks) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
   c->pieces = pieces > 1 ? kvf_stage_piece_masks_growth(g, plan, r, gather, pieces, (uint32_t)x->tune.stage_growth,

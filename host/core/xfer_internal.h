@@ -64,9 +64,12 @@ kvf_status kvf_stage_plan_objects(const kvf_geometry *geometry, const kvf_copy_r
 
 /* Split the chunks into batches for buffers of `cap` bytes: each batch takes
  * whole chunks in order while their staged objects fit, and at least one
- * chunk (cap must be at least max_chunk). Fills offset, batches and
- * num_batches. */
-void kvf_stage_plan_batches(kvf_stage_plan *plan, uint64_t cap);
+ * chunk (cap must be at least max_chunk). The batch at the pipeline's
+ * exposed end, a gather's first (the copy engine waits for its first
+ * kernel) or a scatter's last (its last kernel runs after every copy),
+ * holds at most edge_cap bytes, and at least one chunk (0: no such limit).
+ * Fills offset, batches and num_batches. */
+void kvf_stage_plan_batches(kvf_stage_plan *plan, uint64_t cap, uint64_t edge_cap, int gather);
 
 /* Free what kvf_stage_plan_objects allocated; the plan is then empty. */
 void kvf_stage_plan_free(kvf_stage_plan *plan);
@@ -122,6 +125,8 @@ typedef struct kvf_xfer_tuning {
   int64_t stage_sms;       /* KVF_XFER_STAGE_SMS: SM cap of the staged route's kernels */
   int64_t stage_pieces;    /* KVF_XFER_STAGE_PIECES: kernel launches per staged batch (1: one) */
   int64_t stage_growth;    /* KVF_XFER_STAGE_GROWTH: size ratio of consecutive pieces (1..16) */
+  int64_t stage_edge_mb;   /* KVF_XFER_STAGE_EDGE_MB: a gather's first / a scatter's last batch (0: no limit) */
+  int64_t stage_multi_pieces; /* KVF_XFER_STAGE_MULTI_PIECES: most pieces per batch of a multi-batch call (0: off) */
   int64_t stage_dma_batch; /* KVF_XFER_STAGE_DMA_BATCH: 1: a piece's copies are one cudaMemcpyBatchAsync */
   int64_t param_bytes;     /* KVF_XFER_PARAM_TABLE_BYTES: tables up to this size go in kernel parameters */
   int64_t task_bytes;      /* KVF_XFER_TASK_BYTES: most bytes a task moves */

@@ -110,16 +110,33 @@ kvf_status kvf_stage_plan_objects(const kvf_geometry *g, const kvf_copy_request 
   return KVF_SUCCESS;
 }
 
-void kvf_stage_plan_batches(kvf_stage_plan *p, uint64_t cap) {
+static uint64_t chunk_stage_bytes(const kvf_stage_plan *p, uint64_t nog, uint64_t k) {
+  uint64_t bytes = 0;
+  for (uint64_t og = 0; og < nog; og++) bytes += p->size[k * nog + og];
+  return bytes;
+}
+
+void kvf_stage_plan_batches(kvf_stage_plan *p, uint64_t cap, uint64_t edge_cap, int gather) {
   uint64_t chunks = p->num_chunks, nog = chunks ? p->num_objects / chunks : 0, nb = 0;
+  if (edge_cap == 0 || edge_cap > cap) edge_cap = cap;
+  /* A scatter's last batch: the trailing chunks that fit edge_cap (at least
+   * one); the chunks before it are batched at cap. */
+  uint64_t tail = chunks;
+  if (!gather && edge_cap < cap && chunks > 0) {
+    uint64_t used = 0;
+    for (tail = chunks; tail > 0; tail--) {
+      uint64_t bytes = chunk_stage_bytes(p, nog, tail - 1);
+      if (tail < chunks && used + bytes > edge_cap) break;
+      used += bytes;
+    }
+  }
   for (uint64_t k = 0; k < chunks;) {
     kvf_stage_batch *b = &p->batches[nb++];
-    uint64_t used = 0;
+    uint64_t used = 0, limit = gather && nb == 1 ? edge_cap : cap, end = k < tail ? tail : chunks;
     b->k0 = k;
-    while (k < chunks) {
-      uint64_t bytes = 0;
-      for (uint64_t og = 0; og < nog; og++) bytes += p->size[k * nog + og];
-      if (k > b->k0 && used + bytes > cap) break;
+    while (k < end) {
+      uint64_t bytes = chunk_stage_bytes(p, nog, k);
+      if (k > b->k0 && used + bytes > limit) break;
       for (uint64_t og = 0; og < nog; og++) {
         p->offset[k * nog + og] = used;
         used += p->size[k * nog + og];
