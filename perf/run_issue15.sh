@@ -30,6 +30,8 @@
 #             the grid-stride kernel, every peer, and the copy engine's memcpy
 #   served    kvf_served_bench through kvferryd on GPU 0 (llama nhd, 256 tokens at 1 and 8
 #             in flight, 4096 at 1; the first STORE after a registration against later ones)
+#   stageab   4096 and 16384 tokens, every preset, d2h/h2d: the staged route's batch sizes and
+#             pieces against the previous default (and without the small edge batch)
 #   params    perf/kvf_param_probe: a launch's host and GPU cost by parameter size
 #   summary   report.py's per-size tables of what was measured (stdout, and OUTDIR/results.md),
 #             report_served.py's table, and a short table last
@@ -61,7 +63,7 @@ while (($#)); do
   esac
   shift
 done
-[[ -z $steps ]] && steps="conf,params,chunk,cross,large,latency,interf,served,summary"
+[[ -z $steps ]] && steps="conf,params,chunk,stageab,cross,large,latency,interf,served,summary"
 [[ -z $outdir ]] && outdir=${OUT:-./issue15-out}
 mkdir -p "$outdir" || exit 2
 # Everything is written under a work folder and packed after every step into
@@ -245,7 +247,7 @@ if want params; then
   limit=$(limit_for 30)
   if ((limit == 0)); then say "== params: skipped (time budget spent)"
   elif [[ -x $bin/kvf_param_probe ]]; then
-    timeout -k 5 "$limit" "$bin/kvf_param_probe" --json "$work/params.json" > "$work/params.log" 2>&1
+    timeout -k 5 "$limit" "$bin/kvf_param_probe" --json "$work/params.jsonl" > "$work/params.log" 2>&1
     say "== params: exit $?"
   else
     say "== params: kvf_param_probe missing"
@@ -259,6 +261,15 @@ if want chunk; then
     --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all
   step chunk-4096 $([[ $mode == explore ]] && echo 60 || echo 120) --preset "${chunk_big:-$all}" --tokens 4096 \
     --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all
+fi
+
+if want stageab; then
+  # Requests of many staging batches: the batch sizes and pieces of the
+  # default (64 MiB batches, a 16 MiB first/last batch, 2 pieces a batch)
+  # against the previous default (16 MiB batches, 4 pieces), every preset.
+  step stage-ab $([[ $mode == explore ]] && echo 60 || echo 120) --preset "$all" --tokens 4096,16384 \
+    --directions d2h,h2d --sms-pcie 0 --baselines limit --peers none --no-sustained \
+    --tune staging_mb=16,edge_mb=0,multi_pieces=0 --tune edge_mb=0
 fi
 
 if want latency; then
