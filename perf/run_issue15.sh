@@ -267,7 +267,7 @@ if want stageab; then
   # Requests of many staging batches: the batch sizes and pieces of the
   # default (64 MiB batches, a 16 MiB first/last batch, 2 pieces a batch)
   # against the previous default (16 MiB batches, 4 pieces), every preset.
-  step stage-ab $([[ $mode == explore ]] && echo 60 || echo 120) --preset "$all" --tokens 4096,16384 \
+  step stage-ab $([[ $mode == explore ]] && echo 120 || echo 200) --preset "$all" --tokens 4096,16384 \
     --directions d2h,h2d --sms-pcie 0 --baselines limit --peers none --no-sustained \
     --tune staging_mb=16,edge_mb=0,multi_pieces=0 --tune edge_mb=0
 fi
