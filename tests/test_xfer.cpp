@@ -1091,6 +1091,51 @@ std::vector<uint8_t> build_blob(const kvf_geometry *g, const kvf_plan &plan, con
   return b;
 }
 
+// The blocks of a blob by the plan's formulas (kernels/plan.h), each block
+// on its own with plain divisions: cache = base[region] + src_offset +
+// id*src_block; object = objects[k] + n_k*dst_per_token + dst_const +
+// bi*dst_block, k the chunk holding the block's first token, n_k that
+// chunk's local tokens in the request, bi the block's place in it; a
+// recurrent block is chunk lb - chunk_begin's state. Skipped ids, blocks
+// past the request's end and objects left out move nothing.
+std::vector<kvf_blob_block> blocks_by_formula(const std::vector<uint8_t> &blob) {
+  const auto *h = reinterpret_cast<const kvf_blob_header *>(blob.data());
+  const auto *e = reinterpret_cast<const kvf_blob_entry *>(blob.data() + h->off_entries);
+  const auto *regions = reinterpret_cast<const uint64_t *>(blob.data() + h->off_regions);
+  const auto *ids = reinterpret_cast<const uint32_t *>(blob.data() + h->off_ids);
+  const auto *objects = reinterpret_cast<const uint64_t *>(blob.data() + h->off_objects);
+  std::vector<kvf_blob_block> out;
+  for (uint32_t i = 0; i < h->num_entries; i++) {
+    const kvf_segment &s = e[i].seg;
+    uint64_t end = i + 1 < h->num_entries ? e[i + 1].first_task : h->total_tasks;
+    for (uint64_t j = 0; j < (end - e[i].first_task) / e[i].slices; j++) {
+      uint32_t id = ids[e[i].ids_offset + j];
+      uint64_t lb = e[i].lb_begin + j, k, units, off;
+      if (s.recurrent) {
+        k = lb - h->chunk_begin;
+        units = e[i].units_per_run;
+        off = h->chunk_local * s.dst_per_token + s.dst_const;
+      } else {
+        uint64_t t0 = lb * s.tokens, rel = t0 - h->lt_begin;
+        k = rel / h->chunk_local;
+        uint64_t nk = std::min<uint64_t>(h->lt_end - (h->lt_begin + k * h->chunk_local), h->chunk_local);
+        units = std::min<uint64_t>(h->lt_end - t0, s.tokens) * e[i].units_per_token;
+        off = nk * s.dst_per_token + s.dst_const + (rel - k * h->chunk_local) / s.tokens * s.dst_block;
+      }
+      uint64_t oi = k * h->num_object_groups + s.object_group;
+      if (id == KVF_BLOCK_SKIP || id >= h->num_blocks_max || units == 0 || objects[oi] == 0) continue;
+      kvf_blob_block b;
+      b.entry = i;
+      b.object_index = oi;
+      b.cache = reinterpret_cast<char *>(regions[s.region] + s.src_offset + (uint64_t)id * s.src_block);
+      b.object = reinterpret_cast<char *>(objects[oi] + off);
+      b.units = units;
+      out.push_back(b);
+    }
+  }
+  return out;
+}
+
 class XferPieces : public ::testing::TestWithParam<HostCase> {};
 
 TEST_P(XferPieces, PiecesOfSmallTasksMatchTheReference) {
@@ -1191,6 +1236,19 @@ TEST_P(XferPieces, PiecesOfSmallTasksMatchTheReference) {
     uint64_t n = kvf_blob_blocks(blob.data(), nullptr, 0);
     std::vector<kvf_blob_block> blocks(n);
     ASSERT_EQ(kvf_blob_blocks(blob.data(), blocks.data(), n), n);
+    // kvf_blob_blocks steps from block to block; the plan's formulas
+    // (kernels/plan.h) applied to each block on its own must agree.
+    std::vector<kvf_blob_block> want_blocks = blocks_by_formula(blob);
+    ASSERT_EQ(blocks.size(), want_blocks.size());
+    for (size_t i = 0; i < blocks.size(); i++) {
+      SCOPED_TRACE("block " + std::to_string(i));
+      // ASSERT: the copies below go where these point.
+      ASSERT_EQ(blocks[i].entry, want_blocks[i].entry);
+      ASSERT_EQ(blocks[i].object_index, want_blocks[i].object_index);
+      ASSERT_EQ((const void *)blocks[i].cache, (const void *)want_blocks[i].cache);
+      ASSERT_EQ((const void *)blocks[i].object, (const void *)want_blocks[i].object);
+      ASSERT_EQ(blocks[i].units, want_blocks[i].units);
+    }
     uint64_t bytes = 0;
     for (const kvf_blob_block &b : blocks) {
       bytes += b.units * e[b.entry].vec;
