@@ -135,17 +135,17 @@ step() {
 
 want() { [[ ",$steps," == *",$1,"* ]]; }
 
-want curve && step curve 300 --preset "$curve" --tokens "$curve_tokens" --directions "$curve_dirs" \
+want curve && step curve 450 --preset "$curve" --tokens "$curve_tokens" --directions "$curve_dirs" \
   --sms-pcie 0,4 --sms-device 0 --baselines all
 if want presets; then
   # One process per preset: a crash or a sticky CUDA error costs one preset only.
   IFS=, read -r -a plist <<<"$preset_list"
   for p in "${plist[@]}"; do
-    step "preset-$p" 120 --preset "$p" --tokens "$preset_tokens" --directions d2h,h2d,d2d,p2p \
+    step "preset-$p" 180 --preset "$p" --tokens "$preset_tokens" --directions d2h,h2d,d2d,p2p \
       --sms-pcie 0,4 --sms-device 0 --baselines all
   done
 fi
-want smcaps && step smcaps 150 --preset "$smcaps_presets" --tokens "$smcaps_tokens" --directions d2h,h2d,d2d \
+want smcaps && step smcaps 220 --preset "$smcaps_presets" --tokens "$smcaps_tokens" --directions d2h,h2d,d2d \
   --sms 1,2,4,8,16,all,default --baselines limit
 want latency && step latency 60 --mode latency --preset deepseek-v3-mla-bf16 --tokens 256 \
   --directions d2h,h2d,d2d,p2p
