@@ -38,11 +38,11 @@
 # If the plain conformance run fails on the warp-walk kernel (the default) but not on
 # the grid-stride one, the benchmark steps run with KVF_XFER_KERNEL=1 and say so.
 # --explore (default): shorter timing, fewer presets at 4096 tokens, conformance
-# sanitizer subsets smaller; about 5 minutes on one H200. --full: about 9.
+# sanitizer subsets smaller; about 6-7 minutes on one H200 (run 4: 369 s). --full: about 11.
 #
 # Environment: KVF_CUBLAS (libcublas.so.13), COMPUTE_SANITIZER, KVF_BENCH_EXTRA
 # (extra kvf_bench arguments for every bench step), ISSUE15_BUDGET (seconds the
-# whole script may take, default 310: each step's time limit is cut to what is
+# whole script may take, default 460: each step's time limit is cut to what is
 # left, keeping 15 s for the summary, and a step with under 20 s left is skipped).
 set -uo pipefail
 
@@ -57,13 +57,13 @@ while (($#)); do
     --full) mode=full ;;
     --steps) steps=$2; shift ;;
     --bundle) bundle=$2; shift ;;
-    -h|--help) sed -n '2,40p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,46p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "run_issue15.sh: unknown option $1" >&2; exit 2 ;;
     *) outdir=$1 ;;
   esac
   shift
 done
-[[ -z $steps ]] && steps="conf,params,chunk,stageab,cross,large,latency,interf,served,summary"
+[[ -z $steps ]] && steps="conf,params,chunk,cross,large,latency,interf,served,stageab,summary"
 [[ -z $outdir ]] && outdir=${OUT:-./issue15-out}
 mkdir -p "$outdir" || exit 2
 # Everything is written under a work folder and packed after every step into
@@ -134,7 +134,7 @@ SAN=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer 2>/dev/null || true)}
 want() { [[ ",$steps," == *",$1,"* ]]; }
 t_all=$SECONDS
 failed=0
-budget=${ISSUE15_BUDGET:-310}
+budget=${ISSUE15_BUDGET:-460}
 # limit_for SECONDS: the step's limit cut to the budget left (0: skip it).
 limit_for() {
   local left=$((budget - (SECONDS - t_all) - 15))
@@ -263,14 +263,6 @@ if want chunk; then
     --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all
 fi
 
-if want stageab; then
-  # Requests of many staging batches: the batch sizes and pieces of the
-  # default (64 MiB batches, a 16 MiB first/last batch, 2 pieces a batch)
-  # against the previous default (16 MiB batches, 4 pieces), every preset.
-  step stage-ab $([[ $mode == explore ]] && echo 120 || echo 200) --preset "$all" --tokens 4096,16384 \
-    --directions d2h,h2d --sms-pcie 0 --baselines limit --peers none --no-sustained \
-    --tune staging_mb=16,edge_mb=0,multi_pieces=0 --tune edge_mb=0
-fi
 
 if want latency; then
   step latency 40 --mode latency --preset deepseek-v3-mla-bf16,llama-3.1-8b-fa-nhd,llama-3.1-8b-fa-hnd --tokens 256 \
@@ -340,6 +332,15 @@ if want large; then
   step large $([[ $mode == explore ]] && echo 45 || echo 120) --preset "$curve" --tokens "$large_tokens" \
     --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines limit,batch,cub --peers "$large_peers" \
     --peers-max-tokens 16384 --max-batch-runs 16384
+fi
+
+if want stageab; then
+  # Requests of many staging batches: the batch sizes and pieces of the
+  # default (64 MiB batches, a 16 MiB first/last batch, 2 pieces a batch)
+  # against the previous default (16 MiB batches, 4 pieces), every preset.
+  step stage-ab $([[ $mode == explore ]] && echo 120 || echo 200) --preset "$all" --tokens 4096,16384 \
+    --directions d2h,h2d --sms-pcie 0 --baselines limit --peers none --no-sustained \
+    --tune staging_mb=16,edge_mb=0,multi_pieces=0 --tune edge_mb=0
 fi
 
 say "run_issue15.sh: benchmark and conformance done in $((SECONDS - t_all)) s$( ((failed)) && echo ' (some steps failed: see issue15.log)')"
