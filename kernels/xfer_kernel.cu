@@ -167,10 +167,12 @@ __global__ void __launch_bounds__(kThreads, 1) kvf_xfer_kernel(const char *blob)
 
 // A blob carried in the kernel's parameters: N bytes of them (the launch
 // copies all N, so a few sizes keep small blobs cheap). Measured on an H200
-// (a copy kernel, back to back, 132 CTAs): each call's GPU time grows with
-// N, +0.1 us at 4 KiB, +0.5 at 12 KiB, +1.1 at 16 KiB, +2.4 at 32 KiB over
-// 2 KiB, and its host launch 5.0 / 6.1 / 6.7 / 9.4 us; the 12 KiB size
-// holds a one-chunk blob of the 32- and 61-layer presets (10.7-11 KB).
+// by perf/kvf_param_probe (perf/results/2026-12-01-h200-run4/params.log; a
+// copy kernel back to back, 132 CTAs): over 2 KiB, each call's GPU time
+// grows by +0.1 us at 4 KiB, +0.5 at 12 KiB, +1.1-1.3 at 16 KiB and +2.3 at
+// 32752 bytes, and a launch alone takes 5.1 us (2 KiB), 5.6 (12 KiB), 6.2
+// (16 KiB), 8.2 (32752 bytes). The 12 KiB size holds a one-chunk blob of
+// the 32- and 61-layer presets (10.7-11 KB).
 template <int N> struct alignas(16) ParamBlob {
   char bytes[N];
 };

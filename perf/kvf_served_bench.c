@@ -526,7 +526,7 @@ int main(int argc, char **argv) {
       if (dt <= 0) goto out;
     }
     double later = median(first + 1, 4);
-    /* The control: a STORE after the server sat idle as long as every one
+    /* The control: a STORE after the server sat idle far longer than any
      * of its spin windows (2 ms), so its threads sleep as they did before
      * the first STORE. first / idle near 1 says nothing is left to set up
      * on first use; what first / later still shows is the wake-up of idle

@@ -199,9 +199,10 @@ void kvf_xfer_last_path(const kvf_xfer *xfer, kvf_xfer_path_info *out);
  * Calls with fewer batches are not affected. */
 void kvf_xfer_test_fail_at_batch(int64_t batch);
 
-/* Bytes of each of the context's two staging buffers (0 until a staged call
- * allocated them): what kvf_stage_plan_batches gets as `cap`. Not
- * synchronized with calls in flight. */
+/* Bytes of each of the context's two staging buffers (0 until they are
+ * allocated): the most a batch may hold. Calls batch by KVF_XFER_STAGING_MB
+ * (at least one chunk) within it, which is this size on a fresh context
+ * whose tuning did not change. Not synchronized with calls in flight. */
 size_t kvf_xfer_test_stage_bytes(const kvf_xfer *xfer);
 
 /* The context's internal copy-engine stream (a cudaStream_t), to check that

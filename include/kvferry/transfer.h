@@ -135,7 +135,8 @@ typedef struct kvf_xfer_stats {
 
 /* Create a transfer context for a finalized geometry. For a CUDA device this
  * loads the kernels and allocates the two staging buffers of the host<->device
- * route (KVF_XFER_STAGING_MB each, at least one chunk's objects), so that a
+ * route (KVF_XFER_STAGING_MB each, 64 MiB by default, at least one chunk's
+ * objects: 128 MiB of the device's memory per context), so that a
  * first call costs what later ones do (the current device is restored
  * before returning). options may be NULL (host backend).
  * Returns KVF_ERR_INVALID_ARGUMENT (NULL pointers, unknown device, bad
