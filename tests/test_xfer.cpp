@@ -970,6 +970,82 @@ TEST(XferStagePlan, BatchesAreWholeChunksThatFitOneBuffer) {
   }
 }
 
+// kvf_stage_plan_batches on chunks of hand-picked sizes (one object group):
+// the exact batches, so the edge rules are checked where chunks differ (a
+// short last chunk joins the scatter's last batch with its neighbours).
+std::vector<std::pair<uint64_t, uint64_t>> batches_of(const std::vector<uint64_t> &sizes, uint64_t cap,
+                                                      uint64_t edge, int gather) {
+  kvf_stage_plan p = {};
+  std::vector<uint64_t> size = sizes, offset(sizes.size());
+  std::vector<kvf_stage_batch> batches(sizes.size());
+  p.num_chunks = p.num_objects = sizes.size();
+  p.size = size.data();
+  p.offset = offset.data();
+  p.batches = batches.data();
+  kvf_stage_plan_batches(&p, cap, edge, gather);
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  for (uint64_t i = 0; i < p.num_batches; i++) out.push_back({batches[i].k0, batches[i].k1});
+  return out;
+}
+
+TEST(XferStagePlan, EdgeBatchOnChunksOfDifferentSizes) {
+  using B = std::vector<std::pair<uint64_t, uint64_t>>;
+  const std::vector<uint64_t> sizes = {4, 4, 4, 4, 1, 1};  // a request ending in two short chunks
+  // No edge limit: greedy at cap 8.
+  EXPECT_EQ(batches_of(sizes, 8, 0, 1), (B{{0, 2}, {2, 4}, {4, 6}}));
+  EXPECT_EQ(batches_of(sizes, 8, 0, 0), (B{{0, 2}, {2, 4}, {4, 6}}));
+  // A gather's first batch at most 4: one chunk, then greedy at 16.
+  EXPECT_EQ(batches_of(sizes, 16, 4, 1), (B{{0, 1}, {1, 6}}));
+  EXPECT_EQ(batches_of(sizes, 12, 4, 1), (B{{0, 1}, {1, 4}, {4, 6}}));
+  // A scatter's last batch: every trailing chunk that fits 6 (1 + 1 + 4).
+  EXPECT_EQ(batches_of(sizes, 16, 6, 0), (B{{0, 3}, {3, 6}}));
+  // Edge smaller than any chunk: still one chunk.
+  EXPECT_EQ(batches_of(sizes, 16, 1, 1), (B{{0, 1}, {1, 6}}));
+  EXPECT_EQ(batches_of(sizes, 16, 1, 0), (B{{0, 4}, {4, 5}, {5, 6}}));
+  // Everything fits the edge: one batch either way.
+  EXPECT_EQ(batches_of(sizes, 64, 32, 1), (B{{0, 6}}));
+  EXPECT_EQ(batches_of(sizes, 64, 32, 0), (B{{0, 6}}));
+  // Edge at or above cap: no edge rule.
+  EXPECT_EQ(batches_of(sizes, 8, 8, 0), batches_of(sizes, 8, 0, 0));
+  EXPECT_EQ(batches_of(sizes, 8, 100, 1), batches_of(sizes, 8, 0, 1));
+  // One chunk; none.
+  EXPECT_EQ(batches_of({5}, 4, 2, 0), (B{{0, 1}}));
+  EXPECT_EQ(batches_of({}, 4, 2, 1), B{});
+}
+
+// The staging tunables: defaults as documented, out-of-range values refused
+// by kvf_xfer_set_tuning with nothing changed.
+TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
+  kvf_xfer_tuning t;
+  kvf_xfer_tuning_from_params(&t);
+  EXPECT_EQ(t.staging_mb, 64);
+  EXPECT_EQ(t.stage_edge_mb, 16);
+  EXPECT_EQ(t.stage_multi_pieces, 2);
+  GeometryPtr g = load_preset("llama-3.1-8b-fa-nhd", 4);
+  ASSERT_TRUE(g) << kvf_last_error();
+  XferPtr x = make_xfer(g.get(), KVF_DEVICE_HOST);
+  ASSERT_TRUE(x);
+  kvf_xfer_tuning base;
+  kvf_xfer_get_tuning(x.get(), &base);
+  auto refused = [&](void (*change)(kvf_xfer_tuning &)) {
+    kvf_xfer_tuning bad = base;
+    change(bad);
+    kvf_status st = kvf_xfer_set_tuning(x.get(), &bad);
+    kvf_xfer_tuning now;
+    kvf_xfer_get_tuning(x.get(), &now);
+    return st == KVF_ERR_INVALID_ARGUMENT && memcmp(&now, &base, sizeof now) == 0;
+  };
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_edge_mb = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_edge_mb = (int64_t)KVF_STAGE_MAX_MB + 1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.staging_mb = (int64_t)KVF_STAGE_MAX_MB + 1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_multi_pieces = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_multi_pieces = KVF_STAGE_MAX_PIECES + 1; }));
+  kvf_xfer_tuning ok = base;
+  ok.stage_edge_mb = 0;
+  ok.stage_multi_pieces = 0;
+  EXPECT_EQ(kvf_xfer_set_tuning(x.get(), &ok), KVF_SUCCESS) << kvf_last_error();
+}
+
 uint32_t object_group_of(const kvf_geometry *g, uint32_t group) {
   for (uint32_t og = 0; og < kvf_geometry_num_object_groups(g); og++) {
     kvf_object_group_info info = KVF_OBJECT_GROUP_INFO_INIT;

@@ -78,6 +78,9 @@ void kvf_stage_plan_free(kvf_stage_plan *plan);
 
 /* Most kernel launches (pieces) one staged batch is split into. */
 #define KVF_STAGE_MAX_PIECES 16
+/* Most MiB a staging size may name (KVF_XFER_STAGING_MB, _STAGE_EDGE_MB):
+ * a byte count << 20 must not wrap. */
+#define KVF_STAGE_MAX_MB (1 << 20)
 
 /* Split the segments a request moves into at most `pieces` pieces of whole
  * views (a view's planes or states stay together, so the bytes of an object
