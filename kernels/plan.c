@@ -519,10 +519,10 @@ uint64_t kvf_blob_blocks(const void *blob, kvf_blob_block *out, uint64_t cap) {
         within += s->tokens;
         bi++;
         if (within >= h->chunk_local) {
-          while (within >= h->chunk_local) {
-            within -= h->chunk_local;
-            k++;
-          }
+          /* The next chunk: chunk_local is a multiple of the block's tokens
+           * (geometry.c checks it), so the block starts it. */
+          within -= h->chunk_local;
+          k++;
           bi = div_u64(within, s->tokens);
         }
       }

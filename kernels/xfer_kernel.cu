@@ -198,6 +198,10 @@ __global__ void __launch_bounds__(kThreads, 1) kvf_walk_kernel_p(const __grid_co
 
 constexpr int kParamSizes[] = {2048, 8192, 12288, 16384, KVF_KERNEL_PARAM_MAX};
 static_assert(sizeof kParamSizes / sizeof kParamSizes[0] == 5, "the launch switch and the preload name every size");
+constexpr bool ascending(int i = 1) {
+  return i >= (int)(sizeof kParamSizes / sizeof kParamSizes[0]) || (kParamSizes[i - 1] < kParamSizes[i] && ascending(i + 1));
+}
+static_assert(ascending(), "kvf_kernel_param_room takes the first size that holds a blob: sizes ascend");
 static_assert(KVF_KERNEL_PARAM_MAX % 16 == 0 && KVF_KERNEL_PARAM_MAX <= 32764, "kernel parameters hold at most 32764 bytes");
 
 uint32_t lower_ctas(uint64_t total_tasks, uint32_t ctas) {

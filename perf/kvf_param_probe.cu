@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -65,12 +66,16 @@ double median(std::vector<double> v) {
 
 FILE *g_json;
 
-void report(const char *kind, const char *what, size_t bytes, double us, double other) {
-  printf("%-5s %-28s %9zu B  %8.2f us%s", kind, what, bytes, us, other > 0 ? "" : "\n");
-  if (other > 0) printf("  (alone %.2f us)\n", other);
-  if (g_json)
-    fprintf(g_json, "{\"kind\": \"%s\", \"what\": \"%s\", \"bytes\": %zu, \"median_us\": %.3f%s%.3f}\n", kind, what, bytes,
-            us, other > 0 ? ", \"alone_us\": " : ", \"unused\": ", other);
+/* One figure: median_us (back to back for host figures), alone_us (host
+ * figures only: each call with the stream idle). */
+void report(const char *kind, const char *what, size_t bytes, double us, double alone) {
+  printf("%-5s %-28s %9zu B  %8.2f us", kind, what, bytes, us);
+  if (alone > 0) printf("  (alone %.2f us)", alone);
+  printf("\n");
+  if (!g_json) return;
+  fprintf(g_json, "{\"kind\": \"%s\", \"what\": \"%s\", \"bytes\": %zu, \"median_us\": %.3f", kind, what, bytes, us);
+  if (alone > 0) fprintf(g_json, ", \"alone_us\": %.3f", alone);
+  fprintf(g_json, "}\n");
 }
 
 template <class F> void host_time(const char *what, size_t bytes, cudaStream_t s, F call) {
@@ -131,8 +136,16 @@ template <int N> void both(const char *label, size_t bytes, const uint4 *a, uint
 }  // namespace
 
 int main(int argc, char **argv) {
-  for (int i = 1; i + 1 < argc; i++)
-    if (!strcmp(argv[i], "--json") && !(g_json = fopen(argv[i + 1], "w"))) return 1;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--json") != 0 || i + 1 >= argc) {
+      fprintf(stderr, "usage: kvf_param_probe [--json FILE]\n");
+      return 2;
+    }
+    if (!(g_json = fopen(argv[++i], "w"))) {
+      fprintf(stderr, "kvf_param_probe: %s: %s\n", argv[i], strerror(errno));
+      return 1;
+    }
+  }
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   uint4 *a, *b;
@@ -147,9 +160,10 @@ int main(int argc, char **argv) {
   host_time("cudaEventRecord", 0, s, [&] { CK(cudaEventRecord(mark, s)); });
   host_time("cudaMemcpyAsync pinned H2D", 11000, s,
             [&] { CK(cudaMemcpyAsync(b, pinned, 11000, cudaMemcpyHostToDevice, s)); });
+  const size_t copy_bytes[] = {4u << 20, 17u << 20, 32u << 20};
   for (int pass = 0; pass < 1 + 3; pass++) {
     bool host = pass == 0;
-    size_t bytes = host ? 0 : (size_t[]){4u << 20, 17u << 20, 32u << 20}[pass - 1];
+    size_t bytes = host ? 0 : copy_bytes[pass - 1];
     both<2048>("2 KiB", bytes, a, b, s, ev, host);
     both<4096>("4 KiB", bytes, a, b, s, ev, host);
     both<8192>("8 KiB", bytes, a, b, s, ev, host);
