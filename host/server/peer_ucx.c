@@ -514,8 +514,26 @@ kvf_status kvf_pt_send(kvf_pt_conn *c, const void *data, size_t len) {
   return send_raw(c, PT_AM_ID, data, len);
 }
 
-/* The System V segment mapped at p (its shmid, the inode /proc/self/maps
- * shows), or -1 when p is in none. */
+/* One line of /proc/self/maps: its address range, its inode (a System V
+ * segment's shmid) and whether it maps such a segment readable and shared.
+ * 0 when the line does not parse. */
+typedef struct maps_line {
+  unsigned long lo, hi, ino;
+  int sysv;        /* the path is a System V segment's */
+  int shared_read; /* permissions r..s */
+} maps_line;
+
+static int maps_parse(const char *line, maps_line *m) {
+  unsigned long off;
+  char perms[8], dev[16];
+  int path = 0;
+  if (sscanf(line, "%lx-%lx %7s %lx %15s %lu %n", &m->lo, &m->hi, perms, &off, dev, &m->ino, &path) < 6) return 0;
+  m->sysv = path && strncmp(line + path, "/SYSV", 5) == 0;
+  m->shared_read = perms[0] == 'r' && perms[3] == 's';
+  return 1;
+}
+
+/* The System V segment mapped at p (its shmid), or -1 when p is in none. */
 static int sysv_shmid_at(const void *p) {
   FILE *f = fopen("/proc/self/maps", "re");
   if (!f) return -1;
@@ -523,13 +541,10 @@ static int sysv_shmid_at(const void *p) {
   char *line = NULL;
   size_t cap = 0;
   int id = -1;
+  maps_line m;
   while (getline(&line, &cap, f) > 0) {
-    unsigned long lo, hi, off, ino;
-    char perms[8], dev[16];
-    int path = 0;
-    if (sscanf(line, "%lx-%lx %7s %lx %15s %lu %n", &lo, &hi, perms, &off, dev, &ino, &path) < 6) continue;
-    if (a < lo || a >= hi) continue;
-    if (path && strncmp(line + path, "/SYSV", 5) == 0 && ino <= INT_MAX) id = (int)ino;
+    if (!maps_parse(line, &m) || a < m.lo || a >= m.hi) continue;
+    if (m.sysv && m.ino <= INT_MAX) id = (int)m.ino;
     break;
   }
   free(line);
@@ -711,22 +726,20 @@ static int sysv_mapping_covers(const void *p, uint64_t len) {
   char *line = NULL;
   size_t cap = 0;
   int ok = -1;
+  maps_line m;
   while (getline(&line, &cap, f) > 0) {
-    unsigned long lo, hi, off, ino;
-    char perms[8], dev[16];
-    int path = 0;
-    if (sscanf(line, "%lx-%lx %7s %lx %15s %lu %n", &lo, &hi, perms, &off, dev, &ino, &path) < 6 || !path) continue;
-    int sysv = strncmp(line + path, "/SYSV", 5) == 0 && perms[0] == 'r' && perms[3] == 's';
+    if (!maps_parse(line, &m)) continue;
+    int sysv = m.sysv && m.shared_read;
     if (!end) {
-      if (a < lo || a >= hi) continue;
+      if (a < m.lo || a >= m.hi) continue;
       if (!sysv) break;
-      inode = ino;
-      end = hi;
+      inode = m.ino;
+      end = m.hi;
       ok = 0;
-    } else if (lo != end || !sysv || ino != inode) {
+    } else if (m.lo != end || !sysv || m.ino != inode) {
       break;
     } else {
-      end = hi;
+      end = m.hi;
     }
     if (end - a >= len) {
       ok = 1;
