@@ -379,7 +379,28 @@ class Peers : public ::testing::Test {
   std::string start_a(const std::string &secret_file = "") {
     return a.start(dir_a, {"--listen", addr, "--peer-secret-file", secret_file.empty() ? secret : secret_file});
   }
+  // A SIGKILLed 0-40 ms from now (the delay drawn from *rng), on a thread
+  // the caller joins: the kill lands anywhere in what the caller does next.
+  std::thread kill_a_within_40ms(uint64_t *rng) {
+    int delay_us = (int)(splitmix(rng) % 40000);
+    return std::thread([this, delay_us] {
+      std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+      a.kill_now();
+    });
+  }
 };
+
+// Store T tokens (keys of 64 tokens from `seed`) through src from the first
+// T/16 of nb shuffled blocks (by `shuffle`): the keys and block ids.
+void store_prompt(Engine &src, uint64_t seed, uint32_t nb, uint64_t shuffle, uint64_t T,
+                  std::vector<kvf_chunk_key> *keys, std::vector<uint32_t> *ids) {
+  *keys = prompt_keys(src.g, seed, T, 64);
+  *ids = shuffled(nb, shuffle);
+  ids->resize(T / 16);
+  kvf_client_result r;
+  ASSERT_EQ(xfer(src, true, *keys, *ids, T, &r), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_EQ(r.prefix_tokens, T);
+}
 
 void expect_b_idle(ServerB &b, const std::string &when) {
   auto t0 = Clock::now();
@@ -697,8 +718,6 @@ TEST_F(Peers, GarbageAndTruncatedMessagesDisconnectAndTheServerStaysUp) {
 // A SIGKILLed at random points of pulls: B keeps serving, reports exactly
 // the prefix it restored (every reported block correct), holds nothing
 // afterwards; a restarted A (a new boot token) is noticed and used again.
-
-
 TEST_F(Peers, PeerKilledMidPullAbortsAndARestartedPeerIsUsedAgain) {
   setenv("UCX_TLS", getenv("KVF_TEST_KILL_TLS") ? getenv("KVF_TEST_KILL_TLS") : "tcp", 1);
   const uint32_t nb = 4096; // 65536 tokens: 1024 chunks of 64 KiB per object... of 2 regions
@@ -719,21 +738,13 @@ TEST_F(Peers, PeerKilledMidPullAbortsAndARestartedPeerIsUsedAgain) {
     ASSERT_EQ(src.open(dir_a, json, 100 + round), "");
     ASSERT_EQ(dst.open(dir_b, json, 200 + round), "");
     const uint64_t T = 16384 * 2; // 512 chunks, 2048 blocks: 64 MiB of objects
-    std::vector<kvf_chunk_key> keys = prompt_keys(src.g, 100 + round, T, 64);
-    std::vector<uint32_t> ids = shuffled(nb, round);
-    ids.resize(T / 16);
-    kvf_client_result r;
-    ASSERT_EQ(xfer(src, true, keys, ids, T, &r), KVF_SUCCESS) << kvf_last_error();
-    ASSERT_EQ(r.prefix_tokens, T);
+    std::vector<kvf_chunk_key> keys;
+    std::vector<uint32_t> ids;
+    ASSERT_NO_FATAL_FAILURE(store_prompt(src, 100 + round, nb, round, T, &keys, &ids));
     bool last = round == 3;
     std::thread killer;
-    if (!last) {
-      int delay_us = (int)(splitmix(&rng) % 40000);
-      killer = std::thread([this, delay_us] {
-        std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
-        a.kill_now();
-      });
-    }
+    if (!last) killer = kill_a_within_40ms(&rng);
+    kvf_client_result r;
     kvf_status st = xfer(dst, false, keys, ids, T, &r);
     if (killer.joinable()) killer.join();
     ASSERT_EQ(st, KVF_SUCCESS) << kvf_last_error();
@@ -1501,24 +1512,17 @@ TEST_F(Peers, PusherKilledMidPullCommitsNothingPartialAndARestartedPusherIsUsedA
     ASSERT_EQ(src.open(dir_a, json, 300 + round), "");
     ASSERT_EQ(dst.open(dir_b, json, 400 + round), "");
     const uint64_t T = 16384 * 2; // 512 chunks: 32 MiB of objects in one OFFER
-    std::vector<kvf_chunk_key> keys = prompt_keys(src.g, 300 + round, T, 64);
-    std::vector<uint32_t> ids = shuffled(nb, round);
-    ids.resize(T / 16);
+    std::vector<kvf_chunk_key> keys;
+    std::vector<uint32_t> ids;
+    ASSERT_NO_FATAL_FAILURE(store_prompt(src, 300 + round, nb, round, T, &keys, &ids));
     kvf_client_result r;
-    ASSERT_EQ(xfer(src, true, keys, ids, T, &r), KVF_SUCCESS) << kvf_last_error();
     std::string name;
     auto t0 = Clock::now();
     while ((name = incoming_peer_name(src)).empty() && ms_since(t0) < 10000) sleep_ms(10);
     ASSERT_FALSE(name.empty());
     bool last = round == 3;
     std::thread killer;
-    if (!last) {
-      int delay_us = (int)(splitmix(&rng) % 40000);
-      killer = std::thread([this, delay_us] {
-        std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
-        a.kill_now();
-      });
-    }
+    if (!last) killer = kill_a_within_40ms(&rng);
     kvf_client_push_result pr;
     uint64_t aborted = b.data().l1.aborted_total;
     kvf_status st = push(src, keys, T, name, &pr);
