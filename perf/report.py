@@ -149,6 +149,21 @@ def base(r, name):
     return b if ok(b) else None
 
 
+BATCH_CUB = (("batch", "cudaMemcpyBatchAsync"), ("cub", "cub::DeviceMemcpy::Batched"))
+
+
+def batch_cub_pairs(recs):
+    """(record, kvferry's default entry, baseline label, baseline) for every record where both ran."""
+    for r in recs:
+        e = kvf_default(r)
+        if not e:
+            continue
+        for k, label in BATCH_CUB:
+            b = base(r, k)
+            if b:
+                yield r, e, label, b
+
+
 def gbps(x):
     return x["gbps"] if x and x.get("gbps") is not None else None
 
@@ -388,19 +403,12 @@ def evaluate(d):
     # 5. Faster than cudaMemcpyBatchAsync and cub::DeviceMemcpy::Batched everywhere.
     v = Verdict("Faster than cudaMemcpyBatchAsync and cub::DeviceMemcpy::Batched on every preset and direction")
     total, misses = 0, []
-    for r in recs:
-        e = kvf_default(r)
-        if not e:
-            continue
-        for name, label in (("batch", "cudaMemcpyBatchAsync"), ("cub", "cub::DeviceMemcpy::Batched")):
-            b = base(r, name)
-            if not b:
-                continue
-            total += 1
-            sp = ratio(e["gbps"], b["gbps"])
-            if sp is not None and sp <= 1.0:
-                misses.append(f"missed: {r['preset']} {r['direction']} {r['tokens']} tokens: {fx(sp)} {label} "
-                              f"({fg(e['gbps'])} vs {fg(b['gbps'])} GB/s)")
+    for r, e, label, b in batch_cub_pairs(recs):
+        total += 1
+        sp = ratio(e["gbps"], b["gbps"])
+        if sp is not None and sp <= 1.0:
+            misses.append(f"missed: {r['preset']} {r['direction']} {r['tokens']} tokens: {fx(sp)} {label} "
+                          f"({fg(e['gbps'])} vs {fg(b['gbps'])} GB/s)")
     if total:
         v.met = not misses
         v.lines.append(f"kvferry (default cap) is faster in {total - len(misses)} of {total} comparisons.")
@@ -434,8 +442,7 @@ def kvf_cap(r, cap):
 def others(r):
     """[(name, gbps)] of every baseline but the limit, and every peer that ran and passed."""
     out = []
-    for k, label in (("batch", "cudaMemcpyBatchAsync"), ("cub", "cub::DeviceMemcpy::Batched"),
-                     ("memcpy_per_run", "memcpy per run")):
+    for k, label in BATCH_CUB + (("memcpy_per_run", "memcpy per run"),):
         b = base(r, k)
         if b:
             out.append((label, b["gbps"]))
@@ -617,20 +624,13 @@ def versus_batch_cub(recs, how, rate):
     v = Verdict(f"kvferry ≥ cudaMemcpyBatchAsync and ≥ cub::DeviceMemcpy::Batched on every row "
                 f"(within {I15_NOISE:.0%}), {how}")
     rows, unmeasured = [], 0
-    for r in recs:
-        e = kvf_default(r)
-        if not e:
+    for r, e, label, b in batch_cub_pairs(recs):
+        x = ratio(rate(e), rate(b))
+        if x is None:
+            unmeasured += 1
             continue
-        for k, label in (("batch", "cudaMemcpyBatchAsync"), ("cub", "cub::DeviceMemcpy::Batched")):
-            b = base(r, k)
-            if not b:
-                continue
-            x = ratio(rate(e), rate(b))
-            if x is None:
-                unmeasured += 1
-                continue
-            rows.append((x, f"{r['preset']} {r['direction']} {r['tokens']}: {fx(x)} {label} "
-                            f"({fg(rate(e))} vs {fg(rate(b))} GB/s)"))
+        rows.append((x, f"{r['preset']} {r['direction']} {r['tokens']}: {fx(x)} {label} "
+                        f"({fg(rate(e))} vs {fg(rate(b))} GB/s)"))
     misses = sorted(x for x in rows if x[0] < 1 - I15_NOISE)
     if rows:
         v.met = not misses
