@@ -1735,8 +1735,8 @@ kvf_status kvf_server_run(kvf_server *s) {
       break;
     }
     uint64_t poll_ns = kvf_now_ns();
-    if (rc > 0) active_ns = poll_ns;
     if (rc > 0) {
+      active_ns = poll_ns;
       if (s->pfds[0].revents) {
         char buf[64];
         while (read(s->stop_pipe[0], buf, sizeof(buf)) > 0) {
