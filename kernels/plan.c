@@ -531,10 +531,11 @@ uint64_t kvf_blob_blocks(const void *blob, kvf_blob_block *out, uint64_t cap) {
   return n;
 }
 
-int kvf_blob_entry_linear(const kvf_blob_entry *e) {
-  const kvf_segment *s = &e->seg;
+int kvf_segment_linear(const kvf_segment *s) {
   return s->heads == 1 && (s->tokens == 1 || (s->src_token == s->run && s->dst_token == s->run));
 }
+
+int kvf_blob_entry_linear(const kvf_blob_entry *e) { return kvf_segment_linear(&e->seg); }
 
 uint64_t kvf_blob_object_extent(const kvf_blob_entry *e, uint64_t units) {
   if (units == 0) return 0;

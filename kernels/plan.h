@@ -171,6 +171,8 @@ uint64_t kvf_blob_blocks(const void *blob, kvf_blob_block *out, uint64_t cap);
  * fused run per token, tokens back to back, or a recurrent state): then a
  * block moves units*vec bytes from cache to object as a single copy. */
 int kvf_blob_entry_linear(const kvf_blob_entry *entry);
+/* The same test for a plan's segment. */
+int kvf_segment_linear(const kvf_segment *segment);
 
 /* One past the largest object-side byte offset, from the block's object
  * pointer, that a block moving `units` units of entry e writes (gather) or

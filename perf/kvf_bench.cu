@@ -181,7 +181,8 @@ void usage(FILE *f) {
           "  --tune SPEC               also time kvferry with tuning SPEC = key=value[,key=value...] (repeatable);\n"
           "                            keys: pieces, growth, dma_batch, param_bytes, task_bytes, task_waves,\n"
           "                            batch_min_run, batch_max_runs, stage_sms, pcie_sms, staging_mb, kernel,\n"
-          "                            small_stage_mb, edge_mb, multi_pieces\n"
+          "                            small_stage_mb, edge_mb, multi_pieces,\n"
+          "                            straight_kb, straight_min_run\n"
           "                            (host/core/xfer_internal.h),\n"
           "                            cap (the context's max_sms). Variants are checked like every contender.\n"
           "  --enqueue-reps N          synchronized calls timing the host enqueue of each kvferry entry (default 15;\n"
@@ -953,6 +954,8 @@ void apply_tune(const std::string &spec, kvf_xfer_tuning *t, int *cap) {
     if (k == "pieces") t->stage_pieces = v;
     else if (k == "growth") t->stage_growth = v;
     else if (k == "edge_mb") t->stage_edge_mb = v;
+    else if (k == "straight_kb") t->stage_straight_kb = v;
+    else if (k == "straight_min_run") t->stage_straight_min_run = v;
     else if (k == "multi_pieces") t->stage_multi_pieces = v;
     else if (k == "kernel") t->kernel = v;
     else if (k == "dma_batch") t->stage_dma_batch = v;
@@ -1273,6 +1276,7 @@ void write_kvf(JsonWriter &j, const std::vector<KvfResult> &kr, uint64_t payload
       j.key("path").begin_object().kv("name", kvf_xfer_path_name(r.path.path)).kv("launches", r.path.launches);
       j.kv("param_launches", r.path.param_launches).kv("uploads", r.path.uploads).kv("batches", r.path.batches);
       j.kv("pieces", r.path.pieces).kv("dma_ops", r.path.dma_ops).kv("dma_runs", r.path.dma_runs);
+      j.kv("straight_runs", r.path.straight_runs);
       j.kv("slice_bytes", r.path.slice_bytes).kv("host_us", r.path.host_us).end_object();
     }
     if (std::isfinite(r.enqueue_alone_us)) j.kv("enqueue_alone_us", r.enqueue_alone_us).kv("enqueue_alone_p90_us", r.enqueue_alone_p90_us);

@@ -1021,6 +1021,8 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_EQ(t.staging_mb, 64);
   EXPECT_EQ(t.stage_edge_mb, 16);
   EXPECT_EQ(t.stage_multi_pieces, 2);
+  EXPECT_EQ(t.stage_straight_kb, 1024);
+  EXPECT_EQ(t.stage_straight_min_run, 16384);
   GeometryPtr g = load_preset("llama-3.1-8b-fa-nhd", 4);
   ASSERT_TRUE(g) << kvf_last_error();
   XferPtr x = make_xfer(g.get(), KVF_DEVICE_HOST);
@@ -1040,9 +1042,14 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.staging_mb = (int64_t)KVF_STAGE_MAX_MB + 1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_multi_pieces = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_multi_pieces = KVF_STAGE_MAX_PIECES + 1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_straight_kb = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_straight_kb = ((int64_t)KVF_STAGE_MAX_MB << 10) + 1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_straight_min_run = -1; }));
   kvf_xfer_tuning ok = base;
   ok.stage_edge_mb = 0;
   ok.stage_multi_pieces = 0;
+  ok.stage_straight_kb = 0;
+  ok.stage_straight_min_run = 0;
   EXPECT_EQ(kvf_xfer_set_tuning(x.get(), &ok), KVF_SUCCESS) << kvf_last_error();
 }
 
@@ -1490,6 +1497,65 @@ TEST(XferWalk, StepsAgreeWithDivision) {
         }
       }
     }
+}
+
+// The straight part's views: whole linear views from the exposed end (a
+// gather's first, a scatter's last) until the target, none where blocks are
+// not one run or are shorter than the minimum.
+TEST(XferStraight, PicksWholeLinearViewsFromTheExposedEnd) {
+  struct Want {
+    const char *preset;
+    uint64_t min_run;
+    uint64_t target;
+    int from_end;
+    std::vector<uint32_t> segments; // picked
+    uint64_t bytes;
+  };
+  const uint64_t layer = 2ull * 16 * 32768; // Llama-8B NHD: 2 planes x 16 blocks x 32 KiB a chunk
+  const std::vector<Want> wants = {
+      {"llama-3.1-8b-fa-nhd", 16384, 1 << 20, 0, {0, 1}, layer},
+      {"llama-3.1-8b-fa-nhd", 16384, (1 << 20) + 1, 0, {0, 1, 2, 3}, 2 * layer},
+      {"llama-3.1-8b-fa-nhd", 16384, 1 << 20, 1, {62, 63}, layer},
+      {"llama-3.1-8b-fa-nhd", 16384, 0, 0, {}, 0},
+      {"llama-3.1-8b-fa-nhd", 32769, 1 << 20, 0, {}, 0},  // 32 KiB blocks: too short
+      {"llama-3.1-8b-fa-hnd", 0, 1 << 20, 0, {}, 0},      // a block is one run per head
+  };
+  for (const Want &w : wants) {
+    SCOPED_TRACE(std::string(w.preset) + " min_run " + std::to_string(w.min_run) + " target " +
+                 std::to_string(w.target) + (w.from_end ? " from the end" : ""));
+    Prepared s;
+    ASSERT_NO_FATAL_FAILURE(setup_chunks(w.preset, 1, 0, 23, &s));
+    const kvf_geometry *g = s.g();
+    PlanHolder plan;
+    ASSERT_EQ(kvf_plan_build(g, KVF_FORMAT_CANONICAL, &plan.p), KVF_SUCCESS);
+    Req r(s.plan, KVF_FORMAT_CANONICAL, fake_bases(g), fake_objects(g, s.plan));
+    std::vector<unsigned char> pick(plan.p.num_segments, 7);
+    uint64_t bytes = kvf_stage_straight_pick(g, &plan.p, r.get(), w.from_end, w.min_run, w.target, pick.data());
+    std::vector<uint32_t> got;
+    for (uint32_t i = 0; i < plan.p.num_segments; i++) {
+      EXPECT_LE(pick[i], 1) << "segment " << i << " neither picked nor cleared";
+      if (pick[i]) got.push_back(i);
+    }
+    EXPECT_EQ(got, w.segments);
+    EXPECT_EQ(bytes, w.bytes);
+  }
+  // A hybrid cache: the recurrent view (a 6 KiB conv state beside a 32 KiB
+  // ssm state) is never picked whole, the attention views are.
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_chunks("glm-like-hybrid", 1, 0, 29, &s));
+  const kvf_geometry *g = s.g();
+  PlanHolder plan;
+  ASSERT_EQ(kvf_plan_build(g, KVF_FORMAT_CANONICAL, &plan.p), KVF_SUCCESS);
+  Req r(s.plan, KVF_FORMAT_CANONICAL, fake_bases(g), fake_objects(g, s.plan));
+  std::vector<unsigned char> pick(plan.p.num_segments);
+  uint64_t all = kvf_stage_straight_pick(g, &plan.p, r.get(), 1, 16384, UINT64_MAX, pick.data());
+  uint64_t attention = 0;
+  for (uint32_t i = 0; i < plan.p.num_segments; i++) {
+    const kvf_segment &seg = plan.p.segments[i];
+    EXPECT_EQ(pick[i], seg.recurrent ? 0 : 1) << "segment " << i;
+    if (!seg.recurrent) attention += 16ull * seg.run * seg.tokens;
+  }
+  EXPECT_EQ(all, attention);
 }
 
 // Piece shares grow 1:2:4 for a gather (its first kernel is the part the
@@ -1987,6 +2053,35 @@ const RouteVariant kRouteVariants[] = {
        EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
        EXPECT_LE(p.pieces, 2u) << "a small request is staged in at most 2 pieces";
      }},
+    {"straight_part", true,
+     [](kvf_xfer_tuning &t) {
+       t.batch_max_runs = 0;
+       t.stage_straight_kb = 1; // the first (last) view that is one run a block
+       t.stage_straight_min_run = 0;
+       t.stage_pieces = 2;
+       t.small_stage_mb = 0;
+     },
+     [](const kvf_xfer_path_info &p, Mem) { EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path); }},
+    {"straight_part_one_piece", true,
+     [](kvf_xfer_tuning &t) {
+       t.batch_max_runs = 0;
+       t.stage_straight_kb = 64;
+       t.stage_straight_min_run = 0;
+       t.stage_pieces = 1; // the copies follow run lists all the same
+       t.small_stage_mb = 0;
+     },
+     [](const kvf_xfer_path_info &p, Mem) { EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path); }},
+    {"straight_part_batches", true,
+     [](kvf_xfer_tuning &t) {
+       t.batch_max_runs = 0;
+       t.staging_mb = 2; // several batches where chunks are small
+       t.stage_edge_mb = 1;
+       t.stage_straight_kb = 16;
+       t.stage_straight_min_run = 0;
+       t.stage_pieces = 4;
+       t.small_stage_mb = 0;
+     },
+     [](const kvf_xfer_path_info &p, Mem) { EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path); }},
     {"grid_stride_walk", false, [](kvf_xfer_tuning &t) { t.kernel = 1; },
      [](const kvf_xfer_path_info &p, Mem m) {
        if (m == Mem::Device) {
@@ -2073,15 +2168,18 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
     Mem obj;
     bool legacy;
     kvf_xfer_path path;
+    bool straight; // the copy engine moves the exposed layers itself
   };
   // One Llama chunk is 1024 runs: over KVF_XFER_BATCH_MAX_RUNS (the batch
-  // API's host cost), staged; the MLA chunk's 244 runs take the batch API.
-  const Want wants[] = {{"llama-3.1-8b-fa-nhd", Mem::Pinned, false, KVF_PATH_STAGED},
-                        {"deepseek-v3-mla-bf16", Mem::Pinned, false, KVF_PATH_COPY_BATCH},
-                        {"llama-3.1-8b-fa-hnd", Mem::Pinned, false, KVF_PATH_STAGED},
-                        {"llama-3.1-8b-fa-nhd", Mem::Pinned, true, KVF_PATH_STAGED},
-                        {"llama-3.1-8b-fa-nhd", Mem::Device, false, KVF_PATH_KERNEL},
-                        {"deepseek-v3-mla-bf16", Mem::Device, false, KVF_PATH_KERNEL}};
+  // API's host cost), staged, its first (last) layer straight from (to) the
+  // cache but on the legacy stream; the MLA chunk's 244 runs take the batch
+  // API; HND blocks are a run per head, none straight.
+  const Want wants[] = {{"llama-3.1-8b-fa-nhd", Mem::Pinned, false, KVF_PATH_STAGED, true},
+                        {"deepseek-v3-mla-bf16", Mem::Pinned, false, KVF_PATH_COPY_BATCH, false},
+                        {"llama-3.1-8b-fa-hnd", Mem::Pinned, false, KVF_PATH_STAGED, false},
+                        {"llama-3.1-8b-fa-nhd", Mem::Pinned, true, KVF_PATH_STAGED, false},
+                        {"llama-3.1-8b-fa-nhd", Mem::Device, false, KVF_PATH_KERNEL, false},
+                        {"deepseek-v3-mla-bf16", Mem::Device, false, KVF_PATH_KERNEL, false}};
   for (const Want &w : wants)
     for (Dir d : {Dir::Gather, Dir::Scatter}) {
       SCOPED_TRACE(std::string(w.preset) + " " + mem_name(w.obj) + (w.legacy ? " legacy stream " : " ") + dir_name(d));
@@ -2092,8 +2190,10 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
       cfg.legacy_stream = w.legacy;
       cfg.route = expected_route(w.obj, d);
       kvf_xfer_path want = w.path;
-      cfg.check_path = [want](const kvf_xfer_path_info &p) {
+      bool straight = w.straight;
+      cfg.check_path = [want, straight](const kvf_xfer_path_info &p) {
         EXPECT_EQ(p.path, want) << kvf_xfer_path_name(p.path);
+        EXPECT_EQ(p.straight_runs > 0, straight) << p.straight_runs << " runs straight";
         EXPECT_EQ(p.uploads, 0u) << "one chunk's tables fit the kernel parameters";
         if (want == KVF_PATH_STAGED) {
           EXPECT_GT(p.pieces, 1u) << "one chunk's batch is split so the copy engine starts early";

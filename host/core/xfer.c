@@ -124,6 +124,8 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
                          .stage_growth = kvf_param_xfer_stage_growth(),
                          .stage_edge_mb = kvf_param_xfer_stage_edge_mb(),
                          .stage_multi_pieces = kvf_param_xfer_stage_multi_pieces(),
+                         .stage_straight_kb = kvf_param_xfer_stage_straight_kb(),
+                         .stage_straight_min_run = kvf_param_xfer_stage_straight_min_run(),
                          .stage_dma_batch = kvf_param_xfer_stage_dma_batch(),
                          .param_bytes = kvf_param_xfer_param_table_bytes(),
                          .task_bytes = kvf_param_xfer_task_bytes(),
@@ -141,6 +143,9 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
   if (t->staging_mb > KVF_STAGE_MAX_MB) t->staging_mb = 64;
   if (t->stage_edge_mb < 0 || t->stage_edge_mb > KVF_STAGE_MAX_MB) t->stage_edge_mb = 16;
   if (t->stage_multi_pieces < 0 || t->stage_multi_pieces > KVF_STAGE_MAX_PIECES) t->stage_multi_pieces = 2;
+  if (t->stage_straight_kb < 0 || t->stage_straight_kb > (int64_t)KVF_STAGE_MAX_MB << 10) t->stage_straight_kb = 1024;
+  if (t->stage_straight_min_run < 0 || t->stage_straight_min_run > (int64_t)KVF_STAGE_MAX_MB << 20)
+    t->stage_straight_min_run = 16384;
 }
 
 kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
@@ -150,7 +155,9 @@ kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
       t->task_bytes % 16 || t->task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->stage_dma_batch < 0 ||
       t->small_stage_mb < 0 || t->kernel < 0 || t->kernel > 2 || t->stage_growth < 1 || t->stage_growth > 16 ||
       t->staging_mb > KVF_STAGE_MAX_MB || t->stage_edge_mb < 0 || t->stage_edge_mb > KVF_STAGE_MAX_MB ||
-      t->stage_multi_pieces < 0 || t->stage_multi_pieces > KVF_STAGE_MAX_PIECES)
+      t->stage_multi_pieces < 0 || t->stage_multi_pieces > KVF_STAGE_MAX_PIECES || t->stage_straight_kb < 0 ||
+      t->stage_straight_kb > (int64_t)KVF_STAGE_MAX_MB << 10 || t->stage_straight_min_run < 0 ||
+      t->stage_straight_min_run > (int64_t)KVF_STAGE_MAX_MB << 20)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_set_tuning: a value is out of range");
   pthread_mutex_lock(&x->lock);
   x->tune = *t;
@@ -623,19 +630,23 @@ static uint32_t choose_slice(const kvf_xfer *x, uint64_t payload, uint32_t ctas)
 
 /* ---- the copy-engine batch route ------------------------------------------ */
 
+/* The legacy default stream (NULL, cudaStreamLegacy) and the per-thread one,
+ * which cudaMemcpyBatchAsync refuses or may refuse. */
+static int default_stream(cudaStream_t s) { return s == NULL || s == cudaStreamLegacy || s == cudaStreamPerThread; }
+
 /* The request's runs for cudaMemcpyBatchAsync, when every block of every
  * entry is one contiguous run on both sides and the runs are few and long
- * enough (KVF_XFER_BATCH_MIN_RUN, KVF_XFER_BATCH_MAX_RUNS). Runs that
+ * enough (min_run; at most max_runs of them). Runs that
  * continue each other on both sides are merged. Returns 1 with the arrays
  * filled (free them), 0 when the route does not fit, -1 out of memory. */
-static int batch_runs(const kvf_xfer *x, const void *blob, int gather, void ***dst, const void ***src, size_t **size,
-                      size_t *count) {
+static int batch_runs(const void *blob, int gather, uint64_t min_run, uint64_t max_runs, void ***dst,
+                      const void ***src, size_t **size, size_t *count) {
   const kvf_blob_header *h = blob;
   const kvf_blob_entry *entries = (const kvf_blob_entry *)((const char *)blob + h->off_entries);
   for (uint32_t i = 0; i < h->num_entries; i++)
     if (!kvf_blob_entry_linear(&entries[i])) return 0;
   uint64_t n = kvf_blob_blocks(blob, NULL, 0);
-  if (n == 0 || (x->tune.batch_max_runs > 0 && n > (uint64_t)x->tune.batch_max_runs * 4)) return 0;
+  if (n == 0 || n > max_runs * 4) return 0;
   kvf_blob_block *b = malloc(sizeof *b * n);
   *dst = malloc(sizeof **dst * n);
   *src = malloc(sizeof **src * n);
@@ -679,7 +690,7 @@ static int batch_runs(const kvf_xfer *x, const void *blob, int gather, void ***d
     }
     shortest = second;
   }
-  if (shortest < (uint64_t)x->tune.batch_min_run || m > (uint64_t)x->tune.batch_max_runs) {
+  if (shortest < min_run || m > max_runs) {
     free(*dst);
     free(*src);
     free(*size);
@@ -712,7 +723,8 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
   void **dst = NULL;
   const void **src = NULL;
   size_t *sizes = NULL, count = 0;
-  int fit = batch_runs(x, x->host_blob, gather, &dst, &src, &sizes, &count);
+  int fit = batch_runs(x->host_blob, gather, (uint64_t)x->tune.batch_min_run, (uint64_t)x->tune.batch_max_runs, &dst,
+                       &src, &sizes, &count);
   if (fit < 0) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
   if (fit == 0) return KVF_ERR_UNSUPPORTED;
   struct cudaMemcpyAttributes attr;
@@ -805,6 +817,17 @@ typedef struct staged_call {
   staging *slot;
   int any_direct;
   uint64_t direct;          /* index of the direct launch */
+  int use_runs;             /* the copy engine follows run lists (pieces > 1, or a straight part) */
+  uint64_t edge;            /* the edge batch: a gather's first, a scatter's last */
+  /* The straight part (KVF_XFER_STAGE_STRAIGHT_KB): views of the edge batch
+   * the copy engine moves between the cache and the host objects itself,
+   * left out of the edge batch's pieces (edge_masks). */
+  unsigned char *edge_masks; /* [pieces][segments] */
+  void **straight_dst;
+  const void **straight_src;
+  size_t *straight_size;
+  size_t straight_runs;     /* 0: no straight part */
+  uint64_t straight_bytes;
 } staged_call;
 
 static void staged_call_free(staged_call *c) {
@@ -814,6 +837,10 @@ static void staged_call_free(staged_call *c) {
   free(c->batches);
   free(c->runs);
   free(c->run_first);
+  free(c->edge_masks);
+  free(c->straight_dst);
+  free(c->straight_src);
+  free(c->straight_size);
 }
 
 /* Launch l of a staged call on `stream` (the test hook may refuse the
@@ -843,19 +870,19 @@ static cudaError_t staged_launch(kvf_xfer *x, const staged_call *c, const launch
 /* The copy-engine leg of piece p of batch bi on ce_stream: the objects'
  * spans (one piece) or the piece's runs. */
 static cudaError_t staged_dma(kvf_xfer *x, const kvf_copy_request *r, const staged_call *c, uint64_t bi, uint32_t p,
-                              int gather) {
+                              int gather, cudaStream_t ds) {
   const kvf_stage_plan *sp = &c->sp;
   const kvf_stage_batch *pb = &sp->batches[bi];
   uint64_t nog = sp->num_objects / sp->num_chunks;
   char *buf = x->stage[c->batches[bi].buf];
   enum cudaMemcpyKind kind = gather ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
   cudaError_t e = cudaSuccess;
-  if (c->pieces == 1) {
+  if (!c->use_runs) {
     for (uint64_t i = pb->k0 * nog; i < pb->k1 * nog && e == cudaSuccess; i++) {
       uint64_t lo = sp->span[2 * i], hi = sp->span[2 * i + 1];
       if (!sp->staged[i] || hi == lo) continue;
       char *host = (char *)r->objects[i] + lo, *dev = buf + sp->offset[i] + lo;
-      e = cudaMemcpyAsync(gather ? host : dev, gather ? dev : host, hi - lo, kind, x->ce_stream);
+      e = cudaMemcpyAsync(gather ? host : dev, gather ? dev : host, hi - lo, kind, ds);
       x->path.dma_ops++;
       x->path.dma_runs++;
     }
@@ -867,7 +894,7 @@ static cudaError_t staged_dma(kvf_xfer *x, const kvf_copy_request *r, const stag
     for (uint64_t i = a; i < b && e == cudaSuccess; i++) {
       const kvf_stage_run *run = &c->runs[i];
       char *host = (char *)r->objects[run->object] + run->offset, *dev = buf + sp->offset[run->object] + run->offset;
-      e = cudaMemcpyAsync(gather ? host : dev, gather ? dev : host, run->bytes, kind, x->ce_stream);
+      e = cudaMemcpyAsync(gather ? host : dev, gather ? dev : host, run->bytes, kind, ds);
       x->path.dma_ops++;
     }
     x->path.dma_runs += b - a;
@@ -888,44 +915,67 @@ static cudaError_t staged_dma(kvf_xfer *x, const kvf_copy_request *r, const stag
       src[n] = gather ? dev : host;
       size[n] = run->bytes;
     }
-    e = cudaMemcpyBatchAsync(dst, src, size, n, &attr, &attr_idx, 1, x->ce_stream);
+    e = cudaMemcpyBatchAsync(dst, src, size, n, &attr, &attr_idx, 1, ds);
     x->path.dma_ops++;
     x->path.dma_runs += n;
   }
   return e;
 }
 
-/* Enqueue batch bi of a staged call. Stops at the first enqueue the runtime
- * refuses and returns its error; what was enqueued before it stays. */
+/* The straight part of a staged call on stream ds: one cudaMemcpyBatchAsync
+ * between the cache and the host objects. */
+static cudaError_t straight_dma(kvf_xfer *x, const staged_call *c, cudaStream_t ds) {
+  struct cudaMemcpyAttributes attr;
+  memset(&attr, 0, sizeof attr);
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  size_t attr_idx = 0;
+  cudaError_t e = cudaMemcpyBatchAsync(c->straight_dst, c->straight_src, c->straight_size, c->straight_runs, &attr,
+                                       &attr_idx, 1, ds);
+  x->path.dma_ops++;
+  x->path.dma_runs += c->straight_runs;
+  x->path.straight_runs = c->straight_runs;
+  return e;
+}
+
+/* Enqueue batch bi of a staged call, kernels on ks and the copy engine's
+ * legs on ds; a gather's straight part goes with its edge batch, after the
+ * first kernel launch (so a refused first launch leaves nothing enqueued).
+ * Stops at the first enqueue the runtime refuses and returns its error
+ * (*straight_refused set when it was the straight part's); what was enqueued
+ * before it stays. */
 static cudaError_t enqueue_batch(kvf_xfer *x, const kvf_copy_request *r, const staged_call *c, uint64_t bi, int gather,
-                                 uint32_t stage_sms, uint32_t *used_sms, cudaStream_t stream) {
+                                 uint32_t stage_sms, uint32_t *used_sms, cudaStream_t ks, cudaStream_t ds,
+                                 int *straight_refused) {
   uint32_t buf = c->batches[bi].buf;
   cudaError_t e;
   if (gather) {
     /* kernels: cache -> buffer after the buffer's previous copy-out; each
      * piece's copy-out starts as soon as its kernel is done */
-    e = cudaStreamWaitEvent(stream, x->stage_free[buf], 0);
+    e = cudaStreamWaitEvent(ks, x->stage_free[buf], 0);
     for (uint32_t p = 0; e == cudaSuccess && p < c->pieces; p++) {
       e = staged_launch(x, c, &c->launches[c->batches[bi].first + p], stage_sms, p == 0 ? (int64_t)bi : -1, used_sms,
-                        stream);
-      if (e == cudaSuccess) e = cudaEventRecord(x->stage_ready[buf], stream);
-      if (e == cudaSuccess) e = cudaStreamWaitEvent(x->ce_stream, x->stage_ready[buf], 0);
-      if (e == cudaSuccess) e = staged_dma(x, r, c, bi, p, 1);
+                        ks);
+      if (e == cudaSuccess && p == 0 && bi == c->edge && c->straight_runs &&
+          (e = straight_dma(x, c, ds)) != cudaSuccess)
+        *straight_refused = 1;
+      if (e == cudaSuccess) e = cudaEventRecord(x->stage_ready[buf], ks);
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(ds, x->stage_ready[buf], 0);
+      if (e == cudaSuccess) e = staged_dma(x, r, c, bi, p, 1, ds);
     }
-    if (e == cudaSuccess) e = cudaEventRecord(x->stage_free[buf], x->ce_stream);
+    if (e == cudaSuccess) e = cudaEventRecord(x->stage_free[buf], ds);
   } else {
     /* copy engine: objects -> buffer after the buffer's previous reader;
      * each piece's kernel starts as soon as its fill is done */
-    e = cudaStreamWaitEvent(x->ce_stream, x->stage_free[buf], 0);
+    e = cudaStreamWaitEvent(ds, x->stage_free[buf], 0);
     for (uint32_t p = 0; e == cudaSuccess && p < c->pieces; p++) {
-      e = staged_dma(x, r, c, bi, p, 0);
-      if (e == cudaSuccess) e = cudaEventRecord(x->stage_ready[buf], x->ce_stream);
-      if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, x->stage_ready[buf], 0);
+      e = staged_dma(x, r, c, bi, p, 0, ds);
+      if (e == cudaSuccess) e = cudaEventRecord(x->stage_ready[buf], ds);
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(ks, x->stage_ready[buf], 0);
       if (e == cudaSuccess)
         e = staged_launch(x, c, &c->launches[c->batches[bi].first + p], stage_sms, p == 0 ? (int64_t)bi : -1,
-                          used_sms, stream);
+                          used_sms, ks);
     }
-    if (e == cudaSuccess) e = cudaEventRecord(x->stage_free[buf], stream);
+    if (e == cudaSuccess) e = cudaEventRecord(x->stage_free[buf], ks);
   }
   return e;
 }
@@ -989,13 +1039,99 @@ static kvf_status add_piece_runs(staged_call *c, const void *blob, const uint64_
   return KVF_SUCCESS;
 }
 
+/* The segment mask of piece p of batch bi (NULL: every segment). */
+static const unsigned char *piece_mask(const staged_call *c, uint64_t bi, uint32_t p, uint64_t ns) {
+  if (c->edge_masks && bi == c->edge) return c->edge_masks + (size_t)p * ns;
+  return c->pieces > 1 ? c->masks + (size_t)p * ns : NULL;
+}
+
+/* The straight part of a staged call (KVF_XFER_STAGE_STRAIGHT_KB): the copy
+ * engine moves the first views of a gather's first batch (the last views of
+ * a scatter's last batch) between the cache and the host objects itself, on
+ * the caller's stream, while the kernels stage the rest on the other. A
+ * gather's copy engine then starts at once instead of after a kernel and a
+ * hand-off between streams, and a scatter's last kernel runs while the copy
+ * engine still works. Measured on an H200 (perf/results/2026-12-01-h200-
+ * straight): perf/kvf_hop_probe's 8.3 MiB copy at 64 SMs, d2h 92.7% of
+ * memcpy staged in 2 pieces -> 99.0% with 1 MiB straight, h2d 91.9 ->
+ * 99.4% (the fork and join between the streams alone cost 11 us); kvf_bench,
+ * one chunk at the default cap, 1 MiB straight against none: glm-like
+ * d2h/h2d 90.4/88.7 -> 97.7/95.7%, gpt-oss-like 90.1/90.5 -> 96.9/96.7%,
+ * fp8-inline 94.7/93.9 -> 98.6/98.0%, Llama NHD 95.9/96.0 -> 98.5/98.2%;
+ * 4096 tokens: every such preset 99.0-99.6%.
+ * Leaves the plan without a straight part (nothing allocated) when no view
+ * fits: runs too short or not one per block, more than
+ * KVF_STAGE_STRAIGHT_MAX_RUNS runs, or more than half the batch. Objects the
+ * direct kernel writes (a gather's partial ones) are left to it. */
+static kvf_status plan_straight(kvf_xfer *x, const kvf_copy_request *r, int gather, staged_call *c) {
+  const kvf_geometry *g = x->geometry;
+  const kvf_plan *plan = &x->plan[r->format];
+  uint64_t nog = g->num_object_groups, ns = plan->num_segments;
+  const kvf_stage_batch *eb = &c->sp.batches[c->edge];
+  uint64_t first = eb->k0 * nog, count = (eb->k1 - eb->k0) * nog;
+  uint64_t min_run = (uint64_t)x->tune.stage_straight_min_run, target = (uint64_t)x->tune.stage_straight_kb << 10;
+  /* Slow kernels (the context's SM cap below 64) leave the first piece's kernel and a
+   * scatter's last one longer to hide: twice the bytes. Measured with the
+   * numbers above at 4 SMs: 1 -> 2 MiB took glm-like d2h/h2d 85.8/78.8 ->
+   * 95.3/87.6%, gpt-oss-like 96.0/94.6 -> 97.5/95.9%; 4 MiB was no better
+   * on gpt-oss-like d2h (88.4%). At the default cap 2 MiB gained under a
+   * point and its extra runs' host time (0.7 us each) outgrew a small
+   * chunk's copy (glm-like: 220 us of enqueue for a 163 us copy). */
+  if (x->max_sms && x->max_sms < KVF_SMALL_STAGE_SMS) target *= 2;
+  if (ns == 0 || count == 0) return KVF_SUCCESS;
+  kvf_copy_request part = *r;
+  batch_tokens(r, eb, g->policy.chunk_tokens, &part);
+  unsigned char *pick = malloc(ns);
+  void **objects = malloc(sizeof *objects * count), *blob = NULL;
+  kvf_status st = KVF_SUCCESS;
+  if (!pick || !objects) goto oom;
+  if (!kvf_stage_straight_pick(g, plan, &part, !gather, min_run, target, pick)) goto out;
+  for (uint64_t i = 0; i < count; i++) objects[i] = c->sp.staged[first + i] ? r->objects[first + i] : NULL;
+  part.objects = objects;
+  kvf_blob_opts o = {0, pick};
+  uint64_t size = round256(kvf_blob_size(g, plan, &part, &o));
+  if (!(blob = aligned_alloc(256, size))) goto oom;
+  kvf_blob_build(g, plan, &part, gather, &o, blob);
+  int fit = batch_runs(blob, gather, min_run, KVF_STAGE_STRAIGHT_MAX_RUNS, &c->straight_dst, &c->straight_src,
+                       &c->straight_size, &c->straight_runs);
+  if (fit < 0) goto oom;
+  if (fit == 0) goto out;
+  uint64_t moved = 0;
+  for (size_t i = 0; i < c->straight_runs; i++) moved += c->straight_size[i];
+  if (moved > eb->bytes / 2) goto out;
+  if (!(c->edge_masks = malloc((size_t)c->pieces * ns))) goto oom;
+  for (uint32_t p = 0; p < c->pieces; p++)
+    for (uint64_t sgi = 0; sgi < ns; sgi++)
+      c->edge_masks[(size_t)p * ns + sgi] = (c->pieces == 1 || c->masks[(size_t)p * ns + sgi]) && !pick[sgi];
+  /* Counted like the batches' blobs count theirs (kernels/plan.h). */
+  c->straight_bytes = ((const kvf_blob_header *)blob)->payload_bytes;
+  goto out;
+oom:
+  st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
+out:
+  if (st || !c->edge_masks) {
+    free(c->straight_dst);
+    free(c->straight_src);
+    free(c->straight_size);
+    c->straight_dst = NULL;
+    c->straight_src = NULL;
+    c->straight_size = NULL;
+    c->straight_runs = 0;
+  }
+  free(pick);
+  free(objects);
+  free(blob);
+  return st;
+}
+
 /* Plan a staged call with `pieces` pieces per batch: the batches, each
  * piece's tables (built in x->host_blob; uploaded through a slot only when
- * one is too large for the kernel parameters) and copies. *retry is set
- * when pieces do not fit the request (a gather with holes): plan again with
- * one piece. */
-static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather, uint32_t pieces, uint32_t stage_sms,
-                              uint32_t pcie_sms, staged_call *c, int *retry) {
+ * one is too large for the kernel parameters) and copies, and the straight
+ * part when `straight` allows one. *retry is set when pieces do not fit the
+ * request (a gather with holes): plan again with one piece and no straight
+ * part. */
+static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather, uint32_t pieces, int straight,
+                              uint32_t stage_sms, uint32_t pcie_sms, staged_call *c, int *retry) {
   const kvf_geometry *g = x->geometry;
   const kvf_plan *plan = &x->plan[r->format];
   uint64_t nog = g->num_object_groups, cc = g->policy.chunk_tokens, ns = plan->num_segments;
@@ -1027,6 +1163,9 @@ static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather
                                                         c->masks)
                          : 1;
   c->any_direct = c->sp.any_direct;
+  c->edge = gather || nb == 0 ? 0 : nb - 1;
+  if (straight && x->tune.stage_straight_kb > 0 && nb > 0 && (st = plan_straight(x, r, gather, c))) goto out;
+  c->use_runs = c->pieces > 1 || c->straight_runs > 0;
   c->num_launches = nb * c->pieces + (c->any_direct ? 1 : 0);
   c->launches = calloc(c->num_launches ? c->num_launches : 1, sizeof *c->launches);
   c->batches = calloc(nb ? nb : 1, sizeof *c->batches);
@@ -1047,7 +1186,7 @@ static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather
     c->batches[bi].buf = (x->next_stage + (uint32_t)bi) & 1;
     c->batches[bi].first = (uint32_t)l;
     for (uint32_t p = 0; p < c->pieces; p++, l++) {
-      kvf_blob_opts o = {0, c->pieces > 1 ? c->masks + (size_t)p * ns : NULL};
+      kvf_blob_opts o = {0, piece_mask(c, bi, p, ns)};
       c->launches[l].blob_size = kvf_blob_size(g, plan, &part, &o);
       all_params &= fits_params(x, c->launches[l].blob_size);
     }
@@ -1075,12 +1214,12 @@ static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather
     part.objects = sub + pb->k0 * nog;
     for (uint32_t p = 0; p < c->pieces; p++) {
       launch *l = &c->launches[c->batches[bi].first + p];
-      kvf_blob_opts o = {0, c->pieces > 1 ? c->masks + (size_t)p * ns : NULL};
+      kvf_blob_opts o = {0, piece_mask(c, bi, p, ns)};
       void *blob = (char *)x->host_blob + l->blob_off;
       l->tasks = kvf_blob_build(g, plan, &part, gather, &o, blob);
       l->slice = choose_slice(x, ((const kvf_blob_header *)blob)->payload_bytes, stage_sms);
       if (l->slice != KVF_SLICE_BYTES) l->tasks = kvf_blob_reslice(blob, l->slice);
-      if (c->pieces > 1) {
+      if (c->use_runs) {
         int bad = 0;
         /* The piece's objects are indexed like the batch's request. */
         if ((st = add_piece_runs(c, blob, base + pb->k0 * nog, gather, &bad))) goto out;
@@ -1141,14 +1280,16 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
   const char *dir = gather ? "gather" : "scatter";
   uint64_t nb = 0, bi = 0, payload = 0, tasks = 0;
   uint32_t used_sms = 0;
-  int forked = 0, retry = 0;
+  int forked = 0, retry = 0, straight_refused = 0;
   cudaError_t e = cudaSuccess;
   staged_call c;
   if (pieces < 1) pieces = 1;
-  kvf_status st = plan_staged(x, r, gather, pieces, stage_sms, pcie_sms, &c, &retry);
+  /* The straight part goes on the caller's stream as one batch copy, which
+   * the legacy and per-thread default streams may refuse. */
+  kvf_status st = plan_staged(x, r, gather, pieces, !default_stream(stream), stage_sms, pcie_sms, &c, &retry);
   if (!st && retry) {
     staged_call_free(&c);
-    st = plan_staged(x, r, gather, 1, stage_sms, pcie_sms, &c, &retry);
+    st = plan_staged(x, r, gather, 1, 0, stage_sms, pcie_sms, &c, &retry);
   }
   if (st) goto out;
   nb = c.sp.num_batches;
@@ -1161,7 +1302,12 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
     if (!c.any_direct || l != c.direct)
       payload += ((const kvf_blob_header *)((char *)x->host_blob + c.launches[l].blob_off))->payload_bytes;
   }
+  payload += c.straight_bytes;
   x->path = (kvf_xfer_path_info){.path = KVF_PATH_STAGED, .batches = (uint32_t)nb, .pieces = c.pieces};
+  /* With a straight part the copy engine's legs go on the caller's stream
+   * (a gather's copy engine starts there at once, with no hand-off from
+   * another stream) and the kernels on the internal one. */
+  cudaStream_t ks = c.straight_runs ? x->ce_stream : stream, ds = c.straight_runs ? stream : x->ce_stream;
 
   /* Enqueue. The copy-engine stream forks from the caller's stream (it sees
    * everything enqueued before this call) and joins it at the end. bi ends
@@ -1176,10 +1322,14 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
   if (e == cudaSuccess) e = cudaStreamWaitEvent(x->ce_stream, x->fork, 0);
   forked = e == cudaSuccess;
   for (bi = 0; e == cudaSuccess && bi < nb;) {
-    e = enqueue_batch(x, r, &c, bi, gather, stage_sms, &used_sms, stream);
+    e = enqueue_batch(x, r, &c, bi, gather, stage_sms, &used_sms, ks, ds, &straight_refused);
     if (e == cudaSuccess) bi++;
   }
-  if (e == cudaSuccess && c.any_direct) e = staged_launch(x, &c, &c.launches[c.direct], pcie_sms, -1, &used_sms, stream);
+  if (e == cudaSuccess && c.straight_runs && !gather && (e = straight_dma(x, &c, ds)) != cudaSuccess)
+    straight_refused = 1;
+  /* The direct kernel on the kernels' stream, beside the copy engine's last
+   * legs rather than after them. */
+  if (e == cudaSuccess && c.any_direct) e = staged_launch(x, &c, &c.launches[c.direct], pcie_sms, -1, &used_sms, ks);
   if (e != cudaSuccess) {
     cudaGetLastError();
     cudaError_t ej = finish_staged(x, stream, c.slot, forked, 1);
@@ -1192,7 +1342,14 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
     if (ej != cudaSuccess)
       snprintf(joined, sizeof joined, "; joining the internal stream back failed too (%s): it was waited for",
                cudaGetErrorString(ej));
-    if (!forked)
+    if (straight_refused)
+      st = kvf_fail(KVF_ERR_CUDA,
+                    "staged %s: enqueueing the copy engine's straight part (%zu runs of the %s batch): %s; it may "
+                    "have been enqueued in part (those %s are unspecified until the stream's work completes), "
+                    "after %s%s",
+                    dir, c.straight_runs, gather ? "first" : "last", cudaGetErrorString(e),
+                    gather ? "objects" : "blocks", gather ? "the first batch's first kernel" : "every batch", joined);
+    else if (!forked)
       st = kvf_fail(KVF_ERR_CUDA,
                     "staged %s: enqueueing the call's tables: %s; nothing that writes an object or a block was "
                     "enqueued%s",
@@ -1211,7 +1368,10 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
                     dir, cudaGetErrorString(e), done, joined);
     goto out;
   }
-  e = finish_staged(x, stream, c.slot, forked, 0);
+  /* A gather with a straight part and no direct kernel needs no join: the
+   * caller's stream waited for the last kernel's event, the internal
+   * stream's last work. */
+  e = finish_staged(x, stream, c.slot, forked && !(c.straight_runs && gather && !c.any_direct), 0);
   if (e != cudaSuccess) {
     st = kvf_fail(KVF_ERR_CUDA,
                   "staged %s: ending the call (joining the internal stream, recording its event): %s; all %llu "
@@ -1377,9 +1537,6 @@ static int request_payload_at_most(const kvf_xfer *x, const kvf_copy_request *r,
   return 1;
 }
 
-/* The legacy default stream (NULL, cudaStreamLegacy) and the per-thread one,
- * which cudaMemcpyBatchAsync refuses or may refuse. */
-static int default_stream(cudaStream_t s) { return s == NULL || s == cudaStreamLegacy || s == cudaStreamPerThread; }
 
 static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream) {
   kvf_xfer_route route = KVF_ROUTE_D2D;

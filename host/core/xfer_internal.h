@@ -81,6 +81,9 @@ void kvf_stage_plan_free(kvf_stage_plan *plan);
 /* Most MiB a staging size may name (KVF_XFER_STAGING_MB, _STAGE_EDGE_MB):
  * a byte count << 20 must not wrap. */
 #define KVF_STAGE_MAX_MB (1 << 20)
+/* Most runs of a staged call's straight copy-engine part (the host time of
+ * cudaMemcpyBatchAsync grows with its runs). */
+#define KVF_STAGE_STRAIGHT_MAX_RUNS 256
 
 /* Split the segments a request moves into at most `pieces` pieces of whole
  * views (a view's planes or states stay together, so the bytes of an object
@@ -100,6 +103,18 @@ uint32_t kvf_stage_piece_masks(const kvf_geometry *geometry, const kvf_plan *pla
 uint32_t kvf_stage_piece_masks_growth(const kvf_geometry *geometry, const kvf_plan *plan,
                                       const kvf_copy_request *request, int gather, uint32_t pieces, uint32_t growth,
                                       unsigned char *masks);
+
+/* The views of a request (a staged call's first batch for a gather, its
+ * last for a scatter) that the copy engine moves straight between the cache
+ * and the host objects while the kernels stage the rest: whole views whose
+ * every segment moves and is linear (one run per block on both sides) with
+ * blocks of at least min_run bytes, taken from the first view on (from the
+ * last when from_end) until they hold at least `target` bytes. Sets
+ * pick[s] (of plan->num_segments) for their segments, clears the others, and
+ * returns their bytes as counted from the request's block ranges (skipped
+ * block ids included: an upper bound; 0 when none is picked). */
+uint64_t kvf_stage_straight_pick(const kvf_geometry *geometry, const kvf_plan *plan, const kvf_copy_request *request,
+                               int from_end, uint64_t min_run, uint64_t target, unsigned char *pick);
 
 /* A contiguous byte range of one object. */
 typedef struct kvf_stage_run {
@@ -130,6 +145,8 @@ typedef struct kvf_xfer_tuning {
   int64_t stage_growth;    /* KVF_XFER_STAGE_GROWTH: size ratio of consecutive pieces (1..16) */
   int64_t stage_edge_mb;   /* KVF_XFER_STAGE_EDGE_MB: a gather's first / a scatter's last batch (0: no limit) */
   int64_t stage_multi_pieces; /* KVF_XFER_STAGE_MULTI_PIECES: most pieces per batch of a multi-batch call (0: off) */
+  int64_t stage_straight_kb; /* KVF_XFER_STAGE_STRAIGHT_KB: the edge batch's bytes the copy engine moves straight (0: off) */
+  int64_t stage_straight_min_run; /* KVF_XFER_STAGE_STRAIGHT_MIN_RUN: shortest block run it moves straight */
   int64_t stage_dma_batch; /* KVF_XFER_STAGE_DMA_BATCH: 1: a piece's copies are one cudaMemcpyBatchAsync */
   int64_t param_bytes;     /* KVF_XFER_PARAM_TABLE_BYTES: tables up to this size go in kernel parameters */
   int64_t task_bytes;      /* KVF_XFER_TASK_BYTES: most bytes a task moves */
@@ -183,6 +200,7 @@ typedef struct kvf_xfer_path_info {
   uint32_t pieces;         /* staged pieces per batch */
   uint64_t dma_ops;        /* copy-engine calls (memcpy or batch calls) */
   uint64_t dma_runs;       /* byte ranges they copy */
+  uint64_t straight_runs;  /* of those, runs a staged call's copy engine moves straight (KVF_XFER_STAGE_STRAIGHT_KB) */
   uint32_t slice_bytes;    /* task size of the (last) launch */
   double host_us;          /* host time of the call, from entering to returning */
 } kvf_xfer_path_info;

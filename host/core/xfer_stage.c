@@ -151,8 +151,9 @@ void kvf_stage_plan_batches(kvf_stage_plan *p, uint64_t cap, uint64_t edge_cap, 
 
 /* ---- pieces ---------------------------------------------------------------- */
 
-/* Whether the request moves any block of group gi (the blob's own test). */
-static int group_moves(const kvf_geometry *g, const kvf_copy_request *r, uint32_t gi) {
+/* The blocks of group gi the request names (chunks for a recurrent group):
+ * how many at most it moves (skipped ids counted). */
+static uint64_t group_blocks(const kvf_geometry *g, const kvf_copy_request *r, uint32_t gi) {
   const kvf_group_blocks *t = &r->groups[gi];
   if (!t->block_ids || !t->count) return 0;
   uint64_t c = g->policy.chunk_tokens, lo, hi;
@@ -166,7 +167,47 @@ static int group_moves(const kvf_geometry *g, const kvf_copy_request *r, uint32_
   }
   if (t->first_block > lo) lo = t->first_block;
   if (t->first_block + t->count < hi) hi = t->first_block + t->count;
-  return lo < hi;
+  return lo < hi ? hi - lo : 0;
+}
+
+/* Whether the request moves any block of group gi (the blob's own test). */
+static int group_moves(const kvf_geometry *g, const kvf_copy_request *r, uint32_t gi) {
+  return group_blocks(g, r, gi) > 0;
+}
+
+/* Whether the copy engine can move a segment's blocks as they are: each
+ * block one run on both sides (as the batch route asks) of at least min_run
+ * bytes. */
+static int segment_straight(const kvf_segment *s, uint64_t min_run) {
+  return kvf_segment_linear(s) && (uint64_t)s->run * s->tokens >= min_run;
+}
+
+uint64_t kvf_stage_straight_pick(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r, int from_end,
+                               uint64_t min_run, uint64_t target, unsigned char *pick) {
+  uint32_t ns = plan->num_segments;
+  memset(pick, 0, ns);
+  uint64_t picked = 0;
+  /* Whole views, walked from the first (a gather's head) or from the last
+   * (a scatter's tail). */
+  for (uint32_t v = 0; v < ns && picked < target;) {
+    uint32_t a = from_end ? ns - 1 - v : v, lo = a, hi = a;
+    uint32_t view = plan->segments[a].view;
+    while (lo > 0 && plan->segments[lo - 1].view == view) lo--;
+    while (hi + 1 < ns && plan->segments[hi + 1].view == view) hi++;
+    v += hi - lo + 1;
+    uint64_t bytes = 0;
+    int ok = 1;
+    for (uint32_t s = lo; s <= hi && ok; s++) {
+      const kvf_segment *seg = &plan->segments[s];
+      uint64_t blocks = group_blocks(g, r, seg->group);
+      ok = blocks > 0 && segment_straight(seg, min_run);
+      bytes += blocks * seg->run * seg->tokens;
+    }
+    if (!ok) continue;
+    memset(pick + lo, 1, hi - lo + 1);
+    picked += bytes;
+  }
+  return picked;
 }
 
 uint32_t kvf_stage_piece_masks(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r, int gather,

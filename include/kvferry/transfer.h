@@ -35,8 +35,11 @@
  * of whole chunks, each batch in pieces of whole layers, and the copy engine
  * drains (fills) them on an internal stream forked from the caller's stream
  * and joined back into it (KVF_XFER_STAGING_MB=0: one direct launch
- * instead). The legacy default stream and captured calls never take the
- * batch API.
+ * instead). Where a gather's first layers (a scatter's last) are long runs
+ * of whole blocks, the copy engine moves those itself, straight between the
+ * cache and the objects (KVF_XFER_STAGE_STRAIGHT_KB), on the caller's
+ * stream, and the kernels run on the internal one. The legacy default
+ * stream and captured calls never take the batch API.
  *
  * Failures (CUDA backend): a call checks and reserves everything it needs
  * before its first enqueue: the request, the memory kind of every pointer,
@@ -58,8 +61,9 @@
  *     enqueued.
  *   - staged calls: when batch k of n is refused (the message names it and
  *     its chunks; a refused upload of the call's tables is said so and
- *     counts as k = 0; a batch's pieces count as the batch), batches 0..k-1
- *     were enqueued whole and will complete,
+ *     counts as k = 0; a batch's pieces count as the batch, and so does a
+ *     gather's straight part with its first batch, a scatter's with its
+ *     last), batches 0..k-1 were enqueued whole and will complete,
  *     writing their objects (gather) or blocks (scatter) exactly as a
  *     successful call does; batch k's objects or blocks are unspecified;
  *     nothing after batch k was enqueued, so later chunks' objects or blocks
