@@ -32,7 +32,8 @@
 #             in flight, 4096 at 1; the first STORE after a registration against later ones)
 #   stageab   4096 and 16384 tokens, every preset, d2h/h2d: the staged route's batch sizes and
 #             pieces against the previous default (and without the small edge batch)
-#   params    perf/kvf_param_probe: a launch's host and GPU cost by parameter size
+#   params    perf/kvf_param_probe: a launch's host and GPU cost by parameter size; and
+#             perf/kvf_hop_probe: what the staged route's hand-offs between streams cost
 #   summary   report.py's per-size tables of what was measured (stdout, and OUTDIR/results.md),
 #             report_served.py's table, and a short table last
 # If the plain conformance run fails on the warp-walk kernel (the default) but not on
@@ -252,13 +253,21 @@ if want params; then
   else
     say "== params: kvf_param_probe missing"
   fi
+  if [[ -x $bin/kvf_hop_probe ]]; then
+    for a in "8699904 64" "8699904 4" "33554432 16"; do
+      timeout -k 5 30 "$bin/kvf_hop_probe" $a 200
+    done > "$work/hops.log" 2>&1
+    say "== hops: exit $?"
+  fi
   pack
 fi
 
 if want chunk; then
   # One chunk on every preset (with every peer); 4096 tokens on all (full) or a few (explore).
-  step chunk-256 $([[ $mode == explore ]] && echo 90 || echo 150) --preset "$all" --tokens 256 \
-    --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all
+  # (and without the staged route's straight part, at both caps: its A/B)
+  step chunk-256 $([[ $mode == explore ]] && echo 100 || echo 160) --preset "$all" --tokens 256 \
+    --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all \
+    --tune straight_kb=0 --tune straight_kb=0,cap=4
   step chunk-4096 $([[ $mode == explore ]] && echo 60 || echo 120) --preset "${chunk_big:-$all}" --tokens 4096 \
     --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all
 fi
