@@ -1045,6 +1045,7 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_straight_kb = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_straight_kb = ((int64_t)KVF_STAGE_MAX_MB << 10) + 1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_straight_min_run = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_straight_min_run = ((int64_t)KVF_STAGE_MAX_MB << 20) + 1; }));
   kvf_xfer_tuning ok = base;
   ok.stage_edge_mb = 0;
   ok.stage_multi_pieces = 0;
@@ -1556,6 +1557,58 @@ TEST(XferStraight, PicksWholeLinearViewsFromTheExposedEnd) {
     if (!seg.recurrent) attention += 16ull * seg.run * seg.tokens;
   }
   EXPECT_EQ(all, attention);
+}
+
+// The batch API's runs of a blob (the copy-batch route and the straight
+// part): merged, checked against the shortest run and the most runs, and
+// when they do not fit nothing is left for the caller to free. A request
+// ending 3 tokens into a block has a 6 KiB last run a plane on Llama NHD.
+TEST(XferStraight, BatchRunsLeaveNothingToFreeWhenTheyDoNotFit) {
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_chunks("llama-3.1-8b-fa-nhd", 0, 195, 31, &s));
+  const kvf_geometry *g = s.g();
+  PlanHolder plan;
+  ASSERT_EQ(kvf_plan_build(g, KVF_FORMAT_CANONICAL, &plan.p), KVF_SUCCESS);
+  Req r(s.plan, KVF_FORMAT_CANONICAL, fake_bases(g), fake_objects(g, s.plan));
+  std::vector<unsigned char> layer0(plan.p.num_segments, 0);
+  layer0[0] = layer0[1] = 1; // both planes of layer 0: 13 blocks each, the last 3 tokens long
+  kvf_blob_opts o = {0, layer0.data()};
+  for (int gather : {1, 0}) {
+    SCOPED_TRACE(gather ? "gather" : "scatter");
+    std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, &o);
+    const auto *h = reinterpret_cast<const kvf_blob_header *>(blob.data());
+    struct Case {
+      uint64_t min_run, max_runs;
+      int want;
+    };
+    // Fits; two short runs (one a plane) against 16 KiB; 26 runs against 10
+    // (arrays made, then refused); against 4 (refused before any array).
+    for (Case c : {Case{0, 256, 1}, Case{16384, 256, 0}, Case{0, 10, 0}, Case{0, 4, 0}}) {
+      SCOPED_TRACE("min_run " + std::to_string(c.min_run) + " max_runs " + std::to_string(c.max_runs));
+      void **dst = reinterpret_cast<void **>(8);
+      const void **src = reinterpret_cast<const void **>(8);
+      size_t *size = reinterpret_cast<size_t *>(8), count = 0;
+      int fit = kvf_stage_batch_runs(blob.data(), gather, c.min_run, c.max_runs, &dst, &src, &size, &count);
+      EXPECT_EQ(fit, c.want);
+      if (fit != 1) {
+        EXPECT_EQ(dst, nullptr);
+        EXPECT_EQ(src, nullptr);
+        EXPECT_EQ(size, nullptr);
+        continue;
+      }
+      uint64_t bytes = 0, shorts = 0;
+      for (size_t i = 0; i < count; i++) {
+        bytes += size[i];
+        shorts += size[i] < 16384;
+      }
+      EXPECT_EQ(bytes, h->payload_bytes);
+      EXPECT_LE(count, 26u);
+      EXPECT_EQ(shorts, 2u) << "one 6 KiB run a plane";
+      free(dst);
+      free(src);
+      free(size);
+    }
+  }
 }
 
 // Piece shares grow 1:2:4 for a gather (its first kernel is the part the
@@ -2201,6 +2254,29 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
       };
       run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 24 + (uint64_t)d, cfg);
     }
+}
+
+// A request ending 3 tokens into a block: the straight part's layers would
+// carry a 6 KiB run a plane, under KVF_XFER_STAGE_STRAIGHT_MIN_RUN, so the
+// call stages everything (and frees what it planned for the straight part
+// once; the CPU case XferStraight.BatchRunsLeaveNothingToFreeWhenTheyDoNotFit
+// checks the arrays are not left to free twice).
+TEST(XferGpu, StraightPartFallsBackOnAShortLastBlock) {
+  REQUIRE_GPU();
+  for (Dir d : {Dir::Gather, Dir::Scatter}) {
+    SCOPED_TRACE(dir_name(d));
+    Prepared s;
+    ASSERT_NO_FATAL_FAILURE(setup_chunks("llama-3.1-8b-fa-nhd", 0, 195, 41, &s));
+    GpuConfig cfg;
+    cfg.obj_kind = Mem::Pinned;
+    cfg.route = expected_route(Mem::Pinned, d);
+    cfg.tune = [](kvf_xfer_tuning &t) { t.batch_max_runs = 0; };
+    cfg.check_path = [](const kvf_xfer_path_info &p) {
+      EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
+      EXPECT_EQ(p.straight_runs, 0u);
+    };
+    run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 42 + (uint64_t)d, cfg);
+  }
 }
 
 TEST(XferGpu, HostRegisteredObjects) {

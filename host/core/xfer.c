@@ -634,72 +634,6 @@ static uint32_t choose_slice(const kvf_xfer *x, uint64_t payload, uint32_t ctas)
  * which cudaMemcpyBatchAsync refuses or may refuse. */
 static int default_stream(cudaStream_t s) { return s == NULL || s == cudaStreamLegacy || s == cudaStreamPerThread; }
 
-/* The request's runs for cudaMemcpyBatchAsync, when every block of every
- * entry is one contiguous run on both sides and the runs are few and long
- * enough (min_run; at most max_runs of them). Runs that
- * continue each other on both sides are merged. Returns 1 with the arrays
- * filled (free them), 0 when the route does not fit, -1 out of memory. */
-static int batch_runs(const void *blob, int gather, uint64_t min_run, uint64_t max_runs, void ***dst,
-                      const void ***src, size_t **size, size_t *count) {
-  const kvf_blob_header *h = blob;
-  const kvf_blob_entry *entries = (const kvf_blob_entry *)((const char *)blob + h->off_entries);
-  for (uint32_t i = 0; i < h->num_entries; i++)
-    if (!kvf_blob_entry_linear(&entries[i])) return 0;
-  uint64_t n = kvf_blob_blocks(blob, NULL, 0);
-  if (n == 0 || n > max_runs * 4) return 0;
-  kvf_blob_block *b = malloc(sizeof *b * n);
-  *dst = malloc(sizeof **dst * n);
-  *src = malloc(sizeof **src * n);
-  *size = malloc(sizeof **size * n);
-  if (!b || !*dst || !*src || !*size) {
-    free(b);
-    free(*dst);
-    free(*src);
-    free(*size);
-    return -1;
-  }
-  kvf_blob_blocks(blob, b, n);
-  size_t m = 0;
-  uint64_t shortest = UINT64_MAX;
-  for (uint64_t i = 0; i < n; i++) {
-    size_t bytes = (size_t)(b[i].units * entries[b[i].entry].vec);
-    char *from = gather ? b[i].cache : b[i].object, *to = gather ? b[i].object : b[i].cache;
-    if (m > 0 && (const char *)(*src)[m - 1] + (*size)[m - 1] == from && (char *)(*dst)[m - 1] + (*size)[m - 1] == to) {
-      (*size)[m - 1] += bytes;
-      continue;
-    }
-    (*src)[m] = from;
-    (*dst)[m] = to;
-    (*size)[m] = bytes;
-    m++;
-  }
-  for (size_t i = 0; i < m; i++)
-    if ((*size)[i] < shortest) shortest = (*size)[i];
-  free(b);
-  /* A partial last block's run is short by nature: judge the runs by the
-   * second shortest when there is more than one. */
-  if (m > 1) {
-    uint64_t second = UINT64_MAX;
-    int skipped = 0;
-    for (size_t i = 0; i < m; i++) {
-      if (!skipped && (*size)[i] == shortest) {
-        skipped = 1;
-        continue;
-      }
-      if ((*size)[i] < second) second = (*size)[i];
-    }
-    shortest = second;
-  }
-  if (shortest < min_run || m > max_runs) {
-    free(*dst);
-    free(*src);
-    free(*size);
-    return 0;
-  }
-  *count = m;
-  return 1;
-}
-
 /* The copy engine moves the request's runs straight between the cache and
  * the host objects, on the caller's stream: one call, no kernel, no SM
  * (measured on an H200, perf/results/2026-11-29-h200/curve.json: 55.1-55.3
@@ -723,7 +657,7 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
   void **dst = NULL;
   const void **src = NULL;
   size_t *sizes = NULL, count = 0;
-  int fit = batch_runs(x->host_blob, gather, (uint64_t)x->tune.batch_min_run, (uint64_t)x->tune.batch_max_runs, &dst,
+  int fit = kvf_stage_batch_runs(x->host_blob, gather, (uint64_t)x->tune.batch_min_run, (uint64_t)x->tune.batch_max_runs, &dst,
                        &src, &sizes, &count);
   if (fit < 0) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
   if (fit == 0) return KVF_ERR_UNSUPPORTED;
@@ -1092,7 +1026,7 @@ static kvf_status plan_straight(kvf_xfer *x, const kvf_copy_request *r, int gath
   uint64_t size = round256(kvf_blob_size(g, plan, &part, &o));
   if (!(blob = aligned_alloc(256, size))) goto oom;
   kvf_blob_build(g, plan, &part, gather, &o, blob);
-  int fit = batch_runs(blob, gather, min_run, KVF_STAGE_STRAIGHT_MAX_RUNS, &c->straight_dst, &c->straight_src,
+  int fit = kvf_stage_batch_runs(blob, gather, min_run, KVF_STAGE_STRAIGHT_MAX_RUNS, &c->straight_dst, &c->straight_src,
                        &c->straight_size, &c->straight_runs);
   if (fit < 0) goto oom;
   if (fit == 0) goto out;

@@ -132,6 +132,16 @@ typedef struct kvf_stage_run {
 kvf_status kvf_stage_blob_runs(const void *blob, const uint64_t *object_base, kvf_stage_run **runs, uint64_t *count,
                                int *holes);
 
+/* The blob's runs for cudaMemcpyBatchAsync (the copy-batch route, a staged
+ * call's straight part), when every block of every entry is one contiguous
+ * run on both sides, the runs are at least min_run bytes (the shortest may
+ * be shorter: a partial last block) and at most max_runs. Runs that continue
+ * each other on both sides are merged. Returns 1 with *dst, *src, *size (of
+ * *count entries) allocated: free them; 0 when the runs do not fit and -1
+ * out of memory, both with the three arrays NULL. */
+int kvf_stage_batch_runs(const void *blob, int gather, uint64_t min_run, uint64_t max_runs, void ***dst,
+                         const void ***src, size_t **size, size_t *count);
+
 /* ---- tuning: the parameters a context's routes follow --------------------- */
 
 /* Read once from the KVF_* parameters (host/core/param.h) at context

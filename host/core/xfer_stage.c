@@ -345,3 +345,76 @@ kvf_status kvf_stage_blob_runs(const void *blob, const uint64_t *object_base, kv
   *count = out;
   return KVF_SUCCESS;
 }
+
+/* ---- runs for the copy engine's batch API -------------------------------- */
+
+/* Free the three run arrays and leave them NULL (callers free them again on
+ * their own error paths). */
+static void free_runs(void ***dst, const void ***src, size_t **size) {
+  free(*dst);
+  free((void *)*src);
+  free(*size);
+  *dst = NULL;
+  *src = NULL;
+  *size = NULL;
+}
+
+int kvf_stage_batch_runs(const void *blob, int gather, uint64_t min_run, uint64_t max_runs, void ***dst,
+                         const void ***src, size_t **size, size_t *count) {
+  const kvf_blob_header *h = blob;
+  *dst = NULL;
+  *src = NULL;
+  *size = NULL;
+  const kvf_blob_entry *entries = (const kvf_blob_entry *)((const char *)blob + h->off_entries);
+  for (uint32_t i = 0; i < h->num_entries; i++)
+    if (!kvf_blob_entry_linear(&entries[i])) return 0;
+  uint64_t n = kvf_blob_blocks(blob, NULL, 0);
+  if (n == 0 || n > max_runs * 4) return 0;
+  kvf_blob_block *b = malloc(sizeof *b * n);
+  *dst = malloc(sizeof **dst * n);
+  *src = malloc(sizeof **src * n);
+  *size = malloc(sizeof **size * n);
+  if (!b || !*dst || !*src || !*size) {
+    free(b);
+    free_runs(dst, src, size);
+    return -1;
+  }
+  kvf_blob_blocks(blob, b, n);
+  size_t m = 0;
+  uint64_t shortest = UINT64_MAX;
+  for (uint64_t i = 0; i < n; i++) {
+    size_t bytes = (size_t)(b[i].units * entries[b[i].entry].vec);
+    char *from = gather ? b[i].cache : b[i].object, *to = gather ? b[i].object : b[i].cache;
+    if (m > 0 && (const char *)(*src)[m - 1] + (*size)[m - 1] == from && (char *)(*dst)[m - 1] + (*size)[m - 1] == to) {
+      (*size)[m - 1] += bytes;
+      continue;
+    }
+    (*src)[m] = from;
+    (*dst)[m] = to;
+    (*size)[m] = bytes;
+    m++;
+  }
+  for (size_t i = 0; i < m; i++)
+    if ((*size)[i] < shortest) shortest = (*size)[i];
+  free(b);
+  /* A partial last block's run is short by nature: judge the runs by the
+   * second shortest when there is more than one. */
+  if (m > 1) {
+    uint64_t second = UINT64_MAX;
+    int skipped = 0;
+    for (size_t i = 0; i < m; i++) {
+      if (!skipped && (*size)[i] == shortest) {
+        skipped = 1;
+        continue;
+      }
+      if ((*size)[i] < second) second = (*size)[i];
+    }
+    shortest = second;
+  }
+  if (shortest < min_run || m > max_runs) {
+    free_runs(dst, src, size);
+    return 0;
+  }
+  *count = m;
+  return 1;
+}

@@ -72,7 +72,9 @@
  *     launch is the one refused, every batch completes and they keep their
  *     bytes).
  * Either way a staged call's internal stream is joined back into the
- * caller's stream before the call returns, and the context's tables and
+ * caller's stream before the call returns (a successful gather with a
+ * straight part and no direct launch needs no join: the caller's stream
+ * already waits for the internal stream's last work), and the context's tables and
  * staging buffers are released in stream order: work enqueued on the stream
  * after the call runs after all of the call's work (an event recorded there
  * covers it), and the context stays usable. As after a success, sources and
