@@ -4,7 +4,7 @@ summary against the performance targets of the kernels issue.
 
   report.py DIR              read DIR/*.json (kvf_bench output, schema kvferry-bench/1) and
                              write DIR/results.md, DIR/bandwidth.png, DIR/smcaps.png, DIR/presets.png
-  report.py --install DIR    copy DIR/*.json (and bench.log) into perf/results/<date>-<gpu>/
+  report.py --install DIR    copy DIR/*.json, *.jsonl and *.log into perf/results/<date>-<gpu>/
                              first, then render there (the committed layout)
   report.py --brief DIR      also print, on stdout, one line per measured (preset, direction,
                              size) against every baseline and peer and issue 15's verdicts
@@ -1132,7 +1132,10 @@ def main(argv=None):
     if args.install:
         out_dir = os.path.join(args.results_root, results_name(d.meta))
         os.makedirs(out_dir, exist_ok=True)
-        for p in glob.glob(os.path.join(args.dir, "*.json")) + glob.glob(os.path.join(args.dir, "bench.log")):
+        # The runs' JSON, and the JSON lines and logs beside them (the probes'
+        # params.jsonl and hops.log, bench.log, each step's log).
+        for p in sorted(glob.glob(os.path.join(args.dir, "*.json")) + glob.glob(os.path.join(args.dir, "*.jsonl")) +
+                        glob.glob(os.path.join(args.dir, "*.log"))):
             dst = os.path.join(out_dir, os.path.basename(p))
             if os.path.abspath(p) != os.path.abspath(dst):
                 shutil.copyfile(p, dst)

@@ -219,6 +219,17 @@ def main():
                 check(os.path.exists(p) and os.path.getsize(p) > 10000, f"{png} written")
         except ImportError:
             print("test_report: matplotlib not installed; plots not checked")
+    # --install copies the run's JSON and the probes' JSON lines and logs beside it.
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as root:
+        synthetic(tmp)
+        for name, text in (("params.jsonl", '{"probe": "params"}\n'), ("hops.log", "d2h memcpy 159.49 us\n")):
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
+        rc = report.main([tmp, "--install", "--results-root", root])
+        check(rc == 0, f"report.main --install returned {rc}")
+        dest = os.path.join(root, "2026-11-29-h200")
+        for name in ("params.jsonl", "hops.log", "results.md"):
+            check(os.path.exists(os.path.join(dest, name)), f"--install puts {name} in the results directory")
     # A passing run: no planted misses -> every judged target met.
     with tempfile.TemporaryDirectory() as tmp:
         doc = {"schema": "kvferry-bench/1", "complete": True, "meta": {"gpu": "NVIDIA H200", "date": "2026-11-29"},
