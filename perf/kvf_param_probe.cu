@@ -22,16 +22,9 @@
 #include <cstring>
 #include <vector>
 
-namespace {
+#include "probe_util.cuh"
 
-#define CK(x)                                                                     \
-  do {                                                                            \
-    cudaError_t e_ = (x);                                                         \
-    if (e_ != cudaSuccess) {                                                      \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      exit(1);                                                                    \
-    }                                                                             \
-  } while (0)
+namespace {
 
 template <int N> struct alignas(16) Params {
   const uint4 *src;
@@ -47,12 +40,6 @@ template <int N> __global__ void __launch_bounds__(512, 1) empty_kernel(const __
 template <int N> __global__ void __launch_bounds__(512, 1) copy_kernel(const __grid_constant__ Params<N> p) {
   size_t stride = (size_t)gridDim.x * blockDim.x;
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < p.units; i += stride) p.dst[i] = p.src[i];
-}
-
-__global__ void spin_kernel(unsigned long long ns) {
-  unsigned long long t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); while (t - t0 < ns);
 }
 
 double now_us() {
