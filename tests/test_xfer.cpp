@@ -1155,11 +1155,28 @@ TEST(XferStagePlan, SpanIsThePartsTheRequestMoves) {
 
 struct PlanHolder {
   kvf_plan p{};
+
   PlanHolder() = default;
   PlanHolder(const PlanHolder &) = delete;
   PlanHolder &operator=(const PlanHolder &) = delete;
   ~PlanHolder() { kvf_plan_free(&p); }
 };
+
+// A chunked request (setup_chunks) with its canonical plan, on fake region
+// bases and objects: for the plan-level cases that never touch memory.
+struct PlannedRequest {
+  Prepared s;
+  PlanHolder plan;
+  std::unique_ptr<Req> r;
+  const kvf_geometry *g() const { return s.g(); }
+};
+
+void plan_chunks(const std::string &preset, uint64_t chunks, uint64_t extra, uint64_t seed, PlannedRequest *out) {
+  ASSERT_NO_FATAL_FAILURE(setup_chunks(preset, chunks, extra, seed, &out->s));
+  ASSERT_EQ(kvf_plan_build(out->g(), KVF_FORMAT_CANONICAL, &out->plan.p), KVF_SUCCESS) << kvf_last_error();
+  out->r = std::make_unique<Req>(out->s.plan, KVF_FORMAT_CANONICAL, fake_bases(out->g()),
+                                 fake_objects(out->g(), out->s.plan));
+}
 
 // Runs every task of a blob on the CPU.
 void run_blob(const std::vector<uint8_t> &blob) {
@@ -1524,16 +1541,13 @@ TEST(XferStraight, PicksWholeLinearViewsFromTheExposedEnd) {
   for (const Want &w : wants) {
     SCOPED_TRACE(std::string(w.preset) + " min_run " + std::to_string(w.min_run) + " target " +
                  std::to_string(w.target) + (w.from_end ? " from the end" : ""));
-    Prepared s;
-    ASSERT_NO_FATAL_FAILURE(setup_chunks(w.preset, 1, 0, 23, &s));
-    const kvf_geometry *g = s.g();
-    PlanHolder plan;
-    ASSERT_EQ(kvf_plan_build(g, KVF_FORMAT_CANONICAL, &plan.p), KVF_SUCCESS);
-    Req r(s.plan, KVF_FORMAT_CANONICAL, fake_bases(g), fake_objects(g, s.plan));
-    std::vector<unsigned char> pick(plan.p.num_segments, 7);
-    uint64_t bytes = kvf_stage_straight_pick(g, &plan.p, r.get(), w.from_end, w.min_run, w.target, pick.data());
+    PlannedRequest q;
+    ASSERT_NO_FATAL_FAILURE(plan_chunks(w.preset, 1, 0, 23, &q));
+    const kvf_plan &plan = q.plan.p;
+    std::vector<unsigned char> pick(plan.num_segments, 7);
+    uint64_t bytes = kvf_stage_straight_pick(q.g(), &plan, q.r->get(), w.from_end, w.min_run, w.target, pick.data());
     std::vector<uint32_t> got;
-    for (uint32_t i = 0; i < plan.p.num_segments; i++) {
+    for (uint32_t i = 0; i < plan.num_segments; i++) {
       EXPECT_LE(pick[i], 1) << "segment " << i << " neither picked nor cleared";
       if (pick[i]) got.push_back(i);
     }
@@ -1542,17 +1556,14 @@ TEST(XferStraight, PicksWholeLinearViewsFromTheExposedEnd) {
   }
   // A hybrid cache: the recurrent view (a 6 KiB conv state beside a 32 KiB
   // ssm state) is never picked whole, the attention views are.
-  Prepared s;
-  ASSERT_NO_FATAL_FAILURE(setup_chunks("glm-like-hybrid", 1, 0, 29, &s));
-  const kvf_geometry *g = s.g();
-  PlanHolder plan;
-  ASSERT_EQ(kvf_plan_build(g, KVF_FORMAT_CANONICAL, &plan.p), KVF_SUCCESS);
-  Req r(s.plan, KVF_FORMAT_CANONICAL, fake_bases(g), fake_objects(g, s.plan));
-  std::vector<unsigned char> pick(plan.p.num_segments);
-  uint64_t all = kvf_stage_straight_pick(g, &plan.p, r.get(), 1, 16384, UINT64_MAX, pick.data());
+  PlannedRequest q;
+  ASSERT_NO_FATAL_FAILURE(plan_chunks("glm-like-hybrid", 1, 0, 29, &q));
+  const kvf_plan &plan = q.plan.p;
+  std::vector<unsigned char> pick(plan.num_segments);
+  uint64_t all = kvf_stage_straight_pick(q.g(), &plan, q.r->get(), 1, 16384, UINT64_MAX, pick.data());
   uint64_t attention = 0;
-  for (uint32_t i = 0; i < plan.p.num_segments; i++) {
-    const kvf_segment &seg = plan.p.segments[i];
+  for (uint32_t i = 0; i < plan.num_segments; i++) {
+    const kvf_segment &seg = plan.segments[i];
     EXPECT_EQ(pick[i], seg.recurrent ? 0 : 1) << "segment " << i;
     if (!seg.recurrent) attention += 16ull * seg.run * seg.tokens;
   }
@@ -1564,18 +1575,14 @@ TEST(XferStraight, PicksWholeLinearViewsFromTheExposedEnd) {
 // when they do not fit nothing is left for the caller to free. A request
 // ending 3 tokens into a block has a 6 KiB last run a plane on Llama NHD.
 TEST(XferStraight, BatchRunsLeaveNothingToFreeWhenTheyDoNotFit) {
-  Prepared s;
-  ASSERT_NO_FATAL_FAILURE(setup_chunks("llama-3.1-8b-fa-nhd", 0, 195, 31, &s));
-  const kvf_geometry *g = s.g();
-  PlanHolder plan;
-  ASSERT_EQ(kvf_plan_build(g, KVF_FORMAT_CANONICAL, &plan.p), KVF_SUCCESS);
-  Req r(s.plan, KVF_FORMAT_CANONICAL, fake_bases(g), fake_objects(g, s.plan));
-  std::vector<unsigned char> layer0(plan.p.num_segments, 0);
+  PlannedRequest q;
+  ASSERT_NO_FATAL_FAILURE(plan_chunks("llama-3.1-8b-fa-nhd", 0, 195, 31, &q));
+  std::vector<unsigned char> layer0(q.plan.p.num_segments, 0);
   layer0[0] = layer0[1] = 1; // both planes of layer 0: 13 blocks each, the last 3 tokens long
   kvf_blob_opts o = {0, layer0.data()};
   for (int gather : {1, 0}) {
     SCOPED_TRACE(gather ? "gather" : "scatter");
-    std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, &o);
+    std::vector<uint8_t> blob = build_blob(q.g(), q.plan.p, q.r->get(), gather, &o);
     const auto *h = reinterpret_cast<const kvf_blob_header *>(blob.data());
     struct Case {
       uint64_t min_run, max_runs;
@@ -1614,12 +1621,11 @@ TEST(XferStraight, BatchRunsLeaveNothingToFreeWhenTheyDoNotFit) {
 // Piece shares grow 1:2:4 for a gather (its first kernel is the part the
 // copy engine waits for) and shrink for a scatter.
 TEST(XferPieces, GatherPiecesGrowScatterPiecesShrink) {
-  Prepared s;
-  ASSERT_NO_FATAL_FAILURE(setup_chunks("deepseek-v3-mla-bf16", 1, 0, 17, &s));
-  const kvf_geometry *g = s.g();
-  PlanHolder plan;
-  ASSERT_EQ(kvf_plan_build(g, KVF_FORMAT_CANONICAL, &plan.p), KVF_SUCCESS);
-  Req r(s.plan, KVF_FORMAT_CANONICAL, fake_bases(g), fake_objects(g, s.plan));
+  PlannedRequest q;
+  ASSERT_NO_FATAL_FAILURE(plan_chunks("deepseek-v3-mla-bf16", 1, 0, 17, &q));
+  const kvf_geometry *g = q.g();
+  const PlanHolder &plan = q.plan;
+  const Req &r = *q.r;
   const uint32_t ns = plan.p.num_segments;
   ASSERT_EQ(ns, 61u);
   for (int gather : {1, 0}) {
@@ -1656,15 +1662,13 @@ TEST(XferPieces, GatherPiecesGrowScatterPiecesShrink) {
   }
   // More pieces than views: one view each.
   std::vector<unsigned char> masks(16 * ns);
-  Prepared one;
-  ASSERT_NO_FATAL_FAILURE(setup_chunks("glm-like-hybrid", 1, 0, 19, &one));
-  PlanHolder p1;
-  ASSERT_EQ(kvf_plan_build(one.g(), KVF_FORMAT_CANONICAL, &p1.p), KVF_SUCCESS);
-  Req r1(one.plan, KVF_FORMAT_CANONICAL, fake_bases(one.g()), fake_objects(one.g(), one.plan));
-  std::vector<unsigned char> m1(16 * p1.p.num_segments);
+  PlannedRequest one;
+  ASSERT_NO_FATAL_FAILURE(plan_chunks("glm-like-hybrid", 1, 0, 19, &one));
+  const kvf_plan &p1 = one.plan.p;
+  std::vector<unsigned char> m1(16 * p1.num_segments);
   uint32_t views = 0;
-  for (uint32_t i = 0; i < p1.p.num_segments; i++) views += i == 0 || p1.p.segments[i].view != p1.p.segments[i - 1].view;
-  EXPECT_EQ(kvf_stage_piece_masks(one.g(), &p1.p, r1.get(), 1, 16, m1.data()), std::min<uint32_t>(views, 16));
+  for (uint32_t i = 0; i < p1.num_segments; i++) views += i == 0 || p1.segments[i].view != p1.segments[i - 1].view;
+  EXPECT_EQ(kvf_stage_piece_masks(one.g(), &p1, one.r->get(), 1, 16, m1.data()), std::min<uint32_t>(views, 16));
 }
 
 // The injection hook belongs to the staged route: the host backend has no
