@@ -369,7 +369,10 @@ int kvf_stage_batch_runs(const void *blob, int gather, uint64_t min_run, uint64_
   for (uint32_t i = 0; i < h->num_entries; i++)
     if (!kvf_blob_entry_linear(&entries[i])) return 0;
   uint64_t n = kvf_blob_blocks(blob, NULL, 0);
-  if (n == 0 || n > max_runs * 4) return 0;
+  /* Refused before any array when the blocks are more than four times
+   * max_runs (merging seldom brings that many under it); the test says
+   * n > 4 * max_runs without the product, which a large max_runs wraps. */
+  if (n == 0 || (n - 1) / 4 >= max_runs) return 0;
   kvf_blob_block *b = malloc(sizeof *b * n);
   *dst = malloc(sizeof **dst * n);
   *src = malloc(sizeof **src * n);
