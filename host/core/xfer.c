@@ -634,6 +634,16 @@ static uint32_t choose_slice(const kvf_xfer *x, uint64_t payload, uint32_t ctas)
  * which cudaMemcpyBatchAsync refuses or may refuse. */
 static int default_stream(cudaStream_t s) { return s == NULL || s == cudaStreamLegacy || s == cudaStreamPerThread; }
 
+/* n copies in one cudaMemcpyBatchAsync on `stream`, each after the work
+ * enqueued before it there. */
+static cudaError_t batch_copy(void **dst, const void **src, size_t *size, size_t n, cudaStream_t stream) {
+  struct cudaMemcpyAttributes attr;
+  memset(&attr, 0, sizeof attr);
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  size_t attr_idx = 0;
+  return cudaMemcpyBatchAsync(dst, src, size, n, &attr, &attr_idx, 1, stream);
+}
+
 /* The copy engine moves the request's runs straight between the cache and
  * the host objects, on the caller's stream: one call, no kernel, no SM
  * (measured on an H200, perf/results/2026-11-29-h200/curve.json: 55.1-55.3
@@ -657,15 +667,11 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
   void **dst = NULL;
   const void **src = NULL;
   size_t *sizes = NULL, count = 0;
-  int fit = kvf_stage_batch_runs(x->host_blob, gather, (uint64_t)x->tune.batch_min_run, (uint64_t)x->tune.batch_max_runs, &dst,
-                       &src, &sizes, &count);
+  int fit = kvf_stage_batch_runs(x->host_blob, gather, (uint64_t)x->tune.batch_min_run,
+                                 (uint64_t)x->tune.batch_max_runs, &dst, &src, &sizes, &count);
   if (fit < 0) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
   if (fit == 0) return KVF_ERR_UNSUPPORTED;
-  struct cudaMemcpyAttributes attr;
-  memset(&attr, 0, sizeof attr);
-  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream; /* after the work before it on the stream */
-  size_t attr_idx = 0;
-  cudaError_t e = cudaMemcpyBatchAsync(dst, src, sizes, count, &attr, &attr_idx, 1, stream);
+  cudaError_t e = batch_copy(dst, src, sizes, count, stream);
   free(dst);
   free(src);
   free(sizes);
@@ -751,7 +757,6 @@ typedef struct staged_call {
   staging *slot;
   int any_direct;
   uint64_t direct;          /* index of the direct launch */
-  int use_runs;             /* the copy engine follows run lists (pieces > 1, or a straight part) */
   uint64_t edge;            /* the edge batch: a gather's first, a scatter's last */
   /* The straight part (KVF_XFER_STAGE_STRAIGHT_KB): views of the edge batch
    * the copy engine moves between the cache and the host objects itself,
@@ -763,6 +768,11 @@ typedef struct staged_call {
   size_t straight_runs;     /* 0: no straight part */
   uint64_t straight_bytes;
 } staged_call;
+
+/* Whether the copy engine's legs follow run lists (pieces > 1, or a
+ * straight part the edge batch's copies must leave out) rather than each
+ * object's span. */
+static int uses_runs(const staged_call *c) { return c->pieces > 1 || c->straight_runs > 0; }
 
 static void staged_call_free(staged_call *c) {
   kvf_stage_plan_free(&c->sp);
@@ -801,8 +811,8 @@ static cudaError_t staged_launch(kvf_xfer *x, const staged_call *c, const launch
   return e;
 }
 
-/* The copy-engine leg of piece p of batch bi on ce_stream: the objects'
- * spans (one piece) or the piece's runs. */
+/* The copy-engine leg of piece p of batch bi on stream ds: the objects'
+ * spans (one piece, no straight part) or the piece's runs. */
 static cudaError_t staged_dma(kvf_xfer *x, const kvf_copy_request *r, const staged_call *c, uint64_t bi, uint32_t p,
                               int gather, cudaStream_t ds) {
   const kvf_stage_plan *sp = &c->sp;
@@ -811,7 +821,7 @@ static cudaError_t staged_dma(kvf_xfer *x, const kvf_copy_request *r, const stag
   char *buf = x->stage[c->batches[bi].buf];
   enum cudaMemcpyKind kind = gather ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
   cudaError_t e = cudaSuccess;
-  if (!c->use_runs) {
+  if (!uses_runs(c)) {
     for (uint64_t i = pb->k0 * nog; i < pb->k1 * nog && e == cudaSuccess; i++) {
       uint64_t lo = sp->span[2 * i], hi = sp->span[2 * i + 1];
       if (!sp->staged[i] || hi == lo) continue;
@@ -837,11 +847,8 @@ static cudaError_t staged_dma(kvf_xfer *x, const kvf_copy_request *r, const stag
   void *dst[64];
   const void *src[64];
   size_t size[64];
-  struct cudaMemcpyAttributes attr;
-  memset(&attr, 0, sizeof attr);
-  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
   for (uint64_t i = a; i < b && e == cudaSuccess;) {
-    size_t n = 0, attr_idx = 0;
+    size_t n = 0;
     for (; i < b && n < 64; i++, n++) {
       const kvf_stage_run *run = &c->runs[i];
       char *host = (char *)r->objects[run->object] + run->offset, *dev = buf + sp->offset[run->object] + run->offset;
@@ -849,7 +856,7 @@ static cudaError_t staged_dma(kvf_xfer *x, const kvf_copy_request *r, const stag
       src[n] = gather ? dev : host;
       size[n] = run->bytes;
     }
-    e = cudaMemcpyBatchAsync(dst, src, size, n, &attr, &attr_idx, 1, ds);
+    e = batch_copy(dst, src, size, n, ds);
     x->path.dma_ops++;
     x->path.dma_runs += n;
   }
@@ -859,12 +866,7 @@ static cudaError_t staged_dma(kvf_xfer *x, const kvf_copy_request *r, const stag
 /* The straight part of a staged call on stream ds: one cudaMemcpyBatchAsync
  * between the cache and the host objects. */
 static cudaError_t straight_dma(kvf_xfer *x, const staged_call *c, cudaStream_t ds) {
-  struct cudaMemcpyAttributes attr;
-  memset(&attr, 0, sizeof attr);
-  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  size_t attr_idx = 0;
-  cudaError_t e = cudaMemcpyBatchAsync(c->straight_dst, c->straight_src, c->straight_size, c->straight_runs, &attr,
-                                       &attr_idx, 1, ds);
+  cudaError_t e = batch_copy(c->straight_dst, c->straight_src, c->straight_size, c->straight_runs, ds);
   x->path.dma_ops++;
   x->path.dma_runs += c->straight_runs;
   x->path.straight_runs = c->straight_runs;
@@ -1016,7 +1018,9 @@ static kvf_status plan_straight(kvf_xfer *x, const kvf_copy_request *r, int gath
   kvf_copy_request part = *r;
   batch_tokens(r, eb, g->policy.chunk_tokens, &part);
   unsigned char *pick = malloc(ns);
-  void **objects = malloc(sizeof *objects * count), *blob = NULL;
+  void **objects = malloc(sizeof *objects * count), *blob = NULL, **dst = NULL;
+  const void **src = NULL;
+  size_t *sizes = NULL, runs = 0;
   kvf_status st = KVF_SUCCESS;
   if (!pick || !objects) goto oom;
   if (!kvf_stage_straight_pick(g, plan, &part, !gather, min_run, target, pick)) goto out;
@@ -1026,32 +1030,32 @@ static kvf_status plan_straight(kvf_xfer *x, const kvf_copy_request *r, int gath
   uint64_t size = round256(kvf_blob_size(g, plan, &part, &o));
   if (!(blob = aligned_alloc(256, size))) goto oom;
   kvf_blob_build(g, plan, &part, gather, &o, blob);
-  int fit = kvf_stage_batch_runs(blob, gather, min_run, KVF_STAGE_STRAIGHT_MAX_RUNS, &c->straight_dst, &c->straight_src,
-                       &c->straight_size, &c->straight_runs);
+  int fit = kvf_stage_batch_runs(blob, gather, min_run, KVF_STAGE_STRAIGHT_MAX_RUNS, &dst, &src, &sizes, &runs);
   if (fit < 0) goto oom;
   if (fit == 0) goto out;
   uint64_t moved = 0;
-  for (size_t i = 0; i < c->straight_runs; i++) moved += c->straight_size[i];
+  for (size_t i = 0; i < runs; i++) moved += sizes[i];
   if (moved > eb->bytes / 2) goto out;
   if (!(c->edge_masks = malloc((size_t)c->pieces * ns))) goto oom;
   for (uint32_t p = 0; p < c->pieces; p++)
     for (uint64_t sgi = 0; sgi < ns; sgi++)
       c->edge_masks[(size_t)p * ns + sgi] = (c->pieces == 1 || c->masks[(size_t)p * ns + sgi]) && !pick[sgi];
+  c->straight_dst = dst;
+  c->straight_src = src;
+  c->straight_size = sizes;
+  c->straight_runs = runs;
+  dst = NULL;
+  src = NULL;
+  sizes = NULL;
   /* Counted like the batches' blobs count theirs (kernels/plan.h). */
   c->straight_bytes = ((const kvf_blob_header *)blob)->payload_bytes;
   goto out;
 oom:
   st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
 out:
-  if (st || !c->edge_masks) {
-    free(c->straight_dst);
-    free(c->straight_src);
-    free(c->straight_size);
-    c->straight_dst = NULL;
-    c->straight_src = NULL;
-    c->straight_size = NULL;
-    c->straight_runs = 0;
-  }
+  free(dst);
+  free(src);
+  free(sizes);
   free(pick);
   free(objects);
   free(blob);
@@ -1099,7 +1103,6 @@ static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather
   c->any_direct = c->sp.any_direct;
   c->edge = gather || nb == 0 ? 0 : nb - 1;
   if (straight && x->tune.stage_straight_kb > 0 && nb > 0 && (st = plan_straight(x, r, gather, c))) goto out;
-  c->use_runs = c->pieces > 1 || c->straight_runs > 0;
   c->num_launches = nb * c->pieces + (c->any_direct ? 1 : 0);
   c->launches = calloc(c->num_launches ? c->num_launches : 1, sizeof *c->launches);
   c->batches = calloc(nb ? nb : 1, sizeof *c->batches);
@@ -1153,7 +1156,7 @@ static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather
       l->tasks = kvf_blob_build(g, plan, &part, gather, &o, blob);
       l->slice = choose_slice(x, ((const kvf_blob_header *)blob)->payload_bytes, stage_sms);
       if (l->slice != KVF_SLICE_BYTES) l->tasks = kvf_blob_reslice(blob, l->slice);
-      if (c->use_runs) {
+      if (uses_runs(c)) {
         int bad = 0;
         /* The piece's objects are indexed like the batch's request. */
         if ((st = add_piece_runs(c, blob, base + pb->k0 * nog, gather, &bad))) goto out;
@@ -1470,7 +1473,6 @@ static int request_payload_at_most(const kvf_xfer *x, const kvf_copy_request *r,
     }
   return 1;
 }
-
 
 static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream) {
   kvf_xfer_route route = KVF_ROUTE_D2D;
