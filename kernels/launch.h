@@ -33,15 +33,24 @@ size_t kvf_kernel_param_room(size_t blob_bytes);
  * context's first call then pays no loading. */
 cudaError_t kvf_kernel_preload(void);
 
+/* Which kernel a launch runs. */
+enum {
+  KVF_KERNEL_GRID_STRIDE = 0, /* one task per step, every warp striding the tasks */
+  KVF_KERNEL_WALK = 1,        /* the warp walk (kernels/walk.h), one CTA of kvf_kernel_threads() per SM */
+  KVF_KERNEL_WALK_SPREAD = 2  /* the warp walk in small CTAs, several per SM and several rounds of them,
+                                 scheduled by the hardware: only for launches that may use every SM */
+};
+
 /* Launch the kernel on `stream` over the launch blob at `device_blob`
- * (kernels/plan.h, already in device memory in stream order) with at most
- * *ctas CTAs (one per SM at most); *ctas is lowered to what total_tasks can
- * use and returned. walk: 1 for the warp walk (kernels/walk.h), 0 for the
- * grid-stride walk of one task per step. Returns the launch's error
- * (cudaSuccess when it was enqueued); with KVF_DEBUG_SYNC it also
- * synchronizes `stream` and returns the kernel's error. The stream is the
- * last argument. */
-cudaError_t kvf_kernel_launch(const void *device_blob, uint64_t total_tasks, uint32_t *ctas, int walk,
+ * (kernels/plan.h, already in device memory in stream order) on at most
+ * *ctas SMs; *ctas is lowered to what total_tasks can use (in CTAs of
+ * kvf_kernel_threads()) and returned. kernel: KVF_KERNEL_*; the first two
+ * launch *ctas CTAs, one per SM, so a cap on *ctas caps the SMs; a spread
+ * launch runs as many small CTAs as its tasks use, on every SM. Returns the
+ * launch's error (cudaSuccess when it was enqueued); with KVF_DEBUG_SYNC it
+ * also synchronizes `stream` and returns the kernel's error. The stream is
+ * the last argument. */
+cudaError_t kvf_kernel_launch(const void *device_blob, uint64_t total_tasks, uint32_t *ctas, int kernel,
                               cudaStream_t stream);
 
 /* The same launch with the blob in the kernel's parameters: host_blob is a
@@ -51,7 +60,7 @@ cudaError_t kvf_kernel_launch(const void *device_blob, uint64_t total_tasks, uin
  * that captures the launch keeps its own copy. Returns cudaErrorInvalidValue
  * for a blob too large (nothing launched). */
 cudaError_t kvf_kernel_launch_params(const void *host_blob, size_t blob_bytes, uint64_t total_tasks, uint32_t *ctas,
-                                     int walk, cudaStream_t stream);
+                                     int kernel, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

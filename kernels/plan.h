@@ -107,6 +107,9 @@ typedef struct kvf_blob_header {
   uint64_t payload_bytes; /* bytes the blob moves (padding and skipped blocks excluded) */
   uint32_t bucket_shift;  /* task t's entry is at or after buckets[t >> bucket_shift] */
   uint32_t num_buckets;   /* (total_tasks >> bucket_shift) + 1 at most KVF_BLOB_BUCKETS */
+  uint32_t cache_order;   /* 1: the warp walk visits a gather's head-major blocks in the cache's
+                             address order (kernels/walk.h); 0 (as built): in the object's */
+  uint32_t pad_;
   /* Byte offsets of the arrays inside the blob. */
   uint64_t off_buckets;   /* uint16_t[KVF_BLOB_BUCKETS]: the entry holding task b << bucket_shift */
   uint64_t off_entries;   /* kvf_blob_entry[num_entries] */

@@ -184,15 +184,41 @@ __global__ void __launch_bounds__(kThreads, 1) kvf_xfer_kernel_p(const __grid_co
 
 // The warp walk (kernels/walk.h): contiguous task ranges per warp, one
 // decode per block, stepped addressing. Same blobs, same bytes moved.
+//
+// Two shapes. A capped launch (the PCIe and staging kernels' SM caps) runs
+// one CTA of kThreads per SM, so the cap is the CTA count. An uncapped one
+// of enough bytes is *spread*: CTAs of kSpreadThreads, kThreads /
+// kSpreadThreads resident per SM, up to kSpreadWaves times as many as fit
+// at once, so the hardware hands a finished CTA's slot to the next and fast
+// warps end up moving more than slow ones; a static split waits for the
+// slowest warp. Measured on an H200 (perf/results/2026-12-01-h200-d2d, d2d
+// of memcpy): 4096 tokens MLA 89.5 -> 93.2%, Llama NHD 93.1 -> 96.0%, the
+// tp4 slice 85.0 -> 89.7%; one chunk +0.6 to +3 points where the request is
+// at least 8 MiB and -2.2 points below (the MLA DCP rank's 4.3 MiB, whose
+// warps have less than a round of loads each), hence KVF_XFER_SPREAD_KB.
+constexpr int kSpreadThreads = 128;
+constexpr int kSpreadWaves = 16;
+
+template <bool Spread> struct WalkShape {
+  static constexpr int threads = Spread ? kSpreadThreads : kThreads;
+  static constexpr int per_sm = kThreads / threads;
+};
+
 __device__ __forceinline__ void walk_blob(const char *blob) {
-  kvf_walk::run_warp(blob, (uint64_t)blockIdx.x * kWarps + (threadIdx.x >> 5), (uint64_t)gridDim.x * kWarps,
+  const uint32_t warps = blockDim.x / 32;
+  kvf_walk::run_warp(blob, (uint64_t)blockIdx.x * warps + (threadIdx.x >> 5), (uint64_t)gridDim.x * warps,
                      threadIdx.x & 31);
 }
 
-__global__ void __launch_bounds__(kThreads, 1) kvf_walk_kernel(const char *blob) { walk_blob(blob); }
+template <bool Spread>
+__global__ void __launch_bounds__(WalkShape<Spread>::threads, WalkShape<Spread>::per_sm)
+    kvf_walk_kernel(const char *blob) {
+  walk_blob(blob);
+}
 
-template <int N>
-__global__ void __launch_bounds__(kThreads, 1) kvf_walk_kernel_p(const __grid_constant__ ParamBlob<N> p) {
+template <int N, bool Spread>
+__global__ void __launch_bounds__(WalkShape<Spread>::threads, WalkShape<Spread>::per_sm)
+    kvf_walk_kernel_p(const __grid_constant__ ParamBlob<N> p) {
   walk_blob(p.bytes);
 }
 
@@ -209,6 +235,24 @@ uint32_t lower_ctas(uint64_t total_tasks, uint32_t ctas) {
   return useful < ctas ? (uint32_t)(useful ? useful : 1) : ctas;
 }
 
+// A spread launch's grid on `sms` SMs: kSpreadWaves rounds of every SM's
+// slots, cut to one task per warp.
+uint32_t spread_grid(uint64_t total_tasks, uint32_t sms) {
+  constexpr int warps = kSpreadThreads / 32;
+  uint64_t want = (uint64_t)sms * WalkShape<true>::per_sm * kSpreadWaves;
+  uint64_t useful = (total_tasks + warps - 1) / warps;
+  return (uint32_t)(useful < want ? (useful ? useful : 1) : want);
+}
+
+// The CTAs of a launch on at most *ctas SMs, and *ctas lowered to the SMs
+// it can occupy.
+uint32_t grid_of(uint64_t total_tasks, uint32_t *ctas, int kernel) {
+  if (kernel != KVF_KERNEL_WALK_SPREAD) return *ctas = lower_ctas(total_tasks, *ctas);
+  uint32_t grid = spread_grid(total_tasks, *ctas);
+  if (grid < *ctas) *ctas = grid;
+  return grid;
+}
+
 cudaError_t finish_launch(cudaStream_t stream) {
   cudaError_t err = cudaGetLastError();
 #ifdef KVF_DEBUG_SYNC
@@ -219,16 +263,16 @@ cudaError_t finish_launch(cudaStream_t stream) {
   return err;
 }
 
-template <int N>
-cudaError_t launch_p(const void *blob, size_t bytes, uint32_t ctas, int walk, cudaStream_t stream) {
+template <int N> cudaError_t launch_p(const void *blob, uint32_t grid, int kernel, cudaStream_t stream) {
   // The launch copies the parameters when it is called: blob may be reused
   // at once. Bytes past the blob are copied too and never read.
   const ParamBlob<N> *pb = static_cast<const ParamBlob<N> *>(blob);
-  (void)bytes;
-  if (walk)
-    kvf_walk_kernel_p<N><<<ctas, kThreads, 0, stream>>>(*pb);
+  if (kernel == KVF_KERNEL_WALK_SPREAD)
+    kvf_walk_kernel_p<N, true><<<grid, kSpreadThreads, 0, stream>>>(*pb);
+  else if (kernel == KVF_KERNEL_WALK)
+    kvf_walk_kernel_p<N, false><<<grid, kThreads, 0, stream>>>(*pb);
   else
-    kvf_xfer_kernel_p<N><<<ctas, kThreads, 0, stream>>>(*pb);
+    kvf_xfer_kernel_p<N><<<grid, kThreads, 0, stream>>>(*pb);
   return finish_launch(stream);
 }
 
@@ -237,13 +281,16 @@ cudaError_t launch_p(const void *blob, size_t bytes, uint32_t ctas, int walk, cu
 extern "C" int kvf_kernel_threads(void) { return kThreads; }
 
 // Declared in kernels/launch.h (which says what it does).
-extern "C" cudaError_t kvf_kernel_launch(const void *device_blob, uint64_t total_tasks, uint32_t *ctas, int walk,
+extern "C" cudaError_t kvf_kernel_launch(const void *device_blob, uint64_t total_tasks, uint32_t *ctas, int kernel,
                                          cudaStream_t stream) {
-  *ctas = lower_ctas(total_tasks, *ctas);
-  if (walk)
-    kvf_walk_kernel<<<*ctas, kThreads, 0, stream>>>(static_cast<const char *>(device_blob));
+  const uint32_t grid = grid_of(total_tasks, ctas, kernel);
+  const char *blob = static_cast<const char *>(device_blob);
+  if (kernel == KVF_KERNEL_WALK_SPREAD)
+    kvf_walk_kernel<true><<<grid, kSpreadThreads, 0, stream>>>(blob);
+  else if (kernel == KVF_KERNEL_WALK)
+    kvf_walk_kernel<false><<<grid, kThreads, 0, stream>>>(blob);
   else
-    kvf_xfer_kernel<<<*ctas, kThreads, 0, stream>>>(static_cast<const char *>(device_blob));
+    kvf_xfer_kernel<<<grid, kThreads, 0, stream>>>(blob);
   return finish_launch(stream);
 }
 
@@ -254,33 +301,42 @@ extern "C" size_t kvf_kernel_param_room(size_t blob_bytes) {
 }
 
 extern "C" cudaError_t kvf_kernel_launch_params(const void *host_blob, size_t blob_bytes, uint64_t total_tasks,
-                                                uint32_t *ctas, int walk, cudaStream_t stream) {
-  *ctas = lower_ctas(total_tasks, *ctas);
-  switch (kvf_kernel_param_room(blob_bytes)) {
-    case kParamSizes[0]: return launch_p<kParamSizes[0]>(host_blob, blob_bytes, *ctas, walk, stream);
-    case kParamSizes[1]: return launch_p<kParamSizes[1]>(host_blob, blob_bytes, *ctas, walk, stream);
-    case kParamSizes[2]: return launch_p<kParamSizes[2]>(host_blob, blob_bytes, *ctas, walk, stream);
-    case kParamSizes[3]: return launch_p<kParamSizes[3]>(host_blob, blob_bytes, *ctas, walk, stream);
-    case kParamSizes[4]: return launch_p<kParamSizes[4]>(host_blob, blob_bytes, *ctas, walk, stream);
-    default: return cudaErrorInvalidValue;
+                                                uint32_t *ctas, int kernel, cudaStream_t stream) {
+  const size_t room = kvf_kernel_param_room(blob_bytes);
+  if (!room) return cudaErrorInvalidValue;
+  const uint32_t grid = grid_of(total_tasks, ctas, kernel);
+  switch (room) {
+    case kParamSizes[0]: return launch_p<kParamSizes[0]>(host_blob, grid, kernel, stream);
+    case kParamSizes[1]: return launch_p<kParamSizes[1]>(host_blob, grid, kernel, stream);
+    case kParamSizes[2]: return launch_p<kParamSizes[2]>(host_blob, grid, kernel, stream);
+    case kParamSizes[3]: return launch_p<kParamSizes[3]>(host_blob, grid, kernel, stream);
+    default: return launch_p<kParamSizes[4]>(host_blob, grid, kernel, stream);
   }
 }
+
+namespace {
+
+template <int N> cudaError_t preload_size() {
+  cudaFuncAttributes a;
+  cudaError_t e = cudaFuncGetAttributes(&a, kvf_xfer_kernel_p<N>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel_p<N, false>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel_p<N, true>);
+  return e;
+}
+
+}  // namespace
 
 extern "C" cudaError_t kvf_kernel_preload(void) {
   // Module loading is lazy by default (CUDA_MODULE_LOADING=LAZY): querying
   // each variant's attributes loads it now rather than at a first call.
   cudaFuncAttributes a;
   cudaError_t e = cudaFuncGetAttributes(&a, kvf_xfer_kernel);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_xfer_kernel_p<kParamSizes[0]>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_xfer_kernel_p<kParamSizes[1]>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_xfer_kernel_p<kParamSizes[2]>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_xfer_kernel_p<kParamSizes[3]>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_xfer_kernel_p<kParamSizes[4]>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel_p<kParamSizes[0]>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel_p<kParamSizes[1]>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel_p<kParamSizes[2]>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel_p<kParamSizes[3]>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel_p<kParamSizes[4]>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel<false>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel<true>);
+  if (e == cudaSuccess) e = preload_size<kParamSizes[0]>();
+  if (e == cudaSuccess) e = preload_size<kParamSizes[1]>();
+  if (e == cudaSuccess) e = preload_size<kParamSizes[2]>();
+  if (e == cudaSuccess) e = preload_size<kParamSizes[3]>();
+  if (e == cudaSuccess) e = preload_size<kParamSizes[4]>();
   return e;
 }

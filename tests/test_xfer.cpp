@@ -1023,6 +1023,8 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_EQ(t.stage_multi_pieces, 2);
   EXPECT_EQ(t.stage_straight_kb, 1024);
   EXPECT_EQ(t.stage_straight_min_run, 16384);
+  EXPECT_EQ(t.spread_kb, 8192);
+  EXPECT_EQ(t.cache_order, 1);
   GeometryPtr g = load_preset("llama-3.1-8b-fa-nhd", 4);
   ASSERT_TRUE(g) << kvf_last_error();
   XferPtr x = make_xfer(g.get(), KVF_DEVICE_HOST);
@@ -1046,6 +1048,10 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_straight_kb = ((int64_t)KVF_STAGE_MAX_MB << 10) + 1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_straight_min_run = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_straight_min_run = ((int64_t)KVF_STAGE_MAX_MB << 20) + 1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.spread_kb = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.spread_kb = (int64_t)KVF_SPREAD_MAX_KB + 1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.cache_order = 2; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.kernel = 3; }));
   kvf_xfer_tuning ok = base;
   ok.stage_edge_mb = 0;
   ok.stage_multi_pieces = 0;
@@ -1424,15 +1430,22 @@ TEST_P(XferWalk, WarpWalkMatchesTheReference) {
     std::mt19937_64 rng(seed + misalign);
     Data in = make_inputs(g, s.plan, c.dir, misalign, rng), want = clone(in);
     ASSERT_EQ(reference(g, s.plan, c.format, c.dir, want), KVF_SUCCESS) << kvf_last_error();
+    // Grids: one warp; a prime; a full H200 at 512 threads (2112 warps); a
+    // spread launch's 16 rounds of 128-thread CTAs (33792 warps, most with
+    // no task). cache_order: the header's flag (a gather's head-major
+    // blocks in the cache's order; the walk ignores it elsewhere).
     struct Shape {
       uint32_t slice, pieces;
       uint64_t warps;
+      uint32_t cache_order;
     };
-    std::vector<Shape> shapes = {{0, 1, 2112}, {512, 1, 2112}, {512, 4, 7}, {65536, 1, 1}, {1040, 1, 64}, {8192, 4, 132}};
-    if (misalign) shapes = {{0, 1, 2112}, {512, 4, 5}};
+    std::vector<Shape> shapes = {{0, 1, 2112, 0},   {512, 1, 2112, 0}, {512, 4, 7, 1},      {65536, 1, 1, 0},
+                                 {1040, 1, 64, 1},  {8192, 4, 132, 0}, {0, 1, 33792, 1}};
+    if (misalign) shapes = {{0, 1, 2112, 0}, {512, 4, 5, 0}, {512, 1, 33, 1}};
     for (const Shape &sh : shapes) {
       SCOPED_TRACE("misalign " + std::to_string(misalign) + ", slice " + std::to_string(sh.slice) + ", pieces " +
-                   std::to_string(sh.pieces) + ", warps " + std::to_string(sh.warps));
+                   std::to_string(sh.pieces) + ", warps " + std::to_string(sh.warps) + ", cache order " +
+                   std::to_string(sh.cache_order));
       Data got = clone(in);
       Req r(s.plan, c.format, payloads(got.cache), payloads(got.objs));
       std::vector<unsigned char> masks((size_t)sh.pieces * ns);
@@ -1440,6 +1453,7 @@ TEST_P(XferWalk, WarpWalkMatchesTheReference) {
       for (uint32_t p = 0; p < made; p++) {
         kvf_blob_opts o = {sh.slice, made > 1 ? masks.data() + (size_t)p * ns : nullptr};
         std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, &o);
+        reinterpret_cast<kvf_blob_header *>(blob.data())->cache_order = sh.cache_order;
         run_walk(blob, sh.warps);
       }
       EXPECT_EQ(diff("cache region", got.cache, want.cache), "");
@@ -2139,6 +2153,33 @@ const RouteVariant kRouteVariants[] = {
        t.small_stage_mb = 0;
      },
      [](const kvf_xfer_path_info &p, Mem) { EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path); }},
+    {"spread", false,
+     [](kvf_xfer_tuning &t) {
+       t.spread_kb = 1;     // every launch of a KiB or more spreads over small CTAs
+       t.staging_mb = 0;    // host objects too: the direct kernel,
+       t.pcie_sms = 0;      // uncapped
+       t.batch_max_runs = 0;
+     },
+     [](const kvf_xfer_path_info &p, Mem) {
+       EXPECT_EQ(p.path, KVF_PATH_KERNEL) << kvf_xfer_path_name(p.path);
+       EXPECT_EQ(p.launches, 1u);
+       EXPECT_EQ(p.spread_launches, 1u);
+     }},
+    {"spread_uploaded_object_order", false,
+     [](kvf_xfer_tuning &t) {
+       t.spread_kb = 1;
+       t.param_bytes = 0;  // the device-memory tables' spread kernel
+       t.cache_order = 0;  // and device-to-device gathers in the object's order
+       t.staging_mb = 0;
+       t.pcie_sms = 0;
+       t.batch_max_runs = 0;
+     },
+     [](const kvf_xfer_path_info &p, Mem) {
+       EXPECT_EQ(p.path, KVF_PATH_KERNEL) << kvf_xfer_path_name(p.path);
+       EXPECT_EQ(p.uploads, 1u);
+       EXPECT_EQ(p.spread_launches, 1u);
+       EXPECT_EQ(p.cache_order, 0u);
+     }},
     {"grid_stride_walk", false, [](kvf_xfer_tuning &t) { t.kernel = 1; },
      [](const kvf_xfer_path_info &p, Mem m) {
        if (m == Mem::Device) {
@@ -2217,7 +2258,9 @@ INSTANTIATE_TEST_SUITE_P(Presets, XferGpuRoutes, ::testing::ValuesIn(route_cases
 // API for long runs (a Llama NHD chunk: 1024 runs of 32 KiB), staged pieces
 // for short ones (HND: 256-byte runs), tables in kernel parameters on the
 // device, and the staged route on the legacy stream, which
-// cudaMemcpyBatchAsync refuses.
+// cudaMemcpyBatchAsync refuses. On the device a chunk (17-32 MiB) is a
+// spread launch (KVF_XFER_SPREAD_KB), and an HND gather walks the cache's
+// order (KVF_XFER_CACHE_ORDER).
 TEST(XferGpu, DefaultRoutesForOneChunk) {
   REQUIRE_GPU();
   struct Want {
@@ -2236,6 +2279,7 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
                         {"llama-3.1-8b-fa-hnd", Mem::Pinned, false, KVF_PATH_STAGED, false},
                         {"llama-3.1-8b-fa-nhd", Mem::Pinned, true, KVF_PATH_STAGED, false},
                         {"llama-3.1-8b-fa-nhd", Mem::Device, false, KVF_PATH_KERNEL, false},
+                        {"llama-3.1-8b-fa-hnd", Mem::Device, false, KVF_PATH_KERNEL, false},
                         {"deepseek-v3-mla-bf16", Mem::Device, false, KVF_PATH_KERNEL, false}};
   for (const Want &w : wants)
     for (Dir d : {Dir::Gather, Dir::Scatter}) {
@@ -2248,12 +2292,17 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
       cfg.route = expected_route(w.obj, d);
       kvf_xfer_path want = w.path;
       bool straight = w.straight;
-      cfg.check_path = [want, straight](const kvf_xfer_path_info &p) {
+      bool cache_order = d == Dir::Gather; // the walk applies it to head-major blocks only
+      cfg.check_path = [want, straight, cache_order](const kvf_xfer_path_info &p) {
         EXPECT_EQ(p.path, want) << kvf_xfer_path_name(p.path);
         EXPECT_EQ(p.straight_runs > 0, straight) << p.straight_runs << " runs straight";
         EXPECT_EQ(p.uploads, 0u) << "one chunk's tables fit the kernel parameters";
         if (want == KVF_PATH_STAGED) {
           EXPECT_GT(p.pieces, 1u) << "one chunk's batch is split so the copy engine starts early";
+        }
+        if (want == KVF_PATH_KERNEL) {
+          EXPECT_EQ(p.spread_launches, 1u) << "a one-chunk device-to-device launch spreads";
+          EXPECT_EQ(p.cache_order, cache_order ? 1u : 0u);
         }
       };
       run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 24 + (uint64_t)d, cfg);

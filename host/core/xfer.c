@@ -133,6 +133,8 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
                          .batch_min_run = kvf_param_xfer_batch_min_run(),
                          .batch_max_runs = kvf_param_xfer_batch_max_runs(),
                          .kernel = kvf_param_xfer_kernel(),
+                         .spread_kb = kvf_param_xfer_spread_kb(),
+                         .cache_order = kvf_param_xfer_cache_order(),
                          .small_stage_mb = kvf_param_xfer_small_stage_mb()};
   /* Out-of-range values from the environment fall back to the defaults'
    * behaviour rather than failing every call. */
@@ -146,6 +148,8 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
   if (t->stage_straight_kb < 0 || t->stage_straight_kb > (int64_t)KVF_STAGE_MAX_MB << 10) t->stage_straight_kb = 1024;
   if (t->stage_straight_min_run < 0 || t->stage_straight_min_run > (int64_t)KVF_STAGE_MAX_MB << 20)
     t->stage_straight_min_run = 16384;
+  if (t->spread_kb < 0 || t->spread_kb > KVF_SPREAD_MAX_KB) t->spread_kb = 8192;
+  if (t->cache_order < 0 || t->cache_order > 1) t->cache_order = 1;
 }
 
 kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
@@ -157,7 +161,8 @@ kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
       t->staging_mb > KVF_STAGE_MAX_MB || t->stage_edge_mb < 0 || t->stage_edge_mb > KVF_STAGE_MAX_MB ||
       t->stage_multi_pieces < 0 || t->stage_multi_pieces > KVF_STAGE_MAX_PIECES || t->stage_straight_kb < 0 ||
       t->stage_straight_kb > (int64_t)KVF_STAGE_MAX_MB << 10 || t->stage_straight_min_run < 0 ||
-      t->stage_straight_min_run > (int64_t)KVF_STAGE_MAX_MB << 20)
+      t->stage_straight_min_run > (int64_t)KVF_STAGE_MAX_MB << 20 || t->spread_kb < 0 ||
+      t->spread_kb > KVF_SPREAD_MAX_KB || t->cache_order < 0 || t->cache_order > 1)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_set_tuning: a value is out of range");
   pthread_mutex_lock(&x->lock);
   x->tune = *t;
@@ -594,7 +599,26 @@ static kvf_status grow_host_blob(kvf_xfer *x, size_t size) {
 
 /* Which walk the kernel takes (KVF_XFER_KERNEL): 1 for the grid-stride walk
  * of one task per step, else the warp walk (kernels/walk.h). */
-static int walk_of(const kvf_xfer *x) { return x->tune.kernel != 1 && !x->plan[0].wide && !x->plan[1].wide; }
+/* Whether a launch's warp walk visits a gather's head-major blocks in the
+ * cache's address order (kernels/walk.h): device-to-device gathers, where
+ * it was measured (KVF_XFER_CACHE_ORDER). */
+static uint32_t cache_order_of(const kvf_xfer *x, kvf_xfer_route route, int gather) {
+  return x->tune.cache_order && gather && route == KVF_ROUTE_D2D;
+}
+
+/* Which kernel a launch on `ctas` SMs moving `payload` bytes runs
+ * (kernels/launch.h): the grid-stride walk when KVF_XFER_KERNEL=1 or a
+ * segment's in-block offsets need 64 bits; else the warp walk, spread over
+ * small CTAs when the launch may use every SM and moves at least
+ * KVF_XFER_SPREAD_KB (xfer_kernel.cu has the measurement). Capped launches
+ * (the PCIe and staging kernels) keep one CTA per SM: their cap is what
+ * leaves the engine's SMs alone. */
+static int kernel_of(const kvf_xfer *x, uint32_t ctas, uint64_t payload) {
+  if (x->tune.kernel == 1 || x->plan[0].wide || x->plan[1].wide) return KVF_KERNEL_GRID_STRIDE;
+  if (x->tune.spread_kb > 0 && ctas >= (uint32_t)x->sm_count && payload >= ((uint64_t)x->tune.spread_kb << 10))
+    return KVF_KERNEL_WALK_SPREAD;
+  return KVF_KERNEL_WALK;
+}
 
 /* Tables of `size` bytes go in the kernel's parameters. */
 static int fits_params(const kvf_xfer *x, size_t size) {
@@ -797,10 +821,10 @@ static cudaError_t staged_launch(kvf_xfer *x, const staged_call *c, const launch
   uint32_t ctas = sms;
   cudaError_t e;
   if (c->uploaded) {
-    e = kvf_kernel_launch((char *)c->slot->device + l->blob_off, l->tasks, &ctas, walk_of(x), stream);
+    e = kvf_kernel_launch((char *)c->slot->device + l->blob_off, l->tasks, &ctas, kernel_of(x, ctas, 0), stream);
   } else {
-    e = kvf_kernel_launch_params((char *)x->host_blob + l->blob_off, l->blob_size, l->tasks, &ctas, walk_of(x),
-                                 stream);
+    e = kvf_kernel_launch_params((char *)x->host_blob + l->blob_off, l->blob_size, l->tasks, &ctas,
+                                 kernel_of(x, ctas, 0), stream);
     if (e == cudaSuccess) x->path.param_launches++;
   }
   if (e == cudaSuccess) {
@@ -1377,21 +1401,25 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
   if (fits_params(x, size)) {
     if ((st = grow_host_blob(x, size + KVF_KERNEL_PARAM_MAX))) return st;
     uint64_t tasks = kvf_blob_build(g, plan, r, gather, NULL, x->host_blob);
-    const kvf_blob_header *h = x->host_blob;
+    kvf_blob_header *h = x->host_blob;
     uint32_t slice = choose_slice(x, h->payload_bytes, ctas);
     if (slice != KVF_SLICE_BYTES) tasks = kvf_blob_reslice(x->host_blob, slice);
+    h->cache_order = cache_order_of(x, route, gather);
     if (tasks) {
-      e = kvf_kernel_launch_params(x->host_blob, size, tasks, &ctas, walk_of(x), stream);
+      int kernel = kernel_of(x, ctas, h->payload_bytes);
+      e = kvf_kernel_launch_params(x->host_blob, size, tasks, &ctas, kernel, stream);
       if (e != cudaSuccess) {
         cudaGetLastError();
         return kvf_fail(KVF_ERR_CUDA, "enqueueing the %s transfer: %s; nothing was enqueued",
                         gather ? "gather" : "scatter", cudaGetErrorString(e));
       }
       x->path.launches = x->path.param_launches = 1;
+      x->path.spread_launches = kernel == KVF_KERNEL_WALK_SPREAD;
     } else {
       ctas = 0;
     }
     x->path.slice_bytes = slice;
+    x->path.cache_order = h->cache_order;
     x->last.route = route;
     x->last.sms = ctas;
     x->last.tasks = (uint32_t)tasks;
@@ -1419,13 +1447,17 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
     if ((st = take_slot(x, size, &s))) return st;
   }
   uint64_t tasks = kvf_blob_build(g, plan, r, gather, NULL, s->pinned);
-  const kvf_blob_header *h = s->pinned;
+  kvf_blob_header *h = s->pinned;
   uint32_t slice = choose_slice(x, h->payload_bytes, ctas);
   if (slice != KVF_SLICE_BYTES) tasks = kvf_blob_reslice(s->pinned, slice);
+  h->cache_order = cache_order_of(x, route, gather);
+  x->path.cache_order = h->cache_order;
   if (tasks) {
+    int kernel = kernel_of(x, ctas, h->payload_bytes);
     e = cudaMemcpyAsync(s->device, s->pinned, h->size, cudaMemcpyHostToDevice, stream);
     int uploaded = e == cudaSuccess, launched = 0;
-    if (e == cudaSuccess) launched = (e = kvf_kernel_launch(s->device, tasks, &ctas, walk_of(x), stream)) == cudaSuccess;
+    if (e == cudaSuccess) launched = (e = kvf_kernel_launch(s->device, tasks, &ctas, kernel, stream)) == cudaSuccess;
+    if (launched) x->path.spread_launches = kernel == KVF_KERNEL_WALK_SPREAD;
     if (uploaded && s != &captured) {
       /* Also after a refused launch: the upload is enqueued and reads the
        * slot's tables, so the slot is free only after it. */

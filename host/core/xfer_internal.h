@@ -81,6 +81,8 @@ void kvf_stage_plan_free(kvf_stage_plan *plan);
 /* Most MiB a staging size may name (KVF_XFER_STAGING_MB, _STAGE_EDGE_MB):
  * a byte count << 20 must not wrap. */
 #define KVF_STAGE_MAX_MB (1 << 20)
+/* The largest KVF_XFER_SPREAD_KB (a TiB). */
+#define KVF_SPREAD_MAX_KB (1 << 30)
 /* Most runs of a staged call's straight copy-engine part (the host time of
  * cudaMemcpyBatchAsync grows with its runs). */
 #define KVF_STAGE_STRAIGHT_MAX_RUNS 256
@@ -164,6 +166,8 @@ typedef struct kvf_xfer_tuning {
   int64_t batch_min_run;   /* KVF_XFER_BATCH_MIN_RUN: smallest run for the copy-engine batch route */
   int64_t batch_max_runs;  /* KVF_XFER_BATCH_MAX_RUNS: most runs for it (0: the route is off) */
   int64_t kernel;          /* KVF_XFER_KERNEL: 1 the grid-stride walk, 2 (or 0) the warp walk (kernels/walk.h) */
+  int64_t spread_kb;       /* KVF_XFER_SPREAD_KB: uncapped launches of at least this payload spread (0: never) */
+  int64_t cache_order;     /* KVF_XFER_CACHE_ORDER: 1: d2d gathers walk HND blocks in cache order */
   int64_t small_stage_mb;  /* KVF_XFER_SMALL_STAGE_MB: staged requests of at most this payload use 2 pieces
                               and at least KVF_SMALL_STAGE_SMS SMs (0: off) */
 } kvf_xfer_tuning;
@@ -205,6 +209,8 @@ typedef struct kvf_xfer_path_info {
   kvf_xfer_path path;
   uint32_t launches;       /* kernel launches */
   uint32_t param_launches; /* of those, with their tables in the kernel parameters */
+  uint32_t spread_launches; /* of those, spread over every SM in small CTAs (KVF_XFER_SPREAD_KB) */
+  uint32_t cache_order;    /* 1: the (last) launch's walk took head-major blocks in the cache's order */
   uint32_t uploads;        /* table uploads (host -> device copies before a launch) */
   uint32_t batches;        /* staged batches */
   uint32_t pieces;         /* staged pieces per batch */
