@@ -197,7 +197,7 @@ if want conf; then
     conf_run memcheck $([[ $mode == explore ]] && echo 70 || echo 150) "$san_filter" \
       "$SAN" --tool memcheck --error-exitcode 1 --print-limit 30
     conf_run racecheck $([[ $mode == explore ]] && echo 45 || echo 100) \
-      "*XferGpuRoutes*llama_3_1_8b_fa_hnd*pinned*:*XferGpu.DefaultRoutesForOneChunk*" \
+      "*XferGpuRoutes*llama_3_1_8b_fa_hnd*pinned*:*XferGpuRoutes*llama_3_1_8b_fa_hnd_canonical*spread*:*XferGpu.DefaultRoutesForOneChunk*" \
       "$SAN" --tool racecheck --error-exitcode 1 --print-limit 30
   else
     say "conf: compute-sanitizer not found: memcheck and racecheck not run"
@@ -264,12 +264,16 @@ fi
 
 if want chunk; then
   # One chunk on every preset (with every peer); 4096 tokens on all (full) or a few (explore).
-  # (and without the staged route's straight part, at both caps: its A/B)
   step chunk-256 $([[ $mode == explore ]] && echo 100 || echo 160) --preset "$all" --tokens 256 \
-    --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all \
-    --tune straight_kb=0 --tune straight_kb=0,cap=4
+    --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all
   step chunk-4096 $([[ $mode == explore ]] && echo 60 || echo 120) --preset "${chunk_big:-$all}" --tokens 4096 \
     --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all
+  # Device to device on every preset at one chunk and 4096 tokens, with the
+  # kernel's shape and walk order against the previous defaults (one CTA per
+  # SM, the object's order): KVF_XFER_SPREAD_KB and KVF_XFER_CACHE_ORDER's A/B.
+  step d2d-ab $([[ $mode == explore ]] && echo 60 || echo 100) --preset "$all" --tokens 256,4096 \
+    --directions d2d --sms-device 0 --baselines limit --peers none \
+    --tune spread_kb=0,cache_order=0 --tune spread_kb=0 --tune cache_order=0
 fi
 
 
