@@ -39,7 +39,7 @@
 # If the plain conformance run fails on the warp-walk kernel (the default) but not on
 # the grid-stride one, the benchmark steps run with KVF_XFER_KERNEL=1 and say so.
 # --explore (default): shorter timing, fewer presets at 4096 tokens, conformance
-# sanitizer subsets smaller; about 6-7 minutes on one H200 (run 4: 369 s). --full: about 11.
+# sanitizer subsets smaller; about 7-8 minutes on one H200 (run 6: 394 s with the plain conformance cut at 130 s). --full: about 12.
 #
 # Environment: KVF_CUBLAS (libcublas.so.13), COMPUTE_SANITIZER, KVF_BENCH_EXTRA
 # (extra kvf_bench arguments for every bench step), ISSUE15_BUDGET (seconds the
@@ -179,7 +179,7 @@ conf_run() { # NAME LIMIT FILTER [sanitizer...]
 }
 if want conf; then
   # explore: the GPU cases (the CPU ones run in CI without a GPU); full: everything.
-  conf_run plain $([[ $mode == explore ]] && echo 130 || echo 200) \
+  conf_run plain $([[ $mode == explore ]] && echo 200 || echo 260) \
     "$([[ $mode == explore ]] && echo '*XferGpu*:*XferStage*' || echo '*')"
   # The warp walk (KVF_XFER_KERNEL=2) is the default kernel: if its cases fail
   # and the grid-stride walk's do not, benchmark the grid-stride walk rather
@@ -342,7 +342,7 @@ if want cross; then
 fi
 
 if want large; then
-  step large $([[ $mode == explore ]] && echo 45 || echo 120) --preset "$curve" --tokens "$large_tokens" \
+  step large $([[ $mode == explore ]] && echo 60 || echo 120) --preset "$curve" --tokens "$large_tokens" \
     --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines limit,batch,cub --peers "$large_peers" \
     --peers-max-tokens 16384 --max-batch-runs 16384
 fi
