@@ -214,6 +214,44 @@ KVF_WALK_FN uint64_t div64(uint64_t a, uint64_t b) {
   return a / b;
 }
 
+// A segment's blocks are each one contiguous range on both sides (heads
+// fused, tokens back to back, or a state): unit u at u*vec.
+KVF_WALK_FN bool linear_of(const kvf_segment *seg) {
+  return seg->heads == 1 && (seg->tokens == 1 || (seg->src_token == seg->run && seg->dst_token == seg->run));
+}
+
+// Whether a block of entry x is walked in the cache's order: the blob asks
+// for it (header cache_order), it is a gather, and the cache is head-major
+// (a head's tokens back to back, HND) while the units' order is token-major.
+KVF_WALK_FN bool cache_order_of(const kvf_blob_header *h, const kvf_blob_entry *x) {
+  const kvf_segment *seg = &x->seg;
+  return h->cache_order && h->gather && !linear_of(seg) && !seg->recurrent && seg->heads > 1 &&
+         seg->src_head > seg->src_token;
+}
+
+// The strides a non-linear block moving `units` units is walked with.
+// In the cache's order heads are outermost, then the block's valid tokens:
+// the same units, each to the same place, in another order (every warp of
+// the block takes the same order, so the slices still split it exactly).
+KVF_WALK_FN Strides strides_of(const kvf_blob_header *h, const kvf_blob_entry *x, uint64_t units) {
+  const kvf_segment *seg = &x->seg;
+  Strides st;
+  st.src_token = (uint32_t)seg->src_token;
+  st.src_head = (uint32_t)seg->src_head;
+  st.dst_token = (uint32_t)seg->dst_token;
+  st.dst_head = (uint32_t)seg->dst_head;
+  st.upr = x->units_per_run;
+  st.heads = seg->heads;
+  if (cache_order_of(h, x)) {
+    st.src_token = (uint32_t)seg->src_head;
+    st.dst_token = (uint32_t)seg->dst_head;
+    st.src_head = (uint32_t)seg->src_token;
+    st.dst_head = (uint32_t)seg->dst_token;
+    st.heads = (uint32_t)div64(units, x->units_per_token);
+  }
+  return st;
+}
+
 // Tasks [s0, s1) of block j of entry x (its slices): decode the block once,
 // then copy the units those slices cover. The same formulas as plan.c's
 // block_of and the grid-stride kernel's decode.
@@ -250,26 +288,8 @@ KVF_WALK_FN void copy_block(const kvf_blob_header *h, const char *blob, const kv
   char *cache = reinterpret_cast<char *>(regions[seg->region]) + seg->src_offset + (uint64_t)id * seg->src_block;
   char *obj = reinterpret_cast<char *>(object) + obj_off;
   const bool gather = h->gather != 0;
-  const uint32_t heads = seg->heads, run = seg->run;
-  const bool linear = heads == 1 && (tokens == 1 || (seg->src_token == run && seg->dst_token == run));
-  Strides st;
-  st.src_token = (uint32_t)seg->src_token;
-  st.src_head = (uint32_t)seg->src_head;
-  st.dst_token = (uint32_t)seg->dst_token;
-  st.dst_head = (uint32_t)seg->dst_head;
-  st.upr = x->units_per_run;
-  st.heads = heads;
-  if (h->cache_order && gather && !linear && !seg->recurrent && heads > 1 && seg->src_head > seg->src_token) {
-    // Heads outermost, then the block's valid tokens: the same units in the
-    // cache's order (every warp of the block takes the same order, so the
-    // slices still split it exactly).
-    const uint32_t token_src = st.src_token, token_dst = st.dst_token;
-    st.src_token = st.src_head;
-    st.dst_token = st.dst_head;
-    st.src_head = token_src;
-    st.dst_head = token_dst;
-    st.heads = (uint32_t)div64(units, x->units_per_token);
-  }
+  const bool linear = linear_of(seg);
+  const Strides st = strides_of(h, x, units);
   const char *src = gather ? cache : obj;
   char *dst = gather ? obj : cache;
   const uint32_t b = (uint32_t)ub, e = (uint32_t)ue;

@@ -185,13 +185,14 @@ __global__ void __launch_bounds__(kThreads, 1) kvf_xfer_kernel_p(const __grid_co
 // The warp walk (kernels/walk.h): contiguous task ranges per warp, one
 // decode per block, stepped addressing. Same blobs, same bytes moved.
 //
-// Two shapes. A capped launch (the PCIe and staging kernels' SM caps) runs
-// one CTA of kThreads per SM, so the cap is the CTA count. An uncapped one
-// of enough bytes is *spread*: CTAs of kSpreadThreads, kThreads /
-// kSpreadThreads resident per SM, up to kSpreadWaves times as many as fit
-// at once, so the hardware hands a finished CTA's slot to the next and fast
-// warps end up moving more than slow ones; a static split waits for the
-// slowest warp. Measured on an H200 (perf/results/2026-12-01-h200-d2d, d2d
+// Two shapes. Most launches run one CTA of kThreads per SM, so an SM cap
+// is the CTA count. A *spread* launch (device to device or peers, every SM,
+// enough bytes: host/core/xfer.c decides) runs CTAs of kSpreadThreads, at
+// least kThreads / kSpreadThreads resident per SM, one task per warp until
+// the tasks run out (a one-chunk request: 2-4 rounds of the SMs' slots) and
+// at most kSpreadWaves rounds: the hardware hands a finished CTA's slot to
+// the next, so fast warps end up moving more than slow ones where a static
+// split waits for the slowest warp. Measured on an H200 (perf/results/2026-12-01-h200-d2d, d2d
 // of memcpy): 4096 tokens MLA 89.5 -> 93.2%, Llama NHD 93.1 -> 96.0%, the
 // tp4 slice 85.0 -> 89.7%; one chunk +0.6 to +3 points where the request is
 // at least 8 MiB and -2.2 points below (the MLA DCP rank's 4.3 MiB, whose

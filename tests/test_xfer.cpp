@@ -1430,10 +1430,11 @@ TEST_P(XferWalk, WarpWalkMatchesTheReference) {
     std::mt19937_64 rng(seed + misalign);
     Data in = make_inputs(g, s.plan, c.dir, misalign, rng), want = clone(in);
     ASSERT_EQ(reference(g, s.plan, c.format, c.dir, want), KVF_SUCCESS) << kvf_last_error();
-    // Grids: one warp; a prime; a full H200 at 512 threads (2112 warps); a
-    // spread launch's 16 rounds of 128-thread CTAs (33792 warps, most with
-    // no task). cache_order: the header's flag (a gather's head-major
-    // blocks in the cache's order; the walk ignores it elsewhere).
+    // Grids: one warp; a prime; a full H200 at 512 threads (2112 warps); far
+    // more warps than tasks (a spread launch's 16 rounds of 128-thread
+    // CTAs, 33792 warps). cache_order: the header's flag (a gather's
+    // head-major blocks in the cache's order; the walk ignores it elsewhere,
+    // XferWalk.CacheOrderTakesHeadMajorGathersInAddressOrder checks where).
     struct Shape {
       uint32_t slice, pieces;
       uint64_t warps;
@@ -1479,6 +1480,58 @@ TEST_P(XferWalk, WarpWalkMatchesTheReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, XferWalk, ::testing::ValuesIn(host_cases(false)), host_case_name);
+
+// The cache order (header cache_order) applies to the gathers of head-major
+// blocks only, and there it visits a block's units in the cache's address
+// order: unit u's source offset grows with u. Without it, or on a
+// token-major cache, the walk keeps the object's order.
+TEST(XferWalk, CacheOrderTakesHeadMajorGathersInAddressOrder) {
+  struct Want {
+    const char *preset;
+    bool head_major;
+  };
+  for (Want w : {Want{"llama-3.1-8b-fa-hnd", true}, Want{"llama-3.1-8b-flashinfer-hnd", true},
+                 Want{"llama-3.1-8b-fa-nhd", false}, Want{"deepseek-v3-mla-bf16", false}}) {
+    Prepared s;
+    ASSERT_NO_FATAL_FAILURE(setup_standard(w.preset, true, 91, &s));
+    const kvf_geometry *g = s.g();
+    PlanHolder plan;
+    ASSERT_EQ(kvf_plan_build(g, KVF_FORMAT_CANONICAL, &plan.p), KVF_SUCCESS) << kvf_last_error();
+    std::mt19937_64 rng(92);
+    Data in = make_inputs(g, s.plan, Dir::Gather, 0, rng);
+    Req r(s.plan, KVF_FORMAT_CANONICAL, payloads(in.cache), payloads(in.objs));
+    for (int gather : {1, 0})
+      for (uint32_t order : {1u, 0u}) {
+        SCOPED_TRACE(std::string(w.preset) + (gather ? " gather" : " scatter") + ", cache order " +
+                     std::to_string(order));
+        std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, nullptr);
+        auto *h = reinterpret_cast<kvf_blob_header *>(blob.data());
+        h->cache_order = order;
+        const auto *entries = reinterpret_cast<const kvf_blob_entry *>(blob.data() + h->off_entries);
+        ASSERT_GT(h->num_entries, 0u);
+        for (uint32_t i = 0; i < h->num_entries; i++) {
+          const kvf_blob_entry *x = &entries[i];
+          const bool want = order && gather && w.head_major;
+          ASSERT_EQ(kvf_walk::cache_order_of(h, x), want) << "entry " << i;
+          if (kvf_walk::linear_of(&x->seg)) continue;
+          // A whole block's units, walked with the strides the walk takes.
+          const uint64_t units = (uint64_t)x->seg.tokens * x->units_per_token;
+          const kvf_walk::Strides st = kvf_walk::strides_of(h, x, units);
+          const uint32_t upt = st.upr * st.heads;
+          bool ascending = true;
+          uint64_t last = 0;
+          for (uint64_t u = 0; u < units; u++) {
+            uint64_t outer = u / upt, inner = u % upt / st.upr, col = u % st.upr;
+            uint64_t off = outer * st.src_token + inner * st.src_head + col * x->vec;
+            if (u && off <= last) ascending = false;
+            last = off;
+          }
+          EXPECT_EQ(ascending, want || !w.head_major) << "entry " << i << ": the cache side's offsets "
+                                                      << (ascending ? "ascend" : "do not ascend");
+        }
+      }
+  }
+}
 
 // The task -> entry table finds the same entry as a search over every task.
 TEST(XferWalk, TaskTableFindsEveryTasksEntry) {
@@ -2155,15 +2208,16 @@ const RouteVariant kRouteVariants[] = {
      [](const kvf_xfer_path_info &p, Mem) { EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path); }},
     {"spread", false,
      [](kvf_xfer_tuning &t) {
-       t.spread_kb = 1;     // every launch of a KiB or more spreads over small CTAs
-       t.staging_mb = 0;    // host objects too: the direct kernel,
-       t.pcie_sms = 0;      // uncapped
+       t.spread_kb = 1;     // every device-to-device launch of a KiB or more spreads over small CTAs;
+       t.staging_mb = 0;    // host objects take the direct kernel,
+       t.pcie_sms = 0;      // uncapped, and still one CTA per SM
        t.batch_max_runs = 0;
      },
-     [](const kvf_xfer_path_info &p, Mem) {
+     [](const kvf_xfer_path_info &p, Mem m) {
        EXPECT_EQ(p.path, KVF_PATH_KERNEL) << kvf_xfer_path_name(p.path);
        EXPECT_EQ(p.launches, 1u);
-       EXPECT_EQ(p.spread_launches, 1u);
+       EXPECT_EQ(p.param_launches, 1u);
+       EXPECT_EQ(p.spread_launches, m == Mem::Device ? 1u : 0u) << "only device-to-device launches spread";
      }},
     {"spread_uploaded_object_order", false,
      [](kvf_xfer_tuning &t) {
@@ -2174,11 +2228,10 @@ const RouteVariant kRouteVariants[] = {
        t.pcie_sms = 0;
        t.batch_max_runs = 0;
      },
-     [](const kvf_xfer_path_info &p, Mem) {
+     [](const kvf_xfer_path_info &p, Mem m) {
        EXPECT_EQ(p.path, KVF_PATH_KERNEL) << kvf_xfer_path_name(p.path);
        EXPECT_EQ(p.uploads, 1u);
-       EXPECT_EQ(p.spread_launches, 1u);
-       EXPECT_EQ(p.cache_order, 0u);
+       EXPECT_EQ(p.spread_launches, m == Mem::Device ? 1u : 0u);
      }},
     {"grid_stride_walk", false, [](kvf_xfer_tuning &t) { t.kernel = 1; },
      [](const kvf_xfer_path_info &p, Mem m) {

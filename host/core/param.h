@@ -72,7 +72,7 @@ extern "C" {
   X(xfer_batch_max_runs, "KVF_XFER_BATCH_MAX_RUNS", 256,                                 \
     "... and have at most this many runs (its host cost grows with them; 0: never use the batch API route)") \
   X(xfer_spread_kb, "KVF_XFER_SPREAD_KB", 8192,                                          \
-    "a launch that may use every SM (device to device, peers) and moves at least this many KiB runs small CTAs, several rounds of them, that the GPU hands out as SMs free up (0: never; one CTA per SM then)") \
+    "a device-to-device or peer launch that may use every SM and moves at least this many KiB runs small CTAs, several rounds of them, that the GPU hands out as SMs free up (0: never; one CTA per SM then)") \
   X(xfer_cache_order, "KVF_XFER_CACHE_ORDER", 1,                                         \
     "1: a device-to-device gather walks head-major (HND) blocks in the cache's address order; 0: in the object's") \
   X(xfer_kernel, "KVF_XFER_KERNEL", 2,                                                   \

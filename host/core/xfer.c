@@ -599,25 +599,27 @@ static kvf_status grow_host_blob(kvf_xfer *x, size_t size) {
 
 /* Which walk the kernel takes (KVF_XFER_KERNEL): 1 for the grid-stride walk
  * of one task per step, else the warp walk (kernels/walk.h). */
-/* Whether a launch's warp walk visits a gather's head-major blocks in the
- * cache's address order (kernels/walk.h): device-to-device gathers, where
- * it was measured (KVF_XFER_CACHE_ORDER). */
-static uint32_t cache_order_of(const kvf_xfer *x, kvf_xfer_route route, int gather) {
-  return x->tune.cache_order && gather && route == KVF_ROUTE_D2D;
-}
-
-/* Which kernel a launch on `ctas` SMs moving `payload` bytes runs
- * (kernels/launch.h): the grid-stride walk when KVF_XFER_KERNEL=1 or a
+/* Which kernel a launch of `route` on `ctas` SMs moving `payload` bytes
+ * runs (kernels/launch.h): the grid-stride walk when KVF_XFER_KERNEL=1 or a
  * segment's in-block offsets need 64 bits; else the warp walk, spread over
- * small CTAs when the launch may use every SM and moves at least
- * KVF_XFER_SPREAD_KB (xfer_kernel.cu has the measurement). Capped launches
- * (the PCIe and staging kernels) keep one CTA per SM: their cap is what
- * leaves the engine's SMs alone. */
-static int kernel_of(const kvf_xfer *x, uint32_t ctas, uint64_t payload) {
+ * small CTAs when the launch is device to device or between peers (where it
+ * was measured), may use every SM and moves at least KVF_XFER_SPREAD_KB
+ * (xfer_kernel.cu has the measurement). Launches that touch host memory
+ * and the staging kernels keep one CTA per SM: their cap is what leaves the
+ * engine's SMs alone. */
+static int kernel_of(const kvf_xfer *x, kvf_xfer_route route, uint32_t ctas, uint64_t payload) {
   if (x->tune.kernel == 1 || x->plan[0].wide || x->plan[1].wide) return KVF_KERNEL_GRID_STRIDE;
-  if (x->tune.spread_kb > 0 && ctas >= (uint32_t)x->sm_count && payload >= ((uint64_t)x->tune.spread_kb << 10))
+  if ((route == KVF_ROUTE_D2D || route == KVF_ROUTE_PEER) && x->tune.spread_kb > 0 &&
+      ctas >= (uint32_t)x->sm_count && payload >= ((uint64_t)x->tune.spread_kb << 10))
     return KVF_KERNEL_WALK_SPREAD;
   return KVF_KERNEL_WALK;
+}
+
+/* Whether a launch asks its warp walk for the cache's address order on
+ * head-major blocks (kernels/walk.h, cache_order_of): device-to-device
+ * gathers by the warp walk, where it was measured (KVF_XFER_CACHE_ORDER). */
+static uint32_t cache_order_of(const kvf_xfer *x, kvf_xfer_route route, int gather, int kernel) {
+  return x->tune.cache_order && gather && route == KVF_ROUTE_D2D && kernel != KVF_KERNEL_GRID_STRIDE;
 }
 
 /* Tables of `size` bytes go in the kernel's parameters. */
@@ -811,6 +813,10 @@ static void staged_call_free(staged_call *c) {
   free(c->straight_size);
 }
 
+/* The kernel of a staged call's launches: never spread (they touch device
+ * staging buffers under the staging SM cap). */
+static int staged_kernel(const kvf_xfer *x) { return kernel_of(x, KVF_ROUTE_D2H, 0, 0); }
+
 /* Launch l of a staged call on `stream` (the test hook may refuse the
  * first launch of batch `hook_batch`, see xfer_internal.h). */
 static cudaError_t staged_launch(kvf_xfer *x, const staged_call *c, const launch *l, uint32_t sms, int64_t hook_batch,
@@ -821,10 +827,10 @@ static cudaError_t staged_launch(kvf_xfer *x, const staged_call *c, const launch
   uint32_t ctas = sms;
   cudaError_t e;
   if (c->uploaded) {
-    e = kvf_kernel_launch((char *)c->slot->device + l->blob_off, l->tasks, &ctas, kernel_of(x, ctas, 0), stream);
+    e = kvf_kernel_launch((char *)c->slot->device + l->blob_off, l->tasks, &ctas, staged_kernel(x), stream);
   } else {
     e = kvf_kernel_launch_params((char *)x->host_blob + l->blob_off, l->blob_size, l->tasks, &ctas,
-                                 kernel_of(x, ctas, 0), stream);
+                                 staged_kernel(x), stream);
     if (e == cudaSuccess) x->path.param_launches++;
   }
   if (e == cudaSuccess) {
@@ -1404,9 +1410,9 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
     kvf_blob_header *h = x->host_blob;
     uint32_t slice = choose_slice(x, h->payload_bytes, ctas);
     if (slice != KVF_SLICE_BYTES) tasks = kvf_blob_reslice(x->host_blob, slice);
-    h->cache_order = cache_order_of(x, route, gather);
+    int kernel = kernel_of(x, route, ctas, h->payload_bytes);
+    h->cache_order = cache_order_of(x, route, gather, kernel);
     if (tasks) {
-      int kernel = kernel_of(x, ctas, h->payload_bytes);
       e = kvf_kernel_launch_params(x->host_blob, size, tasks, &ctas, kernel, stream);
       if (e != cudaSuccess) {
         cudaGetLastError();
@@ -1450,10 +1456,10 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
   kvf_blob_header *h = s->pinned;
   uint32_t slice = choose_slice(x, h->payload_bytes, ctas);
   if (slice != KVF_SLICE_BYTES) tasks = kvf_blob_reslice(s->pinned, slice);
-  h->cache_order = cache_order_of(x, route, gather);
+  int kernel = kernel_of(x, route, ctas, h->payload_bytes);
+  h->cache_order = cache_order_of(x, route, gather, kernel);
   x->path.cache_order = h->cache_order;
   if (tasks) {
-    int kernel = kernel_of(x, ctas, h->payload_bytes);
     e = cudaMemcpyAsync(s->device, s->pinned, h->size, cudaMemcpyHostToDevice, stream);
     int uploaded = e == cudaSuccess, launched = 0;
     if (e == cudaSuccess) launched = (e = kvf_kernel_launch(s->device, tasks, &ctas, kernel, stream)) == cudaSuccess;

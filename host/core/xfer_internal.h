@@ -209,8 +209,9 @@ typedef struct kvf_xfer_path_info {
   kvf_xfer_path path;
   uint32_t launches;       /* kernel launches */
   uint32_t param_launches; /* of those, with their tables in the kernel parameters */
-  uint32_t spread_launches; /* of those, spread over every SM in small CTAs (KVF_XFER_SPREAD_KB) */
-  uint32_t cache_order;    /* 1: the (last) launch's walk took head-major blocks in the cache's order */
+  uint32_t spread_launches; /* of those, spread over every SM in small CTAs (KVF_XFER_SPREAD_KB; d2d, peers) */
+  uint32_t cache_order;    /* 1: the (last) launch asked its warp walk for the cache's order on head-major
+                              blocks (a d2d gather; other blocks keep the object's) */
   uint32_t uploads;        /* table uploads (host -> device copies before a launch) */
   uint32_t batches;        /* staged batches */
   uint32_t pieces;         /* staged pieces per batch */
