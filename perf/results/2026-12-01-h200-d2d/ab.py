@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""The device-to-device kernel's A/B from ab-run-a.json and ab-run-b.json (two
-runs of run_issue15.sh's d2d-ab step, the second on the committed code): a
+"""The device-to-device kernel's A/B from ab-run-a.json, ab-run-b.json and
+ab-run-c.json (three runs of run_issue15.sh's d2d-ab step; b and c on the
+committed kernels, c after the review's fixes): a
 markdown table (ab.md) and a plot (ab.png) of kvferry's share of memcpy per
 preset and size with the committed defaults (spread launches from 8 MiB,
 head-major gathers in cache order), without either (one CTA per SM, the
@@ -29,20 +30,23 @@ def rows_of(name):
 
 meta_a, a = rows_of("ab-run-a.json")
 meta_b, b = rows_of("ab-run-b.json")
+meta_c, c = rows_of("ab-run-c.json")
 keys = sorted(b, key=lambda k: (k[1] >= 4096, k[0]))
 with open(os.path.join(here, "ab.md"), "w") as f:
     f.write(f"# Device-to-device kernel A/B ({meta_b['date']}, {meta_b['gpu']}, {meta_b['sm_count']} SMs, "
             f"driver {meta_b['driver_version']})\n\n")
     f.write("kvferry's share of a contiguous memcpy of the same bytes in the same run (GPU time, medians; "
-            f"run b: commit {meta_b['git_commit']}, run a: commit {meta_a['git_commit']}, same kernels). "
+            f"runs b / a / c: commits {meta_b['git_commit']} / {meta_a['git_commit']} / {meta_c['git_commit']}, "
+            "the same kernels; c spreads only device-to-device launches, which these all are). "
             "Target: 85% below 4096 tokens, 92% at 4096 and above.\n\n")
-    f.write("| preset | tokens | MiB | " + " | ".join(f"{c[1]} (b / a)" for c in cols) + " |\n")
+    f.write("| preset | tokens | MiB | " + " | ".join(f"{col[1]} (b / a / c)" for col in cols) + " |\n")
     f.write("|---|---|---|" + "---|" * len(cols) + "\n")
     for k in keys:
         vb, size = b[k]
         va = a.get(k, ([float("nan")] * len(cols), 0))[0]
+        vc = c.get(k, ([float("nan")] * len(cols), 0))[0]
         f.write(f"| {k[0]} | {k[1]} | {size / 2**20:.1f} | " +
-                " | ".join(f"{x:.1f} / {y:.1f}" for x, y in zip(vb, va)) + " |\n")
+                " | ".join(f"{x:.1f} / {y:.1f} / {z:.1f}" for x, y, z in zip(vb, va, vc)) + " |\n")
 try:
     import matplotlib
     matplotlib.use("Agg")
