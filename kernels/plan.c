@@ -224,6 +224,15 @@ static uint32_t slice_of(uint32_t slice_bytes) {
   return slice_bytes < KVF_SLICE_MIN_BYTES ? KVF_SLICE_MIN_BYTES : slice_bytes;
 }
 
+uint32_t kvf_blob_slice_for(const kvf_blob_opts *opts, uint64_t payload) {
+  uint32_t slice = opts && opts->slice_bytes ? opts->slice_bytes : KVF_SLICE_BYTES;
+  if (opts && opts->task_slots) {
+    uint64_t want = payload / opts->task_slots;
+    while (slice / 2 >= KVF_SLICE_MIN_BYTES && slice / 2 >= want) slice /= 2;
+  }
+  return slice_of(slice);
+}
+
 /* Where the blob's arrays go: counts its entries and ids first. */
 static void blob_layout(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r,
                         const kvf_blob_opts *opts, kvf_blob_header *h) {
@@ -260,10 +269,34 @@ static void entry_slices(kvf_blob_entry *x, uint32_t slice) {
   x->slices = (uint32_t)((block_units + x->slice_units - 1) / x->slice_units);
 }
 
+/* Bytes one block of group gi moves in a blob of opts' segments. */
+static uint64_t group_block_bytes(const kvf_plan *plan, const kvf_blob_opts *opts, uint32_t gi) {
+  uint64_t bytes = 0;
+  for (uint32_t s = plan->group_first[gi]; s < plan->group_first[gi + 1]; s++)
+    if (seg_in(opts, s)) bytes += seg_block_bytes(&plan->segments[s]);
+  return bytes;
+}
+
+/* Bytes group gi's blocks [b0, b1) move at per_block bytes a block: moving
+ * blocks x per_block, less the missing tokens of a partial last block. */
+static uint64_t group_payload_of(const kvf_geometry *g, const kvf_copy_request *r, uint32_t gi, uint64_t b0,
+                                 uint64_t b1, uint64_t lt_end, uint64_t per_block) {
+  uint64_t moving = 0;
+  const kvf_group_blocks *t = &r->groups[gi];
+  const uint32_t *ids = t->block_ids + (b0 - t->first_block);
+  for (uint64_t b = 0; b < b1 - b0; b++) moving += ids[b] != KVF_BLOCK_SKIP;
+  uint64_t bytes = moving * per_block;
+  const kvf_group *gr = &g->groups[gi];
+  if (gr->desc.kind != KVF_GROUP_RECURRENT && ids[b1 - 1 - b0] != KVF_BLOCK_SKIP) {
+    uint64_t end_tokens = b1 * gr->desc.block_size;
+    if (end_tokens > lt_end) bytes -= (end_tokens - lt_end) * (per_block / gr->desc.block_size);
+  }
+  return bytes;
+}
+
 uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r, int gather,
                         const kvf_blob_opts *opts, void *out) {
   kvf_blob_header *h = out;
-  uint32_t slice = slice_of(opts ? opts->slice_bytes : 0);
   memset(h, 0, sizeof *h);
   uint64_t c = g->policy.chunk_tokens;
   h->lt_begin = kvf_local_token(g, r->token_begin);
@@ -293,27 +326,25 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
     og_bits[i % g->num_object_groups] |= objects[i];
   }
 
+  /* The payload first: the slice may depend on it (opts->task_slots). */
+  for (uint32_t gi = 0; gi < g->num_groups; gi++) {
+    uint64_t b0, b1, per_block;
+    moved_range(g, r, gi, &b0, &b1);
+    if (b0 != b1 && (per_block = group_block_bytes(plan, opts, gi)))
+      h->payload_bytes += group_payload_of(g, r, gi, b0, b1, h->lt_end, per_block);
+  }
+  const uint32_t slice = kvf_blob_slice_for(opts, h->payload_bytes);
+  h->slice_bytes = slice;
+
   uint64_t tasks = 0, at_ids = 0;
   uint32_t ne = 0;
   for (uint32_t gi = 0; gi < g->num_groups; gi++) {
-    uint64_t b0, b1, group_payload = 0;
+    uint64_t b0, b1;
     moved_range(g, r, gi, &b0, &b1);
     if (b0 == b1) continue;
-    for (uint32_t s = plan->group_first[gi]; s < plan->group_first[gi + 1]; s++)
-      if (seg_in(opts, s)) group_payload += seg_block_bytes(&plan->segments[s]);
-    if (!group_payload) continue;
+    if (!group_block_bytes(plan, opts, gi)) continue;
     const kvf_group_blocks *t = &r->groups[gi];
     memcpy(id_out + at_ids, t->block_ids + (b0 - t->first_block), (b1 - b0) * sizeof(uint32_t));
-    /* Payload: moving blocks x the blob's block bytes, less the missing
-     * tokens of a partial last block. */
-    uint64_t moving = 0;
-    for (uint64_t b = b0; b < b1; b++) moving += id_out[at_ids + b - b0] != KVF_BLOCK_SKIP;
-    const kvf_group *gr = &g->groups[gi];
-    h->payload_bytes += moving * group_payload;
-    if (gr->desc.kind != KVF_GROUP_RECURRENT && id_out[at_ids + b1 - 1 - b0] != KVF_BLOCK_SKIP) {
-      uint64_t end_tokens = (b1) * gr->desc.block_size;
-      if (end_tokens > h->lt_end) h->payload_bytes -= (end_tokens - h->lt_end) * (group_payload / gr->desc.block_size);
-    }
     for (uint32_t s = plan->group_first[gi]; s < plan->group_first[gi + 1]; s++) {
       if (!seg_in(opts, s)) continue;
       const kvf_segment *seg = &plan->segments[s];
@@ -351,6 +382,8 @@ static void blob_buckets(kvf_blob_header *h) {
     while (at + 1 < h->num_entries && e[at + 1].first_task <= task) at++;
     b[i] = (uint16_t)at;
   }
+  /* The rest zeroed: a re-cut blob holds no buckets of its earlier cut. */
+  memset(b + h->num_buckets, 0, (KVF_BLOB_BUCKETS - h->num_buckets) * sizeof *b);
 }
 
 uint32_t kvf_blob_entry_of(const void *blob, uint64_t task) {
@@ -367,6 +400,7 @@ uint64_t kvf_blob_reslice(void *blob, uint32_t slice_bytes) {
   kvf_blob_entry *e = (kvf_blob_entry *)((char *)blob + h->off_entries);
   uint32_t slice = slice_of(slice_bytes);
   uint64_t tasks = 0;
+  h->slice_bytes = slice;
   for (uint32_t i = 0; i < h->num_entries; i++) {
     uint64_t end = i + 1 < h->num_entries ? e[i + 1].first_task : h->total_tasks;
     uint64_t blocks = (end - e[i].first_task) / e[i].slices; /* read before first_task is rewritten */

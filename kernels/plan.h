@@ -109,7 +109,7 @@ typedef struct kvf_blob_header {
   uint32_t num_buckets;   /* (total_tasks >> bucket_shift) + 1 at most KVF_BLOB_BUCKETS */
   uint32_t cache_order;   /* 1: the warp walk visits a gather's head-major blocks in the cache's
                              address order (kernels/walk.h); 0 (as built): in the object's */
-  uint32_t pad_;
+  uint32_t slice_bytes;   /* most bytes a task moves (kvf_blob_opts) */
   /* Byte offsets of the arrays inside the blob. */
   uint64_t off_buckets;   /* uint16_t[KVF_BLOB_BUCKETS]: the entry holding task b << bucket_shift */
   uint64_t off_entries;   /* kvf_blob_entry[num_entries] */
@@ -132,7 +132,14 @@ typedef struct kvf_blob_opts {
   uint32_t slice_bytes;          /* most bytes a task moves: a multiple of 16 from KVF_SLICE_MIN_BYTES
                                     (smaller values are raised to it); 0: KVF_SLICE_BYTES */
   const unsigned char *segments; /* [plan->num_segments]: 1 = the segment moves in this blob; NULL: all */
+  uint64_t task_slots;           /* 0: slice_bytes as given; else slice_bytes halved (down to
+                                    KVF_SLICE_MIN_BYTES) while half still holds payload / task_slots
+                                    bytes, so a small request still gives task_slots tasks (warps x
+                                    tasks per warp); kvf_blob_slice_for says which */
 } kvf_blob_opts;
+
+/* The slice a build of opts takes for a blob moving `payload` bytes. */
+uint32_t kvf_blob_slice_for(const kvf_blob_opts *opts, uint64_t payload);
 
 /* Size of the blob a request needs (the request is checked first by the
  * caller). opts as for kvf_blob_build (only its segment mask matters). */
@@ -151,8 +158,10 @@ uint64_t kvf_blob_build(const kvf_geometry *geometry, const kvf_plan *plan, cons
                         int gather, const kvf_blob_opts *opts, void *out);
 
 /* Re-cut a built blob's tasks into slices of at most slice_bytes (as in
- * kvf_blob_opts): rewrites slice_units, slices, first_task and total_tasks,
- * nothing else. Returns the new task count. */
+ * kvf_blob_opts): rewrites slice_units, slices, first_task, total_tasks and
+ * the header's slice_bytes, nothing else. Returns the new task count. (A
+ * call's blobs take their slice at build time, kvf_blob_opts.task_slots;
+ * this is the tests' oracle for that.) */
 uint64_t kvf_blob_reslice(void *blob, uint32_t slice_bytes);
 
 /* One (entry, block) pair of a blob that moves something. */

@@ -1306,7 +1306,7 @@ TEST_P(XferPieces, PiecesOfSmallTasksMatchTheReference) {
     std::vector<uint64_t> base;
     for (void *o : r.objects) base.push_back(reinterpret_cast<uint64_t>(o));
     for (uint32_t p = 0; p < made; p++) {
-      kvf_blob_opts o = {512, made > 1 ? masks.data() + (size_t)p * ns : nullptr};
+      kvf_blob_opts o = {512, made > 1 ? masks.data() + (size_t)p * ns : nullptr, 0};
       std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, &o);
       const auto *h = reinterpret_cast<const kvf_blob_header *>(blob.data());
       payload += h->payload_bytes;
@@ -1452,7 +1452,7 @@ TEST_P(XferWalk, WarpWalkMatchesTheReference) {
       std::vector<unsigned char> masks((size_t)sh.pieces * ns);
       uint32_t made = sh.pieces > 1 ? kvf_stage_piece_masks(g, &plan.p, r.get(), gather, sh.pieces, masks.data()) : 1;
       for (uint32_t p = 0; p < made; p++) {
-        kvf_blob_opts o = {sh.slice, made > 1 ? masks.data() + (size_t)p * ns : nullptr};
+        kvf_blob_opts o = {sh.slice, made > 1 ? masks.data() + (size_t)p * ns : nullptr, 0};
         std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, &o);
         reinterpret_cast<kvf_blob_header *>(blob.data())->cache_order = sh.cache_order;
         run_walk(blob, sh.warps);
@@ -1469,7 +1469,7 @@ TEST_P(XferWalk, WarpWalkMatchesTheReference) {
       for (int half = 0; half < 2; half++) {
         for (size_t i = 0; i < all.size(); i++) r.objects[i] = (int)(i % 2) == half ? all[i] : nullptr;
         r.rebind();
-        kvf_blob_opts o = {4096, nullptr};
+        kvf_blob_opts o = {4096, nullptr, 0};
         std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, &o);
         run_walk(blob, 2112);
       }
@@ -1546,7 +1546,7 @@ TEST(XferWalk, TaskTableFindsEveryTasksEntry) {
   }();
   Req r(s.plan, KVF_FORMAT_CANONICAL, payloads(in.cache), payloads(in.objs));
   for (uint32_t slice : {0u, 512u, 1040u, 65536u}) {
-    kvf_blob_opts o = {slice, nullptr};
+    kvf_blob_opts o = {slice, nullptr, 0};
     std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), true, &o);
     for (uint32_t reslice : {slice, 2048u}) {
       kvf_blob_reslice(blob.data(), reslice);
@@ -1559,6 +1559,54 @@ TEST(XferWalk, TaskTableFindsEveryTasksEntry) {
         ASSERT_EQ(kvf_blob_entry_of(blob.data(), t), want) << "task " << t << " of " << h->total_tasks;
       }
     }
+  }
+}
+
+// A build given task slots takes its slice from the payload at once: the
+// same bytes as a build of the starting slice re-cut by kvf_blob_reslice to
+// the slice the rule picks (the halving xfer.c used to run after the build),
+// for every preset, direction, piece, and slot counts from none to far more
+// than the tasks.
+TEST(XferWalk, BuildTakesTheSliceARecutWouldGive) {
+  for (const std::string &preset : preset_names()) {
+    Prepared s;
+    ASSERT_NO_FATAL_FAILURE(setup_standard(preset, true, 17, &s));
+    const kvf_geometry *g = s.g();
+    PlanHolder plan;
+    ASSERT_EQ(kvf_plan_build(g, KVF_FORMAT_CANONICAL, &plan.p), KVF_SUCCESS) << kvf_last_error();
+    std::mt19937_64 rng(18);
+    Data in = make_inputs(g, s.plan, Dir::Gather, 0, rng);
+    Req r(s.plan, KVF_FORMAT_CANONICAL, payloads(in.cache), payloads(in.objs));
+    const uint32_t ns = plan.p.num_segments;
+    std::vector<unsigned char> masks((size_t)2 * ns);
+    uint32_t made = kvf_stage_piece_masks(g, &plan.p, r.get(), 1, 2, masks.data());
+    for (int gather : {1, 0})
+      for (uint32_t p = 0; p <= made; p++)  // p == made: every segment
+        for (uint32_t start : {8192u, 1040u, 65536u})
+          for (uint64_t slots : {0ull, 1ull, 64ull, 2112ull * 4, 132ull * 16 * 4 * 64}) {
+            SCOPED_TRACE(preset + (gather ? " gather" : " scatter") + ", piece " + std::to_string(p) + ", slice " +
+                         std::to_string(start) + ", slots " + std::to_string(slots));
+            const unsigned char *mask = p < made ? masks.data() + (size_t)p * ns : nullptr;
+            kvf_blob_opts direct = {start, mask, slots};
+            std::vector<uint8_t> got = build_blob(g, plan.p, r.get(), gather, &direct);
+            const auto *h = reinterpret_cast<const kvf_blob_header *>(got.data());
+            // The oracle: build at `start`, then the halving rule, then re-cut.
+            kvf_blob_opts plain = {start, mask, 0};
+            std::vector<uint8_t> want = build_blob(g, plan.p, r.get(), gather, &plain);
+            const auto *wh = reinterpret_cast<const kvf_blob_header *>(want.data());
+            uint32_t slice = start;
+            if (slots) {
+              uint64_t need = wh->payload_bytes / slots;
+              while (slice / 2 >= KVF_SLICE_MIN_BYTES && slice / 2 >= need) slice /= 2;
+            }
+            kvf_blob_reslice(want.data(), slice);
+            ASSERT_EQ(got.size(), want.size());
+            EXPECT_EQ(h->slice_bytes, wh->slice_bytes);
+            EXPECT_EQ(h->total_tasks, wh->total_tasks);
+            size_t at = 0;
+            while (at < got.size() && got[at] == want[at]) at++;
+            EXPECT_EQ(at, got.size()) << "the blobs differ at byte " << at;
+          }
   }
 }
 
@@ -1646,7 +1694,7 @@ TEST(XferStraight, BatchRunsLeaveNothingToFreeWhenTheyDoNotFit) {
   ASSERT_NO_FATAL_FAILURE(plan_chunks("llama-3.1-8b-fa-nhd", 0, 195, 31, &q));
   std::vector<unsigned char> layer0(q.plan.p.num_segments, 0);
   layer0[0] = layer0[1] = 1; // both planes of layer 0: 13 blocks each, the last 3 tokens long
-  kvf_blob_opts o = {0, layer0.data()};
+  kvf_blob_opts o = {0, layer0.data(), 0};
   for (int gather : {1, 0}) {
     SCOPED_TRACE(gather ? "gather" : "scatter");
     std::vector<uint8_t> blob = build_blob(q.g(), q.plan.p, q.r->get(), gather, &o);
