@@ -51,6 +51,8 @@
 #include <string>
 #include <vector>
 
+#include <jansson.h>
+
 #include <kvferry/client.h>
 #include <kvferry/geometry.h>
 #include <kvferry/memory.h>
@@ -1621,6 +1623,57 @@ TEST_F(Isolation, KvferryStatEscapesControlCharactersInClientNames) {
     }
   }
   c.close();
+  EXPECT_EQ(server_.stop(10000), 0) << "kvferryd's exit status";
+}
+
+// `kvferry stat --json` is JSON a parser reads back: a name of control
+// characters, quotes and a backslash, and one of UTF-8 past ASCII, come back
+// exactly as sent, in an output of printable ASCII. (Names that are not
+// UTF-8 never get this far: HELLO refuses them.)
+TEST_F(Isolation, KvferryStatJsonKeepsClientNames) {
+  pid_t d = fork_clean();
+  ASSERT_GE(d, 0);
+  if (d == 0) {
+    execl(KVF_KVFERRYD_PATH, KVF_KVFERRYD_PATH, "--socket-dir", dir_.c_str(), "--log-level", "none", "--l1-mb", "64",
+          (char *)nullptr);
+    _exit(127);
+  }
+  server_.pid = d;
+  bool up = false;
+  for (int i = 0; i < 500 && !up; i++) {
+    kvf_conn c;
+    up = kvf_endpoint_connect(dir_.c_str(), 0, &c) == KVF_SUCCESS;
+    if (up) kvf_conn_close(&c);
+    if (!up) sleep_ms(10);
+  }
+  ASSERT_TRUE(up) << "kvferryd did not start";
+  const char *const names[] = {"\x1b[31mred \"q\" \\", "caf\xc3\xa9 \xe6\x97\xa5\xe6\x9c\xac"};
+  RawConn conns[2];
+  for (int i = 0; i < 2; i++) ASSERT_EQ(conns[i].open(dir_, 0, 0, names[i]), KVF_SUCCESS);
+  int rc = -1;
+  std::string out = run_capture(std::string(KVF_KVFERRY_PATH) + " stat --json --socket-dir " + dir_, &rc);
+  EXPECT_EQ(rc, 0) << out;
+  for (unsigned char ch : out)
+    EXPECT_TRUE(ch == '\n' || (ch >= 0x20 && ch < 0x7f)) << "byte 0x" << std::hex << (int)ch << " in:\n" << out;
+  json_error_t err;
+  json_t *root = json_loads(out.c_str(), 0, &err);
+  ASSERT_NE(root, nullptr) << "not JSON (" << err.text << " at line " << err.line << "):\n" << out;
+  json_t *clients = json_object_get(root, "clients");
+  ASSERT_TRUE(json_is_array(clients)) << out;
+  for (const char *name : names) {
+    bool found = false;
+    for (size_t i = 0; i < json_array_size(clients); i++) {
+      const char *got = json_string_value(json_object_get(json_array_get(clients, i), "name"));
+      found = found || (got && std::string(got) == name);
+    }
+    EXPECT_TRUE(found) << "no client named " << testing::PrintToString(name) << " in:\n" << out;
+  }
+  EXPECT_TRUE(json_is_integer(json_object_get(root, "server_pid"))) << out;
+  EXPECT_TRUE(json_is_string(json_object_get(root, "boot_token"))) << out;
+  EXPECT_TRUE(json_is_object(json_object_get(root, "l1"))) << out;
+  EXPECT_TRUE(json_is_array(json_object_get(root, "peers"))) << out;
+  json_decref(root);
+  for (RawConn &c : conns) c.close();
   EXPECT_EQ(server_.stop(10000), 0) << "kvferryd's exit status";
 }
 #endif

@@ -18,6 +18,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <jansson.h>
+
 #include <kvferry/kvferry.h>
 #include <kvferry/topology.h>
 
@@ -794,17 +796,6 @@ static int cmd_topo(void) {
 
 /* ---- stat ---------------------------------------------------------------- */
 
-/* A client name for a JSON string: anything but plain printable ASCII
- * (quotes and backslashes included) becomes '?'. */
-static const char *json_safe(const char *name) {
-  static char buf[64];
-  size_t i = 0;
-  for (; name[i] && i < sizeof buf - 1; i++)
-    buf[i] = (name[i] >= 0x20 && name[i] < 0x7f && name[i] != '"' && name[i] != '\\') ? name[i] : '?';
-  buf[i] = 0;
-  return buf;
-}
-
 /* A client name for the terminal: a name is whatever its client sent, so
  * control characters (an escape sequence would drive the terminal) and
  * every other byte outside printable ASCII are shown as \xNN, and a
@@ -824,6 +815,59 @@ static const char *text_safe(const char *name, char *buf, size_t cap) {
   }
   buf[o] = 0;
   return buf;
+}
+
+/* STAT as one JSON object on stdout; 0, or -1 when out of memory. Names
+ * are whatever clients sent, UTF-8 (the protocol refuses anything else):
+ * json_dumpf escapes quotes and control characters and, with
+ * JSON_ENSURE_ASCII, writes everything past ASCII as \uXXXX, so a parser
+ * reads back the very name and a terminal sees no raw byte. */
+static int print_stat_json(const kvf_client_info *info, const kvf_client_stats *st,
+                           const kvf_client_stat_record *rec, uint32_t nrec, const kvf_client_peer_record *peers,
+                           uint32_t npeers, const char *const *peer_states) {
+  char token[17];
+  snprintf(token, sizeof token, "%016" PRIx64, st->boot_token);
+  json_t *clients = json_array(), *peer_list = json_array();
+  json_t *root = json_pack(
+      "{s:I, s:s, s:{s:I, s:I, s:I, s:I, s:I}, s:I, s:I, s:I, s:{s:I, s:I, s:I, s:I}, s:{s:I, s:I, s:I}, s:I, s:O, "
+      "s:O}",
+      "server_pid", (json_int_t)info->server_pid, "boot_token", token, "registrations", "registering",
+      (json_int_t)st->registering, "active", (json_int_t)st->active, "draining", (json_int_t)st->draining,
+      "closed_total", (json_int_t)st->closed_total, "failed_total", (json_int_t)st->failed_total, "imports",
+      (json_int_t)st->imports, "aliases", (json_int_t)st->aliases, "leases", (json_int_t)st->leases, "l1", "objects",
+      (json_int_t)st->l1_objects, "bytes", (json_int_t)st->l1_bytes, "pool_bytes", (json_int_t)st->l1_pool_bytes,
+      "evicted_total", (json_int_t)st->l1_evicted_total, "requests", "stores_total", (json_int_t)st->stores_total,
+      "retrieves_total", (json_int_t)st->retrieves_total, "in_flight", (json_int_t)st->in_flight, "lanes",
+      (json_int_t)st->lanes, "clients", clients, "peers", peer_list);
+  int ok = root != NULL;
+  /* The clients, this one (the last connected) included. */
+  for (uint32_t i = 0; ok && i < nrec; i++)
+    ok = json_array_append_new(clients, json_pack("{s:I, s:I, s:s, s:{s:I, s:I, s:I}, s:I, s:I, s:I}", "client_id",
+                                                  (json_int_t)rec[i].client_id, "pid", (json_int_t)rec[i].pid,
+                                                  "name", rec[i].name, "registrations", "registering",
+                                                  (json_int_t)rec[i].registering, "active",
+                                                  (json_int_t)rec[i].active, "draining",
+                                                  (json_int_t)rec[i].draining, "imports", (json_int_t)rec[i].imports,
+                                                  "aliases", (json_int_t)rec[i].aliases, "leases",
+                                                  (json_int_t)rec[i].leases)) == 0;
+  for (uint32_t i = 0; ok && i < npeers; i++) {
+    char peer_token[17];
+    snprintf(peer_token, sizeof peer_token, "%016" PRIx64, peers[i].boot_token);
+    ok = json_array_append_new(
+             peer_list,
+             json_pack("{s:s, s:s, s:b, s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "addr", peers[i].addr,
+                       "state", peer_states[peers[i].state < 3 ? peers[i].state : 0], "outgoing", peers[i].outgoing,
+                       "boot_token", peer_token, "connects", (json_int_t)peers[i].connects, "objects_pulled",
+                       (json_int_t)peers[i].objects_pulled, "bytes_pulled", (json_int_t)peers[i].bytes_pulled,
+                       "objects_served", (json_int_t)peers[i].objects_served, "failures",
+                       (json_int_t)peers[i].failures, "objects_pushed", (json_int_t)peers[i].objects_pushed,
+                       "bytes_pushed", (json_int_t)peers[i].bytes_pushed)) == 0;
+  }
+  if (ok) ok = json_dumpf(root, stdout, JSON_ENSURE_ASCII) == 0 && putchar('\n') != EOF;
+  json_decref(root);
+  json_decref(clients);
+  json_decref(peer_list);
+  return ok ? 0 : -1;
 }
 
 static int cmd_stat(int argc, char **argv) {
@@ -867,33 +911,10 @@ static int cmd_stat(int argc, char **argv) {
     return 1;
   }
   if (json) {
-    printf("{\"server_pid\": %u, \"boot_token\": \"%016" PRIx64 "\", \"registrations\": {\"registering\": %u, "
-           "\"active\": %u, \"draining\": %u, \"closed_total\": %u, \"failed_total\": %u}, \"imports\": %" PRIu64
-           ", \"aliases\": %" PRIu64 ", \"leases\": %" PRIu64 ", \"l1\": {\"objects\": %" PRIu64 ", \"bytes\": %" PRIu64
-           ", \"pool_bytes\": %" PRIu64 ", \"evicted_total\": %" PRIu64 "}, \"requests\": {\"stores_total\": %" PRIu64
-           ", \"retrieves_total\": %" PRIu64 ", \"in_flight\": %" PRIu64 "}, \"lanes\": %u, ",
-           info.server_pid, st.boot_token, st.registering, st.active, st.draining, st.closed_total, st.failed_total,
-           st.imports, st.aliases, st.leases, st.l1_objects, st.l1_bytes, st.l1_pool_bytes, st.l1_evicted_total,
-           st.stores_total, st.retrieves_total, st.in_flight, st.lanes);
-    /* The clients, this one (the last connected) included. */
-    printf("\"clients\": [");
-    for (uint32_t i = 0; i < nrec; i++)
-      printf("%s{\"client_id\": %" PRIu64 ", \"pid\": %u, \"name\": \"%s\", \"registrations\": {\"registering\": %u, "
-             "\"active\": %u, \"draining\": %u}, \"imports\": %" PRIu64 ", \"aliases\": %" PRIu64
-             ", \"leases\": %" PRIu64 "}",
-             i ? ", " : "", rec[i].client_id, rec[i].pid, json_safe(rec[i].name), rec[i].registering, rec[i].active,
-             rec[i].draining, rec[i].imports, rec[i].aliases, rec[i].leases);
-    printf("], \"peers\": [");
-    for (uint32_t i = 0; i < npeers; i++)
-      printf("%s{\"addr\": \"%s\", \"state\": \"%s\", \"outgoing\": %s, \"boot_token\": \"%016" PRIx64
-             "\", \"connects\": %" PRIu64 ", \"objects_pulled\": %" PRIu64 ", \"bytes_pulled\": %" PRIu64
-             ", \"objects_served\": %" PRIu64 ", \"failures\": %" PRIu64 ", \"objects_pushed\": %" PRIu64
-             ", \"bytes_pushed\": %" PRIu64 "}",
-             i ? ", " : "", json_safe(peers[i].addr), peer_states[peers[i].state < 3 ? peers[i].state : 0],
-             peers[i].outgoing ? "true" : "false", peers[i].boot_token, peers[i].connects, peers[i].objects_pulled,
-             peers[i].bytes_pulled, peers[i].objects_served, peers[i].failures, peers[i].objects_pushed,
-             peers[i].bytes_pushed);
-    printf("]}\n");
+    if (print_stat_json(&info, &st, rec, nrec, peers, npeers, peer_states)) {
+      fprintf(stderr, "kvferry stat: out of memory writing JSON\n");
+      return 1;
+    }
   } else {
     char a[32], b[32], shown[4 * sizeof(rec[0].name) + 8];
     printf("kvferryd pid %u, boot token %016" PRIx64 ", %u lanes (GPUs served, plus the host)\n", info.server_pid,
