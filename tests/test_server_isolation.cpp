@@ -473,6 +473,26 @@ class Isolation : public ::testing::Test {
     EXPECT_EQ(fd_count(), fds_before_) << "descriptors leaked in the test process";
   }
 
+  // The kvferryd binary at `path` serving dir_, once it accepts connections
+  // (killed in TearDown if the test fails first).
+  void start_server_binary(const char *path) {
+    pid_t d = fork_clean();
+    ASSERT_GE(d, 0);
+    if (d == 0) {
+      execl(path, path, "--socket-dir", dir_.c_str(), "--log-level", "none", "--l1-mb", "64", (char *)nullptr);
+      _exit(127);
+    }
+    server_.pid = d;
+    bool up = false;
+    for (int i = 0; i < 500 && !up; i++) {
+      kvf_conn c;
+      up = kvf_endpoint_connect(dir_.c_str(), 0, &c) == KVF_SUCCESS;
+      if (up) kvf_conn_close(&c);
+      if (!up) sleep_ms(10);
+    }
+    ASSERT_TRUE(up) << "kvferryd did not start";
+  }
+
   // Fork `body(control, report)`: its exit status is its return value.
   Child &spawn(const std::function<int(int, int)> &body) {
     int ctl[2], rep[2];
@@ -1589,22 +1609,7 @@ std::string run_capture(const std::string &cmd, int *rc) {
 // clear the screen, ring the bell): `kvferry stat` against the kvferryd
 // binary shows them as \xNN text, never as raw bytes.
 TEST_F(Isolation, KvferryStatEscapesControlCharactersInClientNames) {
-  pid_t d = fork_clean();
-  ASSERT_GE(d, 0);
-  if (d == 0) {
-    execl(KVF_KVFERRYD_PATH, KVF_KVFERRYD_PATH, "--socket-dir", dir_.c_str(), "--log-level", "none", "--l1-mb", "64",
-          (char *)nullptr);
-    _exit(127);
-  }
-  server_.pid = d;  // killed by the fixture if anything fails
-  bool up = false;
-  for (int i = 0; i < 500 && !up; i++) {
-    kvf_conn c;
-    up = kvf_endpoint_connect(dir_.c_str(), 0, &c) == KVF_SUCCESS;
-    if (up) kvf_conn_close(&c);
-    if (!up) sleep_ms(10);
-  }
-  ASSERT_TRUE(up) << "kvferryd did not start";
+  ASSERT_NO_FATAL_FAILURE(start_server_binary(KVF_KVFERRYD_PATH));
   const char *evil = "\x1b]0;pwned\x07\x1b[2J\x1b[31mred\\x";
   RawConn c;
   ASSERT_EQ(c.open(dir_, 0, 0, evil), KVF_SUCCESS);
@@ -1631,22 +1636,7 @@ TEST_F(Isolation, KvferryStatEscapesControlCharactersInClientNames) {
 // exactly as sent, in an output of printable ASCII. (Names that are not
 // UTF-8 never get this far: HELLO refuses them.)
 TEST_F(Isolation, KvferryStatJsonKeepsClientNames) {
-  pid_t d = fork_clean();
-  ASSERT_GE(d, 0);
-  if (d == 0) {
-    execl(KVF_KVFERRYD_PATH, KVF_KVFERRYD_PATH, "--socket-dir", dir_.c_str(), "--log-level", "none", "--l1-mb", "64",
-          (char *)nullptr);
-    _exit(127);
-  }
-  server_.pid = d;
-  bool up = false;
-  for (int i = 0; i < 500 && !up; i++) {
-    kvf_conn c;
-    up = kvf_endpoint_connect(dir_.c_str(), 0, &c) == KVF_SUCCESS;
-    if (up) kvf_conn_close(&c);
-    if (!up) sleep_ms(10);
-  }
-  ASSERT_TRUE(up) << "kvferryd did not start";
+  ASSERT_NO_FATAL_FAILURE(start_server_binary(KVF_KVFERRYD_PATH));
   const char *const names[] = {"\x1b[31mred \"q\" \\", "caf\xc3\xa9 \xe6\x97\xa5\xe6\x9c\xac"};
   RawConn conns[2];
   for (int i = 0; i < 2; i++) ASSERT_EQ(conns[i].open(dir_, 0, 0, names[i]), KVF_SUCCESS);
