@@ -326,12 +326,16 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
     og_bits[i % g->num_object_groups] |= objects[i];
   }
 
-  /* The payload first: the slice may depend on it (opts->task_slots). */
+  /* The payload first: the slice may depend on it (opts->task_slots).
+   * moving[gi]: group gi has blocks to move and segments in this blob. */
+  uint64_t b0s[KVF_MAX_GROUPS], b1s[KVF_MAX_GROUPS];
+  int moving[KVF_MAX_GROUPS] = {0};
   for (uint32_t gi = 0; gi < g->num_groups; gi++) {
-    uint64_t b0, b1, per_block;
-    moved_range(g, r, gi, &b0, &b1);
-    if (b0 != b1 && (per_block = group_block_bytes(plan, opts, gi)))
-      h->payload_bytes += group_payload_of(g, r, gi, b0, b1, h->lt_end, per_block);
+    uint64_t per_block;
+    moved_range(g, r, gi, &b0s[gi], &b1s[gi]);
+    if (b0s[gi] == b1s[gi] || !(per_block = group_block_bytes(plan, opts, gi))) continue;
+    moving[gi] = 1;
+    h->payload_bytes += group_payload_of(g, r, gi, b0s[gi], b1s[gi], h->lt_end, per_block);
   }
   const uint32_t slice = kvf_blob_slice_for(opts, h->payload_bytes);
   h->slice_bytes = slice;
@@ -339,10 +343,8 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
   uint64_t tasks = 0, at_ids = 0;
   uint32_t ne = 0;
   for (uint32_t gi = 0; gi < g->num_groups; gi++) {
-    uint64_t b0, b1;
-    moved_range(g, r, gi, &b0, &b1);
-    if (b0 == b1) continue;
-    if (!group_block_bytes(plan, opts, gi)) continue;
+    if (!moving[gi]) continue;
+    const uint64_t b0 = b0s[gi], b1 = b1s[gi];
     const kvf_group_blocks *t = &r->groups[gi];
     memcpy(id_out + at_ids, t->block_ids + (b0 - t->first_block), (b1 - b0) * sizeof(uint32_t));
     for (uint32_t s = plan->group_first[gi]; s < plan->group_first[gi + 1]; s++) {
