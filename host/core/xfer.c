@@ -616,9 +616,9 @@ static int kernel_of(const kvf_xfer *x, kvf_xfer_route route, uint32_t ctas, uin
 }
 
 /* Whether a launch asks its warp walk for the cache's address order on
- * head-major blocks (kernels/walk.h, cache_order_of): device-to-device
+ * head-major blocks (kernels/walk.h, kvf_walk::cache_order_of): device-to-device
  * gathers by the warp walk, where it was measured (KVF_XFER_CACHE_ORDER). */
-static uint32_t cache_order_of(const kvf_xfer *x, kvf_xfer_route route, int gather, int kernel) {
+static uint32_t launch_cache_order(const kvf_xfer *x, kvf_xfer_route route, int gather, int kernel) {
   return x->tune.cache_order && gather && route == KVF_ROUTE_D2D && kernel != KVF_KERNEL_GRID_STRIDE;
 }
 
@@ -1410,7 +1410,7 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
     uint64_t tasks = kvf_blob_build(g, plan, r, gather, &o, x->host_blob);
     kvf_blob_header *h = x->host_blob;
     int kernel = kernel_of(x, route, ctas, h->payload_bytes);
-    h->cache_order = cache_order_of(x, route, gather, kernel);
+    h->cache_order = launch_cache_order(x, route, gather, kernel);
     if (tasks) {
       e = kvf_kernel_launch_params(x->host_blob, size, tasks, &ctas, kernel, stream);
       if (e != cudaSuccess) {
@@ -1455,7 +1455,7 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
   uint64_t tasks = kvf_blob_build(g, plan, r, gather, &o, s->pinned);
   kvf_blob_header *h = s->pinned;
   int kernel = kernel_of(x, route, ctas, h->payload_bytes);
-  h->cache_order = cache_order_of(x, route, gather, kernel);
+  h->cache_order = launch_cache_order(x, route, gather, kernel);
   x->path.cache_order = h->cache_order;
   if (tasks) {
     e = cudaMemcpyAsync(s->device, s->pinned, h->size, cudaMemcpyHostToDevice, stream);
