@@ -57,10 +57,16 @@ cudaError_t kvf_kernel_launch(const void *device_blob, uint64_t total_tasks, uin
  * host copy of a blob of blob_bytes (at most KVF_KERNEL_PARAM_MAX), readable
  * for kvf_kernel_param_room(blob_bytes) bytes; the launch copies it when it
  * is called, so nothing needs to stay alive after it returns, and a graph
- * that captures the launch keeps its own copy. Returns cudaErrorInvalidValue
- * for a blob too large (nothing launched). */
+ * that captures the launch keeps its own copy. overlap (warp walks only,
+ * compute capability 9.0 and later): launch as a programmatic dependent of
+ * the stream's previous kernel, so that the launch and each warp's first
+ * decode (the blob is in the parameters) run while that kernel drains; every
+ * warp waits for that kernel's completion and memory (griddepcontrol.wait)
+ * before its first access to memory, and a previous kernel that does not
+ * ask for the overlap is waited for as without it. Returns
+ * cudaErrorInvalidValue for a blob too large (nothing launched). */
 cudaError_t kvf_kernel_launch_params(const void *host_blob, size_t blob_bytes, uint64_t total_tasks, uint32_t *ctas,
-                                     int kernel, cudaStream_t stream);
+                                     int kernel, int overlap, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -208,6 +208,17 @@ KVF_WALK_UNROLL
   }
 }
 
+// Wait for the grid this one may overlap (a programmatic dependent launch:
+// kvf_kernel_launch_params' overlap) to complete and its writes to be
+// visible. Everything before it reads only the blob, which a launch that
+// overlaps carries in its parameters. Returns at once in a grid launched
+// without the overlap, and on the CPU.
+KVF_WALK_FN void wait_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // 64-bit quotient, through 32 bits when both fit (one block's decode).
 KVF_WALK_FN uint64_t div64(uint64_t a, uint64_t b) {
   if (((a | b) >> 32) == 0) return (uint32_t)a / (uint32_t)b;
@@ -254,9 +265,10 @@ KVF_WALK_FN Strides strides_of(const kvf_blob_header *h, const kvf_blob_entry *x
 
 // Tasks [s0, s1) of block j of entry x (its slices): decode the block once,
 // then copy the units those slices cover. The same formulas as plan.c's
-// block_of and the grid-stride kernel's decode.
+// block_of and the grid-stride kernel's decode. *waited: whether this warp
+// has waited for the previous grid (wait_previous_grid) yet.
 KVF_WALK_FN void copy_block(const kvf_blob_header *h, const char *blob, const kvf_blob_entry *x, uint64_t j,
-                            uint64_t s0, uint64_t s1, uint32_t lane) {
+                            uint64_t s0, uint64_t s1, uint32_t lane, bool *waited) {
   const uint32_t *ids = reinterpret_cast<const uint32_t *>(blob + h->off_ids);
   uint32_t id = ids[x->ids_offset + j];
   // The host checked every id; this bound keeps a corrupted table harmless.
@@ -293,6 +305,10 @@ KVF_WALK_FN void copy_block(const kvf_blob_header *h, const char *blob, const kv
   const char *src = gather ? cache : obj;
   char *dst = gather ? obj : cache;
   const uint32_t b = (uint32_t)ub, e = (uint32_t)ue;
+  if (!*waited) {
+    wait_previous_grid();
+    *waited = true;
+  }
   switch (x->vec) {
     case 16: copy_units<16>(st, linear, src, dst, gather, b, e, lane); break;
     case 8: copy_units<8>(st, linear, src, dst, gather, b, e, lane); break;
@@ -315,6 +331,7 @@ KVF_WALK_FN void run_warp(const char *blob, uint64_t warp, uint64_t warps, uint3
   const uint16_t *buckets = reinterpret_cast<const uint16_t *>(blob + h->off_buckets);
   const uint32_t n = h->num_entries;
   uint32_t e = buckets[t >> h->bucket_shift];
+  bool waited = false;
   while (t < t1) {
     // The entry holding task t: forward from the table's (or the last) one.
     while (e + 1 < n && entries[e + 1].first_task <= t) e++;
@@ -323,7 +340,7 @@ KVF_WALK_FN void run_warp(const char *blob, uint64_t warp, uint64_t warps, uint3
     const uint64_t local = t - x->first_task, j = div64(local, slices), s = local - j * slices;
     // This block's remaining slices, up to the warp's last task.
     const uint64_t next = min64(t1, x->first_task + (j + 1) * slices);
-    copy_block(h, blob, x, j, s, s + (next - t), lane);
+    copy_block(h, blob, x, j, s, s + (next - t), lane, &waited);
     t = next;
   }
 }

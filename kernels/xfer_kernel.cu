@@ -205,7 +205,19 @@ template <bool Spread> struct WalkShape {
   static constexpr int per_sm = kThreads / threads;
 };
 
+// Let the stream's next kernel launch now if it asked to overlap this one
+// (a programmatic dependent launch; it waits for this grid's completion
+// before it touches memory): its launch and first decode then overlap this
+// grid's last CTAs. Measured on an H200: see KVF_XFER_OVERLAP in
+// host/core/xfer.c.
+__device__ __forceinline__ void allow_next_launch() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void walk_blob(const char *blob) {
+  allow_next_launch();
   const uint32_t warps = blockDim.x / 32;
   kvf_walk::run_warp(blob, (uint64_t)blockIdx.x * warps + (threadIdx.x >> 5), (uint64_t)gridDim.x * warps,
                      threadIdx.x & 31);
@@ -214,6 +226,9 @@ __device__ __forceinline__ void walk_blob(const char *blob) {
 template <bool Spread>
 __global__ void __launch_bounds__(WalkShape<Spread>::threads, WalkShape<Spread>::per_sm)
     kvf_walk_kernel(const char *blob) {
+  // The blob is in device memory: nothing is read before the wait (a no-op
+  // unless the launch overlaps, which only the parameter variants do).
+  kvf_walk::wait_previous_grid();
   walk_blob(blob);
 }
 
@@ -264,10 +279,33 @@ cudaError_t finish_launch(cudaStream_t stream) {
   return err;
 }
 
-template <int N> cudaError_t launch_p(const void *blob, uint32_t grid, int kernel, cudaStream_t stream) {
+// A warp walk over a parameter blob as a programmatic dependent of the
+// stream's previous kernel (launch.h: overlap).
+template <int N, bool Spread>
+cudaError_t launch_overlapped(const ParamBlob<N> &pb, uint32_t grid, cudaStream_t stream) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(WalkShape<Spread>::threads);
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kvf_walk_kernel_p<N, Spread>, pb);
+}
+
+template <int N>
+cudaError_t launch_p(const void *blob, uint32_t grid, int kernel, int overlap, cudaStream_t stream) {
   // The launch copies the parameters when it is called: blob may be reused
   // at once. Bytes past the blob are copied too and never read.
   const ParamBlob<N> *pb = static_cast<const ParamBlob<N> *>(blob);
+  if (overlap && kernel != KVF_KERNEL_GRID_STRIDE) {
+    cudaError_t e = kernel == KVF_KERNEL_WALK_SPREAD ? launch_overlapped<N, true>(*pb, grid, stream)
+                                                     : launch_overlapped<N, false>(*pb, grid, stream);
+    if (e != cudaSuccess) return e;
+    return finish_launch(stream);
+  }
   if (kernel == KVF_KERNEL_WALK_SPREAD)
     kvf_walk_kernel_p<N, true><<<grid, kSpreadThreads, 0, stream>>>(*pb);
   else if (kernel == KVF_KERNEL_WALK)
@@ -302,16 +340,16 @@ extern "C" size_t kvf_kernel_param_room(size_t blob_bytes) {
 }
 
 extern "C" cudaError_t kvf_kernel_launch_params(const void *host_blob, size_t blob_bytes, uint64_t total_tasks,
-                                                uint32_t *ctas, int kernel, cudaStream_t stream) {
+                                                uint32_t *ctas, int kernel, int overlap, cudaStream_t stream) {
   const size_t room = kvf_kernel_param_room(blob_bytes);
   if (!room) return cudaErrorInvalidValue;
   const uint32_t grid = grid_of(total_tasks, ctas, kernel);
   switch (room) {
-    case kParamSizes[0]: return launch_p<kParamSizes[0]>(host_blob, grid, kernel, stream);
-    case kParamSizes[1]: return launch_p<kParamSizes[1]>(host_blob, grid, kernel, stream);
-    case kParamSizes[2]: return launch_p<kParamSizes[2]>(host_blob, grid, kernel, stream);
-    case kParamSizes[3]: return launch_p<kParamSizes[3]>(host_blob, grid, kernel, stream);
-    default: return launch_p<kParamSizes[4]>(host_blob, grid, kernel, stream);
+    case kParamSizes[0]: return launch_p<kParamSizes[0]>(host_blob, grid, kernel, overlap, stream);
+    case kParamSizes[1]: return launch_p<kParamSizes[1]>(host_blob, grid, kernel, overlap, stream);
+    case kParamSizes[2]: return launch_p<kParamSizes[2]>(host_blob, grid, kernel, overlap, stream);
+    case kParamSizes[3]: return launch_p<kParamSizes[3]>(host_blob, grid, kernel, overlap, stream);
+    default: return launch_p<kParamSizes[4]>(host_blob, grid, kernel, overlap, stream);
   }
 }
 

@@ -182,7 +182,7 @@ void usage(FILE *f) {
           "                            keys: pieces, growth, dma_batch, param_bytes, task_bytes, task_waves,\n"
           "                            batch_min_run, batch_max_runs, stage_sms, pcie_sms, staging_mb, kernel,\n"
           "                            small_stage_mb, edge_mb, multi_pieces,\n"
-          "                            straight_kb, straight_min_run, spread_kb, cache_order\n"
+          "                            straight_kb, straight_min_run, spread_kb, cache_order, overlap\n"
           "                            (host/core/xfer_internal.h),\n"
           "                            cap (the context's max_sms). Variants are checked like every contender.\n"
           "  --enqueue-reps N          synchronized calls timing the host enqueue of each kvferry entry (default 15;\n"
@@ -970,6 +970,7 @@ void apply_tune(const std::string &spec, kvf_xfer_tuning *t, int *cap) {
     else if (k == "small_stage_mb") t->small_stage_mb = v;
     else if (k == "spread_kb") t->spread_kb = v;
     else if (k == "cache_order") t->cache_order = v;
+    else if (k == "overlap") t->overlap = v;
     else if (k == "cap") *cap = (int)v;
     else throw BenchError("--tune: unknown key '" + k + "'");
   }
@@ -1277,6 +1278,7 @@ void write_kvf(JsonWriter &j, const std::vector<KvfResult> &kr, uint64_t payload
     if (r.path_ok) {
       j.key("path").begin_object().kv("name", kvf_xfer_path_name(r.path.path)).kv("launches", r.path.launches);
       j.kv("param_launches", r.path.param_launches).kv("spread_launches", r.path.spread_launches)
+          .kv("overlap_launches", r.path.overlap_launches)
           .kv("cache_order", r.path.cache_order).kv("uploads", r.path.uploads).kv("batches", r.path.batches);
       j.kv("pieces", r.path.pieces).kv("dma_ops", r.path.dma_ops).kv("dma_runs", r.path.dma_runs);
       j.kv("straight_runs", r.path.straight_runs);

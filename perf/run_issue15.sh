@@ -34,6 +34,8 @@
 #             pieces against the previous default (and without the small edge batch)
 #   params    perf/kvf_param_probe: a launch's host and GPU cost by parameter size; and
 #             perf/kvf_hop_probe: what the staged route's hand-offs between streams cost
+#   profile   Nsight Compute (ncu) on one-chunk d2d kernels of four presets (not in the defaults:
+#             --steps profile)
 #   summary   report.py's per-size tables of what was measured (stdout, and OUTDIR/results.md),
 #             report_served.py's table, and a short table last
 # If the plain conformance run fails on the warp-walk kernel (the default) but not on
@@ -153,7 +155,7 @@ if [[ $mode == explore ]]; then
 else
   san_routes="*XferGpuRoutes*llama_3_1_8b_fa_hnd*:*XferGpuRoutes*deepseek_v3_mla_fp8_656*:*XferGpuRoutes*glm_like_hybrid*"
 fi
-san_filter="$san_routes:*XferGpu.DefaultRoutesForOneChunk*:*XferGpu.*Graph*:*XferGpu.StagedCallRefused*:*XferGpu.MaxSmsCapsTheLaunch*"
+san_filter="$san_routes:*XferGpu.DefaultRoutesForOneChunk*:*XferGpu.Overlapped*:*XferGpu.*Graph*:*XferGpu.StagedCallRefused*:*XferGpu.MaxSmsCapsTheLaunch*"
 conf_run() { # NAME LIMIT FILTER [sanitizer...]
   local name=$1 limit filter=$3 rc t0=$SECONDS
   limit=$(limit_for "$2")
@@ -197,7 +199,7 @@ if want conf; then
     conf_run memcheck $([[ $mode == explore ]] && echo 70 || echo 150) "$san_filter" \
       "$SAN" --tool memcheck --error-exitcode 1 --print-limit 30
     conf_run racecheck $([[ $mode == explore ]] && echo 45 || echo 100) \
-      "*XferGpuRoutes*llama_3_1_8b_fa_hnd*pinned*:*XferGpuRoutes*llama_3_1_8b_fa_hnd_canonical*spread*:*XferGpu.DefaultRoutesForOneChunk*" \
+      "*XferGpuRoutes*llama_3_1_8b_fa_hnd*pinned*:*XferGpuRoutes*llama_3_1_8b_fa_hnd_canonical*spread*:*XferGpu.DefaultRoutesForOneChunk*:*XferGpu.Overlapped*" \
       "$SAN" --tool racecheck --error-exitcode 1 --print-limit 30
   else
     say "conf: compute-sanitizer not found: memcheck and racecheck not run"
@@ -268,14 +270,40 @@ if want chunk; then
     --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all
   step chunk-4096 $([[ $mode == explore ]] && echo 60 || echo 120) --preset "${chunk_big:-$all}" --tokens 4096 \
     --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all
-  # Device to device on every preset at one chunk and 4096 tokens, with the
-  # kernel's shape and walk order against the previous defaults (one CTA per
-  # SM, the object's order): KVF_XFER_SPREAD_KB and KVF_XFER_CACHE_ORDER's A/B.
+  # Device to device on every preset at one chunk and 4096 tokens, against
+  # launches that start after the previous one (KVF_XFER_OVERLAP=0) and the
+  # defaults before the kernel's shape and walk order (one CTA per SM, the
+  # object's order): the A/B of KVF_XFER_OVERLAP, KVF_XFER_SPREAD_KB and
+  # KVF_XFER_CACHE_ORDER.
   step d2d-ab $([[ $mode == explore ]] && echo 60 || echo 100) --preset "$all" --tokens 256,4096 \
     --directions d2d --sms-device 0 --baselines limit --peers none \
-    --tune spread_kb=0,cache_order=0 --tune spread_kb=0 --tune cache_order=0
+    --tune overlap=0 --tune spread_kb=0,cache_order=0,overlap=0
 fi
 
+
+if want profile; then
+  # Nsight Compute on one-chunk device-to-device kernels (one launch each,
+  # after the check and a warm-up): where the time goes without hardware
+  # counters being guessed at. Diagnostic only; not part of the explore set.
+  ncu_bin=$(command -v ncu 2>/dev/null || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+  if [[ -z $ncu_bin ]]; then say "== profile: ncu not found"
+  else
+    t0=$SECONDS
+    for p in llama-3.1-8b-fa-nhd deepseek-v3-mla-bf16 deepseek-v3-mla-dcp4-rank1 llama-3.1-70b-tp4-rank2-slice; do
+      limit=$(limit_for 40)
+      ((limit == 0)) && break
+      timeout -k 5 "$limit" "$ncu_bin" --clock-control none --kernel-name regex:kvf_walk --launch-skip 3 \
+        --launch-count 1 --section SpeedOfLight --section LaunchStats --section Occupancy \
+        --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+        "$bench" --preset "$p" --tokens 256 --directions d2d --sms-device 0 --baselines none --peers none \
+        --no-sustained --enqueue-reps 0 --min-reps 3 --max-reps 3 --warmup 1 --target-ms 1 \
+        --out "$work/profile-$p.json" > "$work/profile-$p.log" 2>&1
+      say "== profile $p: exit $? ($(grep -m1 -o 'Duration.*' "$work/profile-$p.log" | tr -s ' '))"
+    done
+    say "== profile: $((SECONDS - t0)) s"
+  fi
+  pack
+fi
 
 if want latency; then
   step latency 40 --mode latency --preset deepseek-v3-mla-bf16,llama-3.1-8b-fa-nhd,llama-3.1-8b-fa-hnd --tokens 256 \

@@ -1025,6 +1025,7 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_EQ(t.stage_straight_min_run, 16384);
   EXPECT_EQ(t.spread_kb, 8192);
   EXPECT_EQ(t.cache_order, 1);
+  EXPECT_EQ(t.overlap, 1);
   GeometryPtr g = load_preset("llama-3.1-8b-fa-nhd", 4);
   ASSERT_TRUE(g) << kvf_last_error();
   XferPtr x = make_xfer(g.get(), KVF_DEVICE_HOST);
@@ -1051,6 +1052,8 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.spread_kb = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.spread_kb = (int64_t)KVF_SPREAD_MAX_KB + 1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.cache_order = 2; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.overlap = 2; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.overlap = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.kernel = 3; }));
   kvf_xfer_tuning ok = base;
   ok.stage_edge_mb = 0;
@@ -2266,6 +2269,20 @@ const RouteVariant kRouteVariants[] = {
        EXPECT_EQ(p.launches, 1u);
        EXPECT_EQ(p.param_launches, 1u);
        EXPECT_EQ(p.spread_launches, m == Mem::Device ? 1u : 0u) << "only device-to-device launches spread";
+       EXPECT_EQ(p.overlap_launches, m == Mem::Device ? 1u : 0u) << "only device-to-device launches overlap";
+     }},
+    {"spread_no_overlap", false,
+     [](kvf_xfer_tuning &t) {
+       t.spread_kb = 1;
+       t.overlap = 0;       // each launch starts after the stream's previous kernel
+       t.staging_mb = 0;
+       t.pcie_sms = 0;
+       t.batch_max_runs = 0;
+     },
+     [](const kvf_xfer_path_info &p, Mem m) {
+       EXPECT_EQ(p.path, KVF_PATH_KERNEL) << kvf_xfer_path_name(p.path);
+       EXPECT_EQ(p.spread_launches, m == Mem::Device ? 1u : 0u);
+       EXPECT_EQ(p.overlap_launches, 0u);
      }},
     {"spread_uploaded_object_order", false,
      [](kvf_xfer_tuning &t) {
@@ -2280,6 +2297,7 @@ const RouteVariant kRouteVariants[] = {
        EXPECT_EQ(p.path, KVF_PATH_KERNEL) << kvf_xfer_path_name(p.path);
        EXPECT_EQ(p.uploads, 1u);
        EXPECT_EQ(p.spread_launches, m == Mem::Device ? 1u : 0u);
+       EXPECT_EQ(p.overlap_launches, 0u) << "only launches with their tables in parameters overlap";
      }},
     {"grid_stride_walk", false, [](kvf_xfer_tuning &t) { t.kernel = 1; },
      [](const kvf_xfer_path_info &p, Mem m) {
@@ -2403,6 +2421,7 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
         }
         if (want == KVF_PATH_KERNEL) {
           EXPECT_EQ(p.spread_launches, 1u) << "a one-chunk device-to-device launch spreads";
+          EXPECT_EQ(p.overlap_launches, 1u) << "and overlaps the stream's previous kernel";
           EXPECT_EQ(p.cache_order, cache_order ? 1u : 0u);
         }
       };
@@ -2770,6 +2789,81 @@ TEST(XferGpu, CallDoesNotSynchronize) {
     EXPECT_EQ(diff("cache region", got.cache, want.cache), "");
     EXPECT_EQ(diff("object", got.objs, want.objs), "");
   }
+}
+
+// A device-to-device launch that may use every SM overlaps the stream's
+// previous kernel (KVF_XFER_OVERLAP): it may start while that kernel runs,
+// and each warp waits for it before touching memory. Here the previous
+// kernel lets its dependents start at once and writes the cache's real
+// bytes only after a few milliseconds: a gather that read before waiting
+// would move the stale bytes. The scatter of the gathered objects into a
+// second cache overlaps the gather the same way (the gather lets its
+// dependents start as it begins). A control first: a dependent that does not
+// wait must read stale bytes, or this GPU did not overlap and the case
+// cannot tell.
+TEST(XferGpu, OverlappedLaunchesWaitForThePreviousKernel) {
+  REQUIRE_GPU();
+  int major = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  if (major < 9) GTEST_SKIP() << "overlapped (programmatic dependent) launches need compute capability 9.0";
+  constexpr double kLateMs = 5;
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_chunks("llama-3.1-8b-fa-nhd", 1, 0, 97, &s));
+  const kvf_geometry *g = s.g();
+  std::mt19937_64 rng(98);
+  Data stale = make_inputs(g, s.plan, Dir::Gather, 0, rng);
+  Data in = make_inputs(g, s.plan, Dir::Gather, 0, rng), want = clone(in);
+  ASSERT_EQ(reference(g, s.plan, KVF_FORMAT_CANONICAL, Dir::Gather, want), KVF_SUCCESS);
+  Data want2{clone(in.cache), clone(want.objs)};  // the scatter's: want's objects into a poisoned cache
+  fill(want2.cache, 0xA5);
+  Set poisoned = clone(want2.cache);
+  ASSERT_EQ(reference(g, s.plan, KVF_FORMAT_CANONICAL, Dir::Scatter, want2), KVF_SUCCESS);
+  DevSet dcache, real, dobjs, dcache2, probe;
+  ASSERT_NO_FATAL_FAILURE(upload_new(stale.cache, Mem::Device, 0, &dcache));
+  ASSERT_NO_FATAL_FAILURE(upload_new(in.cache, Mem::Device, 0, &real));
+  ASSERT_NO_FATAL_FAILURE(upload_new(stale.objs, Mem::Device, 0, &dobjs));
+  ASSERT_NO_FATAL_FAILURE(upload_new(poisoned, Mem::Device, 0, &dcache2));
+  ASSERT_NO_FATAL_FAILURE(upload_new(stale.cache, Mem::Device, 0, &probe));
+  std::vector<void *> cache_at, real_at, probe_at;
+  std::vector<size_t> bytes;
+  for (size_t i = 0; i < dcache.bufs.size(); i++)
+    if (dcache.bufs[i]->total) {
+      cache_at.push_back(dcache.bufs[i]->base);
+      real_at.push_back(real.bufs[i]->base);
+      probe_at.push_back(probe.bufs[i]->base);
+      bytes.push_back(dcache.bufs[i]->total);
+    }
+  const int n = (int)bytes.size();
+  ASSERT_LE(n, KVF_TEST_MAX_COPIES);
+  Stream stream;
+
+  CUDA_OK(kvf_test_late_copy(stream.s, kLateMs, n, cache_at.data(), real_at.data(), bytes.data()));
+  CUDA_OK(kvf_test_unwaiting_copy(stream.s, n, probe_at.data(), cache_at.data(), bytes.data()));
+  CUDA_OK(cudaStreamSynchronize(stream.s));
+  Set seen = clone(in.cache);
+  ASSERT_NO_FATAL_FAILURE(download(probe, seen));
+  if (diff("probe", seen, in.cache).empty())
+    GTEST_SKIP() << "a dependent that does not wait read the late bytes: this GPU did not overlap the launches";
+  ASSERT_NO_FATAL_FAILURE(upload(stale.cache, dcache));
+
+  XferPtr x = make_xfer(g, 0);
+  ASSERT_TRUE(x);
+  Req gather(s.plan, KVF_FORMAT_CANONICAL, dcache.payloads(), dobjs.payloads());
+  Req scatter(s.plan, KVF_FORMAT_CANONICAL, dcache2.payloads(), dobjs.payloads());
+  kvf_xfer_path_info gp, sp;
+  CUDA_OK(kvf_test_late_copy(stream.s, kLateMs, n, cache_at.data(), real_at.data(), bytes.data()));
+  ASSERT_EQ(call(x.get(), Dir::Gather, gather.get(), stream.s), KVF_SUCCESS) << kvf_last_error();
+  kvf_xfer_last_path(x.get(), &gp);
+  ASSERT_EQ(call(x.get(), Dir::Scatter, scatter.get(), stream.s), KVF_SUCCESS) << kvf_last_error();
+  kvf_xfer_last_path(x.get(), &sp);
+  CUDA_OK(cudaStreamSynchronize(stream.s));
+  EXPECT_EQ(gp.overlap_launches, 1u) << "the gather did not overlap: the case proves nothing";
+  EXPECT_EQ(sp.overlap_launches, 1u) << "the scatter did not overlap: the case proves nothing";
+  Data got = clone(in);
+  ASSERT_NO_FATAL_FAILURE(download(dobjs, got.objs));
+  EXPECT_EQ(diff("object", got.objs, want.objs), "");
+  ASSERT_NO_FATAL_FAILURE(download(dcache2, got.cache));
+  EXPECT_EQ(diff("second cache region", got.cache, want2.cache), "");
 }
 
 TEST(XferGpu, ConcurrentCallsFromThreadsOnOneContext) {

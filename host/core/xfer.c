@@ -63,6 +63,7 @@ struct kvf_xfer {
 #ifdef KVF_WITH_CUDA
   int cuda_ready; /* the device was valid and set: destroy has CUDA work to undo */
   int sm_count;
+  int cc_major;   /* compute capability: programmatic dependent launches need 9.0 */
   cudaStream_t private_stream; /* orders the device allocations of staging */
   staging slots[KVF_STAGING_SLOTS];
   uint32_t next_slot;
@@ -135,6 +136,7 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
                          .kernel = kvf_param_xfer_kernel(),
                          .spread_kb = kvf_param_xfer_spread_kb(),
                          .cache_order = kvf_param_xfer_cache_order(),
+                         .overlap = kvf_param_xfer_overlap(),
                          .small_stage_mb = kvf_param_xfer_small_stage_mb()};
   /* Out-of-range values from the environment fall back to the defaults'
    * behaviour rather than failing every call. */
@@ -150,6 +152,7 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
     t->stage_straight_min_run = 16384;
   if (t->spread_kb < 0 || t->spread_kb > KVF_SPREAD_MAX_KB) t->spread_kb = 8192;
   if (t->cache_order < 0 || t->cache_order > 1) t->cache_order = 1;
+  if (t->overlap < 0 || t->overlap > 1) t->overlap = 1;
 }
 
 kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
@@ -162,7 +165,8 @@ kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
       t->stage_multi_pieces < 0 || t->stage_multi_pieces > KVF_STAGE_MAX_PIECES || t->stage_straight_kb < 0 ||
       t->stage_straight_kb > (int64_t)KVF_STAGE_MAX_MB << 10 || t->stage_straight_min_run < 0 ||
       t->stage_straight_min_run > (int64_t)KVF_STAGE_MAX_MB << 20 || t->spread_kb < 0 ||
-      t->spread_kb > KVF_SPREAD_MAX_KB || t->cache_order < 0 || t->cache_order > 1)
+      t->spread_kb > KVF_SPREAD_MAX_KB || t->cache_order < 0 || t->cache_order > 1 || t->overlap < 0 ||
+      t->overlap > 1)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_set_tuning: a value is out of range");
   pthread_mutex_lock(&x->lock);
   x->tune = *t;
@@ -330,6 +334,7 @@ kvf_status kvf_xfer_create(const kvf_geometry *g, const kvf_xfer_options *option
   cudaError_t e = cudaSetDevice(x->device);
   x->cuda_ready = e == cudaSuccess;
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&x->sm_count, cudaDevAttrMultiProcessorCount, x->device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&x->cc_major, cudaDevAttrComputeCapabilityMajor, x->device);
   if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&x->private_stream, cudaStreamNonBlocking);
   for (int i = 0; e == cudaSuccess && i < KVF_STAGING_SLOTS; i++)
     e = cudaEventCreateWithFlags(&x->slots[i].done, cudaEventDisableTiming);
@@ -622,6 +627,17 @@ static uint32_t launch_cache_order(const kvf_xfer *x, kvf_xfer_route route, int 
   return x->tune.cache_order && gather && route == KVF_ROUTE_D2D && kernel != KVF_KERNEL_GRID_STRIDE;
 }
 
+/* Whether a parameter launch overlaps the stream's previous kernel
+ * (kernels/launch.h; KVF_XFER_OVERLAP): device-to-device and peer launches
+ * that may use every SM, by a warp walk, on compute capability 9.0 and
+ * later. Host-memory launches keep their cap's SMs and nothing more: an
+ * overlapping launch's CTAs wait on SMs while the previous kernel drains.
+ * The measurement is in perf/results/2026-12-02-h200-overlap. */
+static int launch_overlap(const kvf_xfer *x, kvf_xfer_route route, uint32_t ctas, int kernel) {
+  return x->tune.overlap && x->cc_major >= 9 && (route == KVF_ROUTE_D2D || route == KVF_ROUTE_PEER) &&
+         ctas >= (uint32_t)x->sm_count && kernel != KVF_KERNEL_GRID_STRIDE;
+}
+
 /* Tables of `size` bytes go in the kernel's parameters. */
 static int fits_params(const kvf_xfer *x, size_t size) {
   return x->tune.param_bytes > 0 && size <= (size_t)x->tune.param_bytes && kvf_kernel_param_room(size) > 0;
@@ -831,7 +847,7 @@ static cudaError_t staged_launch(kvf_xfer *x, const staged_call *c, const launch
     e = kvf_kernel_launch((char *)c->slot->device + l->blob_off, l->tasks, &ctas, staged_kernel(x), stream);
   } else {
     e = kvf_kernel_launch_params((char *)x->host_blob + l->blob_off, l->blob_size, l->tasks, &ctas,
-                                 staged_kernel(x), stream);
+                                 staged_kernel(x), 0, stream);
     if (e == cudaSuccess) x->path.param_launches++;
   }
   if (e == cudaSuccess) {
@@ -1411,8 +1427,9 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
     kvf_blob_header *h = x->host_blob;
     int kernel = kernel_of(x, route, ctas, h->payload_bytes);
     h->cache_order = launch_cache_order(x, route, gather, kernel);
+    int overlap = launch_overlap(x, route, ctas, kernel);
     if (tasks) {
-      e = kvf_kernel_launch_params(x->host_blob, size, tasks, &ctas, kernel, stream);
+      e = kvf_kernel_launch_params(x->host_blob, size, tasks, &ctas, kernel, overlap, stream);
       if (e != cudaSuccess) {
         cudaGetLastError();
         return kvf_fail(KVF_ERR_CUDA, "enqueueing the %s transfer: %s; nothing was enqueued",
@@ -1420,6 +1437,7 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
       }
       x->path.launches = x->path.param_launches = 1;
       x->path.spread_launches = kernel == KVF_KERNEL_WALK_SPREAD;
+      x->path.overlap_launches = (uint32_t)overlap;
     } else {
       ctas = 0;
     }

@@ -168,6 +168,7 @@ typedef struct kvf_xfer_tuning {
   int64_t kernel;          /* KVF_XFER_KERNEL: 1 the grid-stride walk, 2 (or 0) the warp walk (kernels/walk.h) */
   int64_t spread_kb;       /* KVF_XFER_SPREAD_KB: uncapped launches of at least this payload spread (0: never) */
   int64_t cache_order;     /* KVF_XFER_CACHE_ORDER: 1: d2d gathers walk HND blocks in cache order */
+  int64_t overlap;         /* KVF_XFER_OVERLAP: 1: uncapped d2d/peer launches overlap the previous kernel */
   int64_t small_stage_mb;  /* KVF_XFER_SMALL_STAGE_MB: staged requests of at most this payload use 2 pieces
                               and at least KVF_SMALL_STAGE_SMS SMs (0: off) */
 } kvf_xfer_tuning;
@@ -210,6 +211,7 @@ typedef struct kvf_xfer_path_info {
   uint32_t launches;       /* kernel launches */
   uint32_t param_launches; /* of those, with their tables in the kernel parameters */
   uint32_t spread_launches; /* of those, spread over every SM in small CTAs (KVF_XFER_SPREAD_KB; d2d, peers) */
+  uint32_t overlap_launches; /* of those, programmatic dependents of the stream's previous kernel (KVF_XFER_OVERLAP) */
   uint32_t cache_order;    /* 1: the (last) launch asked its warp walk for the cache's order on head-major
                               blocks (a d2d gather; other blocks keep the object's) */
   uint32_t uploads;        /* table uploads (host -> device copies before a launch) */
