@@ -2850,6 +2850,12 @@ TEST(XferGpu, OverlappedLaunchesWaitForThePreviousKernel) {
   ASSERT_TRUE(x);
   Req gather(s.plan, KVF_FORMAT_CANONICAL, dcache.payloads(), dobjs.payloads());
   Req scatter(s.plan, KVF_FORMAT_CANONICAL, dcache2.payloads(), dobjs.payloads());
+  // Warm up (first-call work on the host), then start again from the stale bytes.
+  ASSERT_EQ(call(x.get(), Dir::Gather, gather.get(), stream.s), KVF_SUCCESS) << kvf_last_error();
+  ASSERT_EQ(call(x.get(), Dir::Scatter, scatter.get(), stream.s), KVF_SUCCESS) << kvf_last_error();
+  CUDA_OK(cudaStreamSynchronize(stream.s));
+  ASSERT_NO_FATAL_FAILURE(upload(stale.objs, dobjs));
+  ASSERT_NO_FATAL_FAILURE(upload(poisoned, dcache2));
   kvf_xfer_path_info gp, sp;
   CUDA_OK(kvf_test_late_copy(stream.s, kLateMs, n, cache_at.data(), real_at.data(), bytes.data()));
   ASSERT_EQ(call(x.get(), Dir::Gather, gather.get(), stream.s), KVF_SUCCESS) << kvf_last_error();
