@@ -29,6 +29,12 @@ int kvf_kernel_threads(void);
  * variant that holds it), 0 when it is larger than KVF_KERNEL_PARAM_MAX. */
 size_t kvf_kernel_param_room(size_t blob_bytes);
 
+/* Whether the kernels loaded on the current device may be launched with
+ * overlap (kvf_kernel_launch_params): compiled for compute capability 9.0
+ * or later (a PTX version of 90 or more), so that their warps wait for the
+ * grid they overlap. The caller also checks the device's own capability. */
+int kvf_kernel_can_overlap(void);
+
 /* Load every kernel variant's module now (module loading is lazy): a
  * context's first call then pays no loading. */
 cudaError_t kvf_kernel_preload(void);
@@ -58,12 +64,15 @@ cudaError_t kvf_kernel_launch(const void *device_blob, uint64_t total_tasks, uin
  * for kvf_kernel_param_room(blob_bytes) bytes; the launch copies it when it
  * is called, so nothing needs to stay alive after it returns, and a graph
  * that captures the launch keeps its own copy. overlap (warp walks only,
- * compute capability 9.0 and later): launch as a programmatic dependent of
- * the stream's previous kernel, so that the launch and each warp's first
- * decode (the blob is in the parameters) run while that kernel drains; every
- * warp waits for that kernel's completion and memory (griddepcontrol.wait)
- * before its first access to memory, and a previous kernel that does not
- * ask for the overlap is waited for as without it. Returns
+ * where kvf_kernel_can_overlap and the device is of compute capability 9.0
+ * or later; the blob's header must say overlap = 1): launch as a
+ * programmatic dependent of the stream's previous kernel, so that the launch
+ * and each warp's first decode (the blob is in the parameters) may run while
+ * that kernel's last CTAs drain (a kernel that never lets its dependents
+ * start early does so as each of its CTAs exits); every warp waits for that
+ * kernel's completion and memory (griddepcontrol.wait) before its first
+ * access to memory, and before it exits. The kernel in turn lets the
+ * stream's next kernel launch as it starts (launch_dependents). Returns
  * cudaErrorInvalidValue for a blob too large (nothing launched). */
 cudaError_t kvf_kernel_launch_params(const void *host_blob, size_t blob_bytes, uint64_t total_tasks, uint32_t *ctas,
                                      int kernel, int overlap, cudaStream_t stream);

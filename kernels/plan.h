@@ -110,6 +110,9 @@ typedef struct kvf_blob_header {
   uint32_t cache_order;   /* 1: the warp walk visits a gather's head-major blocks in the cache's
                              address order (kernels/walk.h); 0 (as built): in the object's */
   uint32_t slice_bytes;   /* most bytes a task moves (kvf_blob_opts) */
+  uint32_t overlap;       /* 1: launched as a programmatic dependent (kernels/launch.h): the kernel lets
+                             the stream's next kernel launch as it starts; 0 (as built): it does not */
+  uint32_t pad_;
   /* Byte offsets of the arrays inside the blob. */
   uint64_t off_buckets;   /* uint16_t[KVF_BLOB_BUCKETS]: the entry holding task b << bucket_shift */
   uint64_t off_entries;   /* kvf_blob_entry[num_entries] */

@@ -31,6 +31,11 @@
 // absorbs. Measured on an H200 (perf/results/2026-12-01-h200-d2d): Llama HND
 // one chunk d2d 80.7 -> 82.0% of memcpy, 4096 tokens 89.5 -> 91.9%.
 //
+// Overlap: a launch that overlaps the stream's previous kernel (kernels/
+// launch.h) reads only its blob, in its parameters, until each warp has
+// decoded its first block; the warp then waits for that kernel
+// (wait_previous_grid) before its first load or store.
+//
 // Every lane of a warp computes the same block decode (uniform values); no
 // lane reads another's registers, so running lanes one after another on the
 // CPU is exactly the GPU's result (sources and destinations never overlap).

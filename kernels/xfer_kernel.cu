@@ -205,22 +205,28 @@ template <bool Spread> struct WalkShape {
   static constexpr int per_sm = kThreads / threads;
 };
 
-// Let the stream's next kernel launch now if it asked to overlap this one
-// (a programmatic dependent launch; it waits for this grid's completion
-// before it touches memory): its launch and first decode then overlap this
-// grid's last CTAs. Measured on an H200: see KVF_XFER_OVERLAP in
-// host/core/xfer.c.
-__device__ __forceinline__ void allow_next_launch() {
+// An overlapped launch (header overlap: a programmatic dependent launch,
+// kernels/launch.h) lets the stream's next kernel launch as it starts, so
+// that a next transfer launched the same way decodes while this grid's last
+// CTAs drain; such a kernel waits for this grid (griddepcontrol.wait) before
+// it touches memory, as CUDA requires of every programmatic dependent.
+// Other launches never do: a kernel after them starts after them.
+// Measured on an H200: see KVF_XFER_OVERLAP in host/core/xfer.c.
+__device__ __forceinline__ void allow_next_launch(const kvf_blob_header *h) {
 #if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  if (h->overlap) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 
 __device__ __forceinline__ void walk_blob(const char *blob) {
-  allow_next_launch();
+  allow_next_launch(reinterpret_cast<const kvf_blob_header *>(blob));
   const uint32_t warps = blockDim.x / 32;
   kvf_walk::run_warp(blob, (uint64_t)blockIdx.x * warps + (threadIdx.x >> 5), (uint64_t)gridDim.x * warps,
                      threadIdx.x & 31);
+  // A warp that moved nothing waits too: the grid then completes only after
+  // the one it overlapped, as a grid that did not overlap it would (PTX does
+  // not say that a next kernel is ordered after both otherwise).
+  kvf_walk::wait_previous_grid();
 }
 
 template <bool Spread>
@@ -318,6 +324,18 @@ cudaError_t launch_p(const void *blob, uint32_t grid, int kernel, int overlap, c
 }  // namespace
 
 extern "C" int kvf_kernel_threads(void) { return kThreads; }
+
+// Declared in kernels/launch.h. The walks wait only where they were
+// compiled for compute capability 9.0 (griddepcontrol): a build for older
+// GPUs run on a newer one through PTX must not overlap its launches.
+extern "C" int kvf_kernel_can_overlap(void) {
+  cudaFuncAttributes a;
+  if (cudaFuncGetAttributes(&a, kvf_walk_kernel_p<kParamSizes[0], true>) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return a.ptxVersion >= 90;
+}
 
 // Declared in kernels/launch.h (which says what it does).
 extern "C" cudaError_t kvf_kernel_launch(const void *device_blob, uint64_t total_tasks, uint32_t *ctas, int kernel,

@@ -74,7 +74,7 @@ extern "C" {
   X(xfer_spread_kb, "KVF_XFER_SPREAD_KB", 8192,                                          \
     "a device-to-device or peer launch that may use every SM and moves at least this many KiB runs small CTAs, several rounds of them, that the GPU hands out as SMs free up (0: never; one CTA per SM then)") \
   X(xfer_overlap, "KVF_XFER_OVERLAP", 1,                                                 \
-    "1: a device-to-device or peer launch that may use every SM overlaps the stream's previous transfer kernel (a programmatic dependent launch: its launch and first decode run while that kernel drains; compute capability 9.0 and later); 0: it starts after it") \
+    "1: a device-to-device or peer launch that may use every SM (tables in its parameters, compute capability 9.0 and later) is a programmatic dependent launch: it may start while the stream's previous kernel drains and waits for it before touching memory, and lets a next kernel launched the same way start early; 0: neither") \
   X(xfer_cache_order, "KVF_XFER_CACHE_ORDER", 1,                                         \
     "1: a device-to-device gather walks head-major (HND) blocks in the cache's address order; 0: in the object's") \
   X(xfer_kernel, "KVF_XFER_KERNEL", 2,                                                   \

@@ -23,7 +23,17 @@
  * host before anything is enqueued, so a bad id is a clear error and never an
  * out-of-bounds access. Calls may be captured into a CUDA graph; a captured
  * call keeps its own copy of the request's tables until the context is
- * destroyed. The legacy default stream (NULL) is accepted.
+ * destroyed. The legacy default stream (NULL) is accepted. On compute
+ * capability 9.0 and later a device-to-device or peer call's kernel that
+ * may use every SM is a programmatic dependent launch (KVF_XFER_OVERLAP,
+ * docs/design.md): it may start while the stream's previous kernel drains,
+ * and touches no memory until that kernel has completed. It also lets the
+ * stream's next kernel start early when that one was itself launched as a
+ * programmatic dependent: such a kernel must wait as CUDA requires
+ * (cudaGridDependencySynchronize or griddepcontrol.wait) before it reads what
+ * the call writes. Kernels launched without that attribute, events, copies
+ * and graph nodes after the call start after all of its work, as with every
+ * other route. KVF_XFER_OVERLAP=0 turns both sides off.
  *
  * Routes (CUDA backend): device<->device and peer calls, host-to-host calls
  * and captured calls are one kernel launch (its tables in the kernel's
