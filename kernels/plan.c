@@ -252,7 +252,8 @@ static void blob_layout(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
   h->off_regions = h->off_entries + round16(entries * sizeof(kvf_blob_entry));
   h->off_ids = h->off_regions + round16(g->num_regions * sizeof(uint64_t));
   h->off_objects = h->off_ids + round16(ids * sizeof(uint32_t));
-  h->size = h->off_objects + objects * sizeof(uint64_t);
+  h->off_shapes = h->off_objects + round16(objects * sizeof(uint64_t));
+  h->size = h->off_shapes + entries * sizeof(kvf_blob_shape); /* at most a shape per entry */
 }
 
 uint64_t kvf_blob_size(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r,
@@ -262,11 +263,43 @@ uint64_t kvf_blob_size(const kvf_geometry *g, const kvf_plan *plan, const kvf_co
   return h.size;
 }
 
-/* An entry's slices for `slice` bytes per task. */
-static void entry_slices(kvf_blob_entry *x, uint32_t slice) {
-  uint64_t block_units = seg_block_bytes(&x->seg) / x->vec;
-  x->slice_units = slice / x->vec;
-  x->slices = (uint32_t)((block_units + x->slice_units - 1) / x->slice_units);
+/* The shape of segment seg moved `vec` bytes at a time in tasks of at most
+ * `slice` bytes. */
+static void shape_of(const kvf_segment *seg, uint32_t vec, uint32_t slice, kvf_blob_shape *sh) {
+  memset(sh, 0, sizeof *sh); /* compared whole: no stale bytes */
+  sh->src_block = seg->src_block;
+  sh->src_token = seg->src_token;
+  sh->src_head = seg->src_head;
+  sh->dst_block = seg->dst_block;
+  sh->dst_token = seg->dst_token;
+  sh->dst_head = seg->dst_head;
+  sh->run = seg->run;
+  sh->heads = seg->heads;
+  sh->tokens = seg->tokens;
+  sh->object_group = seg->object_group;
+  sh->recurrent = seg->recurrent;
+  sh->vec = vec;
+  sh->units_per_run = seg->run / vec;
+  sh->units_per_token = (uint64_t)sh->units_per_run * seg->heads;
+  sh->slice_units = slice / vec;
+}
+
+/* Tasks per block of a shape. */
+static uint32_t shape_slices(const kvf_blob_shape *sh) {
+  uint64_t block_units = (uint64_t)sh->run * sh->heads * sh->tokens / sh->vec;
+  return (uint32_t)((block_units + sh->slice_units - 1) / sh->slice_units);
+}
+
+/* Index of shape `sh` among the blob's *n shapes, appended when it is new.
+ * Neighbouring entries (a layer's planes, consecutive layers) mostly share
+ * one, so only the 16 latest are compared: a blob of many different shapes
+ * may then hold one twice, which costs bytes, never correctness. */
+static uint32_t shape_index(kvf_blob_shape *shapes, uint32_t *n, const kvf_blob_shape *sh) {
+  uint32_t stop = *n > 16 ? *n - 16 : 0;
+  for (uint32_t i = *n; i-- > stop;)
+    if (memcmp(&shapes[i], sh, sizeof *sh) == 0) return i;
+  shapes[*n] = *sh;
+  return (*n)++;
 }
 
 /* Bytes one block of group gi moves in a blob of opts' segments. */
@@ -340,8 +373,11 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
   const uint32_t slice = kvf_blob_slice_for(opts, h->payload_bytes);
   h->slice_bytes = slice;
 
+  kvf_blob_shape *shapes = (kvf_blob_shape *)(base + h->off_shapes);
+  uint32_t og_align[KVF_MAX_GROUPS];
+  for (uint32_t og = 0; og < g->num_object_groups; og++) og_align[og] = align_of(og_bits[og]);
   uint64_t tasks = 0, at_ids = 0;
-  uint32_t ne = 0;
+  uint32_t ne = 0, ns = 0;
   for (uint32_t gi = 0; gi < g->num_groups; gi++) {
     if (!moving[gi]) continue;
     const uint64_t b0 = b0s[gi], b1 = b1s[gi];
@@ -350,21 +386,27 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
     for (uint32_t s = plan->group_first[gi]; s < plan->group_first[gi + 1]; s++) {
       if (!seg_in(opts, s)) continue;
       const kvf_segment *seg = &plan->segments[s];
+      kvf_blob_shape sh;
+      shape_of(seg, min_u32(seg->align, min_u32(align_of(regions[seg->region]), og_align[seg->object_group])), slice,
+               &sh);
       kvf_blob_entry *x = &e[ne++];
-      memset(x, 0, sizeof *x);
-      x->seg = *seg;
       x->first_task = tasks;
       x->lb_begin = b0;
       x->ids_offset = at_ids;
-      x->vec = min_u32(seg->align, min_u32(align_of(regions[seg->region]), align_of(og_bits[seg->object_group])));
-      x->units_per_run = seg->run / x->vec;
-      x->units_per_token = (uint64_t)x->units_per_run * seg->heads;
-      entry_slices(x, slice);
+      x->src_offset = seg->src_offset;
+      x->dst_per_token = seg->dst_per_token;
+      x->dst_const = seg->dst_const;
+      x->slices = shape_slices(&sh);
+      x->shape = shape_index(shapes, &ns, &sh);
+      x->region = seg->region;
+      x->segment = s;
       tasks += (b1 - b0) * x->slices;
     }
     at_ids += b1 - b0;
   }
   h->num_entries = ne;
+  h->num_shapes = ns;
+  h->size = h->off_shapes + ns * sizeof(kvf_blob_shape);
   h->total_tasks = tasks;
   blob_buckets(h);
   return tasks;
@@ -400,14 +442,16 @@ uint32_t kvf_blob_entry_of(const void *blob, uint64_t task) {
 uint64_t kvf_blob_reslice(void *blob, uint32_t slice_bytes) {
   kvf_blob_header *h = blob;
   kvf_blob_entry *e = (kvf_blob_entry *)((char *)blob + h->off_entries);
+  kvf_blob_shape *shapes = (kvf_blob_shape *)((char *)blob + h->off_shapes);
   uint32_t slice = slice_of(slice_bytes);
   uint64_t tasks = 0;
   h->slice_bytes = slice;
+  for (uint32_t i = 0; i < h->num_shapes; i++) shapes[i].slice_units = slice / shapes[i].vec;
   for (uint32_t i = 0; i < h->num_entries; i++) {
     uint64_t end = i + 1 < h->num_entries ? e[i + 1].first_task : h->total_tasks;
     uint64_t blocks = (end - e[i].first_task) / e[i].slices; /* read before first_task is rewritten */
     e[i].first_task = tasks;
-    entry_slices(&e[i], slice);
+    e[i].slices = shape_slices(&shapes[e[i].shape]);
     tasks += blocks * e[i].slices;
   }
   h->total_tasks = tasks;
@@ -420,7 +464,7 @@ uint64_t kvf_blob_reslice(void *blob, uint32_t slice_bytes) {
 /* Everything a task needs, decoded from the blob: shared in spirit with the
  * kernel's decode in xfer_kernel.cu (same formulas). */
 typedef struct task_view {
-  const kvf_blob_entry *e;
+  const kvf_blob_shape *sh;
   char *cache;       /* run (t=0, h=0) of the block */
   char *object;      /* its place in the object */
   uint64_t unit_begin, unit_end;
@@ -439,14 +483,14 @@ static int block_of(const kvf_blob_header *h, const kvf_blob_entry *e, uint64_t 
                     uint64_t *obj_index, uint64_t *obj_off, uint64_t *units) {
   const char *blob = (const char *)h;
   const uint32_t *ids = (const uint32_t *)(blob + h->off_ids);
-  const kvf_segment *s = &e->seg;
+  const kvf_blob_shape *s = kvf_blob_shape_of(h, e);
   uint32_t id = ids[e->ids_offset + j];
   if (id == KVF_BLOCK_SKIP || id >= h->num_blocks_max) return 0;
   uint64_t lb = e->lb_begin + j, k;
   if (s->recurrent) {
     k = lb - h->chunk_begin;
-    *units = e->units_per_run;
-    *obj_off = h->chunk_local * s->dst_per_token + s->dst_const;
+    *units = s->units_per_run;
+    *obj_off = h->chunk_local * e->dst_per_token + e->dst_const;
   } else {
     uint64_t rel = lb * s->tokens - h->lt_begin, chunk_start;
     k = div_u64(rel, h->chunk_local);
@@ -454,8 +498,8 @@ static int block_of(const kvf_blob_header *h, const kvf_blob_entry *e, uint64_t 
     uint64_t n = h->lt_end - chunk_start < h->chunk_local ? h->lt_end - chunk_start : h->chunk_local;
     uint64_t valid = h->lt_end - lb * s->tokens;
     if (valid > s->tokens) valid = s->tokens;
-    *units = valid * e->units_per_token;
-    *obj_off = n * s->dst_per_token + s->dst_const + div_u64(rel - k * h->chunk_local, s->tokens) * s->dst_block;
+    *units = valid * s->units_per_token;
+    *obj_off = n * e->dst_per_token + e->dst_const + div_u64(rel - k * h->chunk_local, s->tokens) * s->dst_block;
   }
   *id_out = id;
   *obj_index = k * h->num_object_groups + s->object_group;
@@ -468,20 +512,20 @@ static int decode(const kvf_blob_header *h, uint64_t task, task_view *tv) {
   const kvf_blob_entry *e = &entries[kvf_blob_entry_of(h, task)];
   const uint64_t *regions = (const uint64_t *)(blob + h->off_regions);
   const uint64_t *objects = (const uint64_t *)(blob + h->off_objects);
-  const kvf_segment *s = &e->seg;
+  const kvf_blob_shape *s = kvf_blob_shape_of(h, e);
   uint64_t local = task - e->first_task, j = local / e->slices, slice = local % e->slices;
   uint64_t oi, obj_off, units;
   uint32_t id;
   if (!block_of(h, e, j, &id, &oi, &obj_off, &units)) return 0;
-  uint64_t slice_units = e->slice_units;
+  uint64_t slice_units = s->slice_units;
   tv->unit_begin = slice * slice_units;
   tv->unit_end = tv->unit_begin + slice_units < units ? tv->unit_begin + slice_units : units;
   if (tv->unit_begin >= tv->unit_end) return 0;
   /* An object left out of this blob (another leg of the call moves it). */
   uint64_t object = objects[oi];
   if (object == 0) return 0;
-  tv->e = e;
-  tv->cache = (char *)(uintptr_t)regions[s->region] + s->src_offset + (uint64_t)id * s->src_block;
+  tv->sh = s;
+  tv->cache = (char *)(uintptr_t)regions[e->region] + e->src_offset + (uint64_t)id * s->src_block;
   tv->object = (char *)(uintptr_t)object + obj_off;
   return 1;
 }
@@ -505,11 +549,11 @@ uint64_t kvf_blob_blocks(const void *blob, kvf_blob_block *out, uint64_t cap) {
   uint64_t n = 0;
   for (uint32_t i = 0; i < h->num_entries; i++) {
     const kvf_blob_entry *e = &entries[i];
-    const kvf_segment *s = &e->seg;
+    const kvf_blob_shape *s = kvf_blob_shape_of(blob, e);
     uint64_t end = i + 1 < h->num_entries ? entries[i + 1].first_task : h->total_tasks;
     uint64_t blocks = (end - e->first_task) / e->slices;
     if (blocks == 0) continue;
-    const char *cache_base = (const char *)(uintptr_t)regions[s->region] + s->src_offset;
+    const char *cache_base = (const char *)(uintptr_t)regions[e->region] + e->src_offset;
     /* Where block 0 of the entry is: its chunk k, the chunk's local token
      * count nk, the block's token offset inside the chunk. */
     uint64_t lb = e->lb_begin, k = 0, nk = 0, within = 0, bi = 0, start = 0;
@@ -525,15 +569,15 @@ uint64_t kvf_blob_blocks(const void *blob, kvf_blob_block *out, uint64_t cap) {
     for (uint64_t j = 0; j < blocks; j++) {
       uint64_t units, obj_off;
       if (s->recurrent) {
-        units = e->units_per_run;
-        obj_off = h->chunk_local * s->dst_per_token + s->dst_const;
+        units = s->units_per_run;
+        obj_off = h->chunk_local * e->dst_per_token + e->dst_const;
       } else {
         uint64_t chunk_start = h->lt_begin + k * h->chunk_local;
         nk = h->lt_end - chunk_start < h->chunk_local ? h->lt_end - chunk_start : h->chunk_local;
         uint64_t valid = h->lt_end - start;
         if (valid > s->tokens) valid = s->tokens;
-        units = valid * e->units_per_token;
-        obj_off = nk * s->dst_per_token + s->dst_const + bi * s->dst_block;
+        units = valid * s->units_per_token;
+        obj_off = nk * e->dst_per_token + e->dst_const + bi * s->dst_block;
       }
       uint32_t id = ids[e->ids_offset + j];
       uint64_t oi = k * h->num_object_groups + s->object_group;
@@ -571,17 +615,18 @@ int kvf_segment_linear(const kvf_segment *s) {
   return s->heads == 1 && (s->tokens == 1 || (s->src_token == s->run && s->dst_token == s->run));
 }
 
-int kvf_blob_entry_linear(const kvf_blob_entry *e) { return kvf_segment_linear(&e->seg); }
+int kvf_blob_shape_linear(const kvf_blob_shape *s) {
+  return s->heads == 1 && (s->tokens == 1 || (s->src_token == s->run && s->dst_token == s->run));
+}
 
-uint64_t kvf_blob_object_extent(const kvf_blob_entry *e, uint64_t units) {
+uint64_t kvf_blob_object_extent(const kvf_blob_shape *s, uint64_t units) {
   if (units == 0) return 0;
-  if (kvf_blob_entry_linear(e)) return units * e->vec;
-  const kvf_segment *s = &e->seg;
+  if (kvf_blob_shape_linear(s)) return units * s->vec;
   /* Offsets are affine with nonnegative strides in (token, head, unit):
    * the last unit has each index at its largest. */
-  uint64_t u = units - 1, t = u / e->units_per_token, r = u % e->units_per_token;
-  uint64_t hh = r / e->units_per_run, c = r % e->units_per_run;
-  uint64_t last = t * s->dst_token + hh * s->dst_head + c * e->vec + e->vec;
+  uint64_t u = units - 1, t = u / s->units_per_token, r = u % s->units_per_token;
+  uint64_t hh = r / s->units_per_run, c = r % s->units_per_run;
+  uint64_t last = t * s->dst_token + hh * s->dst_head + c * s->vec + s->vec;
   return last;
 }
 
@@ -627,14 +672,13 @@ void kvf_blob_run_cpu_opt(const void *blob, uint64_t first, uint64_t end, int st
   for (uint64_t task = first; task < end; task++) {
     task_view tv;
     if (!decode(h, task, &tv)) continue;
-    const kvf_blob_entry *e = tv.e;
-    const kvf_segment *s = &e->seg;
-    uint64_t u = tv.unit_begin, vec = e->vec;
+    const kvf_blob_shape *s = tv.sh;
+    uint64_t u = tv.unit_begin, vec = s->vec;
     /* One memcpy per piece of run inside the slice. */
     while (u < tv.unit_end) {
-      uint64_t t = u / e->units_per_token, r = u % e->units_per_token;
-      uint64_t hh = r / e->units_per_run, c = r % e->units_per_run;
-      uint64_t len = e->units_per_run - c;
+      uint64_t t = u / s->units_per_token, r = u % s->units_per_token;
+      uint64_t hh = r / s->units_per_run, c = r % s->units_per_run;
+      uint64_t len = s->units_per_run - c;
       if (len > tv.unit_end - u) len = tv.unit_end - u;
       char *cache = tv.cache + t * s->src_token + hh * s->src_head + c * vec;
       char *obj = tv.object + t * s->dst_token + hh * s->dst_head + c * vec;
@@ -659,7 +703,7 @@ uint64_t kvf_blob_payload(const void *blob) {
   uint64_t bytes = 0;
   for (uint64_t task = 0; task < h->total_tasks; task++) {
     task_view tv;
-    if (decode(h, task, &tv)) bytes += (tv.unit_end - tv.unit_begin) * tv.e->vec;
+    if (decode(h, task, &tv)) bytes += (tv.unit_end - tv.unit_begin) * tv.sh->vec;
   }
   return bytes;
 }

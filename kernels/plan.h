@@ -13,8 +13,9 @@
  * fused into one run at plan time.
  *
  * A request becomes a "launch blob": a header, the region bases, one entry
- * per moving segment (the segment plus its group's block range and its first
- * task), the block ids and the object pointers. A task is (entry, block,
+ * per moving segment (its region and offsets, its group's block range and
+ * its first task), the block ids, the object pointers, and the shapes the
+ * entries share (strides, run, vector width: one or a few per blob). A task is (entry, block,
  * slice of at most the blob's slice bytes, KVF_SLICE_BYTES unless the build
  * asks for smaller ones); one warp (GPU) or one loop (CPU) copies a task. The
  * blob is plain data: the host builds it, the kernel reads it from device
@@ -78,17 +79,43 @@ void kvf_plan_free(kvf_plan *plan);
 
 /* ---- the launch blob ---------------------------------------------------- */
 
+/* One moving segment of a blob: where its blocks are and its tasks. What
+ * segments share (strides, run shape, vector width, slice) is in the blob's
+ * shape table, so that a one-chunk blob fits a few KiB of kernel
+ * parameters: 64 bytes an entry where the whole segment took 160. */
 typedef struct kvf_blob_entry {
-  kvf_segment seg;
   uint64_t first_task;   /* tasks of this entry: [first_task, next entry's first_task) */
   uint64_t lb_begin;     /* local block (chunk for recurrent segments) of ids[ids_offset] */
   uint64_t ids_offset;   /* into the blob's ids */
-  uint64_t units_per_token; /* run*heads / vec */
-  uint32_t units_per_run;   /* run / vec */
+  uint64_t src_offset;   /* the segment's: from its region's base, block 0 */
+  uint64_t dst_per_token; /* the segment's: object position = n_k*dst_per_token + dst_const + ... */
+  uint64_t dst_const;    /* the segment's */
   uint32_t slices;       /* tasks per block */
-  uint32_t vec;          /* bytes per access: 16, 8, 4, 2 or 1 */
-  uint32_t slice_units;  /* units one task moves at most (the blob's slice bytes / vec) */
+  uint32_t shape;        /* index into the blob's shapes */
+  uint32_t region;       /* the segment's */
+  uint32_t segment;      /* the plan's segment index (host tools; the walks do not read it) */
 } kvf_blob_entry;
+
+/* What a blob's entries share: a segment less its region, offsets, group
+ * and view, with the vector width and the slice the build chose (the
+ * layers of a group and their planes mostly share one). */
+typedef struct kvf_blob_shape {
+  uint64_t src_block;     /* block (slot) stride */
+  uint64_t src_token;
+  uint64_t src_head;
+  uint64_t dst_block;
+  uint64_t dst_token;
+  uint64_t dst_head;
+  uint64_t units_per_token; /* run*heads / vec */
+  uint32_t run;           /* contiguous bytes per (token, head) */
+  uint32_t heads;         /* runs per token after fusion (1 for states) */
+  uint32_t tokens;        /* block_size (1 for states) */
+  uint32_t object_group;
+  uint32_t recurrent;
+  uint32_t units_per_run; /* run / vec */
+  uint32_t vec;           /* bytes per access: 16, 8, 4, 2 or 1 */
+  uint32_t slice_units;   /* units one task moves at most (the blob's slice bytes / vec) */
+} kvf_blob_shape;
 
 typedef struct kvf_blob_header {
   uint64_t size;          /* bytes of the whole blob */
@@ -119,7 +146,22 @@ typedef struct kvf_blob_header {
   uint64_t off_regions;   /* uint64_t[num_regions] (base addresses) */
   uint64_t off_ids;       /* uint32_t[] */
   uint64_t off_objects;   /* uint64_t[num_chunks * num_object_groups] */
+  uint64_t off_shapes;    /* kvf_blob_shape[num_shapes], last: size is off_shapes + num_shapes shapes */
+  uint32_t num_shapes;
+  uint32_t pad2_;
 } kvf_blob_header;
+
+/* A blob's arrays. */
+static inline const kvf_blob_entry *kvf_blob_entries(const void *blob) {
+  return (const kvf_blob_entry *)((const char *)blob + ((const kvf_blob_header *)blob)->off_entries);
+}
+static inline const kvf_blob_shape *kvf_blob_shapes(const void *blob) {
+  return (const kvf_blob_shape *)((const char *)blob + ((const kvf_blob_header *)blob)->off_shapes);
+}
+/* The shape of entry e of a blob. */
+static inline const kvf_blob_shape *kvf_blob_shape_of(const void *blob, const kvf_blob_entry *e) {
+  return &kvf_blob_shapes(blob)[e->shape];
+}
 
 /* Entries of the task -> entry lookup table at the head of a blob: a walker
  * finds the entry of any task with one table read and a short forward scan
@@ -144,8 +186,10 @@ typedef struct kvf_blob_opts {
 /* The slice a build of opts takes for a blob moving `payload` bytes. */
 uint32_t kvf_blob_slice_for(const kvf_blob_opts *opts, uint64_t payload);
 
-/* Size of the blob a request needs (the request is checked first by the
- * caller). opts as for kvf_blob_build (only its segment mask matters). */
+/* Bytes a blob of the request may take (the request is checked first by
+ * the caller): room for a shape per entry, where a build takes as many as
+ * its entries differ (its header's size says how many bytes it took). opts
+ * as for kvf_blob_build (only its segment mask matters). */
 uint64_t kvf_blob_size(const kvf_geometry *geometry, const kvf_plan *plan, const kvf_copy_request *request,
                        const kvf_blob_opts *opts);
 
@@ -161,8 +205,8 @@ uint64_t kvf_blob_build(const kvf_geometry *geometry, const kvf_plan *plan, cons
                         int gather, const kvf_blob_opts *opts, void *out);
 
 /* Re-cut a built blob's tasks into slices of at most slice_bytes (as in
- * kvf_blob_opts): rewrites slice_units, slices, first_task, total_tasks and
- * the header's slice_bytes, nothing else. Returns the new task count. (A
+ * kvf_blob_opts): rewrites the shapes' slice_units, the entries' slices and
+ * first_task, total_tasks and the header's slice_bytes, nothing else. Returns the new task count. (A
  * call's blobs take their slice at build time, kvf_blob_opts.task_slots;
  * this is the tests' oracle for that.) */
 uint64_t kvf_blob_reslice(void *blob, uint32_t slice_bytes);
@@ -182,18 +226,18 @@ typedef struct kvf_blob_block {
  * are. */
 uint64_t kvf_blob_blocks(const void *blob, kvf_blob_block *out, uint64_t cap);
 
-/* Whether an entry's blocks are each one contiguous run on both sides (one
+/* Whether a shape's blocks are each one contiguous run on both sides (one
  * fused run per token, tokens back to back, or a recurrent state): then a
  * block moves units*vec bytes from cache to object as a single copy. */
-int kvf_blob_entry_linear(const kvf_blob_entry *entry);
+int kvf_blob_shape_linear(const kvf_blob_shape *shape);
 /* The same test for a plan's segment. */
 int kvf_segment_linear(const kvf_segment *segment);
 
 /* One past the largest object-side byte offset, from the block's object
- * pointer, that a block moving `units` units of entry e writes (gather) or
+ * pointer, that a block of `shape` moving `units` units writes (gather) or
  * reads (scatter). The bytes below it that the block does not touch are
  * holes: units*vec == extent means none. */
-uint64_t kvf_blob_object_extent(const kvf_blob_entry *entry, uint64_t units);
+uint64_t kvf_blob_object_extent(const kvf_blob_shape *shape, uint64_t units);
 
 /* Copy the tasks [first, end) of a blob on the CPU (the host backend). */
 void kvf_blob_run_cpu(const void *blob, uint64_t first, uint64_t end);

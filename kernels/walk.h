@@ -230,40 +230,38 @@ KVF_WALK_FN uint64_t div64(uint64_t a, uint64_t b) {
   return a / b;
 }
 
-// A segment's blocks are each one contiguous range on both sides (heads
+// A shape's blocks are each one contiguous range on both sides (heads
 // fused, tokens back to back, or a state): unit u at u*vec.
-KVF_WALK_FN bool linear_of(const kvf_segment *seg) {
-  return seg->heads == 1 && (seg->tokens == 1 || (seg->src_token == seg->run && seg->dst_token == seg->run));
+KVF_WALK_FN bool linear_of(const kvf_blob_shape *sh) {
+  return sh->heads == 1 && (sh->tokens == 1 || (sh->src_token == sh->run && sh->dst_token == sh->run));
 }
 
-// Whether a block of entry x is walked in the cache's order: the blob asks
+// Whether a block of shape sh is walked in the cache's order: the blob asks
 // for it (header cache_order), it is a gather, and the cache is head-major
 // (a head's tokens back to back, HND) while the units' order is token-major.
-KVF_WALK_FN bool cache_order_of(const kvf_blob_header *h, const kvf_blob_entry *x) {
-  const kvf_segment *seg = &x->seg;
-  return h->cache_order && h->gather && !linear_of(seg) && !seg->recurrent && seg->heads > 1 &&
-         seg->src_head > seg->src_token;
+KVF_WALK_FN bool cache_order_of(const kvf_blob_header *h, const kvf_blob_shape *sh) {
+  return h->cache_order && h->gather && !linear_of(sh) && !sh->recurrent && sh->heads > 1 &&
+         sh->src_head > sh->src_token;
 }
 
 // The strides a non-linear block moving `units` units is walked with.
 // In the cache's order heads are outermost, then the block's valid tokens:
 // the same units, each to the same place, in another order (every warp of
 // the block takes the same order, so the slices still split it exactly).
-KVF_WALK_FN Strides strides_of(const kvf_blob_header *h, const kvf_blob_entry *x, uint64_t units) {
-  const kvf_segment *seg = &x->seg;
+KVF_WALK_FN Strides strides_of(const kvf_blob_header *h, const kvf_blob_shape *sh, uint64_t units) {
   Strides st;
-  st.src_token = (uint32_t)seg->src_token;
-  st.src_head = (uint32_t)seg->src_head;
-  st.dst_token = (uint32_t)seg->dst_token;
-  st.dst_head = (uint32_t)seg->dst_head;
-  st.upr = x->units_per_run;
-  st.heads = seg->heads;
-  if (cache_order_of(h, x)) {
-    st.src_token = (uint32_t)seg->src_head;
-    st.dst_token = (uint32_t)seg->dst_head;
-    st.src_head = (uint32_t)seg->src_token;
-    st.dst_head = (uint32_t)seg->dst_token;
-    st.heads = (uint32_t)div64(units, x->units_per_token);
+  st.src_token = (uint32_t)sh->src_token;
+  st.src_head = (uint32_t)sh->src_head;
+  st.dst_token = (uint32_t)sh->dst_token;
+  st.dst_head = (uint32_t)sh->dst_head;
+  st.upr = sh->units_per_run;
+  st.heads = sh->heads;
+  if (cache_order_of(h, sh)) {
+    st.src_token = (uint32_t)sh->src_head;
+    st.dst_token = (uint32_t)sh->dst_head;
+    st.src_head = (uint32_t)sh->src_token;
+    st.dst_head = (uint32_t)sh->dst_token;
+    st.heads = (uint32_t)div64(units, sh->units_per_token);
   }
   return st;
 }
@@ -275,38 +273,40 @@ KVF_WALK_FN Strides strides_of(const kvf_blob_header *h, const kvf_blob_entry *x
 KVF_WALK_FN void copy_block(const kvf_blob_header *h, const char *blob, const kvf_blob_entry *x, uint64_t j,
                             uint64_t s0, uint64_t s1, uint32_t lane, bool *waited) {
   const uint32_t *ids = reinterpret_cast<const uint32_t *>(blob + h->off_ids);
+  // The id (from the entry) and the shape are loaded side by side: a shape
+  // costs the decode no extra dependent load.
   uint32_t id = ids[x->ids_offset + j];
+  const kvf_blob_shape *sh = reinterpret_cast<const kvf_blob_shape *>(blob + h->off_shapes) + x->shape;
   // The host checked every id; this bound keeps a corrupted table harmless.
   if (id == KVF_BLOCK_SKIP || id >= h->num_blocks_max) return;
-  const kvf_segment *seg = &x->seg;
-  const uint32_t tokens = seg->tokens;
+  const uint32_t tokens = sh->tokens;
   uint64_t lb = x->lb_begin + j, k, units, obj_off;
-  if (seg->recurrent) {
+  if (sh->recurrent) {
     k = lb - h->chunk_begin;
-    units = x->units_per_run;
-    obj_off = h->chunk_local * seg->dst_per_token + seg->dst_const;
+    units = sh->units_per_run;
+    obj_off = h->chunk_local * x->dst_per_token + x->dst_const;
   } else {
     const uint64_t cl = h->chunk_local, rel = lb * tokens - h->lt_begin;
     k = div64(rel, cl);
     uint64_t chunk_start = h->lt_begin + k * cl;
     uint64_t n = min64(h->lt_end - chunk_start, cl);
     uint64_t valid = min64(h->lt_end - lb * tokens, (uint64_t)tokens);
-    units = valid * x->units_per_token;
-    obj_off = n * seg->dst_per_token + seg->dst_const + div64(rel - k * cl, tokens) * seg->dst_block;
+    units = valid * sh->units_per_token;
+    obj_off = n * x->dst_per_token + x->dst_const + div64(rel - k * cl, tokens) * sh->dst_block;
   }
-  const uint64_t su = x->slice_units;
+  const uint64_t su = sh->slice_units;
   const uint64_t ub = s0 * su, ue = min64(s1 * su, units);
   if (ub >= ue) return;
   const uint64_t *objects = reinterpret_cast<const uint64_t *>(blob + h->off_objects);
-  uint64_t object = objects[k * h->num_object_groups + seg->object_group];
+  uint64_t object = objects[k * h->num_object_groups + sh->object_group];
   // An object left out of this blob (another leg of the call moves it).
   if (object == 0) return;
   const uint64_t *regions = reinterpret_cast<const uint64_t *>(blob + h->off_regions);
-  char *cache = reinterpret_cast<char *>(regions[seg->region]) + seg->src_offset + (uint64_t)id * seg->src_block;
+  char *cache = reinterpret_cast<char *>(regions[x->region]) + x->src_offset + (uint64_t)id * sh->src_block;
   char *obj = reinterpret_cast<char *>(object) + obj_off;
   const bool gather = h->gather != 0;
-  const bool linear = linear_of(seg);
-  const Strides st = strides_of(h, x, units);
+  const bool linear = linear_of(sh);
+  const Strides st = strides_of(h, sh, units);
   const char *src = gather ? cache : obj;
   char *dst = gather ? obj : cache;
   const uint32_t b = (uint32_t)ub, e = (uint32_t)ue;
@@ -314,7 +314,7 @@ KVF_WALK_FN void copy_block(const kvf_blob_header *h, const char *blob, const kv
     wait_previous_grid();
     *waited = true;
   }
-  switch (x->vec) {
+  switch (sh->vec) {
     case 16: copy_units<16>(st, linear, src, dst, gather, b, e, lane); break;
     case 8: copy_units<8>(st, linear, src, dst, gather, b, e, lane); break;
     case 4: copy_units<4>(st, linear, src, dst, gather, b, e, lane); break;

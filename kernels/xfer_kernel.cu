@@ -36,7 +36,7 @@ template <> struct Unit<2> { using T = uint16_t; };
 template <> struct Unit<1> { using T = uint8_t; };
 
 struct Task {
-  const kvf_blob_entry *e;
+  const kvf_blob_shape *sh;
   char *cache;   // run (t=0, h=0) of the block
   char *object;  // its place in the object
   uint64_t unit_begin, unit_end;
@@ -58,7 +58,7 @@ __device__ __forceinline__ uint32_t find_entry(const kvf_blob_entry *entries, ui
 __device__ __forceinline__ bool decode(const kvf_blob_header *h, const char *blob, uint64_t task, Task *t) {
   const kvf_blob_entry *entries = reinterpret_cast<const kvf_blob_entry *>(blob + h->off_entries);
   const kvf_blob_entry *e = &entries[find_entry(entries, h->num_entries, task)];
-  const kvf_segment &s = e->seg;
+  const kvf_blob_shape &s = reinterpret_cast<const kvf_blob_shape *>(blob + h->off_shapes)[e->shape];
   const uint64_t *regions = reinterpret_cast<const uint64_t *>(blob + h->off_regions);
   const uint32_t *ids = reinterpret_cast<const uint32_t *>(blob + h->off_ids);
   const uint64_t *objects = reinterpret_cast<const uint64_t *>(blob + h->off_objects);
@@ -69,26 +69,26 @@ __device__ __forceinline__ bool decode(const kvf_blob_header *h, const char *blo
   uint64_t lb = e->lb_begin + j, k, units, obj_off;
   if (s.recurrent) {
     k = lb - h->chunk_begin;
-    units = e->units_per_run;
-    obj_off = h->chunk_local * s.dst_per_token + s.dst_const;
+    units = s.units_per_run;
+    obj_off = h->chunk_local * e->dst_per_token + e->dst_const;
   } else {
     uint64_t rel = lb * s.tokens - h->lt_begin;
     k = rel / h->chunk_local;
     uint64_t chunk_start = h->lt_begin + k * h->chunk_local;
     uint64_t n = min(h->lt_end - chunk_start, h->chunk_local);
     uint64_t valid = min(h->lt_end - lb * s.tokens, (uint64_t)s.tokens);
-    units = valid * e->units_per_token;
-    obj_off = n * s.dst_per_token + s.dst_const + ((rel - k * h->chunk_local) / s.tokens) * s.dst_block;
+    units = valid * s.units_per_token;
+    obj_off = n * e->dst_per_token + e->dst_const + ((rel - k * h->chunk_local) / s.tokens) * s.dst_block;
   }
-  uint64_t slice_units = e->slice_units;
+  uint64_t slice_units = s.slice_units;
   t->unit_begin = slice * slice_units;
   t->unit_end = min(t->unit_begin + slice_units, units);
   if (t->unit_begin >= t->unit_end) return false;
   // An object left out of this blob (another leg of the call moves it).
   uint64_t object = objects[k * h->num_object_groups + s.object_group];
   if (object == 0) return false;
-  t->e = e;
-  t->cache = reinterpret_cast<char *>(regions[s.region]) + s.src_offset + (uint64_t)id * s.src_block;
+  t->sh = &s;
+  t->cache = reinterpret_cast<char *>(regions[e->region]) + e->src_offset + (uint64_t)id * s.src_block;
   t->object = reinterpret_cast<char *>(object) + obj_off;
   return true;
 }
@@ -102,8 +102,8 @@ __device__ __forceinline__ void unit_offsets(const Task &t, bool linear, uint32_
     *co = *oo = (uint64_t)u * v;
     return;
   }
-  const kvf_segment &s = t.e->seg;
-  const uint32_t upt = (uint32_t)t.e->units_per_token, upr = t.e->units_per_run;
+  const kvf_blob_shape &s = *t.sh;
+  const uint32_t upt = (uint32_t)s.units_per_token, upr = s.units_per_run;
   uint32_t tok = u / upt, r = u - tok * upt, hd = r / upr, c = r - hd * upr;
   *co = tok * s.src_token + hd * s.src_head + (uint64_t)c * v;
   *oo = tok * s.dst_token + hd * s.dst_head + (uint64_t)c * v;
@@ -115,9 +115,8 @@ __device__ __forceinline__ void unit_offsets(const Task &t, bool linear, uint32_
 template <int V>
 __device__ __forceinline__ void copy_task(const Task &t, bool gather, int lane) {
   using T = typename Unit<V>::T;
-  const kvf_segment &s = t.e->seg;
   // Runs contiguous across tokens on both sides: unit u is at u*V on both.
-  const bool linear = s.heads == 1 && (s.tokens == 1 || (s.src_token == s.run && s.dst_token == s.run));
+  const bool linear = kvf_walk::linear_of(t.sh);
   const char *src = gather ? t.cache : t.object;
   char *dst = gather ? t.object : t.cache;
   const uint32_t end = (uint32_t)t.unit_end;
@@ -153,7 +152,7 @@ __device__ __forceinline__ void run_blob(const char *blob) {
   for (uint64_t task = warp; task < total; task += stride) {
     Task t;
     if (!decode(h, blob, task, &t)) continue;  // uniform across the warp
-    switch (t.e->vec) {
+    switch (t.sh->vec) {
       case 16: copy_task<16>(t, gather, lane); break;
       case 8: copy_task<8>(t, gather, lane); break;
       case 4: copy_task<4>(t, gather, lane); break;
@@ -171,8 +170,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvf_xfer_kernel(const char *blob)
 // copy kernel back to back, 132 CTAs): over 2 KiB, each call's GPU time
 // grows by +0.1 us at 4 KiB, +0.5 at 12 KiB, +1.1-1.3 at 16 KiB and +2.3 at
 // 32752 bytes, and a launch alone takes 5.1 us (2 KiB), 5.6 (12 KiB), 6.2
-// (16 KiB), 8.2 (32752 bytes). The 12 KiB size holds a one-chunk blob of
-// the 32- and 61-layer presets (10.7-11 KB).
+// (16 KiB), 8.2 (32752 bytes).
 template <int N> struct alignas(16) ParamBlob {
   char bytes[N];
 };
@@ -244,8 +242,10 @@ __global__ void __launch_bounds__(WalkShape<Spread>::threads, WalkShape<Spread>:
   walk_blob(p.bytes);
 }
 
-constexpr int kParamSizes[] = {2048, 8192, 12288, 16384, KVF_KERNEL_PARAM_MAX};
-static_assert(sizeof kParamSizes / sizeof kParamSizes[0] == 5, "the launch switch and the preload name every size");
+// 4 and 6 KiB: a one-chunk blob of the 32- and 61-layer presets is 4.8 KB,
+// of the hybrids 3.9-7 KB (kernels/plan.h's entries and shapes).
+constexpr int kParamSizes[] = {2048, 4096, 6144, 8192, 12288, 16384, KVF_KERNEL_PARAM_MAX};
+static_assert(sizeof kParamSizes / sizeof kParamSizes[0] == 7, "the launch switch and the preload name every size");
 constexpr bool ascending(int i = 1) {
   return i >= (int)(sizeof kParamSizes / sizeof kParamSizes[0]) || (kParamSizes[i - 1] < kParamSizes[i] && ascending(i + 1));
 }
@@ -367,7 +367,9 @@ extern "C" cudaError_t kvf_kernel_launch_params(const void *host_blob, size_t bl
     case kParamSizes[1]: return launch_p<kParamSizes[1]>(host_blob, grid, kernel, overlap, stream);
     case kParamSizes[2]: return launch_p<kParamSizes[2]>(host_blob, grid, kernel, overlap, stream);
     case kParamSizes[3]: return launch_p<kParamSizes[3]>(host_blob, grid, kernel, overlap, stream);
-    default: return launch_p<kParamSizes[4]>(host_blob, grid, kernel, overlap, stream);
+    case kParamSizes[4]: return launch_p<kParamSizes[4]>(host_blob, grid, kernel, overlap, stream);
+    case kParamSizes[5]: return launch_p<kParamSizes[5]>(host_blob, grid, kernel, overlap, stream);
+    default: return launch_p<kParamSizes[6]>(host_blob, grid, kernel, overlap, stream);
   }
 }
 
@@ -395,5 +397,7 @@ extern "C" cudaError_t kvf_kernel_preload(void) {
   if (e == cudaSuccess) e = preload_size<kParamSizes[2]>();
   if (e == cudaSuccess) e = preload_size<kParamSizes[3]>();
   if (e == cudaSuccess) e = preload_size<kParamSizes[4]>();
+  if (e == cudaSuccess) e = preload_size<kParamSizes[5]>();
+  if (e == cudaSuccess) e = preload_size<kParamSizes[6]>();
   return e;
 }

@@ -27,15 +27,18 @@ bool peer_tables(const kvf_geometry *g, const kvf_copy_request &r, bool gather, 
   }
   std::vector<uint8_t> blob(kvf_blob_size(g, &plan, &r, nullptr) + 64);
   kvf_blob_build(g, &plan, &r, gather ? 1 : 0, nullptr, blob.data());
-  kvf_plan_free(&plan);
   const auto *h = reinterpret_cast<const kvf_blob_header *>(blob.data());
-  const auto *e = reinterpret_cast<const kvf_blob_entry *>(blob.data() + h->off_entries);
+  const kvf_blob_entry *e = kvf_blob_entries(blob.data());
+  /* Each entry's segment: its group and view say which layer and plane. */
+  std::vector<kvf_segment> segs(h->num_entries);
+  for (uint32_t i = 0; i < h->num_entries; i++) segs[i] = plan.segments[e[i].segment];
+  kvf_plan_free(&plan);
   uint64_t nb = kvf_blob_blocks(blob.data(), nullptr, 0);
   std::vector<kvf_blob_block> blocks(nb);
   kvf_blob_blocks(blob.data(), blocks.data(), nb);
   std::vector<uint32_t> group_of;
   for (uint32_t i = 0; i < h->num_entries; i++) {
-    const kvf_segment &s = e[i].seg;
+    const kvf_segment &s = segs[i];
     if (s.recurrent) {
       *why = "recurrent state: outside the peers' designs (attention caches only)";
       return false;
@@ -43,10 +46,10 @@ bool peer_tables(const kvf_geometry *g, const kvf_copy_request &r, bool gather, 
     /* Plane p of layer l: the view's head count and bytes (a group's
      * entries are its layers in order, each layer's planes together). */
     uint32_t first = i;
-    while (first > 0 && e[first - 1].seg.group == s.group) first--;
+    while (first > 0 && segs[first - 1].group == s.group) first--;
     uint32_t layer = 0, plane = 0;
-    for (uint32_t k = first + 1; k <= i; k++) layer += e[k].seg.view != e[k - 1].seg.view;
-    for (uint32_t k = i; k > first && e[k - 1].seg.view == s.view; k--) plane++;
+    for (uint32_t k = first + 1; k <= i; k++) layer += segs[k].view != segs[k - 1].view;
+    for (uint32_t k = i; k > first && segs[k - 1].view == s.view; k--) plane++;
     kvf_view_desc d = KVF_VIEW_DESC_INIT;
     if (kvf_geometry_view(g, s.group, layer, &d) != KVF_SUCCESS) {
       *why = "geometry view lookup failed";
@@ -79,7 +82,8 @@ bool peer_tables(const kvf_geometry *g, const kvf_copy_request &r, bool gather, 
     at += count[i];
   }
   for (const kvf_blob_block &b : blocks) {
-    t->items.push_back({b.cache, b.object, (uint32_t)(b.units / e[b.entry].units_per_token), b.entry});
+    t->items.push_back(
+        {b.cache, b.object, (uint32_t)(b.units / kvf_blob_shape_of(blob.data(), &e[b.entry])->units_per_token), b.entry});
     t->align = std::min(t->align, align_of((uint64_t)(uintptr_t)b.cache | (uint64_t)(uintptr_t)b.object));
   }
   /* SGLang's token items: a group's entries move the same blocks. */

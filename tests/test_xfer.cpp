@@ -1216,28 +1216,28 @@ std::vector<kvf_blob_block> blocks_by_formula(const std::vector<uint8_t> &blob) 
   const auto *objects = reinterpret_cast<const uint64_t *>(blob.data() + h->off_objects);
   std::vector<kvf_blob_block> out;
   for (uint32_t i = 0; i < h->num_entries; i++) {
-    const kvf_segment &s = e[i].seg;
+    const kvf_blob_shape &s = *kvf_blob_shape_of(blob.data(), &e[i]);
     uint64_t end = i + 1 < h->num_entries ? e[i + 1].first_task : h->total_tasks;
     for (uint64_t j = 0; j < (end - e[i].first_task) / e[i].slices; j++) {
       uint32_t id = ids[e[i].ids_offset + j];
       uint64_t lb = e[i].lb_begin + j, k, units, off;
       if (s.recurrent) {
         k = lb - h->chunk_begin;
-        units = e[i].units_per_run;
-        off = h->chunk_local * s.dst_per_token + s.dst_const;
+        units = s.units_per_run;
+        off = h->chunk_local * e[i].dst_per_token + e[i].dst_const;
       } else {
         uint64_t t0 = lb * s.tokens, rel = t0 - h->lt_begin;
         k = rel / h->chunk_local;
         uint64_t nk = std::min<uint64_t>(h->lt_end - (h->lt_begin + k * h->chunk_local), h->chunk_local);
-        units = std::min<uint64_t>(h->lt_end - t0, s.tokens) * e[i].units_per_token;
-        off = nk * s.dst_per_token + s.dst_const + (rel - k * h->chunk_local) / s.tokens * s.dst_block;
+        units = std::min<uint64_t>(h->lt_end - t0, s.tokens) * s.units_per_token;
+        off = nk * e[i].dst_per_token + e[i].dst_const + (rel - k * h->chunk_local) / s.tokens * s.dst_block;
       }
       uint64_t oi = k * h->num_object_groups + s.object_group;
       if (id == KVF_BLOCK_SKIP || id >= h->num_blocks_max || units == 0 || objects[oi] == 0) continue;
       kvf_blob_block b;
       b.entry = i;
       b.object_index = oi;
-      b.cache = reinterpret_cast<char *>(regions[s.region] + s.src_offset + (uint64_t)id * s.src_block);
+      b.cache = reinterpret_cast<char *>(regions[e[i].region] + e[i].src_offset + (uint64_t)id * s.src_block);
       b.object = reinterpret_cast<char *>(objects[oi] + off);
       b.units = units;
       out.push_back(b);
@@ -1368,9 +1368,38 @@ TEST_P(XferPieces, PiecesOfSmallTasksMatchTheReference) {
     Req r(s.plan, c.format, payloads(got.cache), payloads(got.objs));
     std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, nullptr);
     const auto *h = reinterpret_cast<const kvf_blob_header *>(blob.data());
-    const auto *e = reinterpret_cast<const kvf_blob_entry *>(blob.data() + h->off_entries);
+    const kvf_blob_entry *e = kvf_blob_entries(blob.data());
     bool linear = true;
-    for (uint32_t i = 0; i < h->num_entries; i++) linear = linear && kvf_blob_entry_linear(&e[i]);
+    ASSERT_GE(h->num_shapes, 1u);
+    ASSERT_LE(h->num_shapes, h->num_entries);
+    ASSERT_EQ(h->size, h->off_shapes + h->num_shapes * sizeof(kvf_blob_shape));
+    for (uint32_t i = 0; i < h->num_entries; i++) {
+      // Each entry's shape and offsets are its plan segment's.
+      ASSERT_LT(e[i].shape, h->num_shapes);
+      ASSERT_LT(e[i].segment, plan.p.num_segments);
+      const kvf_segment &seg = plan.p.segments[e[i].segment];
+      const kvf_blob_shape &sh = *kvf_blob_shape_of(blob.data(), &e[i]);
+      EXPECT_EQ(e[i].region, seg.region);
+      EXPECT_EQ(e[i].src_offset, seg.src_offset);
+      EXPECT_EQ(e[i].dst_const, seg.dst_const);
+      EXPECT_EQ(sh.src_block, seg.src_block);
+      EXPECT_EQ(sh.src_token, seg.src_token);
+      EXPECT_EQ(sh.src_head, seg.src_head);
+      EXPECT_EQ(e[i].dst_per_token, seg.dst_per_token);
+      EXPECT_EQ(sh.dst_block, seg.dst_block);
+      EXPECT_EQ(sh.dst_token, seg.dst_token);
+      EXPECT_EQ(sh.dst_head, seg.dst_head);
+      EXPECT_EQ(sh.run, seg.run);
+      EXPECT_EQ(sh.heads, seg.heads);
+      EXPECT_EQ(sh.tokens, seg.tokens);
+      EXPECT_EQ(sh.object_group, seg.object_group);
+      EXPECT_EQ(sh.recurrent, seg.recurrent);
+      EXPECT_EQ(sh.run % sh.vec, 0u);
+      EXPECT_EQ(seg.align % sh.vec, 0u);
+      EXPECT_EQ(sh.units_per_run * sh.vec, sh.run);
+      EXPECT_EQ(sh.units_per_token, (uint64_t)sh.units_per_run * sh.heads);
+      linear = linear && kvf_blob_shape_linear(&sh);
+    }
     uint64_t n = kvf_blob_blocks(blob.data(), nullptr, 0);
     std::vector<kvf_blob_block> blocks(n);
     ASSERT_EQ(kvf_blob_blocks(blob.data(), blocks.data(), n), n);
@@ -1380,10 +1409,11 @@ TEST_P(XferPieces, PiecesOfSmallTasksMatchTheReference) {
     ASSERT_NO_FATAL_FAILURE(expect_blocks_by_formula(blob));
     uint64_t bytes = 0;
     for (const kvf_blob_block &b : blocks) {
-      bytes += b.units * e[b.entry].vec;
-      EXPECT_GE(kvf_blob_object_extent(&e[b.entry], b.units), b.units * e[b.entry].vec);
+      const kvf_blob_shape *sh = kvf_blob_shape_of(blob.data(), &e[b.entry]);
+      bytes += b.units * sh->vec;
+      EXPECT_GE(kvf_blob_object_extent(sh, b.units), b.units * sh->vec);
       if (linear) {
-        size_t len = b.units * e[b.entry].vec;
+        size_t len = b.units * sh->vec;
         if (gather)
           std::memcpy(b.object, b.cache, len);
         else
@@ -1510,15 +1540,14 @@ TEST(XferWalk, CacheOrderTakesHeadMajorGathersInAddressOrder) {
         std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, nullptr);
         auto *h = reinterpret_cast<kvf_blob_header *>(blob.data());
         h->cache_order = order;
-        const auto *entries = reinterpret_cast<const kvf_blob_entry *>(blob.data() + h->off_entries);
         ASSERT_GT(h->num_entries, 0u);
         for (uint32_t i = 0; i < h->num_entries; i++) {
-          const kvf_blob_entry *x = &entries[i];
+          const kvf_blob_shape *x = kvf_blob_shape_of(blob.data(), &kvf_blob_entries(blob.data())[i]);
           const bool want = order && gather && w.head_major;
           ASSERT_EQ(kvf_walk::cache_order_of(h, x), want) << "entry " << i;
-          if (kvf_walk::linear_of(&x->seg)) continue;
+          if (kvf_walk::linear_of(x)) continue;
           // A whole block's units, walked with the strides the walk takes.
-          const uint64_t units = (uint64_t)x->seg.tokens * x->units_per_token;
+          const uint64_t units = (uint64_t)x->tokens * x->units_per_token;
           const kvf_walk::Strides st = kvf_walk::strides_of(h, x, units);
           const uint32_t upt = st.upr * st.heads;
           bool ascending = true;

@@ -1210,6 +1210,7 @@ static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather
       void *blob = (char *)x->host_blob + l->blob_off;
       l->tasks = kvf_blob_build(g, plan, &part, gather, &o, blob);
       l->slice = ((const kvf_blob_header *)blob)->slice_bytes;
+      l->blob_size = ((const kvf_blob_header *)blob)->size; /* its shapes: at most the room kept for them */
       if (uses_runs(c)) {
         int bad = 0;
         /* The piece's objects are indexed like the batch's request. */
@@ -1233,6 +1234,7 @@ static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather
     kvf_blob_opts o = blob_opts(x, pcie_sms, NULL);
     l->tasks = kvf_blob_build(g, plan, &part, gather, &o, blob);
     l->slice = ((const kvf_blob_header *)blob)->slice_bytes;
+    l->blob_size = ((const kvf_blob_header *)blob)->size;
   }
   /* Tables too large for parameters: one upload of them all, through a
    * slot of the ring (waited for, before anything is enqueued). */
@@ -1438,7 +1440,7 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
     int overlap = launch_overlap(x, route, ctas, kernel);
     h->overlap = (uint32_t)overlap;
     if (tasks) {
-      e = kvf_kernel_launch_params(x->host_blob, size, tasks, &ctas, kernel, overlap, stream);
+      e = kvf_kernel_launch_params(x->host_blob, h->size, tasks, &ctas, kernel, overlap, stream);
       if (e != cudaSuccess) {
         cudaGetLastError();
         return kvf_fail(KVF_ERR_CUDA, "enqueueing the %s transfer: %s; nothing was enqueued",

@@ -301,17 +301,17 @@ kvf_status kvf_stage_blob_runs(const void *blob, const uint64_t *object_base, kv
    * one per block: 1024 blocks a Llama chunk took 52 us to sort per call on
    * this machine's CPU, the 80-layer slice 192 us (x4 pieces' worth). */
   uint64_t m = 0, extent_units = 0, extent_bytes = 0;
-  const kvf_blob_entry *extent_entry = NULL;
+  const kvf_blob_shape *extent_shape = NULL;
   for (uint64_t i = 0; i < n; i++) {
-    const kvf_blob_entry *e = &entries[blocks[i].entry];
-    /* An entry's full blocks share one extent (its divisions once). */
-    if (e != extent_entry || blocks[i].units != extent_units) {
-      extent_entry = e;
+    const kvf_blob_shape *sh = kvf_blob_shape_of(blob, &entries[blocks[i].entry]);
+    /* A shape's full blocks share one extent (its divisions once). */
+    if (sh != extent_shape || blocks[i].units != extent_units) {
+      extent_shape = sh;
       extent_units = blocks[i].units;
-      extent_bytes = kvf_blob_object_extent(e, extent_units);
+      extent_bytes = kvf_blob_object_extent(sh, extent_units);
     }
     uint64_t lo = (uint64_t)(uintptr_t)blocks[i].object - object_base[blocks[i].object_index];
-    uint64_t hi = lo + extent_bytes, touched = blocks[i].units * e->vec;
+    uint64_t hi = lo + extent_bytes, touched = blocks[i].units * sh->vec;
     if (m > 0 && ex[m - 1].object == blocks[i].object_index && ex[m - 1].hi == lo) {
       ex[m - 1].hi = hi;
       ex[m - 1].touched += touched;
@@ -365,9 +365,9 @@ int kvf_stage_batch_runs(const void *blob, int gather, uint64_t min_run, uint64_
   *dst = NULL;
   *src = NULL;
   *size = NULL;
-  const kvf_blob_entry *entries = (const kvf_blob_entry *)((const char *)blob + h->off_entries);
-  for (uint32_t i = 0; i < h->num_entries; i++)
-    if (!kvf_blob_entry_linear(&entries[i])) return 0;
+  const kvf_blob_entry *entries = kvf_blob_entries(blob);
+  for (uint32_t i = 0; i < h->num_shapes; i++)
+    if (!kvf_blob_shape_linear(&kvf_blob_shapes(blob)[i])) return 0;
   uint64_t n = kvf_blob_blocks(blob, NULL, 0);
   /* Refused before any array when the blocks are more than four times
    * max_runs (merging seldom brings that many under it); the test says
@@ -386,7 +386,7 @@ int kvf_stage_batch_runs(const void *blob, int gather, uint64_t min_run, uint64_
   size_t m = 0;
   uint64_t shortest = UINT64_MAX;
   for (uint64_t i = 0; i < n; i++) {
-    size_t bytes = (size_t)(b[i].units * entries[b[i].entry].vec);
+    size_t bytes = (size_t)(b[i].units * kvf_blob_shape_of(blob, &entries[b[i].entry])->vec);
     char *from = gather ? b[i].cache : b[i].object, *to = gather ? b[i].object : b[i].cache;
     if (m > 0 && (const char *)(*src)[m - 1] + (*size)[m - 1] == from && (char *)(*dst)[m - 1] + (*size)[m - 1] == to) {
       (*size)[m - 1] += bytes;
