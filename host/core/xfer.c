@@ -635,11 +635,13 @@ static uint32_t launch_cache_order(const kvf_xfer *x, kvf_xfer_route route, int 
  * build take it (compute capability 9.0). Host-memory launches keep their
  * cap's SMs and nothing more: an overlapping launch's CTAs wait on SMs while
  * the previous kernel drains. Measured on an H200
- * (perf/results/2026-12-02-h200-overlap), one-chunk d2d calls back to back
- * from one thread (kvf_bench's sustained rate; host enqueue charged): Llama
- * 84.5-88.2% -> 100-104% of memcpy's same rate, MLA 82.0 -> 87.5%, the
- * hybrids 59.5-68.8 -> 67.4-75.4%; 4096 tokens 90.1-95.3 -> 92.0-99.7%. One
- * call bracketed by events (an event between calls ends the overlap) is
+ * (perf/results/2026-12-02-h200-overlap, ab.md run b), d2d calls back to
+ * back from one thread (kvf_bench's sustained rate, host enqueue charged,
+ * against memcpy's same rate), without -> with the overlap: one chunk of
+ * Llama 84.1-86.2% -> 99.8-103.2%, MLA 80.0 -> 102.9%, the tp4 slice
+ * 77.8 -> 98.0%, the hybrids and fp8 caches 63.4-79.7 -> 84.9-93.4%, the
+ * MLA DCP rank 56.8 -> 67.3%; 4096 tokens 87.7-94.7 -> 92.3-99.4%. One call
+ * bracketed by events (an event between calls ends the overlap) is
  * unchanged. */
 static int launch_overlap(const kvf_xfer *x, kvf_xfer_route route, uint32_t ctas, int kernel) {
   return x->tune.overlap && x->can_overlap && (route == KVF_ROUTE_D2D || route == KVF_ROUTE_PEER) &&
