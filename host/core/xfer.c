@@ -1423,22 +1423,25 @@ static void keep_captured(kvf_xfer *x, retired *node, const staging *captured) {
  * parameters (KVF_XFER_PARAM_TABLE_BYTES) ride with the launch: no upload
  * before it, no slot, and a captured launch keeps its own copy. Larger ones
  * are uploaded through a slot of the ring (a captured call's through
- * buffers of its own, kept until destroy). */
+ * buffers of its own, kept until destroy). The blob is built on the host
+ * first: its size depends on how many shapes its entries share, about half
+ * of kvf_blob_size's bound for one chunk. */
 static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream,
                              kvf_xfer_route route, uint32_t ctas, enum cudaStreamCaptureStatus capture) {
   const kvf_geometry *g = x->geometry;
   const kvf_plan *plan = &x->plan[r->format];
-  size_t size = (size_t)kvf_blob_size(g, plan, r, NULL);
+  size_t bound = (size_t)kvf_blob_size(g, plan, r, NULL);
   kvf_status st;
   cudaError_t e;
   x->path = (kvf_xfer_path_info){.path = KVF_PATH_KERNEL};
+  if ((st = grow_host_blob(x, bound + KVF_KERNEL_PARAM_MAX))) return st;
+  kvf_blob_opts o = blob_opts(x, ctas, NULL);
+  uint64_t tasks = kvf_blob_build(g, plan, r, gather, &o, x->host_blob);
+  kvf_blob_header *h = x->host_blob;
+  int kernel = kernel_of(x, route, ctas, h->payload_bytes);
+  h->cache_order = launch_cache_order(x, route, gather, kernel);
+  const size_t size = (size_t)h->size;
   if (fits_params(x, size)) {
-    if ((st = grow_host_blob(x, size + KVF_KERNEL_PARAM_MAX))) return st;
-    kvf_blob_opts o = blob_opts(x, ctas, NULL);
-    uint64_t tasks = kvf_blob_build(g, plan, r, gather, &o, x->host_blob);
-    kvf_blob_header *h = x->host_blob;
-    int kernel = kernel_of(x, route, ctas, h->payload_bytes);
-    h->cache_order = launch_cache_order(x, route, gather, kernel);
     int overlap = launch_overlap(x, route, ctas, kernel);
     h->overlap = (uint32_t)overlap;
     if (tasks) {
@@ -1482,11 +1485,8 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
   } else {
     if ((st = take_slot(x, size, &s))) return st;
   }
-  kvf_blob_opts o = blob_opts(x, ctas, NULL);
-  uint64_t tasks = kvf_blob_build(g, plan, r, gather, &o, s->pinned);
-  kvf_blob_header *h = s->pinned;
-  int kernel = kernel_of(x, route, ctas, h->payload_bytes);
-  h->cache_order = launch_cache_order(x, route, gather, kernel);
+  memcpy(s->pinned, x->host_blob, size); /* never overlapped: its header says overlap 0 */
+  h = s->pinned;
   x->path.cache_order = h->cache_order;
   if (tasks) {
     e = cudaMemcpyAsync(s->device, s->pinned, h->size, cudaMemcpyHostToDevice, stream);
