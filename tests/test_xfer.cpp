@@ -1373,6 +1373,26 @@ TEST_P(XferPieces, PiecesOfSmallTasksMatchTheReference) {
     ASSERT_GE(h->num_shapes, 1u);
     ASSERT_LE(h->num_shapes, h->num_entries);
     ASSERT_EQ(h->size, h->off_shapes + h->num_shapes * sizeof(kvf_blob_shape));
+    ASSERT_LE(h->size, kvf_blob_size(g, &plan.p, r.get(), nullptr)) << "kvf_blob_size is the bound";
+    // Shapes are shared: no two stored the same (a blob holds at most 16 here).
+    ASSERT_LE(h->num_shapes, 16u);
+    for (uint32_t i = 0; i < h->num_shapes; i++)
+      for (uint32_t j = i + 1; j < h->num_shapes; j++)
+        EXPECT_NE(std::memcmp(&kvf_blob_shapes(blob.data())[i], &kvf_blob_shapes(blob.data())[j], sizeof(kvf_blob_shape)),
+                  0)
+            << "shapes " << i << " and " << j << " are the same";
+    // The vector width each segment may take: its own alignment, its
+    // region base's and every object of its object group's.
+    const kvf_copy_request *req = r.get();
+    auto align16 = [](uint64_t v) {
+      uint32_t a = 16;
+      while (a > 1 && v % a) a >>= 1;
+      return a;
+    };
+    const uint32_t nog = kvf_geometry_num_object_groups(g);
+    const uint64_t nobj = (req->token_end - req->token_begin + chunk_tokens(g) - 1) / chunk_tokens(g) * nog;
+    std::vector<uint64_t> og_bits(nog, 0);
+    for (uint64_t k = 0; k < nobj; k++) og_bits[k % nog] |= reinterpret_cast<uintptr_t>(req->objects[k]);
     for (uint32_t i = 0; i < h->num_entries; i++) {
       // Each entry's shape and offsets are its plan segment's.
       ASSERT_LT(e[i].shape, h->num_shapes);
@@ -1398,6 +1418,12 @@ TEST_P(XferPieces, PiecesOfSmallTasksMatchTheReference) {
       EXPECT_EQ(seg.align % sh.vec, 0u);
       EXPECT_EQ(sh.units_per_run * sh.vec, sh.run);
       EXPECT_EQ(sh.units_per_token, (uint64_t)sh.units_per_run * sh.heads);
+      EXPECT_EQ(sh.vec, std::min({seg.align, align16(reinterpret_cast<uintptr_t>(req->region_bases[seg.region])),
+                                  align16(og_bits[seg.object_group])}))
+          << "entry " << i;
+      EXPECT_EQ(sh.slice_units, h->slice_bytes / sh.vec);
+      const uint64_t block_units = (uint64_t)sh.run * sh.heads * sh.tokens / sh.vec;
+      EXPECT_EQ(e[i].slices, (block_units + sh.slice_units - 1) / sh.slice_units);
       linear = linear && kvf_blob_shape_linear(&sh);
     }
     uint64_t n = kvf_blob_blocks(blob.data(), nullptr, 0);
