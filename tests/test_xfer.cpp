@@ -1026,6 +1026,7 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_EQ(t.spread_kb, 8192);
   EXPECT_EQ(t.cache_order, 1);
   EXPECT_EQ(t.overlap, 1);
+  EXPECT_EQ(t.device_task_waves, 2);
   GeometryPtr g = load_preset("llama-3.1-8b-fa-nhd", 4);
   ASSERT_TRUE(g) << kvf_last_error();
   XferPtr x = make_xfer(g.get(), KVF_DEVICE_HOST);
@@ -1054,6 +1055,7 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.cache_order = 2; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.overlap = 2; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.overlap = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.device_task_waves = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.kernel = 3; }));
   kvf_xfer_tuning ok = base;
   ok.stage_edge_mb = 0;
@@ -2480,7 +2482,13 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
       kvf_xfer_path want = w.path;
       bool straight = w.straight;
       bool cache_order = d == Dir::Gather; // the walk applies it to head-major blocks only
-      cfg.check_path = [want, straight, cache_order](const kvf_xfer_path_info &p) {
+      // A device-to-device launch aims at KVF_XFER_DEVICE_TASK_WAVES (2)
+      // tasks per warp of 16-warp SMs: its slice for this payload.
+      int sms = 0;
+      CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+      const kvf_blob_opts device_opts = {0, nullptr, (uint64_t)sms * 16 * 2};
+      const uint32_t device_slice = kvf_blob_slice_for(&device_opts, plan_payload(s.g(), s.plan));
+      cfg.check_path = [want, straight, cache_order, device_slice](const kvf_xfer_path_info &p) {
         EXPECT_EQ(p.path, want) << kvf_xfer_path_name(p.path);
         EXPECT_EQ(p.straight_runs > 0, straight) << p.straight_runs << " runs straight";
         EXPECT_EQ(p.uploads, 0u) << "one chunk's tables fit the kernel parameters";
@@ -2490,6 +2498,7 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
         if (want == KVF_PATH_KERNEL) {
           EXPECT_EQ(p.spread_launches, 1u) << "a one-chunk device-to-device launch spreads";
           EXPECT_EQ(p.overlap_launches, overlap_expected() ? 1u : 0u) << "and overlaps the stream's previous kernel";
+          EXPECT_EQ(p.slice_bytes, device_slice) << "a device-to-device launch aims at 2 tasks per warp";
           EXPECT_EQ(p.cache_order, cache_order ? 1u : 0u);
         }
       };

@@ -131,6 +131,7 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
                          .param_bytes = kvf_param_xfer_param_table_bytes(),
                          .task_bytes = kvf_param_xfer_task_bytes(),
                          .task_waves = kvf_param_xfer_task_waves(),
+                         .device_task_waves = kvf_param_xfer_device_task_waves(),
                          .batch_min_run = kvf_param_xfer_batch_min_run(),
                          .batch_max_runs = kvf_param_xfer_batch_max_runs(),
                          .kernel = kvf_param_xfer_kernel(),
@@ -159,7 +160,7 @@ kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
   if (!x || !t) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_set_tuning: NULL argument");
   if (t->pcie_sms < 0 || t->staging_mb < 0 || t->stage_sms < 0 || t->stage_pieces < 1 ||
       t->stage_pieces > KVF_STAGE_MAX_PIECES || t->param_bytes < 0 || t->task_bytes < 16 || t->task_bytes > 65536 ||
-      t->task_bytes % 16 || t->task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->stage_dma_batch < 0 ||
+      t->task_bytes % 16 || t->task_waves < 0 || t->device_task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->stage_dma_batch < 0 ||
       t->small_stage_mb < 0 || t->kernel < 0 || t->kernel > 2 || t->stage_growth < 1 || t->stage_growth > 16 ||
       t->staging_mb > KVF_STAGE_MAX_MB || t->stage_edge_mb < 0 || t->stage_edge_mb > KVF_STAGE_MAX_MB ||
       t->stage_multi_pieces < 0 || t->stage_multi_pieces > KVF_STAGE_MAX_PIECES || t->stage_straight_kb < 0 ||
@@ -669,16 +670,28 @@ static kvf_status take_slot(kvf_xfer *x, size_t size, staging **out) {
 }
 
 /* How a launch on `ctas` SMs builds its blob: tasks of task_bytes, or of
- * the largest halving of it that still gives every warp task_waves tasks
+ * the largest halving of it that still gives every warp `waves` tasks
  * (KVF_XFER_TASK_WAVES; 0 keeps task_bytes). The build takes the slice
  * once it knows the payload, so no second pass re-cuts the tasks: a
  * one-chunk blob took 2.3-6.6 us to build and re-cut on the development VM,
  * 1.5-4.1 us this way (the 80-layer tp4 slice the most). */
-static kvf_blob_opts blob_opts(const kvf_xfer *x, uint32_t ctas, const unsigned char *segments) {
+static kvf_blob_opts blob_opts(const kvf_xfer *x, uint32_t ctas, int64_t waves, const unsigned char *segments) {
   kvf_blob_opts o = {(uint32_t)x->tune.task_bytes, segments, 0};
-  if (x->tune.task_waves > 0 && ctas > 0)
-    o.task_slots = (uint64_t)ctas * (uint64_t)(kvf_kernel_threads() / 32) * (uint64_t)x->tune.task_waves;
+  if (waves > 0 && ctas > 0) o.task_slots = (uint64_t)ctas * (uint64_t)(kvf_kernel_threads() / 32) * (uint64_t)waves;
   return o;
+}
+
+/* Tasks per warp a launch of `route` on `ctas` SMs aims at: a device-to-
+ * device or peer launch that may use every SM takes larger tasks
+ * (KVF_XFER_DEVICE_TASK_WAVES), since each of a warp's tasks starts with a
+ * chain of dependent table loads. Measured on an H200 (perf/results/
+ * 2026-12-02-h200-overlap, explore.json), one chunk d2d, 2 waves against 4:
+ * +1.4% (MLA) to +8.2% (the fp8 Llama) per call on six presets, the MLA
+ * DCP rank +6%. Capped and staging launches keep KVF_XFER_TASK_WAVES. */
+static int64_t waves_of(const kvf_xfer *x, kvf_xfer_route route, uint32_t ctas) {
+  if ((route == KVF_ROUTE_D2D || route == KVF_ROUTE_PEER) && ctas >= (uint32_t)x->sm_count)
+    return x->tune.device_task_waves;
+  return x->tune.task_waves;
 }
 
 /* ---- the copy-engine batch route ------------------------------------------ */
@@ -1180,7 +1193,7 @@ static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather
     c->batches[bi].buf = (x->next_stage + (uint32_t)bi) & 1;
     c->batches[bi].first = (uint32_t)l;
     for (uint32_t p = 0; p < c->pieces; p++, l++) {
-      kvf_blob_opts o = blob_opts(x, stage_sms, piece_mask(c, bi, p, ns));
+      kvf_blob_opts o = blob_opts(x, stage_sms, x->tune.task_waves, piece_mask(c, bi, p, ns));
       c->launches[l].blob_size = kvf_blob_size(g, plan, &part, &o);
       all_params &= fits_params(x, c->launches[l].blob_size);
     }
@@ -1208,7 +1221,7 @@ static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather
     part.objects = sub + pb->k0 * nog;
     for (uint32_t p = 0; p < c->pieces; p++) {
       launch *l = &c->launches[c->batches[bi].first + p];
-      kvf_blob_opts o = blob_opts(x, stage_sms, piece_mask(c, bi, p, ns));
+      kvf_blob_opts o = blob_opts(x, stage_sms, x->tune.task_waves, piece_mask(c, bi, p, ns));
       void *blob = (char *)x->host_blob + l->blob_off;
       l->tasks = kvf_blob_build(g, plan, &part, gather, &o, blob);
       l->slice = ((const kvf_blob_header *)blob)->slice_bytes;
@@ -1233,7 +1246,7 @@ static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather
     part.objects = sub;
     launch *l = &c->launches[c->direct];
     void *blob = (char *)x->host_blob + l->blob_off;
-    kvf_blob_opts o = blob_opts(x, pcie_sms, NULL);
+    kvf_blob_opts o = blob_opts(x, pcie_sms, x->tune.task_waves, NULL);
     l->tasks = kvf_blob_build(g, plan, &part, gather, &o, blob);
     l->slice = ((const kvf_blob_header *)blob)->slice_bytes;
     l->blob_size = ((const kvf_blob_header *)blob)->size;
@@ -1435,7 +1448,7 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
   cudaError_t e;
   x->path = (kvf_xfer_path_info){.path = KVF_PATH_KERNEL};
   if ((st = grow_host_blob(x, bound + KVF_KERNEL_PARAM_MAX))) return st;
-  kvf_blob_opts o = blob_opts(x, ctas, NULL);
+  kvf_blob_opts o = blob_opts(x, ctas, waves_of(x, route, ctas), NULL);
   uint64_t tasks = kvf_blob_build(g, plan, r, gather, &o, x->host_blob);
   kvf_blob_header *h = x->host_blob;
   int kernel = kernel_of(x, route, ctas, h->payload_bytes);

@@ -163,6 +163,7 @@ typedef struct kvf_xfer_tuning {
   int64_t param_bytes;     /* KVF_XFER_PARAM_TABLE_BYTES: tables up to this size go in kernel parameters */
   int64_t task_bytes;      /* KVF_XFER_TASK_BYTES: most bytes a task moves */
   int64_t task_waves;      /* KVF_XFER_TASK_WAVES: tasks per warp a launch aims at (0: always task_bytes) */
+  int64_t device_task_waves; /* KVF_XFER_DEVICE_TASK_WAVES: the same for uncapped d2d and peer launches */
   int64_t batch_min_run;   /* KVF_XFER_BATCH_MIN_RUN: smallest run for the copy-engine batch route */
   int64_t batch_max_runs;  /* KVF_XFER_BATCH_MAX_RUNS: most runs for it (0: the route is off) */
   int64_t kernel;          /* KVF_XFER_KERNEL: 1 the grid-stride walk, 2 (or 0) the warp walk (kernels/walk.h) */
