@@ -685,9 +685,11 @@ static kvf_blob_opts blob_opts(const kvf_xfer *x, uint32_t ctas, int64_t waves, 
  * device or peer launch that may use every SM takes larger tasks
  * (KVF_XFER_DEVICE_TASK_WAVES), since each of a warp's tasks starts with a
  * chain of dependent table loads. Measured on an H200 (perf/results/
- * 2026-12-02-h200-overlap, explore.json), one chunk d2d, 2 waves against 4:
- * +1.4% (MLA) to +8.2% (the fp8 Llama) per call on six presets, the MLA
- * DCP rank +6%. Capped and staging launches keep KVF_XFER_TASK_WAVES. */
+ * 2026-12-02-h200-overlap, waves.md), one chunk d2d per call, 2 waves
+ * against 4: the MLA DCP rank 66.6 -> 71.5% of memcpy, the fp8 and hybrid
+ * caches +2.2 to +5.5 points, the tp4 slice +0.9, Llama and MLA within a
+ * point; 4096 tokens unchanged (8 KiB tasks either way). Capped and staging
+ * launches keep KVF_XFER_TASK_WAVES. */
 static int64_t waves_of(const kvf_xfer *x, kvf_xfer_route route, uint32_t ctas) {
   if ((route == KVF_ROUTE_D2D || route == KVF_ROUTE_PEER) && ctas >= (uint32_t)x->sm_count)
     return x->tune.device_task_waves;

@@ -11,6 +11,7 @@ thread, host enqueue charged, against memcpy's sustained rate), with the
 overlap (default) and without it (overlap=0), and the defaults before the
 spread and the cache order. chunk.md: one chunk, every preset and
 direction: share of memcpy and host enqueue alone, run-a against run-b.
+waves.md: run-d's A/B of KVF_XFER_DEVICE_TASK_WAVES (2 against 4).
 Usage: summary.py [DIR] (default: this script's folder)."""
 import json
 import os
@@ -79,6 +80,26 @@ with open(os.path.join(here, "chunk.md"), "w") as f:
         va, ea = ca.get(k, (float("nan"), float("nan")))
         vb, eb = cb[k]
         f.write(f"| {k[0]} | {k[1]} | {k[2]} | {va:.1f} | {vb:.1f} | {ea:.1f} | {eb:.1f} |\n")
+
+
+def waves_table():
+    """waves.md: run-d's device_task_waves A/B (2, the default, against 4)."""
+    meta, rows = load("run-d/d2d-waves.json")
+    with open(os.path.join(here, "waves.md"), "w") as f:
+        f.write(f"# Device to device: tasks per warp, 2 (default) against 4 ({meta['date']}, {meta['gpu']}, "
+                f"commit {meta['git_commit']})\n\nkvferry's share of memcpy, same run, medians: per call (events) "
+                "and sustained (back to back, host enqueue charged); host enqueue of a call alone (µs).\n\n"
+                "| preset | tokens | per call 2 / 4 | sustained 2 / 4 | enqueue µs |\n|---|---|---|---|---|\n")
+        for r in rows:
+            lim = r["baselines"]["limit"]
+            k = {x.get("tune", "default"): x for x in r["kvferry"]}
+            a, b = k["default"], k["device_task_waves=4"]
+            f.write(f"| {r['preset']} | {r['tokens']} | **{100 * lim['median_us'] / a['median_us']:.1f}** / "
+                    f"{100 * lim['median_us'] / b['median_us']:.1f} | {100 * lim['sustained_us'] / a['sustained_us']:.1f} / "
+                    f"{100 * lim['sustained_us'] / b['sustained_us']:.1f} | {a['enqueue_alone_us']:.1f} |\n")
+
+
+waves_table()
 
 try:
     import matplotlib
