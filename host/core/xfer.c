@@ -605,8 +605,14 @@ static kvf_status grow_host_blob(kvf_xfer *x, size_t size) {
   return KVF_SUCCESS;
 }
 
-/* Which walk the kernel takes (KVF_XFER_KERNEL): 1 for the grid-stride walk
- * of one task per step, else the warp walk (kernels/walk.h). */
+/* A device-to-device or peer launch that may use every SM: the launches
+ * that spread, overlap and take larger tasks. Launches that touch host
+ * memory and the staging kernels keep to their SM cap, which is what leaves
+ * the engine's SMs alone. */
+static int uncapped_device(const kvf_xfer *x, kvf_xfer_route route, uint32_t ctas) {
+  return (route == KVF_ROUTE_D2D || route == KVF_ROUTE_PEER) && ctas >= (uint32_t)x->sm_count;
+}
+
 /* Which kernel a launch of `route` on `ctas` SMs moving `payload` bytes
  * runs (kernels/launch.h): the grid-stride walk when KVF_XFER_KERNEL=1 or a
  * segment's in-block offsets need 64 bits; else the warp walk, spread over
@@ -617,8 +623,7 @@ static kvf_status grow_host_blob(kvf_xfer *x, size_t size) {
  * engine's SMs alone. */
 static int kernel_of(const kvf_xfer *x, kvf_xfer_route route, uint32_t ctas, uint64_t payload) {
   if (x->tune.kernel == 1 || x->plan[0].wide || x->plan[1].wide) return KVF_KERNEL_GRID_STRIDE;
-  if ((route == KVF_ROUTE_D2D || route == KVF_ROUTE_PEER) && x->tune.spread_kb > 0 &&
-      ctas >= (uint32_t)x->sm_count && payload >= ((uint64_t)x->tune.spread_kb << 10))
+  if (uncapped_device(x, route, ctas) && x->tune.spread_kb > 0 && payload >= ((uint64_t)x->tune.spread_kb << 10))
     return KVF_KERNEL_WALK_SPREAD;
   return KVF_KERNEL_WALK;
 }
@@ -645,8 +650,7 @@ static uint32_t launch_cache_order(const kvf_xfer *x, kvf_xfer_route route, int 
  * bracketed by events (an event between calls ends the overlap) is
  * unchanged. */
 static int launch_overlap(const kvf_xfer *x, kvf_xfer_route route, uint32_t ctas, int kernel) {
-  return x->tune.overlap && x->can_overlap && (route == KVF_ROUTE_D2D || route == KVF_ROUTE_PEER) &&
-         ctas >= (uint32_t)x->sm_count && kernel != KVF_KERNEL_GRID_STRIDE;
+  return x->tune.overlap && x->can_overlap && uncapped_device(x, route, ctas) && kernel != KVF_KERNEL_GRID_STRIDE;
 }
 
 /* Tables of `size` bytes go in the kernel's parameters. */
@@ -691,9 +695,7 @@ static kvf_blob_opts blob_opts(const kvf_xfer *x, uint32_t ctas, int64_t waves, 
  * point; 4096 tokens unchanged (8 KiB tasks either way). Capped and staging
  * launches keep KVF_XFER_TASK_WAVES. */
 static int64_t waves_of(const kvf_xfer *x, kvf_xfer_route route, uint32_t ctas) {
-  if ((route == KVF_ROUTE_D2D || route == KVF_ROUTE_PEER) && ctas >= (uint32_t)x->sm_count)
-    return x->tune.device_task_waves;
-  return x->tune.task_waves;
+  return uncapped_device(x, route, ctas) ? x->tune.device_task_waves : x->tune.task_waves;
 }
 
 /* ---- the copy-engine batch route ------------------------------------------ */
