@@ -611,14 +611,6 @@ uint64_t kvf_blob_blocks(const void *blob, kvf_blob_block *out, uint64_t cap) {
   return n;
 }
 
-int kvf_segment_linear(const kvf_segment *s) {
-  return s->heads == 1 && (s->tokens == 1 || (s->src_token == s->run && s->dst_token == s->run));
-}
-
-int kvf_blob_shape_linear(const kvf_blob_shape *s) {
-  return s->heads == 1 && (s->tokens == 1 || (s->src_token == s->run && s->dst_token == s->run));
-}
-
 uint64_t kvf_blob_object_extent(const kvf_blob_shape *s, uint64_t units) {
   if (units == 0) return 0;
   if (kvf_blob_shape_linear(s)) return units * s->vec;

@@ -226,12 +226,28 @@ typedef struct kvf_blob_block {
  * are. */
 uint64_t kvf_blob_blocks(const void *blob, kvf_blob_block *out, uint64_t cap);
 
-/* Whether a shape's blocks are each one contiguous run on both sides (one
- * fused run per token, tokens back to back, or a recurrent state): then a
- * block moves units*vec bytes from cache to object as a single copy. */
-int kvf_blob_shape_linear(const kvf_blob_shape *shape);
-/* The same test for a plan's segment. */
-int kvf_segment_linear(const kvf_segment *segment);
+/* Inline helpers the kernels call too (kernels/walk.h, xfer_kernel.cu). */
+#if defined(__CUDACC__)
+#define KVF_PLAN_INLINE static inline __host__ __device__
+#else
+#define KVF_PLAN_INLINE static inline
+#endif
+
+/* Whether blocks of these dimensions are each one contiguous run on both
+ * sides (one fused run per token, tokens back to back, or a recurrent
+ * state): then a block moves units*vec bytes from cache to object as a
+ * single copy. */
+KVF_PLAN_INLINE int kvf_blocks_linear(uint32_t heads, uint32_t tokens, uint32_t run, uint64_t src_token,
+                                      uint64_t dst_token) {
+  return heads == 1 && (tokens == 1 || (src_token == run && dst_token == run));
+}
+/* The test for a blob's shape, and for a plan's segment. */
+KVF_PLAN_INLINE int kvf_blob_shape_linear(const kvf_blob_shape *s) {
+  return kvf_blocks_linear(s->heads, s->tokens, s->run, s->src_token, s->dst_token);
+}
+KVF_PLAN_INLINE int kvf_segment_linear(const kvf_segment *s) {
+  return kvf_blocks_linear(s->heads, s->tokens, s->run, s->src_token, s->dst_token);
+}
 
 /* One past the largest object-side byte offset, from the block's object
  * pointer, that a block of `shape` moving `units` units writes (gather) or

@@ -232,9 +232,7 @@ KVF_WALK_FN uint64_t div64(uint64_t a, uint64_t b) {
 
 // A shape's blocks are each one contiguous range on both sides (heads
 // fused, tokens back to back, or a state): unit u at u*vec.
-KVF_WALK_FN bool linear_of(const kvf_blob_shape *sh) {
-  return sh->heads == 1 && (sh->tokens == 1 || (sh->src_token == sh->run && sh->dst_token == sh->run));
-}
+KVF_WALK_FN bool linear_of(const kvf_blob_shape *sh) { return kvf_blob_shape_linear(sh) != 0; }
 
 // Whether a block of shape sh is walked in the cache's order: the blob asks
 // for it (header cache_order), it is a gather, and the cache is head-major
