@@ -180,7 +180,7 @@ void usage(FILE *f) {
           "  --peers-max-tokens N      run the peers at request sizes up to N tokens (default 16384)\n"
           "  --tune SPEC               also time kvferry with tuning SPEC = key=value[,key=value...] (repeatable);\n"
           "                            keys: pieces, growth, dma_batch, param_bytes, task_bytes, task_waves, device_task_waves,\n"
-          "                            batch_min_run, batch_max_runs, stage_sms, pcie_sms, staging_mb, kernel,\n"
+          "                            batch_min_run, batch_max_runs, batch_first_runs, stage_sms, pcie_sms, staging_mb, kernel,\n"
           "                            small_stage_mb, edge_mb, multi_pieces,\n"
           "                            straight_kb, straight_min_run, spread_kb, cache_order, overlap\n"
           "                            (host/core/xfer_internal.h),\n"
@@ -965,6 +965,7 @@ void apply_tune(const std::string &spec, kvf_xfer_tuning *t, int *cap) {
     else if (k == "device_task_waves") t->device_task_waves = v;
     else if (k == "batch_min_run") t->batch_min_run = v;
     else if (k == "batch_max_runs") t->batch_max_runs = v;
+    else if (k == "batch_first_runs") t->batch_first_runs = v;
     else if (k == "stage_sms") t->stage_sms = v;
     else if (k == "pcie_sms") t->pcie_sms = v;
     else if (k == "staging_mb") t->staging_mb = v;

@@ -1793,6 +1793,45 @@ TEST(XferStraight, BatchRunsLeaveNothingToFreeWhenTheyDoNotFit) {
   }
 }
 
+// The batch API's runs go in calls of `first`, then twice as many, the
+// rest in one call once the next doubling would reach it; first 0 is one
+// call. Every run is enqueued exactly once, whatever the count.
+TEST(XferBatchRamp, CallsDoubleFromTheFirstAndTakeTheRestWhole) {
+  auto calls = [](uint64_t runs, uint64_t first) {
+    std::vector<uint64_t> v;
+    for (uint64_t left = runs, k = 0; left > 0; k++) {
+      uint64_t m = kvf_batch_ramp_runs(k, first, left);
+      EXPECT_GE(m, 1u);
+      EXPECT_LE(m, left);
+      if (m == 0 || m > left) break;
+      v.push_back(m);
+      left -= m;
+    }
+    return v;
+  };
+  // The MLA chunk's 244 runs, the DCP rank's 61, the qwen3-like chunk's 84.
+  EXPECT_EQ(calls(244, 8), (std::vector<uint64_t>{8, 16, 32, 64, 124}));
+  EXPECT_EQ(calls(61, 8), (std::vector<uint64_t>{8, 16, 37}));
+  EXPECT_EQ(calls(84, 8), (std::vector<uint64_t>{8, 16, 60}));
+  EXPECT_EQ(calls(244, 0), (std::vector<uint64_t>{244}));
+  EXPECT_EQ(calls(16, 8), (std::vector<uint64_t>{16})) << "no call of fewer runs than the one before";
+  EXPECT_EQ(calls(17, 8), (std::vector<uint64_t>{8, 9}));
+  EXPECT_EQ(calls(25, 8), (std::vector<uint64_t>{8, 17}));
+  EXPECT_EQ(calls(1, 8), (std::vector<uint64_t>{1}));
+  EXPECT_EQ(calls(3, 1), (std::vector<uint64_t>{1, 2}));
+  EXPECT_EQ(calls(7, 1), (std::vector<uint64_t>{1, 2, 4}));
+  for (uint64_t runs : {1u, 2u, 9u, 100u, 255u, 256u, 1000u, 65536u})
+    for (uint64_t first : {0u, 1u, 3u, 8u, 64u, 1000u}) {
+      std::vector<uint64_t> v = calls(runs, first);
+      EXPECT_EQ(std::accumulate(v.begin(), v.end(), uint64_t{0}), runs) << runs << " runs, first " << first;
+      for (size_t i = 1; i < v.size(); i++) EXPECT_GE(v[i], v[i - 1]) << runs << " runs, first " << first;
+    }
+  // Shifts that would leave 64 bits take the rest.
+  EXPECT_EQ(kvf_batch_ramp_runs(63, 8, 1000), 1000u);
+  EXPECT_EQ(kvf_batch_ramp_runs(62, 8, UINT64_MAX), UINT64_MAX);
+  EXPECT_EQ(kvf_batch_ramp_runs(1, UINT64_MAX / 2 + 1, UINT64_MAX), UINT64_MAX);
+}
+
 // Piece shares grow 1:2:4 for a gather (its first kernel is the part the
 // copy engine waits for) and shrink for a scatter.
 TEST(XferPieces, GatherPiecesGrowScatterPiecesShrink) {
@@ -2216,6 +2255,13 @@ INSTANTIATE_TEST_SUITE_P(Presets, XferGpuWindow, ::testing::ValuesIn(gpu_window_
 // route, staged batches in many pieces (their copies as one batch call or
 // one memcpy each, tables in parameters or uploaded).
 
+// How many batch calls kvf_batch_ramp_runs splits `runs` runs into.
+uint64_t ramp_calls(uint64_t runs, uint64_t first) {
+  uint64_t calls = 0;
+  for (uint64_t left = runs; left > 0; calls++) left -= kvf_batch_ramp_runs(calls, first, left);
+  return calls;
+}
+
 struct RouteVariant {
   const char *name;
   bool pinned_only;
@@ -2251,12 +2297,26 @@ const RouteVariant kRouteVariants[] = {
      [](kvf_xfer_tuning &t) {
        t.batch_min_run = 0;
        t.batch_max_runs = 1 << 30;
+       t.batch_first_runs = 0;
      },
      [](const kvf_xfer_path_info &p, Mem) {
        EXPECT_TRUE(p.path == KVF_PATH_COPY_BATCH || p.path == KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
        if (p.path == KVF_PATH_COPY_BATCH) {
          EXPECT_EQ(p.launches, 0u);
-         EXPECT_EQ(p.dma_ops, 1u);
+         EXPECT_EQ(p.dma_ops, 1u) << "one batch call";
+       }
+     }},
+    {"copy_batch_ramp", true,
+     [](kvf_xfer_tuning &t) {
+       t.batch_min_run = 0;
+       t.batch_max_runs = 1 << 30;
+       t.batch_first_runs = 2;
+     },
+     [](const kvf_xfer_path_info &p, Mem) {
+       EXPECT_TRUE(p.path == KVF_PATH_COPY_BATCH || p.path == KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
+       if (p.path == KVF_PATH_COPY_BATCH) {
+         EXPECT_EQ(p.launches, 0u);
+         EXPECT_EQ(p.dma_ops, ramp_calls(p.dma_runs, 2)) << p.dma_runs << " runs";
        }
      }},
     {"pieces", true,
@@ -2494,6 +2554,10 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
         EXPECT_EQ(p.uploads, 0u) << "one chunk's tables fit the kernel parameters";
         if (want == KVF_PATH_STAGED) {
           EXPECT_GT(p.pieces, 1u) << "one chunk's batch is split so the copy engine starts early";
+        }
+        if (want == KVF_PATH_COPY_BATCH) {
+          EXPECT_EQ(p.dma_runs, 244u) << "61 layers x 4 blocks";
+          EXPECT_EQ(p.dma_ops, 5u) << "calls of 8, 16, 32, 64 and 124 runs (KVF_XFER_BATCH_FIRST_RUNS)";
         }
         if (want == KVF_PATH_KERNEL) {
           EXPECT_EQ(p.spread_launches, 1u) << "a one-chunk device-to-device launch spreads";

@@ -134,6 +134,7 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
                          .device_task_waves = kvf_param_xfer_device_task_waves(),
                          .batch_min_run = kvf_param_xfer_batch_min_run(),
                          .batch_max_runs = kvf_param_xfer_batch_max_runs(),
+                         .batch_first_runs = kvf_param_xfer_batch_first_runs(),
                          .kernel = kvf_param_xfer_kernel(),
                          .spread_kb = kvf_param_xfer_spread_kb(),
                          .cache_order = kvf_param_xfer_cache_order(),
@@ -154,13 +155,14 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
   if (t->spread_kb < 0 || t->spread_kb > KVF_SPREAD_MAX_KB) t->spread_kb = 8192;
   if (t->cache_order < 0 || t->cache_order > 1) t->cache_order = 1;
   if (t->overlap < 0 || t->overlap > 1) t->overlap = 1;
+  if (t->batch_first_runs < 0) t->batch_first_runs = 8;
 }
 
 kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
   if (!x || !t) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_set_tuning: NULL argument");
   if (t->pcie_sms < 0 || t->staging_mb < 0 || t->stage_sms < 0 || t->stage_pieces < 1 ||
       t->stage_pieces > KVF_STAGE_MAX_PIECES || t->param_bytes < 0 || t->task_bytes < 16 || t->task_bytes > 65536 ||
-      t->task_bytes % 16 || t->task_waves < 0 || t->device_task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->stage_dma_batch < 0 ||
+      t->task_bytes % 16 || t->task_waves < 0 || t->device_task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->batch_first_runs < 0 || t->stage_dma_batch < 0 ||
       t->small_stage_mb < 0 || t->kernel < 0 || t->kernel > 2 || t->stage_growth < 1 || t->stage_growth > 16 ||
       t->staging_mb > KVF_STAGE_MAX_MB || t->stage_edge_mb < 0 || t->stage_edge_mb > KVF_STAGE_MAX_MB ||
       t->stage_multi_pieces < 0 || t->stage_multi_pieces > KVF_STAGE_MAX_PIECES || t->stage_straight_kb < 0 ||
@@ -714,6 +716,26 @@ static cudaError_t batch_copy(void **dst, const void **src, size_t *size, size_t
   return cudaMemcpyBatchAsync(dst, src, size, n, &attr, &attr_idx, 1, stream);
 }
 
+/* n copies in cudaMemcpyBatchAsync calls of growing size (kvf_batch_ramp_runs)
+ * on `stream`; *calls counts them. The batch API's host time grows with its
+ * runs, about 0.45 us each, and its copies start only once the call returns:
+ * a 244-run MLA chunk spent 104 us of host time before its first byte moved,
+ * 1.31x a memcpy's latency (perf/results/2026-12-02-h200-overlap/run-b/
+ * latency.log). A first call of a few runs starts the copy engine early, and
+ * each later call is enqueued while the copy engine works on the previous
+ * ones (one 73 KiB run takes 1.3 us at 55 GB/s). */
+static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void **src, size_t *size, size_t n,
+                                     cudaStream_t stream, uint64_t *calls) {
+  cudaError_t e = cudaSuccess;
+  for (size_t i = 0, k = 0; i < n && e == cudaSuccess; k++) {
+    size_t m = (size_t)kvf_batch_ramp_runs(k, (uint64_t)x->tune.batch_first_runs, n - i);
+    e = batch_copy(dst + i, src + i, size + i, m, stream);
+    i += m;
+    (*calls)++;
+  }
+  return e;
+}
+
 /* The copy engine moves the request's runs straight between the cache and
  * the host objects, on the caller's stream: one call, no kernel, no SM
  * (measured on an H200, perf/results/2026-11-29-h200/curve.json: 55.1-55.3
@@ -741,7 +763,8 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
                                  (uint64_t)x->tune.batch_max_runs, &dst, &src, &sizes, &count);
   if (fit < 0) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
   if (fit == 0) return KVF_ERR_UNSUPPORTED;
-  cudaError_t e = batch_copy(dst, src, sizes, count, stream);
+  uint64_t calls = 0;
+  cudaError_t e = ramped_batch_copy(x, dst, src, sizes, count, stream, &calls);
   free(dst);
   free(src);
   free(sizes);
@@ -757,7 +780,7 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
   x->last.sms = 0;
   x->last.tasks = (uint32_t)count;
   x->last.payload_bytes = h->payload_bytes;
-  x->path = (kvf_xfer_path_info){.path = KVF_PATH_COPY_BATCH, .dma_ops = 1, .dma_runs = count};
+  x->path = (kvf_xfer_path_info){.path = KVF_PATH_COPY_BATCH, .dma_ops = calls, .dma_runs = count};
   return KVF_SUCCESS;
 }
 
@@ -937,11 +960,12 @@ static cudaError_t staged_dma(kvf_xfer *x, const kvf_copy_request *r, const stag
   return e;
 }
 
-/* The straight part of a staged call on stream ds: one cudaMemcpyBatchAsync
- * between the cache and the host objects. */
+/* The straight part of a staged call on stream ds: its runs between the
+ * cache and the host objects, in ramped cudaMemcpyBatchAsync calls. */
 static cudaError_t straight_dma(kvf_xfer *x, const staged_call *c, cudaStream_t ds) {
-  cudaError_t e = batch_copy(c->straight_dst, c->straight_src, c->straight_size, c->straight_runs, ds);
-  x->path.dma_ops++;
+  uint64_t calls = 0;
+  cudaError_t e = ramped_batch_copy(x, c->straight_dst, c->straight_src, c->straight_size, c->straight_runs, ds, &calls);
+  x->path.dma_ops += calls;
   x->path.dma_runs += c->straight_runs;
   x->path.straight_runs = c->straight_runs;
   return e;

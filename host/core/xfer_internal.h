@@ -144,6 +144,14 @@ kvf_status kvf_stage_blob_runs(const void *blob, const uint64_t *object_base, kv
 int kvf_stage_batch_runs(const void *blob, int gather, uint64_t min_run, uint64_t max_runs, void ***dst,
                          const void ***src, size_t **size, size_t *count);
 
+/* How many of the `left` runs still to enqueue the next cudaMemcpyBatchAsync
+ * of a ramped batch takes, when `done` calls were made before it: `first`,
+ * then twice as many each call, and the rest in one call once the next
+ * doubling would reach it (first 0: all of them at once). The copy engine
+ * starts on the first call's runs while the host enqueues the next: the
+ * batch API's host time grows with its runs (KVF_XFER_BATCH_FIRST_RUNS). */
+uint64_t kvf_batch_ramp_runs(uint64_t done, uint64_t first, uint64_t left);
+
 /* ---- tuning: the parameters a context's routes follow --------------------- */
 
 /* Read once from the KVF_* parameters (host/core/param.h) at context
@@ -166,6 +174,7 @@ typedef struct kvf_xfer_tuning {
   int64_t device_task_waves; /* KVF_XFER_DEVICE_TASK_WAVES: the same for uncapped d2d and peer launches */
   int64_t batch_min_run;   /* KVF_XFER_BATCH_MIN_RUN: smallest run for the copy-engine batch route */
   int64_t batch_max_runs;  /* KVF_XFER_BATCH_MAX_RUNS: most runs for it (0: the route is off) */
+  int64_t batch_first_runs; /* KVF_XFER_BATCH_FIRST_RUNS: runs of a ramped batch's first call (0: one call) */
   int64_t kernel;          /* KVF_XFER_KERNEL: 1 the grid-stride walk, 2 (or 0) the warp walk (kernels/walk.h) */
   int64_t spread_kb;       /* KVF_XFER_SPREAD_KB: uncapped launches of at least this payload spread (0: never) */
   int64_t cache_order;     /* KVF_XFER_CACHE_ORDER: 1: d2d gathers walk HND blocks in cache order */

@@ -421,3 +421,10 @@ int kvf_stage_batch_runs(const void *blob, int gather, uint64_t min_run, uint64_
   *count = m;
   return 1;
 }
+
+uint64_t kvf_batch_ramp_runs(uint64_t done, uint64_t first, uint64_t left) {
+  if (first == 0 || done >= 63 || first > (UINT64_MAX >> done)) return left;
+  uint64_t want = first << done;
+  /* The doubling after this call would reach what is left: take it all. */
+  return want >= left || left - want <= want ? left : want;
+}
