@@ -1027,6 +1027,7 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_EQ(t.cache_order, 1);
   EXPECT_EQ(t.overlap, 1);
   EXPECT_EQ(t.device_task_waves, 2);
+  EXPECT_EQ(t.batch_first_runs, 8);
   GeometryPtr g = load_preset("llama-3.1-8b-fa-nhd", 4);
   ASSERT_TRUE(g) << kvf_last_error();
   XferPtr x = make_xfer(g.get(), KVF_DEVICE_HOST);
@@ -1057,11 +1058,13 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.overlap = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.device_task_waves = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.kernel = 3; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_first_runs = -1; }));
   kvf_xfer_tuning ok = base;
   ok.stage_edge_mb = 0;
   ok.stage_multi_pieces = 0;
   ok.stage_straight_kb = 0;
   ok.stage_straight_min_run = 0;
+  ok.batch_first_runs = 0;
   EXPECT_EQ(kvf_xfer_set_tuning(x.get(), &ok), KVF_SUCCESS) << kvf_last_error();
 }
 
@@ -2084,6 +2087,7 @@ struct GpuConfig {
   int cache_device = 0, obj_device = 0;
   uint32_t max_sms = 0;
   bool legacy_stream = false;  // pass NULL (the legacy default stream)
+  double busy_ms = 0;          // a spin kernel this long on the stream before the call
   bool check_route = true;
   kvf_xfer_route route = KVF_ROUTE_D2D;
   // Applied to the context's tuning before the call (host/core/xfer_internal.h).
@@ -2141,6 +2145,7 @@ void run_gpu_case(const kvf_geometry *g, const Plan &p, kvf_object_format fmt, D
   Stream stream;
   cudaStream_t s = cfg.legacy_stream ? nullptr : stream.s;
 
+  if (cfg.busy_ms > 0) CUDA_OK(kvf_test_spin(s, cfg.busy_ms));
   auto r = std::make_unique<Req>(p, fmt, dcache.payloads(), dobjs.payloads());
   kvf_status st = call(x.get(), dir, r->get(), s);
   r->scrub();
@@ -2567,6 +2572,33 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
         }
       };
       run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 24 + (uint64_t)d, cfg);
+    }
+}
+
+// The batch API route splits its runs into calls of 8, 16, 32, ... runs
+// (KVF_XFER_BATCH_FIRST_RUNS) only when the stream is idle, so the copy
+// engine starts early; behind queued work (a spin kernel) it makes one call,
+// which the copy engine runs faster. Either way every byte lands, and asking
+// the stream whether it is busy leaves no error behind (run_gpu_case checks
+// cudaGetLastError after the call).
+TEST(XferGpu, BatchCallsRampOnlyOnAnIdleStream) {
+  REQUIRE_GPU();
+  for (double busy_ms : {0.0, 20.0})
+    for (Dir d : {Dir::Gather, Dir::Scatter}) {
+      SCOPED_TRACE(std::string(busy_ms > 0 ? "busy " : "idle ") + dir_name(d));
+      Prepared s;
+      ASSERT_NO_FATAL_FAILURE(setup_chunks("deepseek-v3-mla-bf16", 1, 0, 29, &s));
+      GpuConfig cfg;
+      cfg.obj_kind = Mem::Pinned;
+      cfg.route = expected_route(Mem::Pinned, d);
+      cfg.busy_ms = busy_ms;
+      const uint64_t want_calls = busy_ms > 0 ? 1 : 5;
+      cfg.check_path = [want_calls](const kvf_xfer_path_info &p) {
+        ASSERT_EQ(p.path, KVF_PATH_COPY_BATCH) << kvf_xfer_path_name(p.path);
+        EXPECT_EQ(p.dma_runs, 244u);
+        EXPECT_EQ(p.dma_ops, want_calls);
+      };
+      run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 30 + (uint64_t)d, cfg);
     }
 }
 

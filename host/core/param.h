@@ -74,7 +74,7 @@ extern "C" {
   X(xfer_batch_max_runs, "KVF_XFER_BATCH_MAX_RUNS", 256,                                 \
     "... and have at most this many runs (its host cost grows with them; 0: never use the batch API route)") \
   X(xfer_batch_first_runs, "KVF_XFER_BATCH_FIRST_RUNS", 8,                              \
-    "the batch API route and a staged call's straight part enqueue their runs in calls of this many runs, then twice as many each call, so the copy engine starts after the first call (0: all in one call)") \
+    "the batch API route enqueues its runs on an idle stream in calls of this many runs, then twice as many each call, so the copy engine starts after the first call (0: all in one call)") \
   X(xfer_spread_kb, "KVF_XFER_SPREAD_KB", 8192,                                          \
     "a device-to-device or peer launch that may use every SM and moves at least this many KiB runs small CTAs, several rounds of them, that the GPU hands out as SMs free up (0: never; one CTA per SM then)") \
   X(xfer_overlap, "KVF_XFER_OVERLAP", 1,                                                 \

@@ -717,18 +717,27 @@ static cudaError_t batch_copy(void **dst, const void **src, size_t *size, size_t
 }
 
 /* n copies in cudaMemcpyBatchAsync calls of growing size (kvf_batch_ramp_runs)
- * on `stream`; *calls counts them. The batch API's host time grows with its
- * runs, about 0.45 us each, and its copies start only once the call returns:
- * a 244-run MLA chunk spent 104 us of host time before its first byte moved,
- * 1.31x a memcpy's latency (perf/results/2026-12-02-h200-overlap/run-b/
- * latency.log). A first call of a few runs starts the copy engine early, and
- * each later call is enqueued while the copy engine works on the previous
- * ones (one 73 KiB run takes 1.3 us at 55 GB/s). */
+ * on `stream`, or in one call when the stream has work queued; *calls
+ * counts them. The batch API's host time grows with its runs, about 0.45-0.9
+ * us each, and its copies start only once the call returns: on an idle
+ * stream a 244-run MLA chunk waited 104-219 us for its first byte, 1.31-1.63x
+ * a memcpy's latency. A first call of a few runs starts the copy engine, and
+ * each later call is enqueued while it works (a 73 KiB run takes 1.3 us at
+ * 55 GB/s). Each call also costs the copy engine about 2 us, so behind queued
+ * work, where the host is ahead anyway, one call is faster. Measured on an
+ * H200 (perf/results/2026-12-02-h200-ramp): the MLA chunk's latency d2h / h2d
+ * 1.63 / 1.40x of memcpy in one call, 1.05 / 1.03x from 8 runs (1.19 / 1.21x
+ * from 4, 1.16 / 1.30x from 16); behind queued work, ramped, 97.4 / 96.8% of
+ * memcpy against 100.0 / 100.0% in one call. */
 static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void **src, size_t *size, size_t n,
                                      cudaStream_t stream, uint64_t *calls) {
+  uint64_t first = (uint64_t)x->tune.batch_first_runs;
+  /* cudaErrorNotReady (work queued) is not an error the runtime keeps; any
+   * other answer leaves one call, which reports a broken stream itself. */
+  if (first > 0 && first < n && cudaStreamQuery(stream) != cudaSuccess) first = 0;
   cudaError_t e = cudaSuccess;
   for (size_t i = 0, k = 0; i < n && e == cudaSuccess; k++) {
-    size_t m = (size_t)kvf_batch_ramp_runs(k, (uint64_t)x->tune.batch_first_runs, n - i);
+    size_t m = (size_t)kvf_batch_ramp_runs(k, first, n - i);
     e = batch_copy(dst + i, src + i, size + i, m, stream);
     i += m;
     (*calls)++;
@@ -960,12 +969,11 @@ static cudaError_t staged_dma(kvf_xfer *x, const kvf_copy_request *r, const stag
   return e;
 }
 
-/* The straight part of a staged call on stream ds: its runs between the
- * cache and the host objects, in ramped cudaMemcpyBatchAsync calls. */
+/* The straight part of a staged call on stream ds: one cudaMemcpyBatchAsync
+ * between the cache and the host objects. */
 static cudaError_t straight_dma(kvf_xfer *x, const staged_call *c, cudaStream_t ds) {
-  uint64_t calls = 0;
-  cudaError_t e = ramped_batch_copy(x, c->straight_dst, c->straight_src, c->straight_size, c->straight_runs, ds, &calls);
-  x->path.dma_ops += calls;
+  cudaError_t e = batch_copy(c->straight_dst, c->straight_src, c->straight_size, c->straight_runs, ds);
+  x->path.dma_ops++;
   x->path.dma_runs += c->straight_runs;
   x->path.straight_runs = c->straight_runs;
   return e;
