@@ -1028,6 +1028,7 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_EQ(t.overlap, 1);
   EXPECT_EQ(t.device_task_waves, 2);
   EXPECT_EQ(t.batch_first_runs, 8);
+  EXPECT_EQ(t.small_stage_growth, 4);
   GeometryPtr g = load_preset("llama-3.1-8b-fa-nhd", 4);
   ASSERT_TRUE(g) << kvf_last_error();
   XferPtr x = make_xfer(g.get(), KVF_DEVICE_HOST);
@@ -1059,12 +1060,15 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.device_task_waves = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.kernel = 3; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_first_runs = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.small_stage_growth = 0; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.small_stage_growth = 17; }));
   kvf_xfer_tuning ok = base;
   ok.stage_edge_mb = 0;
   ok.stage_multi_pieces = 0;
   ok.stage_straight_kb = 0;
   ok.stage_straight_min_run = 0;
   ok.batch_first_runs = 0;
+  ok.small_stage_growth = 16;
   EXPECT_EQ(kvf_xfer_set_tuning(x.get(), &ok), KVF_SUCCESS) << kvf_last_error();
 }
 

@@ -181,6 +181,7 @@ typedef struct kvf_xfer_tuning {
   int64_t overlap;         /* KVF_XFER_OVERLAP: 1: uncapped d2d/peer launches overlap the previous kernel */
   int64_t small_stage_mb;  /* KVF_XFER_SMALL_STAGE_MB: staged requests of at most this payload use 2 pieces
                               and at least KVF_SMALL_STAGE_SMS SMs (0: off) */
+  int64_t small_stage_growth; /* KVF_XFER_SMALL_STAGE_GROWTH: their pieces' size ratio (1..16) */
 } kvf_xfer_tuning;
 
 /* The staged route's kernels for a small request (KVF_XFER_SMALL_STAGE_MB). */
