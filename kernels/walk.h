@@ -31,6 +31,20 @@
 // absorbs. Measured on an H200 (perf/results/2026-12-01-h200-d2d): Llama HND
 // one chunk d2d 80.7 -> 82.0% of memcpy, 4096 tokens 89.5 -> 91.9%.
 //
+// Start: a warp's first loads wait for its whole decode (header, task ->
+// entry table, entry, id and shape, object), a chain of dependent table
+// reads and divisions that a plain copy kernel does not have: on an H200,
+// Nsight Compute timed the one-chunk MLA kernel at 12.5 us against 10.2 us
+// for a plain copy of the same 8 KiB tasks, 4.4x its instructions
+// (perf/results/2026-12-02-h200-ramp, ncu-*.log). So a task a warp takes
+// no division to find its task, the first chunk of a request none to find
+// its object, and a gather asks L2 for its first round's lines as soon as
+// it knows its cache block, while it still decodes the object's side
+// (prefetch_first_round). Measured there (d2d-*.json, per call, of
+// memcpy): one chunk +1 to +4.7 points on every preset (MLA 82 -> 85%, the
+// DCP rank 69 -> 73%, Llama HND 84 -> 86%, the tp4 slice 79 -> 81%); 4096
+// tokens +0 to +1.5.
+//
 // Overlap: a launch that overlaps the stream's previous kernel (kernels/
 // launch.h) reads only its blob, in its parameters, until each warp has
 // decoded its first block; the warp then waits for that kernel
@@ -224,6 +238,22 @@ KVF_WALK_FN void wait_previous_grid() {
 #endif
 }
 
+// Ask L2 for the 128-byte line at p (a no-op on the CPU). A gather's first
+// loads depend on the whole decode; its source is known earlier than its
+// object, so the line's trip from memory overlaps the rest of the decode.
+#if !defined(__CUDA_ARCH__)
+// Host builds only: the tests watch the lines a walk asks for.
+inline void (*prefetch_hook)(const char *) = nullptr;
+#endif
+
+KVF_WALK_FN void prefetch_line(const char *p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else
+  if (prefetch_hook) prefetch_hook(p);
+#endif
+}
+
 // 64-bit quotient, through 32 bits when both fit (one block's decode).
 KVF_WALK_FN uint64_t div64(uint64_t a, uint64_t b) {
   if (((a | b) >> 32) == 0) return (uint32_t)a / (uint32_t)b;
@@ -264,6 +294,25 @@ KVF_WALK_FN Strides strides_of(const kvf_blob_header *h, const kvf_blob_shape *s
   return st;
 }
 
+// A gather's first round of loads from the cache, one 128-byte line a lane:
+// lane i asks for the line of the unit 128*i bytes into the round, in the
+// walk's order (copy_units' addressing), so that the lines come from memory
+// while the walk still decodes the object's side. Units [ub, ue) of a block
+// whose offsets fit 32 bits (Shape).
+KVF_WALK_FN void prefetch_first_round(const Strides &st, bool linear, const char *cache, uint32_t vec, uint64_t ub,
+                                      uint64_t ue, uint32_t lane) {
+  const uint64_t round = (uint64_t)kLanes * (vec >= 16 ? 8 : 16);
+  const uint64_t u = ub + (uint64_t)lane * (128 / vec);
+  if (u >= ue || u >= ub + round) return;
+  uint64_t off = u * vec;
+  if (!linear) {
+    const uint32_t upt = st.upr * st.heads, uu = (uint32_t)u;
+    const uint32_t tok = uu / upt, r = uu - tok * upt, hd = r / st.upr, c = r - hd * st.upr;
+    off = (uint64_t)tok * st.src_token + (uint64_t)hd * st.src_head + (uint64_t)c * vec;
+  }
+  prefetch_line(cache + off);
+}
+
 // Tasks [s0, s1) of block j of entry x (its slices): decode the block once,
 // then copy the units those slices cover. The same formulas as plan.c's
 // block_of and the grid-stride kernel's decode. *waited: whether this warp
@@ -285,7 +334,7 @@ KVF_WALK_FN void copy_block(const kvf_blob_header *h, const char *blob, const kv
     obj_off = h->chunk_local * x->dst_per_token + x->dst_const;
   } else {
     const uint64_t cl = h->chunk_local, rel = lb * tokens - h->lt_begin;
-    k = div64(rel, cl);
+    k = rel < cl ? 0 : div64(rel, cl);  // the request's first chunk (all of a one-chunk request) divides nothing
     uint64_t chunk_start = h->lt_begin + k * cl;
     uint64_t n = min64(h->lt_end - chunk_start, cl);
     uint64_t valid = min64(h->lt_end - lb * tokens, (uint64_t)tokens);
@@ -295,23 +344,31 @@ KVF_WALK_FN void copy_block(const kvf_blob_header *h, const char *blob, const kv
   const uint64_t su = sh->slice_units;
   const uint64_t ub = s0 * su, ue = min64(s1 * su, units);
   if (ub >= ue) return;
-  const uint64_t *objects = reinterpret_cast<const uint64_t *>(blob + h->off_objects);
-  uint64_t object = objects[k * h->num_object_groups + sh->object_group];
-  // An object left out of this blob (another leg of the call moves it).
-  if (object == 0) return;
   const uint64_t *regions = reinterpret_cast<const uint64_t *>(blob + h->off_regions);
   char *cache = reinterpret_cast<char *>(regions[x->region]) + x->src_offset + (uint64_t)id * sh->src_block;
-  char *obj = reinterpret_cast<char *>(object) + obj_off;
   const bool gather = h->gather != 0;
   const bool linear = linear_of(sh);
-  const Strides st = strides_of(h, sh, units);
-  const char *src = gather ? cache : obj;
-  char *dst = gather ? obj : cache;
-  const uint32_t b = (uint32_t)ub, e = (uint32_t)ue;
   if (!*waited) {
     wait_previous_grid();
     *waited = true;
   }
+  // A gather's first lines, asked for before the object's side is decoded.
+  // A linear block needs no strides for them, and computing them first
+  // cost a linear gather 1-2 points of memcpy's rate (one chunk per call).
+  Strides st = {};
+  if (gather) {
+    if (!linear) st = strides_of(h, sh, units);
+    prefetch_first_round(st, linear, cache, sh->vec, ub, ue, lane);
+  }
+  const uint64_t *objects = reinterpret_cast<const uint64_t *>(blob + h->off_objects);
+  uint64_t object = objects[k * h->num_object_groups + sh->object_group];
+  // An object left out of this blob (another leg of the call moves it).
+  if (object == 0) return;
+  char *obj = reinterpret_cast<char *>(object) + obj_off;
+  if (!gather || linear) st = strides_of(h, sh, units);
+  const char *src = gather ? cache : obj;
+  char *dst = gather ? obj : cache;
+  const uint32_t b = (uint32_t)ub, e = (uint32_t)ue;
   switch (sh->vec) {
     case 16: copy_units<16>(st, linear, src, dst, gather, b, e, lane); break;
     case 8: copy_units<8>(st, linear, src, dst, gather, b, e, lane); break;
@@ -326,10 +383,19 @@ KVF_WALK_FN void copy_block(const kvf_blob_header *h, const char *blob, const kv
 KVF_WALK_FN void run_warp(const char *blob, uint64_t warp, uint64_t warps, uint32_t lane) {
   const kvf_blob_header *h = reinterpret_cast<const kvf_blob_header *>(blob);
   const uint64_t total = h->total_tasks;
-  // total * warp fits 64 bits: tasks are at least 16 bytes, warps a few thousand.
-  uint64_t t = total * warp / warps;
-  const uint64_t t1 = total * (warp + 1) / warps;
-  if (t >= t1) return;
+  uint64_t t, t1;
+  if (warps >= total) {
+    // A task a warp (a spread launch), the first `total` warps: no division
+    // on the way to the first load.
+    if (warp >= total) return;
+    t = warp;
+    t1 = warp + 1;
+  } else {
+    // total * warp fits 64 bits: tasks are at least 16 bytes, warps a few thousand.
+    t = total * warp / warps;
+    t1 = total * (warp + 1) / warps;
+    if (t >= t1) return;
+  }
   const kvf_blob_entry *entries = reinterpret_cast<const kvf_blob_entry *>(blob + h->off_entries);
   const uint16_t *buckets = reinterpret_cast<const uint16_t *>(blob + h->off_buckets);
   const uint32_t n = h->num_entries;
@@ -337,8 +403,9 @@ KVF_WALK_FN void run_warp(const char *blob, uint64_t warp, uint64_t warps, uint3
   bool waited = false;
   while (t < t1) {
     // The entry holding task t: forward from the table's (or the last) one.
-    while (e + 1 < n && entries[e + 1].first_task <= t) e++;
+    // Its fields are read with the next entry's first task, not after it.
     const kvf_blob_entry *x = &entries[e];
+    while (e + 1 < n && entries[e + 1].first_task <= t) x = &entries[++e];
     const uint64_t slices = x->slices;
     const uint64_t local = t - x->first_task, j = div64(local, slices), s = local - j * slices;
     // This block's remaining slices, up to the warp's last task.

@@ -1547,6 +1547,50 @@ TEST_P(XferWalk, WarpWalkMatchesTheReference) {
   }
 }
 
+// A gather asks L2 for its first round's lines before it decodes the
+// object's side (kernels/walk.h, prefetch_first_round): every line it asks
+// for holds bytes of a cache region's payload, never a guard or memory
+// outside (a prefetch is only a hint, but it must not touch what the walk
+// would not read); a scatter asks for none.
+TEST_P(XferWalk, GatherPrefetchesOnlyCacheBytes) {
+  const HostCase &c = GetParam();
+  const bool gather = c.dir == Dir::Gather;
+  uint64_t seed = seed_of(c.preset, 991 + (uint64_t)c.format * 2 + (uint64_t)c.dir);
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_standard(c.preset, c.format == KVF_FORMAT_CANONICAL, seed, &s));
+  const kvf_geometry *g = s.g();
+  PlanHolder plan;
+  ASSERT_EQ(kvf_plan_build(g, c.format, &plan.p), KVF_SUCCESS) << kvf_last_error();
+  std::mt19937_64 rng(seed);
+  Data got = make_inputs(g, s.plan, c.dir, 0, rng);
+  Req r(s.plan, c.format, payloads(got.cache), payloads(got.objs));
+  static std::vector<const char *> *asked;
+  std::vector<const char *> lines;
+  asked = &lines;
+  kvf_walk::prefetch_hook = [](const char *p) { asked->push_back(p); };
+  for (uint32_t slice : {0u, 512u, 8192u})
+    for (uint32_t cache_order : {0u, 1u}) {
+      kvf_blob_opts o = {slice, nullptr, 0};
+      std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, &o);
+      reinterpret_cast<kvf_blob_header *>(blob.data())->cache_order = cache_order;
+      run_walk(blob, 33792);
+    }
+  kvf_walk::prefetch_hook = nullptr;
+  if (!gather) {
+    EXPECT_TRUE(lines.empty()) << lines.size() << " lines asked for by a scatter";
+    return;
+  }
+  EXPECT_FALSE(lines.empty());
+  size_t outside = 0;
+  for (const char *p : lines) {
+    bool in = false;
+    for (const GBuf &b : got.cache)
+      in = in || (b.size && (const uint8_t *)p >= b.payload() && (const uint8_t *)p < b.payload() + b.size);
+    outside += !in;
+  }
+  EXPECT_EQ(outside, 0u) << "of " << lines.size() << " lines";
+}
+
 INSTANTIATE_TEST_SUITE_P(Presets, XferWalk, ::testing::ValuesIn(host_cases(false)), host_case_name);
 
 // The cache order (header cache_order) applies to the gathers of head-major
