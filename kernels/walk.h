@@ -36,14 +36,14 @@
 // reads and divisions that a plain copy kernel does not have: on an H200,
 // Nsight Compute timed the one-chunk MLA kernel at 12.5 us against 10.2 us
 // for a plain copy of the same 8 KiB tasks, 4.4x its instructions
-// (perf/results/2026-12-02-h200-ramp, ncu-*.log). So a task a warp takes
+// (perf/results/2026-12-02-h200-ramp/probe.md). So a task a warp takes
 // no division to find its task, the first chunk of a request none to find
 // its object, and a gather asks L2 for its first round's lines as soon as
 // it knows its cache block, while it still decodes the object's side
-// (prefetch_first_round). Measured there (d2d-*.json, per call, of
-// memcpy): one chunk +1 to +4.7 points on every preset (MLA 82 -> 85%, the
-// DCP rank 69 -> 73%, Llama HND 84 -> 86%, the tp4 slice 79 -> 81%); 4096
-// tokens +0 to +1.5.
+// (prefetch_first_round). Measured there (walk.md, per call, of memcpy):
+// one chunk +1 to +5 points on every preset (MLA 82 -> 84.5%, the DCP rank
+// 69 -> 74%, Llama HND 84 -> 86.7%, the tp4 slice 79 -> 82%); 4096 tokens
+// +0 to +1.6.
 //
 // Overlap: a launch that overlaps the stream's previous kernel (kernels/
 // launch.h) reads only its blob, in its parameters, until each warp has

@@ -728,10 +728,11 @@ static cudaError_t batch_copy(void **dst, const void **src, size_t *size, size_t
  * each later call is enqueued while it works (a 73 KiB run takes 1.3 us at
  * 55 GB/s). Each call also costs the copy engine about 2 us, so behind queued
  * work, where the host is ahead anyway, one call is faster. Measured on an
- * H200 (perf/results/2026-12-02-h200-ramp): the MLA chunk's latency d2h / h2d
- * 1.63 / 1.40x of memcpy in one call, 1.05 / 1.03x from 8 runs (1.19 / 1.21x
- * from 4, 1.16 / 1.30x from 16); behind queued work, ramped, 97.4 / 96.8% of
- * memcpy against 100.0 / 100.0% in one call. */
+ * H200 (perf/results/2026-12-02-h200-ramp/ramp.md): the MLA chunk's latency
+ * d2h / h2d 1.63 / 1.40x of memcpy in one call, 1.05 / 1.03x from 8 runs
+ * (1.19 / 1.21x from 4, 1.16 / 1.30x from 16; 1.05-1.12x in two later runs,
+ * the host's enqueue varying 130-200 us); behind queued work, ramped,
+ * 97.4 / 96.8% of memcpy against 100.0 / 100.0% in one call. */
 static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void **src, size_t *size, size_t n,
                                      cudaStream_t stream, uint64_t *calls) {
   uint64_t first = (uint64_t)x->tune.batch_first_runs;
@@ -1634,9 +1635,10 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
        * 2 pieces at 16 SMs, so the rule stops below it (24 MiB). */
       /* Its pieces are 1:4 (KVF_XFER_SMALL_STAGE_GROWTH), a gather's first
        * the shorter, so the copy engine starts sooner: measured on an H200
-       * (perf/results/2026-12-02-h200-ramp, stage-ab), 1:2 -> 1:4, the tp4
-       * slice d2h / h2d 94.1 / 94.0% -> 95.8 / 95.4% of memcpy, glm-like and
-       * gpt-oss-like within -0.2 to +1.1 points. */
+       * in two runs (perf/results/2026-12-02-h200-ramp/ramp.md, ramp/run1),
+       * 1:2 -> 1:4, the tp4 slice d2h 94.1-94.8 -> 95.7-95.8% of memcpy,
+       * h2d 94.0-94.3 -> 94.8-95.4%; glm-like, gpt-oss-like and fp8-inline
+       * within -0.2 to +1.6 points. */
       /* Under a cap below 64 SMs (the 4-SM case) the kernels stay slow and
        * 4 pieces overlap them better: gpt-oss-like d2h at 4 SMs fell from
        * 88.8% to 81.7% with 2 pieces, so the rule needs its 64 SMs. */
