@@ -734,16 +734,27 @@ static cudaError_t batch_copy(void **dst, const void **src, size_t *size, size_t
  * the host's enqueue varying 130-200 us); behind queued work, ramped,
  * 97.4 / 96.8% of memcpy against 100.0 / 100.0% in one call. */
 static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void **src, size_t *size, size_t n,
-                                     cudaStream_t stream, uint64_t *calls) {
+                                     cudaStream_t stream, uint64_t *calls, size_t *enqueued) {
   uint64_t first = (uint64_t)x->tune.batch_first_runs;
-  /* cudaErrorNotReady (work queued) is not an error the runtime keeps; any
-   * other answer leaves one call, which reports a broken stream itself. */
-  if (first > 0 && first < n && cudaStreamQuery(stream) != cudaSuccess) first = 0;
+  if (first > 0 && first < n) {
+    /* Relaxed: in the default global mode a query while any thread of the
+     * process captures a graph (on another stream) would be refused and
+     * invalidate that capture. */
+    enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    cudaError_t q = cudaStreamQuery(stream);
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    /* cudaErrorNotReady (work queued) is not an error the runtime keeps;
+     * another answer leaves one call, which reports a broken stream. */
+    if (q != cudaSuccess) first = 0;
+    if (q != cudaSuccess && q != cudaErrorNotReady) cudaGetLastError();
+  }
   cudaError_t e = cudaSuccess;
-  for (size_t i = 0, k = 0; i < n && e == cudaSuccess; k++) {
-    size_t m = (size_t)kvf_batch_ramp_runs(k, first, n - i);
-    e = batch_copy(dst + i, src + i, size + i, m, stream);
-    i += m;
+  *enqueued = 0;
+  for (size_t k = 0; *enqueued < n; k++) {
+    size_t m = (size_t)kvf_batch_ramp_runs(k, first, n - *enqueued);
+    if ((e = batch_copy(dst + *enqueued, src + *enqueued, size + *enqueued, m, stream)) != cudaSuccess) break;
+    *enqueued += m;
     (*calls)++;
   }
   return e;
@@ -777,16 +788,19 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
   if (fit < 0) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
   if (fit == 0) return KVF_ERR_UNSUPPORTED;
   uint64_t calls = 0;
-  cudaError_t e = ramped_batch_copy(x, dst, src, sizes, count, stream, &calls);
+  size_t enqueued = 0;
+  cudaError_t e = ramped_batch_copy(x, dst, src, sizes, count, stream, &calls, &enqueued);
   free(dst);
   free(src);
   free(sizes);
   if (e != cudaSuccess) {
     cudaGetLastError();
     return kvf_fail(KVF_ERR_CUDA,
-                    "copy-engine %s of %zu runs: cudaMemcpyBatchAsync: %s; its copies may have been enqueued in part: "
-                    "the request's %s are unspecified until the stream's work completes",
-                    gather ? "gather" : "scatter", count, cudaGetErrorString(e), gather ? "objects" : "blocks");
+                    "copy-engine %s of %zu runs: cudaMemcpyBatchAsync (call %llu, after %zu runs enqueued whole): %s; "
+                    "its own copies may have been enqueued in part: the request's %s are unspecified until the "
+                    "stream's work completes",
+                    gather ? "gather" : "scatter", count, (unsigned long long)calls + 1, enqueued,
+                    cudaGetErrorString(e), gather ? "objects" : "blocks");
   }
   const kvf_blob_header *h = x->host_blob;
   x->last.route = gather ? KVF_ROUTE_D2H : KVF_ROUTE_H2D;
