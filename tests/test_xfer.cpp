@@ -33,6 +33,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <unordered_set>
 #include <vector>
 
 #include <kvferry/copy.h>
@@ -1549,9 +1550,11 @@ TEST_P(XferWalk, WarpWalkMatchesTheReference) {
 
 // A gather asks L2 for its first round's lines before it decodes the
 // object's side (kernels/walk.h, prefetch_first_round): every line it asks
-// for holds bytes of a cache region's payload, never a guard or memory
-// outside (a prefetch is only a hint, but it must not touch what the walk
-// would not read); a scatter asks for none.
+// for holds bytes of a block the blob moves, in the walk's addressing (a
+// prefetch is only a hint, but it must touch nothing outside the blocks:
+// no guard, no other plane or layer); a scatter asks for none. A block
+// whose object another leg moves is asked for too (the object is decoded
+// after the prefetch); the blobs here hold every object.
 TEST_P(XferWalk, GatherPrefetchesOnlyCacheBytes) {
   const HostCase &c = GetParam();
   const bool gather = c.dir == Dir::Gather;
@@ -1581,14 +1584,34 @@ TEST_P(XferWalk, GatherPrefetchesOnlyCacheBytes) {
     return;
   }
   EXPECT_FALSE(lines.empty());
-  size_t outside = 0;
-  for (const char *p : lines) {
-    bool in = false;
-    for (const GBuf &b : got.cache)
-      in = in || (b.size && (const uint8_t *)p >= b.payload() && (const uint8_t *)p < b.payload() + b.size);
-    outside += !in;
+  // The 128-byte lines holding the bytes the blocks move: unit u of a
+  // block is (token, head, column) at token*src_token + head*src_head +
+  // column*vec from its cache pointer (a linear block: u*vec), whatever
+  // order a walk visits them in.
+  kvf_blob_opts o = {0, nullptr, 0};
+  std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, &o);
+  const uint64_t n = kvf_blob_blocks(blob.data(), nullptr, 0);
+  std::vector<kvf_blob_block> blocks(n);
+  ASSERT_EQ(kvf_blob_blocks(blob.data(), blocks.data(), n), n);
+  const auto *entries = reinterpret_cast<const kvf_blob_entry *>(blob.data() +
+                                                                 reinterpret_cast<const kvf_blob_header *>(blob.data())->off_entries);
+  std::unordered_set<uintptr_t> moved;
+  for (const kvf_blob_block &b : blocks) {
+    const kvf_blob_shape *sh = kvf_blob_shape_of(blob.data(), &entries[b.entry]);
+    const uintptr_t base = (uintptr_t)b.cache;
+    if (kvf_blob_shape_linear(sh)) {
+      for (uintptr_t a = base & ~(uintptr_t)127; a < base + b.units * sh->vec; a += 128) moved.insert(a);
+      continue;
+    }
+    for (uint64_t u = 0; u < b.units; u += 1) {
+      uint64_t tok = u / sh->units_per_token, rest = u % sh->units_per_token;
+      uint64_t hd = rest / sh->units_per_run, c = rest % sh->units_per_run;
+      moved.insert((base + tok * sh->src_token + hd * sh->src_head + c * sh->vec) & ~(uintptr_t)127);
+    }
   }
-  EXPECT_EQ(outside, 0u) << "of " << lines.size() << " lines";
+  size_t outside = 0;
+  for (const char *p : lines) outside += moved.count((uintptr_t)p & ~(uintptr_t)127) == 0;
+  EXPECT_EQ(outside, 0u) << "of " << lines.size() << " lines asked for, outside the blocks moved";
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, XferWalk, ::testing::ValuesIn(host_cases(false)), host_case_name);
@@ -2315,6 +2338,22 @@ uint64_t ramp_calls(uint64_t runs, uint64_t first) {
   return calls;
 }
 
+// The copy-engine batch route for any runs, its calls ramped from First
+// runs (0: one call; the stream is idle, so a ramp applies).
+template <int64_t First> void copy_batch_tune(kvf_xfer_tuning &t) {
+  t.batch_min_run = 0;
+  t.batch_max_runs = 1 << 30;
+  t.batch_first_runs = First;
+}
+
+template <int64_t First> void copy_batch_check(const kvf_xfer_path_info &p, Mem) {
+  EXPECT_TRUE(p.path == KVF_PATH_COPY_BATCH || p.path == KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
+  if (p.path == KVF_PATH_COPY_BATCH) {
+    EXPECT_EQ(p.launches, 0u);
+    EXPECT_EQ(p.dma_ops, ramp_calls(p.dma_runs, First)) << p.dma_runs << " runs, calls ramped from " << First;
+  }
+}
+
 struct RouteVariant {
   const char *name;
   bool pinned_only;
@@ -2346,32 +2385,8 @@ const RouteVariant kRouteVariants[] = {
        EXPECT_EQ(p.param_launches, p.launches);
        EXPECT_EQ(p.slice_bytes, 512u);
      }},
-    {"copy_batch", true,
-     [](kvf_xfer_tuning &t) {
-       t.batch_min_run = 0;
-       t.batch_max_runs = 1 << 30;
-       t.batch_first_runs = 0;
-     },
-     [](const kvf_xfer_path_info &p, Mem) {
-       EXPECT_TRUE(p.path == KVF_PATH_COPY_BATCH || p.path == KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
-       if (p.path == KVF_PATH_COPY_BATCH) {
-         EXPECT_EQ(p.launches, 0u);
-         EXPECT_EQ(p.dma_ops, 1u) << "one batch call";
-       }
-     }},
-    {"copy_batch_ramp", true,
-     [](kvf_xfer_tuning &t) {
-       t.batch_min_run = 0;
-       t.batch_max_runs = 1 << 30;
-       t.batch_first_runs = 2;
-     },
-     [](const kvf_xfer_path_info &p, Mem) {
-       EXPECT_TRUE(p.path == KVF_PATH_COPY_BATCH || p.path == KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
-       if (p.path == KVF_PATH_COPY_BATCH) {
-         EXPECT_EQ(p.launches, 0u);
-         EXPECT_EQ(p.dma_ops, ramp_calls(p.dma_runs, 2)) << p.dma_runs << " runs";
-       }
-     }},
+    {"copy_batch", true, copy_batch_tune<0>, copy_batch_check<0>},
+    {"copy_batch_ramp", true, copy_batch_tune<2>, copy_batch_check<2>},
     {"pieces", true,
      [](kvf_xfer_tuning &t) {
        t.batch_max_runs = 0;
@@ -2610,7 +2625,8 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
         }
         if (want == KVF_PATH_COPY_BATCH) {
           EXPECT_EQ(p.dma_runs, 244u) << "61 layers x 4 blocks";
-          EXPECT_EQ(p.dma_ops, 5u) << "calls of 8, 16, 32, 64 and 124 runs (KVF_XFER_BATCH_FIRST_RUNS)";
+          // 8, 16, 32, 64 and 124 runs at the default KVF_XFER_BATCH_FIRST_RUNS.
+          EXPECT_EQ(p.dma_ops, ramp_calls(244, (uint64_t)kvf_param_xfer_batch_first_runs()));
         }
         if (want == KVF_PATH_KERNEL) {
           EXPECT_EQ(p.spread_launches, 1u) << "a one-chunk device-to-device launch spreads";
@@ -2640,7 +2656,8 @@ TEST(XferGpu, BatchCallsRampOnlyOnAnIdleStream) {
       cfg.obj_kind = Mem::Pinned;
       cfg.route = expected_route(Mem::Pinned, d);
       cfg.busy_ms = busy_ms;
-      const uint64_t want_calls = busy_ms > 0 ? 1 : 5;
+      cfg.tune = [](kvf_xfer_tuning &t) { t.batch_first_runs = 8; };
+      const uint64_t want_calls = busy_ms > 0 ? 1 : 5;  // 8, 16, 32, 64 and 124 runs
       cfg.check_path = [want_calls](const kvf_xfer_path_info &p) {
         ASSERT_EQ(p.path, KVF_PATH_COPY_BATCH) << kvf_xfer_path_name(p.path);
         EXPECT_EQ(p.dma_runs, 244u);
