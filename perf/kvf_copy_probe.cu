@@ -25,45 +25,46 @@ namespace {
 
 constexpr int kDepth = 8;  // 16-byte loads in flight per lane before its stores: 4 KiB a warp
 
+// One round of a lane: units base + lane + 32*i (i < kDepth) below end,
+// every load before the first store.
+__device__ __forceinline__ void copy_round(const uint4 *__restrict__ src, uint4 *__restrict__ dst, size_t base,
+                                           size_t end, size_t lane) {
+  uint4 v[kDepth];
+#pragma unroll
+  for (int i = 0; i < kDepth; i++) {
+    size_t u = base + i * 32 + lane;
+    if (u < end) v[i] = src[u];
+  }
+#pragma unroll
+  for (int i = 0; i < kDepth; i++) {
+    size_t u = base + i * 32 + lane;
+    if (u < end) dst[u] = v[i];
+  }
+}
+
 // Warp w copies rounds w, w + W, ... of 4 KiB (the last may be short).
 __global__ void persistent_copy(const uint4 *__restrict__ src, uint4 *__restrict__ dst, size_t units) {
   const size_t lane = threadIdx.x & 31, warps = (size_t)gridDim.x * (blockDim.x / 32);
   const size_t round = 32 * kDepth;
   for (size_t base = ((size_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * round; base < units;
-       base += warps * round) {
-    uint4 v[kDepth];
-#pragma unroll
-    for (int i = 0; i < kDepth; i++) {
-      size_t u = base + i * 32 + lane;
-      if (u < units) v[i] = src[u];
-    }
-#pragma unroll
-    for (int i = 0; i < kDepth; i++) {
-      size_t u = base + i * 32 + lane;
-      if (u < units) dst[u] = v[i];
-    }
-  }
+       base += warps * round)
+    copy_round(src, dst, base, units, lane);
 }
 
-// Warp w copies its own task of `task` units, in 4 KiB rounds: as many
-// CTAs as tasks need, which the GPU hands out as SMs free up.
-__global__ void task_copy(const uint4 *__restrict__ src, uint4 *__restrict__ dst, size_t units, size_t task) {
+// Warp w copies its own task of `task` units from unit `begin` + w * task,
+// in 4 KiB rounds.
+__device__ __forceinline__ void copy_task(const uint4 *__restrict__ src, uint4 *__restrict__ dst, size_t units,
+                                          size_t task, size_t begin) {
   const size_t lane = threadIdx.x & 31;
-  const size_t begin = ((size_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * task;
+  begin += ((size_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * task;
   const size_t end = begin + task < units ? begin + task : units;
-  for (size_t base = begin; base < end; base += 32 * kDepth) {
-    uint4 v[kDepth];
-#pragma unroll
-    for (int i = 0; i < kDepth; i++) {
-      size_t u = base + i * 32 + lane;
-      if (u < end) v[i] = src[u];
-    }
-#pragma unroll
-    for (int i = 0; i < kDepth; i++) {
-      size_t u = base + i * 32 + lane;
-      if (u < end) dst[u] = v[i];
-    }
-  }
+  for (size_t base = begin; base < end; base += 32 * kDepth) copy_round(src, dst, base, end, lane);
+}
+
+// A task a warp: as many CTAs as tasks need, which the GPU hands out as SMs
+// free up.
+__global__ void task_copy(const uint4 *__restrict__ src, uint4 *__restrict__ dst, size_t units, size_t task) {
+  copy_task(src, dst, units, task, 0);
 }
 
 // The same tasks after a chain of `hops` dependent 4-byte reads of a table,
@@ -81,66 +82,20 @@ __device__ __forceinline__ uint32_t chase(const uint32_t *table, uint32_t at, in
   return at;
 }
 
-__device__ __forceinline__ void copy_task_after(const uint4 *__restrict__ src, uint4 *__restrict__ dst, size_t units,
-                                                size_t task, uint32_t landed) {
-  const size_t lane = threadIdx.x & 31;
-  // landed is never kChainWords: the begin is the plain one, yet it waits for the chain.
-  const size_t begin = ((size_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * task + (landed == kChainWords);
-  const size_t end = begin + task < units ? begin + task : units;
-  for (size_t base = begin; base < end; base += 32 * kDepth) {
-    uint4 v[kDepth];
-#pragma unroll
-    for (int i = 0; i < kDepth; i++) {
-      size_t u = base + i * 32 + lane;
-      if (u < end) v[i] = src[u];
-    }
-#pragma unroll
-    for (int i = 0; i < kDepth; i++) {
-      size_t u = base + i * 32 + lane;
-      if (u < end) dst[u] = v[i];
-    }
-  }
-}
-
 __global__ void chain_param_copy(const __grid_constant__ ChainParams p, const uint4 *__restrict__ src,
                                  uint4 *__restrict__ dst, size_t units, size_t task, int hops) {
   const uint32_t warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  copy_task_after(src, dst, units, task, chase(p.next, warp % kChainWords, hops));
+  // The chain's end is never kChainWords: the tasks are the plain ones, after the chain.
+  copy_task(src, dst, units, task, chase(p.next, warp % kChainWords, hops) == kChainWords);
 }
 
 __global__ void chain_global_copy(const uint32_t *__restrict__ table, const uint4 *__restrict__ src,
                                   uint4 *__restrict__ dst, size_t units, size_t task, int hops) {
   const uint32_t warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  copy_task_after(src, dst, units, task, chase(table, warp % kChainWords, hops));
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+  copy_task(src, dst, units, task, chase(table, warp % kChainWords, hops) == kChainWords);
 }
 
 FILE *g_json;
-
-template <class F>
-double gpu_time(const char *what, size_t bytes, cudaStream_t s, std::vector<cudaEvent_t> &ev, F call) {
-  for (int i = 0; i < 10; i++) call(i);
-  CK(cudaStreamSynchronize(s));
-  spin_kernel<<<1, 1, 0, s>>>(20000000ull); /* 20 ms: longer than queueing 200 calls */
-  for (int i = 0; i < 200; i++) {
-    CK(cudaEventRecord(ev[2 * i], s));
-    call(i);
-    CK(cudaEventRecord(ev[2 * i + 1], s));
-  }
-  CK(cudaStreamSynchronize(s));
-  CK(cudaGetLastError());
-  std::vector<double> us;
-  for (int i = 0; i < 200; i++) {
-    float ms;
-    CK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
-    us.push_back(ms * 1e3);
-  }
-  return median(us);
-}
 
 void report(const char *what, size_t bytes, double us, double memcpy_us) {
   printf("%-36s %9zu B  %8.2f us  %6.1f%% of memcpy\n", what, bytes, us, 100.0 * memcpy_us / us);
@@ -186,7 +141,7 @@ int main(int argc, char **argv) {
   const size_t sizes[] = {4498944, 10240000, 16564224, 17989632, 20971520, 33554432};
   for (size_t bytes : sizes) {
     const size_t units = bytes / 16;
-    double mc = gpu_time("memcpy", bytes, s, ev, [&](int i) {
+    double mc = probe_gpu_us(s, ev, [&](int i) {
       CK(cudaMemcpyAsync(dst[i % kSets], src[i % kSets], bytes, cudaMemcpyDeviceToDevice, s));
     });
     report("cudaMemcpyAsync D2D", bytes, mc, mc);
@@ -196,7 +151,7 @@ int main(int argc, char **argv) {
     };
     for (Persistent p : {Persistent{"persistent 1x512 per SM", 512, 1}, Persistent{"persistent 4x128 per SM", 128, 4},
                          Persistent{"persistent 2x512 per SM", 512, 2}, Persistent{"persistent 8x128 per SM", 128, 8}}) {
-      double us = gpu_time(p.name, bytes, s, ev, [&](int i) {
+      double us = probe_gpu_us(s, ev, [&](int i) {
         persistent_copy<<<sms * p.per_sm, p.threads, 0, s>>>(src[i % kSets], dst[i % kSets], units);
       });
       report(p.name, bytes, us, mc);
@@ -206,12 +161,12 @@ int main(int argc, char **argv) {
       const unsigned grid = (unsigned)((warps + 3) / 4);
       char name[64];
       snprintf(name, sizeof name, "8 KiB tasks after %d param hops", hops);
-      double us = gpu_time(name, bytes, s, ev, [&](int i) {
+      double us = probe_gpu_us(s, ev, [&](int i) {
         chain_param_copy<<<grid, 128, 0, s>>>(chain, src[i % kSets], dst[i % kSets], units, task, hops);
       });
       report(name, bytes, us, mc);
       snprintf(name, sizeof name, "8 KiB tasks after %d global hops", hops);
-      us = gpu_time(name, bytes, s, ev, [&](int i) {
+      us = probe_gpu_us(s, ev, [&](int i) {
         chain_global_copy<<<grid, 128, 0, s>>>(chain_dev, src[i % kSets], dst[i % kSets], units, task, hops);
       });
       report(name, bytes, us, mc);
@@ -220,7 +175,7 @@ int main(int argc, char **argv) {
       const size_t task = (task_kib << 10) / 16, warps = (units + task - 1) / task;
       char name[64];
       snprintf(name, sizeof name, "tasks of %zu KiB, 128-thread CTAs", task_kib);
-      double us = gpu_time(name, bytes, s, ev, [&](int i) {
+      double us = probe_gpu_us(s, ev, [&](int i) {
         task_copy<<<(unsigned)((warps + 3) / 4), 128, 0, s>>>(src[i % kSets], dst[i % kSets], units, task);
       });
       report(name, bytes, us, mc);

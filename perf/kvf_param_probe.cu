@@ -46,10 +46,6 @@ double now_us() {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 FILE *g_json;
 
@@ -81,26 +77,11 @@ template <class F> void host_time(const char *what, size_t bytes, cudaStream_t s
     b2b.push_back(now_us() - a);
   }
   CK(cudaStreamSynchronize(s));
-  report("host", what, bytes, median(b2b), median(alone));
+  report("host", what, bytes, probe_median(b2b), probe_median(alone));
 }
 
 template <class F> void gpu_time(const char *what, size_t bytes, cudaStream_t s, std::vector<cudaEvent_t> &ev, F call) {
-  for (int i = 0; i < 10; i++) call();
-  CK(cudaStreamSynchronize(s));
-  spin_kernel<<<1, 1, 0, s>>>(20000000ull); /* 20 ms: longer than queueing 200 calls */
-  for (int i = 0; i < 200; i++) {
-    CK(cudaEventRecord(ev[2 * i], s));
-    call();
-    CK(cudaEventRecord(ev[2 * i + 1], s));
-  }
-  CK(cudaStreamSynchronize(s));
-  std::vector<double> us;
-  for (int i = 0; i < 200; i++) {
-    float ms;
-    CK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
-    us.push_back(ms * 1e3);
-  }
-  report("gpu", what, bytes, median(us), 0);
+  report("gpu", what, bytes, probe_gpu_us(s, ev, [&](int) { call(); }), 0);
 }
 
 template <int N> void both(const char *label, size_t bytes, const uint4 *a, uint4 *b, cudaStream_t s,

@@ -7,8 +7,10 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #define CK(x)                                                                              \
   do {                                                                                     \
@@ -24,6 +26,35 @@ static __global__ void spin_kernel(unsigned long long ns) {
   unsigned long long t0, t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
   do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); while (t - t0 < ns);
+}
+
+/* The middle of v (a median for odd sizes, the upper middle for even). */
+static inline double probe_median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+/* Median GPU time (us) of call(i), i < 200, each between two of ev's events
+ * (at least 400), queued behind a 20 ms spin kernel so the calls run back to
+ * back with their host enqueue hidden; 10 calls first to warm up. */
+template <class F> double probe_gpu_us(cudaStream_t s, std::vector<cudaEvent_t> &ev, F call) {
+  for (int i = 0; i < 10; i++) call(i);
+  CK(cudaStreamSynchronize(s));
+  spin_kernel<<<1, 1, 0, s>>>(20000000ull); /* longer than queueing 200 calls */
+  for (int i = 0; i < 200; i++) {
+    CK(cudaEventRecord(ev[2 * i], s));
+    call(i);
+    CK(cudaEventRecord(ev[2 * i + 1], s));
+  }
+  CK(cudaStreamSynchronize(s));
+  CK(cudaGetLastError());
+  std::vector<double> us;
+  for (int i = 0; i < 200; i++) {
+    float ms;
+    CK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+    us.push_back(ms * 1e3);
+  }
+  return probe_median(us);
 }
 
 #endif
