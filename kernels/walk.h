@@ -164,7 +164,8 @@ struct Strides {
 
 // Loads in flight per lane before its stores: 8 of 16 bytes (128 bytes a
 // lane, 4 KiB a warp), 16 of narrower units (rows like 132 or 656 bytes).
-template <int V> struct Depth { static constexpr int n = V >= 16 ? 8 : 16; };
+KVF_WALK_FN constexpr uint32_t depth_of(uint32_t vec) { return vec >= 16 ? 8 : 16; }
+template <int V> struct Depth { static constexpr int n = (int)depth_of(V); };
 
 // Units [ub, ue) of one block, this lane's share; linear: unit u at u*V on
 // both sides. Slots past the end are predicated off, not broken out of: a
@@ -301,7 +302,7 @@ KVF_WALK_FN Strides strides_of(const kvf_blob_header *h, const kvf_blob_shape *s
 // whose offsets fit 32 bits (Shape).
 KVF_WALK_FN void prefetch_first_round(const Strides &st, bool linear, const char *cache, uint32_t vec, uint64_t ub,
                                       uint64_t ue, uint32_t lane) {
-  const uint64_t round = (uint64_t)kLanes * (vec >= 16 ? 8 : 16);
+  const uint64_t round = (uint64_t)kLanes * depth_of(vec);
   if (linear) {
     // The round's bytes are one range: no division on the way (a per-lane
     // 128 / vec here cost the linear gathers about a point).
