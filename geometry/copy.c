@@ -99,6 +99,17 @@ static kvf_status check_request(const kvf_geometry *g, const kvf_copy_request *r
   if ((unsigned)r->format > KVF_FORMAT_NATIVE)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "format %d: not an object format", (int)r->format);
   if (!r->groups) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "groups: NULL (one entry per group is required)");
+  /* A launch table indexes the request's block ids in 32 bits (kernels/plan.h):
+   * checked before any table is read. */
+  uint64_t blocks = 0;
+  for (uint32_t gi = 0; gi < g->num_groups; gi++) {
+    if (!group_moves(r, gi)) continue;
+    blocks += r->groups[gi].count;
+    if (blocks > UINT32_MAX)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                      "groups[%u].count %u: the request's block tables hold more than 2^32 - 1 blocks in all", gi,
+                      r->groups[gi].count);
+  }
   uint64_t chunks = request_chunks(g, r);
   for (uint32_t gi = 0; gi < g->num_groups; gi++) {
     const kvf_group *gr = &g->groups[gi];

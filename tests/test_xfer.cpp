@@ -682,6 +682,33 @@ TEST(XferHost, BadRequestsReturnTheCheckStatusAndWriteNothing) {
   }
 }
 
+// A launch table indexes a request's block ids in 32 bits (kernels/plan.h):
+// kvf_copy_request_check refuses block tables of more than 2^32 - 1 blocks in
+// all, naming the group where the sum passes it, before it reads any table
+// (the counts here are far larger than the arrays behind them: a check that
+// read them first would read out of bounds), and a call returns that status
+// with nothing written.
+TEST(XferHost, RequestOfMoreThan32BitsOfBlocksIsRefusedBeforeAnyTableIsRead) {
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_standard("glm-like-hybrid", true, 5, &s));
+  const kvf_geometry *g = s.g();
+  std::mt19937_64 rng(6);
+  Data live = make_inputs(g, s.plan, Dir::Gather, 0, rng), work = clone(live);
+  Req r(s.plan, KVF_FORMAT_CANONICAL, payloads(work.cache), payloads(work.objs));
+  ASSERT_GE(r.groups.size(), 2u);
+  ASSERT_TRUE(r.groups[0].block_ids && r.groups[1].block_ids && r.groups[1].count > 0);
+  r.groups[0].count = UINT32_MAX;  // alone the most a request may hold; group 1's blocks pass it
+  EXPECT_EQ(kvf_copy_request_check(g, r.get()), KVF_ERR_INVALID_ARGUMENT);
+  const std::string msg = kvf_last_error();
+  EXPECT_NE(msg.find("groups[1].count"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("2^32 - 1 blocks"), std::string::npos) << msg;
+  XferPtr x = make_xfer(g, KVF_DEVICE_HOST, 2);
+  ASSERT_TRUE(x);
+  EXPECT_EQ(kvf_xfer_gather(x.get(), r.get(), nullptr), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(diff("cache region", work.cache, live.cache), "");
+  EXPECT_EQ(diff("object", work.objs, live.objs), "");
+}
+
 TEST(XferHost, CreateRejectsBadArguments) {
   GeometryPtr g = load_preset("glm-like-hybrid", 8);
   ASSERT_TRUE(g);
