@@ -208,6 +208,9 @@ static void moved_range(const kvf_geometry *g, const kvf_copy_request *r, uint32
   }
 }
 
+/* Entries keep a region and an object group in 16 bits. */
+_Static_assert(KVF_MAX_REGIONS <= 65536 && KVF_MAX_GROUPS <= 65536, "kvf_blob_entry's 16-bit region and object group");
+
 static uint64_t round16(uint64_t x) { return (x + 15) & ~(uint64_t)15; }
 
 static void blob_buckets(kvf_blob_header *h);
@@ -264,8 +267,10 @@ uint64_t kvf_blob_size(const kvf_geometry *g, const kvf_plan *plan, const kvf_co
 }
 
 /* The shape of segment seg moved `vec` bytes at a time in tasks of at most
- * `slice` bytes. */
-static void shape_of(const kvf_segment *seg, uint32_t vec, uint32_t slice, kvf_blob_shape *sh) {
+ * `slice` bytes, in the blob of header h (its first block and chunk's
+ * blocks: attention segments only). */
+static void shape_of(const kvf_blob_header *h, const kvf_segment *seg, uint32_t vec, uint32_t slice,
+                     kvf_blob_shape *sh) {
   memset(sh, 0, sizeof *sh); /* compared whole: no stale bytes */
   sh->src_block = seg->src_block;
   sh->src_token = seg->src_token;
@@ -282,6 +287,26 @@ static void shape_of(const kvf_segment *seg, uint32_t vec, uint32_t slice, kvf_b
   sh->units_per_run = seg->run / vec;
   sh->units_per_token = (uint64_t)sh->units_per_run * seg->heads;
   sh->slice_units = slice / vec;
+  if (!seg->recurrent) {
+    sh->first_block = h->lt_begin / seg->tokens;
+    sh->blocks_per_chunk = h->chunk_local / seg->tokens;
+  }
+}
+
+/* An entry's slices per block and the multiplier that spares the walk its
+ * division by them (kvf_blob_entry.slices_magic): t * m >> 32 with
+ * m = ceil(2^32 / s) is t / s for every t < 2^32 / s, since m * s exceeds
+ * 2^32 by less than s. The entry's tasks are `blocks` x s, so the multiplier
+ * is exact for all of them when blocks * s * s <= 2^32. `like`: an entry
+ * whose multiplier may serve (a recent one of the same shape), or NULL. This
+ * runs per entry on the caller's thread: one 32-bit division at most. */
+static void set_slices(kvf_blob_entry *x, uint32_t slices, uint64_t blocks, const kvf_blob_entry *like) {
+  uint64_t square = (uint64_t)slices * slices, bound;
+  x->slices = slices;
+  x->slices_magic = 0;
+  if (slices < 2 || !kvf_mul_u64(blocks, square, &bound) || bound > ((uint64_t)1 << 32)) return;
+  x->slices_magic = like && like->slices == slices && like->slices_magic ? like->slices_magic
+                                                                         : UINT32_MAX / slices + 1;
 }
 
 /* Tasks per block of a shape. */
@@ -400,7 +425,7 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
       kvf_blob_entry *x = &e[ne];
       x->first_task = tasks;
       x->lb_begin = b0;
-      x->ids_offset = at_ids;
+      x->ids_offset = (uint32_t)at_ids; /* below 2^32: the request's blocks are (kvf_copy_request_check) */
       x->src_offset = seg->src_offset;
       x->dst_per_token = seg->dst_per_token;
       x->dst_const = seg->dst_const;
@@ -414,15 +439,16 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
         if (shapes[y->shape].vec == vec && same_shape(seg, &plan->segments[y->segment])) known = y;
       }
       if (known) {
-        x->slices = known->slices;
+        set_slices(x, known->slices, b1 - b0, known);
         x->shape = known->shape;
       } else {
         kvf_blob_shape sh;
-        shape_of(seg, vec, slice, &sh);
-        x->slices = shape_slices(&sh);
+        shape_of(h, seg, vec, slice, &sh);
+        set_slices(x, shape_slices(&sh), b1 - b0, NULL);
         x->shape = shape_index(shapes, &ns, &sh);
       }
-      x->region = seg->region;
+      x->region = (uint16_t)seg->region;
+      x->object_group = (uint16_t)seg->object_group;
       x->segment = s;
       tasks += (b1 - b0) * x->slices;
       ne++;
@@ -445,6 +471,15 @@ static void blob_buckets(kvf_blob_header *h) {
   while ((h->total_tasks >> shift) >= KVF_BLOB_BUCKETS) shift++;
   h->bucket_shift = shift;
   h->num_buckets = (uint32_t)(h->total_tasks >> shift) + 1;
+  /* Entries of T tasks each (the layers of one shape, the usual blob) need
+   * no table: t / T by a multiplier, exact for t < 2^32 / T as for the
+   * slices (set_slices), so for every task when total_tasks * T <= 2^32. */
+  h->entry_tasks_magic = 0;
+  uint64_t per = h->num_entries ? h->total_tasks / h->num_entries : 0, bound;
+  int uniform = per > 1 && per * h->num_entries == h->total_tasks && kvf_mul_u64(h->total_tasks, per, &bound) &&
+                bound <= ((uint64_t)1 << 32);
+  for (uint32_t i = 0; uniform && i < h->num_entries; i++) uniform = e[i].first_task == i * per;
+  if (uniform) h->entry_tasks_magic = UINT32_MAX / (uint32_t)per + 1;
   uint32_t at = 0;
   for (uint32_t i = 0; i < h->num_buckets; i++) {
     uint64_t task = (uint64_t)i << shift;
@@ -476,7 +511,7 @@ uint64_t kvf_blob_reslice(void *blob, uint32_t slice_bytes) {
     uint64_t end = i + 1 < h->num_entries ? e[i + 1].first_task : h->total_tasks;
     uint64_t blocks = (end - e[i].first_task) / e[i].slices; /* read before first_task is rewritten */
     e[i].first_task = tasks;
-    e[i].slices = shape_slices(&shapes[e[i].shape]);
+    set_slices(&e[i], shape_slices(&shapes[e[i].shape]), blocks, NULL);
     tasks += blocks * e[i].slices;
   }
   h->total_tasks = tasks;
@@ -517,14 +552,14 @@ static int block_of(const kvf_blob_header *h, const kvf_blob_entry *e, uint64_t 
     *units = s->units_per_run;
     *obj_off = h->chunk_local * e->dst_per_token + e->dst_const;
   } else {
-    uint64_t rel = lb * s->tokens - h->lt_begin, chunk_start;
-    k = div_u64(rel, h->chunk_local);
+    uint64_t d = lb - s->first_block, chunk_start;
+    k = div_u64(d, s->blocks_per_chunk);
     chunk_start = h->lt_begin + k * h->chunk_local;
     uint64_t n = h->lt_end - chunk_start < h->chunk_local ? h->lt_end - chunk_start : h->chunk_local;
     uint64_t valid = h->lt_end - lb * s->tokens;
     if (valid > s->tokens) valid = s->tokens;
     *units = valid * s->units_per_token;
-    *obj_off = n * e->dst_per_token + e->dst_const + div_u64(rel - k * h->chunk_local, s->tokens) * s->dst_block;
+    *obj_off = n * e->dst_per_token + e->dst_const + (d - k * s->blocks_per_chunk) * s->dst_block;
   }
   *id_out = id;
   *obj_index = k * h->num_object_groups + s->object_group;

@@ -86,13 +86,19 @@ void kvf_plan_free(kvf_plan *plan);
 typedef struct kvf_blob_entry {
   uint64_t first_task;   /* tasks of this entry: [first_task, next entry's first_task) */
   uint64_t lb_begin;     /* local block (chunk for recurrent segments) of ids[ids_offset] */
-  uint64_t ids_offset;   /* into the blob's ids */
+  uint32_t ids_offset;   /* into the blob's ids (a request's block tables hold fewer than 2^32 blocks in all:
+                            kvf_copy_request_check) */
+  uint32_t slices_magic; /* 0, or ceil(2^32 / slices): the block of the entry's local task t is
+                            t * slices_magic >> 32, with no division (exact for every task of the entry,
+                            which the build checks; 0 where it is not, and where slices is 1) */
   uint64_t src_offset;   /* the segment's: from its region's base, block 0 */
   uint64_t dst_per_token; /* the segment's: object position = n_k*dst_per_token + dst_const + ... */
   uint64_t dst_const;    /* the segment's */
   uint32_t slices;       /* tasks per block */
   uint32_t shape;        /* index into the blob's shapes */
-  uint32_t region;       /* the segment's */
+  uint16_t region;       /* the segment's (fewer than 2^16: KVF_MAX_REGIONS) */
+  uint16_t object_group; /* its shape's, here too so that the walk finds the object of the request's first chunk
+                            with the entry, not after the shape */
   uint32_t segment;      /* the plan's segment index (host tools; the walks do not read it) */
 } kvf_blob_entry;
 
@@ -115,6 +121,10 @@ typedef struct kvf_blob_shape {
   uint32_t units_per_run; /* run / vec */
   uint32_t vec;           /* bytes per access: 16, 8, 4, 2 or 1 */
   uint32_t slice_units;   /* units one task moves at most (the blob's slice bytes / vec) */
+  uint64_t first_block;   /* the request's first local block (lt_begin / tokens): local block lb is block
+                             lb - first_block of the request, block (lb - first_block) mod blocks_per_chunk
+                             of its object, with no division in the request's first chunk */
+  uint64_t blocks_per_chunk; /* chunk_local / tokens (a whole number: geometry.c checks) */
 } kvf_blob_shape;
 
 typedef struct kvf_blob_header {
@@ -139,7 +149,9 @@ typedef struct kvf_blob_header {
   uint32_t slice_bytes;   /* most bytes a task moves (kvf_blob_opts) */
   uint32_t overlap;       /* 1: launched as a programmatic dependent (kernels/launch.h): the kernel lets
                              the stream's next kernel launch as it starts; 0 (as built): it does not */
-  uint32_t pad_;
+  uint32_t entry_tasks_magic; /* 0, or ceil(2^32 / T) where every entry holds T > 1 tasks: task t's entry is
+                                 t * entry_tasks_magic >> 32, with no table read (exact for every task:
+                                 the build checks) */
   /* Byte offsets of the arrays inside the blob. */
   uint64_t off_buckets;   /* uint16_t[KVF_BLOB_BUCKETS]: the entry holding task b << bucket_shift */
   uint64_t off_entries;   /* kvf_blob_entry[num_entries] */
@@ -205,7 +217,7 @@ uint64_t kvf_blob_build(const kvf_geometry *geometry, const kvf_plan *plan, cons
                         int gather, const kvf_blob_opts *opts, void *out);
 
 /* Re-cut a built blob's tasks into slices of at most slice_bytes (as in
- * kvf_blob_opts): rewrites the shapes' slice_units, the entries' slices and
+ * kvf_blob_opts): rewrites the shapes' slice_units, the entries' slices (and their magic) and
  * first_task, total_tasks and the header's slice_bytes, nothing else. Returns the new task count. (A
  * call's blobs take their slice at build time, kvf_blob_opts.task_slots;
  * this is the tests' oracle for that.) */

@@ -4,7 +4,8 @@
 //
 // Work split: warp w of W takes the contiguous task range
 // [T*w/W, T*(w+1)/W) of the blob's T tasks, not every W-th task. Its first
-// task's entry comes from the blob's task -> entry table (one read and a
+// task's entry comes from the header's multiplier where the entries hold as
+// many tasks each, else from the blob's task -> entry table (one read and a
 // short forward scan), and consecutive tasks of one block (its slices) are
 // one unit range copied in one loop: a warp decodes each block it touches
 // once, where the grid-stride walk decoded every task (a binary search over
@@ -43,7 +44,18 @@
 // (prefetch_first_round). Measured there (walk.md, per call, of memcpy):
 // one chunk +1 to +5 points on every preset (MLA 82 -> 84.5%, the DCP rank
 // 69 -> 74%, Llama HND 84 -> 86.7%, the tp4 slice 79 -> 82%); 4096 tokens
-// +0 to +1.6.
+// +0 to +1.6. Then no division and one table level less on the way: the
+// block of a task by the entry's multiplier (slices_magic), its object
+// index without dividing by the block's tokens (the shape's first_block and
+// blocks_per_chunk), the first chunk's object read with the entry (its
+// object_group), and a task's entry by the header's multiplier where every
+// entry has as many tasks (no task -> entry table read). Measured on an H200
+// (perf/results/2026-12-02-h200-decode, ab.md, per call, one chunk):
+// +0.2 to +3.4 points on 13 of 14 presets (MLA 85.0 -> 86.1%, the DCP rank
+// 72.6 -> 76.0%, the fp8 Llama 82.9 -> 85.5%), the glm-like hybrid -1.2.
+// What is left is latency, not instructions: a build whose copy loop had a
+// third of the instructions (no predicates or per-unit addresses in whole
+// rounds, no R2UR) measured the same per call.
 //
 // Overlap: a launch that overlaps the stream's previous kernel (kernels/
 // launch.h) reads only its blob, in its parameters, until each warp has
@@ -338,13 +350,14 @@ KVF_WALK_FN void copy_block(const kvf_blob_header *h, const char *blob, const kv
     units = sh->units_per_run;
     obj_off = h->chunk_local * x->dst_per_token + x->dst_const;
   } else {
-    const uint64_t cl = h->chunk_local, rel = lb * tokens - h->lt_begin;
-    k = rel < cl ? 0 : div64(rel, cl);  // the request's first chunk (all of a one-chunk request) divides nothing
-    uint64_t chunk_start = h->lt_begin + k * cl;
-    uint64_t n = min64(h->lt_end - chunk_start, cl);
+    // Blocks from the request's first; the request's first chunk (all of a
+    // one-chunk request) divides nothing.
+    const uint64_t d = lb - sh->first_block, per_chunk = sh->blocks_per_chunk, cl = h->chunk_local;
+    k = d < per_chunk ? 0 : div64(d, per_chunk);
+    uint64_t n = min64(h->lt_end - (h->lt_begin + k * cl), cl);
     uint64_t valid = min64(h->lt_end - lb * tokens, (uint64_t)tokens);
     units = valid * sh->units_per_token;
-    obj_off = n * x->dst_per_token + x->dst_const + div64(rel - k * cl, tokens) * sh->dst_block;
+    obj_off = n * x->dst_per_token + x->dst_const + (d - k * per_chunk) * sh->dst_block;
   }
   const uint64_t su = sh->slice_units;
   const uint64_t ub = s0 * su, ue = min64(s1 * su, units);
@@ -365,8 +378,12 @@ KVF_WALK_FN void copy_block(const kvf_blob_header *h, const char *blob, const kv
     if (!linear) st = strides_of(h, sh, units);
     prefetch_first_round(st, linear, cache, sh->vec, ub, ue, lane);
   }
+  // The request's first chunk's object (every object of a one-chunk
+  // request) comes with the entry, as the id and the shape do, not after
+  // the shape.
   const uint64_t *objects = reinterpret_cast<const uint64_t *>(blob + h->off_objects);
-  uint64_t object = objects[k * h->num_object_groups + sh->object_group];
+  const uint64_t first_object = objects[x->object_group];
+  uint64_t object = k == 0 ? first_object : objects[k * h->num_object_groups + x->object_group];
   // An object left out of this blob (another leg of the call moves it).
   if (object == 0) return;
   char *obj = reinterpret_cast<char *>(object) + obj_off;
@@ -404,15 +421,25 @@ KVF_WALK_FN void run_warp(const char *blob, uint64_t warp, uint64_t warps, uint3
   const kvf_blob_entry *entries = reinterpret_cast<const kvf_blob_entry *>(blob + h->off_entries);
   const uint16_t *buckets = reinterpret_cast<const uint16_t *>(blob + h->off_buckets);
   const uint32_t n = h->num_entries;
-  uint32_t e = buckets[t >> h->bucket_shift];
+  // Entries of equal task counts (header entry_tasks_magic) give a task's
+  // entry by a multiplier; the others by the table and a short scan.
+  const uint32_t entry_magic = h->entry_tasks_magic;
+  uint32_t e = entry_magic ? 0 : buckets[t >> h->bucket_shift];
   bool waited = false;
   while (t < t1) {
     // The entry holding task t: forward from the table's (or the last) one.
     // Its fields are read with the next entry's first task, not after it.
+    if (entry_magic) e = (uint32_t)(((uint64_t)(uint32_t)t * entry_magic) >> 32);
     const kvf_blob_entry *x = &entries[e];
-    while (e + 1 < n && entries[e + 1].first_task <= t) x = &entries[++e];
-    const uint64_t slices = x->slices;
-    const uint64_t local = t - x->first_task, j = div64(local, slices), s = local - j * slices;
+    if (!entry_magic)
+      while (e + 1 < n && entries[e + 1].first_task <= t) x = &entries[++e];
+    // The block of the entry's local task, by the entry's multiplier where
+    // it has one (kvf_blob_entry.slices_magic: exact for all its tasks).
+    const uint64_t slices = x->slices, local = t - x->first_task;
+    const uint64_t j = slices == 1         ? local
+                       : x->slices_magic ? ((uint64_t)(uint32_t)local * x->slices_magic) >> 32
+                                         : div64(local, slices);
+    const uint64_t s = local - j * slices;
     // This block's remaining slices, up to the warp's last task.
     const uint64_t next = min64(t1, x->first_task + (j + 1) * slices);
     copy_block(h, blob, x, j, s, s + (next - t), lane, &waited);

@@ -1694,30 +1694,43 @@ TEST(XferWalk, CacheOrderTakesHeadMajorGathersInAddressOrder) {
   }
 }
 
-// The task -> entry table finds the same entry as a search over every task.
+// The task -> entry table finds the same entry as a search over every task,
+// and so does the header's multiplier where the entries' task counts are
+// equal (then it is set: the walk reads no table).
 TEST(XferWalk, TaskTableFindsEveryTasksEntry) {
-  Prepared s;
-  ASSERT_NO_FATAL_FAILURE(setup_standard("llama-3.1-70b-tp4-rank2-slice", true, 5, &s));
-  const kvf_geometry *g = s.g();
-  PlanHolder plan;
-  ASSERT_EQ(kvf_plan_build(g, KVF_FORMAT_CANONICAL, &plan.p), KVF_SUCCESS);
-  Data in = [&] {
-    std::mt19937_64 rng(6);
-    return make_inputs(g, s.plan, Dir::Gather, 0, rng);
-  }();
-  Req r(s.plan, KVF_FORMAT_CANONICAL, payloads(in.cache), payloads(in.objs));
-  for (uint32_t slice : {0u, 512u, 1040u, 65536u}) {
-    kvf_blob_opts o = {slice, nullptr, 0};
-    std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), true, &o);
-    for (uint32_t reslice : {slice, 2048u}) {
-      kvf_blob_reslice(blob.data(), reslice);
-      const auto *h = reinterpret_cast<const kvf_blob_header *>(blob.data());
-      const auto *e = reinterpret_cast<const kvf_blob_entry *>(blob.data() + h->off_entries);
-      ASSERT_LE(h->num_buckets, KVF_BLOB_BUCKETS);
-      uint32_t want = 0;
-      for (uint64_t t = 0; t < h->total_tasks; t++) {
-        while (want + 1 < h->num_entries && e[want + 1].first_task <= t) want++;
-        ASSERT_EQ(kvf_blob_entry_of(blob.data(), t), want) << "task " << t << " of " << h->total_tasks;
+  for (const char *preset : {"llama-3.1-70b-tp4-rank2-slice", "glm-like-hybrid", "deepseek-v3-mla-bf16"}) {
+    SCOPED_TRACE(preset);
+    Prepared s;
+    ASSERT_NO_FATAL_FAILURE(setup_standard(preset, true, 5, &s));
+    const kvf_geometry *g = s.g();
+    PlanHolder plan;
+    ASSERT_EQ(kvf_plan_build(g, KVF_FORMAT_CANONICAL, &plan.p), KVF_SUCCESS);
+    Data in = [&] {
+      std::mt19937_64 rng(6);
+      return make_inputs(g, s.plan, Dir::Gather, 0, rng);
+    }();
+    Req r(s.plan, KVF_FORMAT_CANONICAL, payloads(in.cache), payloads(in.objs));
+    for (uint32_t slice : {0u, 512u, 1040u, 65536u}) {
+      kvf_blob_opts o = {slice, nullptr, 0};
+      std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), true, &o);
+      for (uint32_t reslice : {slice, 2048u}) {
+        kvf_blob_reslice(blob.data(), reslice);
+        const auto *h = reinterpret_cast<const kvf_blob_header *>(blob.data());
+        const auto *e = reinterpret_cast<const kvf_blob_entry *>(blob.data() + h->off_entries);
+        ASSERT_LE(h->num_buckets, KVF_BLOB_BUCKETS);
+        uint32_t want = 0;
+        for (uint64_t t = 0; t < h->total_tasks; t++) {
+          while (want + 1 < h->num_entries && e[want + 1].first_task <= t) want++;
+          ASSERT_EQ(kvf_blob_entry_of(blob.data(), t), want) << "task " << t << " of " << h->total_tasks;
+          if (h->entry_tasks_magic) {
+            ASSERT_EQ(((uint64_t)(uint32_t)t * h->entry_tasks_magic) >> 32, want) << "task " << t;
+          }
+        }
+        const uint64_t per = h->total_tasks / h->num_entries;
+        bool equal = per > 1;
+        for (uint32_t i = 0; i < h->num_entries; i++) equal = equal && e[i].first_task == i * per;
+        equal = equal && per * h->num_entries == h->total_tasks;
+        EXPECT_EQ(h->entry_tasks_magic != 0, equal) << "slice " << slice << " re-cut " << reslice;
       }
     }
   }
@@ -1768,6 +1781,56 @@ TEST(XferWalk, BuildTakesTheSliceARecutWouldGive) {
             while (at < got.size() && got[at] == want[at]) at++;
             EXPECT_EQ(at, got.size()) << "the blobs differ at byte " << at;
           }
+  }
+}
+
+// A blob's entries carry a multiplier for the division by their slices
+// (kvf_blob_entry.slices_magic) wherever it is exact for all their tasks,
+// and it is: every task of every entry, every preset, direction and slice
+// (512-byte slices give the most slices a block). Their shapes carry the
+// request's first block and a chunk's blocks, so the walk's block index
+// needs no division.
+TEST(XferWalk, EntriesDivideBySlicesWithoutADivision) {
+  for (const std::string &preset : preset_names()) {
+    Prepared s;
+    ASSERT_NO_FATAL_FAILURE(setup_standard(preset, true, 21, &s));
+    const kvf_geometry *g = s.g();
+    PlanHolder plan;
+    ASSERT_EQ(kvf_plan_build(g, KVF_FORMAT_CANONICAL, &plan.p), KVF_SUCCESS) << kvf_last_error();
+    std::mt19937_64 rng(22);
+    Data in = make_inputs(g, s.plan, Dir::Gather, 0, rng);
+    Req r(s.plan, KVF_FORMAT_CANONICAL, payloads(in.cache), payloads(in.objs));
+    for (int gather : {1, 0})
+      for (uint32_t slice : {0u, 512u, 1040u, 65536u}) {
+        SCOPED_TRACE(preset + (gather ? " gather" : " scatter") + ", slice " + std::to_string(slice));
+        kvf_blob_opts o = {slice, nullptr, 0};
+        std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, &o);
+        for (uint32_t recut : {0u, 512u}) {
+          if (recut) kvf_blob_reslice(blob.data(), recut);  // the re-cut sets them too
+          const auto *h = reinterpret_cast<const kvf_blob_header *>(blob.data());
+          const auto *e = reinterpret_cast<const kvf_blob_entry *>(blob.data() + h->off_entries);
+          for (uint32_t i = 0; i < h->num_entries; i++) {
+            const uint64_t end = i + 1 < h->num_entries ? e[i + 1].first_task : h->total_tasks;
+            const uint64_t tasks = end - e[i].first_task, slices = e[i].slices, blocks = tasks / slices;
+            ASSERT_EQ(tasks % slices, 0u);
+            // Where the multiplier is exact it is there: the walk's fast path is taken.
+            EXPECT_EQ(e[i].slices_magic != 0, slices > 1 && blocks * slices * slices <= (1ull << 32)) << "entry " << i;
+            if (e[i].slices_magic) {
+              for (uint64_t t = 0; t < tasks; t++) {
+                ASSERT_EQ(((uint64_t)(uint32_t)t * e[i].slices_magic) >> 32, t / slices)
+                    << "entry " << i << " task " << t << " slices " << slices;
+              }
+            }
+            const kvf_blob_shape &sh = *kvf_blob_shape_of(blob.data(), &e[i]);
+            EXPECT_EQ(e[i].object_group, sh.object_group) << "entry " << i;
+            if (!sh.recurrent) {
+              EXPECT_EQ(sh.first_block, h->lt_begin / sh.tokens);
+              EXPECT_EQ(sh.first_block * sh.tokens, h->lt_begin) << "the request starts a block";
+              EXPECT_EQ(sh.blocks_per_chunk * sh.tokens, h->chunk_local) << "a chunk holds whole blocks";
+            }
+          }
+        }
+      }
   }
 }
 
