@@ -1054,7 +1054,7 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_EQ(t.spread_kb, 8192);
   EXPECT_EQ(t.cache_order, 1);
   EXPECT_EQ(t.overlap, 1);
-  EXPECT_EQ(t.device_task_waves, 2);
+  EXPECT_EQ(t.device_task_waves, 1);
   EXPECT_EQ(t.batch_first_runs, 8);
   EXPECT_EQ(t.small_stage_growth, 4);
   GeometryPtr g = load_preset("llama-3.1-8b-fa-nhd", 4);
@@ -2700,11 +2700,12 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
       kvf_xfer_path want = w.path;
       bool straight = w.straight;
       bool cache_order = d == Dir::Gather; // the walk applies it to head-major blocks only
-      // A device-to-device launch aims at KVF_XFER_DEVICE_TASK_WAVES (2)
-      // tasks per warp of 16-warp SMs: its slice for this payload.
+      // A device-to-device launch aims at KVF_XFER_DEVICE_TASK_WAVES tasks
+      // per warp of 16-warp SMs: its slice for this payload.
       int sms = 0;
       CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-      const kvf_blob_opts device_opts = {0, nullptr, (uint64_t)sms * 16 * 2};
+      const kvf_blob_opts device_opts = {0, nullptr,
+                                         (uint64_t)sms * 16 * (uint64_t)kvf_param_xfer_device_task_waves()};
       const uint32_t device_slice = kvf_blob_slice_for(&device_opts, plan_payload(s.g(), s.plan));
       cfg.check_path = [want, straight, cache_order, device_slice](const kvf_xfer_path_info &p) {
         EXPECT_EQ(p.path, want) << kvf_xfer_path_name(p.path);

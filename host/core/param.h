@@ -65,7 +65,7 @@ extern "C" {
     "most bytes one warp task moves (a multiple of 16, 16..65536)")                      \
   X(xfer_task_waves, "KVF_XFER_TASK_WAVES", 4,                                           \
     "tasks per warp a launch aims at: smaller tasks (down to 512 bytes) for small requests (0: always KVF_XFER_TASK_BYTES)") \
-  X(xfer_device_task_waves, "KVF_XFER_DEVICE_TASK_WAVES", 2,                            \
+  X(xfer_device_task_waves, "KVF_XFER_DEVICE_TASK_WAVES", 1,                            \
     "the same for a device-to-device or peer launch that may use every SM (0: always KVF_XFER_TASK_BYTES)") \
   X(xfer_batch_min_run, "KVF_XFER_BATCH_MIN_RUN", 32768,                                 \
     "host<->device requests whose contiguous runs are at least this many bytes go to the copy engine's batch API (cudaMemcpyBatchAsync), no kernel") \

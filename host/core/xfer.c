@@ -698,8 +698,12 @@ static kvf_blob_opts blob_opts(const kvf_xfer *x, uint32_t ctas, int64_t waves, 
  * 2026-12-02-h200-overlap, waves.md), one chunk d2d per call, 2 waves
  * against 4: the MLA DCP rank 66.6 -> 71.5% of memcpy, the fp8 and hybrid
  * caches +2.2 to +5.5 points, the tp4 slice +0.9, Llama and MLA within a
- * point; 4096 tokens unchanged (8 KiB tasks either way). Capped and staging
- * launches keep KVF_XFER_TASK_WAVES. */
+ * point; 4096 tokens unchanged (8 KiB tasks either way). Then 1 against 2
+ * (perf/results/2026-12-02-h200-decode, ab.md, two runs of two rounds): the
+ * DCP rank +4.3 to +5.7 points, the qwen3-like hybrid +3.2 to +3.4, the
+ * glm-like hybrid and the MLA fp8 cache +0.4 to +1.5, the fp8-inline Llama
+ * -0.7, the rest within half a point; 4096 tokens within 0.3. Capped and
+ * staging launches keep KVF_XFER_TASK_WAVES. */
 static int64_t waves_of(const kvf_xfer *x, kvf_xfer_route route, uint32_t ctas) {
   return uncapped_device(x, route, ctas) ? x->tune.device_task_waves : x->tune.task_waves;
 }
