@@ -271,13 +271,11 @@ if want chunk; then
   step chunk-4096 $([[ $mode == explore ]] && echo 60 || echo 120) --preset "${chunk_big:-$all}" --tokens 4096 \
     --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all
   # Device to device on every preset at one chunk and 4096 tokens, against
-  # launches that start after the previous one (KVF_XFER_OVERLAP=0) and the
-  # defaults before the kernel's shape and walk order (one CTA per SM, the
-  # object's order): the A/B of KVF_XFER_OVERLAP, KVF_XFER_SPREAD_KB and
-  # KVF_XFER_CACHE_ORDER.
+  # the previous KVF_XFER_DEVICE_TASK_WAVES (2) and a lower
+  # KVF_XFER_SPREAD_KB (2 MiB: the MLA DCP rank's 4.3 MiB spread too).
   step d2d-ab $([[ $mode == explore ]] && echo 60 || echo 100) --preset "$all" --tokens 256,4096 \
     --directions d2d --sms-device 0 --baselines limit --peers none \
-    --tune overlap=0 --tune spread_kb=0,cache_order=0,overlap=0
+    --tune device_task_waves=2 --tune spread_kb=2048
 fi
 
 
