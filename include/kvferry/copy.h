@@ -48,7 +48,7 @@ typedef struct kvf_copy_request {
   uint64_t token_begin;        /* global; a multiple of chunk_tokens */
   uint64_t token_end;          /* global; > token_begin */
   kvf_object_format format;
-  const kvf_group_blocks *groups; /* [num_groups] */
+  const kvf_group_blocks *groups; /* [num_groups]; their counts sum to at most 2^32 - 1 */
   void *const *objects;        /* [num_chunks * num_object_groups], index chunk*num_object_groups + og;
                                   NULL where that object group does not move */
 } kvf_copy_request;
