@@ -31,7 +31,7 @@ def means(run, build):
     return {key: tuple(statistics.mean(r[key][i] for r in rounds) for i in (0, 1)) for key in rounds[0]}
 
 
-def table(title, note, run, builds):
+def table(title, note, run, builds, waves=("2 (default then)", "1")):
     data = {b: means(run, b) for b in builds}
     keys = sorted(data[builds[0]])
     out = [f"## {title}", "", note, "",
@@ -40,7 +40,7 @@ def table(title, note, run, builds):
     for p, t, tune in keys:
         per = " | ".join(f"{data[b][(p, t, tune)][0]:.1f}" for b in builds)
         sus = " | ".join(f"{data[b][(p, t, tune)][1]:.1f}" for b in builds)
-        out.append(f"| {p} | {t} | {'1' if tune else '2 (default then)'} | {per} | {sus} |")
+        out.append(f"| {p} | {t} | {waves[1] if tune else waves[0]} | {per} | {sus} |")
     return out, data
 
 
@@ -49,13 +49,17 @@ def main():
            "Per call: CUDA events around each call, median; sustained: calls back to back from one "
            "host thread, host enqueue charged (noisy where the enqueue, 7-13 µs, is as long as the "
            "copy). Each build ran twice, alternated, in one session; the tables give the means. "
-           "Every row also ran with `device_task_waves=1` (one task per warp).", ""]
+           "Every row also ran with the other `device_task_waves` (one or two tasks per warp).", ""]
     a, _ = table("Run A", "base: 95fed08. v1: the wait for the previous grid first in the kernel (no R2UR, a "
                  "third of the copy loop's instructions) and whole linear rounds without predicates. v2: v1 "
                  "and no division for a task's block or its object index.", "runA", ["base", "v1", "v2"])
     b, data_b = table("Run B", "base: 95fed08. v2w: v2's decode with the wait where it was (a warp decodes "
                       "before it waits). v3: v2w, the first chunk's object read with the entry, a task's entry "
                       "by the header's multiplier: committed as 1813e9f.", "runB", ["base", "v2w", "v3"])
+    c, _ = table("Run C", "v3: e451513 (committed). v4: a linear gather's first round of loads issued before "
+                 "its object is decoded, in place of the L2 prefetch (not committed: -1.4 to -1.8 on MLA, the "
+                 "DCP rank, the MLA fp8 cache and the tp4 slice, +0.3 to +1.6 on the Llama layouts).", "runC",
+                 ["v3", "v4"], waves=("1 (default)", "2"))
     final = rows(HERE / "run-final-e451513/d2d-ab.json")
     f = ["## Final run (e451513)", "", "`run_issue15.sh`'s d2d-ab step: the committed defaults (one task per "
          "warp), the previous default of two, and `KVF_XFER_SPREAD_KB` at 2 MiB. Per call.", "",
@@ -63,7 +67,7 @@ def main():
     for p, t in sorted({(p, t) for p, t, _ in final}):
         f.append(f"| {p} | {t} | " + " | ".join(f"{final[(p, t, tune)][0]:.1f}" for tune in
                                                 ("", "device_task_waves=2", "spread_kb=2048")) + " |")
-    (HERE / "ab.md").write_text("\n".join(out + a + [""] + b + [""] + f) + "\n")
+    (HERE / "ab.md").write_text("\n".join(out + a + [""] + b + [""] + c + [""] + f) + "\n")
 
     import matplotlib
     matplotlib.use("Agg")
