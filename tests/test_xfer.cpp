@@ -1208,6 +1208,23 @@ struct PlanHolder {
   ~PlanHolder() { kvf_plan_free(&p); }
 };
 
+// The blob tests' common start: a preset's standard request over gather
+// inputs (seed + 1 draws them), planned for the canonical format.
+struct PresetRequest {
+  Prepared s;
+  PlanHolder plan;
+  Data in;
+  std::unique_ptr<Req> r;
+};
+
+void prepare_request(const std::string &preset, uint64_t seed, PresetRequest *out) {
+  ASSERT_NO_FATAL_FAILURE(setup_standard(preset, true, seed, &out->s));
+  ASSERT_EQ(kvf_plan_build(out->s.g(), KVF_FORMAT_CANONICAL, &out->plan.p), KVF_SUCCESS) << kvf_last_error();
+  std::mt19937_64 rng(seed + 1);
+  out->in = make_inputs(out->s.g(), out->s.plan, Dir::Gather, 0, rng);
+  out->r = std::make_unique<Req>(out->s.plan, KVF_FORMAT_CANONICAL, payloads(out->in.cache), payloads(out->in.objs));
+}
+
 // A chunked request (setup_chunks) with its canonical plan, on fake region
 // bases and objects: for the plan-level cases that never touch memory.
 struct PlannedRequest {
@@ -1700,16 +1717,11 @@ TEST(XferWalk, CacheOrderTakesHeadMajorGathersInAddressOrder) {
 TEST(XferWalk, TaskTableFindsEveryTasksEntry) {
   for (const char *preset : {"llama-3.1-70b-tp4-rank2-slice", "glm-like-hybrid", "deepseek-v3-mla-bf16"}) {
     SCOPED_TRACE(preset);
-    Prepared s;
-    ASSERT_NO_FATAL_FAILURE(setup_standard(preset, true, 5, &s));
-    const kvf_geometry *g = s.g();
-    PlanHolder plan;
-    ASSERT_EQ(kvf_plan_build(g, KVF_FORMAT_CANONICAL, &plan.p), KVF_SUCCESS);
-    Data in = [&] {
-      std::mt19937_64 rng(6);
-      return make_inputs(g, s.plan, Dir::Gather, 0, rng);
-    }();
-    Req r(s.plan, KVF_FORMAT_CANONICAL, payloads(in.cache), payloads(in.objs));
+    PresetRequest pr;
+    ASSERT_NO_FATAL_FAILURE(prepare_request(preset, 5, &pr));
+    const kvf_geometry *g = pr.s.g();
+    const PlanHolder &plan = pr.plan;
+    const Req &r = *pr.r;
     for (uint32_t slice : {0u, 512u, 1040u, 65536u}) {
       kvf_blob_opts o = {slice, nullptr, 0};
       std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), true, &o);
@@ -1743,14 +1755,11 @@ TEST(XferWalk, TaskTableFindsEveryTasksEntry) {
 // than the tasks.
 TEST(XferWalk, BuildTakesTheSliceARecutWouldGive) {
   for (const std::string &preset : preset_names()) {
-    Prepared s;
-    ASSERT_NO_FATAL_FAILURE(setup_standard(preset, true, 17, &s));
-    const kvf_geometry *g = s.g();
-    PlanHolder plan;
-    ASSERT_EQ(kvf_plan_build(g, KVF_FORMAT_CANONICAL, &plan.p), KVF_SUCCESS) << kvf_last_error();
-    std::mt19937_64 rng(18);
-    Data in = make_inputs(g, s.plan, Dir::Gather, 0, rng);
-    Req r(s.plan, KVF_FORMAT_CANONICAL, payloads(in.cache), payloads(in.objs));
+    PresetRequest pr;
+    ASSERT_NO_FATAL_FAILURE(prepare_request(preset, 17, &pr));
+    const kvf_geometry *g = pr.s.g();
+    const PlanHolder &plan = pr.plan;
+    const Req &r = *pr.r;
     const uint32_t ns = plan.p.num_segments;
     std::vector<unsigned char> masks((size_t)2 * ns);
     uint32_t made = kvf_stage_piece_masks(g, &plan.p, r.get(), 1, 2, masks.data());
@@ -1792,14 +1801,11 @@ TEST(XferWalk, BuildTakesTheSliceARecutWouldGive) {
 // needs no division.
 TEST(XferWalk, EntriesDivideBySlicesWithoutADivision) {
   for (const std::string &preset : preset_names()) {
-    Prepared s;
-    ASSERT_NO_FATAL_FAILURE(setup_standard(preset, true, 21, &s));
-    const kvf_geometry *g = s.g();
-    PlanHolder plan;
-    ASSERT_EQ(kvf_plan_build(g, KVF_FORMAT_CANONICAL, &plan.p), KVF_SUCCESS) << kvf_last_error();
-    std::mt19937_64 rng(22);
-    Data in = make_inputs(g, s.plan, Dir::Gather, 0, rng);
-    Req r(s.plan, KVF_FORMAT_CANONICAL, payloads(in.cache), payloads(in.objs));
+    PresetRequest pr;
+    ASSERT_NO_FATAL_FAILURE(prepare_request(preset, 21, &pr));
+    const kvf_geometry *g = pr.s.g();
+    const PlanHolder &plan = pr.plan;
+    const Req &r = *pr.r;
     for (int gather : {1, 0})
       for (uint32_t slice : {0u, 512u, 1040u, 65536u}) {
         SCOPED_TRACE(preset + (gather ? " gather" : " scatter") + ", slice " + std::to_string(slice));
