@@ -293,20 +293,29 @@ static void shape_of(const kvf_blob_header *h, const kvf_segment *seg, uint32_t 
   }
 }
 
-/* An entry's slices per block and the multiplier that spares the walk its
- * division by them (kvf_blob_entry.slices_magic): t * m >> 32 with
- * m = ceil(2^32 / s) is t / s for every t < 2^32 / s, since m * s exceeds
- * 2^32 by less than s. The entry's tasks are `blocks` x s, so the multiplier
- * is exact for all of them when blocks * s * s <= 2^32. `like`: an entry
- * whose multiplier may serve (a recent one of the same shape), or NULL. This
- * runs per entry on the caller's thread: one 32-bit division at most. */
+/* The walk divides t by d as t * m >> 32 with m = ceil(2^32 / d)
+ * (kernels/walk.h, mul_div). That is exact for every t < 2^32 / d, since
+ * m * d exceeds 2^32 by less than d: for every t < count when
+ * count * d <= 2^32. Dividing by 1 needs no multiplier. */
+static int multiplier_exact(uint64_t d, uint64_t count) {
+  uint64_t bound;
+  return d > 1 && kvf_mul_u64(count, d, &bound) && bound <= ((uint64_t)1 << 32);
+}
+
+/* m for a d that multiplier_exact took: one 32-bit division. */
+static uint32_t multiplier_of(uint64_t d) { return UINT32_MAX / (uint32_t)d + 1; }
+
+/* An entry's slices per block and its multiplier for them over its blocks x
+ * slices tasks (kvf_blob_entry.slices_magic, 0 where not exact). `like`: an
+ * entry whose multiplier may serve (a recent one of the same shape), or
+ * NULL: this runs per entry on the caller's thread, and the multiplier's
+ * division is most of its cost. */
 static void set_slices(kvf_blob_entry *x, uint32_t slices, uint64_t blocks, const kvf_blob_entry *like) {
-  uint64_t square = (uint64_t)slices * slices, bound;
+  uint64_t tasks;
   x->slices = slices;
   x->slices_magic = 0;
-  if (slices < 2 || !kvf_mul_u64(blocks, square, &bound) || bound > ((uint64_t)1 << 32)) return;
-  x->slices_magic = like && like->slices == slices && like->slices_magic ? like->slices_magic
-                                                                         : UINT32_MAX / slices + 1;
+  if (!kvf_mul_u64(blocks, slices, &tasks) || !multiplier_exact(slices, tasks)) return;
+  x->slices_magic = like && like->slices == slices && like->slices_magic ? like->slices_magic : multiplier_of(slices);
 }
 
 /* Tasks per block of a shape. */
@@ -472,14 +481,12 @@ static void blob_buckets(kvf_blob_header *h) {
   h->bucket_shift = shift;
   h->num_buckets = (uint32_t)(h->total_tasks >> shift) + 1;
   /* Entries of T tasks each (the layers of one shape, the usual blob) need
-   * no table: t / T by a multiplier, exact for t < 2^32 / T as for the
-   * slices (set_slices), so for every task when total_tasks * T <= 2^32. */
+   * no table: t / T by a multiplier, where exact for every task. */
   h->entry_tasks_magic = 0;
-  uint64_t per = h->num_entries ? h->total_tasks / h->num_entries : 0, bound;
-  int uniform = per > 1 && per * h->num_entries == h->total_tasks && kvf_mul_u64(h->total_tasks, per, &bound) &&
-                bound <= ((uint64_t)1 << 32);
+  uint64_t per = h->num_entries ? h->total_tasks / h->num_entries : 0;
+  int uniform = per * h->num_entries == h->total_tasks && multiplier_exact(per, h->total_tasks);
   for (uint32_t i = 0; uniform && i < h->num_entries; i++) uniform = e[i].first_task == i * per;
-  if (uniform) h->entry_tasks_magic = UINT32_MAX / (uint32_t)per + 1;
+  if (uniform) h->entry_tasks_magic = multiplier_of(per);
   uint32_t at = 0;
   for (uint32_t i = 0; i < h->num_buckets; i++) {
     uint64_t task = (uint64_t)i << shift;

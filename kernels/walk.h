@@ -267,6 +267,11 @@ KVF_WALK_FN void prefetch_line(const char *p) {
 #endif
 }
 
+// t / d by the multiplier m = ceil(2^32 / d) the blob carries for d
+// (kernels/plan.c, multiplier_exact: the build sets one only where it is
+// exact, and there t < 2^32).
+KVF_WALK_FN uint64_t mul_div(uint64_t t, uint32_t m) { return ((uint64_t)(uint32_t)t * m) >> 32; }
+
 // 64-bit quotient, through 32 bits when both fit (one block's decode).
 KVF_WALK_FN uint64_t div64(uint64_t a, uint64_t b) {
   if (((a | b) >> 32) == 0) return (uint32_t)a / (uint32_t)b;
@@ -429,16 +434,14 @@ KVF_WALK_FN void run_warp(const char *blob, uint64_t warp, uint64_t warps, uint3
   while (t < t1) {
     // The entry holding task t: forward from the table's (or the last) one.
     // Its fields are read with the next entry's first task, not after it.
-    if (entry_magic) e = (uint32_t)(((uint64_t)(uint32_t)t * entry_magic) >> 32);
+    if (entry_magic) e = (uint32_t)mul_div(t, entry_magic);
     const kvf_blob_entry *x = &entries[e];
     if (!entry_magic)
       while (e + 1 < n && entries[e + 1].first_task <= t) x = &entries[++e];
     // The block of the entry's local task, by the entry's multiplier where
     // it has one (kvf_blob_entry.slices_magic: exact for all its tasks).
     const uint64_t slices = x->slices, local = t - x->first_task;
-    const uint64_t j = slices == 1         ? local
-                       : x->slices_magic ? ((uint64_t)(uint32_t)local * x->slices_magic) >> 32
-                                         : div64(local, slices);
+    const uint64_t j = slices == 1 ? local : x->slices_magic ? mul_div(local, x->slices_magic) : div64(local, slices);
     const uint64_t s = local - j * slices;
     // This block's remaining slices, up to the warp's last task.
     const uint64_t next = min64(t1, x->first_task + (j + 1) * slices);
