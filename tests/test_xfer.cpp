@@ -1208,8 +1208,9 @@ struct PlanHolder {
   ~PlanHolder() { kvf_plan_free(&p); }
 };
 
-// The blob tests' common start: a preset's standard request over gather
-// inputs (seed + 1 draws them), planned for the canonical format.
+// The blob tests' common start: a preset's standard request over inputs for
+// `dir` (seed + 1 draws them), planned for `format` (a canonical request
+// passes a padded table, a native one a table cut to the range).
 struct PresetRequest {
   Prepared s;
   PlanHolder plan;
@@ -1217,12 +1218,13 @@ struct PresetRequest {
   std::unique_ptr<Req> r;
 };
 
-void prepare_request(const std::string &preset, uint64_t seed, PresetRequest *out) {
-  ASSERT_NO_FATAL_FAILURE(setup_standard(preset, true, seed, &out->s));
-  ASSERT_EQ(kvf_plan_build(out->s.g(), KVF_FORMAT_CANONICAL, &out->plan.p), KVF_SUCCESS) << kvf_last_error();
+void prepare_request(const std::string &preset, uint64_t seed, PresetRequest *out,
+                     kvf_object_format format = KVF_FORMAT_CANONICAL, Dir dir = Dir::Gather) {
+  ASSERT_NO_FATAL_FAILURE(setup_standard(preset, format == KVF_FORMAT_CANONICAL, seed, &out->s));
+  ASSERT_EQ(kvf_plan_build(out->s.g(), format, &out->plan.p), KVF_SUCCESS) << kvf_last_error();
   std::mt19937_64 rng(seed + 1);
-  out->in = make_inputs(out->s.g(), out->s.plan, Dir::Gather, 0, rng);
-  out->r = std::make_unique<Req>(out->s.plan, KVF_FORMAT_CANONICAL, payloads(out->in.cache), payloads(out->in.objs));
+  out->in = make_inputs(out->s.g(), out->s.plan, dir, 0, rng);
+  out->r = std::make_unique<Req>(out->s.plan, format, payloads(out->in.cache), payloads(out->in.objs));
 }
 
 // A chunked request (setup_chunks) with its canonical plan, on fake region
@@ -1602,15 +1604,12 @@ TEST_P(XferWalk, WarpWalkMatchesTheReference) {
 TEST_P(XferWalk, GatherPrefetchesOnlyCacheBytes) {
   const HostCase &c = GetParam();
   const bool gather = c.dir == Dir::Gather;
-  uint64_t seed = seed_of(c.preset, 991 + (uint64_t)c.format * 2 + (uint64_t)c.dir);
-  Prepared s;
-  ASSERT_NO_FATAL_FAILURE(setup_standard(c.preset, c.format == KVF_FORMAT_CANONICAL, seed, &s));
-  const kvf_geometry *g = s.g();
-  PlanHolder plan;
-  ASSERT_EQ(kvf_plan_build(g, c.format, &plan.p), KVF_SUCCESS) << kvf_last_error();
-  std::mt19937_64 rng(seed);
-  Data got = make_inputs(g, s.plan, c.dir, 0, rng);
-  Req r(s.plan, c.format, payloads(got.cache), payloads(got.objs));
+  const uint64_t seed = seed_of(c.preset, 991 + (uint64_t)c.format * 2 + (uint64_t)c.dir);
+  PresetRequest pr;
+  ASSERT_NO_FATAL_FAILURE(prepare_request(c.preset, seed, &pr, c.format, c.dir));
+  const kvf_geometry *g = pr.s.g();
+  const PlanHolder &plan = pr.plan;
+  const Req &r = *pr.r;
   static std::vector<const char *> *asked;
   std::vector<const char *> lines;
   asked = &lines;
