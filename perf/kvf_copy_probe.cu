@@ -13,10 +13,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdio>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "probe_util.cuh"
@@ -107,16 +105,7 @@ void report(const char *what, size_t bytes, double us, double memcpy_us) {
 }  // namespace
 
 int main(int argc, char **argv) {
-  for (int i = 1; i < argc; i++) {
-    if (strcmp(argv[i], "--json") != 0 || i + 1 >= argc) {
-      fprintf(stderr, "usage: kvf_copy_probe [--json FILE]\n");
-      return 2;
-    }
-    if (!(g_json = fopen(argv[++i], "w"))) {
-      fprintf(stderr, "kvf_copy_probe: %s: %s\n", argv[i], strerror(errno));
-      return 1;
-    }
-  }
+  if (int rc = probe_args(argc, argv, "kvf_copy_probe", &g_json)) return rc;
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaStream_t s;

@@ -17,7 +17,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -104,16 +103,7 @@ template <int N> void both(const char *label, size_t bytes, const uint4 *a, uint
 }  // namespace
 
 int main(int argc, char **argv) {
-  for (int i = 1; i < argc; i++) {
-    if (strcmp(argv[i], "--json") != 0 || i + 1 >= argc) {
-      fprintf(stderr, "usage: kvf_param_probe [--json FILE]\n");
-      return 2;
-    }
-    if (!(g_json = fopen(argv[++i], "w"))) {
-      fprintf(stderr, "kvf_param_probe: %s: %s\n", argv[i], strerror(errno));
-      return 1;
-    }
-  }
+  if (int rc = probe_args(argc, argv, "kvf_param_probe", &g_json)) return rc;
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   uint4 *a, *b;

@@ -1,15 +1,18 @@
 /* perf/probe_util.cuh - what the standalone probes (kvf_param_probe,
- * kvf_hop_probe) share: a CUDA call checked with the failing expression
- * named, and a kernel that holds a stream for a while so the reps queued
- * behind it run back to back with their host enqueue hidden. */
+ * kvf_hop_probe, kvf_copy_probe) share: a CUDA call checked with the
+ * failing expression named, a kernel that holds a stream for a while so the
+ * reps queued behind it run back to back with their host enqueue hidden,
+ * and their one option, --json FILE. */
 #ifndef KVF_PERF_PROBE_UTIL_CUH
 #define KVF_PERF_PROBE_UTIL_CUH
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #define CK(x)                                                                              \
@@ -20,6 +23,22 @@
       exit(1);                                                                             \
     }                                                                                      \
   } while (0)
+
+/* The probe's arguments: nothing, or --json FILE (opened for writing into
+ * *json). Returns 0, or the exit status after saying what was wrong. */
+static inline int probe_args(int argc, char **argv, const char *name, FILE **json) {
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--json") != 0 || i + 1 >= argc) {
+      fprintf(stderr, "usage: %s [--json FILE]\n", name);
+      return 2;
+    }
+    if (!(*json = fopen(argv[++i], "w"))) {
+      fprintf(stderr, "%s: %s: %s\n", name, argv[i], strerror(errno));
+      return 1;
+    }
+  }
+  return 0;
+}
 
 /* Spins one thread for ns nanoseconds of the GPU's global timer. */
 static __global__ void spin_kernel(unsigned long long ns) {
