@@ -58,6 +58,7 @@ struct kvf_xfer {
   kvf_xfer_tuning tune;
   kvf_xfer_stats last;
   kvf_xfer_path_info path; /* how the last successful call moved its bytes */
+  uint64_t planned_ns;     /* when the call in progress made its first enqueue (0: not yet) */
   void *host_blob;         /* tables built on the host: the host backend's, and those launched in kernel parameters */
   size_t host_blob_cap;
 #ifdef KVF_WITH_CUDA
@@ -794,6 +795,7 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
   if (fit == 0) return KVF_ERR_UNSUPPORTED;
   uint64_t calls = 0;
   size_t enqueued = 0;
+  x->planned_ns = kvf_now_ns();
   cudaError_t e = ramped_batch_copy(x, dst, src, sizes, count, stream, &calls, &enqueued);
   free(dst);
   free(src);
@@ -1379,6 +1381,7 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
   /* Enqueue. The copy-engine stream forks from the caller's stream (it sees
    * everything enqueued before this call) and joins it at the end. bi ends
    * as the batch whose enqueue was refused, or nb. */
+  x->planned_ns = kvf_now_ns();
   if (c.uploaded) {
     const launch *last = &c.launches[c.num_launches - 1];
     e = cudaMemcpyAsync(c.slot->device, c.slot->pinned, last->blob_off + last->blob_size, cudaMemcpyHostToDevice,
@@ -1512,6 +1515,7 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
   kvf_blob_header *h = x->host_blob;
   int kernel = kernel_of(x, route, ctas, h->payload_bytes);
   h->cache_order = launch_cache_order(x, route, gather, kernel);
+  x->planned_ns = kvf_now_ns();
   const size_t size = (size_t)h->size;
   if (fits_params(x, size)) {
     int overlap = launch_overlap(x, route, ctas, kernel);
@@ -1710,6 +1714,7 @@ static kvf_status transfer(kvf_xfer *x, const kvf_copy_request *request, kvf_str
   kvf_status st = kvf_copy_request_check_local(x->geometry, request, &local);
   if (st) return st;
   pthread_mutex_lock(&x->lock);
+  x->planned_ns = 0;
   if (x->device == KVF_DEVICE_HOST) {
     st = run_host(x, r, gather);
   } else {
@@ -1724,7 +1729,11 @@ static kvf_status transfer(kvf_xfer *x, const kvf_copy_request *request, kvf_str
     st = kvf_fail(KVF_ERR_NO_DRIVER, "this build of kvferry has no CUDA");
 #endif
   }
-  if (st == KVF_SUCCESS) x->path.host_us = (double)(kvf_now_ns() - t0) / 1e3;
+  if (st == KVF_SUCCESS) {
+    uint64_t t1 = kvf_now_ns();
+    x->path.host_us = (double)(t1 - t0) / 1e3;
+    x->path.plan_us = (double)((x->planned_ns ? x->planned_ns : t1) - t0) / 1e3;
+  }
   pthread_mutex_unlock(&x->lock);
   return st;
 }

@@ -233,6 +233,7 @@ typedef struct kvf_xfer_path_info {
   uint64_t straight_runs;  /* of those, runs a staged call's copy engine moves straight (KVF_XFER_STAGE_STRAIGHT_KB) */
   uint32_t slice_bytes;    /* task size of the (last) launch */
   double host_us;          /* host time of the call, from entering to returning */
+  double plan_us;          /* of host_us, the part before its first enqueue: checks, route, tables, runs */
 } kvf_xfer_path_info;
 
 const char *kvf_xfer_path_name(kvf_xfer_path path);
