@@ -1958,6 +1958,22 @@ TEST(XferStraight, BatchRunsLeaveNothingToFreeWhenTheyDoNotFit) {
       free(dst);
       free(src);
       free(size);
+      // The merge stops at the first run past max_runs: exactly the merged
+      // count fits, one fewer is refused.
+      for (uint64_t max_runs : {(uint64_t)count, (uint64_t)count - 1}) {
+        SCOPED_TRACE("max_runs " + std::to_string(max_runs) + " of " + std::to_string(count) + " runs");
+        size_t again = 0;
+        int edge = kvf_stage_batch_runs(blob.data(), gather, 0, max_runs, &dst, &src, &size, &again);
+        EXPECT_EQ(edge, max_runs == count ? 1 : 0);
+        if (edge == 1) {
+          EXPECT_EQ(again, count);
+        } else {
+          EXPECT_EQ(dst, nullptr);
+        }
+        free(dst);
+        free(src);
+        free(size);
+      }
     }
   }
 }

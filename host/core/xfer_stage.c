@@ -368,23 +368,34 @@ int kvf_stage_batch_runs(const void *blob, int gather, uint64_t min_run, uint64_
   const kvf_blob_entry *entries = kvf_blob_entries(blob);
   for (uint32_t i = 0; i < h->num_shapes; i++)
     if (!kvf_blob_shape_linear(&kvf_blob_shapes(blob)[i])) return 0;
-  uint64_t n = kvf_blob_blocks(blob, NULL, 0);
-  /* Refused before any array when the blocks are more than four times
-   * max_runs (merging seldom brings that many under it); the test says
-   * n > 4 * max_runs without the product, which a large max_runs wraps. */
-  if (n == 0 || (n - 1) / 4 >= max_runs) return 0;
-  kvf_blob_block *b = malloc(sizeof *b * n);
-  *dst = malloc(sizeof **dst * n);
-  *src = malloc(sizeof **src * n);
-  *size = malloc(sizeof **size * n);
-  if (!b || !*dst || !*src || !*size) {
+  if (max_runs == 0) return 0;
+  /* Requests of more than four times max_runs blocks are refused (merging
+   * seldom brings that many under it), so one decode into room for that
+   * many tells the count and gives the blocks: no counting pass first. The
+   * bound is computed without a product a large max_runs would wrap. */
+  uint64_t room = max_runs > (UINT64_MAX - 1) / 4 ? UINT64_MAX : 4 * max_runs + 1;
+  uint64_t cap = h->total_tasks < room ? h->total_tasks : room; /* a block holds one task at least */
+  if (cap == 0) return 0;
+  kvf_blob_block *b = malloc(sizeof *b * cap);
+  if (!b) return -1;
+  uint64_t n = kvf_blob_blocks(blob, b, cap);
+  if (n == 0 || n > room - 1) {
+    free(b);
+    return 0;
+  }
+  uint64_t runs_room = max_runs < n ? max_runs + 1 : n;
+  *dst = malloc(sizeof **dst * runs_room);
+  *src = malloc(sizeof **src * runs_room);
+  *size = malloc(sizeof **size * runs_room);
+  if (!*dst || !*src || !*size) {
     free(b);
     free_runs(dst, src, size);
     return -1;
   }
-  kvf_blob_blocks(blob, b, n);
   size_t m = 0;
-  uint64_t shortest = UINT64_MAX;
+  /* Merge runs that continue each other on both sides; stop as soon as
+   * there are more than max_runs (a 32-layer Llama chunk's 1024 blocks
+   * are refused at the 257th run instead of after all of them). */
   for (uint64_t i = 0; i < n; i++) {
     size_t bytes = (size_t)(b[i].units * kvf_blob_shape_of(blob, &entries[b[i].entry])->vec);
     char *from = gather ? b[i].cache : b[i].object, *to = gather ? b[i].object : b[i].cache;
@@ -392,29 +403,30 @@ int kvf_stage_batch_runs(const void *blob, int gather, uint64_t min_run, uint64_
       (*size)[m - 1] += bytes;
       continue;
     }
+    if (m == runs_room) break; /* more than max_runs */
     (*src)[m] = from;
     (*dst)[m] = to;
     (*size)[m] = bytes;
     m++;
   }
-  for (size_t i = 0; i < m; i++)
-    if ((*size)[i] < shortest) shortest = (*size)[i];
   free(b);
+  if (m > max_runs) {
+    free_runs(dst, src, size);
+    return 0;
+  }
   /* A partial last block's run is short by nature: judge the runs by the
    * second shortest when there is more than one. */
-  if (m > 1) {
-    uint64_t second = UINT64_MAX;
-    int skipped = 0;
-    for (size_t i = 0; i < m; i++) {
-      if (!skipped && (*size)[i] == shortest) {
-        skipped = 1;
-        continue;
-      }
-      if ((*size)[i] < second) second = (*size)[i];
+  uint64_t shortest = UINT64_MAX, second = UINT64_MAX;
+  for (size_t i = 0; i < m; i++) {
+    uint64_t r = (*size)[i];
+    if (r < shortest) {
+      second = shortest;
+      shortest = r;
+    } else if (r < second) {
+      second = r;
     }
-    shortest = second;
   }
-  if (shortest < min_run || m > max_runs) {
+  if ((m > 1 ? second : shortest) < min_run) {
     free_runs(dst, src, size);
     return 0;
   }
