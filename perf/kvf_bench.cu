@@ -182,7 +182,7 @@ void usage(FILE *f) {
           "                            keys: pieces, growth, dma_batch, param_bytes, task_bytes, task_waves, device_task_waves,\n"
           "                            batch_min_run, batch_max_runs, batch_first_runs, stage_sms, pcie_sms, staging_mb, kernel,\n"
           "                            small_stage_mb, small_stage_growth, edge_mb, multi_pieces,\n"
-          "                            straight_kb, straight_min_run, spread_kb, cache_order, overlap\n"
+          "                            straight_kb, straight_min_run, spread_kb, cache_order, overlap, defer\n"
           "                            (host/core/xfer_internal.h),\n"
           "                            cap (the context's max_sms). Variants are checked like every contender.\n"
           "  --enqueue-reps N          synchronized calls timing the host enqueue of each kvferry entry (default 15;\n"
@@ -974,6 +974,7 @@ void apply_tune(const std::string &spec, kvf_xfer_tuning *t, int *cap) {
     else if (k == "spread_kb") t->spread_kb = v;
     else if (k == "cache_order") t->cache_order = v;
     else if (k == "overlap") t->overlap = v;
+    else if (k == "defer") t->defer = v;
     else if (k == "cap") *cap = (int)v;
     else throw BenchError("--tune: unknown key '" + k + "'");
   }
@@ -1285,7 +1286,7 @@ void write_kvf(JsonWriter &j, const std::vector<KvfResult> &kr, uint64_t payload
           .kv("cache_order", r.path.cache_order).kv("uploads", r.path.uploads).kv("batches", r.path.batches);
       j.kv("pieces", r.path.pieces).kv("dma_ops", r.path.dma_ops).kv("dma_runs", r.path.dma_runs);
       j.kv("straight_runs", r.path.straight_runs);
-      j.kv("slice_bytes", r.path.slice_bytes).kv("host_us", r.path.host_us).kv("plan_us", r.path.plan_us).end_object();
+      j.kv("slice_bytes", r.path.slice_bytes).kv("host_us", r.path.host_us).kv("plan_us", r.path.plan_us).kv("deferred", r.path.deferred).end_object();
     }
     if (std::isfinite(r.enqueue_alone_us)) j.kv("enqueue_alone_us", r.enqueue_alone_us).kv("enqueue_alone_p90_us", r.enqueue_alone_p90_us);
     j.kv("output_checked", r.checked);

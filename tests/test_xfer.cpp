@@ -463,6 +463,14 @@ kvf_xfer_stats stats_of(const kvf_xfer *x) {
 // ---- host backend ------------------------------------------------------------
 
 // Runs one host-backend case and compares it with the reference.
+// Turn deferred calls (KVF_XFER_DEFER) on or off for a context.
+void set_defer(kvf_xfer *x, int defer) {
+  kvf_xfer_tuning t;
+  kvf_xfer_get_tuning(x, &t);
+  t.defer = defer;
+  ASSERT_EQ(kvf_xfer_set_tuning(x, &t), KVF_SUCCESS) << kvf_last_error();
+}
+
 void run_host_case(const kvf_geometry *g, const Plan &p, kvf_object_format fmt, Dir dir, uint32_t threads,
                    size_t misalign, uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -788,6 +796,32 @@ TEST(XferHost, MoreThreadsThanWork) {
   }
 }
 
+// Deferred calls (KVF_XFER_DEFER) are a CUDA device's: the host backend's
+// calls stay synchronous (the bytes are there when the call returns), and
+// kvf_xfer_flush has nothing to wait for or report.
+TEST(XferHost, DeferredCallsStaySynchronousOnTheHostBackend) {
+  GeometryPtr g = load_preset("llama-3.1-8b-fa-nhd", 8);
+  ASSERT_TRUE(g);
+  Plan p;
+  p.token_begin = 0;
+  p.token_end = 48;
+  p.ids = {{5, 2, 7}};
+  p.first_block = {0};
+  std::mt19937_64 rng(131);
+  Data in = make_inputs(g.get(), p, Dir::Gather, 0, rng), want = clone(in);
+  ASSERT_EQ(reference(g.get(), p, KVF_FORMAT_CANONICAL, Dir::Gather, want), KVF_SUCCESS) << kvf_last_error();
+  XferPtr x = make_xfer(g.get(), KVF_DEVICE_HOST);
+  ASSERT_TRUE(x);
+  ASSERT_NO_FATAL_FAILURE(set_defer(x.get(), 1));
+  Data got = clone(in);
+  Req r(p, KVF_FORMAT_CANONICAL, payloads(got.cache), payloads(got.objs));
+  ASSERT_EQ(kvf_xfer_gather(x.get(), r.get(), nullptr), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(diff("object", got.objs, want.objs), "");
+  EXPECT_EQ(kvf_xfer_flush(x.get()), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(kvf_xfer_flush(nullptr), KVF_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvf_last_error()).find("kvf_xfer_flush"), std::string::npos) << kvf_last_error();
+}
+
 // Every block skipped: nothing moves, so no object is needed and `objects`
 // may be NULL (kvf_copy_request_check accepts it). The launch blob must not
 // read the missing array.
@@ -1057,6 +1091,7 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_EQ(t.device_task_waves, 1);
   EXPECT_EQ(t.batch_first_runs, 8);
   EXPECT_EQ(t.small_stage_growth, 4);
+  EXPECT_EQ(t.defer, 0);
   GeometryPtr g = load_preset("llama-3.1-8b-fa-nhd", 4);
   ASSERT_TRUE(g) << kvf_last_error();
   XferPtr x = make_xfer(g.get(), KVF_DEVICE_HOST);
@@ -1090,6 +1125,8 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_first_runs = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.small_stage_growth = 0; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.small_stage_growth = 17; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.defer = 2; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.defer = -1; }));
   kvf_xfer_tuning ok = base;
   ok.stage_edge_mb = 0;
   ok.stage_multi_pieces = 0;
@@ -1097,6 +1134,7 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   ok.stage_straight_min_run = 0;
   ok.batch_first_runs = 0;
   ok.small_stage_growth = 16;
+  ok.defer = 1;
   EXPECT_EQ(kvf_xfer_set_tuning(x.get(), &ok), KVF_SUCCESS) << kvf_last_error();
 }
 
@@ -2473,6 +2511,11 @@ struct RouteVariant {
 };
 
 const RouteVariant kRouteVariants[] = {
+    // The default routes, each call planned and enqueued by the context's
+    // thread (KVF_XFER_DEFER); the request's arrays are scrubbed as soon as
+    // the call returns, before the thread reads them (it reads its copy).
+    {"deferred", false, [](kvf_xfer_tuning &t) { t.defer = 1; },
+     [](const kvf_xfer_path_info &p, Mem) { EXPECT_EQ(p.deferred, 1u) << "the call ran on the caller's thread"; }},
     {"upload", false,
      [](kvf_xfer_tuning &t) {
        t.param_bytes = 0;
@@ -2938,16 +2981,24 @@ TEST(XferGpu, PageableHostMemoryIsRefused) {
     Mem cache, objs;
     const char *field;
   };
+  // Deferred, the context's thread finds it: kvf_xfer_flush names the field.
+  for (int defer : {0, 1})
   for (Variant v : {Variant{Mem::Device, Mem::Pageable, "objects"}, Variant{Mem::Pageable, Mem::Device, "region_bases"}})
     for (Dir d : {Dir::Gather, Dir::Scatter}) {
-      SCOPED_TRACE(std::string(dir_name(d)) + ", pageable " + v.field);
+      SCOPED_TRACE(std::string(dir_name(d)) + ", pageable " + v.field + (defer ? ", deferred" : ""));
+      ASSERT_NO_FATAL_FAILURE(set_defer(x.get(), defer));
       Data live = make_inputs(s.g(), s.plan, d, 0, rng);
       DevSet dcache, dobjs;
       ASSERT_NO_FATAL_FAILURE(upload_new(live.cache, v.cache, 0, &dcache));
       ASSERT_NO_FATAL_FAILURE(upload_new(live.objs, v.objs, 0, &dobjs));
       Req r(s.plan, KVF_FORMAT_CANONICAL, dcache.payloads(), dobjs.payloads());
       ASSERT_EQ(kvf_copy_request_check(s.g(), r.get()), KVF_SUCCESS) << "the request is otherwise valid";
-      EXPECT_EQ(call(x.get(), d, r.get(), stream.s), KVF_ERR_INVALID_ARGUMENT);
+      kvf_status st = call(x.get(), d, r.get(), stream.s);
+      if (defer) {
+        EXPECT_EQ(st, KVF_SUCCESS) << kvf_last_error();
+        st = kvf_xfer_flush(x.get());
+      }
+      EXPECT_EQ(st, KVF_ERR_INVALID_ARGUMENT);
       std::string msg = kvf_last_error();
       EXPECT_NE(msg.find(v.field), std::string::npos) << "the message should name " << v.field << ": " << msg;
       CUDA_OK(cudaStreamSynchronize(stream.s));
@@ -2969,8 +3020,11 @@ struct Graph {
   }
 };
 
-void graph_case(Dir dir, bool upload_tables) {
+// With deferred calls on, a call on a capturing stream runs synchronously
+// (the context's thread is started by a call before the capture).
+void graph_case(Dir dir, bool upload_tables, int defer) {
   SCOPED_TRACE(upload_tables ? "tables uploaded" : "tables in kernel parameters");
+  SCOPED_TRACE(defer ? "deferred calls on" : "deferred calls off");
   Prepared s;
   ASSERT_NO_FATAL_FAILURE(setup_standard("glm-like-hybrid", true, 71 + (uint64_t)dir, &s, true));
   const kvf_geometry *g = s.g();
@@ -2993,6 +3047,14 @@ void graph_case(Dir dir, bool upload_tables) {
   }
   Stream stream;
   Graph graph;
+  if (defer) {
+    ASSERT_NO_FATAL_FAILURE(set_defer(x.get(), 1));
+    Req warm(s.plan, KVF_FORMAT_CANONICAL, dcache.payloads(), dobjs.payloads());
+    ASSERT_EQ(call(x.get(), dir, warm.get(), stream.s), KVF_SUCCESS) << kvf_last_error();
+    CUDA_OK(cudaStreamSynchronize(stream.s));
+    ASSERT_NO_FATAL_FAILURE(upload(in1.cache, dcache));
+    ASSERT_NO_FATAL_FAILURE(upload(in1.objs, dobjs));
+  }
 
   CUDA_OK(cudaStreamBeginCapture(stream.s, cudaStreamCaptureModeGlobal));
   auto r = std::make_unique<Req>(s.plan, KVF_FORMAT_CANONICAL, dcache.payloads(), dobjs.payloads());
@@ -3030,12 +3092,14 @@ void graph_case(Dir dir, bool upload_tables) {
 
 TEST(XferGpu, GatherCapturedInAGraphReplaysTwice) {
   REQUIRE_GPU();
-  for (bool upload : {false, true}) graph_case(Dir::Gather, upload);
+  for (int defer : {0, 1})
+    for (bool upload : {false, true}) graph_case(Dir::Gather, upload, defer);
 }
 
 TEST(XferGpu, ScatterCapturedInAGraphReplaysTwice) {
   REQUIRE_GPU();
-  for (bool upload : {false, true}) graph_case(Dir::Scatter, upload);
+  for (int defer : {0, 1})
+    for (bool upload : {false, true}) graph_case(Dir::Scatter, upload, defer);
 }
 
 // Host objects while capturing: neither the batch API nor the staged route
@@ -3087,8 +3151,11 @@ TEST(XferGpu, CallDoesNotSynchronize) {
   Prepared s;
   ASSERT_NO_FATAL_FAILURE(setup_standard("gpt-oss-20b-like", true, 81, &s, true));
   const kvf_geometry *g = s.g();
+  // Deferred calls (KVF_XFER_DEFER) too: the context's thread must wait for
+  // the spin and the copies behind it as the stream does.
+  for (int defer : {0, 1})
   for (Dir dir : {Dir::Gather, Dir::Scatter}) {
-    SCOPED_TRACE(dir_name(dir));
+    SCOPED_TRACE(std::string(dir_name(dir)) + (defer ? ", deferred" : ""));
     std::mt19937_64 rng(82 + (uint64_t)dir);
     Data old_in = make_inputs(g, s.plan, dir, 0, rng);
     Data in = make_inputs(g, s.plan, dir, 0, rng), want = clone(in);
@@ -3100,6 +3167,7 @@ TEST(XferGpu, CallDoesNotSynchronize) {
     ASSERT_NO_FATAL_FAILURE(upload_new(in.objs, Mem::Device, 0, &staged_objs));
     XferPtr x = make_xfer(g, 0);
     ASSERT_TRUE(x);
+    ASSERT_NO_FATAL_FAILURE(set_defer(x.get(), defer));
     Stream stream;
     // Warm up (module loading, first-call allocations), then start from old_in.
     {
@@ -3138,6 +3206,7 @@ TEST(XferGpu, CallDoesNotSynchronize) {
     ASSERT_NO_FATAL_FAILURE(download(dobjs, got.objs));
     EXPECT_EQ(diff("cache region", got.cache, want.cache), "");
     EXPECT_EQ(diff("object", got.objs, want.objs), "");
+    EXPECT_EQ(kvf_xfer_flush(x.get()), KVF_SUCCESS) << kvf_last_error();
   }
 }
 
@@ -3264,8 +3333,12 @@ TEST(XferGpu, ConcurrentCallsFromThreadsOnOneContext) {
   constexpr int kThreads = 4;
   std::vector<DevSet> dobjs(kThreads);
   for (auto &d : dobjs) ASSERT_NO_FATAL_FAILURE(upload_new(in.objs, Mem::Device, 0, &d));
+  for (int defer : {0, 1}) {
+  SCOPED_TRACE(defer ? "deferred calls" : "synchronous calls");
   XferPtr x = make_xfer(s.g(), 0);
   ASSERT_TRUE(x);
+  ASSERT_NO_FATAL_FAILURE(set_defer(x.get(), defer));
+  for (auto &d : dobjs) ASSERT_NO_FATAL_FAILURE(upload(in.objs, d));
   std::vector<std::unique_ptr<Stream>> streams;
   for (int t = 0; t < kThreads; t++) streams.push_back(std::make_unique<Stream>());
   std::atomic<int> failures{0};
@@ -3283,6 +3356,50 @@ TEST(XferGpu, ConcurrentCallsFromThreadsOnOneContext) {
     Set got = clone(in.objs);
     ASSERT_NO_FATAL_FAILURE(download(dobjs[t], got));
     EXPECT_EQ(diff("object", got, want.objs), "") << "thread " << t;
+  }
+  EXPECT_EQ(kvf_xfer_flush(x.get()), KVF_SUCCESS) << kvf_last_error();
+  }
+}
+
+// Deferred calls (KVF_XFER_DEFER) made just before their context is
+// destroyed, queued behind a kernel and more of them than one context
+// queues before posting waits (KVF_DEFER_DEPTH): destroy lets its thread
+// enqueue every one, the caller's stream is released in order, and every
+// call's bytes arrive. A second context then takes the counter word the
+// first gave back, with its value: counting from zero again would release
+// its calls' waits at once, before their work (the stream synchronize
+// below would return early and the objects would hold their poison).
+TEST(XferGpu, DeferredCallsMadeJustBeforeDestroyComplete) {
+  REQUIRE_GPU();
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_standard("glm-like-hybrid", true, 121, &s, true));
+  std::mt19937_64 rng(122);
+  Data in = make_inputs(s.g(), s.plan, Dir::Gather, 0, rng), want = clone(in);
+  ASSERT_EQ(reference(s.g(), s.plan, KVF_FORMAT_CANONICAL, Dir::Gather, want), KVF_SUCCESS);
+  DevSet dcache;
+  ASSERT_NO_FATAL_FAILURE(upload_new(in.cache, Mem::Device, 0, &dcache));
+  constexpr int kCalls = 40;
+  std::vector<DevSet> dobjs(kCalls);
+  for (auto &d : dobjs) ASSERT_NO_FATAL_FAILURE(upload_new(in.objs, Mem::Pinned, 0, &d));
+  Stream stream;
+  for (int round = 0; round < 2; round++) {
+    SCOPED_TRACE("context " + std::to_string(round + 1));
+    for (auto &d : dobjs) ASSERT_NO_FATAL_FAILURE(upload(in.objs, d));
+    XferPtr x = make_xfer(s.g(), 0);
+    ASSERT_TRUE(x);
+    ASSERT_NO_FATAL_FAILURE(set_defer(x.get(), 1));
+    CUDA_OK(kvf_test_spin(stream.s, 50));
+    for (int i = 0; i < kCalls; i++) {
+      Req r(s.plan, KVF_FORMAT_CANONICAL, dcache.payloads(), dobjs[i].payloads());
+      ASSERT_EQ(kvf_xfer_gather(x.get(), r.get(), stream.s), KVF_SUCCESS) << kvf_last_error();
+    }
+    x.reset();
+    CUDA_OK(cudaStreamSynchronize(stream.s));
+    for (int i = 0; i < kCalls; i++) {
+      Set got = clone(in.objs);
+      ASSERT_NO_FATAL_FAILURE(download(dobjs[i], got));
+      EXPECT_EQ(diff("object", got, want.objs), "") << "call " << i;
+    }
   }
 }
 
@@ -3347,8 +3464,11 @@ TEST(XferGpu, StagedCallRefusedAtABatchKeepsTheBatchesBeforeIt) {
   const std::pair<Dir, kvf_object_format> kCases[] = {{Dir::Gather, KVF_FORMAT_CANONICAL},
                                                       {Dir::Scatter, KVF_FORMAT_NATIVE},
                                                       {Dir::Gather, KVF_FORMAT_NATIVE}};
+  // Deferred (KVF_XFER_DEFER): the call returns KVF_SUCCESS, the context's
+  // thread meets the refusal, and kvf_xfer_flush reports it; the rest holds.
+  for (int defer : {0, 1})
   for (auto [dir, fmt] : kCases) {
-    SCOPED_TRACE(std::string(dir_name(dir)) + ", " + format_name(fmt));
+    SCOPED_TRACE(std::string(dir_name(dir)) + ", " + format_name(fmt) + (defer ? ", deferred" : ""));
     const bool gather = dir == Dir::Gather;
     std::mt19937_64 rng(102 + (uint64_t)dir * 2 + (uint64_t)fmt);
     Data in = make_inputs(g, s.plan, dir, 0, rng), want = clone(in);
@@ -3363,6 +3483,7 @@ TEST(XferGpu, StagedCallRefusedAtABatchKeepsTheBatchesBeforeIt) {
       kvf_xfer_tuning t;  // the staged route, not the copy-engine batch API
       kvf_xfer_get_tuning(x.get(), &t);
       t.batch_max_runs = 0;
+      t.defer = defer;
       ASSERT_EQ(kvf_xfer_set_tuning(x.get(), &t), KVF_SUCCESS);
     }
     Stream stream;
@@ -3413,6 +3534,15 @@ TEST(XferGpu, StagedCallRefusedAtABatchKeepsTheBatchesBeforeIt) {
       st = call(x.get(), dir, r->get(), stream.s);
       msg = kvf_last_error();
       r->scrub();
+      if (defer) {
+        EXPECT_EQ(st, KVF_SUCCESS) << "a deferred call returns before it is planned: " << msg;
+        st = kvf_xfer_flush(x.get());  // inside the hook's scope: the thread may not have reached it yet
+        msg = kvf_last_error();
+        // The context's second call (the first was the good one above).
+        std::string named = std::string("deferred ") + dir_name(dir) + " (call 2): staged ";
+        EXPECT_NE(msg.find(named), std::string::npos) << "message '" << msg << "' should say '" << named << "'";
+        EXPECT_EQ(kvf_xfer_flush(x.get()), KVF_SUCCESS) << "a flush reports an error once";
+      }
     }
     EXPECT_EQ(st, KVF_ERR_CUDA) << msg;
     std::string where = std::string("staged ") + dir_name(dir) + ": enqueueing batch 1 of " +

@@ -86,7 +86,9 @@ int kvf_cuda_driver_version(void);
   X(cuMemRetainAllocationHandle, "cuMemRetainAllocationHandle",                         \
     PFN_cuMemRetainAllocationHandle_v11000)                                             \
   X(cuMemGetAllocationPropertiesFromHandle, "cuMemGetAllocationPropertiesFromHandle",   \
-    PFN_cuMemGetAllocationPropertiesFromHandle_v10020)
+    PFN_cuMemGetAllocationPropertiesFromHandle_v10020)                                 \
+  X(cuStreamWaitValue64, "cuStreamWaitValue64", PFN_cuStreamWaitValue64_v11070)         \
+  X(cuStreamWriteValue64, "cuStreamWriteValue64", PFN_cuStreamWriteValue64_v11070)
 
 typedef struct kvf_cuda_table {
 #define KVF_CUDA_MEMBER_X(member, symbol, type) type member;

@@ -46,6 +46,21 @@ typedef struct retired {
   void *device;
   struct retired *next;
 } retired;
+
+/* Deferred calls posted and not yet enqueued by the context's thread, at
+ * most (posting waits for one to be enqueued beyond that). */
+#define KVF_DEFER_DEPTH 32
+
+/* A deferred call: the request with its own copy of the caller's arrays
+ * (the caller may reuse them once the call returns), which follow the
+ * struct in the same allocation. */
+typedef struct deferred {
+  struct deferred *next;
+  kvf_copy_request r;
+  int gather;
+  uint64_t seq;
+  cudaEvent_t start; /* recorded on the caller's stream when the call was made */
+} deferred;
 #endif
 
 struct kvf_xfer {
@@ -86,8 +101,63 @@ struct kvf_xfer {
    * bases are queried every call (host memory can be unregistered). */
   const void **region_seen; /* [num_regions] */
   unsigned char *region_kind;
+  /* Deferred calls (KVF_XFER_DEFER): the caller's thread checks and copies
+   * the request, records `start` on its stream and makes the stream wait
+   * until *done reaches the call's number; the context's thread plans and
+   * enqueues the call on defer_stream after `start`, then writes the number
+   * there. defer_mu guards the fields below; the thread holds `lock` while
+   * it plans and enqueues, as a synchronous call does. Posting threads go
+   * one at a time (defer_post_mu) and make their CUDA calls without
+   * defer_mu, which the thread needs to take its next call. */
+  int defer_on;              /* atomic copy of tune.defer, read by calls without `lock` */
+  pthread_mutex_t defer_post_mu;
+  pthread_mutex_t defer_mu;
+  pthread_cond_t defer_wake; /* a call was posted, or the thread must stop */
+  pthread_cond_t defer_room; /* an event came back, the thread went idle, or a hold ended */
+  int defer_state;           /* 0 not started, 1 running, -1 could not start (calls stay synchronous) */
+  int defer_stop, defer_busy;
+  int defer_posting;         /* a post has its number and is putting its event and wait on its stream */
+  uint32_t defer_holds;      /* synchronous calls waiting or running: posting waits for them */
+  pthread_t defer_thread;
+  struct deferred *defer_head, *defer_tail;
+  cudaEvent_t defer_events[KVF_DEFER_DEPTH];
+  uint32_t defer_free;       /* defer_events[0, defer_free) are in no posted call */
+  uint64_t defer_seq;        /* the number of the last call posted */
+  uint64_t defer_finished;   /* the number of the last call the thread enqueued (or failed) */
+  uint64_t defer_base;       /* the word's value when the thread started: call k is number base + k */
+  struct done_word *defer_word; /* holds defer_done */
+  uint64_t *defer_done;      /* mapped pinned word, the number of the last call whose work completed */
+  CUdeviceptr defer_done_dev;
+  cudaStream_t defer_stream;
+  kvf_status defer_status;   /* the first failure of a deferred call, until kvf_xfer_flush reports it */
+  char defer_message[512];
 #endif
 };
+
+#ifdef KVF_WITH_CUDA
+/* Wait (under defer_mu) until the thread has enqueued every call posted
+ * before this one began (a post under way counts as posted). Calls posted
+ * meanwhile are not waited for, so steady posting cannot starve it. */
+static void defer_wait_posted(kvf_xfer *x) {
+  while (x->defer_posting) pthread_cond_wait(&x->defer_room, &x->defer_mu);
+  uint64_t target = x->defer_seq;
+  while (x->defer_finished < target) pthread_cond_wait(&x->defer_room, &x->defer_mu);
+}
+#endif
+
+/* Let the context's thread enqueue every deferred call posted so far (what
+ * reads or changes what calls left behind waits for this first). */
+static void defer_drain(const kvf_xfer *cx) {
+#ifdef KVF_WITH_CUDA
+  kvf_xfer *x = (kvf_xfer *)cx;
+  if (x->device == KVF_DEVICE_HOST) return;
+  pthread_mutex_lock(&x->defer_mu);
+  if (x->defer_state == 1) defer_wait_posted(x);
+  pthread_mutex_unlock(&x->defer_mu);
+#else
+  (void)cx;
+#endif
+}
 
 /* ---- test hooks (host/core/xfer_internal.h) -------------------------------- */
 
@@ -141,7 +211,8 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
                          .cache_order = kvf_param_xfer_cache_order(),
                          .overlap = kvf_param_xfer_overlap(),
                          .small_stage_mb = kvf_param_xfer_small_stage_mb(),
-                         .small_stage_growth = kvf_param_xfer_small_stage_growth()};
+                         .small_stage_growth = kvf_param_xfer_small_stage_growth(),
+                         .defer = kvf_param_xfer_defer()};
   /* Out-of-range values from the environment fall back to the defaults'
    * behaviour rather than failing every call. */
   if (t->task_bytes < 16 || t->task_bytes > 65536 || t->task_bytes % 16) t->task_bytes = KVF_SLICE_BYTES;
@@ -159,6 +230,7 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
   if (t->cache_order < 0 || t->cache_order > 1) t->cache_order = 1;
   if (t->overlap < 0 || t->overlap > 1) t->overlap = 1;
   if (t->batch_first_runs < 0) t->batch_first_runs = 8;
+  if (t->defer < 0 || t->defer > 1) t->defer = 0;
 }
 
 kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
@@ -173,10 +245,14 @@ kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
       t->stage_straight_kb > (int64_t)KVF_STAGE_MAX_MB << 10 || t->stage_straight_min_run < 0 ||
       t->stage_straight_min_run > (int64_t)KVF_STAGE_MAX_MB << 20 || t->spread_kb < 0 ||
       t->spread_kb > KVF_SPREAD_MAX_KB || t->cache_order < 0 || t->cache_order > 1 || t->overlap < 0 ||
-      t->overlap > 1)
+      t->overlap > 1 || t->defer < 0 || t->defer > 1)
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_set_tuning: a value is out of range");
+  defer_drain(x);
   pthread_mutex_lock(&x->lock);
   x->tune = *t;
+#ifdef KVF_WITH_CUDA
+  __atomic_store_n(&x->defer_on, (int)t->defer, __ATOMIC_RELAXED);
+#endif
   pthread_mutex_unlock(&x->lock);
   return KVF_SUCCESS;
 }
@@ -199,6 +275,7 @@ const char *kvf_xfer_path_name(kvf_xfer_path path) {
 }
 
 void kvf_xfer_last_path(const kvf_xfer *x, kvf_xfer_path_info *out) {
+  defer_drain(x);
   pthread_mutex_lock((pthread_mutex_t *)&x->lock);
   *out = x->path;
   pthread_mutex_unlock((pthread_mutex_t *)&x->lock);
@@ -214,6 +291,13 @@ const char *kvf_xfer_route_name(kvf_xfer_route route) {
   case KVF_ROUTE_HOST_TO_HOST: return "h2h";
   }
   return "unknown";
+}
+
+/* The host time of a successful call, into the path info (under x->lock). */
+static void note_host_time(kvf_xfer *x, uint64_t t0) {
+  uint64_t t1 = kvf_now_ns();
+  x->path.host_us = (double)(t1 - t0) / 1e3;
+  x->path.plan_us = (double)((x->planned_ns ? x->planned_ns : t1) - t0) / 1e3;
 }
 
 /* ---- the host backend ------------------------------------------------------ */
@@ -281,6 +365,7 @@ static void run_on_cpu(const kvf_xfer *x, const void *blob) {
 #ifdef KVF_WITH_CUDA
 static kvf_status grow_stage(kvf_xfer *x, size_t need);
 static kvf_status grow_host_blob(kvf_xfer *x, size_t size);
+static void defer_stop(kvf_xfer *x);
 
 static uint64_t round256(uint64_t x) { return (x + 255) & ~(uint64_t)255; }
 
@@ -319,6 +404,13 @@ kvf_status kvf_xfer_create(const kvf_geometry *g, const kvf_xfer_options *option
   x->host_threads = opt->host_threads;
   kvf_xfer_tuning_from_params(&x->tune);
   pthread_mutex_init(&x->lock, NULL);
+#ifdef KVF_WITH_CUDA
+  x->defer_on = (int)x->tune.defer;
+  pthread_mutex_init(&x->defer_post_mu, NULL);
+  pthread_mutex_init(&x->defer_mu, NULL);
+  pthread_cond_init(&x->defer_wake, NULL);
+  pthread_cond_init(&x->defer_room, NULL);
+#endif
   kvf_xfer_stats stats = KVF_XFER_STATS_INIT;
   x->last = stats;
   kvf_status st;
@@ -426,6 +518,8 @@ void kvf_xfer_destroy(kvf_xfer *x) {
     int prev = 0;
     cudaGetDevice(&prev);
     cudaSetDevice(x->device);
+    /* Deferred calls are enqueued first, then waited for with the rest. */
+    defer_stop(x);
     /* Wait for this context's own calls only, then free what they read. */
     for (int i = 0; i < KVF_STAGING_SLOTS; i++) {
       staging *s = &x->slots[i];
@@ -462,6 +556,10 @@ void kvf_xfer_destroy(kvf_xfer *x) {
   }
   free(x->region_seen);
   free(x->region_kind);
+  pthread_mutex_destroy(&x->defer_post_mu);
+  pthread_mutex_destroy(&x->defer_mu);
+  pthread_cond_destroy(&x->defer_wake);
+  pthread_cond_destroy(&x->defer_room);
 #endif
   kvf_plan_free(&x->plan[0]);
   kvf_plan_free(&x->plan[1]);
@@ -472,6 +570,7 @@ void kvf_xfer_destroy(kvf_xfer *x) {
 
 kvf_status kvf_xfer_last_stats(const kvf_xfer *x, kvf_xfer_stats *out) {
   if (!x || !out) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_last_stats: NULL argument");
+  defer_drain(x);
   pthread_mutex_lock((pthread_mutex_t *)&x->lock);
   kvf_xfer_stats last = x->last;
   pthread_mutex_unlock((pthread_mutex_t *)&x->lock);
@@ -1681,7 +1780,350 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
   if (x->max_sms && x->max_sms < ctas) ctas = x->max_sms;
   return launch_one(x, r, gather, stream, route, ctas, capture);
 }
+
+
+
+/* ---- deferred calls (KVF_XFER_DEFER) ----------------------------------------- */
+
+/* The words deferred calls count in: 64-byte lines of mapped, portable
+ * pinned memory that live as long as the process. A caller's stream may
+ * still be queued before its wait on a word when the context is destroyed;
+ * the word must stay readable and never go back below a number it reached,
+ * so a word is handed to a later context with its value, and that context
+ * counts on from it. */
+typedef struct done_word {
+  uint64_t *host;
+  struct done_word *next;
+} done_word;
+
+static pthread_mutex_t done_words_mu = PTHREAD_MUTEX_INITIALIZER;
+static done_word *done_words_free;
+
+static kvf_status take_done_word(done_word **out) {
+  enum { kLine = 64, kPage = 4096 };
+  pthread_mutex_lock(&done_words_mu);
+  if (!done_words_free) {
+    void *page = NULL;
+    done_word *nodes = calloc(kPage / kLine, sizeof *nodes);
+    cudaError_t e = nodes ? cudaHostAlloc(&page, kPage, cudaHostAllocMapped | cudaHostAllocPortable) : cudaSuccess;
+    if (!nodes || e != cudaSuccess) {
+      pthread_mutex_unlock(&done_words_mu);
+      free(nodes);
+      cudaGetLastError();
+      return nodes ? kvf_fail(KVF_ERR_CUDA, "deferred calls: pinned memory for their counter: %s",
+                              cudaGetErrorString(e))
+                   : kvf_fail(KVF_ERR_OUT_OF_MEMORY, "deferred calls: out of memory");
+    }
+    memset(page, 0, kPage);
+    for (int i = 0; i < kPage / kLine; i++) {
+      nodes[i].host = (uint64_t *)((char *)page + i * kLine);
+      nodes[i].next = done_words_free;
+      done_words_free = &nodes[i];
+    }
+  }
+  done_word *w = done_words_free;
+  done_words_free = w->next;
+  pthread_mutex_unlock(&done_words_mu);
+  *out = w;
+  return KVF_SUCCESS;
+}
+
+static void give_done_word(done_word *w) {
+  pthread_mutex_lock(&done_words_mu);
+  w->next = done_words_free;
+  done_words_free = w;
+  pthread_mutex_unlock(&done_words_mu);
+}
+
+/* Copy r and the arrays it points to into one allocation. The request was
+ * checked: its group counts sum to at most 2^32 - 1, and its chunks times
+ * the object groups are what the checks walked. */
+static deferred *copy_deferred(const kvf_geometry *g, const kvf_copy_request *r, int gather) {
+  uint64_t ngroups = g->num_groups, nregions = g->num_regions, ids = 0;
+  uint64_t nobjects = kvf_copy_request_chunks(g, r) * g->num_object_groups;
+  for (uint64_t i = 0; i < ngroups; i++)
+    if (r->groups[i].block_ids) ids += r->groups[i].count;
+  size_t size = sizeof(deferred) + ngroups * sizeof(kvf_group_blocks) + (nobjects + nregions) * sizeof(void *) +
+                ids * sizeof(uint32_t);
+  deferred *d = malloc(size);
+  if (!d) return NULL;
+  memset(d, 0, sizeof *d);
+  d->r = *r;
+  d->gather = gather;
+  kvf_group_blocks *groups = (kvf_group_blocks *)(d + 1);
+  void **objects = (void **)(groups + ngroups), **regions = objects + nobjects;
+  uint32_t *id = (uint32_t *)(regions + nregions);
+  for (uint64_t i = 0; i < ngroups; i++) {
+    groups[i] = r->groups[i];
+    if (!r->groups[i].block_ids) continue;
+    memcpy(id, r->groups[i].block_ids, (size_t)r->groups[i].count * sizeof *id);
+    groups[i].block_ids = id;
+    id += r->groups[i].count;
+  }
+  d->r.groups = groups;
+  if (r->objects) {
+    memcpy(objects, r->objects, nobjects * sizeof *objects);
+    d->r.objects = objects;
+  }
+  if (r->region_bases) {
+    memcpy(regions, r->region_bases, nregions * sizeof *regions);
+    d->r.region_bases = regions;
+  }
+  return d;
+}
+
+/* Plan and enqueue one deferred call on defer_stream, after the caller's
+ * stream reached the call, then mark it done there. The caller's stream
+ * waits for that mark, so it is written even when planning or an enqueue
+ * failed (after whatever was enqueued, as a synchronous call leaves it). */
+static void run_deferred(kvf_xfer *x, deferred *d) {
+  const char *dir = d->gather ? "gather" : "scatter";
+  pthread_mutex_lock(&x->lock);
+  uint64_t t0 = kvf_now_ns();
+  x->planned_ns = 0;
+  kvf_status st;
+  cudaError_t e = cudaStreamWaitEvent(x->defer_stream, d->start, 0);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    st = kvf_fail(KVF_ERR_CUDA, "waiting for the caller's stream: %s; nothing was enqueued", cudaGetErrorString(e));
+  } else {
+    st = launch_cuda(x, &d->r, d->gather, x->defer_stream);
+  }
+  char why[384] = "";
+  if (st) snprintf(why, sizeof why, "%s", kvf_last_error());
+  CUresult cr = KVF_CU(cuStreamWriteValue64)((CUstream)x->defer_stream, x->defer_done_dev, d->seq,
+                                             CU_STREAM_WRITE_VALUE_DEFAULT);
+  if (cr != CUDA_SUCCESS) {
+    /* Release the caller's stream from here, once this stream's work (all
+     * of the call's) is done. */
+    cudaStreamSynchronize(x->defer_stream);
+    cudaGetLastError();
+    __atomic_store_n(x->defer_done, d->seq, __ATOMIC_RELEASE);
+    if (!st) {
+      char what[160];
+      st = KVF_ERR_CUDA;
+      snprintf(why, sizeof why,
+               "marking the call done on the GPU: %s; its work was waited for and marked from the host",
+               kvf_cu_describe(cr, what, sizeof what));
+    }
+  }
+  if (st == KVF_SUCCESS) {
+    note_host_time(x, t0);
+    x->path.deferred = 1;
+  }
+  pthread_mutex_unlock(&x->lock);
+  if (st) {
+    unsigned long long number = (unsigned long long)(d->seq - x->defer_base);
+    KVF_WARN(XFER, "deferred %s (call %llu): %s", dir, number, why);
+    pthread_mutex_lock(&x->defer_mu);
+    if (!x->defer_status) {
+      x->defer_status = st;
+      snprintf(x->defer_message, sizeof x->defer_message, "deferred %s (call %llu): %s", dir, number, why);
+    }
+    pthread_mutex_unlock(&x->defer_mu);
+  }
+}
+
+static void *defer_main(void *arg) {
+  kvf_xfer *x = arg;
+  cudaSetDevice(x->device);
+  /* Another thread capturing in global mode must not make this thread's
+   * calls (on its own streams) illegal. */
+  enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  pthread_mutex_lock(&x->defer_mu);
+  for (;;) {
+    while (!x->defer_head && !x->defer_stop) pthread_cond_wait(&x->defer_wake, &x->defer_mu);
+    deferred *d = x->defer_head;
+    if (!d) break; /* stopping, and nothing left */
+    x->defer_head = d->next;
+    if (!x->defer_head) x->defer_tail = NULL;
+    x->defer_busy = 1;
+    pthread_mutex_unlock(&x->defer_mu);
+    run_deferred(x, d);
+    pthread_mutex_lock(&x->defer_mu);
+    /* Its wait on the event is enqueued: the event may be recorded again. */
+    x->defer_events[x->defer_free++] = d->start;
+    x->defer_busy = 0;
+    x->defer_finished = d->seq;
+    free(d);
+    pthread_cond_broadcast(&x->defer_room);
+  }
+  pthread_mutex_unlock(&x->defer_mu);
+  return NULL;
+}
+
+/* Start the context's thread and what it needs (under defer_mu, the
+ * context's device current). On failure, calls stay synchronous. */
+static kvf_status defer_start(kvf_xfer *x) {
+  CUdevice dev = 0;
+  int mem_ops = 0;
+  kvf_status st = kvf_cuda_load();
+  if (!st) {
+    CUresult cr = KVF_CU(cuDeviceGet)(&dev, x->device);
+    if (cr == CUDA_SUCCESS)
+      cr = KVF_CU(cuDeviceGetAttribute)(&mem_ops, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, dev);
+    if (cr != CUDA_SUCCESS) {
+      char what[160];
+      st = kvf_fail(KVF_ERR_CUDA, "device %d: %s", x->device, kvf_cu_describe(cr, what, sizeof what));
+    } else if (!mem_ops) {
+      st = kvf_fail(KVF_ERR_UNSUPPORTED, "device %d cannot wait on 64-bit values in a stream", x->device);
+    }
+  }
+  if (!st) st = take_done_word(&x->defer_word);
+  if (st) return st;
+  x->defer_done = x->defer_word->host;
+  void *dev_ptr = NULL;
+  cudaError_t e = cudaHostGetDevicePointer(&dev_ptr, x->defer_done, 0);
+  if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&x->defer_stream, cudaStreamNonBlocking);
+  for (uint32_t i = 0; e == cudaSuccess && i < KVF_DEFER_DEPTH; i++) {
+    e = cudaEventCreateWithFlags(&x->defer_events[i], cudaEventDisableTiming);
+    if (e == cudaSuccess) x->defer_free = i + 1;
+  }
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return kvf_fail(KVF_ERR_CUDA, "deferred calls: %s", cudaGetErrorString(e));
+  }
+  x->defer_done_dev = (CUdeviceptr)(uintptr_t)dev_ptr;
+  /* Count on from the word's value (a word comes back with its last one). */
+  x->defer_seq = x->defer_finished = x->defer_base = __atomic_load_n(x->defer_done, __ATOMIC_ACQUIRE);
+  int rc = pthread_create(&x->defer_thread, NULL, defer_main, x);
+  if (rc != 0) return kvf_fail(KVF_ERR_SYSTEM, "deferred calls: starting their thread: %s", strerror(rc));
+  return KVF_SUCCESS;
+}
+
+/* A synchronous call on a context whose thread runs: every deferred call
+ * posted before it is enqueued first, and none is posted until it ends, so
+ * the context's streams and buffers see calls in the order they were made.
+ * defer_hold returns whether the hold was taken (defer_release then). */
+static int defer_hold(kvf_xfer *x) {
+  pthread_mutex_lock(&x->defer_mu);
+  int held = x->defer_state == 1;
+  if (held) {
+    x->defer_holds++; /* no post begins from here on */
+    while (x->defer_posting || x->defer_head || x->defer_busy) pthread_cond_wait(&x->defer_room, &x->defer_mu);
+  }
+  pthread_mutex_unlock(&x->defer_mu);
+  return held;
+}
+
+static void defer_release(kvf_xfer *x) {
+  pthread_mutex_lock(&x->defer_mu);
+  x->defer_holds--;
+  pthread_cond_broadcast(&x->defer_room);
+  pthread_mutex_unlock(&x->defer_mu);
+}
+
+/* Post a checked request as a deferred call on `stream` (the context's
+ * device current). *posted is 0 when the call must run synchronously: the
+ * stream is being captured into a graph, or the thread could not start. */
+static kvf_status post_deferred(kvf_xfer *x, const kvf_copy_request *r, cudaStream_t stream, int gather,
+                                int *posted) {
+  const char *dir = gather ? "gather" : "scatter";
+  *posted = 0;
+  enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t e = cudaStreamIsCapturing(stream, &capture);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return kvf_fail(KVF_ERR_CUDA, "stream: %s", cudaGetErrorString(e));
+  }
+  if (capture != cudaStreamCaptureStatusNone) return KVF_SUCCESS;
+  deferred *d = copy_deferred(x->geometry, r, gather);
+  if (!d) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "deferred %s: out of memory for the request's copy", dir);
+  pthread_mutex_lock(&x->defer_post_mu);
+  pthread_mutex_lock(&x->defer_mu);
+  if (x->defer_state == 0) {
+    kvf_status st = defer_start(x);
+    x->defer_state = st ? -1 : 1;
+    if (st) KVF_WARN(XFER, "deferred calls are off on device %d, calls stay synchronous: %s", x->device,
+                     kvf_last_error());
+  }
+  if (x->defer_state != 1) {
+    pthread_mutex_unlock(&x->defer_mu);
+    pthread_mutex_unlock(&x->defer_post_mu);
+    free(d);
+    return KVF_SUCCESS;
+  }
+  while (x->defer_holds || x->defer_free == 0) pthread_cond_wait(&x->defer_room, &x->defer_mu);
+  cudaEvent_t ev = x->defer_events[--x->defer_free];
+  uint64_t seq = x->defer_seq + 1;
+  x->defer_posting = 1;
+  pthread_mutex_unlock(&x->defer_mu);
+  /* Without defer_mu: should these block (the driver may hold enqueues
+   * while another thread frees memory), the thread still takes and
+   * enqueues the calls posted before. */
+  char what[160] = "";
+  e = cudaEventRecord(ev, stream);
+  CUresult cr = e == cudaSuccess ? KVF_CU(cuStreamWaitValue64)((CUstream)stream, x->defer_done_dev, seq,
+                                                               CU_STREAM_WAIT_VALUE_GEQ)
+                                 : CUDA_SUCCESS;
+  pthread_mutex_lock(&x->defer_mu);
+  x->defer_posting = 0;
+  if (e != cudaSuccess || cr != CUDA_SUCCESS) {
+    x->defer_events[x->defer_free++] = ev;
+    pthread_cond_broadcast(&x->defer_room);
+    pthread_mutex_unlock(&x->defer_mu);
+    pthread_mutex_unlock(&x->defer_post_mu);
+    free(d);
+    cudaGetLastError();
+    return kvf_fail(KVF_ERR_CUDA, "deferred %s: %s on the caller's stream: %s; nothing was enqueued", dir,
+                    e != cudaSuccess ? "recording the call's event" : "the wait for the call's end",
+                    e != cudaSuccess ? cudaGetErrorString(e) : kvf_cu_describe(cr, what, sizeof what));
+  }
+  x->defer_seq = seq;
+  d->seq = seq;
+  d->start = ev;
+  if (x->defer_tail)
+    x->defer_tail->next = d;
+  else
+    x->defer_head = d;
+  x->defer_tail = d;
+  pthread_cond_signal(&x->defer_wake);
+  pthread_cond_broadcast(&x->defer_room); /* waiters for the post to finish */
+  pthread_mutex_unlock(&x->defer_mu);
+  pthread_mutex_unlock(&x->defer_post_mu);
+  *posted = 1;
+  return KVF_SUCCESS;
+}
+
+/* Stop the thread once it has enqueued every posted call, and release
+ * what deferred calls used (destroy; the context's device current). */
+static void defer_stop(kvf_xfer *x) {
+  pthread_mutex_lock(&x->defer_mu);
+  int running = x->defer_state == 1;
+  x->defer_stop = 1;
+  pthread_cond_broadcast(&x->defer_wake);
+  pthread_mutex_unlock(&x->defer_mu);
+  if (running) pthread_join(x->defer_thread, NULL);
+  if (x->defer_stream) {
+    /* Every number written: a waiting stream's word is final. */
+    cudaStreamSynchronize(x->defer_stream);
+    cudaStreamDestroy(x->defer_stream);
+  }
+  for (uint32_t i = 0; i < KVF_DEFER_DEPTH; i++)
+    if (x->defer_events[i]) cudaEventDestroy(x->defer_events[i]);
+  if (x->defer_word) give_done_word(x->defer_word);
+}
 #endif
+
+kvf_status kvf_xfer_flush(kvf_xfer *x) {
+  if (!x) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_flush: the context is NULL");
+#ifdef KVF_WITH_CUDA
+  if (x->device == KVF_DEVICE_HOST) return KVF_SUCCESS;
+  pthread_mutex_lock(&x->defer_mu);
+  if (x->defer_state == 1) defer_wait_posted(x);
+  kvf_status st = x->defer_status;
+  char message[sizeof x->defer_message];
+  memcpy(message, x->defer_message, sizeof message);
+  x->defer_status = KVF_SUCCESS;
+  x->defer_message[0] = 0;
+  pthread_mutex_unlock(&x->defer_mu);
+  if (st) return kvf_fail(st, "%s", message);
+#endif
+  return KVF_SUCCESS;
+}
+
+
 
 /* ---- calls ------------------------------------------------------------------- */
 
@@ -1713,29 +2155,36 @@ static kvf_status transfer(kvf_xfer *x, const kvf_copy_request *request, kvf_str
   const kvf_copy_request *r = &local;
   kvf_status st = kvf_copy_request_check_local(x->geometry, request, &local);
   if (st) return st;
-  pthread_mutex_lock(&x->lock);
-  x->planned_ns = 0;
   if (x->device == KVF_DEVICE_HOST) {
+    pthread_mutex_lock(&x->lock);
+    x->planned_ns = 0;
     st = run_host(x, r, gather);
-  } else {
+    if (st == KVF_SUCCESS) note_host_time(x, t0);
+    pthread_mutex_unlock(&x->lock);
+    return st;
+  }
 #ifdef KVF_WITH_CUDA
-    int prev = 0;
-    cudaGetDevice(&prev);
-    if (prev != x->device) cudaSetDevice(x->device);
+  int prev = 0, posted = 0;
+  cudaGetDevice(&prev);
+  if (prev != x->device) cudaSetDevice(x->device);
+  if (__atomic_load_n(&x->defer_on, __ATOMIC_RELAXED))
+    st = post_deferred(x, r, (cudaStream_t)stream, gather, &posted);
+  if (st == KVF_SUCCESS && !posted) {
+    int held = defer_hold(x);
+    pthread_mutex_lock(&x->lock);
+    x->planned_ns = 0;
     st = launch_cuda(x, r, gather, (cudaStream_t)stream);
-    if (prev != x->device) cudaSetDevice(prev);
-#else
-    (void)stream;
-    st = kvf_fail(KVF_ERR_NO_DRIVER, "this build of kvferry has no CUDA");
-#endif
+    if (st == KVF_SUCCESS) note_host_time(x, t0);
+    pthread_mutex_unlock(&x->lock);
+    if (held) defer_release(x);
   }
-  if (st == KVF_SUCCESS) {
-    uint64_t t1 = kvf_now_ns();
-    x->path.host_us = (double)(t1 - t0) / 1e3;
-    x->path.plan_us = (double)((x->planned_ns ? x->planned_ns : t1) - t0) / 1e3;
-  }
-  pthread_mutex_unlock(&x->lock);
+  if (prev != x->device) cudaSetDevice(prev);
   return st;
+#else
+  (void)stream;
+  (void)gather;
+  return kvf_fail(KVF_ERR_NO_DRIVER, "this build of kvferry has no CUDA");
+#endif
 }
 
 kvf_status kvf_xfer_prepare_regions(kvf_xfer *x, void *const *region_bases) {

@@ -182,6 +182,7 @@ typedef struct kvf_xfer_tuning {
   int64_t small_stage_mb;  /* KVF_XFER_SMALL_STAGE_MB: staged requests of at most this payload use 2 pieces
                               and at least KVF_SMALL_STAGE_SMS SMs (0: off) */
   int64_t small_stage_growth; /* KVF_XFER_SMALL_STAGE_GROWTH: their pieces' size ratio (1..16) */
+  int64_t defer;           /* KVF_XFER_DEFER: 1: calls are planned and enqueued by the context's thread */
 } kvf_xfer_tuning;
 
 /* The staged route's kernels for a small request (KVF_XFER_SMALL_STAGE_MB). */
@@ -234,6 +235,7 @@ typedef struct kvf_xfer_path_info {
   uint32_t slice_bytes;    /* task size of the (last) launch */
   double host_us;          /* host time of the call, from entering to returning */
   double plan_us;          /* of host_us, the part before its first enqueue: checks, route, tables, runs */
+  uint32_t deferred;       /* 1: planned and enqueued by the context's thread (KVF_XFER_DEFER); host_us is its time */
 } kvf_xfer_path_info;
 
 const char *kvf_xfer_path_name(kvf_xfer_path path);

@@ -183,6 +183,48 @@ KVF_API kvf_status kvf_xfer_gather(kvf_xfer *xfer, const kvf_copy_request *reque
 /* Scatter: copy the request's objects into the cache blocks. Same rules. */
 KVF_API kvf_status kvf_xfer_scatter(kvf_xfer *xfer, const kvf_copy_request *request, kvf_stream stream);
 
+/* Deferred calls (KVF_XFER_DEFER=1; off by default). On a CUDA device a
+ * call then checks its request (the errors above that name a field come
+ * back from the call, nothing enqueued), copies it (the caller may reuse
+ * its arrays once the call returns), records an event on the stream and
+ * makes the stream wait until the call's work is done, and returns: a few
+ * microseconds, against tens to hundreds for planning and enqueueing a call
+ * on the calling thread. A thread of the context plans and enqueues the
+ * call on an internal stream after that event, in the order calls were
+ * made, and ends it there in the stream's order as a synchronous call
+ * does: work enqueued on the stream after the call runs after all of it.
+ * Errors found by the thread (memory a kernel cannot reach, an enqueue the
+ * runtime refuses: "Failures" above says what is left enqueued) still end
+ * the call in stream order, so the stream never waits forever, but the
+ * call has already returned KVF_SUCCESS: kvf_xfer_flush reports them. A
+ * call on a stream being captured into a graph, and every call of a
+ * context whose device cannot wait on 64-bit values in a stream (logged
+ * once per context), runs synchronously. Calls from one context go through
+ * its one internal stream, so calls made on different streams run one
+ * after another. Each call costs the GPU a few microseconds more (the
+ * hand-offs between the caller's stream and the internal one).
+ *
+ * Hazard: until the thread has enqueued a call, the caller's stream waits
+ * on the host. A call that waits for the whole device, made meanwhile from
+ * any thread (cudaDeviceSynchronize, cudaFree, cudaFreeHost,
+ * cudaHostUnregister, a synchronous copy on the legacy stream), waits for
+ * that stream, and the driver may hold the thread's own enqueues behind it:
+ * the process hangs. Call kvf_xfer_flush first (it returns once the thread
+ * has enqueued every call made before it), or leave deferred calls off in a
+ * process whose other code may free device or pinned memory at any time
+ * (PyTorch's caching allocator calls cudaFree when it empties its cache).
+ * The same holds for device-wide synchronization inside kvferry:
+ * destroying another context on the device frees memory. */
+
+/* Wait until the context's thread has enqueued every deferred call made
+ * before this one (not for their GPU work), and return the first error a
+ * deferred call met since the last flush, with kvf_last_error() naming the
+ * call by its number on this context, counted from 1 ("deferred gather
+ * (call 12): ..."); the error is then cleared.
+ * KVF_SUCCESS when none failed, when calls are not deferred, and on the
+ * host backend. KVF_ERR_INVALID_ARGUMENT for a NULL context. */
+KVF_API kvf_status kvf_xfer_flush(kvf_xfer *xfer);
+
 /* What the most recent successful call on this context did, into *out
  * (filled from KVF_XFER_STATS_INIT). KVF_ERR_INVALID_ARGUMENT for NULL
  * pointers or an out that breaks the versioned-struct rule

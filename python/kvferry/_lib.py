@@ -304,6 +304,7 @@ plain_fn("kvf_xfer_destroy", None, VP)
 status_fn("kvf_xfer_gather", VP, P(S.kvf_copy_request), VP)
 status_fn("kvf_xfer_scatter", VP, P(S.kvf_copy_request), VP)
 status_fn("kvf_xfer_last_stats", VP, P(S.kvf_xfer_stats))
+status_fn("kvf_xfer_flush", VP)
 plain_fn("kvf_xfer_route_name", c_char_p, c_int)
 
 # memory.h

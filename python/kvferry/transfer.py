@@ -120,6 +120,19 @@ class Transfer(HandleOwner):
         """Copy the request's objects into the cache blocks. Same rules as gather."""
         self._run(lib.kvf_xfer_scatter, "scatter", request, stream)
 
+    def flush(self) -> None:
+        """Wait until every call made so far is enqueued on the GPU and raise
+        the first error a deferred call met since the last flush
+        (kvf_xfer_flush). With ``KVF_XFER_DEFER=1`` a call on a CUDA device
+        returns once its request is checked and copied, and the context's
+        thread plans and enqueues it: errors found then are raised here, not
+        by the call. Returns at once otherwise (and on the host backend).
+        Flush before anything that waits for the whole device (a
+        ``cudaFree``, ``torch.cuda.empty_cache()``): a stream still waiting
+        for a call's enqueue would hang it (kvferry/transfer.h)."""
+        with self._handle.use() as x:
+            lib.kvf_xfer_flush(x)
+
     def last_stats(self) -> TransferStats:
         """What the most recent successful call did (kvf_xfer_last_stats)."""
         stats = S.kvf_xfer_stats.init()

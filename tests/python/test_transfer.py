@@ -42,6 +42,19 @@ def test_host_gather_and_scatter_match_the_reference():
     assert e.value.status == Status.STATE and e.value.field == "transfer context"
 
 
+def test_flush_on_the_host_backend_returns_at_once():
+    g, size = tiny_geometry()
+    cache = _cache(size)
+    with kvferry.Transfer(g) as xfer:
+        objects = [np.zeros(g.object_size(0, k, 16), np.uint8) for k in range(2)]
+        xfer.gather(kvferry.CopyRequest(g, 0, 16, blocks=[[6, 1, 3, 4]], objects=objects,
+                                        region_bases=[cache]))
+        assert xfer.flush() is None
+    with pytest.raises(KvferryError) as e:
+        xfer.flush()
+    assert e.value.status == Status.STATE and e.value.field == "transfer context"
+
+
 def test_a_request_of_another_geometry_is_refused():
     g1, size = tiny_geometry()
     g2, _ = tiny_geometry()
