@@ -1,8 +1,8 @@
 /* perf/probe_util.cuh - what the standalone probes (kvf_param_probe,
- * kvf_hop_probe, kvf_copy_probe) share: a CUDA call checked with the
- * failing expression named, a kernel that holds a stream for a while so the
- * reps queued behind it run back to back with their host enqueue hidden,
- * and their one option, --json FILE. */
+ * kvf_hop_probe, kvf_copy_probe, kvf_handoff_probe) share: a CUDA call
+ * checked with the failing expression named, a kernel that holds a stream
+ * for a while so the reps queued behind it run back to back with their host
+ * enqueue hidden, and their one option, --json FILE. */
 #ifndef KVF_PERF_PROBE_UTIL_CUH
 #define KVF_PERF_PROBE_UTIL_CUH
 
