@@ -156,6 +156,7 @@ else
   san_routes="*XferGpuRoutes*llama_3_1_8b_fa_hnd*:*XferGpuRoutes*deepseek_v3_mla_fp8_656*:*XferGpuRoutes*glm_like_hybrid*"
 fi
 san_filter="$san_routes:*XferGpu.DefaultRoutesForOneChunk*:*XferGpu.Overlapped*:*XferGpu.*Graph*:*XferGpu.StagedCallRefused*:*XferGpu.MaxSmsCapsTheLaunch*"
+san_filter+=":*XferGpu.Deferred*:*XferGpu.CallDoesNotSynchronize*"
 conf_run() { # NAME LIMIT FILTER [sanitizer...]
   local name=$1 limit filter=$3 rc t0=$SECONDS
   limit=$(limit_for "$2")
@@ -181,7 +182,7 @@ conf_run() { # NAME LIMIT FILTER [sanitizer...]
 }
 if want conf; then
   # explore: the GPU cases (the CPU ones run in CI without a GPU); full: everything.
-  conf_run plain $([[ $mode == explore ]] && echo 200 || echo 260) \
+  conf_run plain $([[ $mode == explore ]] && echo 260 || echo 300) \
     "$([[ $mode == explore ]] && echo '*XferGpu*:*XferStage*' || echo '*')"
   # The warp walk (KVF_XFER_KERNEL=2) is the default kernel: if its cases fail
   # and the grid-stride walk's do not, benchmark the grid-stride walk rather
