@@ -113,9 +113,9 @@ struct kvf_xfer {
   pthread_mutex_t defer_post_mu;
   pthread_mutex_t defer_mu;
   pthread_cond_t defer_wake; /* a call was posted, or the thread must stop */
-  pthread_cond_t defer_room; /* an event came back, the thread went idle, or a hold ended */
+  pthread_cond_t defer_room; /* a call was enqueued (its event came back), a post ended, or a hold ended */
   int defer_state;           /* 0 not started, 1 running, -1 could not start (calls stay synchronous) */
-  int defer_stop, defer_busy;
+  int defer_stop;
   int defer_posting;         /* a post has its number and is putting its event and wait on its stream */
   uint32_t defer_holds;      /* synchronous calls waiting or running: posting waits for them */
   pthread_t defer_thread;
@@ -1781,8 +1781,6 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
   return launch_one(x, r, gather, stream, route, ctas, capture);
 }
 
-
-
 /* ---- deferred calls (KVF_XFER_DEFER) ----------------------------------------- */
 
 /* The words deferred calls count in: 64-byte lines of mapped, portable
@@ -1938,13 +1936,11 @@ static void *defer_main(void *arg) {
     if (!d) break; /* stopping, and nothing left */
     x->defer_head = d->next;
     if (!x->defer_head) x->defer_tail = NULL;
-    x->defer_busy = 1;
     pthread_mutex_unlock(&x->defer_mu);
     run_deferred(x, d);
     pthread_mutex_lock(&x->defer_mu);
     /* Its wait on the event is enqueued: the event may be recorded again. */
     x->defer_events[x->defer_free++] = d->start;
-    x->defer_busy = 0;
     x->defer_finished = d->seq;
     free(d);
     pthread_cond_broadcast(&x->defer_room);
@@ -2001,7 +1997,7 @@ static int defer_hold(kvf_xfer *x) {
   int held = x->defer_state == 1;
   if (held) {
     x->defer_holds++; /* no post begins from here on */
-    while (x->defer_posting || x->defer_head || x->defer_busy) pthread_cond_wait(&x->defer_room, &x->defer_mu);
+    defer_wait_posted(x);
   }
   pthread_mutex_unlock(&x->defer_mu);
   return held;
@@ -2035,8 +2031,12 @@ static kvf_status post_deferred(kvf_xfer *x, const kvf_copy_request *r, cudaStre
   if (x->defer_state == 0) {
     kvf_status st = defer_start(x);
     x->defer_state = st ? -1 : 1;
-    if (st) KVF_WARN(XFER, "deferred calls are off on device %d, calls stay synchronous: %s", x->device,
-                     kvf_last_error());
+    if (st) {
+      /* Later calls go straight to the synchronous path (no copy first). */
+      __atomic_store_n(&x->defer_on, 0, __ATOMIC_RELAXED);
+      KVF_WARN(XFER, "deferred calls are off on device %d, calls stay synchronous: %s", x->device,
+               kvf_last_error());
+    }
   }
   if (x->defer_state != 1) {
     pthread_mutex_unlock(&x->defer_mu);
@@ -2122,8 +2122,6 @@ kvf_status kvf_xfer_flush(kvf_xfer *x) {
 #endif
   return KVF_SUCCESS;
 }
-
-
 
 /* ---- calls ------------------------------------------------------------------- */
 
