@@ -434,6 +434,139 @@ int kvf_stage_batch_runs(const void *blob, int gather, uint64_t min_run, uint64_
   return 1;
 }
 
+/* ---- copies of rows for the copy engine's 3D batch API ------------------- */
+
+typedef struct tagged_run {
+  const char *src;
+  char *dst;
+  uint64_t size;
+  uint32_t entry; /* the entry of its first block */
+} tagged_run;
+
+/* Whether run `next` continues a copy whose last row is `last`: the same
+ * width, and (for a copy of one row so far, any) pitches of at least the
+ * width forward on both sides. */
+static int continues(const kvf_batch_copy *c, const tagged_run *last, const tagged_run *next) {
+  uintptr_t s0 = (uintptr_t)last->src, s1 = (uintptr_t)next->src;
+  uintptr_t d0 = (uintptr_t)last->dst, d1 = (uintptr_t)next->dst;
+  if (next->size != c->width || s1 <= s0 || d1 <= d0) return 0;
+  if (c->rows == 1) return s1 - s0 >= c->width && d1 - d0 >= c->width;
+  return s1 - s0 == c->src_pitch && d1 - d0 == c->dst_pitch;
+}
+
+/* Copies of the grid's runs (rows entries of cols runs each) taken down
+ * each column at period p; writes them to out when it is not NULL and
+ * returns how many. */
+static size_t column_copies(const tagged_run *run, size_t rows, size_t cols, size_t p, kvf_batch_copy *out) {
+  size_t n = 0;
+  for (size_t col = 0; col < cols; col++)
+    for (size_t first = 0; first < p && first < rows; first++) {
+      kvf_batch_copy c = {0};
+      const tagged_run *last = NULL;
+      for (size_t e = first; e < rows; e += p) {
+        const tagged_run *r = &run[e * cols + col];
+        if (last && continues(&c, last, r)) {
+          if (c.rows == 1) {
+            c.src_pitch = (uint64_t)((uintptr_t)r->src - (uintptr_t)c.src);
+            c.dst_pitch = (uint64_t)((uintptr_t)r->dst - (uintptr_t)c.dst);
+          }
+          c.rows++;
+        } else {
+          if (last && out) out[n - 1] = c;
+          c = (kvf_batch_copy){r->src, r->dst, r->size, 1, 0, 0};
+          n++;
+        }
+        last = r;
+      }
+      if (last && out) out[n - 1] = c;
+    }
+  return n;
+}
+
+int kvf_stage_batch_copies(const void *blob, int gather, uint64_t min_run, uint64_t max_copies,
+                           kvf_batch_copy **copies, size_t *count, uint64_t *runs) {
+  const kvf_blob_header *h = blob;
+  *copies = NULL;
+  const kvf_blob_entry *entries = kvf_blob_entries(blob);
+  for (uint32_t i = 0; i < h->num_shapes; i++)
+    if (!kvf_blob_shape_linear(&kvf_blob_shapes(blob)[i])) return 0;
+  if (max_copies == 0) return 0;
+  uint64_t room = max_copies > (UINT64_MAX - 1) / KVF_BATCH_ROWS_PER_COPY ? UINT64_MAX
+                                                                         : KVF_BATCH_ROWS_PER_COPY * max_copies + 1;
+  uint64_t cap = h->total_tasks < room ? h->total_tasks : room; /* a block holds one task at least */
+  if (cap == 0 || cap > SIZE_MAX / sizeof(tagged_run)) return 0;
+  kvf_blob_block *b = malloc(sizeof *b * cap);
+  tagged_run *run = malloc(sizeof *run * cap);
+  if (!b || !run) {
+    free(b);
+    free(run);
+    return -1;
+  }
+  uint64_t n = kvf_blob_blocks(blob, b, cap);
+  if (n == 0 || n > room - 1) {
+    free(b);
+    free(run);
+    return 0;
+  }
+  size_t m = 0;
+  for (uint64_t i = 0; i < n; i++) {
+    uint64_t bytes = b[i].units * kvf_blob_shape_of(blob, &entries[b[i].entry])->vec;
+    char *from = gather ? b[i].cache : b[i].object, *to = gather ? b[i].object : b[i].cache;
+    if (m > 0 && run[m - 1].src + run[m - 1].size == from && run[m - 1].dst + run[m - 1].size == to) {
+      run[m - 1].size += bytes;
+      continue;
+    }
+    run[m++] = (tagged_run){from, to, bytes, b[i].entry};
+  }
+  free(b);
+  /* A partial last block's run is short by nature: judge the runs by the
+   * second shortest when there is more than one (as kvf_stage_batch_runs). */
+  uint64_t shortest = UINT64_MAX, second = UINT64_MAX;
+  for (size_t i = 0; i < m; i++) {
+    uint64_t r = run[i].size;
+    if (r < shortest) {
+      second = shortest;
+      shortest = r;
+    } else if (r < second) {
+      second = r;
+    }
+  }
+  if ((m > 1 ? second : shortest) < min_run) {
+    free(run);
+    return 0;
+  }
+  /* The grid: every entry's runs as many (cols), one row of it an entry. */
+  size_t cols = 1;
+  while (cols < m && run[cols].entry == run[0].entry) cols++;
+  int grid = m % cols == 0;
+  for (size_t i = cols; grid && i < m; i++)
+    grid = i % cols ? run[i].entry == run[i - 1].entry : run[i].entry != run[i - 1].entry;
+  size_t rows = grid ? m / cols : m, best_p = 1;
+  if (!grid) cols = 1; /* each run its own row of one column: copies only where rows follow on */
+  size_t best = column_copies(run, rows, cols, 1, NULL);
+  for (size_t p = 2; grid && p <= 4 && p < rows; p++) {
+    size_t k = column_copies(run, rows, cols, p, NULL);
+    if (k < best) {
+      best = k;
+      best_p = p;
+    }
+  }
+  if (best > max_copies) {
+    free(run);
+    return 0;
+  }
+  *copies = malloc(sizeof **copies * best);
+  if (!*copies) {
+    free(run);
+    return -1;
+  }
+  column_copies(run, rows, cols, best_p, *copies);
+  free(run);
+  *count = best;
+  *runs = m;
+  return 1;
+}
+
 uint64_t kvf_batch_ramp_runs(uint64_t done, uint64_t first, uint64_t left) {
   if (first == 0 || done >= 63 || first > (UINT64_MAX >> done)) return left;
   uint64_t want = first << done;
