@@ -180,7 +180,7 @@ void usage(FILE *f) {
           "  --peers-max-tokens N      run the peers at request sizes up to N tokens (default 16384)\n"
           "  --tune SPEC               also time kvferry with tuning SPEC = key=value[,key=value...] (repeatable);\n"
           "                            keys: pieces, growth, dma_batch, param_bytes, task_bytes, task_waves, device_task_waves,\n"
-          "                            batch_min_run, batch_max_runs, batch_first_runs, batch_2d, stage_sms, pcie_sms, staging_mb, kernel,\n"
+          "                            batch_min_run, batch_max_runs, batch_first_runs, stage_sms, pcie_sms, staging_mb, kernel,\n"
           "                            small_stage_mb, small_stage_growth, edge_mb, multi_pieces,\n"
           "                            straight_kb, straight_min_run, spread_kb, cache_order, overlap, defer\n"
           "                            (host/core/xfer_internal.h),\n"
@@ -966,7 +966,6 @@ void apply_tune(const std::string &spec, kvf_xfer_tuning *t, int *cap) {
     else if (k == "batch_min_run") t->batch_min_run = v;
     else if (k == "batch_max_runs") t->batch_max_runs = v;
     else if (k == "batch_first_runs") t->batch_first_runs = v;
-    else if (k == "batch_2d") t->batch_2d = v;
     else if (k == "stage_sms") t->stage_sms = v;
     else if (k == "pcie_sms") t->pcie_sms = v;
     else if (k == "staging_mb") t->staging_mb = v;
@@ -1285,7 +1284,7 @@ void write_kvf(JsonWriter &j, const std::vector<KvfResult> &kr, uint64_t payload
       j.kv("param_launches", r.path.param_launches).kv("spread_launches", r.path.spread_launches)
           .kv("overlap_launches", r.path.overlap_launches)
           .kv("cache_order", r.path.cache_order).kv("uploads", r.path.uploads).kv("batches", r.path.batches);
-      j.kv("pieces", r.path.pieces).kv("dma_ops", r.path.dma_ops).kv("dma_runs", r.path.dma_runs).kv("dma_copies", r.path.dma_copies);
+      j.kv("pieces", r.path.pieces).kv("dma_ops", r.path.dma_ops).kv("dma_runs", r.path.dma_runs);
       j.kv("straight_runs", r.path.straight_runs);
       j.kv("slice_bytes", r.path.slice_bytes).kv("host_us", r.path.host_us).kv("plan_us", r.path.plan_us).kv("deferred", r.path.deferred).end_object();
     }
@@ -1653,7 +1652,6 @@ void latency_config(Config &c) {
   Verify v;
   if (g_opt.verify) v = verify(c);
   Latency kl, ml, rl;
-  std::vector<std::pair<std::string, Latency>> variants;
   kvf_xfer_stats stats = KVF_XFER_STATS_INIT;
   bool stats_ok = false;
   if (!g_opt.verify || v.ok) {
@@ -1664,18 +1662,6 @@ void latency_config(Config &c) {
     } catch (const std::exception &e) {
       if (!cuda_healthy()) throw;
       kl.error = e.what();
-    }
-    /* Each tuning variant (--tune), measured the same way. */
-    for (const std::string &t : g_opt.tunes) {
-      Latency l;
-      try {
-        kvf_xfer *x = preset_ctx(*c.p, tune_cap(t), t);
-        l = measure_latency(op_kvferry(c, x, g_gpu.stream), g_gpu.stream, g_opt.latency_reps);
-      } catch (const std::exception &e) {
-        if (!cuda_healthy()) throw;
-        l.error = e.what();
-      }
-      variants.push_back({t, l});
     }
     try {
       ml = measure_latency(op_limit(c, g_gpu.stream), g_gpu.stream, g_opt.latency_reps);
@@ -1707,13 +1693,6 @@ void latency_config(Config &c) {
   write_latency(j, "kvferry", kl);
   write_latency(j, "memcpy_same_bytes", ml);
   write_latency(j, "memcpy_per_run", rl);
-  j.key("variants").begin_array();
-  for (const auto &[t, l] : variants) {
-    j.begin_object().kv("tune", t);
-    write_latency(j, "kvferry", l);
-    j.end_object();
-  }
-  j.end_array();
   j.end_object();
   g_results.push_back(j.str());
   printf("latency %-28s %-11s %6llu tok %8.2f MiB  verify %-4s  kvferry gpu %.1f us wall %.1f us (enqueue %.1f)"
@@ -1721,10 +1700,6 @@ void latency_config(Config &c) {
          c.p->name.c_str(), c.d.name.c_str(), (unsigned long long)c.s->tokens, c.payload / 1048576.0,
          !v.ran ? "skip" : v.ok ? "ok" : "FAIL", kl.gpu_us, kl.wall_us, kl.enqueue_us, ml.gpu_us, ml.wall_us);
   if (!kl.error.empty()) printf("    kvferry: %s\n", kl.error.c_str());
-  for (const auto &[t, l] : variants) {
-    if (l.ok) printf("    tune %-24s gpu %.1f us wall %.1f us (enqueue %.1f)\n", t.c_str(), l.gpu_us, l.wall_us, l.enqueue_us);
-    else printf("    tune %-24s %s\n", t.c_str(), l.error.c_str());
-  }
   fflush(stdout);
 }
 

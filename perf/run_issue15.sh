@@ -157,7 +157,6 @@ else
 fi
 san_filter="$san_routes:*XferGpu.DefaultRoutesForOneChunk*:*XferGpu.Overlapped*:*XferGpu.*Graph*:*XferGpu.StagedCallRefused*:*XferGpu.MaxSmsCapsTheLaunch*"
 san_filter+=":*XferGpu.Deferred*:*XferGpu.CallDoesNotSynchronize*"
-san_filter+=":*XferGpu.RowCopiesSpanSeparatelyMappedLayers*:*XferGpu.BatchCallsRamp*"
 conf_run() { # NAME LIMIT FILTER [sanitizer...]
   local name=$1 limit filter=$3 rc t0=$SECONDS
   limit=$(limit_for "$2")
@@ -278,10 +277,6 @@ if want chunk; then
   step d2d-ab $([[ $mode == explore ]] && echo 60 || echo 100) --preset "$all" --tokens 256,4096 \
     --directions d2d --sms-device 0 --baselines limit --peers none \
     --tune device_task_waves=2 --tune spread_kb=2048
-  # Host <-> device at one chunk and 4096 tokens against the batch route
-  # with one run a copy (KVF_XFER_BATCH_2D=0: the routes before 2D copies).
-  step b2d-ab $([[ $mode == explore ]] && echo 60 || echo 100) --preset "$all" --tokens 256,4096 \
-    --directions d2h,h2d --sms-pcie 0,4 --baselines limit --peers none --tune batch_2d=0
 fi
 
 
@@ -311,7 +306,7 @@ fi
 
 if want latency; then
   step latency 40 --mode latency --preset deepseek-v3-mla-bf16,llama-3.1-8b-fa-nhd,llama-3.1-8b-fa-hnd --tokens 256 \
-    --directions d2h,h2d,d2d --latency-reps $([[ $mode == explore ]] && echo 60 || echo 200) --tune batch_2d=0
+    --directions d2h,h2d,d2d --latency-reps $([[ $mode == explore ]] && echo 60 || echo 200)
 fi
 
 if want interf; then

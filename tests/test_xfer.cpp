@@ -33,7 +33,6 @@
 #include <sstream>
 #include <string>
 #include <thread>
-#include <tuple>
 #include <unordered_set>
 #include <vector>
 
@@ -42,7 +41,6 @@
 #include <kvferry/transfer.h>
 
 #include "conformance_util.h"
-#include "host/core/cudawrap.h"
 #include "host/core/param.h"
 #include "host/core/xfer_internal.h"
 #include "kernels/walk.h"
@@ -2018,116 +2016,6 @@ TEST(XferStraight, BatchRunsLeaveNothingToFreeWhenTheyDoNotFit) {
   }
 }
 
-// The batch route's 2D copies (KVF_XFER_BATCH_2D): their rows are exactly
-// the merged runs of kvf_stage_batch_runs, and where the layer caches lie
-// at a constant distance a block's layers (and planes) are one copy: the
-// MLA chunk's 4 blocks 4 copies of 61 rows, a Llama NHD chunk's K and V
-// planes of its 16 blocks 32 copies of 32 rows (period 2). Caches at
-// uneven distances make more copies, never wrong ones.
-TEST(XferBatchCopies, RowsAreTheMergedRunsAndLayersAtOneDistanceAreOneCopy) {
-  struct Want {
-    const char *preset;
-    uint64_t chunks, extra, rows; // rows each copy holds at even distances (0: not checked)
-  };
-  for (Want w : {Want{"deepseek-v3-mla-bf16", 1, 0, 61}, Want{"deepseek-v3-mla-fp8-656", 2, 70, 0},
-                 Want{"llama-3.1-8b-fa-nhd", 1, 0, 32}, Want{"llama-3.1-8b-flashinfer-nhd", 1, 0, 32},
-                 Want{"llama-3.1-8b-crosslayer-fa-nhd", 3, 5, 0}, Want{"qwen3-next-like-hybrid", 1, 0, 0}}) {
-    for (bool uneven : {false, true}) {
-      SCOPED_TRACE(std::string(w.preset) + (uneven ? ", caches at uneven distances" : ""));
-      PlannedRequest q;
-      ASSERT_NO_FATAL_FAILURE(plan_chunks(w.preset, w.chunks, w.extra, 7, &q));
-      std::vector<void *> bases(q.r->get()->region_bases, q.r->get()->region_bases + kvf_geometry_num_regions(q.g()));
-      if (uneven)
-        for (size_t i = 0; i < bases.size(); i++)
-          bases[i] = static_cast<char *>(bases[i]) + (i % 3) * 4096 + (i % 7 == 0) * 65536;
-      kvf_copy_request req = *q.r->get();
-      req.region_bases = bases.data();
-      for (int gather : {1, 0}) {
-        SCOPED_TRACE(gather ? "gather" : "scatter");
-        std::vector<uint8_t> blob = build_blob(q.g(), q.plan.p, &req, gather, nullptr);
-        void **dst = nullptr;
-        const void **src = nullptr;
-        size_t *size = nullptr, nruns = 0;
-        if (kvf_stage_batch_runs(blob.data(), gather, 0, UINT64_MAX / 8, &dst, &src, &size, &nruns) != 1) {
-          ADD_FAILURE() << "the preset's runs do not fit the one-run route";
-          continue;
-        }
-        std::vector<std::tuple<uintptr_t, uintptr_t, uint64_t>> want, got;
-        for (size_t i = 0; i < nruns; i++)
-          want.emplace_back(reinterpret_cast<uintptr_t>(src[i]), reinterpret_cast<uintptr_t>(dst[i]), size[i]);
-        free(dst);
-        free(src);
-        free(size);
-        kvf_batch_copy *c = nullptr;
-        size_t n = 0;
-        uint64_t runs = 0;
-        ASSERT_EQ(kvf_stage_batch_copies(blob.data(), gather, 0, 1 << 20, &c, &n, &runs), 1);
-        EXPECT_EQ(runs, nruns);
-        for (size_t i = 0; i < n; i++) {
-          EXPECT_GE(c[i].rows, 1u);
-          if (c[i].rows > 1) {
-            EXPECT_GE(c[i].src_pitch, c[i].width) << "copy " << i;
-            EXPECT_GE(c[i].dst_pitch, c[i].width) << "copy " << i;
-          }
-          if (w.rows && !uneven) {
-            EXPECT_EQ(c[i].rows, w.rows) << "copy " << i;
-          }
-          for (uint64_t k = 0; k < c[i].rows; k++)
-            got.emplace_back(reinterpret_cast<uintptr_t>(c[i].src) + k * c[i].src_pitch,
-                             reinterpret_cast<uintptr_t>(c[i].dst) + k * c[i].dst_pitch, c[i].width);
-        }
-        std::sort(want.begin(), want.end());
-        std::sort(got.begin(), got.end());
-        EXPECT_EQ(got, want) << "the copies' rows must be the runs, each once";
-        if (!uneven) {
-          EXPECT_LT(n, nruns) << "layers at one distance share copies";
-        }
-        free(c);
-        // Exactly the copies' count fits (unless the request has more
-        // blocks than KVF_BATCH_ROWS_PER_COPY a copy); one fewer is
-        // refused, and so is a run shorter than min_run; nothing is left to
-        // free then.
-        uint64_t blocks = kvf_blob_blocks(blob.data(), nullptr, 0);
-        for (uint64_t max : {(uint64_t)n, (uint64_t)n - 1}) {
-          size_t again = 0;
-          c = reinterpret_cast<kvf_batch_copy *>(8);
-          int fit = kvf_stage_batch_copies(blob.data(), gather, 0, max, &c, &again, &runs);
-          EXPECT_EQ(fit, max == n && blocks <= KVF_BATCH_ROWS_PER_COPY * max ? 1 : 0)
-              << "max_copies " << max << " of " << n << ", " << blocks << " blocks";
-          if (fit == 1) {
-            EXPECT_EQ(again, n);
-            free(c);
-          } else {
-            EXPECT_EQ(c, nullptr);
-          }
-        }
-        c = reinterpret_cast<kvf_batch_copy *>(8);
-        EXPECT_EQ(kvf_stage_batch_copies(blob.data(), gather, UINT64_MAX, 1 << 20, &c, &n, &runs), 0);
-        EXPECT_EQ(c, nullptr);
-      }
-    }
-  }
-}
-
-// Requests of more blocks than KVF_BATCH_ROWS_PER_COPY a copy allowed are
-// refused before their runs are merged: the decode's arrays stay bounded by
-// max_copies, not by the request.
-TEST(XferBatchCopies, BlocksPastTheRowsPerCopyBoundAreRefused) {
-  PlannedRequest q;
-  ASSERT_NO_FATAL_FAILURE(plan_chunks("deepseek-v3-mla-bf16", 1, 0, 3, &q));
-  std::vector<uint8_t> blob = build_blob(q.g(), q.plan.p, q.r->get(), 1, nullptr);
-  ASSERT_EQ(kvf_blob_blocks(blob.data(), nullptr, 0), 244u) << "61 layers x 4 blocks";
-  kvf_batch_copy *c = nullptr;
-  size_t n = 0;
-  uint64_t runs = 0;
-  // 244 blocks: 4 copies allow 256, 3 allow 192.
-  ASSERT_EQ(kvf_stage_batch_copies(blob.data(), 1, 0, 4, &c, &n, &runs), 1);
-  free(c);
-  c = reinterpret_cast<kvf_batch_copy *>(8);
-  EXPECT_EQ(kvf_stage_batch_copies(blob.data(), 1, 0, 3, &c, &n, &runs), 0);
-  EXPECT_EQ(c, nullptr);
-}
-
 // The batch API's runs go in calls of `first`, then twice as many, the
 // rest in one call once the next doubling would reach it; first 0 is one
 // call. Every run is enqueued exactly once, whatever the count.
@@ -2389,67 +2277,6 @@ void upload_new(const Set &s, Mem kind, int device, DevSet *out) {
   }
 }
 
-// Cache regions each in its own physical allocation, mapped at one distance
-// inside one reserved range with an unmapped granule after each: how a
-// cuMem-based allocator (vLLM's, PyTorch's expandable segments) may lay out
-// per-layer tensors. The DevBufs own nothing; this does.
-struct MappedRegions {
-  CUdeviceptr va = 0;
-  size_t reserved = 0, slot = 0;
-  std::vector<std::pair<CUdeviceptr, CUmemGenericAllocationHandle>> maps;
-  size_t map_size = 0;
-  MappedRegions() = default;
-  MappedRegions(const MappedRegions &) = delete;
-  MappedRegions &operator=(const MappedRegions &) = delete;
-  ~MappedRegions() {
-    const kvf_cuda_table *cu = kvf_cuda();
-    for (auto &[at, h] : maps) {
-      cu->cuMemUnmap(at, map_size);
-      cu->cuMemRelease(h);
-    }
-    if (va) cu->cuMemAddressFree(va, reserved);
-  }
-};
-
-void upload_mapped(const Set &s, DevSet *out, MappedRegions *m) {
-  ASSERT_EQ(kvf_cuda_load(), KVF_SUCCESS) << kvf_last_error();
-  const kvf_cuda_table *cu = kvf_cuda();
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = 0;
-  size_t gran = 0, most = 0;
-  ASSERT_EQ(cu->cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM), CUDA_SUCCESS);
-  for (const GBuf &h : s) most = std::max(most, h.total());
-  m->map_size = (most + gran - 1) / gran * gran;
-  m->slot = m->map_size + gran; // the unmapped gap
-  m->reserved = m->slot * s.size();
-  ASSERT_EQ(cu->cuMemAddressReserve(&m->va, m->reserved, gran, 0, 0), CUDA_SUCCESS);
-  CUmemAccessDesc acc{};
-  acc.location = prop.location;
-  acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  out->bufs.clear();
-  for (size_t i = 0; i < s.size(); i++) {
-    const GBuf &h = s[i];
-    auto b = std::make_unique<DevBuf>();
-    b->total = h.total();
-    b->lead = h.lead;
-    b->size = h.size;
-    if (b->total) {
-      CUmemGenericAllocationHandle hd;
-      CUdeviceptr at = m->va + i * m->slot;
-      ASSERT_EQ(cu->cuMemCreate(&hd, m->map_size, &prop, 0), CUDA_SUCCESS);
-      ASSERT_EQ(cu->cuMemMap(at, m->map_size, 0, hd, 0), CUDA_SUCCESS);
-      m->maps.push_back({at, hd});
-      ASSERT_EQ(cu->cuMemSetAccess(at, m->map_size, &acc, 1), CUDA_SUCCESS);
-      b->base = reinterpret_cast<uint8_t *>(static_cast<uintptr_t>(at));
-      ASSERT_EQ(reinterpret_cast<uintptr_t>(b->base) % h.align, 0u);
-      CUDA_OK(cudaMemcpy(b->base, h.bytes(), b->total, cudaMemcpyDefault));
-    }
-    out->bufs.push_back(std::move(b));
-  }
-}
-
 void upload(const Set &s, const DevSet &d) {
   for (size_t i = 0; i < s.size(); i++)
     if (s[i].total()) CUDA_OK(cudaMemcpy(d.bufs.at(i)->base, s[i].bytes(), s[i].total(), cudaMemcpyDefault));
@@ -2480,7 +2307,6 @@ struct GpuConfig {
   int cache_device = 0, obj_device = 0;
   uint32_t max_sms = 0;
   bool legacy_stream = false;  // pass NULL (the legacy default stream)
-  bool mapped_cache = false;   // device cache regions mapped apart in one range (MappedRegions)
   double busy_ms = 0;          // a spin kernel this long on the stream before the call
   bool check_route = true;
   kvf_xfer_route route = KVF_ROUTE_D2D;
@@ -2525,13 +2351,8 @@ void run_gpu_case(const kvf_geometry *g, const Plan &p, kvf_object_format fmt, D
   ASSERT_GT(payload, 0u);
 
   CUDA_OK(cudaSetDevice(0));
-  MappedRegions mapped;
-  DevSet dcache, dobjs; // after `mapped`: their buffers point into it
-  if (cfg.mapped_cache) {
-    ASSERT_NO_FATAL_FAILURE(upload_mapped(in.cache, &dcache, &mapped));
-  } else {
-    ASSERT_NO_FATAL_FAILURE(upload_new(in.cache, cfg.cache_kind, device_of(cfg.cache_kind, cfg.cache_device), &dcache));
-  }
+  DevSet dcache, dobjs;
+  ASSERT_NO_FATAL_FAILURE(upload_new(in.cache, cfg.cache_kind, device_of(cfg.cache_kind, cfg.cache_device), &dcache));
   ASSERT_NO_FATAL_FAILURE(upload_new(in.objs, cfg.obj_kind, device_of(cfg.obj_kind, cfg.obj_device), &dobjs));
   XferPtr x = make_xfer(g, 0, 0, cfg.max_sms);
   ASSERT_TRUE(x);
@@ -2678,20 +2499,8 @@ template <int64_t First> void copy_batch_check(const kvf_xfer_path_info &p, Mem)
   EXPECT_TRUE(p.path == KVF_PATH_COPY_BATCH || p.path == KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
   if (p.path == KVF_PATH_COPY_BATCH) {
     EXPECT_EQ(p.launches, 0u);
-    EXPECT_EQ(p.dma_ops, ramp_calls(p.dma_copies, First)) << p.dma_copies << " copies, calls ramped from " << First;
-    EXPECT_LE(p.dma_copies, p.dma_runs);
+    EXPECT_EQ(p.dma_ops, ramp_calls(p.dma_runs, First)) << p.dma_runs << " runs, calls ramped from " << First;
   }
-}
-
-// The same route with one run a copy (cudaMemcpyBatchAsync, no 2D copies).
-void copy_batch_runs_tune(kvf_xfer_tuning &t) {
-  copy_batch_tune<2>(t);
-  t.batch_2d = 0;
-}
-
-void copy_batch_runs_check(const kvf_xfer_path_info &p, Mem m) {
-  copy_batch_check<2>(p, m);
-  EXPECT_EQ(p.dma_copies, p.dma_runs);
 }
 
 struct RouteVariant {
@@ -2732,7 +2541,6 @@ const RouteVariant kRouteVariants[] = {
      }},
     {"copy_batch", true, copy_batch_tune<0>, copy_batch_check<0>},
     {"copy_batch_ramp", true, copy_batch_tune<2>, copy_batch_check<2>},
-    {"copy_batch_runs", true, copy_batch_runs_tune, copy_batch_runs_check},
     {"pieces", true,
      [](kvf_xfer_tuning &t) {
        t.batch_max_runs = 0;
@@ -2934,10 +2742,9 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
     bool straight; // the copy engine moves the exposed layers itself
   };
   // One Llama chunk is 1024 runs: over KVF_XFER_BATCH_MAX_RUNS (the batch
-  // API's host cost) as runs, 32 2D copies where its layer caches lie at one
-  // distance, else staged, its first (last) layer straight from (to) the
-  // cache; staged on the legacy stream; the MLA chunk's 244 runs take the
-  // batch API; HND blocks are a run per head, none straight.
+  // API's host cost), staged, its first (last) layer straight from (to) the
+  // cache but on the legacy stream; the MLA chunk's 244 runs take the batch
+  // API; HND blocks are a run per head, none straight.
   const Want wants[] = {{"llama-3.1-8b-fa-nhd", Mem::Pinned, false, KVF_PATH_STAGED, true},
                         {"deepseek-v3-mla-bf16", Mem::Pinned, false, KVF_PATH_COPY_BATCH, false},
                         {"llama-3.1-8b-fa-hnd", Mem::Pinned, false, KVF_PATH_STAGED, false},
@@ -2964,28 +2771,17 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
       const kvf_blob_opts device_opts = {0, nullptr,
                                          (uint64_t)sms * 16 * (uint64_t)kvf_param_xfer_device_task_waves()};
       const uint32_t device_slice = kvf_blob_slice_for(&device_opts, plan_payload(s.g(), s.plan));
-      cfg.check_path = [want, straight, cache_order, device_slice, w](const kvf_xfer_path_info &p) {
-        // A Llama NHD chunk's 1024 runs take the batch route as 2D copies
-        // when its layer caches lie at one distance (32 copies), else they
-        // are staged with a straight part.
-        bool either = want == KVF_PATH_STAGED && straight && p.path == KVF_PATH_COPY_BATCH;
-        if (!either) {
-          EXPECT_EQ(p.path, want) << kvf_xfer_path_name(p.path);
-          EXPECT_EQ(p.straight_runs > 0, straight) << p.straight_runs << " runs straight";
-        }
+      cfg.check_path = [want, straight, cache_order, device_slice](const kvf_xfer_path_info &p) {
+        EXPECT_EQ(p.path, want) << kvf_xfer_path_name(p.path);
+        EXPECT_EQ(p.straight_runs > 0, straight) << p.straight_runs << " runs straight";
         EXPECT_EQ(p.uploads, 0u) << "one chunk's tables fit the kernel parameters";
-        if (p.path == KVF_PATH_STAGED) {
+        if (want == KVF_PATH_STAGED) {
           EXPECT_GT(p.pieces, 1u) << "one chunk's batch is split so the copy engine starts early";
         }
-        if (p.path == KVF_PATH_COPY_BATCH) {
-          // 61 layers x 4 blocks (x 16 x 2 planes x 32 layers), fewer where
-          // consecutive ids merged; a copy a block (and plane) where the
-          // layer caches lie at one distance, which separate cudaMallocs
-          // need not give (XferBatchCopies checks the grouping).
-          EXPECT_EQ(p.dma_runs % (w.preset[0] == 'd' ? 61 : 64), 0u) << p.dma_runs << " runs";
-          EXPECT_GE(p.dma_copies, p.dma_runs / (w.preset[0] == 'd' ? 61 : 32));
-          EXPECT_LE(p.dma_copies, (uint64_t)kvf_param_xfer_batch_max_runs());
-          EXPECT_EQ(p.dma_ops, ramp_calls(p.dma_copies, (uint64_t)kvf_param_xfer_batch_first_runs()));
+        if (want == KVF_PATH_COPY_BATCH) {
+          EXPECT_EQ(p.dma_runs, 244u) << "61 layers x 4 blocks";
+          // 8, 16, 32, 64 and 124 runs at the default KVF_XFER_BATCH_FIRST_RUNS.
+          EXPECT_EQ(p.dma_ops, ramp_calls(244, (uint64_t)kvf_param_xfer_batch_first_runs()));
         }
         if (want == KVF_PATH_KERNEL) {
           EXPECT_EQ(p.spread_launches, 1u) << "a one-chunk device-to-device launch spreads";
@@ -3015,44 +2811,14 @@ TEST(XferGpu, BatchCallsRampOnlyOnAnIdleStream) {
       cfg.obj_kind = Mem::Pinned;
       cfg.route = expected_route(Mem::Pinned, d);
       cfg.busy_ms = busy_ms;
+      cfg.tune = [](kvf_xfer_tuning &t) { t.batch_first_runs = 8; };
       const uint64_t want_calls = busy_ms > 0 ? 1 : 5;  // 8, 16, 32, 64 and 124 runs
-      cfg.tune = [](kvf_xfer_tuning &t) {
-        t.batch_first_runs = 8;
-        t.batch_2d = 0; // 244 copies of one run; 2D copies would be too few to ramp
-      };
       cfg.check_path = [want_calls](const kvf_xfer_path_info &p) {
         ASSERT_EQ(p.path, KVF_PATH_COPY_BATCH) << kvf_xfer_path_name(p.path);
         EXPECT_EQ(p.dma_runs, 244u);
-        EXPECT_EQ(p.dma_copies, 244u);
         EXPECT_EQ(p.dma_ops, want_calls);
       };
       run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 30 + (uint64_t)d, cfg);
-    }
-}
-
-// The batch route's 2D copies over layer caches that are separate
-// allocations mapped at one distance with unmapped gaps between them (a
-// cuMem allocator's layout): a copy's rows lie in different allocations and
-// its pitch steps over the gaps, which it never touches. The MLA chunk goes
-// as one copy a block (61 rows), a Llama NHD chunk as one a block and plane
-// (32 rows), and every byte lands as the reference says.
-TEST(XferGpu, RowCopiesSpanSeparatelyMappedLayers) {
-  REQUIRE_GPU();
-  for (const char *preset : {"deepseek-v3-mla-bf16", "llama-3.1-8b-fa-nhd"})
-    for (Dir d : {Dir::Gather, Dir::Scatter}) {
-      SCOPED_TRACE(std::string(preset) + " " + dir_name(d));
-      Prepared s;
-      ASSERT_NO_FATAL_FAILURE(setup_chunks(preset, 1, 0, 31, &s));
-      GpuConfig cfg;
-      cfg.obj_kind = Mem::Pinned;
-      cfg.mapped_cache = true;
-      cfg.route = expected_route(Mem::Pinned, d);
-      const uint64_t rows = preset[0] == 'd' ? 61 : 32;
-      cfg.check_path = [rows](const kvf_xfer_path_info &p) {
-        ASSERT_EQ(p.path, KVF_PATH_COPY_BATCH) << kvf_xfer_path_name(p.path);
-        EXPECT_EQ(p.dma_copies * rows, p.dma_runs) << p.dma_copies << " copies of " << p.dma_runs << " runs";
-      };
-      run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 32 + (uint64_t)d, cfg);
     }
 }
 

@@ -77,8 +77,6 @@ extern "C" {
     "... and have at most this many runs (its host cost grows with them; 0: never use the batch API route)") \
   X(xfer_batch_first_runs, "KVF_XFER_BATCH_FIRST_RUNS", 8,                              \
     "the batch API route enqueues its runs on an idle stream in calls of this many runs, then twice as many each call, so the copy engine starts after the first call (0: all in one call)") \
-  X(xfer_batch_2d, "KVF_XFER_BATCH_2D", 1,                                               \
-    "1: the batch API route gives runs that step by the same bytes on both sides (a block's layers, planes) to the copy engine as one 2D copy (cudaMemcpy3DBatchAsync), and KVF_XFER_BATCH_MAX_RUNS counts copies; 0: one run a copy (cudaMemcpyBatchAsync)") \
   X(xfer_spread_kb, "KVF_XFER_SPREAD_KB", 8192,                                          \
     "a device-to-device or peer launch that may use every SM and moves at least this many KiB runs small CTAs, several rounds of them, that the GPU hands out as SMs free up (0: never; one CTA per SM then)") \
   X(xfer_overlap, "KVF_XFER_OVERLAP", 1,                                                 \

@@ -206,7 +206,6 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
                          .batch_min_run = kvf_param_xfer_batch_min_run(),
                          .batch_max_runs = kvf_param_xfer_batch_max_runs(),
                          .batch_first_runs = kvf_param_xfer_batch_first_runs(),
-                         .batch_2d = kvf_param_xfer_batch_2d(),
                          .kernel = kvf_param_xfer_kernel(),
                          .spread_kb = kvf_param_xfer_spread_kb(),
                          .cache_order = kvf_param_xfer_cache_order(),
@@ -231,7 +230,6 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
   if (t->cache_order < 0 || t->cache_order > 1) t->cache_order = 1;
   if (t->overlap < 0 || t->overlap > 1) t->overlap = 1;
   if (t->batch_first_runs < 0) t->batch_first_runs = 8;
-  if (t->batch_2d < 0 || t->batch_2d > 1) t->batch_2d = 1;
   if (t->defer < 0 || t->defer > 1) t->defer = 0;
 }
 
@@ -239,7 +237,7 @@ kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
   if (!x || !t) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_set_tuning: NULL argument");
   if (t->pcie_sms < 0 || t->staging_mb < 0 || t->stage_sms < 0 || t->stage_pieces < 1 ||
       t->stage_pieces > KVF_STAGE_MAX_PIECES || t->param_bytes < 0 || t->task_bytes < 16 || t->task_bytes > 65536 ||
-      t->task_bytes % 16 || t->task_waves < 0 || t->device_task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->batch_first_runs < 0 || t->batch_2d < 0 || t->batch_2d > 1 || t->stage_dma_batch < 0 ||
+      t->task_bytes % 16 || t->task_waves < 0 || t->device_task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->batch_first_runs < 0 || t->stage_dma_batch < 0 ||
       t->small_stage_mb < 0 || t->kernel < 0 || t->kernel > 2 || t->stage_growth < 1 || t->stage_growth > 16 ||
       t->small_stage_growth < 1 || t->small_stage_growth > 16 ||
       t->staging_mb > KVF_STAGE_MAX_MB || t->stage_edge_mb < 0 || t->stage_edge_mb > KVF_STAGE_MAX_MB ||
@@ -826,22 +824,7 @@ static cudaError_t batch_copy(void **dst, const void **src, size_t *size, size_t
   return cudaMemcpyBatchAsync(dst, src, size, n, &attr, &attr_idx, 1, stream);
 }
 
-/* A batch route's copies: one run each (cudaMemcpyBatchAsync's three
- * arrays), or rows at a pitch (ops, for cudaMemcpy3DBatchAsync). */
-typedef struct batch_list {
-  void **dst;
-  const void **src;
-  size_t *size;
-  struct cudaMemcpy3DBatchOp *ops;
-  size_t count;
-} batch_list;
-
-static cudaError_t batch_enqueue(const batch_list *b, size_t at, size_t n, cudaStream_t stream) {
-  if (b->ops) return cudaMemcpy3DBatchAsync(n, b->ops + at, 0, stream);
-  return batch_copy(b->dst + at, b->src + at, b->size + at, n, stream);
-}
-
-/* b's copies in batch calls of growing size (kvf_batch_ramp_runs)
+/* n copies in cudaMemcpyBatchAsync calls of growing size (kvf_batch_ramp_runs)
  * on `stream`, or in one call when the stream has work queued; *calls
  * counts them. The batch API's host time grows with its runs, about 0.45-0.9
  * us each, and its copies start only once the call returns: on an idle
@@ -855,10 +838,10 @@ static cudaError_t batch_enqueue(const batch_list *b, size_t at, size_t n, cudaS
  * (1.19 / 1.21x from 4, 1.16 / 1.30x from 16; 1.05-1.12x in two later runs,
  * the host's enqueue varying 130-200 us); behind queued work, ramped,
  * 97.4 / 96.8% of memcpy against 100.0 / 100.0% in one call. */
-static cudaError_t ramped_batch_copy(const kvf_xfer *x, const batch_list *b, cudaStream_t stream, uint64_t *calls,
-                                     size_t *enqueued) {
+static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void **src, size_t *size, size_t n,
+                                     cudaStream_t stream, uint64_t *calls, size_t *enqueued) {
   uint64_t first = (uint64_t)x->tune.batch_first_runs;
-  if (first > 0 && first < b->count) {
+  if (first > 0 && first < n) {
     /* Relaxed: in the default global mode a query while any thread of the
      * process captures a graph (on another stream) would be refused and
      * invalidate that capture. */
@@ -873,57 +856,13 @@ static cudaError_t ramped_batch_copy(const kvf_xfer *x, const batch_list *b, cud
   }
   cudaError_t e = cudaSuccess;
   *enqueued = 0;
-  for (size_t k = 0; *enqueued < b->count; k++) {
-    size_t m = (size_t)kvf_batch_ramp_runs(k, first, b->count - *enqueued);
-    if ((e = batch_enqueue(b, *enqueued, m, stream)) != cudaSuccess) break;
+  for (size_t k = 0; *enqueued < n; k++) {
+    size_t m = (size_t)kvf_batch_ramp_runs(k, first, n - *enqueued);
+    if ((e = batch_copy(dst + *enqueued, src + *enqueued, size + *enqueued, m, stream)) != cudaSuccess) break;
     *enqueued += m;
     (*calls)++;
   }
   return e;
-}
-
-/* The batch route's copies with rows at a pitch (KVF_XFER_BATCH_2D):
- * b->ops, or b's three arrays when no copy has more than one row (the
- * one-run API, the one measured on such copies). KVF_SUCCESS,
- * KVF_ERR_UNSUPPORTED when the runs do not fit, or out of memory. */
-static kvf_status batch_2d_list(const kvf_xfer *x, int gather, batch_list *b, uint64_t *runs) {
-  kvf_batch_copy *c = NULL;
-  size_t n = 0;
-  int fit = kvf_stage_batch_copies(x->host_blob, gather, (uint64_t)x->tune.batch_min_run,
-                                   (uint64_t)x->tune.batch_max_runs, &c, &n, runs);
-  if (fit < 0) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
-  if (fit == 0) return KVF_ERR_UNSUPPORTED;
-  b->count = n;
-  if (*runs == n) {
-    b->dst = malloc(sizeof *b->dst * n);
-    b->src = malloc(sizeof *b->src * n);
-    b->size = malloc(sizeof *b->size * n);
-    for (size_t i = 0; b->dst && b->src && b->size && i < n; i++) {
-      b->dst[i] = c[i].dst;
-      b->src[i] = c[i].src;
-      b->size[i] = c[i].width;
-    }
-  } else if ((b->ops = calloc(n, sizeof *b->ops))) {
-    for (size_t i = 0; i < n; i++) {
-      struct cudaMemcpy3DBatchOp *op = &b->ops[i];
-      op->src.type = cudaMemcpyOperandTypePointer;
-      op->src.op.ptr.ptr = (void *)c[i].src;
-      op->src.op.ptr.rowLength = c[i].rows > 1 ? c[i].src_pitch : 0; /* 0: rows packed */
-      op->dst.type = cudaMemcpyOperandTypePointer;
-      op->dst.op.ptr.ptr = c[i].dst;
-      op->dst.op.ptr.rowLength = c[i].rows > 1 ? c[i].dst_pitch : 0;
-      op->extent = (struct cudaExtent){.width = c[i].width, .height = c[i].rows, .depth = 1};
-      op->srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-    }
-  }
-  free(c);
-  if (!b->ops && !(b->dst && b->src && b->size)) {
-    free(b->dst);
-    free(b->src);
-    free(b->size);
-    return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
-  }
-  return KVF_SUCCESS;
 }
 
 /* The copy engine moves the request's runs straight between the cache and
@@ -938,11 +877,6 @@ static kvf_status batch_2d_list(const kvf_xfer *x, int gather, batch_list *b, ui
  * 3597/3019, 16384 runs 7437/7601), so KVF_XFER_BATCH_MAX_RUNS keeps it to
  * 256 runs (the MLA chunk's 244); a Llama chunk's 1024 go staged instead
  * (95.8% / 95.1% of memcpy d2h / h2d with 4 pieces there, cross.json).
- * With KVF_XFER_BATCH_2D the host's cost follows the copies instead: runs
- * that step by the same bytes on both sides (one block's layers in an
- * object of consecutive layers, from layer caches at a constant distance)
- * are one 2D copy of cudaMemcpy3DBatchAsync, so the MLA chunk is 4 copies
- * of 61 rows and a Llama NHD chunk 32 of 32, and the limit counts copies.
  * Returns KVF_ERR_UNSUPPORTED (nothing enqueued) when the request does not
  * fit. */
 static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream) {
@@ -951,42 +885,35 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
   kvf_status st = grow_host_blob(x, size);
   if (st) return st;
   kvf_blob_build(x->geometry, plan, r, gather, NULL, x->host_blob);
-  batch_list b = {0};
-  uint64_t runs = 0;
-  if (x->tune.batch_2d) {
-    if ((st = batch_2d_list(x, gather, &b, &runs)) != KVF_SUCCESS) return st;
-  } else {
-    int fit = kvf_stage_batch_runs(x->host_blob, gather, (uint64_t)x->tune.batch_min_run,
-                                   (uint64_t)x->tune.batch_max_runs, &b.dst, &b.src, &b.size, &b.count);
-    if (fit < 0) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
-    if (fit == 0) return KVF_ERR_UNSUPPORTED;
-    runs = b.count;
-  }
+  void **dst = NULL;
+  const void **src = NULL;
+  size_t *sizes = NULL, count = 0;
+  int fit = kvf_stage_batch_runs(x->host_blob, gather, (uint64_t)x->tune.batch_min_run,
+                                 (uint64_t)x->tune.batch_max_runs, &dst, &src, &sizes, &count);
+  if (fit < 0) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
+  if (fit == 0) return KVF_ERR_UNSUPPORTED;
   uint64_t calls = 0;
   size_t enqueued = 0;
   x->planned_ns = kvf_now_ns();
-  cudaError_t e = ramped_batch_copy(x, &b, stream, &calls, &enqueued);
-  const char *api = b.ops ? "cudaMemcpy3DBatchAsync" : "cudaMemcpyBatchAsync";
-  free(b.dst);
-  free(b.src);
-  free(b.size);
-  free(b.ops);
+  cudaError_t e = ramped_batch_copy(x, dst, src, sizes, count, stream, &calls, &enqueued);
+  free(dst);
+  free(src);
+  free(sizes);
   if (e != cudaSuccess) {
     cudaGetLastError();
     return kvf_fail(KVF_ERR_CUDA,
-                    "copy-engine %s of %zu copies: %s (call %llu, after %zu copies enqueued whole): %s; "
+                    "copy-engine %s of %zu runs: cudaMemcpyBatchAsync (call %llu, after %zu runs enqueued whole): %s; "
                     "its own copies may have been enqueued in part: the request's %s are unspecified until the "
                     "stream's work completes",
-                    gather ? "gather" : "scatter", b.count, api,
-                    (unsigned long long)calls + 1, enqueued, cudaGetErrorString(e), gather ? "objects" : "blocks");
+                    gather ? "gather" : "scatter", count, (unsigned long long)calls + 1, enqueued,
+                    cudaGetErrorString(e), gather ? "objects" : "blocks");
   }
   const kvf_blob_header *h = x->host_blob;
   x->last.route = gather ? KVF_ROUTE_D2H : KVF_ROUTE_H2D;
   x->last.sms = 0;
-  x->last.tasks = (uint32_t)b.count;
+  x->last.tasks = (uint32_t)count;
   x->last.payload_bytes = h->payload_bytes;
-  x->path = (kvf_xfer_path_info){
-      .path = KVF_PATH_COPY_BATCH, .dma_ops = calls, .dma_runs = runs, .dma_copies = b.count};
+  x->path = (kvf_xfer_path_info){.path = KVF_PATH_COPY_BATCH, .dma_ops = calls, .dma_runs = count};
   return KVF_SUCCESS;
 }
 

@@ -144,37 +144,6 @@ kvf_status kvf_stage_blob_runs(const void *blob, const uint64_t *object_base, kv
 int kvf_stage_batch_runs(const void *blob, int gather, uint64_t min_run, uint64_t max_runs, void ***dst,
                          const void ***src, size_t **size, size_t *count);
 
-/* One copy of the copy engine's 3D batch API (cudaMemcpy3DBatchAsync):
- * `rows` runs of `width` bytes, row k from src + k * src_pitch to dst + k *
- * dst_pitch (pitches at least width; unused when rows is 1). */
-typedef struct kvf_batch_copy {
-  const char *src;
-  char *dst;
-  uint64_t width;
-  uint64_t rows;
-  uint64_t src_pitch;
-  uint64_t dst_pitch;
-} kvf_batch_copy;
-
-/* Most blocks kvf_stage_batch_copies decodes per copy it may make: a
- * request of more blocks is refused before the decode's arrays grow with
- * it (a 64-plane Llama chunk's block is one copy of 64 rows at most). */
-#define KVF_BATCH_ROWS_PER_COPY 64
-
-/* The blob's runs (merged as kvf_stage_batch_runs merges them, checked
- * against min_run the same way) as copies of rows at constant pitches: when
- * every entry's merged runs are as many, the runs at one place of the
- * entries e, e + p, e + 2p, ... that step by the same bytes on both sides
- * become one copy, for the period p (1 to 4) that makes the fewest (p 2
- * catches a layer's K and V planes, which the layer stride does not
- * separate evenly). Runs that fit no such pattern are a copy of one row
- * each. Returns 1 with *copies (*count of them; *runs: the runs they hold)
- * allocated: free it; 0 when the runs do not fit (a short run, more than
- * max_copies copies, more than KVF_BATCH_ROWS_PER_COPY * max_copies
- * blocks) and -1 out of memory, both with *copies NULL. */
-int kvf_stage_batch_copies(const void *blob, int gather, uint64_t min_run, uint64_t max_copies,
-                           kvf_batch_copy **copies, size_t *count, uint64_t *runs);
-
 /* How many of the `left` runs still to enqueue the next cudaMemcpyBatchAsync
  * of a ramped batch takes, when `done` calls were made before it: `first`,
  * then twice as many each call, and the rest in one call once the next
@@ -206,7 +175,6 @@ typedef struct kvf_xfer_tuning {
   int64_t batch_min_run;   /* KVF_XFER_BATCH_MIN_RUN: smallest run for the copy-engine batch route */
   int64_t batch_max_runs;  /* KVF_XFER_BATCH_MAX_RUNS: most runs for it (0: the route is off) */
   int64_t batch_first_runs; /* KVF_XFER_BATCH_FIRST_RUNS: runs of a ramped batch's first call (0: one call) */
-  int64_t batch_2d;         /* KVF_XFER_BATCH_2D: 1: runs at a constant pitch go as one 2D copy */
   int64_t kernel;          /* KVF_XFER_KERNEL: 1 the grid-stride walk, 2 (or 0) the warp walk (kernels/walk.h) */
   int64_t spread_kb;       /* KVF_XFER_SPREAD_KB: uncapped launches of at least this payload spread (0: never) */
   int64_t cache_order;     /* KVF_XFER_CACHE_ORDER: 1: d2d gathers walk HND blocks in cache order */
@@ -263,7 +231,6 @@ typedef struct kvf_xfer_path_info {
   uint32_t pieces;         /* staged pieces per batch */
   uint64_t dma_ops;        /* copy-engine calls (memcpy or batch calls) */
   uint64_t dma_runs;       /* byte ranges they copy */
-  uint64_t dma_copies;     /* copies the batch route gave the batch API (a 2D copy of several runs counts once) */
   uint64_t straight_runs;  /* of those, runs a staged call's copy engine moves straight (KVF_XFER_STAGE_STRAIGHT_KB) */
   uint32_t slice_bytes;    /* task size of the (last) launch */
   double host_us;          /* host time of the call, from entering to returning */
