@@ -178,7 +178,8 @@ void usage(FILE *f) {
           "  --peers LIST              peer kernels: lmcache-mp,lmcache-mp-staged,lmcache-legacy,sglang-q<N>,\n"
           "                            sglang-qsm | all | none (default all; sweep and interference)\n"
           "  --peers-max-tokens N      run the peers at request sizes up to N tokens (default 16384)\n"
-          "  --tune SPEC               also time kvferry with tuning SPEC = key=value[,key=value...] (repeatable);\n"
+          "  --tune SPEC               also time kvferry with tuning SPEC = key=value[,key=value...] (repeatable; every\n"
+          "                            mode: sweep, latency and interference);\n"
           "                            keys: pieces, growth, dma_batch, param_bytes, task_bytes, task_waves, device_task_waves,\n"
           "                            batch_min_run, batch_max_runs, batch_first_runs, stage_sms, pcie_sms, staging_mb, kernel,\n"
           "                            small_stage_mb, small_stage_growth, edge_mb, multi_pieces,\n"
@@ -1652,6 +1653,7 @@ void latency_config(Config &c) {
   Verify v;
   if (g_opt.verify) v = verify(c);
   Latency kl, ml, rl;
+  std::vector<std::pair<std::string, Latency>> variants;
   kvf_xfer_stats stats = KVF_XFER_STATS_INIT;
   bool stats_ok = false;
   if (!g_opt.verify || v.ok) {
@@ -1662,6 +1664,18 @@ void latency_config(Config &c) {
     } catch (const std::exception &e) {
       if (!cuda_healthy()) throw;
       kl.error = e.what();
+    }
+    /* Each tuning variant (--tune), measured the same way. */
+    for (const std::string &t : g_opt.tunes) {
+      Latency l;
+      try {
+        kvf_xfer *x = preset_ctx(*c.p, tune_cap(t), t);
+        l = measure_latency(op_kvferry(c, x, g_gpu.stream), g_gpu.stream, g_opt.latency_reps);
+      } catch (const std::exception &e) {
+        if (!cuda_healthy()) throw;
+        l.error = e.what();
+      }
+      variants.push_back({t, l});
     }
     try {
       ml = measure_latency(op_limit(c, g_gpu.stream), g_gpu.stream, g_opt.latency_reps);
@@ -1693,6 +1707,13 @@ void latency_config(Config &c) {
   write_latency(j, "kvferry", kl);
   write_latency(j, "memcpy_same_bytes", ml);
   write_latency(j, "memcpy_per_run", rl);
+  j.key("variants").begin_array();
+  for (const auto &[t, l] : variants) {
+    j.begin_object().kv("tune", t);
+    write_latency(j, "kvferry", l);
+    j.end_object();
+  }
+  j.end_array();
   j.end_object();
   g_results.push_back(j.str());
   printf("latency %-28s %-11s %6llu tok %8.2f MiB  verify %-4s  kvferry gpu %.1f us wall %.1f us (enqueue %.1f)"
@@ -1700,6 +1721,10 @@ void latency_config(Config &c) {
          c.p->name.c_str(), c.d.name.c_str(), (unsigned long long)c.s->tokens, c.payload / 1048576.0,
          !v.ran ? "skip" : v.ok ? "ok" : "FAIL", kl.gpu_us, kl.wall_us, kl.enqueue_us, ml.gpu_us, ml.wall_us);
   if (!kl.error.empty()) printf("    kvferry: %s\n", kl.error.c_str());
+  for (const auto &[t, l] : variants) {
+    if (l.ok) printf("    tune %-24s gpu %.1f us wall %.1f us (enqueue %.1f)\n", t.c_str(), l.gpu_us, l.wall_us, l.enqueue_us);
+    else printf("    tune %-24s %s\n", t.c_str(), l.error.c_str());
+  }
   fflush(stdout);
 }
 

@@ -24,7 +24,8 @@
 #             its run thresholds, one batch call or memcpys per piece; caps default and 4
 #   large     16384 and 32768 tokens on the same three presets (they must stay at the
 #             limit), caps default and 4, limit/batch/cub (peers at 16384)
-#   latency   one chunk alone, synchronized: MLA, llama nhd, llama hnd; every direction
+#   latency   one chunk alone, synchronized: MLA, llama nhd, llama hnd; every direction; deferred
+#             calls and a batch ramp from 4 runs as variants
 #   interf    a cuBLAS bf16 GEMM (or the FMA kernel) on another stream while one-chunk
 #             and 4096-token d2h / h2d transfers run: kvferry at caps default, 4, 16,
 #             the grid-stride kernel, every peer, and the copy engine's memcpy
@@ -306,7 +307,8 @@ fi
 
 if want latency; then
   step latency 40 --mode latency --preset deepseek-v3-mla-bf16,llama-3.1-8b-fa-nhd,llama-3.1-8b-fa-hnd --tokens 256 \
-    --directions d2h,h2d,d2d --latency-reps $([[ $mode == explore ]] && echo 60 || echo 200)
+    --directions d2h,h2d,d2d --latency-reps $([[ $mode == explore ]] && echo 60 || echo 200) \
+    --tune defer=1 --tune batch_first_runs=4
 fi
 
 if want interf; then
