@@ -24,6 +24,8 @@
 #             its run thresholds, one batch call or memcpys per piece; caps default and 4
 #   large     16384 and 32768 tokens on the same three presets (they must stay at the
 #             limit), caps default and 4, limit/batch/cub (peers at 16384)
+#   h2dtune   (not in the defaults) the staged one-chunk rows near 95% under the staged
+#             route's parameters, twice, and the MLA latency under other batch ramps
 #   latency   one chunk alone, synchronized: MLA, llama nhd, llama hnd; every direction; deferred
 #             calls and a batch ramp from 4 runs as variants
 #   interf    a cuBLAS bf16 GEMM (or the FMA kernel) on another stream while one-chunk
@@ -280,6 +282,24 @@ if want chunk; then
     --tune device_task_waves=2 --tune spread_kb=2048
 fi
 
+
+if want h2dtune; then
+  # Not in the default steps: the staged one-chunk rows nearest the 95% line
+  # (glm-like, HND, the tp4 slice) under the staged route's parameters, twice
+  # to see the noise; then the MLA chunk's latency under other batch ramps
+  # and the staged route. Run it without the summary step (its records
+  # would count as rows of the targets).
+  for rep in 1 2; do
+    step h2dtune-$rep 90 --preset glm-like-hybrid,llama-3.1-8b-fa-hnd,llama-3.1-8b-flashinfer-hnd,llama-3.1-70b-tp4-rank2-slice \
+      --tokens 256 --directions h2d,d2h --sms-pcie 0,4 --baselines limit --peers none --no-sustained \
+      --tune small_stage_growth=2 --tune small_stage_growth=8 --tune small_stage_mb=0 --tune straight_kb=0 \
+      --tune straight_kb=2048 --tune straight_kb=4096 --tune pieces=2 --tune pieces=3 --tune pieces=6 --tune stage_sms=32 \
+      --tune growth=4 --tune small_stage_mb=0,cap=4 --tune straight_kb=4096,cap=4 --tune small_stage_growth=2,cap=4
+  done
+  step latency-ramp 40 --mode latency --preset deepseek-v3-mla-bf16 --tokens 256 --directions d2h,h2d \
+    --latency-reps 200 --tune batch_first_runs=6 --tune batch_first_runs=12 --tune batch_first_runs=16 \
+    --tune batch_max_runs=0
+fi
 
 if want profile; then
   # Nsight Compute on one-chunk device-to-device kernels (one launch each,
