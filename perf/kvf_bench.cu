@@ -121,6 +121,7 @@ struct Options {
   std::string gemm = "auto";
   int gemm_n = 8192;
   int latency_reps = 200;
+  int idle_ms = 0;                    /* latency: the stream and GPU left idle this long before each call */
   int interference_samples = 7;
   double interference_ms = 25;
   std::string out = "kvf_bench.json";
@@ -172,6 +173,8 @@ void usage(FILE *f) {
           "  --gemm auto|cublas|fma    interference workload (auto: cuBLAS bf16 GEMM if libcublas.so.13 loads)\n"
           "  --gemm-n N                GEMM size (default 8192)\n"
           "  --latency-reps N          synchronized calls per latency figure (default 200)\n"
+          "  --idle-ms N               latency: sleep N ms before each call, so each finds the GPU and host idle\n"
+          "                            (default 0: back to back)\n"
           "  --samples N               interference samples (default 7)\n"
           "  --out FILE                JSON output (default kvf_bench.json)\n"
           "  --label TEXT              free text stored in the JSON\n"
@@ -181,7 +184,7 @@ void usage(FILE *f) {
           "  --tune SPEC               also time kvferry with tuning SPEC = key=value[,key=value...] (repeatable; every\n"
           "                            mode: sweep, latency and interference);\n"
           "                            keys: pieces, growth, dma_batch, param_bytes, task_bytes, task_waves, device_task_waves,\n"
-          "                            batch_min_run, batch_max_runs, batch_first_runs, stage_sms, pcie_sms, staging_mb, kernel,\n"
+          "                            batch_min_run, batch_max_runs, batch_first_runs, batch_link_gbps, stage_sms, pcie_sms, staging_mb, kernel,\n"
           "                            small_stage_mb, small_stage_growth, edge_mb, multi_pieces,\n"
           "                            straight_kb, straight_min_run, spread_kb, cache_order, overlap, defer\n"
           "                            (host/core/xfer_internal.h),\n"
@@ -340,6 +343,8 @@ void parse_args(int argc, char **argv) {
       o.gemm_n = (int)parse_u64(need(i), a.c_str());
     } else if (a == "--latency-reps") {
       o.latency_reps = (int)parse_u64(need(i), a.c_str());
+    } else if (a == "--idle-ms") {
+      o.idle_ms = (int)parse_u64(need(i), a.c_str());
     } else if (a == "--samples") {
       o.interference_samples = (int)parse_u64(need(i), a.c_str());
     } else if (a == "--interference-ms") {
@@ -703,6 +708,7 @@ Latency measure_latency(const std::function<void(int)> &op, cudaStream_t s, int 
   ensure_events(2);
   std::vector<double> gpu(reps), enq(reps), wall(reps);
   for (int i = 0; i < reps; i++) {
+    if (g_opt.idle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(g_opt.idle_ms));
     double a = now_s();
     CK(cudaEventRecord(g_gpu.ev[0], s));
     op(i);
@@ -967,6 +973,7 @@ void apply_tune(const std::string &spec, kvf_xfer_tuning *t, int *cap) {
     else if (k == "batch_min_run") t->batch_min_run = v;
     else if (k == "batch_max_runs") t->batch_max_runs = v;
     else if (k == "batch_first_runs") t->batch_first_runs = v;
+    else if (k == "batch_link_gbps") t->batch_link_gbps = v;
     else if (k == "stage_sms") t->stage_sms = v;
     else if (k == "pcie_sms") t->pcie_sms = v;
     else if (k == "staging_mb") t->staging_mb = v;
@@ -1700,7 +1707,7 @@ void latency_config(Config &c) {
   }
   if (!c.d.gather) c.p->mirror_valid = false;
   JsonWriter j;
-  j.begin_object().kv("kind", "latency");
+  j.begin_object().kv("kind", "latency").kv("idle_ms", g_opt.idle_ms);
   write_config_head(j, c);
   write_verify(j, v);
   if (stats_ok) j.kv("sms_used", stats.sms).kv("route", kvf_xfer_route_name(stats.route));
@@ -2118,7 +2125,7 @@ int plan_only() {
         double per_run_memcpy = dev ? 5.8e-6 : peer ? 3e-6 : 2.5e-6, per_run_batch = dev ? 5e-6 : peer ? 1.2e-6 : 0.7e-6;
         double tx = payload / bw + 5e-6, sec = 0;
         if (g_opt.mode == "latency") {
-          sec = 3 * g_opt.latency_reps * (tx + 30e-6) + std::min(n, 4096.0) * per_run_memcpy * 50;
+          sec = 3 * g_opt.latency_reps * (tx + 30e-6 + g_opt.idle_ms * 1e-3) + std::min(n, 4096.0) * per_run_memcpy * 50;
         } else {
           sec += (dev || peer ? g_opt.sms_device : g_opt.sms).size() * est_measure(tx);
           if (g_opt.base_limit) sec += est_measure(tx);

@@ -25,9 +25,11 @@
 #   large     16384 and 32768 tokens on the same three presets (they must stay at the
 #             limit), caps default and 4, limit/batch/cub (peers at 16384)
 #   h2dtune   (not in the defaults) the staged one-chunk rows near 95% under the staged
-#             route's parameters, twice, and the MLA latency under other batch ramps
+#             route's parameters, twice, the MLA latency under other batch ramps (twice)
+#             and the MLA caches staged
+#   idle      (not in the defaults) one-chunk latency after 100 ms idle, kvferry and memcpy
 #   latency   one chunk alone, synchronized: MLA, llama nhd, llama hnd; every direction; deferred
-#             calls and a batch ramp from 4 runs as variants
+#             calls and the doubling batch ramp (KVF_XFER_BATCH_LINK_GBPS=0) as variants
 #   interf    a cuBLAS bf16 GEMM (or the FMA kernel) on another stream while one-chunk
 #             and 4096-token d2h / h2d transfers run: kvferry at caps default, 4, 16,
 #             the grid-stride kernel, every peer, and the copy engine's memcpy
@@ -296,9 +298,23 @@ if want h2dtune; then
       --tune straight_kb=2048 --tune straight_kb=4096 --tune pieces=2 --tune pieces=3 --tune pieces=6 --tune stage_sms=32 \
       --tune growth=4 --tune small_stage_mb=0,cap=4 --tune straight_kb=4096,cap=4 --tune small_stage_growth=2,cap=4
   done
-  step latency-ramp 40 --mode latency --preset deepseek-v3-mla-bf16 --tokens 256 --directions d2h,h2d \
-    --latency-reps 200 --tune batch_first_runs=6 --tune batch_first_runs=12 --tune batch_first_runs=16 \
-    --tune batch_max_runs=0
+  for rep in 1 2; do
+    step latency-ramp-$rep 40 --mode latency --preset deepseek-v3-mla-bf16 --tokens 256 --directions d2h,h2d \
+      --latency-reps 200 --tune batch_link_gbps=0 --tune batch_first_runs=6 --tune batch_first_runs=16 \
+      --tune batch_max_runs=0
+  done
+  # The MLA caches' one chunk staged instead of through the batch API.
+  step mla-staged 40 --preset deepseek-v3-mla-bf16,deepseek-v3-mla-fp8-656,deepseek-v3-mla-dcp4-rank1 --tokens 256 \
+    --directions h2d,d2h --sms-pcie 0 --baselines limit,batch --peers none --tune batch_max_runs=0
+fi
+
+if want idle; then
+  # Not in the defaults: one chunk with the GPU and host left idle 100 ms
+  # before each call (clocks down, threads asleep), kvferry and memcpy alike:
+  # what a request after a pause pays that is not kvferry's own setup (the
+  # served step's first STORE against a STORE after idleness).
+  step latency-idle 90 --mode latency --preset llama-3.1-8b-fa-nhd,deepseek-v3-mla-bf16 --tokens 256 \
+    --directions d2h,h2d,d2d --latency-reps 20 --idle-ms 100
 fi
 
 if want profile; then
@@ -328,7 +344,7 @@ fi
 if want latency; then
   step latency 40 --mode latency --preset deepseek-v3-mla-bf16,llama-3.1-8b-fa-nhd,llama-3.1-8b-fa-hnd --tokens 256 \
     --directions d2h,h2d,d2d --latency-reps $([[ $mode == explore ]] && echo 60 || echo 200) \
-    --tune defer=1 --tune batch_first_runs=4
+    --tune defer=1 --tune batch_link_gbps=0
 fi
 
 if want interf; then

@@ -2055,6 +2055,62 @@ TEST(XferBatchRamp, CallsDoubleFromTheFirstAndTakeTheRestWhole) {
   EXPECT_EQ(kvf_batch_ramp_runs(1, UINT64_MAX / 2 + 1, UINT64_MAX), UINT64_MAX);
 }
 
+// A paced ramp's next call: what the host enqueues in the previous call's
+// copy time, between 1.5 and 2 times the previous call, everything left
+// once it fits that time or would leave under a quarter call behind.
+TEST(XferBatchRamp, PacedCallsTakeWhatTheHostEnqueuesInTheCopyTime) {
+  EXPECT_EQ(kvf_batch_ramp_next(8, 236, 1000, 10000), 16u) << "a fast host doubles";
+  EXPECT_EQ(kvf_batch_ramp_next(8, 236, 10000, 10000), 12u) << "a host as slow as the copy grows by half";
+  EXPECT_EQ(kvf_batch_ramp_next(8, 236, 10000, 14000), 12u);
+  EXPECT_EQ(kvf_batch_ramp_next(8, 236, 10000, 17500), 14u) << "in between: what fits the copy time";
+  EXPECT_EQ(kvf_batch_ramp_next(64, 124, 20000, 86000), 124u) << "the rest fits the copy time";
+  EXPECT_EQ(kvf_batch_ramp_next(64, 118, 60000, 86000), 118u) << "the rest leaves under a quarter call";
+  EXPECT_EQ(kvf_batch_ramp_next(64, 200, 60000, 86000), 96u);
+  EXPECT_EQ(kvf_batch_ramp_next(8, 5, 10000, 1000), 5u) << "never more than is left";
+  EXPECT_EQ(kvf_batch_ramp_next(8, 100, 0, 1000), 100u) << "an unmeasurably fast host takes the rest";
+  EXPECT_EQ(kvf_batch_ramp_next(0, 100, 1000, 1000), 2u) << "from 0 runs as from 1";
+  EXPECT_EQ(kvf_batch_ramp_next(8, 0, 1000, 1000), 0u);
+  EXPECT_EQ(kvf_batch_ramp_next(UINT64_MAX - 5, UINT64_MAX, UINT64_MAX, 1), UINT64_MAX)
+      << "steps that would wrap take the rest";
+  EXPECT_EQ(kvf_batch_ramp_next(UINT64_MAX / 2 + 7, UINT64_MAX, UINT64_MAX, 1), UINT64_MAX / 2 + 7 + UINT64_MAX / 4 + 4);
+  EXPECT_EQ(kvf_batch_ramp_next(1, UINT64_MAX, 1, UINT64_MAX), UINT64_MAX);
+}
+
+// The ramp against a model of an idle stream (host: c + h a run per call;
+// copy engine: each call's runs after the call returns and after the
+// previous ones, d + e a run): on a host at 0.8 us a run (the H200 machine
+// on a slow day) doubling left the copy engine idle between calls and the
+// paced ramp does not; on a host at 0.3 us a run the paced ramp makes the
+// doubling's calls. The MLA chunk: 244 runs of 72 KiB, e = 1.34 us at 55
+// GB/s.
+TEST(XferBatchRamp, PacedRampKeepsTheCopyEngineBusyOnASlowHost) {
+  const double c = 3, d = 1, e = 72.0 * 1024 / 55e3; // us
+  auto finish = [&](double h, bool paced, int *calls) {
+    double host = 0, engine = 0;
+    uint64_t left = 244, m = 0, host_ns = 0, engine_ns = 0;
+    *calls = 0;
+    for (uint64_t k = 0; left > 0; k++) {
+      m = k > 0 && paced ? kvf_batch_ramp_next(m, left, host_ns, engine_ns) : kvf_batch_ramp_runs(k, 8, left);
+      double took = c + h * (double)m;
+      host += took;
+      engine = std::max(engine, host) + d + e * (double)m;
+      host_ns = (uint64_t)(took * 1e3);
+      engine_ns = (uint64_t)(e * (double)m * 1e3);
+      left -= m;
+      ++*calls;
+    }
+    return engine;
+  };
+  int calls_doubling = 0, calls_paced = 0;
+  double slow_doubling = finish(0.8, false, &calls_doubling), slow_paced = finish(0.8, true, &calls_paced);
+  double bound = c + 8 * 0.8 + 244 * e; // the first call's host time, then the copy alone
+  EXPECT_GT(slow_doubling - bound, 25.0) << "the model shows doubling's idle copy engine";
+  EXPECT_LT(slow_paced - bound, 12.0) << "paced: " << slow_paced << " us, " << calls_paced << " calls";
+  double fast_doubling = finish(0.3, false, &calls_doubling), fast_paced = finish(0.3, true, &calls_paced);
+  EXPECT_EQ(calls_paced, calls_doubling);
+  EXPECT_LE(fast_paced, fast_doubling + 0.01);
+}
+
 // Piece shares grow 1:2:4 for a gather (its first kernel is the part the
 // copy engine waits for) and shrink for a scatter.
 TEST(XferPieces, GatherPiecesGrowScatterPiecesShrink) {
@@ -2487,12 +2543,31 @@ uint64_t ramp_calls(uint64_t runs, uint64_t first) {
   return calls;
 }
 
+// The most batch calls a paced ramp (KVF_XFER_BATCH_LINK_GBPS) from
+// `first` runs makes of `runs`: each call half again the previous one, as
+// on a host slower than the copy engine.
+uint64_t paced_max_calls(uint64_t runs, uint64_t first) {
+  uint64_t calls = 0, m = 0;
+  for (uint64_t left = runs; left > 0; calls++) {
+    m = calls == 0 ? kvf_batch_ramp_runs(0, first, left) : kvf_batch_ramp_next(m, left, 1, 0);
+    left -= m;
+  }
+  return calls;
+}
+
+// Whether a call's batch calls are those of a paced ramp from `first`.
+void expect_paced_calls(const kvf_xfer_path_info &p, uint64_t first) {
+  EXPECT_GE(p.dma_ops, p.dma_runs > first && first > 0 ? 2u : 1u) << p.dma_runs << " runs";
+  EXPECT_LE(p.dma_ops, paced_max_calls(p.dma_runs, first)) << p.dma_runs << " runs";
+}
+
 // The copy-engine batch route for any runs, its calls ramped from First
-// runs (0: one call; the stream is idle, so a ramp applies).
+// runs (0: one call; the stream is idle, so a ramp applies), doubling.
 template <int64_t First> void copy_batch_tune(kvf_xfer_tuning &t) {
   t.batch_min_run = 0;
   t.batch_max_runs = 1 << 30;
   t.batch_first_runs = First;
+  t.batch_link_gbps = 0;
 }
 
 template <int64_t First> void copy_batch_check(const kvf_xfer_path_info &p, Mem) {
@@ -2541,6 +2616,16 @@ const RouteVariant kRouteVariants[] = {
      }},
     {"copy_batch", true, copy_batch_tune<0>, copy_batch_check<0>},
     {"copy_batch_ramp", true, copy_batch_tune<2>, copy_batch_check<2>},
+    // Paced by the host's measured enqueue time (KVF_XFER_BATCH_LINK_GBPS).
+    {"copy_batch_paced", true,
+     [](kvf_xfer_tuning &t) {
+       copy_batch_tune<2>(t);
+       t.batch_link_gbps = 55;
+     },
+     [](const kvf_xfer_path_info &p, Mem) {
+       EXPECT_TRUE(p.path == KVF_PATH_COPY_BATCH || p.path == KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
+       if (p.path == KVF_PATH_COPY_BATCH) expect_paced_calls(p, 2);
+     }},
     {"pieces", true,
      [](kvf_xfer_tuning &t) {
        t.batch_max_runs = 0;
@@ -2780,8 +2865,8 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
         }
         if (want == KVF_PATH_COPY_BATCH) {
           EXPECT_EQ(p.dma_runs, 244u) << "61 layers x 4 blocks";
-          // 8, 16, 32, 64 and 124 runs at the default KVF_XFER_BATCH_FIRST_RUNS.
-          EXPECT_EQ(p.dma_ops, ramp_calls(244, (uint64_t)kvf_param_xfer_batch_first_runs()));
+          // From the default KVF_XFER_BATCH_FIRST_RUNS, paced by the host.
+          expect_paced_calls(p, (uint64_t)kvf_param_xfer_batch_first_runs());
         }
         if (want == KVF_PATH_KERNEL) {
           EXPECT_EQ(p.spread_launches, 1u) << "a one-chunk device-to-device launch spreads";
@@ -2811,7 +2896,10 @@ TEST(XferGpu, BatchCallsRampOnlyOnAnIdleStream) {
       cfg.obj_kind = Mem::Pinned;
       cfg.route = expected_route(Mem::Pinned, d);
       cfg.busy_ms = busy_ms;
-      cfg.tune = [](kvf_xfer_tuning &t) { t.batch_first_runs = 8; };
+      cfg.tune = [](kvf_xfer_tuning &t) {
+        t.batch_first_runs = 8;
+        t.batch_link_gbps = 0; // doubling, so the calls are known
+      };
       const uint64_t want_calls = busy_ms > 0 ? 1 : 5;  // 8, 16, 32, 64 and 124 runs
       cfg.check_path = [want_calls](const kvf_xfer_path_info &p) {
         ASSERT_EQ(p.path, KVF_PATH_COPY_BATCH) << kvf_xfer_path_name(p.path);

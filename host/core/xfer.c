@@ -206,6 +206,7 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
                          .batch_min_run = kvf_param_xfer_batch_min_run(),
                          .batch_max_runs = kvf_param_xfer_batch_max_runs(),
                          .batch_first_runs = kvf_param_xfer_batch_first_runs(),
+                         .batch_link_gbps = kvf_param_xfer_batch_link_gbps(),
                          .kernel = kvf_param_xfer_kernel(),
                          .spread_kb = kvf_param_xfer_spread_kb(),
                          .cache_order = kvf_param_xfer_cache_order(),
@@ -230,6 +231,7 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
   if (t->cache_order < 0 || t->cache_order > 1) t->cache_order = 1;
   if (t->overlap < 0 || t->overlap > 1) t->overlap = 1;
   if (t->batch_first_runs < 0) t->batch_first_runs = 8;
+  if (t->batch_link_gbps < 0 || t->batch_link_gbps > KVF_BATCH_MAX_LINK_GBPS) t->batch_link_gbps = 55;
   if (t->defer < 0 || t->defer > 1) t->defer = 0;
 }
 
@@ -237,7 +239,7 @@ kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
   if (!x || !t) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_set_tuning: NULL argument");
   if (t->pcie_sms < 0 || t->staging_mb < 0 || t->stage_sms < 0 || t->stage_pieces < 1 ||
       t->stage_pieces > KVF_STAGE_MAX_PIECES || t->param_bytes < 0 || t->task_bytes < 16 || t->task_bytes > 65536 ||
-      t->task_bytes % 16 || t->task_waves < 0 || t->device_task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->batch_first_runs < 0 || t->stage_dma_batch < 0 ||
+      t->task_bytes % 16 || t->task_waves < 0 || t->device_task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->batch_first_runs < 0 || t->batch_link_gbps < 0 || t->batch_link_gbps > KVF_BATCH_MAX_LINK_GBPS || t->stage_dma_batch < 0 ||
       t->small_stage_mb < 0 || t->kernel < 0 || t->kernel > 2 || t->stage_growth < 1 || t->stage_growth > 16 ||
       t->small_stage_growth < 1 || t->small_stage_growth > 16 ||
       t->staging_mb > KVF_STAGE_MAX_MB || t->stage_edge_mb < 0 || t->stage_edge_mb > KVF_STAGE_MAX_MB ||
@@ -837,7 +839,14 @@ static cudaError_t batch_copy(void **dst, const void **src, size_t *size, size_t
  * d2h / h2d 1.63 / 1.40x of memcpy in one call, 1.05 / 1.03x from 8 runs
  * (1.19 / 1.21x from 4, 1.16 / 1.30x from 16; 1.05-1.12x in two later runs,
  * the host's enqueue varying 130-200 us); behind queued work, ramped,
- * 97.4 / 96.8% of memcpy against 100.0 / 100.0% in one call. */
+ * 97.4 / 96.8% of memcpy against 100.0 / 100.0% in one call.
+ * Doubling keeps the host ahead only while a run's host time is under half
+ * its copy time: on a host at 0.8 us a run the copy engine idled between
+ * the calls and the chunk's latency rose to 1.10x (perf/results/
+ * 2026-12-02-h200-rows/NOTES.md). So after the first call each call takes
+ * what the host can enqueue while the copy engine moves the previous
+ * call's bytes at KVF_XFER_BATCH_LINK_GBPS, timed on the previous call
+ * (kvf_batch_ramp_next). */
 static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void **src, size_t *size, size_t n,
                                      cudaStream_t stream, uint64_t *calls, size_t *enqueued) {
   uint64_t first = (uint64_t)x->tune.batch_first_runs;
@@ -856,9 +865,18 @@ static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void *
   }
   cudaError_t e = cudaSuccess;
   *enqueued = 0;
+  size_t m = 0;
+  uint64_t host_ns = 0, engine_ns = 0;
   for (size_t k = 0; *enqueued < n; k++) {
-    size_t m = (size_t)kvf_batch_ramp_runs(k, first, n - *enqueued);
+    size_t left = n - *enqueued;
+    m = k > 0 && x->tune.batch_link_gbps > 0 ? (size_t)kvf_batch_ramp_next(m, left, host_ns, engine_ns)
+                                              : (size_t)kvf_batch_ramp_runs(k, first, left);
+    uint64_t t0 = kvf_now_ns();
     if ((e = batch_copy(dst + *enqueued, src + *enqueued, size + *enqueued, m, stream)) != cudaSuccess) break;
+    host_ns = kvf_now_ns() - t0;
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < m; i++) bytes += size[*enqueued + i];
+    engine_ns = bytes / (uint64_t)(x->tune.batch_link_gbps > 0 ? x->tune.batch_link_gbps : 1); /* GB/s = bytes/ns */
     *enqueued += m;
     (*calls)++;
   }

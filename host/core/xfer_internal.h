@@ -83,6 +83,9 @@ void kvf_stage_plan_free(kvf_stage_plan *plan);
 #define KVF_STAGE_MAX_MB (1 << 20)
 /* The largest KVF_XFER_SPREAD_KB (a TiB). */
 #define KVF_SPREAD_MAX_KB (1 << 30)
+/* Most KVF_XFER_BATCH_LINK_GBPS (far past any link, and small enough that
+ * bytes / rate stays exact in nanoseconds). */
+#define KVF_BATCH_MAX_LINK_GBPS 100000
 /* Most runs of a staged call's straight copy-engine part (the host time of
  * cudaMemcpyBatchAsync grows with its runs). */
 #define KVF_STAGE_STRAIGHT_MAX_RUNS 256
@@ -152,6 +155,16 @@ int kvf_stage_batch_runs(const void *blob, int gather, uint64_t min_run, uint64_
  * batch API's host time grows with its runs (KVF_XFER_BATCH_FIRST_RUNS). */
 uint64_t kvf_batch_ramp_runs(uint64_t done, uint64_t first, uint64_t left);
 
+/* The runs of a ramped batch's next call, paced by the host (KVF_XFER_BATCH_
+ * LINK_GBPS): the previous call enqueued `prev` runs in prev_host_ns, and
+ * the copy engine needs prev_engine_ns for their bytes; the next call takes
+ * as many runs as the host enqueues in that time, at least 1.5 and at most
+ * 2 times prev (doubling outran a host at 0.8 us a run: the copy engine sat
+ * idle between calls, and smaller steps cost calls), and all of the `left`
+ * runs when they fit that time or leave at most a quarter of a call behind.
+ * prev_host_ns 0 counts as a fast host. Never 0 when left is not. */
+uint64_t kvf_batch_ramp_next(uint64_t prev, uint64_t left, uint64_t prev_host_ns, uint64_t prev_engine_ns);
+
 /* ---- tuning: the parameters a context's routes follow --------------------- */
 
 /* Read once from the KVF_* parameters (host/core/param.h) at context
@@ -175,6 +188,7 @@ typedef struct kvf_xfer_tuning {
   int64_t batch_min_run;   /* KVF_XFER_BATCH_MIN_RUN: smallest run for the copy-engine batch route */
   int64_t batch_max_runs;  /* KVF_XFER_BATCH_MAX_RUNS: most runs for it (0: the route is off) */
   int64_t batch_first_runs; /* KVF_XFER_BATCH_FIRST_RUNS: runs of a ramped batch's first call (0: one call) */
+  int64_t batch_link_gbps;  /* KVF_XFER_BATCH_LINK_GBPS: the copy engine's rate a ramp paces by (0: doubling) */
   int64_t kernel;          /* KVF_XFER_KERNEL: 1 the grid-stride walk, 2 (or 0) the warp walk (kernels/walk.h) */
   int64_t spread_kb;       /* KVF_XFER_SPREAD_KB: uncapped launches of at least this payload spread (0: never) */
   int64_t cache_order;     /* KVF_XFER_CACHE_ORDER: 1: d2d gathers walk HND blocks in cache order */

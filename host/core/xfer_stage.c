@@ -434,6 +434,20 @@ int kvf_stage_batch_runs(const void *blob, int gather, uint64_t min_run, uint64_
   return 1;
 }
 
+uint64_t kvf_batch_ramp_next(uint64_t prev, uint64_t left, uint64_t prev_host_ns, uint64_t prev_engine_ns) {
+  if (left == 0) return 0;
+  if (prev == 0) prev = 1;
+  /* Runs the host enqueues while the copy engine works through the previous
+   * call: prev * engine / host, in double (the product may not fit 64 bits;
+   * a run count far past 2^53 is past every limit anyway). */
+  double fit = prev_host_ns ? (double)prev * (double)prev_engine_ns / (double)prev_host_ns : (double)UINT64_MAX;
+  if (fit >= (double)left) return left;
+  uint64_t half = prev / 2 + (prev & 1);
+  uint64_t lo = prev > UINT64_MAX - half ? UINT64_MAX : prev + half, hi = prev > UINT64_MAX / 2 ? UINT64_MAX : 2 * prev;
+  uint64_t want = fit <= (double)lo ? lo : fit >= (double)hi ? hi : (uint64_t)fit;
+  return want >= left || left - want <= want / 4 ? left : want;
+}
+
 uint64_t kvf_batch_ramp_runs(uint64_t done, uint64_t first, uint64_t left) {
   if (first == 0 || done >= 63 || first > (UINT64_MAX >> done)) return left;
   uint64_t want = first << done;
