@@ -2061,6 +2061,8 @@ TEST(XferBatchRamp, CallsDoubleFromTheFirstAndTakeTheRestWhole) {
 TEST(XferBatchRamp, PacedCallsTakeWhatTheHostEnqueuesInTheCopyTime) {
   EXPECT_EQ(kvf_batch_ramp_next(8, 236, 1000, 10000), 16u) << "a fast host doubles";
   EXPECT_EQ(kvf_batch_ramp_next(8, 236, 10000, 10000), 12u) << "a host as slow as the copy grows by half";
+  EXPECT_EQ(kvf_batch_ramp_next(8, 236, 20000, 10000), 16u) << "a slower host doubles: fewer calls cost it less";
+  EXPECT_EQ(kvf_batch_ramp_next(64, 120, 20000, 10000), 120u) << "... and takes the rest as doubling does";
   EXPECT_EQ(kvf_batch_ramp_next(8, 236, 10000, 14000), 12u);
   EXPECT_EQ(kvf_batch_ramp_next(8, 236, 10000, 17500), 14u) << "in between: what fits the copy time";
   EXPECT_EQ(kvf_batch_ramp_next(64, 124, 20000, 86000), 124u) << "the rest fits the copy time";
@@ -2072,8 +2074,9 @@ TEST(XferBatchRamp, PacedCallsTakeWhatTheHostEnqueuesInTheCopyTime) {
   EXPECT_EQ(kvf_batch_ramp_next(8, 0, 1000, 1000), 0u);
   EXPECT_EQ(kvf_batch_ramp_next(UINT64_MAX - 5, UINT64_MAX, UINT64_MAX, 1), UINT64_MAX)
       << "steps that would wrap take the rest";
-  EXPECT_EQ(kvf_batch_ramp_next(UINT64_MAX / 2 + 7, UINT64_MAX, UINT64_MAX, 1), UINT64_MAX / 2 + 7 + UINT64_MAX / 4 + 4);
+  EXPECT_EQ(kvf_batch_ramp_next(UINT64_MAX / 2 + 7, UINT64_MAX, 1, 1), UINT64_MAX / 2 + 7 + UINT64_MAX / 4 + 4);
   EXPECT_EQ(kvf_batch_ramp_next(1, UINT64_MAX, 1, UINT64_MAX), UINT64_MAX);
+  EXPECT_EQ(kvf_batch_ramp_next(UINT64_MAX / 2 + 7, UINT64_MAX, UINT64_MAX, 0), UINT64_MAX);
 }
 
 // The ramp against a model of an idle stream (host: c + h a run per call;
@@ -2545,11 +2548,11 @@ uint64_t ramp_calls(uint64_t runs, uint64_t first) {
 
 // The most batch calls a paced ramp (KVF_XFER_BATCH_LINK_GBPS) from
 // `first` runs makes of `runs`: each call half again the previous one, as
-// on a host slower than the copy engine.
+// on a host as slow a run as the copy engine.
 uint64_t paced_max_calls(uint64_t runs, uint64_t first) {
   uint64_t calls = 0, m = 0;
   for (uint64_t left = runs; left > 0; calls++) {
-    m = calls == 0 ? kvf_batch_ramp_runs(0, first, left) : kvf_batch_ramp_next(m, left, 1, 0);
+    m = calls == 0 ? kvf_batch_ramp_runs(0, first, left) : kvf_batch_ramp_next(m, left, 1, 1);
     left -= m;
   }
   return calls;
