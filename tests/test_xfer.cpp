@@ -1090,6 +1090,7 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_EQ(t.overlap, 1);
   EXPECT_EQ(t.device_task_waves, 1);
   EXPECT_EQ(t.batch_first_runs, 8);
+  EXPECT_EQ(t.batch_link_gbps, 55);
   EXPECT_EQ(t.small_stage_growth, 4);
   EXPECT_EQ(t.defer, 0);
   GeometryPtr g = load_preset("llama-3.1-8b-fa-nhd", 4);
@@ -1127,6 +1128,8 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.small_stage_growth = 17; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.defer = 2; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.defer = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_link_gbps = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS + 1; }));
   kvf_xfer_tuning ok = base;
   ok.stage_edge_mb = 0;
   ok.stage_multi_pieces = 0;
@@ -1135,6 +1138,7 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   ok.batch_first_runs = 0;
   ok.small_stage_growth = 16;
   ok.defer = 1;
+  ok.batch_link_gbps = 0; // doubling
   EXPECT_EQ(kvf_xfer_set_tuning(x.get(), &ok), KVF_SUCCESS) << kvf_last_error();
 }
 
@@ -2560,7 +2564,8 @@ uint64_t paced_max_calls(uint64_t runs, uint64_t first) {
 
 // Whether a call's batch calls are those of a paced ramp from `first`.
 void expect_paced_calls(const kvf_xfer_path_info &p, uint64_t first) {
-  EXPECT_GE(p.dma_ops, p.dma_runs > first && first > 0 ? 2u : 1u) << p.dma_runs << " runs";
+  // One call when the first call's rule takes everything (up to 2 * first).
+  EXPECT_GE(p.dma_ops, kvf_batch_ramp_runs(0, first, p.dma_runs) < p.dma_runs ? 2u : 1u) << p.dma_runs << " runs";
   EXPECT_LE(p.dma_ops, paced_max_calls(p.dma_runs, first)) << p.dma_runs << " runs";
 }
 

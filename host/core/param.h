@@ -76,9 +76,9 @@ extern "C" {
   X(xfer_batch_max_runs, "KVF_XFER_BATCH_MAX_RUNS", 256,                                 \
     "... and have at most this many runs (its host cost grows with them; 0: never use the batch API route)") \
   X(xfer_batch_first_runs, "KVF_XFER_BATCH_FIRST_RUNS", 8,                              \
-    "the batch API route enqueues its runs on an idle stream in calls of this many runs, then twice as many each call, so the copy engine starts after the first call (0: all in one call)") \
+    "the batch API route enqueues its runs on an idle stream in calls of this many runs first, then larger ones (KVF_XFER_BATCH_LINK_GBPS), so the copy engine starts after the first call (0: all in one call)") \
   X(xfer_batch_link_gbps, "KVF_XFER_BATCH_LINK_GBPS", 55,                               \
-    "after the first call of a ramped batch, each call takes as many runs as the host enqueued in the time the copy engine needs for the previous call's bytes at this many GB/s (1.5 to 2 times the previous call); 0: twice as many each call") \
+    "after the first call of a ramped batch, each call takes as many runs as the host enqueued in the time the copy engine needs for the previous call's bytes at this many GB/s (1.5 to 2 times the previous call, or all the rest when it fits that time or leaves under a quarter call; twice when the host was slower than that copy); 0: twice as many each call") \
   X(xfer_spread_kb, "KVF_XFER_SPREAD_KB", 8192,                                          \
     "a device-to-device or peer launch that may use every SM and moves at least this many KiB runs small CTAs, several rounds of them, that the GPU hands out as SMs free up (0: never; one CTA per SM then)") \
   X(xfer_overlap, "KVF_XFER_OVERLAP", 1,                                                 \

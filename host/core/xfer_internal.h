@@ -162,7 +162,8 @@ uint64_t kvf_batch_ramp_runs(uint64_t done, uint64_t first, uint64_t left);
  * 2 times prev (doubling outran a host at 0.8 us a run: the copy engine sat
  * idle between calls, and smaller steps cost calls), and all of the `left`
  * runs when they fit that time or leave at most a quarter of a call behind.
- * A host slower a run than the copy engine doubles, as kvf_batch_ramp_runs.
+ * A host that took longer for the previous call (its fixed cost included)
+ * than the copy engine needs for it doubles, as kvf_batch_ramp_runs.
  * prev_host_ns 0 counts as a fast host. Never 0 when left is not. */
 uint64_t kvf_batch_ramp_next(uint64_t prev, uint64_t left, uint64_t prev_host_ns, uint64_t prev_engine_ns);
 

@@ -442,9 +442,10 @@ uint64_t kvf_batch_ramp_next(uint64_t prev, uint64_t left, uint64_t prev_host_ns
    * a run count far past 2^53 is past every limit anyway). */
   double fit = prev_host_ns ? (double)prev * (double)prev_engine_ns / (double)prev_host_ns : (double)UINT64_MAX;
   if (fit >= (double)left) return left;
-  /* A host slower a run than the copy engine cannot keep it busy whatever
-   * the steps: fewer calls then cost the host less (back to back, one
-   * chunk's fp8 MLA cache lost 10% of its rate to 7 paced calls). */
+  /* A host that took longer for the previous call than the copy engine
+   * needs for it cannot keep the engine busy whatever the steps: fewer
+   * calls then cost the host less (back to back, one chunk's fp8 MLA cache
+   * lost 10% of its rate to 7 paced calls). */
   if (fit < (double)prev) return kvf_batch_ramp_runs(1, prev, left);
   uint64_t half = prev / 2 + (prev & 1);
   uint64_t lo = prev > UINT64_MAX - half ? UINT64_MAX : prev + half, hi = prev > UINT64_MAX / 2 ? UINT64_MAX : 2 * prev;
