@@ -873,10 +873,12 @@ static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void *
                                               : (size_t)kvf_batch_ramp_runs(k, first, left);
     uint64_t t0 = kvf_now_ns();
     if ((e = batch_copy(dst + *enqueued, src + *enqueued, size + *enqueued, m, stream)) != cudaSuccess) break;
-    host_ns = kvf_now_ns() - t0;
-    uint64_t bytes = 0;
-    for (size_t i = 0; i < m; i++) bytes += size[*enqueued + i];
-    engine_ns = bytes / (uint64_t)(x->tune.batch_link_gbps > 0 ? x->tune.batch_link_gbps : 1); /* GB/s = bytes/ns */
+    if (x->tune.batch_link_gbps > 0 && *enqueued + m < n) { /* the next call is paced by this one */
+      host_ns = kvf_now_ns() - t0;
+      uint64_t bytes = 0;
+      for (size_t i = 0; i < m; i++) bytes += size[*enqueued + i];
+      engine_ns = bytes / (uint64_t)x->tune.batch_link_gbps; /* GB/s = bytes/ns */
+    }
     *enqueued += m;
     (*calls)++;
   }
