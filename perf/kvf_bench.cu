@@ -1655,6 +1655,19 @@ void write_latency(JsonWriter &j, const char *name, const Latency &l) {
   j.end_object();
 }
 
+/* A latency measurement, or the error that stopped it while CUDA stays
+ * healthy (an unhealthy context ends the run). */
+Latency try_latency(const std::function<Latency()> &measure) {
+  try {
+    return measure();
+  } catch (const std::exception &e) {
+    if (!cuda_healthy()) throw;
+    Latency l;
+    l.error = e.what();
+    return l;
+  }
+}
+
 void latency_config(Config &c) {
   config_build(c, true);
   Verify v;
@@ -1664,45 +1677,30 @@ void latency_config(Config &c) {
   kvf_xfer_stats stats = KVF_XFER_STATS_INIT;
   bool stats_ok = false;
   if (!g_opt.verify || v.ok) {
-    try {
-      kvf_xfer *x = preset_ctx(*c.p, 0);
-      kl = measure_latency(op_kvferry(c, x, g_gpu.stream), g_gpu.stream, g_opt.latency_reps);
-      stats_ok = kvf_xfer_last_stats(x, &stats) == KVF_SUCCESS;
-    } catch (const std::exception &e) {
-      if (!cuda_healthy()) throw;
-      kl.error = e.what();
-    }
-    /* Each tuning variant (--tune), measured the same way. */
-    for (const std::string &t : g_opt.tunes) {
-      Latency l;
-      try {
-        kvf_xfer *x = preset_ctx(*c.p, tune_cap(t), t);
-        l = measure_latency(op_kvferry(c, x, g_gpu.stream), g_gpu.stream, g_opt.latency_reps);
-      } catch (const std::exception &e) {
-        if (!cuda_healthy()) throw;
-        l.error = e.what();
-      }
-      variants.push_back({t, l});
-    }
-    try {
-      ml = measure_latency(op_limit(c, g_gpu.stream), g_gpu.stream, g_opt.latency_reps);
-    } catch (const std::exception &e) {
-      if (!cuda_healthy()) throw;
-      ml.error = e.what();
-    }
+    /* kvferry with tuning `tune` ("": the library's) at its cap. */
+    auto kvferry = [&](const std::string &tune) {
+      return try_latency([&] {
+        kvf_xfer *x = preset_ctx(*c.p, tune.empty() ? 0 : tune_cap(tune), tune);
+        Latency l = measure_latency(op_kvferry(c, x, g_gpu.stream), g_gpu.stream, g_opt.latency_reps);
+        if (tune.empty()) stats_ok = kvf_xfer_last_stats(x, &stats) == KVF_SUCCESS;
+        return l;
+      });
+    };
+    kl = kvferry("");
+    for (const std::string &t : g_opt.tunes) variants.push_back({t, kvferry(t)}); /* each --tune variant */
+    ml = try_latency([&] { return measure_latency(op_limit(c, g_gpu.stream), g_gpu.stream, g_opt.latency_reps); });
     if (c.runs[0].count() > 4096) {
       rl.error = "more than 4096 runs: not measured";
-    } else try {
-      rl = measure_latency(
-          [&](int i) {
-            const Runs &r = c.runs[(size_t)i % c.runs.size()];
-            for (size_t k = 0; k < r.count(); k++)
-              CK(cudaMemcpyAsync(r.dst[k], r.src[k], r.size[k], cudaMemcpyDefault, g_gpu.stream));
-          },
-          g_gpu.stream, std::min(g_opt.latency_reps, 50));
-    } catch (const std::exception &e) {
-      if (!cuda_healthy()) throw;
-      rl.error = e.what();
+    } else {
+      rl = try_latency([&] {
+        return measure_latency(
+            [&](int i) {
+              const Runs &r = c.runs[(size_t)i % c.runs.size()];
+              for (size_t k = 0; k < r.count(); k++)
+                CK(cudaMemcpyAsync(r.dst[k], r.src[k], r.size[k], cudaMemcpyDefault, g_gpu.stream));
+            },
+            g_gpu.stream, std::min(g_opt.latency_reps, 50));
+      });
     }
   }
   if (!c.d.gather) c.p->mirror_valid = false;
