@@ -15,9 +15,11 @@
  * request (kvf_chunk_seed), over the request's token ids (kvf_chunk_keys).
  * Retrieve reads back the objects of the last round. Each figure is
  * the median over K rounds of payload bytes / wall time; latency is the
- * median of submit-to-reply over the requests of those rounds. In the same
+ * median of submit-to-reply over the requests of those rounds (mean, p90 and
+ * max beside it: a round's wall time pays for its slow requests). In the same
  * run: kvf_xfer gather/scatter of one request's bytes into pinned objects in
- * this process (the in-process kernel), and cudaMemcpy of the same bytes
+ * this process (the in-process kernel: the median of single calls, and
+ * rounds of R calls measured as the served rounds are), and cudaMemcpy of the same bytes
  * between one device buffer and one pinned buffer (the link's limit); with
  * --device -1, the host backend in this process and a memcpy of the same
  * bytes between two touched buffers. First, the first STORE after the
@@ -87,6 +89,7 @@ typedef struct bench {
   uint32_t slots;
   uint32_t *tokens; /* a request's token ids: 0 .. tokens_per_request - 1 */
   char tmp_dir[64];  /* the socket directory's parent this run made ("" with --socket-dir) */
+  double inproc_rounds_gbps[2]; /* store, retrieve: in-process rounds measured as the served ones (0: not measured) */
 } bench;
 
 
@@ -304,6 +307,37 @@ static double round_run(bench *b, kvf_client_op op, int q, int total, const char
   return dt;
 }
 
+/* The served rows' own measure, in this process: rounds of b->requests
+ * calls one after another, each waited for, payload bytes over the round's
+ * wall time, median over b->rounds, into b->inproc_rounds_gbps (store,
+ * retrieve). A median of single calls (the baselines' other figure) leaves
+ * out the slow calls that a round's wall time keeps. `stream` is the CUDA
+ * stream the calls go on (NULL on the host backend, whose calls return
+ * done). */
+static void inproc_rounds(bench *b, kvf_xfer *x, const kvf_copy_request *req, kvf_stream stream,
+                          uint64_t request_bytes) {
+  double *rate = calloc((size_t)b->rounds, sizeof *rate);
+  if (!rate) return;
+  for (int dir = 0; dir < 2; dir++) {
+    for (int r = 0; r < b->rounds; r++) {
+      double t = now_s();
+      for (int i = 0; i < b->requests; i++) {
+        kvf_status st = dir == 0 ? kvf_xfer_gather(x, req, stream) : kvf_xfer_scatter(x, req, stream);
+        if (st) {
+          free(rate);
+          return;
+        }
+#ifdef KVF_WITH_CUDA
+        if (stream) cudaStreamSynchronize(stream);
+#endif
+      }
+      rate[r] = (double)request_bytes * (double)b->requests / (now_s() - t) / 1e9;
+    }
+    b->inproc_rounds_gbps[dir] = median(rate, b->rounds);
+  }
+  free(rate);
+}
+
 /* The host backend's baselines (--device -1): kvf_xfer of one request's
  * bytes between the memfd cache and objects in this process's memory, and a
  * memcpy of the same bytes between two buffers, interleaved so both see the
@@ -364,6 +398,7 @@ static int host_baselines(bench *b, double *inproc_store, double *inproc_retriev
   *inproc_store = (double)total / median(v[0], REPS) / 1e9;
   *inproc_retrieve = (double)total / median(v[1], REPS) / 1e9;
   *memcpy_gbps = (double)total / median(v[2], REPS) / 1e9;
+  inproc_rounds(b, x, &req, NULL, total);
   free(src);
   free(dst);
   for (uint64_t i = 0; i < chunks * nog; i++) free(objs[i]);
@@ -444,6 +479,7 @@ static int baselines(bench *b, double *inproc_store, double *inproc_retrieve, do
   *inproc_retrieve = (double)total / median(v[1], REPS) / 1e9;
   *memcpy_d2h = (double)total / median(v[2], REPS) / 1e9;
   *memcpy_h2d = (double)total / median(v[3], REPS) / 1e9;
+  inproc_rounds(b, x, &req, s, total);
   cudaFree(dbuf);
   cudaFreeHost(hbuf);
   for (uint64_t i = 0; i < chunks * nog; i++) cudaFreeHost(objs[i]);
@@ -570,19 +606,30 @@ int main(int argc, char **argv) {
         gbps[r] = (double)bytes / dt / 1e9;
         bytes_round = bytes;
       }
-      double g = median(gbps, b.rounds), l = median(lat, b.rounds * b.requests);
+      const int nlat = b.rounds * b.requests;
+      double lat_sum = 0;
+      for (int i = 0; i < nlat; i++) lat_sum += lat[i];
+      double g = median(gbps, b.rounds), l = median(lat, nlat); /* lat sorted from here */
+      double l_p90 = lat[(nlat * 9) / 10 < nlat ? (nlat * 9) / 10 : nlat - 1], l_max = lat[nlat - 1];
       double inproc = dir == 0 ? in_store : in_retr, limit = dir == 0 ? lim_d2h : lim_h2d;
+      double rounds_inproc = b.inproc_rounds_gbps[dir];
       fprintf(b.out,
               "{\"date\": \"%s\", \"bench\": \"served\", \"geometry\": \"%s\", \"device\": %d, \"direction\": \"%s\", "
               "\"inflight\": %d, \"tokens_per_request\": %" PRIu64 ", \"bytes_per_request\": %" PRIu64
               ", \"requests\": %d, \"rounds\": %d, \"served_gbps\": %.3f, \"latency_ms_p50\": %.3f, "
-              "\"inproc_gbps\": %.3f, \"memcpy_gbps\": %.3f, \"ratio_to_inproc\": %.4f, \"ratio_to_memcpy\": %.4f}\n",
+              "\"latency_ms_mean\": %.3f, \"latency_ms_p90\": %.3f, \"latency_ms_max\": %.3f, "
+              "\"inproc_gbps\": %.3f, \"inproc_rounds_gbps\": %.3f, \"memcpy_gbps\": %.3f, \"ratio_to_inproc\": %.4f, "
+              "\"ratio_to_inproc_rounds\": %.4f, \"ratio_to_memcpy\": %.4f}\n",
               when, kvf_geometry_name(b.g), b.device, dir == 0 ? "store" : "retrieve", q, b.tokens_per_request,
-              bytes_round / (uint64_t)b.requests, b.requests, b.rounds, g, l * 1e3, inproc, limit,
-              inproc > 0 ? g / inproc : 0, limit > 0 ? g / limit : 0);
+              bytes_round / (uint64_t)b.requests, b.requests, b.rounds, g, l * 1e3, lat_sum / nlat * 1e3, l_p90 * 1e3,
+              l_max * 1e3, inproc, rounds_inproc, limit, inproc > 0 ? g / inproc : 0,
+              rounds_inproc > 0 ? g / rounds_inproc : 0, limit > 0 ? g / limit : 0);
       fflush(b.out);
-      fprintf(stderr, "served %-8s q=%-3d %8.2f GB/s (in-process %.2f, memcpy %.2f), latency p50 %.3f ms\n",
-              dir == 0 ? "store" : "retrieve", q, g, inproc, limit, l * 1e3);
+      fprintf(stderr,
+              "served %-8s q=%-3d %8.2f GB/s (in-process %.2f per call, %.2f in rounds; memcpy %.2f), latency p50 "
+              "%.3f mean %.3f p90 %.3f max %.3f ms\n",
+              dir == 0 ? "store" : "retrieve", q, g, inproc, rounds_inproc, limit, l * 1e3, lat_sum / nlat * 1e3,
+              l_p90 * 1e3, l_max * 1e3);
       free(gbps);
       free(lat);
     }

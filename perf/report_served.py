@@ -26,16 +26,22 @@ def load(paths):
 def table(rows):
     out = [
         "| GPU | direction | tokens/request | MiB/request | in flight | served GB/s | in-process GB/s | memcpy GB/s "
-        "| served / in-process | served / memcpy | latency p50 ms |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| served / in-process | in-process rounds GB/s | served / in-process rounds | served / memcpy "
+        "| latency p50 / mean / p90 / max ms |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in sorted(rows, key=lambda r: (r["direction"] != "store", r["tokens_per_request"], r["inflight"],
                                          r["device"])):
+        rounds = r.get("inproc_rounds_gbps", 0)
+        lat = " / ".join("%.3f" % r[k] if k in r else "–" for k in
+                         ("latency_ms_p50", "latency_ms_mean", "latency_ms_p90", "latency_ms_max"))
         out.append(
-            "| %d | %s | %d | %.1f | %d | %.2f | %.2f | %.2f | %.1f%% | %.1f%% | %.3f |"
+            "| %d | %s | %d | %.1f | %d | %.2f | %.2f | %.2f | %.1f%% | %s | %s | %.1f%% | %s |"
             % (r["device"], r["direction"], r["tokens_per_request"], r["bytes_per_request"] / 2**20, r["inflight"],
                r["served_gbps"], r["inproc_gbps"], r["memcpy_gbps"], 100 * r["ratio_to_inproc"],
-               100 * r["ratio_to_memcpy"], r["latency_ms_p50"]))
+               "%.2f" % rounds if rounds else "–",
+               "%.1f%%" % (100 * r["ratio_to_inproc_rounds"]) if rounds else "–",
+               100 * r["ratio_to_memcpy"], lat))
     return "\n".join(out) + "\n"
 
 
@@ -85,8 +91,10 @@ def main():
     with open(os.path.join(outdir, "served.md"), "w") as f:
         f.write("# kvferryd served STORE / RETRIEVE (%s)\n\n" % rows[0]["date"])
         f.write("Each row: the median over its rounds of payload bytes / wall time for its requests (counts per "
-                "row in served.json); ratios are to figures measured in the same run. Rendered by "
-                "perf/report_served.py.\n\n")
+                "row in served.json); ratios are to figures measured in the same run. *in-process*: the median "
+                "of single in-process calls (each waited for); *in-process rounds*: rounds of as many in-process "
+                "calls one after another, each waited for, measured as the served rounds are (a round's wall "
+                "time keeps its slow calls). Rendered by perf/report_served.py.\n\n")
         f.write(table(rows))
         if firsts:
             f.write("\nThe first STORE after a registration against the four after it (one request at a time), "
