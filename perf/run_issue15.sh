@@ -28,6 +28,8 @@
 #             route's parameters, twice, the MLA latency under other batch ramps (twice)
 #             and the MLA caches staged
 #   idle      (not in the defaults) one-chunk latency after 100 ms idle, kvferry and memcpy
+#   d2dtask   (not in the defaults) d2d every preset, 256 and 4096 tokens, tasks of 4 and 2 KiB
+#             against the default, twice
 #   latency   one chunk alone, synchronized: MLA, llama nhd, llama hnd; every direction; deferred
 #             calls and the doubling batch ramp (KVF_XFER_BATCH_LINK_GBPS=0) as variants
 #   interf    a cuBLAS bf16 GEMM (or the FMA kernel) on another stream while one-chunk
@@ -65,7 +67,7 @@ while (($#)); do
     --full) mode=full ;;
     --steps) steps=$2; shift ;;
     --bundle) bundle=$2; shift ;;
-    -h|--help) sed -n '2,46p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,56p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "run_issue15.sh: unknown option $1" >&2; exit 2 ;;
     *) outdir=$1 ;;
   esac
@@ -284,6 +286,16 @@ if want chunk; then
     --tune device_task_waves=2 --tune spread_kb=2048
 fi
 
+if want d2dtask; then
+  # Not in the default steps: device to device on every preset at one chunk
+  # and 4096 tokens with smaller tasks (KVF_XFER_TASK_BYTES 4096 and 2048
+  # against 8192), twice to see the noise: whether a shorter last round of
+  # a large spread launch gives back its calls' time over a back-to-back run's.
+  for rep in 1 2; do
+    step d2dtask-$rep 60 --preset "$all" --tokens 256,4096 --directions d2d --sms-device 0 --baselines limit \
+      --peers none --tune task_bytes=4096 --tune task_bytes=2048
+  done
+fi
 
 if want h2dtune; then
   # Not in the default steps: the staged one-chunk rows nearest the 95% line
