@@ -8,8 +8,11 @@
  * others, none of them decoding a table, against memcpy, each call between
  * two events, back to back behind a spin kernel (kvf_bench's per-call
  * measure), and over buffer sets rotated so that L2 holds none of a call's
- * bytes. Medians of 200 calls; one line of text per figure and one JSON
- * object per figure with --json FILE. */
+ * bytes. Last, the same tasks reading a request's blocks scattered over a
+ * large cache through one table read (in device memory or in 2, 12 or 32
+ * KiB of kernel parameters): what the scatter and the table cost any copy.
+ * Medians of 200 calls; one line of text per figure and one JSON object per
+ * figure with --json FILE. */
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -93,6 +96,40 @@ __global__ void chain_global_copy(const uint32_t *__restrict__ table, const uint
   copy_task(src, dst, units, task, chase(table, warp % kChainWords, hops) == kChainWords);
 }
 
+// 8 KiB tasks whose source is a request's blocks, each `block` units long
+// and placed where its table says inside a large cache (the cache side of
+// kvferry's one-chunk copy: a few hundred blocks at the engine's block ids),
+// the destination contiguous. One read of the table (device memory) before
+// the first load; a task never crosses a block (task divides block).
+__global__ void scattered_copy(const uint64_t *__restrict__ block_at, const char *__restrict__ cache,
+                               uint4 *__restrict__ dst, size_t units, size_t task, size_t block) {
+  const size_t lane = threadIdx.x & 31;
+  const size_t begin = ((size_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * task;
+  if (begin >= units) return;
+  const size_t end = begin + task < units ? begin + task : units, b = begin / block;
+  // src[u] is unit u - b*block of block b.
+  const uint4 *src = reinterpret_cast<const uint4 *>(cache + block_at[b]) - b * block;
+  for (size_t base = begin; base < end; base += 32 * kDepth) copy_round(src, dst, base, end, lane);
+}
+
+// The same with the block table in the kernel's parameters (N bytes of
+// them, as kvferry's one-chunk launches carry their tables): what a large
+// parameter block costs a call, against the table in device memory.
+template <int N> struct alignas(16) ParamTable {
+  uint64_t at[N / 8];
+};
+
+template <int N>
+__global__ void scattered_copy_p(const __grid_constant__ ParamTable<N> t, const char *__restrict__ cache,
+                                 uint4 *__restrict__ dst, size_t units, size_t task, size_t block) {
+  const size_t lane = threadIdx.x & 31;
+  const size_t begin = ((size_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * task;
+  if (begin >= units) return;
+  const size_t end = begin + task < units ? begin + task : units, b = begin / block;
+  const uint4 *src = reinterpret_cast<const uint4 *>(cache + t.at[b]) - b * block;
+  for (size_t base = begin; base < end; base += 32 * kDepth) copy_round(src, dst, base, end, lane);
+}
+
 FILE *g_json;
 
 void report(const char *what, size_t bytes, double us, double memcpy_us) {
@@ -170,6 +207,102 @@ int main(int argc, char **argv) {
       report(name, bytes, us, mc);
     }
   }
+  /* Scattered blocks: the MLA chunk (244 blocks of 72 KiB), the DCP rank's
+   * (61) and Llama's (1024 of 32 KiB) read from blocks at random places of
+   * a 4 GiB cache (a different draw per set), of a 512 MiB one, and back to
+   * back in block order, against memcpy of as many contiguous bytes. What
+   * the cache's scatter costs a plain copy, apart from any table walk. */
+  constexpr size_t kCacheBytes = 4ull << 30, kSmallCache = 512ull << 20;
+  char *cache;
+  CK(cudaMalloc(&cache, kCacheBytes));
+  CK(cudaMemset(cache, 7, kCacheBytes));
+  struct Scatter {
+    size_t bytes, block_bytes;
+  };
+  uint64_t rng = 0x9e3779b97f4a7c15ull;
+  auto next = [&rng]() {
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return rng;
+  };
+  for (Scatter sc : {Scatter{17989632, 73728}, Scatter{4498944, 73728}, Scatter{33554432, 32768}}) {
+    const size_t units = sc.bytes / 16, block = sc.block_bytes / 16, nblocks = sc.bytes / sc.block_bytes;
+    const size_t task = (8u << 10) / 16, warps = (units + task - 1) / task;
+    const unsigned grid = (unsigned)((warps + 3) / 4);
+    double mc = probe_gpu_us(s, ev, [&](int i) {
+      CK(cudaMemcpyAsync(dst[i % kSets], src[i % kSets], sc.bytes, cudaMemcpyDeviceToDevice, s));
+    });
+    report("cudaMemcpyAsync D2D", sc.bytes, mc, mc);
+    struct Placement {
+      const char *name;
+      size_t span;  // 0: back to back
+    };
+    for (Placement pl : {Placement{"back to back", 0}, Placement{"random in 512 MiB", kSmallCache},
+                         Placement{"random in 4 GiB", kCacheBytes}}) {
+      /* Per set, distinct slots (a block never read twice in one call). */
+      std::vector<uint64_t *> tables(kSets);
+      for (int k = 0; k < kSets; k++) {
+        std::vector<uint64_t> at(nblocks);
+        const size_t slots = pl.span ? pl.span / sc.block_bytes : nblocks;
+        std::vector<size_t> pick;
+        while (pick.size() < nblocks) {
+          size_t slot = pl.span ? (size_t)(next() % slots) : pick.size();
+          if (std::find(pick.begin(), pick.end(), slot) == pick.end()) pick.push_back(slot);
+        }
+        // Back to back: each set its own stretch of the cache.
+        for (size_t b = 0; b < nblocks; b++)
+          at[b] = (pl.span ? 0 : (uint64_t)k * sc.bytes) + (uint64_t)pick[b] * sc.block_bytes;
+        CK(cudaMalloc(&tables[k], nblocks * sizeof(uint64_t)));
+        CK(cudaMemcpy(tables[k], at.data(), nblocks * sizeof(uint64_t), cudaMemcpyHostToDevice));
+      }
+      char name[96];
+      snprintf(name, sizeof name, "8 KiB tasks, %zu KiB blocks %s", sc.block_bytes >> 10, pl.name);
+      double us = probe_gpu_us(s, ev, [&](int i) {
+        scattered_copy<<<grid, 128, 0, s>>>(tables[i % kSets], cache, dst[i % kSets], units, task, block);
+      });
+      report(name, sc.bytes, us, mc);
+      if (pl.span == kSmallCache) {
+        /* The table in 2 KiB, 12 KiB and 32 KiB of parameters (the blocks from the top of each). */
+        static ParamTable<2048> p2;
+        static ParamTable<12288> p12;
+        static ParamTable<32704> p32;
+        std::vector<std::vector<uint64_t>> host(kSets, std::vector<uint64_t>(nblocks));
+        for (int k = 0; k < kSets; k++)
+          CK(cudaMemcpy(host[k].data(), tables[k], nblocks * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+        auto fill = [&](uint64_t *at, size_t cap, int k) {
+          for (size_t b = 0; b < nblocks && b < cap; b++) at[b] = host[k][b];
+        };
+        if (nblocks <= 2048 / 8) {
+          snprintf(name, sizeof name, "8 KiB tasks, %zu KiB blocks %s, table in 2 KiB params", sc.block_bytes >> 10,
+                   pl.name);
+          us = probe_gpu_us(s, ev, [&](int i) {
+            fill(p2.at, 2048 / 8, i % kSets);
+            scattered_copy_p<2048><<<grid, 128, 0, s>>>(p2, cache, dst[i % kSets], units, task, block);
+          });
+          report(name, sc.bytes, us, mc);
+        }
+        if (nblocks <= 12288 / 8) {
+          snprintf(name, sizeof name, "8 KiB tasks, %zu KiB blocks %s, table in 12 KiB params", sc.block_bytes >> 10,
+                   pl.name);
+          us = probe_gpu_us(s, ev, [&](int i) {
+            fill(p12.at, 12288 / 8, i % kSets);
+            scattered_copy_p<12288><<<grid, 128, 0, s>>>(p12, cache, dst[i % kSets], units, task, block);
+          });
+          report(name, sc.bytes, us, mc);
+        }
+        snprintf(name, sizeof name, "8 KiB tasks, %zu KiB blocks %s, table in 32 KiB params", sc.block_bytes >> 10,
+                 pl.name);
+        us = probe_gpu_us(s, ev, [&](int i) {
+          fill(p32.at, 32704 / 8, i % kSets);
+          scattered_copy_p<32704><<<grid, 128, 0, s>>>(p32, cache, dst[i % kSets], units, task, block);
+        });
+        report(name, sc.bytes, us, mc);
+      }
+      for (uint64_t *t : tables) CK(cudaFree(t));
+    }
+  }
+  CK(cudaFree(cache));
   CK(cudaDeviceSynchronize());
   if (g_json) fclose(g_json);
   return 0;
