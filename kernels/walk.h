@@ -55,7 +55,11 @@
 // 72.6 -> 76.0%, the fp8 Llama 82.9 -> 85.5%), the glm-like hybrid -1.2.
 // What is left is latency, not instructions: a build whose copy loop had a
 // third of the instructions (no predicates or per-unit addresses in whole
-// rounds, no R2UR) measured the same per call.
+// rounds, no R2UR) measured the same per call, and 512 more instructions
+// before each warp's first load cost nothing, where half a microsecond of
+// waiting there cost each call half a microsecond (perf/results/
+// 2026-12-02-h200-d2d-start). Hence one round of table reads per block
+// (copy_block).
 //
 // Overlap: a launch that overlaps the stream's previous kernel (kernels/
 // launch.h) reads only its blob, in its parameters, until each warp has
@@ -282,34 +286,73 @@ KVF_WALK_FN uint64_t div64(uint64_t a, uint64_t b) {
 // fused, tokens back to back, or a state): unit u at u*vec.
 KVF_WALK_FN bool linear_of(const kvf_blob_shape *sh) { return kvf_blob_shape_linear(sh) != 0; }
 
-// Whether a block of shape sh is walked in the cache's order: the blob asks
-// for it (header cache_order), it is a gather, and the cache is head-major
-// (a head's tokens back to back, HND) while the units' order is token-major.
+// What a block's decode reads of its shape, in one round (copy_block says
+// why).
+struct ShapeFields {
+  uint64_t src_block, src_token, src_head, dst_block, dst_token, dst_head, units_per_token;
+  uint64_t slice_units, first_block, blocks_per_chunk;
+  uint32_t run, heads, tokens, recurrent, units_per_run, vec;
+};
+
+KVF_WALK_FN ShapeFields shape_fields(const kvf_blob_shape *sh) {
+  ShapeFields f;
+  f.src_block = sh->src_block;
+  f.src_token = sh->src_token;
+  f.src_head = sh->src_head;
+  f.dst_block = sh->dst_block;
+  f.dst_token = sh->dst_token;
+  f.dst_head = sh->dst_head;
+  f.units_per_token = sh->units_per_token;
+  f.slice_units = sh->slice_units;
+  f.first_block = sh->first_block;
+  f.blocks_per_chunk = sh->blocks_per_chunk;
+  f.run = sh->run;
+  f.heads = sh->heads;
+  f.tokens = sh->tokens;
+  f.recurrent = sh->recurrent;
+  f.units_per_run = sh->units_per_run;
+  f.vec = sh->vec;
+  return f;
+}
+
+KVF_WALK_FN bool linear_of(const ShapeFields &f) {
+  return kvf_blocks_linear(f.heads, f.tokens, f.run, f.src_token, f.dst_token) != 0;
+}
+
+// Whether a block of shape f is walked in the cache's order: the blob asks
+// for it (cache_order, the header's), it is a gather, and the cache is
+// head-major (a head's tokens back to back, HND) while the units' order is
+// token-major.
+KVF_WALK_FN bool cache_order_of(bool cache_order, bool gather, const ShapeFields &f) {
+  return cache_order && gather && !linear_of(f) && !f.recurrent && f.heads > 1 && f.src_head > f.src_token;
+}
 KVF_WALK_FN bool cache_order_of(const kvf_blob_header *h, const kvf_blob_shape *sh) {
-  return h->cache_order && h->gather && !linear_of(sh) && !sh->recurrent && sh->heads > 1 &&
-         sh->src_head > sh->src_token;
+  return cache_order_of(h->cache_order != 0, h->gather != 0, shape_fields(sh));
 }
 
 // The strides a non-linear block moving `units` units is walked with.
 // In the cache's order heads are outermost, then the block's valid tokens:
 // the same units, each to the same place, in another order (every warp of
 // the block takes the same order, so the slices still split it exactly).
-KVF_WALK_FN Strides strides_of(const kvf_blob_header *h, const kvf_blob_shape *sh, uint64_t units) {
+KVF_WALK_FN Strides strides_of(bool cache_order, bool gather, const ShapeFields &f, uint64_t units) {
   Strides st;
-  st.src_token = (uint32_t)sh->src_token;
-  st.src_head = (uint32_t)sh->src_head;
-  st.dst_token = (uint32_t)sh->dst_token;
-  st.dst_head = (uint32_t)sh->dst_head;
-  st.upr = sh->units_per_run;
-  st.heads = sh->heads;
-  if (cache_order_of(h, sh)) {
-    st.src_token = (uint32_t)sh->src_head;
-    st.dst_token = (uint32_t)sh->dst_head;
-    st.src_head = (uint32_t)sh->src_token;
-    st.dst_head = (uint32_t)sh->dst_token;
-    st.heads = (uint32_t)div64(units, sh->units_per_token);
+  st.src_token = (uint32_t)f.src_token;
+  st.src_head = (uint32_t)f.src_head;
+  st.dst_token = (uint32_t)f.dst_token;
+  st.dst_head = (uint32_t)f.dst_head;
+  st.upr = f.units_per_run;
+  st.heads = f.heads;
+  if (cache_order_of(cache_order, gather, f)) {
+    st.src_token = (uint32_t)f.src_head;
+    st.dst_token = (uint32_t)f.dst_head;
+    st.src_head = (uint32_t)f.src_token;
+    st.dst_head = (uint32_t)f.dst_token;
+    st.heads = (uint32_t)div64(units, f.units_per_token);
   }
   return st;
+}
+KVF_WALK_FN Strides strides_of(const kvf_blob_header *h, const kvf_blob_shape *sh, uint64_t units) {
+  return strides_of(h->cache_order != 0, h->gather != 0, shape_fields(sh), units);
 }
 
 // A gather's first round of loads from the cache, one 128-byte line a lane:
@@ -339,64 +382,74 @@ KVF_WALK_FN void prefetch_first_round(const Strides &st, bool linear, const char
 // then copy the units those slices cover. The same formulas as plan.c's
 // block_of and the grid-stride kernel's decode. *waited: whether this warp
 // has waited for the previous grid (wait_previous_grid) yet.
+//
+// The decode's table reads go in one round after the entry's: the id, the
+// shape's fields, the region's base and the first chunk's object depend on
+// the entry alone. The first way out (a skipped block, an empty range) comes
+// only after everything is computed from them, because ptxas moves a read
+// below an early return that precedes its use: the id, the shape, the
+// region and the object were then read one after another, each waiting for
+// the last. Measured on an H200 (perf/results/2026-12-02-h200-d2d-start):
+// half a microsecond of delay before each warp's first load made every
+// one-chunk device-to-device call half a microsecond longer; this order,
+// one chunk per call, +0.2 to +1.6 points of memcpy on 12 of 14 presets
+// (mean +0.7), the MLA DCP rank -1.1, 4096 tokens within half a point
+// but the gpt-oss-like +1.4 (one run against two of the build before).
 KVF_WALK_FN void copy_block(const kvf_blob_header *h, const char *blob, const kvf_blob_entry *x, uint64_t j,
                             uint64_t s0, uint64_t s1, uint32_t lane, bool *waited) {
-  const uint32_t *ids = reinterpret_cast<const uint32_t *>(blob + h->off_ids);
-  // The id (from the entry) and the shape are loaded side by side: a shape
-  // costs the decode no extra dependent load.
-  uint32_t id = ids[x->ids_offset + j];
-  const kvf_blob_shape *sh = reinterpret_cast<const kvf_blob_shape *>(blob + h->off_shapes) + x->shape;
+  const uint32_t ids_offset = x->ids_offset, shape = x->shape, region = x->region, group = x->object_group;
+  const uint64_t lb = x->lb_begin + j, src_offset = x->src_offset, dst_per_token = x->dst_per_token,
+                 dst_const = x->dst_const;
+  const uint32_t id = reinterpret_cast<const uint32_t *>(blob + h->off_ids)[ids_offset + j];
+  const ShapeFields f = shape_fields(reinterpret_cast<const kvf_blob_shape *>(blob + h->off_shapes) + shape);
+  const uint64_t base = reinterpret_cast<const uint64_t *>(blob + h->off_regions)[region];
+  const uint64_t *objects = reinterpret_cast<const uint64_t *>(blob + h->off_objects);
+  const uint64_t first_object = objects[group];
+  const uint64_t cl = h->chunk_local, lt_begin = h->lt_begin, lt_end = h->lt_end;
+  const uint32_t num_blocks_max = h->num_blocks_max, num_object_groups = h->num_object_groups;
+  const bool gather = h->gather != 0, cache_order = h->cache_order != 0;
   // The host checked every id; this bound keeps a corrupted table harmless.
-  if (id == KVF_BLOCK_SKIP || id >= h->num_blocks_max) return;
-  const uint32_t tokens = sh->tokens;
-  uint64_t lb = x->lb_begin + j, k, units, obj_off;
-  if (sh->recurrent) {
+  const bool skip = id == KVF_BLOCK_SKIP || id >= num_blocks_max;
+  uint64_t k, units, obj_off;
+  if (f.recurrent) {
     k = lb - h->chunk_begin;
-    units = sh->units_per_run;
-    obj_off = h->chunk_local * x->dst_per_token + x->dst_const;
+    units = f.units_per_run;
+    obj_off = cl * dst_per_token + dst_const;
   } else {
     // Blocks from the request's first; the request's first chunk (all of a
     // one-chunk request) divides nothing.
-    const uint64_t d = lb - sh->first_block, per_chunk = sh->blocks_per_chunk, cl = h->chunk_local;
+    const uint64_t d = lb - f.first_block, per_chunk = f.blocks_per_chunk;
     k = d < per_chunk ? 0 : div64(d, per_chunk);
-    uint64_t n = min64(h->lt_end - (h->lt_begin + k * cl), cl);
-    uint64_t valid = min64(h->lt_end - lb * tokens, (uint64_t)tokens);
-    units = valid * sh->units_per_token;
-    obj_off = n * x->dst_per_token + x->dst_const + (d - k * per_chunk) * sh->dst_block;
+    uint64_t n = min64(lt_end - (lt_begin + k * cl), cl);
+    uint64_t valid = min64(lt_end - lb * f.tokens, (uint64_t)f.tokens);
+    units = valid * f.units_per_token;
+    obj_off = n * dst_per_token + dst_const + (d - k * per_chunk) * f.dst_block;
   }
-  const uint64_t su = sh->slice_units;
+  const uint64_t su = f.slice_units;
   const uint64_t ub = s0 * su, ue = min64(s1 * su, units);
-  if (ub >= ue) return;
-  const uint64_t *regions = reinterpret_cast<const uint64_t *>(blob + h->off_regions);
-  char *cache = reinterpret_cast<char *>(regions[x->region]) + x->src_offset + (uint64_t)id * sh->src_block;
-  const bool gather = h->gather != 0;
-  const bool linear = linear_of(sh);
+  const uint64_t cache_at = base + src_offset + (uint64_t)id * f.src_block;
+  const bool linear = linear_of(f);
+  Strides st = {};
+  if (!linear) st = strides_of(cache_order, gather, f, units);
+  // The first way out only now: the compiler moves a read below an early
+  // return that comes before its use, and the reads above then waited for
+  // the id's.
+  if (skip || ub >= ue) return;
+  char *cache = reinterpret_cast<char *>(cache_at);
   if (!*waited) {
     wait_previous_grid();
     *waited = true;
   }
   // A gather's first lines, asked for before the object's side is decoded.
-  // A linear block needs no strides for them, and computing them first
-  // cost a linear gather 1-2 points of memcpy's rate (one chunk per call).
-  Strides st = {};
-  if (gather) {
-    if (!linear) st = strides_of(h, sh, units);
-    prefetch_first_round(st, linear, cache, sh->vec, ub, ue, lane);
-  }
-  // The request's first chunk's object (every object of a one-chunk
-  // request) comes with the entry, as the id and the shape do, not after
-  // the shape.
-  const uint64_t *objects = reinterpret_cast<const uint64_t *>(blob + h->off_objects);
-  const uint64_t first_object = objects[x->object_group];
-  uint64_t object = k == 0 ? first_object : objects[k * h->num_object_groups + x->object_group];
+  if (gather) prefetch_first_round(st, linear, cache, f.vec, ub, ue, lane);
   // An object left out of this blob (another leg of the call moves it).
+  uint64_t object = k == 0 ? first_object : objects[k * num_object_groups + group];
   if (object == 0) return;
   char *obj = reinterpret_cast<char *>(object) + obj_off;
-  if (!gather || linear) st = strides_of(h, sh, units);
   const char *src = gather ? cache : obj;
   char *dst = gather ? obj : cache;
   const uint32_t b = (uint32_t)ub, e = (uint32_t)ue;
-  switch (sh->vec) {
+  switch (f.vec) {
     case 16: copy_units<16>(st, linear, src, dst, gather, b, e, lane); break;
     case 8: copy_units<8>(st, linear, src, dst, gather, b, e, lane); break;
     case 4: copy_units<4>(st, linear, src, dst, gather, b, e, lane); break;
@@ -440,11 +493,16 @@ KVF_WALK_FN void run_warp(const char *blob, uint64_t warp, uint64_t warps, uint3
       while (e + 1 < n && entries[e + 1].first_task <= t) x = &entries[++e];
     // The block of the entry's local task, by the entry's multiplier where
     // it has one (kvf_blob_entry.slices_magic: exact for all its tasks).
-    const uint64_t slices = x->slices, local = t - x->first_task;
-    const uint64_t j = slices == 1 ? local : x->slices_magic ? mul_div(local, x->slices_magic) : div64(local, slices);
+    const uint64_t slices = x->slices, first_task = x->first_task, local = t - first_task;
+    // The multiplier used before any test, so that it is read with the
+    // entry's other fields (see copy_block); a division only where the
+    // entry has none.
+    const uint32_t slices_magic = x->slices_magic;
+    uint64_t j = slices == 1 ? local : mul_div(local, slices_magic);
+    if (slices != 1 && slices_magic == 0) j = div64(local, slices);
     const uint64_t s = local - j * slices;
     // This block's remaining slices, up to the warp's last task.
-    const uint64_t next = min64(t1, x->first_task + (j + 1) * slices);
+    const uint64_t next = min64(t1, first_task + (j + 1) * slices);
     copy_block(h, blob, x, j, s, s + (next - t), lane, &waited);
     t = next;
   }
