@@ -1701,6 +1701,59 @@ TEST_P(XferWalk, GatherPrefetchesOnlyCacheBytes) {
 
 INSTANTIATE_TEST_SUITE_P(Presets, XferWalk, ::testing::ValuesIn(host_cases(false)), host_case_name);
 
+// A table changed after the host checked it: ids at or past the largest
+// group's block count (the kernel's own bound, kernels/walk.h copy_block)
+// move nothing, and nothing else changes, so the result is the reference's
+// with those blocks skipped. Every id of every group but its first, in one warp, in
+// a few, and in more warps than tasks (a spread launch's one task a warp).
+// Under ASan (CI's second build) a read or write outside the cache or the
+// objects fails too. Read before anything else is known, the decode must not
+// use a bad id for an address it reads.
+TEST(XferWalk, OutOfRangeIdsMoveNothing) {
+  for (const char *preset : {"llama-3.1-8b-fa-hnd", "deepseek-v3-mla-bf16", "glm-like-hybrid"}) {
+    for (Dir dir : {Dir::Gather, Dir::Scatter}) {
+      const bool gather = dir == Dir::Gather;
+      SCOPED_TRACE(std::string(preset) + (gather ? " gather" : " scatter"));
+      Prepared s;
+      ASSERT_NO_FATAL_FAILURE(setup_standard(preset, false, seed_of(preset, 4242), &s));
+      const kvf_geometry *g = s.g();
+      PlanHolder plan;
+      ASSERT_EQ(kvf_plan_build(g, KVF_FORMAT_CANONICAL, &plan.p), KVF_SUCCESS) << kvf_last_error();
+      uint32_t bound = 0;
+      for (uint32_t gi = 0; gi < kvf_geometry_num_groups(g); gi++) {
+        kvf_group_info info = KVF_GROUP_INFO_INIT;
+        ASSERT_EQ(kvf_geometry_group(g, gi, &info), KVF_SUCCESS);
+        bound = std::max(bound, info.num_blocks);
+      }
+      const uint32_t bad_ids[] = {bound, bound + 1, 0x7FFFFFFFu, 0xFFFFFFFEu};
+      Plan skipped = s.plan, corrupt = s.plan;
+      size_t changed = 0;
+      for (size_t gi = 0; gi < s.plan.ids.size(); gi++)
+        for (size_t i = 1; i < s.plan.ids[gi].size(); i++) {
+          if (s.plan.ids[gi][i] == KVF_BLOCK_SKIP) continue;
+          skipped.ids[gi][i] = KVF_BLOCK_SKIP;
+          corrupt.ids[gi][i] = bad_ids[changed++ % 4];
+        }
+      ASSERT_GE(changed, 2u);
+      std::mt19937_64 rng(seed_of(preset, gather ? 1 : 2));
+      Data in = make_inputs(g, s.plan, dir, 0, rng), want = clone(in);
+      ASSERT_EQ(reference(g, skipped, KVF_FORMAT_CANONICAL, dir, want), KVF_SUCCESS) << kvf_last_error();
+      for (uint64_t warps : {1ull, 7ull, 33792ull}) {
+        SCOPED_TRACE("warps " + std::to_string(warps));
+        Data got = clone(in);
+        // The blob takes the tables as they are: the check that would refuse
+        // them (kvf_copy_request_check) runs before a call builds one.
+        Req r(corrupt, KVF_FORMAT_CANONICAL, payloads(got.cache), payloads(got.objs));
+        kvf_blob_opts o = {0, nullptr, 0};
+        std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, &o);
+        run_walk(blob, warps);
+        EXPECT_EQ(diff("cache region", got.cache, want.cache), "");
+        EXPECT_EQ(diff("object", got.objs, want.objs), "");
+      }
+    }
+  }
+}
+
 // The cache order (header cache_order) applies to the gathers of head-major
 // blocks only, and there it visits a block's units in the cache's address
 // order: unit u's source offset grows with u. Without it, or on a
