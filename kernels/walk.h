@@ -384,17 +384,18 @@ KVF_WALK_FN void prefetch_first_round(const Strides &st, bool linear, const char
 // has waited for the previous grid (wait_previous_grid) yet.
 //
 // The decode's table reads go in one round after the entry's: the id, the
-// shape's fields, the region's base and the first chunk's object depend on
-// the entry alone. The first way out (a skipped block, an empty range) comes
-// only after everything is computed from them, because ptxas moves a read
-// below an early return that precedes its use: the id, the shape, the
-// region and the object were then read one after another, each waiting for
-// the last. Measured on an H200 (perf/results/2026-12-02-h200-d2d-start):
-// half a microsecond of delay before each warp's first load made every
-// one-chunk device-to-device call half a microsecond longer; this order,
-// one chunk per call, +0.2 to +1.6 points of memcpy on 12 of 14 presets
-// (mean +0.7), the MLA DCP rank -1.1, 4096 tokens within half a point
-// but the gpt-oss-like +1.4 (one run against two of the build before).
+// shape's fields and the region's base depend on the entry alone, and the
+// first way out (a skipped block, an empty range) comes only after
+// everything is computed from them, because ptxas moves a read below an
+// early return that precedes its use: the id, the shape and the region were
+// read one after another, each waiting for the last. (The first chunk's
+// object, first used after the way out, is still read there.) Measured on
+// an H200 (perf/results/2026-12-02-h200-d2d-start): half a microsecond of
+// delay before each warp's first load made every one-chunk device-to-device
+// call half a microsecond longer; this order, one chunk per call, +0.2 to
+// +1.6 points of memcpy on 13 of 14 presets against the build before (mean
+// +0.65 over all 14), the MLA DCP rank -1.1; 4096 tokens within half a
+// point but the gpt-oss-like +1.4 (one run against two of the build before).
 KVF_WALK_FN void copy_block(const kvf_blob_header *h, const char *blob, const kvf_blob_entry *x, uint64_t j,
                             uint64_t s0, uint64_t s1, uint32_t lane, bool *waited) {
   const uint32_t ids_offset = x->ids_offset, shape = x->shape, region = x->region, group = x->object_group;
