@@ -392,10 +392,10 @@ KVF_WALK_FN void prefetch_first_round(const Strides &st, bool linear, const char
 // object, first used after the way out, is still read there.) Measured on
 // an H200 (perf/results/2026-12-02-h200-d2d-start): half a microsecond of
 // delay before each warp's first load made every one-chunk device-to-device
-// call half a microsecond longer; this order, one chunk per call, +0.2 to
-// +1.6 points of memcpy on 13 of 14 presets against the build before (mean
-// +0.65 over all 14), the MLA DCP rank -1.1; 4096 tokens within half a
-// point but the gpt-oss-like +1.4 (one run against two of the build before).
+// call half a microsecond longer; this order, one chunk per call, +0.1 to
+// +1.8 points of memcpy on every preset, mean +0.97 (three runs of each
+// build, alternating); 4096 tokens within half a point but the
+// gpt-oss-like +1.4 (one run against two).
 KVF_WALK_FN void copy_block(const kvf_blob_header *h, const char *blob, const kvf_blob_entry *x, uint64_t j,
                             uint64_t s0, uint64_t s1, uint32_t lane, bool *waited) {
   const uint32_t ids_offset = x->ids_offset, shape = x->shape, region = x->region, group = x->object_group;
