@@ -101,8 +101,8 @@ __global__ void chain_global_copy(const uint32_t *__restrict__ table, const uint
 // kvferry's one-chunk copy: a few hundred blocks at the engine's block ids),
 // the destination contiguous. One read of the table (device memory) before
 // the first load; a task never crosses a block (task divides block).
-__global__ void scattered_copy(const uint64_t *__restrict__ block_at, const char *__restrict__ cache,
-                               uint4 *__restrict__ dst, size_t units, size_t task, size_t block) {
+__device__ __forceinline__ void copy_scattered(const uint64_t *block_at, const char *__restrict__ cache,
+                                               uint4 *__restrict__ dst, size_t units, size_t task, size_t block) {
   const size_t lane = threadIdx.x & 31;
   const size_t begin = ((size_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * task;
   if (begin >= units) return;
@@ -110,6 +110,11 @@ __global__ void scattered_copy(const uint64_t *__restrict__ block_at, const char
   // src[u] is unit u - b*block of block b.
   const uint4 *src = reinterpret_cast<const uint4 *>(cache + block_at[b]) - b * block;
   for (size_t base = begin; base < end; base += 32 * kDepth) copy_round(src, dst, base, end, lane);
+}
+
+__global__ void scattered_copy(const uint64_t *__restrict__ block_at, const char *__restrict__ cache,
+                               uint4 *__restrict__ dst, size_t units, size_t task, size_t block) {
+  copy_scattered(block_at, cache, dst, units, task, block);
 }
 
 // The same with the block table in the kernel's parameters (N bytes of
@@ -122,12 +127,7 @@ template <int N> struct alignas(16) ParamTable {
 template <int N>
 __global__ void scattered_copy_p(const __grid_constant__ ParamTable<N> t, const char *__restrict__ cache,
                                  uint4 *__restrict__ dst, size_t units, size_t task, size_t block) {
-  const size_t lane = threadIdx.x & 31;
-  const size_t begin = ((size_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * task;
-  if (begin >= units) return;
-  const size_t end = begin + task < units ? begin + task : units, b = begin / block;
-  const uint4 *src = reinterpret_cast<const uint4 *>(cache + t.at[b]) - b * block;
-  for (size_t base = begin; base < end; base += 32 * kDepth) copy_round(src, dst, base, end, lane);
+  copy_scattered(t.at, cache, dst, units, task, block);
 }
 
 FILE *g_json;
@@ -242,8 +242,9 @@ int main(int argc, char **argv) {
                          Placement{"random in 4 GiB", kCacheBytes}}) {
       /* Per set, distinct slots (a block never read twice in one call). */
       std::vector<uint64_t *> tables(kSets);
+      std::vector<std::vector<uint64_t>> host(kSets, std::vector<uint64_t>(nblocks));
       for (int k = 0; k < kSets; k++) {
-        std::vector<uint64_t> at(nblocks);
+        std::vector<uint64_t> &at = host[k];
         const size_t slots = pl.span ? pl.span / sc.block_bytes : nblocks;
         std::vector<size_t> pick;
         while (pick.size() < nblocks) {
@@ -263,41 +264,21 @@ int main(int argc, char **argv) {
       });
       report(name, sc.bytes, us, mc);
       if (pl.span == kSmallCache) {
-        /* The table in 2 KiB, 12 KiB and 32 KiB of parameters (the blocks from the top of each). */
-        static ParamTable<2048> p2;
-        static ParamTable<12288> p12;
-        static ParamTable<32704> p32;
-        std::vector<std::vector<uint64_t>> host(kSets, std::vector<uint64_t>(nblocks));
-        for (int k = 0; k < kSets; k++)
-          CK(cudaMemcpy(host[k].data(), tables[k], nblocks * sizeof(uint64_t), cudaMemcpyDeviceToHost));
-        auto fill = [&](uint64_t *at, size_t cap, int k) {
-          for (size_t b = 0; b < nblocks && b < cap; b++) at[b] = host[k][b];
+        /* The table in 2 KiB, 12 KiB and 32 KiB of parameters, where it fits. */
+        auto in_params = [&](auto table, const char *kib) {
+          constexpr size_t cap = sizeof table.at / sizeof table.at[0];
+          if (nblocks > cap) return;
+          snprintf(name, sizeof name, "8 KiB tasks, %zu KiB blocks %s, table in %s KiB params", sc.block_bytes >> 10,
+                   pl.name, kib);
+          double t_us = probe_gpu_us(s, ev, [&](int i) {
+            std::copy(host[i % kSets].begin(), host[i % kSets].end(), table.at);
+            scattered_copy_p<(int)sizeof table><<<grid, 128, 0, s>>>(table, cache, dst[i % kSets], units, task, block);
+          });
+          report(name, sc.bytes, t_us, mc);
         };
-        if (nblocks <= 2048 / 8) {
-          snprintf(name, sizeof name, "8 KiB tasks, %zu KiB blocks %s, table in 2 KiB params", sc.block_bytes >> 10,
-                   pl.name);
-          us = probe_gpu_us(s, ev, [&](int i) {
-            fill(p2.at, 2048 / 8, i % kSets);
-            scattered_copy_p<2048><<<grid, 128, 0, s>>>(p2, cache, dst[i % kSets], units, task, block);
-          });
-          report(name, sc.bytes, us, mc);
-        }
-        if (nblocks <= 12288 / 8) {
-          snprintf(name, sizeof name, "8 KiB tasks, %zu KiB blocks %s, table in 12 KiB params", sc.block_bytes >> 10,
-                   pl.name);
-          us = probe_gpu_us(s, ev, [&](int i) {
-            fill(p12.at, 12288 / 8, i % kSets);
-            scattered_copy_p<12288><<<grid, 128, 0, s>>>(p12, cache, dst[i % kSets], units, task, block);
-          });
-          report(name, sc.bytes, us, mc);
-        }
-        snprintf(name, sizeof name, "8 KiB tasks, %zu KiB blocks %s, table in 32 KiB params", sc.block_bytes >> 10,
-                 pl.name);
-        us = probe_gpu_us(s, ev, [&](int i) {
-          fill(p32.at, 32704 / 8, i % kSets);
-          scattered_copy_p<32704><<<grid, 128, 0, s>>>(p32, cache, dst[i % kSets], units, task, block);
-        });
-        report(name, sc.bytes, us, mc);
+        in_params(ParamTable<2048>{}, "2");
+        in_params(ParamTable<12288>{}, "12");
+        in_params(ParamTable<32704>{}, "32");
       }
       for (uint64_t *t : tables) CK(cudaFree(t));
     }
