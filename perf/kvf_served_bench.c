@@ -610,7 +610,7 @@ int main(int argc, char **argv) {
       double lat_sum = 0;
       for (int i = 0; i < nlat; i++) lat_sum += lat[i];
       double g = median(gbps, b.rounds), l = median(lat, nlat); /* lat sorted from here */
-      double l_p90 = lat[(nlat * 9) / 10 < nlat ? (nlat * 9) / 10 : nlat - 1], l_max = lat[nlat - 1];
+      double l_mean = lat_sum / nlat, l_p90 = lat[nlat * 9 / 10], l_max = lat[nlat - 1];
       double inproc = dir == 0 ? in_store : in_retr, limit = dir == 0 ? lim_d2h : lim_h2d;
       double rounds_inproc = b.inproc_rounds_gbps[dir];
       fprintf(b.out,
@@ -621,14 +621,14 @@ int main(int argc, char **argv) {
               "\"inproc_gbps\": %.3f, \"inproc_rounds_gbps\": %.3f, \"memcpy_gbps\": %.3f, \"ratio_to_inproc\": %.4f, "
               "\"ratio_to_inproc_rounds\": %.4f, \"ratio_to_memcpy\": %.4f}\n",
               when, kvf_geometry_name(b.g), b.device, dir == 0 ? "store" : "retrieve", q, b.tokens_per_request,
-              bytes_round / (uint64_t)b.requests, b.requests, b.rounds, g, l * 1e3, lat_sum / nlat * 1e3, l_p90 * 1e3,
+              bytes_round / (uint64_t)b.requests, b.requests, b.rounds, g, l * 1e3, l_mean * 1e3, l_p90 * 1e3,
               l_max * 1e3, inproc, rounds_inproc, limit, inproc > 0 ? g / inproc : 0,
               rounds_inproc > 0 ? g / rounds_inproc : 0, limit > 0 ? g / limit : 0);
       fflush(b.out);
       fprintf(stderr,
               "served %-8s q=%-3d %8.2f GB/s (in-process %.2f per call, %.2f in rounds; memcpy %.2f), latency p50 "
               "%.3f mean %.3f p90 %.3f max %.3f ms\n",
-              dir == 0 ? "store" : "retrieve", q, g, inproc, rounds_inproc, limit, l * 1e3, lat_sum / nlat * 1e3,
+              dir == 0 ? "store" : "retrieve", q, g, inproc, rounds_inproc, limit, l * 1e3, l_mean * 1e3,
               l_p90 * 1e3, l_max * 1e3);
       free(gbps);
       free(lat);

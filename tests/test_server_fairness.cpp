@@ -158,7 +158,7 @@ int proc_fds(pid_t pid) {
 template <typename F>
 long steady(F read, int stable_reads = 5) {
   long last = read(), same = 0;
-  for (int i = 0; i < 250 + 3 * stable_reads && same < stable_reads; i++) {
+  for (int i = 0; i < 250 + stable_reads && same < stable_reads; i++) {
     sleep_ms(20);
     long now = read();
     same = now == last ? same + 1 : 0;
