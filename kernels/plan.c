@@ -157,6 +157,16 @@ kvf_status kvf_plan_build(const kvf_geometry *g, kvf_object_format format, kvf_p
       kvf_plan_free(out);
       return kvf_fail(KVF_ERR_UNSUPPORTED, "group %u: one block of one layer holds 2 GiB or more", s->group);
     }
+    /* A blob entry keeps a segment's place in an object in 32 bits
+     * (kvf_blob_entry): the object's bytes per token before it, or its
+     * offset among a block's planes or the object's states. */
+    if (s->dst_per_token > UINT32_MAX || s->dst_const > UINT32_MAX) {
+      kvf_plan_free(out);
+      return kvf_fail(KVF_ERR_UNSUPPORTED,
+                      "group %u view %u: its place in an object (%llu bytes a token before it, %llu more) needs 4 GiB "
+                      "or more per token or of states",
+                      s->group, s->view, (unsigned long long)s->dst_per_token, (unsigned long long)s->dst_const);
+    }
   }
   for (uint32_t i = 0; i < at; i++) {
     const kvf_segment *s = &out->segments[i];
@@ -208,8 +218,10 @@ static void moved_range(const kvf_geometry *g, const kvf_copy_request *r, uint32
   }
 }
 
-/* Entries keep a region and an object group in 16 bits. */
-_Static_assert(KVF_MAX_REGIONS <= 65536 && KVF_MAX_GROUPS <= 65536, "kvf_blob_entry's 16-bit region and object group");
+/* Entries keep an object group and a shape in 16 bits: shapes are at most
+ * one per entry, entries one per segment, and kvf_plan_build takes at most
+ * 65535 segments. */
+_Static_assert(KVF_MAX_GROUPS <= 65536, "kvf_blob_entry's 16-bit object group");
 
 static uint64_t round16(uint64_t x) { return (x + 15) & ~(uint64_t)15; }
 
@@ -250,13 +262,13 @@ static void blob_layout(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
     ids += b1 - b0;
   }
   uint64_t objects = kvf_copy_request_chunks(g, r) * g->num_object_groups;
-  h->off_buckets = round16(sizeof *h);
-  h->off_entries = h->off_buckets + round16(KVF_BLOB_BUCKETS * sizeof(uint16_t));
-  h->off_regions = h->off_entries + round16(entries * sizeof(kvf_blob_entry));
-  h->off_ids = h->off_regions + round16(g->num_regions * sizeof(uint64_t));
+  h->off_entries = round16(sizeof *h);
+  h->off_ids = h->off_entries + round16(entries * sizeof(kvf_blob_entry));
   h->off_objects = h->off_ids + round16(ids * sizeof(uint32_t));
   h->off_shapes = h->off_objects + round16(objects * sizeof(uint64_t));
-  h->size = h->off_shapes + entries * sizeof(kvf_blob_shape); /* at most a shape per entry */
+  /* At most a shape per entry, then the task -> entry table. */
+  h->off_buckets = round16(h->off_shapes + entries * sizeof(kvf_blob_shape));
+  h->size = h->off_buckets + KVF_BLOB_BUCKETS * sizeof(uint16_t);
 }
 
 uint64_t kvf_blob_size(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r,
@@ -382,7 +394,6 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
   h->num_chunks = (uint32_t)kvf_copy_request_chunks(g, r);
   h->full_chunks = r->token_end / c - r->token_begin / c;
   h->num_object_groups = g->num_object_groups;
-  h->num_regions = g->num_regions;
   h->gather = gather ? 1 : 0;
   for (uint32_t gi = 0; gi < g->num_groups; gi++)
     if (g->groups[gi].desc.num_blocks > h->num_blocks_max) h->num_blocks_max = g->groups[gi].desc.num_blocks;
@@ -390,10 +401,8 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
 
   char *base = out;
   kvf_blob_entry *e = (kvf_blob_entry *)(base + h->off_entries);
-  uint64_t *regions = (uint64_t *)(base + h->off_regions);
   uint32_t *id_out = (uint32_t *)(base + h->off_ids);
   uint64_t *objects = (uint64_t *)(base + h->off_objects);
-  for (uint32_t i = 0; i < g->num_regions; i++) regions[i] = r->region_bases ? (uint64_t)(uintptr_t)r->region_bases[i] : 0;
   uint64_t nobj = (uint64_t)h->num_chunks * g->num_object_groups;
   /* Pointer alignment per object group lowers vector widths where needed. */
   uint64_t og_bits[KVF_MAX_GROUPS] = {0};
@@ -421,6 +430,7 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
   for (uint32_t og = 0; og < g->num_object_groups; og++) og_align[og] = align_of(og_bits[og]);
   uint64_t tasks = 0, at_ids = 0;
   uint32_t ne = 0, ns = 0;
+  uint32_t recent[4] = {0}; /* the segments of the last four entries */
   for (uint32_t gi = 0; gi < g->num_groups; gi++) {
     if (!moving[gi]) continue;
     const uint64_t b0 = b0s[gi], b1 = b1s[gi];
@@ -429,15 +439,17 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
     for (uint32_t s = plan->group_first[gi]; s < plan->group_first[gi + 1]; s++) {
       if (!seg_in(opts, s)) continue;
       const kvf_segment *seg = &plan->segments[s];
-      const uint32_t vec =
-          min_u32(seg->align, min_u32(align_of(regions[seg->region]), og_align[seg->object_group]));
+      const uint64_t region_base = r->region_bases ? (uint64_t)(uintptr_t)r->region_bases[seg->region] : 0;
+      const uint32_t vec = min_u32(seg->align, min_u32(align_of(region_base), og_align[seg->object_group]));
       kvf_blob_entry *x = &e[ne];
+      x->cache_base = region_base + seg->src_offset;
       x->first_task = tasks;
-      x->lb_begin = b0;
-      x->ids_offset = (uint32_t)at_ids; /* below 2^32: the request's blocks are (kvf_copy_request_check) */
-      x->src_offset = seg->src_offset;
-      x->dst_per_token = seg->dst_per_token;
-      x->dst_const = seg->dst_const;
+      x->lb_rel = b0 - (seg->recurrent ? h->chunk_begin : h->lt_begin / seg->tokens);
+      /* Below 2^32: kvf_plan_build checks a segment's offsets inside an
+       * object, kvf_copy_request_check the request's blocks. */
+      x->dst_per_token = (uint32_t)seg->dst_per_token;
+      x->dst_const = (uint32_t)seg->dst_const;
+      x->ids_offset = (uint32_t)at_ids;
       /* A layer's planes or states and the layers after it mostly repeat
        * the shape of one of the last four entries, which is then taken as
        * is rather than built and compared (a call builds this on the
@@ -445,7 +457,7 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
       const kvf_blob_entry *known = NULL;
       for (uint32_t back = 1; back <= 4 && back <= ne && !known; back++) {
         const kvf_blob_entry *y = &e[ne - back];
-        if (shapes[y->shape].vec == vec && same_shape(seg, &plan->segments[y->segment])) known = y;
+        if (shapes[y->shape].vec == vec && same_shape(seg, &plan->segments[recent[(ne - back) % 4]])) known = y;
       }
       if (known) {
         set_slices(x, known->slices, b1 - b0, known);
@@ -456,9 +468,8 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
         set_slices(x, shape_slices(&sh), b1 - b0, NULL);
         x->shape = shape_index(shapes, &ns, &sh);
       }
-      x->region = (uint16_t)seg->region;
       x->object_group = (uint16_t)seg->object_group;
-      x->segment = s;
+      recent[ne % 4] = s;
       tasks += (b1 - b0) * x->slices;
       ne++;
     }
@@ -466,10 +477,25 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
   }
   h->num_entries = ne;
   h->num_shapes = ns;
-  h->size = h->off_shapes + ns * sizeof(kvf_blob_shape);
+  h->off_buckets = round16(h->off_shapes + ns * sizeof(kvf_blob_shape));
   h->total_tasks = tasks;
   blob_buckets(h);
   return tasks;
+}
+
+uint32_t kvf_blob_entry_segments(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r,
+                                 const kvf_blob_opts *opts, uint32_t *out) {
+  /* kvf_blob_build's order: the groups that move blocks in this blob, each
+   * group's segments of the blob. */
+  uint32_t n = 0;
+  for (uint32_t gi = 0; gi < g->num_groups; gi++) {
+    uint64_t b0, b1;
+    moved_range(g, r, gi, &b0, &b1);
+    if (b0 == b1 || !group_block_bytes(plan, opts, gi)) continue;
+    for (uint32_t s = plan->group_first[gi]; s < plan->group_first[gi + 1]; s++)
+      if (seg_in(opts, s)) out[n++] = s;
+  }
+  return n;
 }
 
 /* Fill the blob's task -> entry table from its entries' first tasks. */
@@ -479,26 +505,30 @@ static void blob_buckets(kvf_blob_header *h) {
   uint32_t shift = 0;
   while ((h->total_tasks >> shift) >= KVF_BLOB_BUCKETS) shift++;
   h->bucket_shift = shift;
-  h->num_buckets = (uint32_t)(h->total_tasks >> shift) + 1;
   /* Entries of T tasks each (the layers of one shape, the usual blob) need
-   * no table: t / T by a multiplier, where exact for every task. */
+   * no table: t / T by a multiplier, where exact for every task. The blob
+   * then ends before the table (a launch copies every byte of it). */
   h->entry_tasks_magic = 0;
   uint64_t per = h->num_entries ? h->total_tasks / h->num_entries : 0;
   int uniform = per * h->num_entries == h->total_tasks && multiplier_exact(per, h->total_tasks);
   for (uint32_t i = 0; uniform && i < h->num_entries; i++) uniform = e[i].first_task == i * per;
   if (uniform) h->entry_tasks_magic = multiplier_of(per);
+  const uint32_t had = h->num_buckets;
+  h->num_buckets = uniform ? 0 : (uint32_t)(h->total_tasks >> shift) + 1;
+  h->size = h->off_buckets + h->num_buckets * sizeof(uint16_t);
+  /* A re-cut blob keeps no slots of its earlier table past its end. */
+  if (had > h->num_buckets) memset(b + h->num_buckets, 0, (had - h->num_buckets) * sizeof *b);
   uint32_t at = 0;
   for (uint32_t i = 0; i < h->num_buckets; i++) {
     uint64_t task = (uint64_t)i << shift;
     while (at + 1 < h->num_entries && e[at + 1].first_task <= task) at++;
     b[i] = (uint16_t)at;
   }
-  /* The rest zeroed: a re-cut blob holds no buckets of its earlier cut. */
-  memset(b + h->num_buckets, 0, (KVF_BLOB_BUCKETS - h->num_buckets) * sizeof *b);
 }
 
 uint32_t kvf_blob_entry_of(const void *blob, uint64_t task) {
   const kvf_blob_header *h = blob;
+  if (h->entry_tasks_magic) return (uint32_t)(((uint64_t)(uint32_t)task * h->entry_tasks_magic) >> 32);
   const kvf_blob_entry *e = (const kvf_blob_entry *)((const char *)blob + h->off_entries);
   const uint16_t *b = (const uint16_t *)((const char *)blob + h->off_buckets);
   uint32_t at = b[task >> h->bucket_shift];
@@ -553,7 +583,7 @@ static int block_of(const kvf_blob_header *h, const kvf_blob_entry *e, uint64_t 
   const kvf_blob_shape *s = kvf_blob_shape_of(h, e);
   uint32_t id = ids[e->ids_offset + j];
   if (id == KVF_BLOCK_SKIP || id >= h->num_blocks_max) return 0;
-  uint64_t lb = e->lb_begin + j, k;
+  uint64_t lb = kvf_blob_entry_lb(h, e) + j, k;
   if (s->recurrent) {
     k = lb - h->chunk_begin;
     *units = s->units_per_run;
@@ -577,7 +607,6 @@ static int decode(const kvf_blob_header *h, uint64_t task, task_view *tv) {
   const char *blob = (const char *)h;
   const kvf_blob_entry *entries = (const kvf_blob_entry *)(blob + h->off_entries);
   const kvf_blob_entry *e = &entries[kvf_blob_entry_of(h, task)];
-  const uint64_t *regions = (const uint64_t *)(blob + h->off_regions);
   const uint64_t *objects = (const uint64_t *)(blob + h->off_objects);
   const kvf_blob_shape *s = kvf_blob_shape_of(h, e);
   uint64_t local = task - e->first_task, j = local / e->slices, slice = local % e->slices;
@@ -592,7 +621,7 @@ static int decode(const kvf_blob_header *h, uint64_t task, task_view *tv) {
   uint64_t object = objects[oi];
   if (object == 0) return 0;
   tv->sh = s;
-  tv->cache = (char *)(uintptr_t)regions[e->region] + e->src_offset + (uint64_t)id * s->src_block;
+  tv->cache = (char *)(uintptr_t)e->cache_base + (uint64_t)id * s->src_block;
   tv->object = (char *)(uintptr_t)object + obj_off;
   return 1;
 }
@@ -610,7 +639,6 @@ uint64_t kvf_blob_blocks(const void *blob, kvf_blob_block *out, uint64_t cap) {
   const kvf_blob_header *h = blob;
   const char *b = blob;
   const kvf_blob_entry *entries = (const kvf_blob_entry *)(b + h->off_entries);
-  const uint64_t *regions = (const uint64_t *)(b + h->off_regions);
   const uint64_t *objects = (const uint64_t *)(b + h->off_objects);
   const uint32_t *ids = (const uint32_t *)(b + h->off_ids);
   uint64_t n = 0;
@@ -620,10 +648,10 @@ uint64_t kvf_blob_blocks(const void *blob, kvf_blob_block *out, uint64_t cap) {
     uint64_t end = i + 1 < h->num_entries ? entries[i + 1].first_task : h->total_tasks;
     uint64_t blocks = (end - e->first_task) / e->slices;
     if (blocks == 0) continue;
-    const char *cache_base = (const char *)(uintptr_t)regions[e->region] + e->src_offset;
+    const char *cache_base = (const char *)(uintptr_t)e->cache_base;
     /* Where block 0 of the entry is: its chunk k, the chunk's local token
      * count nk, the block's token offset inside the chunk. */
-    uint64_t lb = e->lb_begin, k = 0, nk = 0, within = 0, bi = 0, start = 0;
+    uint64_t lb = kvf_blob_entry_lb(blob, e), k = 0, nk = 0, within = 0, bi = 0, start = 0;
     if (!s->recurrent) {
       start = lb * s->tokens;
       uint64_t rel = start - h->lt_begin;

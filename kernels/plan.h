@@ -12,10 +12,11 @@
  * bi the block's index inside the object. Heads contiguous on both sides are
  * fused into one run at plan time.
  *
- * A request becomes a "launch blob": a header, the region bases, one entry
- * per moving segment (its region and offsets, its group's block range and
- * its first task), the block ids, the object pointers, and the shapes the
- * entries share (strides, run, vector width: one or a few per blob). A task is (entry, block,
+ * A request becomes a "launch blob": a header, one entry per moving segment
+ * (its block 0's address, its offsets in the object, its group's block
+ * range and its first task), the block ids, the object pointers, the shapes
+ * the entries share (strides, run, vector width: one or a few per blob), and
+ * a task -> entry table where the header's multiplier does not serve. A task is (entry, block,
  * slice of at most the blob's slice bytes, KVF_SLICE_BYTES unless the build
  * asks for smaller ones); one warp (GPU) or one loop (CPU) copies a task. The
  * blob is plain data: the host builds it, the kernel reads it from device
@@ -82,24 +83,28 @@ void kvf_plan_free(kvf_plan *plan);
 /* One moving segment of a blob: where its blocks are and its tasks. What
  * segments share (strides, run shape, vector width, slice) is in the blob's
  * shape table, so that a one-chunk blob fits a few KiB of kernel
- * parameters: 64 bytes an entry where the whole segment took 160. */
+ * parameters: 48 bytes an entry where the whole segment took 160. The
+ * launch copies all of a parameter blob's bytes on every call (0.3-0.5 us
+ * from 2 to 12 KiB on an H200, xfer_kernel.cu's kParamSizes), so fields are
+ * as narrow as the plan allows: offsets inside an object in 32 bits
+ * (kvf_plan_build refuses wider), the region's base added in, and no
+ * segment index (kvf_blob_entry_segments gives it to host tools). */
 typedef struct kvf_blob_entry {
-  uint64_t first_task;   /* tasks of this entry: [first_task, next entry's first_task) */
-  uint64_t lb_begin;     /* local block (chunk for recurrent segments) of ids[ids_offset] */
-  uint32_t ids_offset;   /* into the blob's ids (a request's block tables hold fewer than 2^32 blocks in all:
-                            kvf_copy_request_check) */
-  uint32_t slices_magic; /* 0, or ceil(2^32 / slices): the block of the entry's local task t is
-                            t * slices_magic >> 32, with no division (exact for every task of the entry,
-                            which the build checks; 0 where it is not, and where slices is 1) */
-  uint64_t src_offset;   /* the segment's: from its region's base, block 0 */
-  uint64_t dst_per_token; /* the segment's: object position = n_k*dst_per_token + dst_const + ... */
-  uint64_t dst_const;    /* the segment's */
-  uint32_t slices;       /* tasks per block */
-  uint32_t shape;        /* index into the blob's shapes */
-  uint16_t region;       /* the segment's (fewer than 2^16: KVF_MAX_REGIONS) */
-  uint16_t object_group; /* its shape's, here too so that the walk finds the object of the request's first chunk
-                            with the entry, not after the shape */
-  uint32_t segment;      /* the plan's segment index (host tools; the walks do not read it) */
+  uint64_t cache_base;    /* the segment's block 0: its region's base + its src_offset */
+  uint64_t first_task;    /* tasks of this entry: [first_task, next entry's first_task) */
+  uint64_t lb_rel;        /* ids[ids_offset]'s block from the request's first (attention: local block
+                             lb_rel + the shape's first_block; recurrent: chunk lb_rel + chunk_begin) */
+  uint32_t dst_per_token; /* the segment's: object position = n_k*dst_per_token + dst_const + ... */
+  uint32_t dst_const;     /* the segment's */
+  uint32_t ids_offset;    /* into the blob's ids (a request's block tables hold fewer than 2^32 blocks in all:
+                             kvf_copy_request_check) */
+  uint32_t slices_magic;  /* 0, or ceil(2^32 / slices): the block of the entry's local task t is
+                             t * slices_magic >> 32, with no division (exact for every task of the entry,
+                             which the build checks; 0 where it is not, and where slices is 1) */
+  uint32_t slices;        /* tasks per block */
+  uint16_t shape;         /* index into the blob's shapes (at most a shape per entry) */
+  uint16_t object_group;  /* its shape's, here too so that the walk finds the object of the request's first chunk
+                             with the entry, not after the shape */
 } kvf_blob_entry;
 
 /* What a blob's entries share: a segment less its region, offsets, group
@@ -138,12 +143,12 @@ typedef struct kvf_blob_header {
   uint32_t num_chunks;
   uint32_t num_object_groups;
   uint32_t num_entries;
-  uint32_t num_regions;
   uint32_t gather;        /* 1: cache -> objects, 0: objects -> cache */
   uint32_t num_blocks_max;/* largest group block count: the kernel's own bound check */
   uint64_t payload_bytes; /* bytes the blob moves (padding and skipped blocks excluded) */
   uint32_t bucket_shift;  /* task t's entry is at or after buckets[t >> bucket_shift] */
-  uint32_t num_buckets;   /* (total_tasks >> bucket_shift) + 1 at most KVF_BLOB_BUCKETS */
+  uint32_t num_buckets;   /* (total_tasks >> bucket_shift) + 1 at most KVF_BLOB_BUCKETS; 0 where
+                             entry_tasks_magic finds every task's entry */
   uint32_t cache_order;   /* 1: the warp walk visits a gather's head-major blocks in the cache's
                              address order (kernels/walk.h); 0 (as built): in the object's */
   uint32_t slice_bytes;   /* most bytes a task moves (kvf_blob_opts) */
@@ -153,12 +158,12 @@ typedef struct kvf_blob_header {
                                  t * entry_tasks_magic >> 32, with no table read (exact for every task:
                                  the build checks) */
   /* Byte offsets of the arrays inside the blob. */
-  uint64_t off_buckets;   /* uint16_t[KVF_BLOB_BUCKETS]: the entry holding task b << bucket_shift */
   uint64_t off_entries;   /* kvf_blob_entry[num_entries] */
-  uint64_t off_regions;   /* uint64_t[num_regions] (base addresses) */
   uint64_t off_ids;       /* uint32_t[] */
   uint64_t off_objects;   /* uint64_t[num_chunks * num_object_groups] */
-  uint64_t off_shapes;    /* kvf_blob_shape[num_shapes], last: size is off_shapes + num_shapes shapes */
+  uint64_t off_shapes;    /* kvf_blob_shape[num_shapes] */
+  uint64_t off_buckets;   /* uint16_t[num_buckets], last: the entry holding task b << bucket_shift (after the
+                             shapes, so that a blob whose entries the multiplier finds carries none) */
   uint32_t num_shapes;
   uint32_t pad2_;
 } kvf_blob_header;
@@ -174,8 +179,13 @@ static inline const kvf_blob_shape *kvf_blob_shapes(const void *blob) {
 static inline const kvf_blob_shape *kvf_blob_shape_of(const void *blob, const kvf_blob_entry *e) {
   return &kvf_blob_shapes(blob)[e->shape];
 }
+/* The local block (a recurrent segment: the chunk) of entry e's first id. */
+static inline uint64_t kvf_blob_entry_lb(const void *blob, const kvf_blob_entry *e) {
+  const kvf_blob_shape *s = kvf_blob_shape_of(blob, e);
+  return e->lb_rel + (s->recurrent ? ((const kvf_blob_header *)blob)->chunk_begin : s->first_block);
+}
 
-/* Entries of the task -> entry lookup table at the head of a blob: a walker
+/* Entries of the task -> entry lookup table at the end of a blob: a walker
  * finds the entry of any task with one table read and a short forward scan
  * instead of a binary search over the entries (each probe a dependent load). */
 #define KVF_BLOB_BUCKETS 128u
@@ -215,6 +225,12 @@ uint64_t kvf_blob_size(const kvf_geometry *geometry, const kvf_plan *plan, const
  * Returns the number of tasks, 0 when nothing moves. */
 uint64_t kvf_blob_build(const kvf_geometry *geometry, const kvf_plan *plan, const kvf_copy_request *request,
                         int gather, const kvf_blob_opts *opts, void *out);
+
+/* The plan's segment of each of the entries a build of (request, opts)
+ * gives, in entry order, into out[0 .. its entry count) (host tools: an
+ * entry does not carry it). Returns the entry count. */
+uint32_t kvf_blob_entry_segments(const kvf_geometry *geometry, const kvf_plan *plan,
+                                 const kvf_copy_request *request, const kvf_blob_opts *opts, uint32_t *out);
 
 /* Re-cut a built blob's tasks into slices of at most slice_bytes (as in
  * kvf_blob_opts): rewrites the shapes' slice_units, the entries' slices (and their magic) and

@@ -46,8 +46,8 @@
 // 69 -> 74%, Llama HND 84 -> 86.7%, the tp4 slice 79 -> 82%); 4096 tokens
 // +0 to +1.6. Then no division and one table level less on the way: the
 // block of a task by the entry's multiplier (slices_magic), its object
-// index without dividing by the block's tokens (the shape's first_block and
-// blocks_per_chunk), the first chunk's object read with the entry (its
+// index without dividing by the block's tokens (the entry's lb_rel and the
+// shape's blocks_per_chunk), the first chunk's object read with the entry (its
 // object_group), and a task's entry by the header's multiplier where every
 // entry has as many tasks (no task -> entry table read). Measured on an H200
 // (perf/results/2026-12-02-h200-decode, ab.md, per call, one chunk):
@@ -292,7 +292,7 @@ KVF_WALK_FN bool linear_of(const kvf_blob_shape *sh) { return kvf_blob_shape_lin
 // (H200, three runs of each build; perf/results/2026-12-02-h200-d2d-start).
 struct ShapeFields {
   uint64_t src_block, src_token, src_head, dst_block, dst_token, dst_head, units_per_token;
-  uint64_t slice_units, first_block, blocks_per_chunk;
+  uint64_t slice_units, blocks_per_chunk;
   uint32_t run, heads, tokens, recurrent, units_per_run, vec;
 };
 
@@ -306,7 +306,6 @@ KVF_WALK_FN ShapeFields shape_fields(const kvf_blob_shape *sh) {
   f.dst_head = sh->dst_head;
   f.units_per_token = sh->units_per_token;
   f.slice_units = sh->slice_units;
-  f.first_block = sh->first_block;
   f.blocks_per_chunk = sh->blocks_per_chunk;
   f.run = sh->run;
   f.heads = sh->heads;
@@ -385,9 +384,9 @@ KVF_WALK_FN void prefetch_first_round(const Strides &st, bool linear, const char
 // block_of and the grid-stride kernel's decode. *waited: whether this warp
 // has waited for the previous grid (wait_previous_grid) yet.
 //
-// The decode's table reads go in one round after the entry's: the id, the
-// shape's fields and the region's base depend on the entry alone, and the
-// first way out (a skipped block, an empty range) comes only after
+// The decode's table reads go in one round after the entry's: the id and
+// the shape's fields depend on the entry alone (the region's base is in the
+// entry), and the first way out (a skipped block, an empty range) comes only after
 // everything is computed from them, because ptxas moves a read below an
 // early return that precedes its use: the id, the shape and the region were
 // read one after another, each waiting for the last. (The first chunk's
@@ -400,12 +399,11 @@ KVF_WALK_FN void prefetch_first_round(const Strides &st, bool linear, const char
 // gpt-oss-like +1.4 (one run against two).
 KVF_WALK_FN void copy_block(const kvf_blob_header *h, const char *blob, const kvf_blob_entry *x, uint64_t j,
                             uint64_t s0, uint64_t s1, uint32_t lane, bool *waited) {
-  const uint32_t ids_offset = x->ids_offset, shape = x->shape, region = x->region, group = x->object_group;
-  const uint64_t lb = x->lb_begin + j, src_offset = x->src_offset, dst_per_token = x->dst_per_token,
+  const uint32_t ids_offset = x->ids_offset, shape = x->shape, group = x->object_group;
+  const uint64_t rel = x->lb_rel + j, cache_base = x->cache_base, dst_per_token = x->dst_per_token,
                  dst_const = x->dst_const;
   const uint32_t id = reinterpret_cast<const uint32_t *>(blob + h->off_ids)[ids_offset + j];
   const ShapeFields f = shape_fields(reinterpret_cast<const kvf_blob_shape *>(blob + h->off_shapes) + shape);
-  const uint64_t base = reinterpret_cast<const uint64_t *>(blob + h->off_regions)[region];
   const uint64_t *objects = reinterpret_cast<const uint64_t *>(blob + h->off_objects);
   const uint64_t first_object = objects[group];
   const uint64_t cl = h->chunk_local, lt_begin = h->lt_begin, lt_end = h->lt_end;
@@ -415,22 +413,22 @@ KVF_WALK_FN void copy_block(const kvf_blob_header *h, const char *blob, const kv
   const bool skip = id == KVF_BLOCK_SKIP || id >= num_blocks_max;
   uint64_t k, units, obj_off;
   if (f.recurrent) {
-    k = lb - h->chunk_begin;
+    k = rel;  // chunks from the request's first
     units = f.units_per_run;
     obj_off = cl * dst_per_token + dst_const;
   } else {
-    // Blocks from the request's first; the request's first chunk (all of a
-    // one-chunk request) divides nothing.
-    const uint64_t d = lb - f.first_block, per_chunk = f.blocks_per_chunk;
+    // Blocks from the request's first (its first token starts a block); the
+    // request's first chunk (all of a one-chunk request) divides nothing.
+    const uint64_t d = rel, per_chunk = f.blocks_per_chunk;
     k = d < per_chunk ? 0 : div64(d, per_chunk);
     uint64_t n = min64(lt_end - (lt_begin + k * cl), cl);
-    uint64_t valid = min64(lt_end - lb * f.tokens, (uint64_t)f.tokens);
+    uint64_t valid = min64(lt_end - (lt_begin + d * f.tokens), (uint64_t)f.tokens);
     units = valid * f.units_per_token;
     obj_off = n * dst_per_token + dst_const + (d - k * per_chunk) * f.dst_block;
   }
   const uint64_t su = f.slice_units;
   const uint64_t ub = s0 * su, ue = min64(s1 * su, units);
-  const uint64_t cache_at = base + src_offset + (uint64_t)id * f.src_block;
+  const uint64_t cache_at = cache_base + (uint64_t)id * f.src_block;
   const bool linear = linear_of(f);
   Strides st = {};
   if (!linear) st = strides_of(cache_order, gather, f, units);

@@ -59,24 +59,23 @@ __device__ __forceinline__ bool decode(const kvf_blob_header *h, const char *blo
   const kvf_blob_entry *entries = reinterpret_cast<const kvf_blob_entry *>(blob + h->off_entries);
   const kvf_blob_entry *e = &entries[find_entry(entries, h->num_entries, task)];
   const kvf_blob_shape &s = reinterpret_cast<const kvf_blob_shape *>(blob + h->off_shapes)[e->shape];
-  const uint64_t *regions = reinterpret_cast<const uint64_t *>(blob + h->off_regions);
   const uint32_t *ids = reinterpret_cast<const uint32_t *>(blob + h->off_ids);
   const uint64_t *objects = reinterpret_cast<const uint64_t *>(blob + h->off_objects);
   uint64_t local = task - e->first_task, j = local / e->slices, slice = local - j * e->slices;
   uint32_t id = ids[e->ids_offset + j];
   // The host checked every id; this bound keeps a corrupted table harmless.
   if (id == KVF_BLOCK_SKIP || id >= h->num_blocks_max) return false;
-  uint64_t lb = e->lb_begin + j, k, units, obj_off;
+  uint64_t k, units, obj_off;
   if (s.recurrent) {
-    k = lb - h->chunk_begin;
+    k = e->lb_rel + j;
     units = s.units_per_run;
     obj_off = h->chunk_local * e->dst_per_token + e->dst_const;
   } else {
-    uint64_t rel = lb * s.tokens - h->lt_begin;
+    uint64_t rel = (e->lb_rel + j) * s.tokens;  // tokens from the request's first, which starts a block
     k = rel / h->chunk_local;
     uint64_t chunk_start = h->lt_begin + k * h->chunk_local;
     uint64_t n = min(h->lt_end - chunk_start, h->chunk_local);
-    uint64_t valid = min(h->lt_end - lb * s.tokens, (uint64_t)s.tokens);
+    uint64_t valid = min(h->lt_end - (h->lt_begin + rel), (uint64_t)s.tokens);
     units = valid * s.units_per_token;
     obj_off = n * e->dst_per_token + e->dst_const + ((rel - k * h->chunk_local) / s.tokens) * s.dst_block;
   }
@@ -88,7 +87,7 @@ __device__ __forceinline__ bool decode(const kvf_blob_header *h, const char *blo
   uint64_t object = objects[k * h->num_object_groups + s.object_group];
   if (object == 0) return false;
   t->sh = &s;
-  t->cache = reinterpret_cast<char *>(regions[e->region]) + e->src_offset + (uint64_t)id * s.src_block;
+  t->cache = reinterpret_cast<char *>(e->cache_base) + (uint64_t)id * s.src_block;
   t->object = reinterpret_cast<char *>(object) + obj_off;
   return true;
 }

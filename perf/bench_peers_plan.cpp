@@ -30,8 +30,10 @@ bool peer_tables(const kvf_geometry *g, const kvf_copy_request &r, bool gather, 
   const auto *h = reinterpret_cast<const kvf_blob_header *>(blob.data());
   const kvf_blob_entry *e = kvf_blob_entries(blob.data());
   /* Each entry's segment: its group and view say which layer and plane. */
+  std::vector<uint32_t> seg_of(plan.num_segments);
+  kvf_blob_entry_segments(g, &plan, &r, nullptr, seg_of.data());
   std::vector<kvf_segment> segs(h->num_entries);
-  for (uint32_t i = 0; i < h->num_entries; i++) segs[i] = plan.segments[e[i].segment];
+  for (uint32_t i = 0; i < h->num_entries; i++) segs[i] = plan.segments[seg_of[i]];
   kvf_plan_free(&plan);
   uint64_t nb = kvf_blob_blocks(blob.data(), nullptr, 0);
   std::vector<kvf_blob_block> blocks(nb);

@@ -717,6 +717,47 @@ TEST(XferHost, RequestOfMoreThan32BitsOfBlocksIsRefusedBeforeAnyTableIsRead) {
   EXPECT_EQ(diff("object", work.objs, live.objs), "");
 }
 
+// A blob entry keeps a segment's place in an object in 32 bits
+// (kvf_blob_entry): kvf_plan_build, and so kvf_xfer_create, refuse a
+// geometry whose object holds 4 GiB or more per token before a layer (here
+// five layers of 1 GiB a token, 1024 heads of 1 MiB: the fifth starts at
+// 4 GiB), naming the group and view; four such layers (the fourth at 3 GiB)
+// plan.
+TEST(XferHost, ObjectOffsetsOf4GiBOrMoreAreRefusedNamingTheView) {
+  for (int layers : {4, 5}) {
+    SCOPED_TRACE(std::to_string(layers) + " layers");
+    const uint64_t head = 1ull << 20, layer = head * 1024;
+    const std::string json = R"({"format": "kvferry-geometry", "version": 1, "name": "wide-tokens",
+      "regions": [{"name": "kv", "size": 0}],
+      "groups": [{"name": "full", "kind": "full", "block_size": 1, "num_blocks": 1,
+        "layers": [{"count": )" + std::to_string(layers) + R"(, "name": "layer", "region": "kv", "offset": 0,
+          "offset_step": )" + std::to_string(layer) + R"(, "elem_bytes": 2, "block_stride": )" +
+                             std::to_string(layer * layers) + R"(, "planes": 1, "heads": 1024, "head_bytes": )" +
+                             std::to_string(head) + R"(, "plane_stride": 0, "token_stride": )" + std::to_string(layer) +
+                             R"(, "head_stride": )" + std::to_string(head) + R"(}]}],
+      "objects": {"chunk_tokens": 16, "format": "canonical"}})";
+    kvf_geometry *raw = nullptr;
+    kvf_geometry_error err;
+    ASSERT_EQ(kvf_geometry_load_buffer(json.data(), json.size(), nullptr, &raw, &err), KVF_SUCCESS)
+        << kvf_last_error();
+    GeometryPtr g(raw);
+    kvf_plan plan;
+    const kvf_status st = kvf_plan_build(g.get(), KVF_FORMAT_CANONICAL, &plan);
+    if (layers == 4) {
+      EXPECT_EQ(st, KVF_SUCCESS) << kvf_last_error();
+      if (st == KVF_SUCCESS) kvf_plan_free(&plan);
+      continue;
+    }
+    EXPECT_EQ(st, KVF_ERR_UNSUPPORTED);
+    const std::string msg = kvf_last_error();
+    EXPECT_NE(msg.find("group 0 view 4"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("4 GiB"), std::string::npos) << msg;
+    kvf_xfer *x = nullptr;
+    EXPECT_EQ(kvf_xfer_create(g.get(), nullptr, &x), KVF_ERR_UNSUPPORTED);
+    EXPECT_EQ(x, nullptr);
+  }
+}
+
 TEST(XferHost, CreateRejectsBadArguments) {
   GeometryPtr g = load_preset("glm-like-hybrid", 8);
   ASSERT_TRUE(g);
@@ -1300,8 +1341,8 @@ std::vector<uint8_t> build_blob(const kvf_geometry *g, const kvf_plan &plan, con
 }
 
 // The blocks of a blob by the plan's formulas (kernels/plan.h), each block
-// on its own with plain divisions: cache = base[region] + src_offset +
-// id*src_block; object = objects[k] + n_k*dst_per_token + dst_const +
+// on its own with plain divisions: cache = cache_base (base[region] +
+// src_offset) + id*src_block; object = objects[k] + n_k*dst_per_token + dst_const +
 // bi*dst_block, k the chunk holding the block's first token, n_k that
 // chunk's local tokens in the request, bi the block's place in it; a
 // recurrent block is chunk lb - chunk_begin's state. Skipped ids, blocks
@@ -1309,7 +1350,6 @@ std::vector<uint8_t> build_blob(const kvf_geometry *g, const kvf_plan &plan, con
 std::vector<kvf_blob_block> blocks_by_formula(const std::vector<uint8_t> &blob) {
   const auto *h = reinterpret_cast<const kvf_blob_header *>(blob.data());
   const auto *e = reinterpret_cast<const kvf_blob_entry *>(blob.data() + h->off_entries);
-  const auto *regions = reinterpret_cast<const uint64_t *>(blob.data() + h->off_regions);
   const auto *ids = reinterpret_cast<const uint32_t *>(blob.data() + h->off_ids);
   const auto *objects = reinterpret_cast<const uint64_t *>(blob.data() + h->off_objects);
   std::vector<kvf_blob_block> out;
@@ -1318,7 +1358,7 @@ std::vector<kvf_blob_block> blocks_by_formula(const std::vector<uint8_t> &blob) 
     uint64_t end = i + 1 < h->num_entries ? e[i + 1].first_task : h->total_tasks;
     for (uint64_t j = 0; j < (end - e[i].first_task) / e[i].slices; j++) {
       uint32_t id = ids[e[i].ids_offset + j];
-      uint64_t lb = e[i].lb_begin + j, k, units, off;
+      uint64_t lb = e[i].lb_rel + j + (s.recurrent ? h->chunk_begin : h->lt_begin / s.tokens), k, units, off;
       if (s.recurrent) {
         k = lb - h->chunk_begin;
         units = s.units_per_run;
@@ -1335,7 +1375,7 @@ std::vector<kvf_blob_block> blocks_by_formula(const std::vector<uint8_t> &blob) 
       kvf_blob_block b;
       b.entry = i;
       b.object_index = oi;
-      b.cache = reinterpret_cast<char *>(regions[e[i].region] + e[i].src_offset + (uint64_t)id * s.src_block);
+      b.cache = reinterpret_cast<char *>(e[i].cache_base + (uint64_t)id * s.src_block);
       b.object = reinterpret_cast<char *>(objects[oi] + off);
       b.units = units;
       out.push_back(b);
@@ -1467,10 +1507,14 @@ TEST_P(XferPieces, PiecesOfSmallTasksMatchTheReference) {
     std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, nullptr);
     const auto *h = reinterpret_cast<const kvf_blob_header *>(blob.data());
     const kvf_blob_entry *e = kvf_blob_entries(blob.data());
+    std::vector<uint32_t> entry_segment(plan.p.num_segments);
+    ASSERT_EQ(kvf_blob_entry_segments(g, &plan.p, r.get(), nullptr, entry_segment.data()), h->num_entries);
     bool linear = true;
     ASSERT_GE(h->num_shapes, 1u);
     ASSERT_LE(h->num_shapes, h->num_entries);
-    ASSERT_EQ(h->size, h->off_shapes + h->num_shapes * sizeof(kvf_blob_shape));
+    ASSERT_EQ(h->off_buckets, (h->off_shapes + h->num_shapes * sizeof(kvf_blob_shape) + 15) / 16 * 16);
+    ASSERT_EQ(h->size, h->off_buckets + h->num_buckets * sizeof(uint16_t));
+    ASSERT_EQ(h->num_buckets == 0, h->entry_tasks_magic != 0) << "the table only where the multiplier does not serve";
     ASSERT_LE(h->size, kvf_blob_size(g, &plan.p, r.get(), nullptr)) << "kvf_blob_size is the bound";
     // Shapes are shared: no two stored the same (a blob holds at most 16 here).
     ASSERT_LE(h->num_shapes, 16u);
@@ -1494,11 +1538,10 @@ TEST_P(XferPieces, PiecesOfSmallTasksMatchTheReference) {
     for (uint32_t i = 0; i < h->num_entries; i++) {
       // Each entry's shape and offsets are its plan segment's.
       ASSERT_LT(e[i].shape, h->num_shapes);
-      ASSERT_LT(e[i].segment, plan.p.num_segments);
-      const kvf_segment &seg = plan.p.segments[e[i].segment];
+      ASSERT_LT(entry_segment[i], plan.p.num_segments);
+      const kvf_segment &seg = plan.p.segments[entry_segment[i]];
       const kvf_blob_shape &sh = *kvf_blob_shape_of(blob.data(), &e[i]);
-      EXPECT_EQ(e[i].region, seg.region);
-      EXPECT_EQ(e[i].src_offset, seg.src_offset);
+      EXPECT_EQ(e[i].cache_base, reinterpret_cast<uintptr_t>(req->region_bases[seg.region]) + seg.src_offset);
       EXPECT_EQ(e[i].dst_const, seg.dst_const);
       EXPECT_EQ(sh.src_block, seg.src_block);
       EXPECT_EQ(sh.src_token, seg.src_token);
