@@ -161,11 +161,17 @@ kvf_status kvf_plan_build(const kvf_geometry *g, kvf_object_format format, kvf_p
      * (kvf_blob_entry): the object's bytes per token before it, or its
      * offset among a block's planes or the object's states. */
     if (s->dst_per_token > UINT32_MAX || s->dst_const > UINT32_MAX) {
+      const kvf_group *gr = &g->groups[s->group];
+      uint32_t layer = 0;
+      while (layer + 1 < gr->num_views && gr->views[layer] != s->view) layer++;
+      int per_token = s->dst_per_token > UINT32_MAX;
       kvf_plan_free(out);
       return kvf_fail(KVF_ERR_UNSUPPORTED,
-                      "group %u view %u: its place in an object (%llu bytes a token before it, %llu more) needs 4 GiB "
-                      "or more per token or of states",
-                      s->group, s->view, (unsigned long long)s->dst_per_token, (unsigned long long)s->dst_const);
+                      "groups[%u].layers[%u] ('%s'): its place in an object needs 4 GiB or more: %llu bytes %s (at "
+                      "most 2^32 - 1)",
+                      s->group, layer, g->views[s->view].name,
+                      (unsigned long long)(per_token ? s->dst_per_token : s->dst_const),
+                      per_token ? "of each token before it" : "of the object's states (or a block's planes) before it");
     }
   }
   for (uint32_t i = 0; i < at; i++) {
@@ -222,6 +228,10 @@ static void moved_range(const kvf_geometry *g, const kvf_copy_request *r, uint32
  * one per entry, entries one per segment, and kvf_plan_build takes at most
  * 65535 segments. */
 _Static_assert(KVF_MAX_GROUPS <= 65536, "kvf_blob_entry's 16-bit object group");
+/* The sizes kernels/plan.h's comments and the parameter sizes were set by;
+ * no implicit padding (a build zeroes what it does not fill). */
+_Static_assert(sizeof(kvf_blob_entry) == 48, "kvf_blob_entry is 48 bytes");
+_Static_assert(sizeof(kvf_blob_header) % 16 == 0, "kvf_blob_header keeps the arrays after it 16-byte aligned");
 
 static uint64_t round16(uint64_t x) { return (x + 15) & ~(uint64_t)15; }
 

@@ -126,9 +126,10 @@ typedef struct kvf_blob_shape {
   uint32_t units_per_run; /* run / vec */
   uint32_t vec;           /* bytes per access: 16, 8, 4, 2 or 1 */
   uint32_t slice_units;   /* units one task moves at most (the blob's slice bytes / vec) */
-  uint64_t first_block;   /* the request's first local block (lt_begin / tokens): local block lb is block
-                             lb - first_block of the request, block (lb - first_block) mod blocks_per_chunk
-                             of its object, with no division in the request's first chunk */
+  uint64_t first_block;   /* the request's first local block (lt_begin / tokens): an entry's lb_rel counts
+                             from it (kvf_blob_entry_lb); block lb_rel + j of the request is block
+                             (lb_rel + j) mod blocks_per_chunk of its object, with no division in the
+                             request's first chunk */
   uint64_t blocks_per_chunk; /* chunk_local / tokens (a whole number: geometry.c checks) */
 } kvf_blob_shape;
 
@@ -143,6 +144,7 @@ typedef struct kvf_blob_header {
   uint32_t num_chunks;
   uint32_t num_object_groups;
   uint32_t num_entries;
+  uint32_t pad1_;
   uint32_t gather;        /* 1: cache -> objects, 0: objects -> cache */
   uint32_t num_blocks_max;/* largest group block count: the kernel's own bound check */
   uint64_t payload_bytes; /* bytes the blob moves (padding and skipped blocks excluded) */
@@ -234,7 +236,9 @@ uint32_t kvf_blob_entry_segments(const kvf_geometry *geometry, const kvf_plan *p
 
 /* Re-cut a built blob's tasks into slices of at most slice_bytes (as in
  * kvf_blob_opts): rewrites the shapes' slice_units, the entries' slices (and their magic) and
- * first_task, total_tasks and the header's slice_bytes, nothing else. Returns the new task count. (A
+ * first_task, total_tasks, the header's slice_bytes and the task table (its size, shift and
+ * multiplier, and so the blob's size, which may grow by the table's 256 bytes: the buffer must
+ * hold kvf_blob_size's bytes), nothing else. Returns the new task count. (A
  * call's blobs take their slice at build time, kvf_blob_opts.task_slots;
  * this is the tests' oracle for that.) */
 uint64_t kvf_blob_reslice(void *blob, uint32_t slice_bytes);

@@ -719,43 +719,63 @@ TEST(XferHost, RequestOfMoreThan32BitsOfBlocksIsRefusedBeforeAnyTableIsRead) {
 
 // A blob entry keeps a segment's place in an object in 32 bits
 // (kvf_blob_entry): kvf_plan_build, and so kvf_xfer_create, refuse a
-// geometry whose object holds 4 GiB or more per token before a layer (here
-// five layers of 1 GiB a token, 1024 heads of 1 MiB: the fifth starts at
-// 4 GiB), naming the group and view; four such layers (the fourth at 3 GiB)
-// plan.
-TEST(XferHost, ObjectOffsetsOf4GiBOrMoreAreRefusedNamingTheView) {
-  for (int layers : {4, 5}) {
-    SCOPED_TRACE(std::to_string(layers) + " layers");
-    const uint64_t head = 1ull << 20, layer = head * 1024;
-    const std::string json = R"({"format": "kvferry-geometry", "version": 1, "name": "wide-tokens",
+// geometry whose object holds 4 GiB or more before a layer, naming the
+// layer and what is too large. Attention: five layers of 1 GiB a token
+// (1024 heads of 1 MiB), the fifth starting 4 GiB into each token; recurrent:
+// five layers of one 1 GiB state, the fifth 4 GiB into the object's states.
+// Four such layers (the fourth at 3 GiB) plan.
+TEST(XferHost, ObjectOffsetsOf4GiBOrMoreAreRefusedNamingTheLayer) {
+  const uint64_t gib = 1ull << 30;
+  auto attention = [&](int layers) {
+    return R"({"format": "kvferry-geometry", "version": 1, "name": "wide-tokens",
       "regions": [{"name": "kv", "size": 0}],
       "groups": [{"name": "full", "kind": "full", "block_size": 1, "num_blocks": 1,
         "layers": [{"count": )" + std::to_string(layers) + R"(, "name": "layer", "region": "kv", "offset": 0,
-          "offset_step": )" + std::to_string(layer) + R"(, "elem_bytes": 2, "block_stride": )" +
-                             std::to_string(layer * layers) + R"(, "planes": 1, "heads": 1024, "head_bytes": )" +
-                             std::to_string(head) + R"(, "plane_stride": 0, "token_stride": )" + std::to_string(layer) +
-                             R"(, "head_stride": )" + std::to_string(head) + R"(}]}],
+          "offset_step": )" + std::to_string(gib) + R"(, "elem_bytes": 2, "block_stride": )" +
+           std::to_string(gib * layers) + R"(, "planes": 1, "heads": 1024, "head_bytes": 1048576,
+          "plane_stride": 0, "token_stride": )" + std::to_string(gib) + R"(, "head_stride": 1048576}]}],
       "objects": {"chunk_tokens": 16, "format": "canonical"}})";
-    kvf_geometry *raw = nullptr;
-    kvf_geometry_error err;
-    ASSERT_EQ(kvf_geometry_load_buffer(json.data(), json.size(), nullptr, &raw, &err), KVF_SUCCESS)
-        << kvf_last_error();
-    GeometryPtr g(raw);
-    kvf_plan plan;
-    const kvf_status st = kvf_plan_build(g.get(), KVF_FORMAT_CANONICAL, &plan);
-    if (layers == 4) {
-      EXPECT_EQ(st, KVF_SUCCESS) << kvf_last_error();
-      if (st == KVF_SUCCESS) kvf_plan_free(&plan);
-      continue;
+  };
+  auto recurrent = [&](int layers) {
+    return R"({"format": "kvferry-geometry", "version": 1, "name": "wide-states",
+      "regions": [{"name": "ssm", "size": 0}],
+      "groups": [{"name": "mamba", "kind": "recurrent", "num_blocks": 1,
+        "layers": [{"count": )" + std::to_string(layers) + R"(, "name": "mamba", "region": "ssm", "offset": 0,
+          "offset_step": )" + std::to_string(gib) + R"(, "block_stride": )" + std::to_string(gib) + R"(,
+          "states": [{"offset": 0, "bytes": )" + std::to_string(gib) + R"(}]}]}],
+      "objects": {"chunk_tokens": 16, "format": "canonical"}})";
+  };
+  struct Case {
+    const char *what;
+    std::function<std::string(int)> json;
+    const char *says;
+  };
+  for (const Case &c : {Case{"attention", attention, "of each token before it"},
+                        Case{"recurrent", recurrent, "of the object's states"}})
+    for (int layers : {4, 5}) {
+      SCOPED_TRACE(std::string(c.what) + ", " + std::to_string(layers) + " layers");
+      const std::string json = c.json(layers);
+      kvf_geometry *raw = nullptr;
+      kvf_geometry_error err;
+      ASSERT_EQ(kvf_geometry_load_buffer(json.data(), json.size(), nullptr, &raw, &err), KVF_SUCCESS)
+          << kvf_last_error();
+      GeometryPtr g(raw);
+      kvf_plan plan;
+      const kvf_status st = kvf_plan_build(g.get(), KVF_FORMAT_CANONICAL, &plan);
+      if (layers == 4) {
+        EXPECT_EQ(st, KVF_SUCCESS) << kvf_last_error();
+        if (st == KVF_SUCCESS) kvf_plan_free(&plan);
+        continue;
+      }
+      EXPECT_EQ(st, KVF_ERR_UNSUPPORTED);
+      const std::string msg = kvf_last_error();
+      EXPECT_NE(msg.find("groups[0].layers[4]"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("4 GiB"), std::string::npos) << msg;
+      EXPECT_NE(msg.find(c.says), std::string::npos) << msg;
+      kvf_xfer *x = nullptr;
+      EXPECT_EQ(kvf_xfer_create(g.get(), nullptr, &x), KVF_ERR_UNSUPPORTED);
+      EXPECT_EQ(x, nullptr);
     }
-    EXPECT_EQ(st, KVF_ERR_UNSUPPORTED);
-    const std::string msg = kvf_last_error();
-    EXPECT_NE(msg.find("group 0 view 4"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("4 GiB"), std::string::npos) << msg;
-    kvf_xfer *x = nullptr;
-    EXPECT_EQ(kvf_xfer_create(g.get(), nullptr, &x), KVF_ERR_UNSUPPORTED);
-    EXPECT_EQ(x, nullptr);
-  }
 }
 
 TEST(XferHost, CreateRejectsBadArguments) {

@@ -1618,8 +1618,9 @@ static void keep_captured(kvf_xfer *x, retired *node, const staging *captured) {
  * before it, no slot, and a captured launch keeps its own copy. Larger ones
  * are uploaded through a slot of the ring (a captured call's through
  * buffers of its own, kept until destroy). The blob is built on the host
- * first: its size depends on how many shapes its entries share, about half
- * of kvf_blob_size's bound for one chunk. */
+ * first: its size depends on how many shapes its entries share and whether
+ * it needs its task table, about a third of kvf_blob_size's bound for one
+ * chunk. */
 static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream,
                              kvf_xfer_route route, uint32_t ctas, enum cudaStreamCaptureStatus capture) {
   const kvf_geometry *g = x->geometry;
