@@ -193,7 +193,11 @@ __global__ void __launch_bounds__(kThreads, 1) kvf_xfer_kernel_p(const __grid_co
 // of memcpy): 4096 tokens MLA 89.5 -> 93.2%, Llama NHD 93.1 -> 96.0%, the
 // tp4 slice 85.0 -> 89.7%; one chunk +0.6 to +3 points where the request is
 // at least 8 MiB and -2.2 points below (the MLA DCP rank's 4.3 MiB, whose
-// warps have less than a round of loads each), hence KVF_XFER_SPREAD_KB.
+// warps have less than a round of loads each), hence KVF_XFER_SPREAD_KB, 8
+// MiB then. With the decode's one round of table reads and 48-byte entries
+// the DCP rank's chunk gained from spreading instead: 83.0 -> 84.9% (three
+// runs each, perf/results/2026-12-02-h200-entry48/probes), so the
+// threshold is 4 MiB; smaller requests were not measured.
 constexpr int kSpreadThreads = 128;
 constexpr int kSpreadWaves = 16;
 

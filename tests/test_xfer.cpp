@@ -1146,7 +1146,7 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_EQ(t.stage_multi_pieces, 2);
   EXPECT_EQ(t.stage_straight_kb, 1024);
   EXPECT_EQ(t.stage_straight_min_run, 16384);
-  EXPECT_EQ(t.spread_kb, 8192);
+  EXPECT_EQ(t.spread_kb, 4096);
   EXPECT_EQ(t.cache_order, 1);
   EXPECT_EQ(t.overlap, 1);
   EXPECT_EQ(t.device_task_waves, 1);

@@ -79,7 +79,7 @@ extern "C" {
     "the batch API route enqueues its runs on an idle stream in calls of this many runs first, then larger ones (KVF_XFER_BATCH_LINK_GBPS), so the copy engine starts after the first call (0: all in one call)") \
   X(xfer_batch_link_gbps, "KVF_XFER_BATCH_LINK_GBPS", 55,                               \
     "after the first call of a ramped batch, each call takes as many runs as the host enqueued in the time the copy engine needs for the previous call's bytes at this many GB/s (1.5 to 2 times the previous call, or all the rest when it fits that time or leaves under a quarter call; twice when the host was slower than that copy); 0: twice as many each call") \
-  X(xfer_spread_kb, "KVF_XFER_SPREAD_KB", 8192,                                          \
+  X(xfer_spread_kb, "KVF_XFER_SPREAD_KB", 4096,                                          \
     "a device-to-device or peer launch that may use every SM and moves at least this many KiB runs small CTAs, several rounds of them, that the GPU hands out as SMs free up (0: never; one CTA per SM then)") \
   X(xfer_overlap, "KVF_XFER_OVERLAP", 1,                                                 \
     "1: a device-to-device or peer launch that may use every SM (tables in its parameters, compute capability 9.0 and later) is a programmatic dependent launch: it may start while the stream's previous kernel drains and waits for it before touching memory, and lets a next kernel launched the same way start early; 0: neither") \

@@ -227,7 +227,7 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
   if (t->stage_straight_kb < 0 || t->stage_straight_kb > (int64_t)KVF_STAGE_MAX_MB << 10) t->stage_straight_kb = 1024;
   if (t->stage_straight_min_run < 0 || t->stage_straight_min_run > (int64_t)KVF_STAGE_MAX_MB << 20)
     t->stage_straight_min_run = 16384;
-  if (t->spread_kb < 0 || t->spread_kb > KVF_SPREAD_MAX_KB) t->spread_kb = 8192;
+  if (t->spread_kb < 0 || t->spread_kb > KVF_SPREAD_MAX_KB) t->spread_kb = 4096;
   if (t->cache_order < 0 || t->cache_order > 1) t->cache_order = 1;
   if (t->overlap < 0 || t->overlap > 1) t->overlap = 1;
   if (t->batch_first_runs < 0) t->batch_first_runs = 8;
