@@ -153,9 +153,11 @@ kvf_status kvf_plan_build(const kvf_geometry *g, kvf_object_format format, kvf_p
     /* The kernel indexes a block's units in 32 bits, with room for a lane's
      * last step past the end. */
     const kvf_segment *s = &out->segments[i];
+    /* The message before the free: s points into the plan. */
     if ((uint64_t)s->run * s->heads * s->tokens > (UINT32_MAX >> 1)) {
+      kvf_status st = kvf_fail(KVF_ERR_UNSUPPORTED, "group %u: one block of one layer holds 2 GiB or more", s->group);
       kvf_plan_free(out);
-      return kvf_fail(KVF_ERR_UNSUPPORTED, "group %u: one block of one layer holds 2 GiB or more", s->group);
+      return st;
     }
     /* A blob entry keeps a segment's place in an object in 32 bits
      * (kvf_blob_entry): the object's bytes per token before it, or its
@@ -165,13 +167,15 @@ kvf_status kvf_plan_build(const kvf_geometry *g, kvf_object_format format, kvf_p
       uint32_t layer = 0;
       while (layer + 1 < gr->num_views && gr->views[layer] != s->view) layer++;
       int per_token = s->dst_per_token > UINT32_MAX;
+      kvf_status st =
+          kvf_fail(KVF_ERR_UNSUPPORTED,
+                   "groups[%u].layers[%u] ('%s'): its place in an object needs 4 GiB or more: %llu bytes %s (at most "
+                   "2^32 - 1)",
+                   s->group, layer, g->views[s->view].name,
+                   (unsigned long long)(per_token ? s->dst_per_token : s->dst_const),
+                   per_token ? "of each token before it" : "of the object's states (or a block's planes) before it");
       kvf_plan_free(out);
-      return kvf_fail(KVF_ERR_UNSUPPORTED,
-                      "groups[%u].layers[%u] ('%s'): its place in an object needs 4 GiB or more: %llu bytes %s (at "
-                      "most 2^32 - 1)",
-                      s->group, layer, g->views[s->view].name,
-                      (unsigned long long)(per_token ? s->dst_per_token : s->dst_const),
-                      per_token ? "of each token before it" : "of the object's states (or a block's planes) before it");
+      return st;
     }
   }
   for (uint32_t i = 0; i < at; i++) {

@@ -778,6 +778,29 @@ TEST(XferHost, ObjectOffsetsOf4GiBOrMoreAreRefusedNamingTheLayer) {
     }
 }
 
+// The kernels index a block's units in 32 bits: kvf_plan_build refuses a
+// layer whose one block holds 2 GiB or more (two tokens of 1024 heads of
+// 1 MiB), naming the group. (Its message was formatted from the plan after
+// the plan was freed: AddressSanitizer's heap-use-after-free.)
+TEST(XferHost, OneBlockOf2GiBOrMoreIsRefusedNamingTheGroup) {
+  const uint64_t gib = 1ull << 30;
+  const std::string json = R"({"format": "kvferry-geometry", "version": 1, "name": "wide-blocks",
+    "regions": [{"name": "kv", "size": 0}],
+    "groups": [{"name": "full", "kind": "full", "block_size": 2, "num_blocks": 1,
+      "layers": [{"count": 1, "name": "layer", "region": "kv", "offset": 0, "elem_bytes": 2,
+        "block_stride": )" + std::to_string(2 * gib) + R"(, "planes": 1, "heads": 1024, "head_bytes": 1048576,
+        "plane_stride": 0, "token_stride": )" + std::to_string(gib) + R"(, "head_stride": 1048576}]}],
+    "objects": {"chunk_tokens": 16, "format": "canonical"}})";
+  kvf_geometry *raw = nullptr;
+  kvf_geometry_error err;
+  ASSERT_EQ(kvf_geometry_load_buffer(json.data(), json.size(), nullptr, &raw, &err), KVF_SUCCESS) << kvf_last_error();
+  GeometryPtr g(raw);
+  kvf_plan plan;
+  EXPECT_EQ(kvf_plan_build(g.get(), KVF_FORMAT_CANONICAL, &plan), KVF_ERR_UNSUPPORTED);
+  const std::string msg = kvf_last_error();
+  EXPECT_NE(msg.find("group 0: one block of one layer holds 2 GiB or more"), std::string::npos) << msg;
+}
+
 TEST(XferHost, CreateRejectsBadArguments) {
   GeometryPtr g = load_preset("glm-like-hybrid", 8);
   ASSERT_TRUE(g);
