@@ -26,6 +26,7 @@
 
 #include "chunk_key_util.h"
 #include "server_test_util.h"
+#include "host/client/client_internal.h"
 #include "host/ipc/endpoint.h"
 #include "host/ipc/protocol.h"
 #include "host/server/server.h"
@@ -406,6 +407,61 @@ TEST_F(Client, OutOfOrderRepliesReachTheirWaiters) {
   }
   for (auto &th : threads) th.join();
   EXPECT_EQ(ok.load(), kThreads);
+  kvf_client_disconnect(c);
+}
+
+// Waits that read without sleeping first (KVF_CLIENT_SPIN_US; a client of a
+// GPU cache): replies out of order, one inside the spin and one long after
+// it, still reach their own waiters, none wakes early, and a wait shorter
+// than the spin keeps its deadline.
+TEST_F(Client, SpinningWaitersGetTheirOwnRepliesAndKeepTheirDeadlines) {
+  constexpr int kThreads = 4;
+  FakeServer fake(dir_, [&](kvf_conn *conn) {
+    std::vector<std::pair<uint64_t, uint64_t>> got;  // request id, token_end
+    for (int i = 0; i < kThreads; i++) {
+      kvf_proto_msg m;
+      if (!FakeServer::Read(conn, &m)) return;
+      got.emplace_back(m.request_id, m.u.xfer.token_end);
+      kvf_proto_msg_clear(&m);
+    }
+    // Newest first; the last two long after any waiter's spin has ended.
+    for (size_t i = got.size(); i-- > 0;) {
+      if (i < 2) sleep_ms(30);
+      FakeServer::SendDone(conn, KVF_PROTO_RETRIEVE_REPLY, got[i].first, got[i].second);
+    }
+    kvf_proto_msg m;  // then a STAT never answered: its 5 ms wait gives up
+    if (!FakeServer::Read(conn, &m)) return;
+    kvf_proto_msg_clear(&m);
+    FakeServer::Read(conn, &m, 5000, true);  // until the client disconnects
+  });
+  kvf_client *c = connect(0, 0, 5);  // calls wait 5 ms, longer than the spin
+  ASSERT_NE(c, nullptr);
+  kvf_client_test_spin(c, 1);
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  std::vector<uint64_t> ids(kThreads);
+  for (int t = 0; t < kThreads; t++) {
+    GoodXfer gx;
+    gx.x.token_end = 16u * (uint64_t)(t + 1);  // t + 1 chunks: its own answer
+    gx.x.num_chunk_keys = (uint32_t)(t + 1);
+    ASSERT_EQ(kvf_client_submit(c, KVF_CLIENT_RETRIEVE, &gx.x, &ids[t]), KVF_SUCCESS) << kvf_last_error();
+  }
+  for (int t = 0; t < kThreads; t++) {
+    threads.emplace_back([&, t] {
+      kvf_client_result r = KVF_CLIENT_RESULT_INIT;
+      kvf_status st = kvf_client_wait(c, ids[t], 5000, &r);
+      EXPECT_EQ(st, KVF_SUCCESS) << kvf_last_error();
+      EXPECT_EQ(r.prefix_tokens, 16u * (uint64_t)(t + 1)) << "waiter " << t << " got another request's reply";
+      if (st == KVF_SUCCESS && r.prefix_tokens == 16u * (uint64_t)(t + 1)) ok++;
+    });
+  }
+  for (auto &th : threads) th.join();
+  EXPECT_EQ(ok.load(), kThreads);
+  kvf_client_stats s = KVF_CLIENT_STATS_INIT;
+  auto t0 = Clock::now();
+  EXPECT_EQ(kvf_client_stat(c, &s), KVF_ERR_TIMEOUT) << kvf_last_error();
+  EXPECT_GE(ms_since(t0), 4);
+  EXPECT_LT(ms_since(t0), 90) << "the spin overran the call's deadline";
   kvf_client_disconnect(c);
 }
 

@@ -33,6 +33,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -50,6 +51,7 @@
 #include "host/client/client_internal.h"
 #include "host/ipc/endpoint.h"
 #include "host/core/log.h"
+#include "host/core/param.h"
 #include "host/ipc/protocol.h"
 
 #define KVF_CLIENT_READ_SLICE_MS 100 /* longest poll of one reader turn */
@@ -101,6 +103,7 @@ struct kvf_client {
   kvf_client_unretired *unretired; /* STORE/RETRIEVE not proven retired */
   uint64_t max_issued;             /* the highest request id sent */
   int reading;                 /* a thread holds the reader role */
+  int gpu_cache;               /* a registration named a GPU: waits spin first (client_spin_turns) */
   kvf_status dead;             /* the connection is unusable: why; KVF_SUCCESS while healthy */
   char dead_detail[KVF_CLIENT_DETAIL_MAX];
 
@@ -258,8 +261,9 @@ static void client_file(kvf_client *c, const kvf_proto_header *h, kvf_status dst
 }
 
 /* One reader turn: called with c->lock held and the reader role taken;
- * returns the same way. Reads at most one frame. */
-static void client_read_turn(kvf_client *c, int slice_ms) {
+ * returns the same way. Reads at most one frame. Returns 0 when nothing
+ * came within slice_ms, 1 when a frame was filed or the connection died. */
+static int client_read_turn(kvf_client *c, int slice_ms) {
   pthread_mutex_unlock(&c->lock);
   kvf_proto_header h;
   uint8_t *payload = NULL;
@@ -279,6 +283,22 @@ static void client_read_turn(kvf_client *c, int slice_ms) {
     client_file(c, &h, dst, &m);
   else if (st != KVF_ERR_TIMEOUT)
     client_kill(c, st, detail);
+  return st != KVF_ERR_TIMEOUT;
+}
+
+/* Reader turns that do not sleep, until a frame is filed, the connection
+ * dies or until_ns: a reply that arrives while the waiter sleeps in poll()
+ * costs it a wake-up, and on an H200 host that was most of the ~65 us a
+ * served 256-token request took over the in-process call with kvferryd's
+ * own threads spinning (perf/results/2026-12-03-h200-served-spin). Same
+ * locking as client_read_turn; the role is held throughout. */
+static void client_spin_turns(kvf_client *c, uint64_t until_ns) {
+  for (;;) {
+    if (client_read_turn(c, 0) || kvf_now_ns() >= until_ns) return;
+    pthread_mutex_unlock(&c->lock);
+    sched_yield();
+    pthread_mutex_lock(&c->lock);
+  }
 }
 
 /* Wait for request `id` until deadline_ms (c->lock held). Returns
@@ -288,6 +308,10 @@ static void client_read_turn(kvf_client *c, int slice_ms) {
 static kvf_status client_wait_locked(kvf_client *c, uint64_t id, int async, int64_t deadline_ms,
                                      kvf_client_pending **out) {
   *out = NULL;
+  /* KVF_CLIENT_SPIN_US of reading without sleeping first (client_spin_turns),
+   * for the clients of GPU caches only: a host-only kvferryd's copies run on
+   * the cores a spinning waiter would take from them. */
+  uint64_t spin_until = c->gpu_cache ? kvf_now_ns() + (uint64_t)kvf_param_client_spin_us() * 1000ull : 0;
   for (;;) {
     kvf_client_pending *p = pending_find(c, id);
     if (!p || p->async != async)
@@ -307,7 +331,11 @@ static kvf_status client_wait_locked(kvf_client *c, uint64_t id, int async, int6
       return kvf_fail(KVF_ERR_TIMEOUT, "request %llu: no reply from the server in time", (unsigned long long)id);
     if (!c->reading) {
       c->reading = 1;
-      client_read_turn(c, left < KVF_CLIENT_READ_SLICE_MS ? (int)left : KVF_CLIENT_READ_SLICE_MS);
+      uint64_t now_ns = kvf_now_ns(), deadline_ns = (uint64_t)deadline_ms * 1000000ull;
+      if (now_ns < spin_until && now_ns < deadline_ns)
+        client_spin_turns(c, spin_until < deadline_ns ? spin_until : deadline_ns);
+      else
+        client_read_turn(c, left < KVF_CLIENT_READ_SLICE_MS ? (int)left : KVF_CLIENT_READ_SLICE_MS);
       c->reading = 0;
       pthread_cond_broadcast(&c->cond); /* a reply was filed, or the role is free for another */
     } else {
@@ -730,6 +758,11 @@ kvf_status kvf_client_register_desc(kvf_client *client, const struct kvf_client_
   req.u.reg.num_regions = num_regions;
   st = client_call(client, &req, fds, num_fds, KVF_PROTO_REGISTER_REPLY, &rep);
   if (st != KVF_SUCCESS) goto out;
+  if (d.device >= 0) {
+    pthread_mutex_lock(&client->lock);
+    client->gpu_cache = 1;
+    pthread_mutex_unlock(&client->lock);
+  }
   if (out) {
     kvf_client_registration got = KVF_CLIENT_REGISTRATION_INIT;
     got.registration_id = rep.u.register_reply.registration_id;
@@ -1036,6 +1069,13 @@ void kvf_client_test_next_request_id(kvf_client *client, uint64_t id) {
   if (!client || !id) return;
   pthread_mutex_lock(&client->lock);
   client->next_request = id;
+  pthread_mutex_unlock(&client->lock);
+}
+
+void kvf_client_test_spin(kvf_client *client, int on) {
+  if (!client) return;
+  pthread_mutex_lock(&client->lock);
+  client->gpu_cache = on != 0;
   pthread_mutex_unlock(&client->lock);
 }
 

@@ -33,6 +33,8 @@ extern "C" {
     "a kvferryd lane thread pinned to its own core polls for its next request this long before it sleeps (0: never)") \
   X(server_loop_spin_us, "KVF_SERVER_LOOP_SPIN_US", 2000,                                \
     "a kvferryd serving GPUs polls its sockets without sleeping this long after its last activity (0: never; never without GPU lanes)") \
+  X(client_spin_us, "KVF_CLIENT_SPIN_US", 1000,                                         \
+    "a client waiting for kvferryd's reply reads its socket without sleeping this long before it sleeps in poll() (0: never)") \
   X(server_warmup, "KVF_SERVER_WARMUP", 1,                                               \
     "1: each kvferryd GPU lane runs one tiny gather and scatter through every route when it starts, so its first STORE sets nothing up (0: off)") \
   X(peer_shm, "KVF_PEER_SHM", 0,                                                        \
