@@ -1214,7 +1214,10 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.defer = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_link_gbps = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS + 1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_back_to_back_us = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_back_to_back_us = KVF_BATCH_MAX_BACK_TO_BACK_US + 1; }));
   kvf_xfer_tuning ok = base;
+  ok.batch_back_to_back_us = 0;
   ok.stage_edge_mb = 0;
   ok.stage_multi_pieces = 0;
   ok.stage_straight_kb = 0;
@@ -2198,6 +2201,19 @@ TEST(XferBatchRamp, CallsDoubleFromTheFirstAndTakeTheRestWhole) {
   EXPECT_EQ(kvf_batch_ramp_runs(1, UINT64_MAX / 2 + 1, UINT64_MAX), UINT64_MAX);
 }
 
+// One call instead of a ramp only right after a host-bound batch call.
+TEST(XferBatchRamp, OneCallRightAfterAHostBoundCall) {
+  const uint64_t w = 20000;  // the window, ns
+  EXPECT_TRUE(kvf_batch_back_to_back(1, 1000000, 1000000, w)) << "at once";
+  EXPECT_TRUE(kvf_batch_back_to_back(1, 1000000, 1019999, w));
+  EXPECT_FALSE(kvf_batch_back_to_back(1, 1000000, 1020000, w)) << "the window has passed";
+  EXPECT_FALSE(kvf_batch_back_to_back(0, 1000000, 1000001, w)) << "the previous call kept ahead of its copies";
+  EXPECT_FALSE(kvf_batch_back_to_back(1, 0, 5000, w)) << "no batch call yet";
+  EXPECT_FALSE(kvf_batch_back_to_back(1, 1000000, 1000001, 0)) << "window 0: never";
+  EXPECT_FALSE(kvf_batch_back_to_back(1, 1000000, 999999, w)) << "a call that came in before the last returned";
+  EXPECT_TRUE(kvf_batch_back_to_back(1, UINT64_MAX - 5, UINT64_MAX, w)) << "no wrap at the clock's end";
+}
+
 // A paced ramp's next call: what the host enqueues in the previous call's
 // copy time, between 1.5 and 2 times the previous call, everything left
 // once it fits that time or would leave under a quarter call behind.
@@ -2510,6 +2526,7 @@ struct GpuConfig {
   uint32_t max_sms = 0;
   bool legacy_stream = false;  // pass NULL (the legacy default stream)
   double busy_ms = 0;          // a spin kernel this long on the stream before the call
+  int calls = 1;               // the call this many times, each after the last one's stream sync
   bool check_route = true;
   kvf_xfer_route route = KVF_ROUTE_D2D;
   // Applied to the context's tuning before the call (host/core/xfer_internal.h).
@@ -2567,14 +2584,16 @@ void run_gpu_case(const kvf_geometry *g, const Plan &p, kvf_object_format fmt, D
   Stream stream;
   cudaStream_t s = cfg.legacy_stream ? nullptr : stream.s;
 
-  if (cfg.busy_ms > 0) CUDA_OK(kvf_test_spin(s, cfg.busy_ms));
-  auto r = std::make_unique<Req>(p, fmt, dcache.payloads(), dobjs.payloads());
-  kvf_status st = call(x.get(), dir, r->get(), s);
-  r->scrub();
-  r.reset();
-  ASSERT_EQ(st, KVF_SUCCESS) << kvf_last_error();
-  CUDA_OK(cudaStreamSynchronize(s));
-  CUDA_OK(cudaGetLastError());
+  for (int i = 0; i < cfg.calls; i++) {  // the same copy again: the same bytes land
+    if (cfg.busy_ms > 0 && i == 0) CUDA_OK(kvf_test_spin(s, cfg.busy_ms));
+    auto r = std::make_unique<Req>(p, fmt, dcache.payloads(), dobjs.payloads());
+    kvf_status st = call(x.get(), dir, r->get(), s);
+    r->scrub();
+    r.reset();
+    ASSERT_EQ(st, KVF_SUCCESS) << kvf_last_error();
+    CUDA_OK(cudaStreamSynchronize(s));
+    CUDA_OK(cudaGetLastError());
+  }
 
   Data got = clone(in);
   ASSERT_NO_FATAL_FAILURE(download(dcache, got.cache));
@@ -3054,6 +3073,38 @@ TEST(XferGpu, BatchCallsRampOnlyOnAnIdleStream) {
         EXPECT_EQ(p.dma_ops, want_calls);
       };
       run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 30 + (uint64_t)d, cfg);
+    }
+}
+
+// A batch call that comes right after a host-bound one (its host time
+// outlasted its copies at KVF_XFER_BATCH_LINK_GBPS, here set so high that
+// every call is) makes one call on an idle stream: back to back, the ramp's
+// calls would only add host time. With the window at 0 it ramps as before.
+TEST(XferGpu, BatchCallRightAfterAHostBoundOneIsOneCall) {
+  REQUIRE_GPU();
+  for (int64_t window_us : {0, KVF_BATCH_MAX_BACK_TO_BACK_US})
+    for (Dir d : {Dir::Gather, Dir::Scatter}) {
+      SCOPED_TRACE("window " + std::to_string(window_us) + " us, " + dir_name(d));
+      Prepared s;
+      ASSERT_NO_FATAL_FAILURE(setup_chunks("deepseek-v3-mla-bf16", 1, 0, 29, &s));
+      GpuConfig cfg;
+      cfg.obj_kind = Mem::Pinned;
+      cfg.route = expected_route(Mem::Pinned, d);
+      cfg.calls = 2;  // the second right after the first's sync (well within a second)
+      cfg.tune = [window_us](kvf_xfer_tuning &t) {
+        t.batch_first_runs = 8;
+        t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS;
+        t.batch_back_to_back_us = window_us;
+      };
+      cfg.check_path = [window_us](const kvf_xfer_path_info &p) {
+        ASSERT_EQ(p.path, KVF_PATH_COPY_BATCH) << kvf_xfer_path_name(p.path);
+        EXPECT_EQ(p.dma_runs, 244u);
+        if (window_us > 0)
+          EXPECT_EQ(p.dma_ops, 1u) << "back to back after a host-bound call: one call";
+        else
+          EXPECT_GE(p.dma_ops, 2u) << "no window: the idle stream's ramp";
+      };
+      run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 34 + (uint64_t)d, cfg);
     }
 }
 

@@ -74,6 +74,9 @@ struct kvf_xfer {
   kvf_xfer_stats last;
   kvf_xfer_path_info path; /* how the last successful call moved its bytes */
   uint64_t planned_ns;     /* when the call in progress made its first enqueue (0: not yet) */
+  uint64_t call_start_ns;  /* when the call in progress came in (launch_cuda) */
+  uint64_t batch_end_ns;   /* when the last batch-API call returned (0: none yet) */
+  int batch_host_bound;    /* that call's host time outlasted its copies at KVF_XFER_BATCH_LINK_GBPS */
   void *host_blob;         /* tables built on the host: the host backend's, and those launched in kernel parameters */
   size_t host_blob_cap;
 #ifdef KVF_WITH_CUDA
@@ -207,6 +210,7 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
                          .batch_max_runs = kvf_param_xfer_batch_max_runs(),
                          .batch_first_runs = kvf_param_xfer_batch_first_runs(),
                          .batch_link_gbps = kvf_param_xfer_batch_link_gbps(),
+                         .batch_back_to_back_us = kvf_param_xfer_batch_back_to_back_us(),
                          .kernel = kvf_param_xfer_kernel(),
                          .spread_kb = kvf_param_xfer_spread_kb(),
                          .cache_order = kvf_param_xfer_cache_order(),
@@ -232,6 +236,8 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
   if (t->overlap < 0 || t->overlap > 1) t->overlap = 1;
   if (t->batch_first_runs < 0) t->batch_first_runs = 8;
   if (t->batch_link_gbps < 0 || t->batch_link_gbps > KVF_BATCH_MAX_LINK_GBPS) t->batch_link_gbps = 55;
+  if (t->batch_back_to_back_us < 0 || t->batch_back_to_back_us > KVF_BATCH_MAX_BACK_TO_BACK_US)
+    t->batch_back_to_back_us = 20;
   if (t->defer < 0 || t->defer > 1) t->defer = 0;
 }
 
@@ -239,7 +245,8 @@ kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
   if (!x || !t) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_set_tuning: NULL argument");
   if (t->pcie_sms < 0 || t->staging_mb < 0 || t->stage_sms < 0 || t->stage_pieces < 1 ||
       t->stage_pieces > KVF_STAGE_MAX_PIECES || t->param_bytes < 0 || t->task_bytes < 16 || t->task_bytes > 65536 ||
-      t->task_bytes % 16 || t->task_waves < 0 || t->device_task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->batch_first_runs < 0 || t->batch_link_gbps < 0 || t->batch_link_gbps > KVF_BATCH_MAX_LINK_GBPS || t->stage_dma_batch < 0 ||
+      t->task_bytes % 16 || t->task_waves < 0 || t->device_task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->batch_first_runs < 0 || t->batch_link_gbps < 0 || t->batch_link_gbps > KVF_BATCH_MAX_LINK_GBPS || t->batch_back_to_back_us < 0 ||
+      t->batch_back_to_back_us > KVF_BATCH_MAX_BACK_TO_BACK_US || t->stage_dma_batch < 0 ||
       t->small_stage_mb < 0 || t->kernel < 0 || t->kernel > 2 || t->stage_growth < 1 || t->stage_growth > 16 ||
       t->small_stage_growth < 1 || t->small_stage_growth > 16 ||
       t->staging_mb > KVF_STAGE_MAX_MB || t->stage_edge_mb < 0 || t->stage_edge_mb > KVF_STAGE_MAX_MB ||
@@ -850,6 +857,11 @@ static cudaError_t batch_copy(void **dst, const void **src, size_t *size, size_t
 static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void **src, size_t *size, size_t n,
                                      cudaStream_t stream, uint64_t *calls, size_t *enqueued) {
   uint64_t first = (uint64_t)x->tune.batch_first_runs;
+  /* Calls back to back on a host slower than the copy engine: the ramp's
+   * calls would only add host time (kvf_batch_back_to_back). */
+  if (first > 0 && kvf_batch_back_to_back(x->batch_host_bound, x->batch_end_ns, x->call_start_ns,
+                                          (uint64_t)x->tune.batch_back_to_back_us * 1000ull))
+    first = 0;
   if (first > 0 && first < n) {
     /* Relaxed: in the default global mode a query while any thread of the
      * process captures a graph (on another stream) would be refused and
@@ -912,10 +924,14 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
                                  (uint64_t)x->tune.batch_max_runs, &dst, &src, &sizes, &count);
   if (fit < 0) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
   if (fit == 0) return KVF_ERR_UNSUPPORTED;
-  uint64_t calls = 0;
+  uint64_t calls = 0, bytes = 0;
   size_t enqueued = 0;
   x->planned_ns = kvf_now_ns();
   cudaError_t e = ramped_batch_copy(x, dst, src, sizes, count, stream, &calls, &enqueued);
+  x->batch_end_ns = kvf_now_ns();
+  for (size_t i = 0; i < count; i++) bytes += sizes[i];
+  x->batch_host_bound = x->tune.batch_link_gbps > 0 &&
+                        x->batch_end_ns - x->planned_ns > bytes / (uint64_t)x->tune.batch_link_gbps;
   free(dst);
   free(src);
   free(sizes);
@@ -1900,6 +1916,7 @@ static void run_deferred(kvf_xfer *x, deferred *d) {
   pthread_mutex_lock(&x->lock);
   uint64_t t0 = kvf_now_ns();
   x->planned_ns = 0;
+  x->call_start_ns = t0;
   kvf_status st;
   cudaError_t e = cudaStreamWaitEvent(x->defer_stream, d->start, 0);
   if (e != cudaSuccess) {
@@ -2192,6 +2209,7 @@ static kvf_status transfer(kvf_xfer *x, const kvf_copy_request *request, kvf_str
     int held = defer_hold(x);
     pthread_mutex_lock(&x->lock);
     x->planned_ns = 0;
+    x->call_start_ns = t0;
     st = launch_cuda(x, r, gather, (cudaStream_t)stream);
     if (st == KVF_SUCCESS) note_host_time(x, t0);
     pthread_mutex_unlock(&x->lock);

@@ -167,6 +167,20 @@ uint64_t kvf_batch_ramp_runs(uint64_t done, uint64_t first, uint64_t left);
  * prev_host_ns 0 counts as a fast host. Never 0 when left is not. */
 uint64_t kvf_batch_ramp_next(uint64_t prev, uint64_t left, uint64_t prev_host_ns, uint64_t prev_engine_ns);
 
+/* The most KVF_XFER_BATCH_BACK_TO_BACK_US (a second). */
+#define KVF_BATCH_MAX_BACK_TO_BACK_US 1000000
+
+/* Whether a batch-API call that came in at start_ns makes its runs in one
+ * call instead of a ramp: the context's previous batch call, which returned
+ * at prev_end_ns (0: none yet), was host-bound (its host time outlasted its
+ * copies at KVF_XFER_BATCH_LINK_GBPS) and this call came within window_ns of
+ * its return (0: never). Calls back to back on such a host keep the copy
+ * engine waiting for the host whatever the ramp does, and each of the
+ * ramp's calls costs host time: measured on an H200, the fp8 MLA chunk's
+ * back-to-back rate 45.2 GB/s against 50.3 for one call each
+ * (perf/results/2026-12-03-h200-batch-back-to-back). */
+int kvf_batch_back_to_back(int prev_host_bound, uint64_t prev_end_ns, uint64_t start_ns, uint64_t window_ns);
+
 /* ---- tuning: the parameters a context's routes follow --------------------- */
 
 /* Read once from the KVF_* parameters (host/core/param.h) at context
@@ -191,6 +205,8 @@ typedef struct kvf_xfer_tuning {
   int64_t batch_max_runs;  /* KVF_XFER_BATCH_MAX_RUNS: most runs for it (0: the route is off) */
   int64_t batch_first_runs; /* KVF_XFER_BATCH_FIRST_RUNS: runs of a ramped batch's first call (0: one call) */
   int64_t batch_link_gbps;  /* KVF_XFER_BATCH_LINK_GBPS: the copy engine's rate a ramp paces by (0: doubling) */
+  int64_t batch_back_to_back_us; /* KVF_XFER_BATCH_BACK_TO_BACK_US: a call this soon after a host-bound batch call
+                                    makes one call (0: never) */
   int64_t kernel;          /* KVF_XFER_KERNEL: 1 the grid-stride walk, 2 (or 0) the warp walk (kernels/walk.h) */
   int64_t spread_kb;       /* KVF_XFER_SPREAD_KB: uncapped launches of at least this payload spread (0: never) */
   int64_t cache_order;     /* KVF_XFER_CACHE_ORDER: 1: d2d gathers walk HND blocks in cache order */

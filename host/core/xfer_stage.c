@@ -459,3 +459,8 @@ uint64_t kvf_batch_ramp_runs(uint64_t done, uint64_t first, uint64_t left) {
   /* The doubling after this call would reach what is left: take it all. */
   return want >= left || left - want <= want ? left : want;
 }
+
+int kvf_batch_back_to_back(int prev_host_bound, uint64_t prev_end_ns, uint64_t start_ns, uint64_t window_ns) {
+  return prev_host_bound && window_ns > 0 && prev_end_ns != 0 && start_ns >= prev_end_ns &&
+         start_ns - prev_end_ns < window_ns;
+}
