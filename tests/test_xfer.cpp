@@ -2201,17 +2201,28 @@ TEST(XferBatchRamp, CallsDoubleFromTheFirstAndTakeTheRestWhole) {
   EXPECT_EQ(kvf_batch_ramp_runs(1, UINT64_MAX / 2 + 1, UINT64_MAX), UINT64_MAX);
 }
 
-// One call instead of a ramp only right after a host-bound batch call.
+// One call instead of a ramp only right after a comparable batch call whose
+// host time per run, for this call's runs, outlasts this call's copies.
 TEST(XferBatchRamp, OneCallRightAfterAHostBoundCall) {
   const uint64_t w = 20000;  // the window, ns
-  EXPECT_TRUE(kvf_batch_back_to_back(1, 1000000, 1000000, w)) << "at once";
-  EXPECT_TRUE(kvf_batch_back_to_back(1, 1000000, 1019999, w));
-  EXPECT_FALSE(kvf_batch_back_to_back(1, 1000000, 1020000, w)) << "the window has passed";
-  EXPECT_FALSE(kvf_batch_back_to_back(0, 1000000, 1000001, w)) << "the previous call kept ahead of its copies";
-  EXPECT_FALSE(kvf_batch_back_to_back(1, 0, 5000, w)) << "no batch call yet";
-  EXPECT_FALSE(kvf_batch_back_to_back(1, 1000000, 1000001, 0)) << "window 0: never";
-  EXPECT_FALSE(kvf_batch_back_to_back(1, 1000000, 999999, w)) << "a call that came in before the last returned";
-  EXPECT_TRUE(kvf_batch_back_to_back(1, UINT64_MAX - 5, UINT64_MAX, w)) << "no wrap at the clock's end";
+  // The previous call: 244 runs in 200 us of host time. This one: 244 runs
+  // whose copies take 188 us (host-bound) or 327 us (the host keeps ahead).
+  EXPECT_TRUE(kvf_batch_back_to_back(200000, 244, 1000000, 1000000, w, 244, 188000)) << "at once";
+  EXPECT_TRUE(kvf_batch_back_to_back(200000, 244, 1000000, 1019999, w, 244, 188000));
+  EXPECT_FALSE(kvf_batch_back_to_back(200000, 244, 1000000, 1020000, w, 244, 188000)) << "the window has passed";
+  EXPECT_FALSE(kvf_batch_back_to_back(200000, 244, 1000000, 1000001, w, 244, 327000)) << "the host keeps ahead";
+  EXPECT_FALSE(kvf_batch_back_to_back(200000, 244, 0, 5000, w, 244, 188000)) << "no batch call yet";
+  EXPECT_FALSE(kvf_batch_back_to_back(200000, 244, 1000000, 1000001, 0, 244, 188000)) << "window 0: never";
+  EXPECT_FALSE(kvf_batch_back_to_back(200000, 244, 1000000, 999999, w, 244, 188000))
+      << "a call that came in before the last returned";
+  // A small call's host time says nothing of a large one's: 8 runs in 15 us
+  // (1.9 us a run) would call a 244-run chunk host-bound.
+  EXPECT_FALSE(kvf_batch_back_to_back(15000, 8, 1000000, 1000001, w, 244, 327000)) << "not comparable";
+  EXPECT_FALSE(kvf_batch_back_to_back(200000, 244, 1000000, 1000001, w, 100, 10)) << "not comparable";
+  EXPECT_TRUE(kvf_batch_back_to_back(100000, 122, 1000000, 1000001, w, 244, 188000)) << "twice the runs: comparable";
+  EXPECT_FALSE(kvf_batch_back_to_back(200000, 0, 1000000, 1000001, w, 244, 188000));
+  EXPECT_TRUE(kvf_batch_back_to_back(200000, 244, UINT64_MAX - 5, UINT64_MAX, w, 244, 188000))
+      << "times near the clock's end";
 }
 
 // A paced ramp's next call: what the host enqueues in the previous call's

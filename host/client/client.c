@@ -56,6 +56,7 @@
 
 #define KVF_CLIENT_READ_SLICE_MS 100 /* longest poll of one reader turn */
 #define KVF_CLIENT_PROBE_SLICE_MS 50 /* a restart probe checks for disconnect this often */
+#define KVF_CLIENT_MAX_SPIN_US 1000000 /* KVF_CLIENT_SPIN_US beyond a second is taken as a second */
 #define KVF_CLIENT_DETAIL_MAX (KVF_PROTO_FIELD_MAX + KVF_PROTO_MESSAGE_MAX + 8)
 
 _Static_assert(KVF_PROTO_MAX_GROUPS == KVF_MAX_GROUPS, "a reply's groups fit kvf_client_result");
@@ -104,6 +105,7 @@ struct kvf_client {
   uint64_t max_issued;             /* the highest request id sent */
   int reading;                 /* a thread holds the reader role */
   int gpu_cache;               /* a registration named a GPU: waits spin first (client_spin_turns) */
+  int64_t spin_us;             /* how long: KVF_CLIENT_SPIN_US, or a test's (kvf_client_test_spin) */
   kvf_status dead;             /* the connection is unusable: why; KVF_SUCCESS while healthy */
   char dead_detail[KVF_CLIENT_DETAIL_MAX];
 
@@ -311,7 +313,9 @@ static kvf_status client_wait_locked(kvf_client *c, uint64_t id, int async, int6
   /* KVF_CLIENT_SPIN_US of reading without sleeping first (client_spin_turns),
    * for the clients of GPU caches only: a host-only kvferryd's copies run on
    * the cores a spinning waiter would take from them. */
-  uint64_t spin_until = c->gpu_cache ? kvf_now_ns() + (uint64_t)kvf_param_client_spin_us() * 1000ull : 0;
+  int64_t spin_us = c->spin_us < 0 ? kvf_param_client_spin_us() : c->spin_us;
+  if (spin_us > KVF_CLIENT_MAX_SPIN_US) spin_us = KVF_CLIENT_MAX_SPIN_US;
+  uint64_t spin_until = c->gpu_cache && spin_us > 0 ? kvf_now_ns() + (uint64_t)spin_us * 1000ull : 0;
   for (;;) {
     kvf_client_pending *p = pending_find(c, id);
     if (!p || p->async != async)
@@ -602,6 +606,7 @@ kvf_status kvf_client_connect(const kvf_client_options *caller, kvf_client **out
   kvf_conn_init(&c->conn, -1, 0);
   c->timeout_ms = options->timeout_ms ? options->timeout_ms : 10000;
   c->next_request = 2; /* 1 is the HELLO */
+  c->spin_us = -1;     /* KVF_CLIENT_SPIN_US */
   snprintf(c->name, sizeof(c->name), "%s", options->name ? options->name : "");
   c->socket_dir = strdup(options->socket_dir);
 
@@ -1072,10 +1077,11 @@ void kvf_client_test_next_request_id(kvf_client *client, uint64_t id) {
   pthread_mutex_unlock(&client->lock);
 }
 
-void kvf_client_test_spin(kvf_client *client, int on) {
+void kvf_client_test_spin(kvf_client *client, int64_t spin_us) {
   if (!client) return;
   pthread_mutex_lock(&client->lock);
-  client->gpu_cache = on != 0;
+  client->gpu_cache = spin_us > 0;
+  client->spin_us = spin_us > 0 ? spin_us : -1;
   pthread_mutex_unlock(&client->lock);
 }
 

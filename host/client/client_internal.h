@@ -17,10 +17,11 @@ extern "C" {
  * NULL or 0 is a no-op. */
 void kvf_client_test_next_request_id(kvf_client *client, uint64_t id);
 
-/* Make the client's waits spin first (KVF_CLIENT_SPIN_US) as they do once a
- * registration names a GPU (on: 1), or not (0), so tests without a GPU run
- * that path. NULL is a no-op. */
-void kvf_client_test_spin(kvf_client *client, int on);
+/* Make the client's waits spin first for spin_us (at most a second), as
+ * they do for KVF_CLIENT_SPIN_US once a registration names a GPU, so tests
+ * without a GPU run that path; 0: back to the registration's rule and the
+ * variable. NULL is a no-op. */
+void kvf_client_test_spin(kvf_client *client, int64_t spin_us);
 
 #ifdef __cplusplus
 }

@@ -34,7 +34,7 @@ extern "C" {
   X(server_loop_spin_us, "KVF_SERVER_LOOP_SPIN_US", 2000,                                \
     "a kvferryd serving GPUs polls its sockets without sleeping this long after its last activity (0: never; never without GPU lanes)") \
   X(client_spin_us, "KVF_CLIENT_SPIN_US", 1000,                                         \
-    "a client waiting for kvferryd's reply reads its socket without sleeping this long before it sleeps in poll() (0: never)") \
+    "once a registration names a GPU, a client waiting for kvferryd's reply reads its socket without sleeping this long (at most a second) before it sleeps in poll() (0: never)") \
   X(server_warmup, "KVF_SERVER_WARMUP", 1,                                               \
     "1: each kvferryd GPU lane runs one tiny gather and scatter through every route when it starts, so its first STORE sets nothing up (0: off)") \
   X(peer_shm, "KVF_PEER_SHM", 0,                                                        \
@@ -82,7 +82,7 @@ extern "C" {
   X(xfer_batch_link_gbps, "KVF_XFER_BATCH_LINK_GBPS", 55,                               \
     "after the first call of a ramped batch, each call takes as many runs as the host enqueued in the time the copy engine needs for the previous call's bytes at this many GB/s (1.5 to 2 times the previous call, or all the rest when it fits that time or leaves under a quarter call; twice when the host was slower than that copy); 0: twice as many each call") \
   X(xfer_batch_back_to_back_us, "KVF_XFER_BATCH_BACK_TO_BACK_US", 20,                   \
-    "a batch-API call that comes within this many us of the previous one's return, which outlasted its copies on the host, makes one cudaMemcpyBatchAsync call instead of a ramp (0: never)") \
+    "a batch-API call that comes within this many us of the return of the previous batch call (half to twice its runs), whose host time per run would outlast this call's copies, makes one cudaMemcpyBatchAsync call instead of a ramp (0: never)") \
   X(xfer_spread_kb, "KVF_XFER_SPREAD_KB", 4096,                                          \
     "a device-to-device or peer launch that may use every SM and moves at least this many KiB runs small CTAs, several rounds of them, that the GPU hands out as SMs free up (0: never; one CTA per SM then)") \
   X(xfer_overlap, "KVF_XFER_OVERLAP", 1,                                                 \

@@ -74,9 +74,10 @@ struct kvf_xfer {
   kvf_xfer_stats last;
   kvf_xfer_path_info path; /* how the last successful call moved its bytes */
   uint64_t planned_ns;     /* when the call in progress made its first enqueue (0: not yet) */
-  uint64_t call_start_ns;  /* when the call in progress came in (launch_cuda) */
-  uint64_t batch_end_ns;   /* when the last batch-API call returned (0: none yet) */
-  int batch_host_bound;    /* that call's host time outlasted its copies at KVF_XFER_BATCH_LINK_GBPS */
+  uint64_t call_start_ns;  /* when the call in progress took the context (launch_cuda) */
+  uint64_t batch_end_ns;   /* when the last batch-API call that succeeded returned (0: none yet) */
+  uint64_t batch_host_ns;  /* its host time, from taking the context to its return */
+  uint64_t batch_runs;     /* its runs */
   void *host_blob;         /* tables built on the host: the host backend's, and those launched in kernel parameters */
   size_t host_blob_cap;
 #ifdef KVF_WITH_CUDA
@@ -859,9 +860,14 @@ static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void *
   uint64_t first = (uint64_t)x->tune.batch_first_runs;
   /* Calls back to back on a host slower than the copy engine: the ramp's
    * calls would only add host time (kvf_batch_back_to_back). */
-  if (first > 0 && kvf_batch_back_to_back(x->batch_host_bound, x->batch_end_ns, x->call_start_ns,
-                                          (uint64_t)x->tune.batch_back_to_back_us * 1000ull))
-    first = 0;
+  if (first > 0 && first < n && x->tune.batch_link_gbps > 0 && x->tune.batch_back_to_back_us > 0) {
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < n; i++) bytes += size[i];
+    if (kvf_batch_back_to_back(x->batch_host_ns, x->batch_runs, x->batch_end_ns, x->call_start_ns,
+                               (uint64_t)x->tune.batch_back_to_back_us * 1000ull, n,
+                               bytes / (uint64_t)x->tune.batch_link_gbps))
+      first = 0;
+  }
   if (first > 0 && first < n) {
     /* Relaxed: in the default global mode a query while any thread of the
      * process captures a graph (on another stream) would be refused and
@@ -924,14 +930,15 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
                                  (uint64_t)x->tune.batch_max_runs, &dst, &src, &sizes, &count);
   if (fit < 0) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
   if (fit == 0) return KVF_ERR_UNSUPPORTED;
-  uint64_t calls = 0, bytes = 0;
+  uint64_t calls = 0;
   size_t enqueued = 0;
   x->planned_ns = kvf_now_ns();
   cudaError_t e = ramped_batch_copy(x, dst, src, sizes, count, stream, &calls, &enqueued);
-  x->batch_end_ns = kvf_now_ns();
-  for (size_t i = 0; i < count; i++) bytes += sizes[i];
-  x->batch_host_bound = x->tune.batch_link_gbps > 0 &&
-                        x->batch_end_ns - x->planned_ns > bytes / (uint64_t)x->tune.batch_link_gbps;
+  if (e == cudaSuccess) { /* what the next call's kvf_batch_back_to_back weighs */
+    x->batch_end_ns = kvf_now_ns();
+    x->batch_host_ns = x->batch_end_ns - x->call_start_ns;
+    x->batch_runs = count;
+  }
   free(dst);
   free(src);
   free(sizes);
@@ -2209,7 +2216,7 @@ static kvf_status transfer(kvf_xfer *x, const kvf_copy_request *request, kvf_str
     int held = defer_hold(x);
     pthread_mutex_lock(&x->lock);
     x->planned_ns = 0;
-    x->call_start_ns = t0;
+    x->call_start_ns = kvf_now_ns(); /* after any wait for the lock, as the deferred thread takes it */
     st = launch_cuda(x, r, gather, (cudaStream_t)stream);
     if (st == KVF_SUCCESS) note_host_time(x, t0);
     pthread_mutex_unlock(&x->lock);

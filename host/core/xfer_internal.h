@@ -170,16 +170,19 @@ uint64_t kvf_batch_ramp_next(uint64_t prev, uint64_t left, uint64_t prev_host_ns
 /* The most KVF_XFER_BATCH_BACK_TO_BACK_US (a second). */
 #define KVF_BATCH_MAX_BACK_TO_BACK_US 1000000
 
-/* Whether a batch-API call that came in at start_ns makes its runs in one
- * call instead of a ramp: the context's previous batch call, which returned
- * at prev_end_ns (0: none yet), was host-bound (its host time outlasted its
- * copies at KVF_XFER_BATCH_LINK_GBPS) and this call came within window_ns of
- * its return (0: never). Calls back to back on such a host keep the copy
- * engine waiting for the host whatever the ramp does, and each of the
- * ramp's calls costs host time: measured on an H200, the fp8 MLA chunk's
- * back-to-back rate 45.2 GB/s against 50.3 for one call each
- * (perf/results/2026-12-03-h200-batch-back-to-back). */
-int kvf_batch_back_to_back(int prev_host_bound, uint64_t prev_end_ns, uint64_t start_ns, uint64_t window_ns);
+/* Whether a batch-API call of `runs` runs, whose copies take engine_ns at
+ * KVF_XFER_BATCH_LINK_GBPS, makes them in one call instead of a ramp: it
+ * came in (start_ns) within window_ns of the return (prev_end_ns; 0: none
+ * yet) of the context's previous batch call, which took prev_host_ns of host
+ * time for prev_runs runs, a comparable call (half to twice the runs), and
+ * at that call's host time a run this call's host time outlasts its copies.
+ * Calls back to back on such a host keep the copy engine waiting for the
+ * host whatever the ramp does, and each of the ramp's calls costs host time:
+ * measured on an H200, the fp8 MLA chunk back to back at 45.2 GB/s against
+ * 50.3 for cudaMemcpyBatchAsync in one call each
+ * (perf/results/2026-12-03-h200-batch-back-to-back). window_ns 0: never. */
+int kvf_batch_back_to_back(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t prev_end_ns, uint64_t start_ns,
+                           uint64_t window_ns, uint64_t runs, uint64_t engine_ns);
 
 /* ---- tuning: the parameters a context's routes follow --------------------- */
 

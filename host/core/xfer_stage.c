@@ -460,7 +460,11 @@ uint64_t kvf_batch_ramp_runs(uint64_t done, uint64_t first, uint64_t left) {
   return want >= left || left - want <= want ? left : want;
 }
 
-int kvf_batch_back_to_back(int prev_host_bound, uint64_t prev_end_ns, uint64_t start_ns, uint64_t window_ns) {
-  return prev_host_bound && window_ns > 0 && prev_end_ns != 0 && start_ns >= prev_end_ns &&
-         start_ns - prev_end_ns < window_ns;
+int kvf_batch_back_to_back(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t prev_end_ns, uint64_t start_ns,
+                           uint64_t window_ns, uint64_t runs, uint64_t engine_ns) {
+  if (window_ns == 0 || prev_end_ns == 0 || prev_runs == 0 || runs == 0) return 0;
+  if (start_ns < prev_end_ns || start_ns - prev_end_ns >= window_ns) return 0;
+  if (prev_runs > runs * 2 || runs > prev_runs * 2) return 0; /* not comparable: no rate to go by */
+  /* In double: the products could pass 64 bits for absurd tunings. */
+  return (double)prev_host_ns * (double)runs / (double)prev_runs > (double)engine_ns;
 }
