@@ -104,8 +104,8 @@ struct kvf_client {
   kvf_client_unretired *unretired; /* STORE/RETRIEVE not proven retired */
   uint64_t max_issued;             /* the highest request id sent */
   int reading;                 /* a thread holds the reader role */
-  int gpu_cache;               /* a registration named a GPU: waits spin first (client_spin_turns) */
-  int64_t spin_us;             /* how long: KVF_CLIENT_SPIN_US, or a test's (kvf_client_test_spin) */
+  uint64_t spin_us;            /* waits read without sleeping this long first (client_spin_turns): 0 until a
+                                  registration names a GPU, then KVF_CLIENT_SPIN_US (or a test's) */
   kvf_status dead;             /* the connection is unusable: why; KVF_SUCCESS while healthy */
   char dead_detail[KVF_CLIENT_DETAIL_MAX];
 
@@ -303,6 +303,11 @@ static void client_spin_turns(kvf_client *c, uint64_t until_ns) {
   }
 }
 
+/* A spin length in us: negative is none, more than a second a second. */
+static uint64_t spin_bound(int64_t us) {
+  return us <= 0 ? 0 : us > KVF_CLIENT_MAX_SPIN_US ? KVF_CLIENT_MAX_SPIN_US : (uint64_t)us;
+}
+
 /* Wait for request `id` until deadline_ms (c->lock held). Returns
  * KVF_SUCCESS with *out the filed entry, unlinked (the caller frees it);
  * KVF_ERR_TIMEOUT (the entry stays); KVF_ERR_NOT_FOUND (no such request);
@@ -310,12 +315,10 @@ static void client_spin_turns(kvf_client *c, uint64_t until_ns) {
 static kvf_status client_wait_locked(kvf_client *c, uint64_t id, int async, int64_t deadline_ms,
                                      kvf_client_pending **out) {
   *out = NULL;
-  /* KVF_CLIENT_SPIN_US of reading without sleeping first (client_spin_turns),
-   * for the clients of GPU caches only: a host-only kvferryd's copies run on
-   * the cores a spinning waiter would take from them. */
-  int64_t spin_us = c->spin_us < 0 ? kvf_param_client_spin_us() : c->spin_us;
-  if (spin_us > KVF_CLIENT_MAX_SPIN_US) spin_us = KVF_CLIENT_MAX_SPIN_US;
-  uint64_t spin_until = c->gpu_cache && spin_us > 0 ? kvf_now_ns() + (uint64_t)spin_us * 1000ull : 0;
+  /* Reading without sleeping first (client_spin_turns), for the clients of
+   * GPU caches only: a host-only kvferryd's copies run on the cores a
+   * spinning waiter would take from them. */
+  uint64_t spin_until = c->spin_us ? kvf_now_ns() + c->spin_us * 1000ull : 0;
   for (;;) {
     kvf_client_pending *p = pending_find(c, id);
     if (!p || p->async != async)
@@ -606,7 +609,6 @@ kvf_status kvf_client_connect(const kvf_client_options *caller, kvf_client **out
   kvf_conn_init(&c->conn, -1, 0);
   c->timeout_ms = options->timeout_ms ? options->timeout_ms : 10000;
   c->next_request = 2; /* 1 is the HELLO */
-  c->spin_us = -1;     /* KVF_CLIENT_SPIN_US */
   snprintf(c->name, sizeof(c->name), "%s", options->name ? options->name : "");
   c->socket_dir = strdup(options->socket_dir);
 
@@ -765,7 +767,7 @@ kvf_status kvf_client_register_desc(kvf_client *client, const struct kvf_client_
   if (st != KVF_SUCCESS) goto out;
   if (d.device >= 0) {
     pthread_mutex_lock(&client->lock);
-    client->gpu_cache = 1;
+    client->spin_us = spin_bound(kvf_param_client_spin_us());
     pthread_mutex_unlock(&client->lock);
   }
   if (out) {
@@ -1080,8 +1082,7 @@ void kvf_client_test_next_request_id(kvf_client *client, uint64_t id) {
 void kvf_client_test_spin(kvf_client *client, int64_t spin_us) {
   if (!client) return;
   pthread_mutex_lock(&client->lock);
-  client->gpu_cache = spin_us > 0;
-  client->spin_us = spin_us > 0 ? spin_us : -1;
+  client->spin_us = spin_bound(spin_us);
   pthread_mutex_unlock(&client->lock);
 }
 
