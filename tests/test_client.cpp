@@ -114,6 +114,18 @@ class FakeServer {
     if (st != KVF_SUCCESS && !quiet) ADD_FAILURE() << "fake server: " << kvf_last_error();
     return st == KVF_SUCCESS;
   }
+  // Read n RETRIEVEs into *got as (request id, token_end); false when one
+  // did not arrive.
+  static bool ReadRetrieves(kvf_conn *c, int n, std::vector<std::pair<uint64_t, uint64_t>> *got) {
+    for (int i = 0; i < n; i++) {
+      kvf_proto_msg m;
+      if (!Read(c, &m)) return false;
+      EXPECT_EQ(m.type, KVF_PROTO_RETRIEVE);
+      got->emplace_back(m.request_id, m.u.xfer.token_end);
+      kvf_proto_msg_clear(&m);
+    }
+    return true;
+  }
   static void Send(kvf_conn *c, const kvf_proto_msg &m) {
     EXPECT_EQ(kvf_conn_send(c, &m, nullptr, 0, 5000), KVF_SUCCESS) << kvf_last_error();
   }
@@ -377,14 +389,8 @@ TEST_F(Client, ConcurrentCallsOnOneClientGetTheirOwnReplies) {
 TEST_F(Client, OutOfOrderRepliesReachTheirWaiters) {
   constexpr int kThreads = 4;
   FakeServer fake(dir_, [&](kvf_conn *conn) {
-    std::vector<std::pair<uint64_t, uint64_t>> got;  // request id, token_end
-    for (int i = 0; i < kThreads; i++) {
-      kvf_proto_msg m;
-      if (!FakeServer::Read(conn, &m)) return;
-      EXPECT_EQ(m.type, KVF_PROTO_RETRIEVE);
-      got.emplace_back(m.request_id, m.u.xfer.token_end);
-      kvf_proto_msg_clear(&m);
-    }
+    std::vector<std::pair<uint64_t, uint64_t>> got;
+    if (!FakeServer::ReadRetrieves(conn, kThreads, &got)) return;
     for (auto it = got.rbegin(); it != got.rend(); ++it)
       FakeServer::SendDone(conn, KVF_PROTO_RETRIEVE_REPLY, it->first, it->second);
   });
@@ -418,13 +424,8 @@ TEST_F(Client, OutOfOrderRepliesReachTheirWaiters) {
 TEST_F(Client, SpinningWaitersGetTheirOwnRepliesAndKeepTheirDeadlines) {
   constexpr int kThreads = 4;
   FakeServer fake(dir_, [&](kvf_conn *conn) {
-    std::vector<std::pair<uint64_t, uint64_t>> got;  // request id, token_end
-    for (int i = 0; i < kThreads; i++) {
-      kvf_proto_msg m;
-      if (!FakeServer::Read(conn, &m)) return;
-      got.emplace_back(m.request_id, m.u.xfer.token_end);
-      kvf_proto_msg_clear(&m);
-    }
+    std::vector<std::pair<uint64_t, uint64_t>> got;
+    if (!FakeServer::ReadRetrieves(conn, kThreads, &got)) return;
     // Newest first; the last two 30 ms later.
     for (size_t i = got.size(); i-- > 0;) {
       if (i < 2) sleep_ms(30);
