@@ -6,7 +6,7 @@
 #
 # DEST gets bin/ (test_xfer, kvf_bench, kvf_served_bench, kvferryd, kvf_param_probe, kvf_hop_probe, kvf_copy_probe, kvf_handoff_probe), lib/
 # (shared libraries the binaries need that the GPU image may lack:
-# libjansson.so.4, libhwloc, libcrypto.so.3), presets/ (the geometry presets), run_issue15.sh,
+# libjansson.so.4, libhwloc, libcrypto.so.3; libkvf_trace.so and libcupti when built), presets/ (the geometry presets), run_issue15.sh,
 # report.py and report_served.py. Run there as: bash DEST/run_issue15.sh
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -21,6 +21,11 @@ for b in "$dest"/bin/*; do
   ldd "$b" | awk '/libjansson|libhwloc|libcrypto/ {print $3}' | while read -r lib; do [[ -f $lib ]] && cp -L "$lib" "$dest/lib/"; done
 done
 for b in kvf_param_probe kvf_hop_probe kvf_copy_probe kvf_handoff_probe; do [[ -x $build/perf/$b ]] && cp "$build/perf/$b" "$dest/bin/"; done
+# The CUPTI timeline (perf/kvf_trace.c) and the CUPTI it needs, when built.
+if [[ -f $build/perf/libkvf_trace.so ]]; then
+  cp "$build/perf/libkvf_trace.so" "$dest/lib/"
+  ldd "$build/perf/libkvf_trace.so" | awk '/libcupti/ {print $3}' | while read -r lib; do [[ -f $lib ]] && cp -L "$lib" "$dest/lib/"; done
+fi
 cp "$root"/geometry/presets/*.json "$dest/presets/"
 cp "$here/run_issue15.sh" "$here/report.py" "$here/report_served.py" "$dest/"
 git -C "$root" rev-parse --short=12 HEAD > "$dest/COMMIT" 2>/dev/null || true

@@ -1,0 +1,126 @@
+/* perf/kvf_trace.c - a timeline of any CUDA program's GPU work, for machines
+ * without Nsight Systems (the lent H200 has ncu, not nsys).
+ *
+ * A CUDA injection library: run a program with
+ *
+ *   CUDA_INJECTION64_PATH=/path/libkvf_trace.so KVF_TRACE_FILE=out.csv prog ...
+ *
+ * and the driver loads it at cuInit; it asks CUPTI's activity API for every
+ * kernel, memcpy (the batch API's included: one record per copy) and memset,
+ * and the runtime and driver API calls that enqueued them, and writes one
+ * CSV line per record when the program exits:
+ *
+ *   kind,start_ns,end_ns,stream,correlation,bytes,copy_kind,name
+ *
+ * Timestamps are CUPTI's, one clock for the GPU's records and the host's, so
+ * a call's host span and its GPU work line up. kind is kernel, memcpy, memset,
+ * runtime or driver; name is the kernel's or the API function's. Tracing
+ * costs each API call some host time; the GPU work's own spans are exact. */
+#define _GNU_SOURCE
+#include <cupti.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { kBufferBytes = 8 << 20 };
+
+static FILE *trace_out;
+static pthread_mutex_t trace_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void CUPTIAPI buffer_requested(uint8_t **buffer, size_t *size, size_t *max_records) {
+  *buffer = aligned_alloc(8, kBufferBytes);
+  *size = *buffer ? kBufferBytes : 0;
+  *max_records = 0;
+}
+
+static const char *copy_kind_name(uint8_t k) {
+  switch (k) {
+    case CUPTI_ACTIVITY_MEMCPY_KIND_HTOD: return "h2d";
+    case CUPTI_ACTIVITY_MEMCPY_KIND_DTOH: return "d2h";
+    case CUPTI_ACTIVITY_MEMCPY_KIND_DTOD: return "d2d";
+    case CUPTI_ACTIVITY_MEMCPY_KIND_HTOH: return "h2h";
+    case CUPTI_ACTIVITY_MEMCPY_KIND_PTOP: return "p2p";
+    default: return "other";
+  }
+}
+
+static void write_record(const CUpti_Activity *r) {
+  switch (r->kind) {
+    case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL:
+    case CUPTI_ACTIVITY_KIND_KERNEL: {
+      const CUpti_ActivityKernel10 *k = (const CUpti_ActivityKernel10 *)r;
+      fprintf(trace_out, "kernel,%llu,%llu,%u,%u,0,,%s\n", (unsigned long long)k->start, (unsigned long long)k->end,
+              k->streamId, k->correlationId, k->name ? k->name : "?");
+      break;
+    }
+    case CUPTI_ACTIVITY_KIND_MEMCPY: {
+      const CUpti_ActivityMemcpy6 *m = (const CUpti_ActivityMemcpy6 *)r;
+      fprintf(trace_out, "memcpy,%llu,%llu,%u,%u,%llu,%s,\n", (unsigned long long)m->start,
+              (unsigned long long)m->end, m->streamId, m->correlationId, (unsigned long long)m->bytes,
+              copy_kind_name(m->copyKind));
+      break;
+    }
+    case CUPTI_ACTIVITY_KIND_MEMSET: {
+      const CUpti_ActivityMemset4 *m = (const CUpti_ActivityMemset4 *)r;
+      fprintf(trace_out, "memset,%llu,%llu,%u,%u,%llu,,\n", (unsigned long long)m->start, (unsigned long long)m->end,
+              m->streamId, m->correlationId, (unsigned long long)m->bytes);
+      break;
+    }
+    case CUPTI_ACTIVITY_KIND_RUNTIME:
+    case CUPTI_ACTIVITY_KIND_DRIVER: {
+      const CUpti_ActivityAPI *a = (const CUpti_ActivityAPI *)r;
+      const char *name = NULL;
+      cuptiGetCallbackName(r->kind == CUPTI_ACTIVITY_KIND_RUNTIME ? CUPTI_CB_DOMAIN_RUNTIME_API
+                                                                   : CUPTI_CB_DOMAIN_DRIVER_API,
+                           a->cbid, &name);
+      fprintf(trace_out, "%s,%llu,%llu,0,%u,0,,%s\n", r->kind == CUPTI_ACTIVITY_KIND_RUNTIME ? "runtime" : "driver",
+              (unsigned long long)a->start, (unsigned long long)a->end, a->correlationId, name ? name : "?");
+      break;
+    }
+    default: break;
+  }
+}
+
+static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *buffer, size_t size, size_t valid) {
+  (void)ctx;
+  (void)stream;
+  (void)size;
+  CUpti_Activity *r = NULL;
+  pthread_mutex_lock(&trace_mu);
+  while (trace_out && cuptiActivityGetNextRecord(buffer, valid, &r) == CUPTI_SUCCESS) write_record(r);
+  pthread_mutex_unlock(&trace_mu);
+  free(buffer);
+}
+
+static void trace_finish(void) {
+  cuptiActivityFlushAll(1);
+  pthread_mutex_lock(&trace_mu);
+  if (trace_out && trace_out != stderr) fclose(trace_out);
+  trace_out = NULL;
+  pthread_mutex_unlock(&trace_mu);
+}
+
+/* Called by the driver at cuInit when CUDA_INJECTION64_PATH names this
+ * library. Returns 1 on success, as the driver expects. */
+__attribute__((visibility("default"))) int InitializeInjection(void);
+int InitializeInjection(void) {
+  const char *path = getenv("KVF_TRACE_FILE");
+  trace_out = path && *path ? fopen(path, "w") : stderr;
+  if (!trace_out) {
+    fprintf(stderr, "kvf_trace: cannot open %s\n", path);
+    return 0;
+  }
+  fprintf(trace_out, "kind,start_ns,end_ns,stream,correlation,bytes,copy_kind,name\n");
+  static const CUpti_ActivityKind kinds[] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY,
+                                             CUPTI_ACTIVITY_KIND_MEMSET, CUPTI_ACTIVITY_KIND_RUNTIME,
+                                             CUPTI_ACTIVITY_KIND_DRIVER};
+  if (cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed) != CUPTI_SUCCESS) {
+    fprintf(stderr, "kvf_trace: cuptiActivityRegisterCallbacks failed\n");
+    return 0;
+  }
+  for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++)
+    if (cuptiActivityEnable(kinds[i]) != CUPTI_SUCCESS) fprintf(stderr, "kvf_trace: activity kind %d not traced\n", kinds[i]);
+  atexit(trace_finish);
+  return 1;
+}
