@@ -2046,34 +2046,45 @@ TEST(XferWalk, StepsAgreeWithDivision) {
 }
 
 // The straight part's views: whole linear views from the exposed end (a
-// gather's first, a scatter's last) until the target, none where blocks are
-// not one run or are shorter than the minimum.
+// gather's first, a scatter's last) until the target and never past the
+// limit, none where blocks are not one run or are shorter than the minimum.
 TEST(XferStraight, PicksWholeLinearViewsFromTheExposedEnd) {
   struct Want {
     const char *preset;
     uint64_t min_run;
     uint64_t target;
+    uint64_t limit;
+    uint64_t max_runs;
     int from_end;
     std::vector<uint32_t> segments; // picked
     uint64_t bytes;
   };
   const uint64_t layer = 2ull * 16 * 32768; // Llama-8B NHD: 2 planes x 16 blocks x 32 KiB a chunk
+  const uint64_t any = UINT64_MAX;
   const std::vector<Want> wants = {
-      {"llama-3.1-8b-fa-nhd", 16384, 1 << 20, 0, {0, 1}, layer},
-      {"llama-3.1-8b-fa-nhd", 16384, (1 << 20) + 1, 0, {0, 1, 2, 3}, 2 * layer},
-      {"llama-3.1-8b-fa-nhd", 16384, 1 << 20, 1, {62, 63}, layer},
-      {"llama-3.1-8b-fa-nhd", 16384, 0, 0, {}, 0},
-      {"llama-3.1-8b-fa-nhd", 32769, 1 << 20, 0, {}, 0},  // 32 KiB blocks: too short
-      {"llama-3.1-8b-fa-hnd", 0, 1 << 20, 0, {}, 0},      // a block is one run per head
+      {"llama-3.1-8b-fa-nhd", 16384, 1 << 20, any, any, 0, {0, 1}, layer},
+      {"llama-3.1-8b-fa-nhd", 16384, (1 << 20) + 1, any, any, 0, {0, 1, 2, 3}, 2 * layer},
+      {"llama-3.1-8b-fa-nhd", 16384, 1 << 20, any, any, 1, {62, 63}, layer},
+      {"llama-3.1-8b-fa-nhd", 16384, 0, any, any, 0, {}, 0},
+      {"llama-3.1-8b-fa-nhd", 32769, 1 << 20, any, any, 0, {}, 0},  // 32 KiB blocks: too short
+      {"llama-3.1-8b-fa-hnd", 0, 1 << 20, any, any, 0, {}, 0},      // a block is one run per head
+      // The limits end the pick at the view that would pass one (a layer: 32 blocks).
+      {"llama-3.1-8b-fa-nhd", 16384, 4 * layer, 3 * layer, any, 0, {0, 1, 2, 3, 4, 5}, 3 * layer},
+      {"llama-3.1-8b-fa-nhd", 16384, 4 * layer, 3 * layer - 1, any, 1, {60, 61, 62, 63}, 2 * layer},
+      {"llama-3.1-8b-fa-nhd", 16384, 1 << 20, layer - 1, any, 0, {}, 0},
+      {"llama-3.1-8b-fa-nhd", 16384, 4 * layer, any, 96, 0, {0, 1, 2, 3, 4, 5}, 3 * layer},
+      {"llama-3.1-8b-fa-nhd", 16384, 4 * layer, any, 95, 0, {0, 1, 2, 3}, 2 * layer},
   };
   for (const Want &w : wants) {
     SCOPED_TRACE(std::string(w.preset) + " min_run " + std::to_string(w.min_run) + " target " +
-                 std::to_string(w.target) + (w.from_end ? " from the end" : ""));
+                 std::to_string(w.target) + " limit " + std::to_string(w.limit) + " max_runs " +
+                 std::to_string(w.max_runs) + (w.from_end ? " from the end" : ""));
     PlannedRequest q;
     ASSERT_NO_FATAL_FAILURE(plan_chunks(w.preset, 1, 0, 23, &q));
     const kvf_plan &plan = q.plan.p;
     std::vector<unsigned char> pick(plan.num_segments, 7);
-    uint64_t bytes = kvf_stage_straight_pick(q.g(), &plan, q.r->get(), w.from_end, w.min_run, w.target, pick.data());
+    uint64_t bytes =
+        kvf_stage_straight_pick(q.g(), &plan, q.r->get(), w.from_end, w.min_run, w.target, w.limit, w.max_runs, pick.data());
     std::vector<uint32_t> got;
     for (uint32_t i = 0; i < plan.num_segments; i++) {
       EXPECT_LE(pick[i], 1) << "segment " << i << " neither picked nor cleared";
@@ -2088,7 +2099,8 @@ TEST(XferStraight, PicksWholeLinearViewsFromTheExposedEnd) {
   ASSERT_NO_FATAL_FAILURE(plan_chunks("glm-like-hybrid", 1, 0, 29, &q));
   const kvf_plan &plan = q.plan.p;
   std::vector<unsigned char> pick(plan.num_segments);
-  uint64_t all = kvf_stage_straight_pick(q.g(), &plan, q.r->get(), 1, 16384, UINT64_MAX, pick.data());
+  uint64_t all = kvf_stage_straight_pick(q.g(), &plan, q.r->get(), 1, 16384, UINT64_MAX, UINT64_MAX, UINT64_MAX,
+                                         pick.data());
   uint64_t attention = 0;
   for (uint32_t i = 0; i < plan.num_segments; i++) {
     const kvf_segment &seg = plan.segments[i];
@@ -3116,6 +3128,47 @@ TEST(XferGpu, BatchCallRightAfterAHostBoundOneIsOneCall) {
           EXPECT_GE(p.dma_ops, 2u) << "no window: the idle stream's ramp";
       };
       run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 34 + (uint64_t)d, cfg);
+    }
+}
+
+// Under an SM cap below 64 the straight part takes three times
+// KVF_XFER_STAGE_STRAIGHT_KB (the slower kernels leave more to hide), and
+// however large the target, the pick stops at half the batch and at
+// KVF_STAGE_STRAIGHT_MAX_RUNS instead of leaving the call no straight part
+// (a 4 MiB target did that to gpt-oss-like's one-chunk gather at 4 SMs).
+// Every call is checked against the CPU reference.
+TEST(XferGpu, CappedCallsTakeALargerStraightPartWithinItsLimits) {
+  REQUIRE_GPU();
+  for (const char *preset : {"glm-like-hybrid", "gpt-oss-20b-like"})
+    for (Dir d : {Dir::Gather, Dir::Scatter}) {
+      Prepared s;
+      ASSERT_NO_FATAL_FAILURE(setup_chunks(preset, 1, 0, 61, &s));
+      uint64_t runs[3] = {0, 0, 0};  // default cap, 4 SMs, 4 SMs with a 64 MiB target
+      for (int k = 0; k < 3; k++) {
+        SCOPED_TRACE(std::string(preset) + ", " + dir_name(d) + ", case " + std::to_string(k));
+        GpuConfig cfg;
+        cfg.obj_kind = Mem::Pinned;
+        cfg.route = expected_route(Mem::Pinned, d);
+        cfg.max_sms = k == 0 ? 0 : 4;
+        cfg.tune = [k](kvf_xfer_tuning &t) {
+          t.batch_max_runs = 0;
+          t.stage_straight_kb = k == 2 ? 64 << 10 : 1024;
+        };
+        uint64_t *out = &runs[k];
+        cfg.check_path = [out](const kvf_xfer_path_info &p) {
+          ASSERT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
+          EXPECT_LE(p.straight_runs, (uint64_t)KVF_STAGE_STRAIGHT_MAX_RUNS);
+          *out = p.straight_runs;
+        };
+        kvf_xfer_stats st = KVF_XFER_STATS_INIT;
+        ASSERT_NO_FATAL_FAILURE(run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 62 + (uint64_t)k, cfg, &st));
+        // The presets' attention blocks are 16 KiB runs: the part's bytes, at most half the payload.
+        EXPECT_LE(runs[k] * 16384, st.payload_bytes / 2);
+      }
+      SCOPED_TRACE(std::string(preset) + ", " + dir_name(d));
+      EXPECT_GT(runs[0], 0u);
+      EXPECT_GE(runs[1], 2 * runs[0]) << "4 SMs: three times the default cap's bytes, whole layers";
+      EXPECT_GE(runs[2], runs[1]) << "a target past the limits still leaves a straight part, up to them";
     }
 }
 

@@ -48,7 +48,7 @@ extern "C" {
   X(xfer_stage_edge_mb, "KVF_XFER_STAGE_EDGE_MB", 16,                                    \
     "most MiB of a staged call's first batch (a gather) or last batch (a scatter), at least one chunk, so the copy engine starts early and the last kernel is short (0: as large as the others)") \
   X(xfer_stage_straight_kb, "KVF_XFER_STAGE_STRAIGHT_KB", 1024,                              \
-    "KiB of a staged call's first (gather) or last (scatter) batch that the copy engine moves straight between the cache and host memory, in whole layers whose blocks are long runs (twice under an SM cap below 64), while the kernels stage the rest (0: off)") \
+    "KiB of a staged call's first (gather) or last (scatter) batch that the copy engine moves straight between the cache and host memory, in whole layers whose blocks are long runs (three times as much under an SM cap below 64, never past half the batch), while the kernels stage the rest (0: off)") \
   X(xfer_stage_straight_min_run, "KVF_XFER_STAGE_STRAIGHT_MIN_RUN", 16384,                   \
     "shortest run (a block of one layer) the copy engine moves straight for KVF_XFER_STAGE_STRAIGHT_KB") \
   X(xfer_stage_multi_pieces, "KVF_XFER_STAGE_MULTI_PIECES", 2,                           \

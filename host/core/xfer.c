@@ -1279,14 +1279,19 @@ static kvf_status plan_straight(kvf_xfer *x, const kvf_copy_request *r, int gath
   const kvf_stage_batch *eb = &c->sp.batches[c->edge];
   uint64_t first = eb->k0 * nog, count = (eb->k1 - eb->k0) * nog;
   uint64_t min_run = (uint64_t)x->tune.stage_straight_min_run, target = (uint64_t)x->tune.stage_straight_kb << 10;
-  /* Slow kernels (the context's SM cap below 64) leave the first piece's kernel and a
-   * scatter's last one longer to hide: twice the bytes. Measured with the
-   * numbers above at 4 SMs: 1 -> 2 MiB took glm-like d2h/h2d 85.8/78.8 ->
-   * 95.3/87.6%, gpt-oss-like 96.0/94.6 -> 97.5/95.9%; 4 MiB was no better
-   * on gpt-oss-like d2h (88.4%). At the default cap 2 MiB gained under a
+  /* Slow kernels (the context's SM cap below 64) leave the first piece's
+   * kernel and a scatter's last one longer to hide: three times the bytes.
+   * Measured on an H200 at 4 SMs (perf/results/2026-12-03-h200-cap4-straight,
+   * two runs), 2 -> 3 MiB: glm-like h2d 87.7/87.8 -> 93.6/93.0% of memcpy,
+   * gpt-oss-like h2d 96.1/95.9 -> 98.5/98.2, d2h 97.8/97.4 -> 98.5/98.2,
+   * every other row within its noise. 4 MiB read the same where it fit, but
+   * passed half of gpt-oss-like's batch, which left it no straight part
+   * (88.2%): hence the limits below, which end the pick before the view
+   * that would pass half the batch or KVF_STAGE_STRAIGHT_MAX_RUNS. At the default cap 2 MiB gained under a
    * point and its extra runs' host time (0.7 us each) outgrew a small
-   * chunk's copy (glm-like: 220 us of enqueue for a 163 us copy). */
-  if (x->max_sms && x->max_sms < KVF_SMALL_STAGE_SMS) target *= 2;
+   * chunk's copy (glm-like: 220 us of enqueue for a 163 us copy; perf/
+   * results/2026-12-01-h200-straight). */
+  if (x->max_sms && x->max_sms < KVF_SMALL_STAGE_SMS) target *= KVF_STAGE_STRAIGHT_CAPPED_FACTOR;
   if (ns == 0 || count == 0) return KVF_SUCCESS;
   kvf_copy_request part = *r;
   batch_tokens(r, eb, g->policy.chunk_tokens, &part);
@@ -1296,7 +1301,9 @@ static kvf_status plan_straight(kvf_xfer *x, const kvf_copy_request *r, int gath
   size_t *sizes = NULL, runs = 0;
   kvf_status st = KVF_SUCCESS;
   if (!pick || !objects) goto oom;
-  if (!kvf_stage_straight_pick(g, plan, &part, !gather, min_run, target, pick)) goto out;
+  if (!kvf_stage_straight_pick(g, plan, &part, !gather, min_run, target, eb->bytes / 2, KVF_STAGE_STRAIGHT_MAX_RUNS,
+                               pick))
+    goto out;
   for (uint64_t i = 0; i < count; i++) objects[i] = c->sp.staged[first + i] ? r->objects[first + i] : NULL;
   part.objects = objects;
   kvf_blob_opts o = {0, pick, 0};

@@ -89,6 +89,9 @@ void kvf_stage_plan_free(kvf_stage_plan *plan);
 /* Most runs of a staged call's straight copy-engine part (the host time of
  * cudaMemcpyBatchAsync grows with its runs). */
 #define KVF_STAGE_STRAIGHT_MAX_RUNS 256
+/* The straight part under an SM cap below KVF_SMALL_STAGE_SMS: this many
+ * times KVF_XFER_STAGE_STRAIGHT_KB (host/core/xfer.c, plan_straight). */
+#define KVF_STAGE_STRAIGHT_CAPPED_FACTOR 3
 
 /* Split the segments a request moves into at most `pieces` pieces of whole
  * views (a view's planes or states stay together, so the bytes of an object
@@ -114,12 +117,15 @@ uint32_t kvf_stage_piece_masks_growth(const kvf_geometry *geometry, const kvf_pl
  * and the host objects while the kernels stage the rest: whole views whose
  * every segment moves and is linear (one run per block on both sides) with
  * blocks of at least min_run bytes, taken from the first view on (from the
- * last when from_end) until they hold at least `target` bytes. Sets
+ * last when from_end) until they hold at least `target` bytes, and never
+ * past `limit` bytes or `max_runs` blocks (the view that would pass either
+ * ends the pick: a larger part would leave the call none). Sets
  * pick[s] (of plan->num_segments) for their segments, clears the others, and
  * returns their bytes as counted from the request's block ranges (skipped
  * block ids included: an upper bound; 0 when none is picked). */
 uint64_t kvf_stage_straight_pick(const kvf_geometry *geometry, const kvf_plan *plan, const kvf_copy_request *request,
-                               int from_end, uint64_t min_run, uint64_t target, unsigned char *pick);
+                                 int from_end, uint64_t min_run, uint64_t target, uint64_t limit, uint64_t max_runs,
+                                 unsigned char *pick);
 
 /* A contiguous byte range of one object. */
 typedef struct kvf_stage_run {

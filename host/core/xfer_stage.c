@@ -183,10 +183,11 @@ static int segment_straight(const kvf_segment *s, uint64_t min_run) {
 }
 
 uint64_t kvf_stage_straight_pick(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r, int from_end,
-                               uint64_t min_run, uint64_t target, unsigned char *pick) {
+                               uint64_t min_run, uint64_t target, uint64_t limit, uint64_t max_runs,
+                               unsigned char *pick) {
   uint32_t ns = plan->num_segments;
   memset(pick, 0, ns);
-  uint64_t picked = 0;
+  uint64_t picked = 0, picked_runs = 0;
   /* Whole views, walked from the first (a gather's head) or from the last
    * (a scatter's tail). */
   for (uint32_t v = 0; v < ns && picked < target;) {
@@ -195,17 +196,21 @@ uint64_t kvf_stage_straight_pick(const kvf_geometry *g, const kvf_plan *plan, co
     while (lo > 0 && plan->segments[lo - 1].view == view) lo--;
     while (hi + 1 < ns && plan->segments[hi + 1].view == view) hi++;
     v += hi - lo + 1;
-    uint64_t bytes = 0;
+    uint64_t bytes = 0, runs = 0;
     int ok = 1;
     for (uint32_t s = lo; s <= hi && ok; s++) {
       const kvf_segment *seg = &plan->segments[s];
       uint64_t blocks = group_blocks(g, r, seg->group);
       ok = blocks > 0 && segment_straight(seg, min_run);
       bytes += blocks * seg->run * seg->tokens;
+      runs += blocks; /* a linear block is one run (at most: neighbours may merge) */
     }
     if (!ok) continue;
+    /* picked <= limit and picked_runs <= max_runs throughout */
+    if (bytes > limit - picked || runs > max_runs - picked_runs) break;
     memset(pick + lo, 1, hi - lo + 1);
     picked += bytes;
+    picked_runs += runs;
   }
   return picked;
 }
