@@ -171,11 +171,16 @@ conf_run() { # NAME LIMIT FILTER [sanitizer...]
   if ((limit == 0)); then say "conf $name: skipped (time budget spent)"; failed=1; return; fi
   # 1 MiB staging buffers: requests of several chunks take several batches
   # (and the failure-contract case needs them; contexts read it at creation).
-  KVF_XFER_STAGING_MB=1 timeout -k 10 "$limit" "$@" "$tests" --gtest_filter="$filter" --gtest_brief=1 \
+  # Every test named as it starts (no --gtest_brief): a run the limit kills
+  # says which test it was in.
+  KVF_XFER_STAGING_MB=1 timeout -k 10 "$limit" "$@" "$tests" --gtest_filter="$filter" \
     --gtest_output="xml:$work/conf-$name.xml" > "$work/conf-$name.log" 2>&1
   rc=$?
   local summary
-  summary=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) +\]' "$work/conf-$name.log" | grep -v '^\[  FAILED  \] .*\.' | tr '\n' ' ')
+  summary=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]' "$work/conf-$name.log" | tr '\n' ' ')
+  if ((rc == 124 || rc == 137)); then
+    summary+="killed at the limit in $(grep '^\[ RUN' "$work/conf-$name.log" | tail -n 1 | sed 's/.*\] //') after $(grep -c '^\[       OK' "$work/conf-$name.log") passed"
+  fi
   case $name in
     memcheck) summary+=" $(grep -o 'ERROR SUMMARY: [0-9]* errors\{0,1\}' "$work/conf-$name.log" | tail -n 1)" ;;
     racecheck) summary+=" $(grep -o 'RACECHECK SUMMARY: .*' "$work/conf-$name.log" | tail -n 1)" ;;
@@ -194,7 +199,7 @@ if want conf; then
   # The warp walk (KVF_XFER_KERNEL=2) is the default kernel: if its cases fail
   # and the grid-stride walk's do not, benchmark the grid-stride walk rather
   # than a kernel known to be wrong (every contender is still checked).
-  fails=$(grep -E '^\[  FAILED  \] .*\.' "$work/conf-plain.log" | sort -u)
+  fails=$(grep -E '^\[  FAILED  \] .*\.' "$work/conf-plain.log" | sed 's/ ([0-9]* ms)$//' | sort -u)
   if [[ -n $fails ]]; then
     walk_fails=$(grep -vc 'grid_stride_walk' <<< "$fails")
     stride_fails=$(grep -c 'grid_stride_walk' <<< "$fails")
