@@ -6,11 +6,18 @@
  *   CUDA_INJECTION64_PATH=/path/libkvf_trace.so KVF_TRACE_FILE=out.csv prog ...
  *
  * and the driver loads it at cuInit; it asks CUPTI's activity API for every
- * kernel, memcpy (the batch API's included: one record per copy) and memset,
- * and the runtime and driver API calls that enqueued them, and writes one
- * CSV line per record when the program exits:
+ * kernel, memcpy and memset, and the runtime and driver API calls that
+ * enqueued them, and writes one CSV line per record as CUPTI hands its
+ * buffers over (all of them by the program's exit):
  *
- *   kind,start_ns,end_ns,stream,correlation,bytes,copy_kind,name
+ *   kind,start_ns,end_ns,stream,correlation,bytes,copy_kind,copies,name
+ *
+ * A cudaMemcpyBatchAsync call is one memcpy record (CUDA 13.0's CUPTI) of
+ * all its bytes, copies counting its copies. A "%p" in KVF_TRACE_FILE
+ * becomes the process id, so that the processes of one run (kvferryd and
+ * its clients) write their own files; without KVF_TRACE_FILE the lines go to
+ * stderr. Records CUPTI dropped (its buffers full) are counted on stderr at
+ * exit: missing records would read as idle time.
  *
  * Timestamps are CUPTI's, one clock for the GPU's records and the host's, so
  * a call's host span and its GPU work line up. kind is kernel, memcpy, memset,
@@ -22,9 +29,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 enum { kBufferBytes = 8 << 20 };
 
+/* trace_mu guards trace_out: CUPTI hands completed buffers over on its own
+ * thread, and the exit handler closes the file. */
 static FILE *trace_out;
 static pthread_mutex_t trace_mu = PTHREAD_MUTEX_INITIALIZER;
 
@@ -50,21 +60,21 @@ static void write_record(const CUpti_Activity *r) {
     case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL:
     case CUPTI_ACTIVITY_KIND_KERNEL: {
       const CUpti_ActivityKernel10 *k = (const CUpti_ActivityKernel10 *)r;
-      fprintf(trace_out, "kernel,%llu,%llu,%u,%u,0,,%s\n", (unsigned long long)k->start, (unsigned long long)k->end,
-              k->streamId, k->correlationId, k->name ? k->name : "?");
+      fprintf(trace_out, "kernel,%llu,%llu,%u,%u,0,,,%s\n", (unsigned long long)k->start,
+              (unsigned long long)k->end, k->streamId, k->correlationId, k->name ? k->name : "?");
       break;
     }
     case CUPTI_ACTIVITY_KIND_MEMCPY: {
       const CUpti_ActivityMemcpy6 *m = (const CUpti_ActivityMemcpy6 *)r;
-      fprintf(trace_out, "memcpy,%llu,%llu,%u,%u,%llu,%s,\n", (unsigned long long)m->start,
+      fprintf(trace_out, "memcpy,%llu,%llu,%u,%u,%llu,%s,%llu,\n", (unsigned long long)m->start,
               (unsigned long long)m->end, m->streamId, m->correlationId, (unsigned long long)m->bytes,
-              copy_kind_name(m->copyKind));
+              copy_kind_name(m->copyKind), (unsigned long long)m->copyCount);
       break;
     }
     case CUPTI_ACTIVITY_KIND_MEMSET: {
       const CUpti_ActivityMemset4 *m = (const CUpti_ActivityMemset4 *)r;
-      fprintf(trace_out, "memset,%llu,%llu,%u,%u,%llu,,\n", (unsigned long long)m->start, (unsigned long long)m->end,
-              m->streamId, m->correlationId, (unsigned long long)m->bytes);
+      fprintf(trace_out, "memset,%llu,%llu,%u,%u,%llu,,,\n", (unsigned long long)m->start,
+              (unsigned long long)m->end, m->streamId, m->correlationId, (unsigned long long)m->bytes);
       break;
     }
     case CUPTI_ACTIVITY_KIND_RUNTIME:
@@ -74,7 +84,7 @@ static void write_record(const CUpti_Activity *r) {
       cuptiGetCallbackName(r->kind == CUPTI_ACTIVITY_KIND_RUNTIME ? CUPTI_CB_DOMAIN_RUNTIME_API
                                                                    : CUPTI_CB_DOMAIN_DRIVER_API,
                            a->cbid, &name);
-      fprintf(trace_out, "%s,%llu,%llu,0,%u,0,,%s\n", r->kind == CUPTI_ACTIVITY_KIND_RUNTIME ? "runtime" : "driver",
+      fprintf(trace_out, "%s,%llu,%llu,0,%u,0,,,%s\n", r->kind == CUPTI_ACTIVITY_KIND_RUNTIME ? "runtime" : "driver",
               (unsigned long long)a->start, (unsigned long long)a->end, a->correlationId, name ? name : "?");
       break;
     }
@@ -82,19 +92,23 @@ static void write_record(const CUpti_Activity *r) {
   }
 }
 
+static size_t dropped_records;
+
 static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *buffer, size_t size, size_t valid) {
-  (void)ctx;
-  (void)stream;
   (void)size;
   CUpti_Activity *r = NULL;
+  size_t dropped = 0;
+  cuptiActivityGetNumDroppedRecords(ctx, stream, &dropped);
   pthread_mutex_lock(&trace_mu);
+  dropped_records += dropped;
   while (trace_out && cuptiActivityGetNextRecord(buffer, valid, &r) == CUPTI_SUCCESS) write_record(r);
   pthread_mutex_unlock(&trace_mu);
   free(buffer);
 }
 
 static void trace_finish(void) {
-  cuptiActivityFlushAll(1);
+  cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
+  if (dropped_records) fprintf(stderr, "kvf_trace: CUPTI dropped %zu records\n", dropped_records);
   pthread_mutex_lock(&trace_mu);
   if (trace_out && trace_out != stderr) fclose(trace_out);
   trace_out = NULL;
@@ -105,13 +119,22 @@ static void trace_finish(void) {
  * library. Returns 1 on success, as the driver expects. */
 __attribute__((visibility("default"))) int InitializeInjection(void);
 int InitializeInjection(void) {
-  const char *path = getenv("KVF_TRACE_FILE");
-  trace_out = path && *path ? fopen(path, "w") : stderr;
+  const char *spec = getenv("KVF_TRACE_FILE");
+  char path[4096];
+  if (spec && *spec) {
+    /* "%p" -> the process id (the first one; the rest of the name as is). */
+    const char *pid = strstr(spec, "%p");
+    if (pid)
+      snprintf(path, sizeof path, "%.*s%d%s", (int)(pid - spec), spec, (int)getpid(), pid + 2);
+    else
+      snprintf(path, sizeof path, "%s", spec);
+  }
+  trace_out = spec && *spec ? fopen(path, "w") : stderr;
   if (!trace_out) {
     fprintf(stderr, "kvf_trace: cannot open %s\n", path);
     return 0;
   }
-  fprintf(trace_out, "kind,start_ns,end_ns,stream,correlation,bytes,copy_kind,name\n");
+  fprintf(trace_out, "kind,start_ns,end_ns,stream,correlation,bytes,copy_kind,copies,name\n");
   static const CUpti_ActivityKind kinds[] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY,
                                              CUPTI_ACTIVITY_KIND_MEMSET, CUPTI_ACTIVITY_KIND_RUNTIME,
                                              CUPTI_ACTIVITY_KIND_DRIVER};
@@ -120,7 +143,8 @@ int InitializeInjection(void) {
     return 0;
   }
   for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++)
-    if (cuptiActivityEnable(kinds[i]) != CUPTI_SUCCESS) fprintf(stderr, "kvf_trace: activity kind %d not traced\n", kinds[i]);
+    if (cuptiActivityEnable(kinds[i]) != CUPTI_SUCCESS)
+      fprintf(stderr, "kvf_trace: activity kind %d not traced\n", (int)kinds[i]);
   atexit(trace_finish);
   return 1;
 }

@@ -9,8 +9,7 @@ first copy: kvf_bench queues its per-call reps back to back, with only
 events between them) to the next, or, without --first-bytes (latency mode,
 where every call is synchronized), work separated by an idle GPU for more
 than --gap-us. kvf_bench's own kernels (k_spin, k_fill) are left out. For each call:
-its span from the first operation's start (or the spin kernel's end) to the
-last one's end, the time no operation ran (idle), and, for --detail calls
+its span from the first operation's start to the last one's end, the time no operation ran (idle), and, for --detail calls
 (the fastest and the slowest), every operation with its start, length and
 stream, and the API call that enqueued it (its host start and end).
 """
@@ -105,7 +104,12 @@ def main():
               f"{statistics.median(spans)/1e3:.1f} us (min {min(spans)/1e3:.1f}, max {max(spans)/1e3:.1f}), "
               f"idle median {statistics.median(idles)/1e3:.1f} us")
         order = sorted(range(len(cs)), key=lambda i: spans[i])
-        picks = order[: a.detail] + order[-a.detail:] if len(order) > 2 * a.detail else order
+        if a.detail <= 0:
+            picks = []
+        elif len(order) > 2 * a.detail:
+            picks = order[: a.detail] + order[-a.detail:]
+        else:
+            picks = order
         for i in picks:
             b, ops = cs[i]
             print(f"  call span {spans[i]/1e3:.1f} us, idle {idles[i]/1e3:.1f} us")
@@ -113,7 +117,8 @@ def main():
                 h = api.get(r["correlation"])
                 host = (f" <- {h['name']} host {(h['start_ns']-b)/1e3:+.1f}..{(h['end_ns']-b)/1e3:+.1f}"
                         if h else "")
-                what = r["name"][:40] if r["kind"] == "kernel" else f"{r['copy_kind']} {r['bytes']}"
+                copies = f" in {r['copies']} copies" if r.get("copies") and r["copies"] not in ("", "1") else ""
+                what = r["name"][:40] if r["kind"] == "kernel" else f"{r['copy_kind']} {r['bytes']}{copies}"
                 print(f"    {r['kind']:6} s{r['stream']:<4} {(r['start_ns']-b)/1e3:8.1f} +{(r['end_ns']-r['start_ns'])/1e3:7.1f} us  {what}{host}")
     return 0
 

@@ -2083,8 +2083,8 @@ TEST(XferStraight, PicksWholeLinearViewsFromTheExposedEnd) {
     ASSERT_NO_FATAL_FAILURE(plan_chunks(w.preset, 1, 0, 23, &q));
     const kvf_plan &plan = q.plan.p;
     std::vector<unsigned char> pick(plan.num_segments, 7);
-    uint64_t bytes =
-        kvf_stage_straight_pick(q.g(), &plan, q.r->get(), w.from_end, w.min_run, w.target, w.limit, w.max_runs, pick.data());
+    uint64_t bytes = kvf_stage_straight_pick(q.g(), &plan, q.r->get(), w.from_end, w.min_run, w.target, w.limit,
+                                             w.max_runs, pick.data());
     std::vector<uint32_t> got;
     for (uint32_t i = 0; i < plan.num_segments; i++) {
       EXPECT_LE(pick[i], 1) << "segment " << i << " neither picked nor cleared";
@@ -3136,39 +3136,44 @@ TEST(XferGpu, BatchCallRightAfterAHostBoundOneIsOneCall) {
 // however large the target, the pick stops at half the batch and at
 // KVF_STAGE_STRAIGHT_MAX_RUNS instead of leaving the call no straight part
 // (a 4 MiB target did that to gpt-oss-like's one-chunk gather at 4 SMs).
-// Every call is checked against the CPU reference.
+// glm-like and gpt-oss-like (16 KiB runs) reach the run limit first, the
+// MLA cache (72 KiB runs, 17 MiB a chunk) half the batch. Every call is
+// checked against the CPU reference.
 TEST(XferGpu, CappedCallsTakeALargerStraightPartWithinItsLimits) {
   REQUIRE_GPU();
-  for (const char *preset : {"glm-like-hybrid", "gpt-oss-20b-like"})
+  const uint64_t kib = 1024;
+  for (const char *preset : {"glm-like-hybrid", "gpt-oss-20b-like", "deepseek-v3-mla-bf16"})
     for (Dir d : {Dir::Gather, Dir::Scatter}) {
       Prepared s;
       ASSERT_NO_FATAL_FAILURE(setup_chunks(preset, 1, 0, 61, &s));
-      uint64_t runs[3] = {0, 0, 0};  // default cap, 4 SMs, 4 SMs with a 64 MiB target
+      const uint64_t straight_kb[3] = {1024, 1024, 64 * 1024};  // default cap, 4 SMs, 4 SMs past every limit
+      uint64_t bytes[3] = {0, 0, 0};
       for (int k = 0; k < 3; k++) {
         SCOPED_TRACE(std::string(preset) + ", " + dir_name(d) + ", case " + std::to_string(k));
         GpuConfig cfg;
         cfg.obj_kind = Mem::Pinned;
         cfg.route = expected_route(Mem::Pinned, d);
         cfg.max_sms = k == 0 ? 0 : 4;
-        cfg.tune = [k](kvf_xfer_tuning &t) {
-          t.batch_max_runs = 0;
-          t.stage_straight_kb = k == 2 ? 64 << 10 : 1024;
+        const uint64_t kb = straight_kb[k];
+        cfg.tune = [kb](kvf_xfer_tuning &t) {
+          t.batch_max_runs = 0;  // staged, the MLA cache too
+          t.stage_straight_kb = (int64_t)kb;
         };
-        uint64_t *out = &runs[k];
+        uint64_t *out = &bytes[k];
         cfg.check_path = [out](const kvf_xfer_path_info &p) {
           ASSERT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
           EXPECT_LE(p.straight_runs, (uint64_t)KVF_STAGE_STRAIGHT_MAX_RUNS);
-          *out = p.straight_runs;
+          EXPECT_EQ(p.straight_runs > 0, p.straight_bytes > 0);
+          *out = p.straight_bytes;
         };
         kvf_xfer_stats st = KVF_XFER_STATS_INIT;
         ASSERT_NO_FATAL_FAILURE(run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 62 + (uint64_t)k, cfg, &st));
-        // The presets' attention blocks are 16 KiB runs: the part's bytes, at most half the payload.
-        EXPECT_LE(runs[k] * 16384, st.payload_bytes / 2);
+        EXPECT_LE(bytes[k], st.payload_bytes / 2) << "the part stays within half the batch";
       }
       SCOPED_TRACE(std::string(preset) + ", " + dir_name(d));
-      EXPECT_GT(runs[0], 0u);
-      EXPECT_GE(runs[1], 2 * runs[0]) << "4 SMs: three times the default cap's bytes, whole layers";
-      EXPECT_GE(runs[2], runs[1]) << "a target past the limits still leaves a straight part, up to them";
+      EXPECT_GE(bytes[0], 1024 * kib) << "the default cap's target, in whole layers";
+      EXPECT_GE(bytes[1], KVF_STAGE_STRAIGHT_CAPPED_FACTOR * 1024 * kib) << "4 SMs: three times the target";
+      EXPECT_GT(bytes[2], bytes[1]) << "a target past the limits still leaves a straight part, up to them";
     }
 }
 

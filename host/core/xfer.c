@@ -1143,6 +1143,7 @@ static cudaError_t straight_dma(kvf_xfer *x, const staged_call *c, cudaStream_t 
   x->path.dma_ops++;
   x->path.dma_runs += c->straight_runs;
   x->path.straight_runs = c->straight_runs;
+  x->path.straight_bytes = c->straight_bytes;
   return e;
 }
 
@@ -1269,9 +1270,10 @@ static const unsigned char *piece_mask(const staged_call *c, uint64_t bi, uint32
  * fp8-inline 94.7/93.9 -> 98.6/98.0%, Llama NHD 95.9/96.0 -> 98.5/98.2%;
  * 4096 tokens: every such preset 99.0-99.6%.
  * Leaves the plan without a straight part (nothing allocated) when no view
- * fits: runs too short or not one per block, more than
- * KVF_STAGE_STRAIGHT_MAX_RUNS runs, or more than half the batch. Objects the
- * direct kernel writes (a gather's partial ones) are left to it. */
+ * fits: runs too short or not one per block, or the first straight view
+ * alone past KVF_STAGE_STRAIGHT_MAX_RUNS runs or half the batch (the pick
+ * stops before either). Objects the direct kernel writes (a gather's
+ * partial ones) are left to it. */
 static kvf_status plan_straight(kvf_xfer *x, const kvf_copy_request *r, int gather, staged_call *c) {
   const kvf_geometry *g = x->geometry;
   const kvf_plan *plan = &x->plan[r->format];
@@ -1281,8 +1283,8 @@ static kvf_status plan_straight(kvf_xfer *x, const kvf_copy_request *r, int gath
   uint64_t min_run = (uint64_t)x->tune.stage_straight_min_run, target = (uint64_t)x->tune.stage_straight_kb << 10;
   /* Slow kernels (the context's SM cap below 64) leave the first piece's
    * kernel and a scatter's last one longer to hide: three times the bytes.
-   * Measured on an H200 at 4 SMs (perf/results/2026-12-03-h200-cap4-straight,
-   * two runs), 2 -> 3 MiB: glm-like h2d 87.7/87.8 -> 93.6/93.0% of memcpy,
+   * Measured on an H200 at 4 SMs (perf/results/
+   * 2026-12-03-h200-cap4-straight, two runs), 2 -> 3 MiB: glm-like h2d 87.7/87.8 -> 93.6/93.0% of memcpy,
    * gpt-oss-like h2d 96.1/95.9 -> 98.5/98.2, d2h 97.8/97.4 -> 98.5/98.2,
    * every other row within its noise. 4 MiB read the same where it fit, but
    * passed half of gpt-oss-like's batch, which left it no straight part
@@ -1313,6 +1315,8 @@ static kvf_status plan_straight(kvf_xfer *x, const kvf_copy_request *r, int gath
   int fit = kvf_stage_batch_runs(blob, gather, min_run, KVF_STAGE_STRAIGHT_MAX_RUNS, &dst, &src, &sizes, &runs);
   if (fit < 0) goto oom;
   if (fit == 0) goto out;
+  /* The pick kept to half the batch; a backstop, should its count and the
+   * runs' ever disagree. */
   uint64_t moved = 0;
   for (size_t i = 0; i < runs; i++) moved += sizes[i];
   if (moved > eb->bytes / 2) goto out;

@@ -183,8 +183,8 @@ static int segment_straight(const kvf_segment *s, uint64_t min_run) {
 }
 
 uint64_t kvf_stage_straight_pick(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r, int from_end,
-                               uint64_t min_run, uint64_t target, uint64_t limit, uint64_t max_runs,
-                               unsigned char *pick) {
+                                 uint64_t min_run, uint64_t target, uint64_t limit, uint64_t max_runs,
+                                 unsigned char *pick) {
   uint32_t ns = plan->num_segments;
   memset(pick, 0, ns);
   uint64_t picked = 0, picked_runs = 0;
