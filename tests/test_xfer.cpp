@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -2347,6 +2348,58 @@ TEST(XferPieces, GatherPiecesGrowScatterPiecesShrink) {
   uint32_t views = 0;
   for (uint32_t i = 0; i < p1.num_segments; i++) views += i == 0 || p1.segments[i].view != p1.segments[i - 1].view;
   EXPECT_EQ(kvf_stage_piece_masks(one.g(), &p1, one.r->get(), 1, 16, m1.data()), std::min<uint32_t>(views, 16));
+}
+
+// Pieces weigh the bytes they move. A hybrid's recurrent state is one per
+// chunk while each attention layer moves a chunk's tokens: weighed as bytes
+// per token (as before), glm-like's recurrent views counted 13 times their
+// bytes, and a scatter's last pieces were one 38 KiB state each
+// (perf/results/2026-12-03-h200-cap4-straight, the timelines). On one chunk
+// (glm-like's sliding window is longer, so every group moves all of it) each
+// piece's bytes, from the planner's own blob of its segments, are within one
+// view of its share.
+TEST(XferPieces, PiecesWeighTheBytesTheyMove) {
+  PlannedRequest q;
+  ASSERT_NO_FATAL_FAILURE(plan_chunks("glm-like-hybrid", 1, 0, 23, &q));
+  const kvf_plan &plan = q.plan.p;
+  const uint32_t ns = plan.num_segments;
+  auto bytes_of = [&](const unsigned char *mask, int gather) {
+    kvf_blob_opts o = {0, mask, 0};
+    std::vector<uint8_t> blob = build_blob(q.g(), plan, q.r->get(), gather, &o);
+    return reinterpret_cast<const kvf_blob_header *>(blob.data())->payload_bytes;
+  };
+  uint64_t largest_view = 0;
+  for (uint32_t i = 0; i < ns;) {
+    std::vector<unsigned char> view(ns, 0);
+    uint32_t j = i;
+    while (j < ns && plan.segments[j].view == plan.segments[i].view) view[j++] = 1;
+    largest_view = std::max<uint64_t>(largest_view, bytes_of(view.data(), 1));
+    i = j;
+  }
+  std::vector<unsigned char> all(ns, 1);
+  const uint64_t total = bytes_of(all.data(), 1);
+  for (int gather : {1, 0})
+    for (uint32_t pieces : {2u, 4u}) {
+      const uint32_t growth = pieces == 2 ? 4 : 2;
+      SCOPED_TRACE(std::string(gather ? "gather" : "scatter") + ", " + std::to_string(pieces) + " pieces");
+      std::vector<unsigned char> masks(pieces * ns);
+      ASSERT_EQ(kvf_stage_piece_masks_growth(q.g(), &plan, q.r->get(), gather, pieces, growth, masks.data()), pieces);
+      double sum = 0, share[4];
+      for (uint32_t p = 0; p < pieces; p++) {
+        uint32_t e = gather ? p : pieces - 1 - p;
+        share[p] = std::pow((double)growth, (double)e);
+        sum += share[p];
+      }
+      double before = 0, got_before = 0;
+      for (uint32_t p = 0; p < pieces; p++) {
+        uint64_t got = bytes_of(&masks[(size_t)p * ns], gather);
+        before += (double)total * share[p] / sum;
+        got_before += (double)got;
+        // Each boundary lands within one view of where the shares put it.
+        EXPECT_LE(std::abs(got_before - before), (double)largest_view) << "after piece " << p << " (" << got << " bytes)";
+      }
+      EXPECT_EQ(got_before, (double)total);
+    }
 }
 
 // The injection hook belongs to the staged route: the host backend has no

@@ -96,9 +96,11 @@ void kvf_stage_plan_free(kvf_stage_plan *plan);
 /* Split the segments a request moves into at most `pieces` pieces of whole
  * views (a view's planes or states stay together, so the bytes of an object
  * that a piece writes interleave with no other piece's), in plan order.
- * Piece sizes grow geometrically (1, 2, 4, ... parts) for a gather, whose
- * first piece's kernel runs before the copy engine can start, and shrink for
- * a scatter, whose last piece's kernel runs after the copy engine is done.
+ * Piece sizes, in bytes per token of the request (a recurrent state's
+ * bytes spread over its tokens), grow geometrically (1, 2, 4, ... parts)
+ * for a gather, whose first piece's kernel runs before the copy engine can
+ * start, and shrink for a scatter, whose last piece's kernel runs after the
+ * copy engine is done.
  * masks is [pieces][plan->num_segments]; piece p takes segment s when
  * masks[p * num_segments + s] is 1 (segments of groups the request does not
  * move are in none). Returns the number of pieces made (at least 1, at most

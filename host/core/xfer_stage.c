@@ -215,6 +215,23 @@ uint64_t kvf_stage_straight_pick(const kvf_geometry *g, const kvf_plan *plan, co
   return picked;
 }
 
+/* A segment's weight in the piece split: the bytes it moves per token of
+ * the request. An attention segment moves run * heads bytes for each of
+ * its tokens; a recurrent one moves whole states (one a chunk), so its
+ * states' bytes are spread over the request's tokens. Counting a state as
+ * bytes per token (as before) made glm-like's recurrent views weigh 13
+ * times their bytes on a 256-token chunk, and a scatter's last pieces were
+ * one 38 KiB state each (perf/results/2026-12-03-h200-cap4-straight).
+ * Windowed attention keeps its per-token weight: weighing it by the blocks
+ * it moves measured worse on gpt-oss-like (perf/results/
+ * 2026-12-03-h200-pieces). */
+static double segment_weight(const kvf_geometry *g, const kvf_copy_request *r, const kvf_segment *seg) {
+  if (!seg->recurrent) return (double)seg->run * (double)seg->heads;
+  uint64_t tokens = r->token_end > r->token_begin ? r->token_end - r->token_begin : 1;
+  return (double)group_blocks(g, r, seg->group) * (double)seg->run * (double)seg->heads * (double)seg->tokens /
+         (double)tokens;
+}
+
 uint32_t kvf_stage_piece_masks(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r, int gather,
                                uint32_t pieces, unsigned char *masks) {
   return kvf_stage_piece_masks_growth(g, plan, r, gather, pieces, 2, masks);
@@ -227,13 +244,13 @@ uint32_t kvf_stage_piece_masks_growth(const kvf_geometry *g, const kvf_plan *pla
   if (pieces < 1) pieces = 1;
   if (pieces > KVF_STAGE_MAX_PIECES) pieces = KVF_STAGE_MAX_PIECES;
   memset(masks, 0, (size_t)pieces * ns);
-  /* Moving views and their weights (bytes per token, or a state's bytes). */
+  /* Moving views and their weights (segment_weight). */
   double total = 0;
   uint32_t views = 0;
   for (uint32_t s = 0; s < ns; s++) {
     const kvf_segment *seg = &plan->segments[s];
     if (!group_moves(g, r, seg->group)) continue;
-    total += seg->recurrent ? (double)seg->run : (double)seg->run * seg->heads;
+    total += segment_weight(g, r, seg);
     if (s == 0 || plan->segments[s - 1].view != seg->view || !group_moves(g, r, plan->segments[s - 1].group)) views++;
   }
   if (views == 0) return 1;
@@ -263,7 +280,7 @@ uint32_t kvf_stage_piece_masks_growth(const kvf_geometry *g, const kvf_plan *pla
       seen++;
     }
     masks[(size_t)p * ns + s] = 1;
-    acc += seg->recurrent ? (double)seg->run : (double)seg->run * seg->heads;
+    acc += segment_weight(g, r, seg);
   }
   return p + 1;
 }
