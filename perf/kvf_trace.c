@@ -12,8 +12,9 @@
  *
  *   kind,start_ns,end_ns,stream,correlation,bytes,copy_kind,copies,name
  *
- * A cudaMemcpyBatchAsync call is one memcpy record (CUDA 13.0's CUPTI) of
- * all its bytes, copies counting its copies. A "%p" in KVF_TRACE_FILE
+ * CUPTI groups a cudaMemcpyBatchAsync call's copies into one or more
+ * memcpy records (one per call in the traces so far), copies counting the
+ * copies of each. A "%p" in KVF_TRACE_FILE
  * becomes the process id, so that the processes of one run (kvferryd and
  * its clients) write their own files; without KVF_TRACE_FILE the lines go to
  * stderr. Records CUPTI dropped (its buffers full) are counted on stderr at
@@ -33,9 +34,10 @@
 
 enum { kBufferBytes = 8 << 20 };
 
-/* trace_mu guards trace_out: CUPTI hands completed buffers over on its own
- * thread, and the exit handler closes the file. */
+/* trace_mu guards trace_out and dropped_records: CUPTI hands completed
+ * buffers over on its own thread, and the exit handler closes the file. */
 static FILE *trace_out;
+static size_t dropped_records;
 static pthread_mutex_t trace_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static void CUPTIAPI buffer_requested(uint8_t **buffer, size_t *size, size_t *max_records) {
@@ -92,8 +94,6 @@ static void write_record(const CUpti_Activity *r) {
   }
 }
 
-static size_t dropped_records;
-
 static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *buffer, size_t size, size_t valid) {
   (void)size;
   CUpti_Activity *r = NULL;
@@ -108,7 +108,12 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *b
 
 static void trace_finish(void) {
   cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
-  if (dropped_records) fprintf(stderr, "kvf_trace: CUPTI dropped %zu records\n", dropped_records);
+  size_t late = 0; /* dropped after the last buffer handed over */
+  cuptiActivityGetNumDroppedRecords(NULL, 0, &late);
+  pthread_mutex_lock(&trace_mu);
+  size_t dropped = dropped_records + late;
+  pthread_mutex_unlock(&trace_mu);
+  if (dropped) fprintf(stderr, "kvf_trace: CUPTI dropped %zu records\n", dropped);
   pthread_mutex_lock(&trace_mu);
   if (trace_out && trace_out != stderr) fclose(trace_out);
   trace_out = NULL;
@@ -124,10 +129,12 @@ int InitializeInjection(void) {
   if (spec && *spec) {
     /* "%p" -> the process id (the first one; the rest of the name as is). */
     const char *pid = strstr(spec, "%p");
-    if (pid)
-      snprintf(path, sizeof path, "%.*s%d%s", (int)(pid - spec), spec, (int)getpid(), pid + 2);
-    else
-      snprintf(path, sizeof path, "%s", spec);
+    int n = pid ? snprintf(path, sizeof path, "%.*s%d%s", (int)(pid - spec), spec, (int)getpid(), pid + 2)
+                : snprintf(path, sizeof path, "%s", spec);
+    if (n < 0 || (size_t)n >= sizeof path) {
+      fprintf(stderr, "kvf_trace: KVF_TRACE_FILE is longer than %zu bytes\n", sizeof path - 1);
+      return 0;
+    }
   }
   trace_out = spec && *spec ? fopen(path, "w") : stderr;
   if (!trace_out) {

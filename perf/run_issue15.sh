@@ -179,7 +179,7 @@ conf_run() { # NAME LIMIT FILTER [sanitizer...]
   local summary
   summary=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]' "$work/conf-$name.log" | tr '\n' ' ')
   if ((rc == 124 || rc == 137)); then
-    summary+="killed (rc $rc: the limit, or the OOM killer) in $(grep '^\[ RUN' "$work/conf-$name.log" | tail -n 1 | sed 's/.*\] //') after $(grep -c '^\[       OK' "$work/conf-$name.log") passed"
+    summary+="killed (rc $rc: $( ((rc == 124)) && echo the limit || echo 'the limit or the OOM killer')) in $(grep '^\[ RUN' "$work/conf-$name.log" | tail -n 1 | sed 's/.*\] //') after $(grep -c '^\[       OK' "$work/conf-$name.log") passed"
   fi
   case $name in
     memcheck) summary+=" $(grep -o 'ERROR SUMMARY: [0-9]* errors\{0,1\}' "$work/conf-$name.log" | tail -n 1)" ;;

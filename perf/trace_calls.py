@@ -100,7 +100,7 @@ def main():
     for key, cs in sorted(groups.items(), key=lambda kv: -len(kv[1])):
         spans = [max(r["end_ns"] for r in ops) - b for b, ops in cs]
         idles = [idle_ns(b, ops) for b, ops in cs]
-        print(f"== {len(cs)} calls of {key[0]} kernels, {key[1]} copies, {key[2]} bytes: span median "
+        print(f"== {len(cs)} calls of {key[0]} kernels, {key[1]} copy records, {key[2]} bytes: span median "
               f"{statistics.median(spans)/1e3:.1f} us (min {min(spans)/1e3:.1f}, max {max(spans)/1e3:.1f}), "
               f"idle median {statistics.median(idles)/1e3:.1f} us")
         order = sorted(range(len(cs)), key=lambda i: spans[i])

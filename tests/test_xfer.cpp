@@ -2352,12 +2352,12 @@ TEST(XferPieces, GatherPiecesGrowScatterPiecesShrink) {
 
 // Pieces weigh the bytes they move. A hybrid's recurrent state is one per
 // chunk while each attention layer moves a chunk's tokens: weighed as bytes
-// per token (as before), glm-like's recurrent views counted 13 times their
-// bytes, and a scatter's last pieces were one 38 KiB state each
+// per token (as before), a glm-like state (38 KiB) outweighed a 512 KiB
+// layer 19 to 1, and a scatter's last pieces were one state each
 // (perf/results/2026-12-03-h200-cap4-straight, the timelines). On one chunk
 // (glm-like's sliding window is longer, so every group moves all of it) each
-// piece's bytes, from the planner's own blob of its segments, are within one
-// view of its share.
+// boundary between pieces, in bytes from the planner's own blob of their
+// segments, is within one view of where the shares put it.
 TEST(XferPieces, PiecesWeighTheBytesTheyMove) {
   PlannedRequest q;
   ASSERT_NO_FATAL_FAILURE(plan_chunks("glm-like-hybrid", 1, 0, 23, &q));
@@ -3188,7 +3188,8 @@ TEST(XferGpu, BatchCallRightAfterAHostBoundOneIsOneCall) {
 // KVF_XFER_STAGE_STRAIGHT_KB (the slower kernels leave more to hide), and
 // however large the target, the pick stops at half the batch and at
 // KVF_STAGE_STRAIGHT_MAX_RUNS instead of leaving the call no straight part
-// (a 4 MiB target did that to gpt-oss-like's one-chunk gather at 4 SMs).
+// (a 4 MiB target did that to gpt-oss-like's one-chunk gather at 4 SMs, in
+// kvf_bench's tables, whose sliding-window objects go direct).
 // glm-like and gpt-oss-like (16 KiB runs) reach the run limit first, the
 // MLA cache (72 KiB runs, 17 MiB a chunk) half the batch. Every call is
 // checked against the CPU reference.
@@ -3221,6 +3222,7 @@ TEST(XferGpu, CappedCallsTakeALargerStraightPartWithinItsLimits) {
         };
         kvf_xfer_stats st = KVF_XFER_STATS_INIT;
         ASSERT_NO_FATAL_FAILURE(run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 62 + (uint64_t)k, cfg, &st));
+        // Here every object is staged and whole, so the batch is the payload.
         EXPECT_LE(bytes[k], st.payload_bytes / 2) << "the part stays within half the batch";
       }
       SCOPED_TRACE(std::string(preset) + ", " + dir_name(d));

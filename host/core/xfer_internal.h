@@ -275,7 +275,7 @@ typedef struct kvf_xfer_path_info {
   uint64_t dma_ops;        /* copy-engine calls (memcpy or batch calls) */
   uint64_t dma_runs;       /* byte ranges they copy */
   uint64_t straight_runs;  /* of those, runs a staged call's copy engine moves straight (KVF_XFER_STAGE_STRAIGHT_KB) */
-  uint64_t straight_bytes; /* and their bytes */
+  uint64_t straight_bytes; /* and their payload bytes (counted as a blob counts them) */
   uint32_t slice_bytes;    /* task size of the (last) launch */
   double host_us;          /* host time of the call, from entering to returning */
   double plan_us;          /* of host_us, the part before its first enqueue: checks, route, tables, runs */

@@ -219,9 +219,10 @@ uint64_t kvf_stage_straight_pick(const kvf_geometry *g, const kvf_plan *plan, co
  * the request. An attention segment moves run * heads bytes for each of
  * its tokens; a recurrent one moves whole states (one a chunk), so its
  * states' bytes are spread over the request's tokens. Counting a state as
- * bytes per token (as before) made glm-like's recurrent views weigh 13
- * times their bytes on a 256-token chunk, and a scatter's last pieces were
- * one 38 KiB state each (perf/results/2026-12-03-h200-cap4-straight).
+ * bytes per token (as before) weighed a state against the attention views
+ * at the chunk's tokens (256) times its bytes: on glm-like a 38 KiB state
+ * outweighed a 512 KiB layer 19 to 1, and a scatter's last pieces were one
+ * state each (perf/results/2026-12-03-h200-cap4-straight).
  * Windowed attention keeps its per-token weight: weighing it by the blocks
  * it moves measured worse on gpt-oss-like (perf/results/
  * 2026-12-03-h200-pieces). */
