@@ -111,10 +111,7 @@ static void trace_finish(void) {
   size_t late = 0; /* dropped after the last buffer handed over */
   cuptiActivityGetNumDroppedRecords(NULL, 0, &late);
   pthread_mutex_lock(&trace_mu);
-  size_t dropped = dropped_records + late;
-  pthread_mutex_unlock(&trace_mu);
-  if (dropped) fprintf(stderr, "kvf_trace: CUPTI dropped %zu records\n", dropped);
-  pthread_mutex_lock(&trace_mu);
+  if (dropped_records + late) fprintf(stderr, "kvf_trace: CUPTI dropped %zu records\n", dropped_records + late);
   if (trace_out && trace_out != stderr) fclose(trace_out);
   trace_out = NULL;
   pthread_mutex_unlock(&trace_mu);

@@ -1284,15 +1284,17 @@ static kvf_status plan_straight(kvf_xfer *x, const kvf_copy_request *r, int gath
   /* Slow kernels (the context's SM cap below 64) leave the first piece's
    * kernel and a scatter's last one longer to hide: three times the bytes.
    * Measured on an H200 at 4 SMs (perf/results/
-   * 2026-12-03-h200-cap4-straight, two runs), 2 -> 3 MiB: glm-like h2d 87.7/87.8 -> 93.6/93.0% of memcpy,
-   * gpt-oss-like h2d 96.1/95.9 -> 98.5/98.2, d2h 97.8/97.4 -> 98.5/98.2,
-   * every other row within its noise. 4 MiB read the same where it fit, but
-   * passed half of gpt-oss-like's batch, which left it no straight part
-   * (88.2%): hence the limits below, which end the pick before the view
-   * that would pass half the batch or KVF_STAGE_STRAIGHT_MAX_RUNS. At the default cap 2 MiB gained under a
-   * point and its extra runs' host time (0.7 us each) outgrew a small
-   * chunk's copy (glm-like: 220 us of enqueue for a 163 us copy; perf/
-   * results/2026-12-01-h200-straight). */
+   * 2026-12-03-h200-cap4-straight, two runs), 2 -> 3 MiB: glm-like h2d
+   * 87.7/87.8 -> 93.6/93.0% of memcpy, gpt-oss-like h2d 96.1/95.9 ->
+   * 98.5/98.2, d2h 97.8/97.4 -> 98.5/98.2, every other row within its
+   * noise. 4 MiB read the same where it fit, but passed half of
+   * gpt-oss-like's batch, which left it no straight part (88.2%): hence the
+   * limits below, which end the pick before the view that would pass half
+   * the batch or KVF_STAGE_STRAIGHT_MAX_RUNS, so the runs it yields stay
+   * within both. At the default cap 2 MiB gained under a point and its
+   * extra runs' host time (0.7 us each) outgrew a small chunk's copy
+   * (glm-like: 220 us of enqueue for a 163 us copy; perf/results/
+   * 2026-12-01-h200-straight). */
   if (x->max_sms && x->max_sms < KVF_SMALL_STAGE_SMS) target *= KVF_STAGE_STRAIGHT_CAPPED_FACTOR;
   if (ns == 0 || count == 0) return KVF_SUCCESS;
   kvf_copy_request part = *r;
@@ -1315,11 +1317,6 @@ static kvf_status plan_straight(kvf_xfer *x, const kvf_copy_request *r, int gath
   int fit = kvf_stage_batch_runs(blob, gather, min_run, KVF_STAGE_STRAIGHT_MAX_RUNS, &dst, &src, &sizes, &runs);
   if (fit < 0) goto oom;
   if (fit == 0) goto out;
-  /* The pick kept to half the batch; a backstop, should its count and the
-   * runs' ever disagree. */
-  uint64_t moved = 0;
-  for (size_t i = 0; i < runs; i++) moved += sizes[i];
-  if (moved > eb->bytes / 2) goto out;
   if (!(c->edge_masks = malloc((size_t)c->pieces * ns))) goto oom;
   for (uint32_t p = 0; p < c->pieces; p++)
     for (uint64_t sgi = 0; sgi < ns; sgi++)
