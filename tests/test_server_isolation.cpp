@@ -945,6 +945,78 @@ TEST_F(Isolation, ARegionPastItsAllocationIsRefusedAndTheConnectionStays) {
   EXPECT_EQ(server_.stop(), 0) << kServerCodes;
 }
 
+// A REGISTER whose region names instance 0, a provider that is none,
+// an allocation of 0 bytes, an empty range or a descriptor the frame does
+// not carry is a well-formed frame with a wrong value: the server refuses
+// it naming the field (instance 0 is not the sender's instance, so
+// KVF_ERR_PERMISSION; the others KVF_ERR_INVALID_ARGUMENT), keeps nothing,
+// and the connection registers correctly afterwards. The frame decoder
+// used to refuse these (KVF_ERR_PROTOCOL), which dropped the connection.
+TEST_F(Isolation, RegionFaultsAreRefusedNamingTheFieldAndTheConnectionStays) {
+  ASSERT_TRUE(server_.start(dir_, 30000));
+  HostAlloc a(1);
+  const uint64_t R = a.region;
+  RawConn conn;
+  ASSERT_EQ(conn.open(dir_), KVF_SUCCESS);
+  int fds0 = server_.fds(), maps0 = server_.memfd_maps();
+  struct Case {
+    std::string what, field, message;
+    void (*spoil)(kvf_proto_region *);
+    kvf_status status = KVF_ERR_INVALID_ARGUMENT;
+  } cases[] = {
+      {"instance 0", "payload.regions[1].instance_id", "0000000000000000 is not this connection's instance",
+       [](kvf_proto_region *r) { r->instance_id = 0; }, KVF_ERR_PERMISSION},
+      {"provider 3", "payload.regions[1].provider", "3 is not a provider",
+       [](kvf_proto_region *r) { r->provider = 3; }},
+      {"provider 0", "payload.regions[1].provider", "0 is not a provider",
+       [](kvf_proto_region *r) { r->provider = 0; }},
+      {"an allocation of 0 bytes", "payload.regions[1].size", "0 bytes",
+       [](kvf_proto_region *r) { r->size = 0; }},
+      {"an empty range", "payload.regions[1].length", "0 bytes",
+       [](kvf_proto_region *r) { r->length = 0; }},
+      {"descriptor 1 of 1", "payload.regions[1].fd_index", "1, but 1 descriptors came",
+       [](kvf_proto_region *r) { r->fd_index = 1; }},
+      {"descriptor 2^32 - 1 of 1", "payload.regions[1].fd_index", "4294967295, but 1 descriptors came",
+       [](kvf_proto_region *r) { r->fd_index = UINT32_MAX; }},
+  };
+  kvf_proto_msg reply;
+  for (const Case &k : cases) {
+    SCOPED_TRACE(k.what);
+    kvf_proto_region spoilt = region_of(a.id, R, R, 0);
+    k.spoil(&spoilt);
+    int fd = a.fd();
+    kvf_status st = register_raw(conn, kTinyGeometry, {region_of(a.id, 0, R, 0), spoilt}, {fd}, &reply);
+    close(fd);
+    ASSERT_EQ(st, KVF_SUCCESS) << "no reply: the server dropped the connection";
+    std::printf("%s: %s\n", k.what.c_str(), describe(reply).c_str());
+    ASSERT_EQ(reply.type, KVF_PROTO_ERROR) << describe(reply);
+    EXPECT_EQ(reply.u.error.status, (uint32_t)k.status) << describe(reply);
+    EXPECT_STREQ(reply.u.error.field, k.field.c_str()) << describe(reply);
+    EXPECT_NE(std::string(reply.u.error.message).find(k.message), std::string::npos) << describe(reply);
+    kvf_proto_msg_clear(&reply);
+    ASSERT_EQ(conn.simple(KVF_PROTO_HEARTBEAT, &reply), KVF_SUCCESS) << "the connection must stay";
+    EXPECT_EQ(reply.type, KVF_PROTO_HEARTBEAT_REPLY);
+    kvf_proto_msg_clear(&reply);
+    kvf_client_stats s = stat_now();
+    EXPECT_EQ(s.active, 0u);
+    EXPECT_EQ(s.imports, 0u);
+    EXPECT_EQ(server_.fds(), fds0) << "the server kept the descriptor";
+    EXPECT_EQ(server_.memfd_maps(), maps0) << "the server kept a mapping";
+  }
+  int fd = a.fd();
+  kvf_status st = register_raw(conn, kTinyGeometry, {region_of(a.id, 0, R, 0), region_of(a.id, R, R, 0)}, {fd}, &reply);
+  close(fd);
+  ASSERT_EQ(st, KVF_SUCCESS);
+  ASSERT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
+  kvf_proto_msg_clear(&reply);
+  ASSERT_EQ(conn.simple(KVF_PROTO_UNREGISTER, &reply), KVF_SUCCESS);
+  EXPECT_EQ(reply.type, KVF_PROTO_UNREGISTER_REPLY) << describe(reply);
+  kvf_proto_msg_clear(&reply);
+  conn.close();
+  EXPECT_EQ(server_.memfd_maps(), maps0);
+  EXPECT_EQ(server_.stop(), 0) << kServerCodes;
+}
+
 // STORE or RETRIEVE tokens [0, 16) of the tiny geometry (one chunk, key
 // `key`, block 0) on c's live registration; the reply.
 kvf_status xfer_block0(RawConn &c, uint16_t type, uint64_t key, kvf_proto_msg *reply) {

@@ -85,6 +85,16 @@ static kvf_status register_prepare(const kvf_proto_register *rg, int *fds, uint3
                     (unsigned)i, (unsigned)pr->fd_index, (unsigned)num_fds);
       goto out;
     }
+    if (pr->size == 0) {
+      st = kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.regions[%u].size: 0 bytes, an allocation is never empty",
+                    (unsigned)i);
+      goto out;
+    }
+    if (pr->length == 0) {
+      st = kvf_fail(KVF_ERR_INVALID_ARGUMENT, "payload.regions[%u].length: 0 bytes, a region is never empty",
+                    (unsigned)i);
+      goto out;
+    }
     /* Within its allocation, the sum checked (an offset near 2^64 must not
      * wrap back inside). A refusal like any other here: the frame was
      * well formed, so the connection stays (the decoder leaves this to us). */
