@@ -1294,8 +1294,7 @@ void write_kvf(JsonWriter &j, const std::vector<KvfResult> &kr, uint64_t payload
       j.kv("param_launches", r.path.param_launches).kv("spread_launches", r.path.spread_launches)
           .kv("overlap_launches", r.path.overlap_launches)
           .kv("cache_order", r.path.cache_order).kv("uploads", r.path.uploads).kv("batches", r.path.batches);
-      j.kv("pieces", r.path.pieces).kv("skipped_pieces", r.path.skipped_pieces).kv("dma_ops", r.path.dma_ops)
-          .kv("dma_runs", r.path.dma_runs);
+      j.kv("pieces", r.path.pieces).kv("dma_ops", r.path.dma_ops).kv("dma_runs", r.path.dma_runs);
       j.kv("straight_runs", r.path.straight_runs).kv("straight_bytes", r.path.straight_bytes);
       j.kv("slice_bytes", r.path.slice_bytes).kv("host_us", r.path.host_us).kv("plan_us", r.path.plan_us).kv("deferred", r.path.deferred).end_object();
     }

@@ -1015,7 +1015,6 @@ static void batch_tokens(const kvf_copy_request *r, const kvf_stage_batch *b, ui
 typedef struct staged_call {
   kvf_stage_plan sp;
   uint32_t pieces;          /* per batch (1: one launch and the objects' spans, as before pieces) */
-  uint32_t growth;          /* size ratio of consecutive pieces (kvf_stage_piece_masks_growth) */
   unsigned char *masks;     /* [pieces][segments] */
   launch *launches;         /* [batches * pieces (+ 1 direct)] */
   uint64_t num_launches;
@@ -1029,8 +1028,8 @@ typedef struct staged_call {
   uint64_t direct;          /* index of the direct launch */
   uint64_t edge;            /* the edge batch: a gather's first, a scatter's last */
   /* The straight part (KVF_XFER_STAGE_STRAIGHT_KB): views of the edge batch
-   * the copy engine moves between the cache and the host objects itself;
-   * the edge batch's pieces are cut over the views it leaves (edge_masks). */
+   * the copy engine moves between the cache and the host objects itself,
+   * left out of the edge batch's pieces (edge_masks). */
   unsigned char *edge_masks; /* [pieces][segments] */
   void **straight_dst;
   const void **straight_src;
@@ -1148,14 +1147,6 @@ static cudaError_t straight_dma(kvf_xfer *x, const staged_call *c, cudaStream_t 
   return e;
 }
 
-/* Whether piece p of batch bi has neither a task nor a copy (the edge
- * batch's last pieces when the straight part leaves fewer views than
- * pieces): enqueue_batch skips it, no event, stream wait or copy call. */
-static int piece_empty(const staged_call *c, uint64_t bi, uint32_t p) {
-  return uses_runs(c) && !c->launches[c->batches[bi].first + p].tasks &&
-         c->run_first[bi * c->pieces + p] == c->run_first[bi * c->pieces + p + 1];
-}
-
 /* Enqueue batch bi of a staged call, kernels on ks and the copy engine's
  * legs on ds; a gather's straight part goes with its edge batch, after the
  * first kernel launch (so a refused first launch leaves nothing enqueued).
@@ -1172,19 +1163,11 @@ static cudaError_t enqueue_batch(kvf_xfer *x, const kvf_copy_request *r, const s
      * piece's copy-out starts as soon as its kernel is done */
     e = cudaStreamWaitEvent(ks, x->stage_free[buf], 0);
     for (uint32_t p = 0; e == cudaSuccess && p < c->pieces; p++) {
-      int empty = piece_empty(c, bi, p);
-      /* Piece 0 always, for the test hook's refusal (an empty one launches
-       * nothing). */
-      if (!empty || p == 0)
-        e = staged_launch(x, c, &c->launches[c->batches[bi].first + p], stage_sms, p == 0 ? (int64_t)bi : -1,
-                          used_sms, ks);
+      e = staged_launch(x, c, &c->launches[c->batches[bi].first + p], stage_sms, p == 0 ? (int64_t)bi : -1, used_sms,
+                        ks);
       if (e == cudaSuccess && p == 0 && bi == c->edge && c->straight_runs &&
           (e = straight_dma(x, c, ds)) != cudaSuccess)
         *straight_refused = 1;
-      if (empty) {
-        x->path.skipped_pieces++;
-        continue;
-      }
       if (e == cudaSuccess) e = cudaEventRecord(x->stage_ready[buf], ks);
       if (e == cudaSuccess) e = cudaStreamWaitEvent(ds, x->stage_ready[buf], 0);
       if (e == cudaSuccess) e = staged_dma(x, r, c, bi, p, 1, ds);
@@ -1195,14 +1178,6 @@ static cudaError_t enqueue_batch(kvf_xfer *x, const kvf_copy_request *r, const s
      * each piece's kernel starts as soon as its fill is done */
     e = cudaStreamWaitEvent(ds, x->stage_free[buf], 0);
     for (uint32_t p = 0; e == cudaSuccess && p < c->pieces; p++) {
-      if (piece_empty(c, bi, p)) {
-        /* Piece 0's launch still goes (it launches nothing) for the test
-         * hook's refusal. */
-        if (p == 0)
-          e = staged_launch(x, c, &c->launches[c->batches[bi].first], stage_sms, (int64_t)bi, used_sms, ks);
-        x->path.skipped_pieces++;
-        continue;
-      }
       e = staged_dma(x, r, c, bi, p, 0, ds);
       if (e == cudaSuccess) e = cudaEventRecord(x->stage_ready[buf], ds);
       if (e == cudaSuccess) e = cudaStreamWaitEvent(ks, x->stage_ready[buf], 0);
@@ -1343,15 +1318,9 @@ static kvf_status plan_straight(kvf_xfer *x, const kvf_copy_request *r, int gath
   if (fit < 0) goto oom;
   if (fit == 0) goto out;
   if (!(c->edge_masks = malloc((size_t)c->pieces * ns))) goto oom;
-  /* The edge batch's pieces over the views the straight part leaves: cut
-   * before the pick (as the other batches' are), the pieces it covers
-   * were left empty, each still an event, a stream wait and a copy call
-   * (glm-like's gather at 4 SMs: two of its four). Fewer views than pieces
-   * leave the last ones empty; enqueue_batch skips those. */
-  if (c->pieces > 1)
-    kvf_stage_piece_masks_left(g, plan, r, gather, c->pieces, c->growth, pick, c->edge_masks);
-  else
-    for (uint64_t sgi = 0; sgi < ns; sgi++) c->edge_masks[sgi] = !pick[sgi];
+  for (uint32_t p = 0; p < c->pieces; p++)
+    for (uint64_t sgi = 0; sgi < ns; sgi++)
+      c->edge_masks[(size_t)p * ns + sgi] = (c->pieces == 1 || c->masks[(size_t)p * ns + sgi]) && !pick[sgi];
   c->straight_dst = dst;
   c->straight_src = src;
   c->straight_size = sizes;
@@ -1411,7 +1380,6 @@ static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather
   if (!c->masks) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
   c->pieces = pieces > 1 ? kvf_stage_piece_masks_growth(g, plan, r, gather, pieces, growth, c->masks)
                          : 1;
-  c->growth = growth;
   c->any_direct = c->sp.any_direct;
   c->edge = gather || nb == 0 ? 0 : nb - 1;
   if (straight && x->tune.stage_straight_kb > 0 && nb > 0 && (st = plan_straight(x, r, gather, c))) goto out;

@@ -114,13 +114,6 @@ uint32_t kvf_stage_piece_masks_growth(const kvf_geometry *geometry, const kvf_pl
                                       const kvf_copy_request *request, int gather, uint32_t pieces, uint32_t growth,
                                       unsigned char *masks);
 
-/* The same over the segments `taken` leaves (taken[s] 1: segment s is
- * moved elsewhere, as a staged call's straight part moves its views; NULL:
- * none), so that no piece is left empty while views remain. */
-uint32_t kvf_stage_piece_masks_left(const kvf_geometry *geometry, const kvf_plan *plan,
-                                    const kvf_copy_request *request, int gather, uint32_t pieces, uint32_t growth,
-                                    const unsigned char *taken, unsigned char *masks);
-
 /* The views of a request (a staged call's first batch for a gather, its
  * last for a scatter) that the copy engine moves straight between the cache
  * and the host objects while the kernels stage the rest: whole views whose
@@ -279,7 +272,6 @@ typedef struct kvf_xfer_path_info {
   uint32_t uploads;        /* table uploads (host -> device copies before a launch) */
   uint32_t batches;        /* staged batches */
   uint32_t pieces;         /* staged pieces per batch */
-  uint32_t skipped_pieces; /* of all batches' pieces, those with neither a task nor a copy, not enqueued */
   uint64_t dma_ops;        /* copy-engine calls (memcpy or batch calls) */
   uint64_t dma_runs;       /* byte ranges they copy */
   uint64_t straight_runs;  /* of those, runs a staged call's copy engine moves straight (KVF_XFER_STAGE_STRAIGHT_KB) */

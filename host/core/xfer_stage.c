@@ -215,13 +215,6 @@ uint64_t kvf_stage_straight_pick(const kvf_geometry *g, const kvf_plan *plan, co
   return picked;
 }
 
-/* Whether the pieces hold segment s: its group moves and, when `taken` is
- * given, it is not among the segments taken already (a straight part's). */
-static int piece_moves(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r,
-                       const unsigned char *taken, uint32_t s) {
-  return group_moves(g, r, plan->segments[s].group) && !(taken && taken[s]);
-}
-
 /* A segment's weight in the piece split: the bytes it moves per token of
  * the request. An attention segment moves run * heads bytes for each of
  * its tokens; a recurrent one moves whole states (one a chunk), so its
@@ -247,12 +240,6 @@ uint32_t kvf_stage_piece_masks(const kvf_geometry *g, const kvf_plan *plan, cons
 
 uint32_t kvf_stage_piece_masks_growth(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r,
                                       int gather, uint32_t pieces, uint32_t growth, unsigned char *masks) {
-  return kvf_stage_piece_masks_left(g, plan, r, gather, pieces, growth, NULL, masks);
-}
-
-uint32_t kvf_stage_piece_masks_left(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r,
-                                    int gather, uint32_t pieces, uint32_t growth, const unsigned char *taken,
-                                    unsigned char *masks) {
   if (growth < 1) growth = 1;
   uint32_t ns = plan->num_segments;
   if (pieces < 1) pieces = 1;
@@ -263,9 +250,9 @@ uint32_t kvf_stage_piece_masks_left(const kvf_geometry *g, const kvf_plan *plan,
   uint32_t views = 0;
   for (uint32_t s = 0; s < ns; s++) {
     const kvf_segment *seg = &plan->segments[s];
-    if (!piece_moves(g, plan, r, taken, s)) continue;
+    if (!group_moves(g, r, seg->group)) continue;
     total += segment_weight(g, r, seg);
-    if (s == 0 || plan->segments[s - 1].view != seg->view || !piece_moves(g, plan, r, taken, s - 1)) views++;
+    if (s == 0 || plan->segments[s - 1].view != seg->view || !group_moves(g, r, plan->segments[s - 1].group)) views++;
   }
   if (views == 0) return 1;
   if (pieces > views) pieces = views;
@@ -282,7 +269,7 @@ uint32_t kvf_stage_piece_masks_left(const kvf_geometry *g, const kvf_plan *plan,
   uint32_t p = 0, seen = 0;
   for (uint32_t s = 0; s < ns; s++) {
     const kvf_segment *seg = &plan->segments[s];
-    if (!piece_moves(g, plan, r, taken, s)) continue;
+    if (!group_moves(g, r, seg->group)) continue;
     int first_of_view = s == 0 || plan->segments[s - 1].view != seg->view;
     if (first_of_view) {
       /* Close the piece once it holds its share, keeping one view for each
