@@ -27,6 +27,7 @@
 #include "chunk_key_util.h"
 #include "server_test_util.h"
 #include "host/client/client_internal.h"
+#include "host/core/param.h"
 #include "host/ipc/endpoint.h"
 #include "host/ipc/protocol.h"
 #include "host/server/server.h"
@@ -414,6 +415,65 @@ TEST_F(Client, OutOfOrderRepliesReachTheirWaiters) {
   for (auto &th : threads) th.join();
   EXPECT_EQ(ok.load(), kThreads);
   kvf_client_disconnect(c);
+}
+
+// A client's waits spin (KVF_CLIENT_SPIN_US) while its live registration
+// names a GPU, and only then: unregistering it, or a registration of host
+// memory replacing it, ends the spin (a host-only kvferryd's copies run on
+// the cores a spinning waiter takes); unregistering an older registration
+// leaves the live one's. The fake server answers every REGISTER with
+// registration ids 11, 12, ... and every UNREGISTER as done.
+TEST_F(Client, WaitsSpinOnlyWhileTheLiveRegistrationNamesAGpu) {
+  FakeServer fake(dir_, [&](kvf_conn *conn) {
+    uint64_t next_id = 11;
+    for (;;) {
+      kvf_proto_msg m;
+      if (!FakeServer::Read(conn, &m, 5000, true)) return;  // the client disconnected
+      kvf_proto_msg r = FakeServer::Msg(KVF_PROTO_ERROR, m.request_id);
+      if (m.type == KVF_PROTO_REGISTER) {
+        r.type = KVF_PROTO_REGISTER_REPLY;
+        r.u.register_reply.registration_id = next_id++;
+      } else if (m.type == KVF_PROTO_UNREGISTER) {
+        r.type = KVF_PROTO_UNREGISTER_REPLY;
+        r.u.unregister_reply.registration_id = m.u.unregister.registration_id;
+        r.u.unregister_reply.state = 3;
+      } else {
+        ADD_FAILURE() << "fake server: message type " << m.type;
+      }
+      kvf_proto_msg_clear(&m);
+      FakeServer::Send(conn, r);
+    }
+  });
+  kvf_client *c = connect(0);
+  ASSERT_NE(c, nullptr);
+  kvf_mem_alloc_options ao = KVF_MEM_ALLOC_OPTIONS_INIT;
+  ao.size = 2 * 4096;
+  kvf_mem_alloc *a = nullptr;
+  ASSERT_EQ(kvf_mem_alloc_create(&ao, &a), KVF_SUCCESS) << kvf_last_error();
+  kvf_client_region regs[2] = {{a, 0, 4096}, {a, 4096, 4096}};
+  auto reg = [&](int device) {
+    kvf_client_registration out = KVF_CLIENT_REGISTRATION_INIT;
+    EXPECT_EQ(kvf_client_register(c, kTinyGeometry, strlen(kTinyGeometry), device, regs, 2, &out), KVF_SUCCESS)
+        << kvf_last_error();
+    return out.registration_id;
+  };
+  const uint64_t spin = (uint64_t)kvf_param_client_spin_us();
+  ASSERT_GT(spin, 0u) << "KVF_CLIENT_SPIN_US is set to 0 here";
+  EXPECT_EQ(kvf_client_test_spin_us(c), 0u) << "no registration yet";
+  EXPECT_EQ(reg(0), 11u);
+  EXPECT_EQ(kvf_client_test_spin_us(c), spin) << "the live registration names GPU 0";
+  EXPECT_EQ(kvf_client_unregister(c, 0, nullptr), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(kvf_client_test_spin_us(c), 0u) << "the GPU registration is gone";
+  EXPECT_EQ(reg(0), 12u);
+  EXPECT_EQ(reg(-1), 13u);
+  EXPECT_EQ(kvf_client_test_spin_us(c), 0u) << "host memory replaced the GPU registration";
+  EXPECT_EQ(reg(0), 14u);
+  EXPECT_EQ(kvf_client_unregister(c, 12, nullptr), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(kvf_client_test_spin_us(c), spin) << "an older registration went, the live one stays";
+  EXPECT_EQ(kvf_client_unregister(c, 14, nullptr), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(kvf_client_test_spin_us(c), 0u) << "the live registration went by its id";
+  kvf_client_disconnect(c);
+  kvf_mem_alloc_destroy(a);
 }
 
 // Waits that read without sleeping first (KVF_CLIENT_SPIN_US; a client of a

@@ -104,8 +104,9 @@ struct kvf_client {
   kvf_client_unretired *unretired; /* STORE/RETRIEVE not proven retired */
   uint64_t max_issued;             /* the highest request id sent */
   int reading;                 /* a thread holds the reader role */
-  uint64_t spin_us;            /* waits read without sleeping this long first (client_spin_turns): 0 until a
-                                  registration names a GPU, then KVF_CLIENT_SPIN_US (or a test's) */
+  uint64_t spin_us;            /* waits read without sleeping this long first (client_spin_turns): 0 unless the
+                                  live registration names a GPU, then KVF_CLIENT_SPIN_US (or a test's) */
+  uint64_t live_registration;  /* the id of the last successful REGISTER until it is unregistered; 0: none */
   kvf_status dead;             /* the connection is unusable: why; KVF_SUCCESS while healthy */
   char dead_detail[KVF_CLIENT_DETAIL_MAX];
 
@@ -765,11 +766,12 @@ kvf_status kvf_client_register_desc(kvf_client *client, const struct kvf_client_
   req.u.reg.num_regions = num_regions;
   st = client_call(client, &req, fds, num_fds, KVF_PROTO_REGISTER_REPLY, &rep);
   if (st != KVF_SUCCESS) goto out;
-  if (d.device >= 0) {
-    pthread_mutex_lock(&client->lock);
-    client->spin_us = spin_bound(kvf_param_client_spin_us());
-    pthread_mutex_unlock(&client->lock);
-  }
+  /* The new registration replaces the live one: the waits spin for a GPU
+   * cache's only (client_wait_locked says why). */
+  pthread_mutex_lock(&client->lock);
+  client->live_registration = rep.u.register_reply.registration_id;
+  client->spin_us = d.device >= 0 ? spin_bound(kvf_param_client_spin_us()) : 0;
+  pthread_mutex_unlock(&client->lock);
   if (out) {
     kvf_client_registration got = KVF_CLIENT_REGISTRATION_INIT;
     got.registration_id = rep.u.register_reply.registration_id;
@@ -794,6 +796,14 @@ kvf_status kvf_client_unregister(kvf_client *client, uint64_t registration_id, u
   req.u.unregister.registration_id = registration_id;
   kvf_status st = client_call(client, &req, NULL, 0, KVF_PROTO_UNREGISTER_REPLY, &rep);
   if (st != KVF_SUCCESS) return st;
+  /* The live registration gone, nothing is left to spin for; an older one
+   * (draining) leaves the live one's spin. */
+  pthread_mutex_lock(&client->lock);
+  if (registration_id == 0 || registration_id == client->live_registration) {
+    client->live_registration = 0;
+    client->spin_us = 0;
+  }
+  pthread_mutex_unlock(&client->lock);
   if (state) *state = rep.u.unregister_reply.state;
   kvf_proto_msg_clear(&rep);
   return KVF_SUCCESS;
@@ -1084,6 +1094,14 @@ void kvf_client_test_spin(kvf_client *client, int64_t spin_us) {
   pthread_mutex_lock(&client->lock);
   client->spin_us = spin_bound(spin_us);
   pthread_mutex_unlock(&client->lock);
+}
+
+uint64_t kvf_client_test_spin_us(kvf_client *client) {
+  if (!client) return 0;
+  pthread_mutex_lock(&client->lock);
+  uint64_t us = client->spin_us;
+  pthread_mutex_unlock(&client->lock);
+  return us;
 }
 
 static const char *outcome_name(uint32_t outcome) {

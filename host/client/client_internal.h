@@ -22,6 +22,9 @@ void kvf_client_test_next_request_id(kvf_client *client, uint64_t id);
  * without a GPU run that path; 0: no spin. NULL is a no-op. */
 void kvf_client_test_spin(kvf_client *client, int64_t spin_us);
 
+/* How long the client's waits spin now, in us (0: they do not). NULL: 0. */
+uint64_t kvf_client_test_spin_us(kvf_client *client);
+
 #ifdef __cplusplus
 }
 #endif
