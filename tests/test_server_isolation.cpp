@@ -534,6 +534,21 @@ class Isolation : public ::testing::Test {
     return r;
   }
 
+  // After a refused REGISTER on conn: the connection still answers, and the
+  // server holds no registration or import, and no descriptor or mapping
+  // beyond the fds0 and maps0 it had before.
+  void expect_nothing_kept(RawConn &conn, int fds0, int maps0) {
+    kvf_proto_msg r;
+    ASSERT_EQ(conn.simple(KVF_PROTO_HEARTBEAT, &r), KVF_SUCCESS) << "the connection must stay";
+    EXPECT_EQ(r.type, KVF_PROTO_HEARTBEAT_REPLY);
+    kvf_proto_msg_clear(&r);
+    kvf_client_stats s = stat_now();
+    EXPECT_EQ(s.active, 0u);
+    EXPECT_EQ(s.imports, 0u);
+    EXPECT_EQ(server_.fds(), fds0) << "the server kept the descriptor";
+    EXPECT_EQ(server_.memfd_maps(), maps0) << "the server kept a mapping";
+  }
+
   // STAT over a new connection: the totals, and how long it took.
   kvf_client_stats stat_now(double *ms = nullptr) {
     kvf_client_stats s = KVF_CLIENT_STATS_INIT;
@@ -744,6 +759,18 @@ kvf_status register_tiny(RawConn &c, const kvf_mem_identity &id, uint64_t region
   return st;
 }
 
+// After refusals, connection c still registers allocation a correctly (the
+// tiny geometry), then unregisters it.
+void register_then_unregister(RawConn &c, const HostAlloc &a) {
+  kvf_proto_msg reply;
+  ASSERT_EQ(register_tiny(c, a.id, a.region, a.fd(), &reply), KVF_SUCCESS);
+  ASSERT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
+  kvf_proto_msg_clear(&reply);
+  ASSERT_EQ(c.simple(KVF_PROTO_UNREGISTER, &reply), KVF_SUCCESS);
+  EXPECT_EQ(reply.type, KVF_PROTO_UNREGISTER_REPLY) << describe(reply);
+  kvf_proto_msg_clear(&reply);
+}
+
 // REGISTER the tiny geometry in a on c and expect it accepted.
 void expect_registered(RawConn &c, const HostAlloc &a) {
   kvf_proto_msg reply;
@@ -869,17 +896,6 @@ TEST_F(Isolation, ARegionPastItsAllocationIsRefusedAndTheConnectionStays) {
   RawConn conn;
   ASSERT_EQ(conn.open(dir_), KVF_SUCCESS);
   int fds0 = server_.fds(), maps0 = server_.memfd_maps();
-  auto nothing_kept = [&](const std::string &what) {
-    kvf_proto_msg r;
-    ASSERT_EQ(conn.simple(KVF_PROTO_HEARTBEAT, &r), KVF_SUCCESS) << what << ": the connection must stay";
-    EXPECT_EQ(r.type, KVF_PROTO_HEARTBEAT_REPLY) << what;
-    kvf_proto_msg_clear(&r);
-    kvf_client_stats s = stat_now();
-    EXPECT_EQ(s.active, 0u) << what;
-    EXPECT_EQ(s.imports, 0u) << what;
-    EXPECT_EQ(server_.fds(), fds0) << what << ": the server kept the descriptor";
-    EXPECT_EQ(server_.memfd_maps(), maps0) << what << ": the server kept a mapping";
-  };
   struct Case {
     std::string what;
     uint64_t offset, length;
@@ -908,18 +924,10 @@ TEST_F(Isolation, ARegionPastItsAllocationIsRefusedAndTheConnectionStays) {
     EXPECT_NE(std::string(reply.u.error.message).find("offset " + std::to_string(k.offset)), std::string::npos)
         << describe(reply);
     kvf_proto_msg_clear(&reply);
-    nothing_kept(k.what);
+    ASSERT_NO_FATAL_FAILURE(expect_nothing_kept(conn, fds0, maps0));
   }
   // The same connection registers the allocation correctly, and unregisters.
-  int fd = a.fd();
-  kvf_status st = register_raw(conn, kTinyGeometry, {region_of(a.id, 0, R, 0), region_of(a.id, R, R, 0)}, {fd}, &reply);
-  close(fd);
-  ASSERT_EQ(st, KVF_SUCCESS);
-  ASSERT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
-  kvf_proto_msg_clear(&reply);
-  ASSERT_EQ(conn.simple(KVF_PROTO_UNREGISTER, &reply), KVF_SUCCESS);
-  EXPECT_EQ(reply.type, KVF_PROTO_UNREGISTER_REPLY) << describe(reply);
-  kvf_proto_msg_clear(&reply);
+  ASSERT_NO_FATAL_FAILURE(register_then_unregister(conn, a));
   conn.close();
 
   // The C client sends such a region as given: it gets the server's
@@ -994,24 +1002,9 @@ TEST_F(Isolation, RegionFaultsAreRefusedNamingTheFieldAndTheConnectionStays) {
     EXPECT_STREQ(reply.u.error.field, k.field.c_str()) << describe(reply);
     EXPECT_NE(std::string(reply.u.error.message).find(k.message), std::string::npos) << describe(reply);
     kvf_proto_msg_clear(&reply);
-    ASSERT_EQ(conn.simple(KVF_PROTO_HEARTBEAT, &reply), KVF_SUCCESS) << "the connection must stay";
-    EXPECT_EQ(reply.type, KVF_PROTO_HEARTBEAT_REPLY);
-    kvf_proto_msg_clear(&reply);
-    kvf_client_stats s = stat_now();
-    EXPECT_EQ(s.active, 0u);
-    EXPECT_EQ(s.imports, 0u);
-    EXPECT_EQ(server_.fds(), fds0) << "the server kept the descriptor";
-    EXPECT_EQ(server_.memfd_maps(), maps0) << "the server kept a mapping";
+    ASSERT_NO_FATAL_FAILURE(expect_nothing_kept(conn, fds0, maps0));
   }
-  int fd = a.fd();
-  kvf_status st = register_raw(conn, kTinyGeometry, {region_of(a.id, 0, R, 0), region_of(a.id, R, R, 0)}, {fd}, &reply);
-  close(fd);
-  ASSERT_EQ(st, KVF_SUCCESS);
-  ASSERT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
-  kvf_proto_msg_clear(&reply);
-  ASSERT_EQ(conn.simple(KVF_PROTO_UNREGISTER, &reply), KVF_SUCCESS);
-  EXPECT_EQ(reply.type, KVF_PROTO_UNREGISTER_REPLY) << describe(reply);
-  kvf_proto_msg_clear(&reply);
+  ASSERT_NO_FATAL_FAILURE(register_then_unregister(conn, a));
   conn.close();
   EXPECT_EQ(server_.memfd_maps(), maps0);
   EXPECT_EQ(server_.stop(), 0) << kServerCodes;
