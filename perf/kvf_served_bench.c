@@ -338,6 +338,25 @@ static void inproc_rounds(bench *b, kvf_xfer *x, const kvf_copy_request *req, kv
   free(rate);
 }
 
+/* The in-process request of the baselines: one request's tokens from block
+ * 0 of every group, into `objs`; bases and gb (64 each) are its arrays. */
+static kvf_copy_request inproc_request(const bench *b, void **objs, void **bases, kvf_group_blocks *gb) {
+  uint32_t nreg = kvf_geometry_num_regions(b->g);
+  for (uint32_t r = 0; r < nreg; r++) bases[r] = (char *)kvf_mem_alloc_ptr(b->alloc) + b->offsets[r];
+  for (uint32_t gidx = 0; gidx < b->num_groups; gidx++) {
+    kvf_group_info gi = KVF_GROUP_INFO_INIT;
+    kvf_geometry_group(b->g, gidx, &gi);
+    gb[gidx] = (kvf_group_blocks){b->ids[gidx], 0, (uint32_t)((b->tokens_per_request + gi.block_size - 1) / gi.block_size)};
+  }
+  kvf_copy_request req = KVF_COPY_REQUEST_INIT;
+  req.region_bases = bases;
+  req.token_begin = 0;
+  req.token_end = b->tokens_per_request;
+  req.groups = gb;
+  req.objects = objs;
+  return req;
+}
+
 /* The host backend's baselines (--device -1): kvf_xfer of one request's
  * bytes between the memfd cache and objects in this process's memory, and a
  * memcpy of the same bytes between two buffers, interleaved so both see the
@@ -363,21 +382,9 @@ static int host_baselines(bench *b, double *inproc_store, double *inproc_retriev
       total += s;
     }
   *request_bytes = total;
-  uint32_t nreg = kvf_geometry_num_regions(b->g);
   void *bases[64];
-  for (uint32_t r = 0; r < nreg; r++) bases[r] = (char *)kvf_mem_alloc_ptr(b->alloc) + b->offsets[r];
   kvf_group_blocks gb[64];
-  for (uint32_t gidx = 0; gidx < b->num_groups; gidx++) {
-    kvf_group_info gi = KVF_GROUP_INFO_INIT;
-    kvf_geometry_group(b->g, gidx, &gi);
-    gb[gidx] = (kvf_group_blocks){b->ids[gidx], 0, (uint32_t)((b->tokens_per_request + gi.block_size - 1) / gi.block_size)};
-  }
-  kvf_copy_request req = KVF_COPY_REQUEST_INIT;
-  req.region_bases = bases;
-  req.token_begin = 0;
-  req.token_end = b->tokens_per_request;
-  req.groups = gb;
-  req.objects = objs;
+  kvf_copy_request req = inproc_request(b, objs, bases, gb);
   char *src = aligned_alloc(4096, (total + 4095) / 4096 * 4096), *dst = aligned_alloc(4096, (total + 4095) / 4096 * 4096);
   if (!src || !dst) return -1;
   memset(src, 1, total);
@@ -434,21 +441,9 @@ static int baselines(bench *b, double *inproc_store, double *inproc_retrieve, do
       total += s;
     }
   *request_bytes = total;
-  uint32_t nreg = kvf_geometry_num_regions(b->g);
   void *bases[64];
-  for (uint32_t r = 0; r < nreg; r++) bases[r] = (char *)kvf_mem_alloc_ptr(b->alloc) + b->offsets[r];
   kvf_group_blocks gb[64];
-  for (uint32_t gidx = 0; gidx < b->num_groups; gidx++) {
-    kvf_group_info gi = KVF_GROUP_INFO_INIT;
-    kvf_geometry_group(b->g, gidx, &gi);
-    gb[gidx] = (kvf_group_blocks){b->ids[gidx], 0, (uint32_t)((b->tokens_per_request + gi.block_size - 1) / gi.block_size)};
-  }
-  kvf_copy_request req = KVF_COPY_REQUEST_INIT;
-  req.region_bases = bases;
-  req.token_begin = 0;
-  req.token_end = b->tokens_per_request;
-  req.groups = gb;
-  req.objects = objs;
+  kvf_copy_request req = inproc_request(b, objs, bases, gb);
   cudaStream_t s;
   cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
   void *dbuf = NULL, *hbuf = NULL;
