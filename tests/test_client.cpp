@@ -421,21 +421,29 @@ TEST_F(Client, OutOfOrderRepliesReachTheirWaiters) {
 // names a GPU, and only then: unregistering it, or a registration of host
 // memory replacing it, ends the spin (a host-only kvferryd's copies run on
 // the cores a spinning waiter takes); unregistering an older registration
-// leaves the live one's. The fake server answers every REGISTER with
-// registration ids 11, 12, ... and every UNREGISTER as done.
+// leaves the live one's. The fake server answers REGISTER with registration
+// ids 11, 12, ... (after `scripted` ids, when set) and UNREGISTER as done,
+// naming the id it ended as kvferryd does (the live one for 0, 0 when none
+// is), or `scripted_gone` when set: replies as two threads of an engine
+// may apply them, out of the server's order.
 TEST_F(Client, WaitsSpinOnlyWhileTheLiveRegistrationNamesAGpu) {
+  std::atomic<uint64_t> scripted{0}, scripted_gone{0};
   FakeServer fake(dir_, [&](kvf_conn *conn) {
-    uint64_t next_id = 11;
+    uint64_t next_id = 11, live = 0;
     for (;;) {
       kvf_proto_msg m;
       if (!FakeServer::Read(conn, &m, 5000, true)) return;  // the client disconnected
       kvf_proto_msg r = FakeServer::Msg(KVF_PROTO_ERROR, m.request_id);
       if (m.type == KVF_PROTO_REGISTER) {
         r.type = KVF_PROTO_REGISTER_REPLY;
-        r.u.register_reply.registration_id = next_id++;
+        uint64_t id = scripted.exchange(0);
+        r.u.register_reply.registration_id = live = id ? id : next_id++;
       } else if (m.type == KVF_PROTO_UNREGISTER) {
+        uint64_t want = m.u.unregister.registration_id, gone = scripted_gone.exchange(0);
+        if (!gone) gone = want ? want : live;
+        if (gone == live) live = 0;
         r.type = KVF_PROTO_UNREGISTER_REPLY;
-        r.u.unregister_reply.registration_id = m.u.unregister.registration_id;
+        r.u.unregister_reply.registration_id = gone;
         r.u.unregister_reply.state = 3;
       } else {
         ADD_FAILURE() << "fake server: message type " << m.type;
@@ -472,6 +480,19 @@ TEST_F(Client, WaitsSpinOnlyWhileTheLiveRegistrationNamesAGpu) {
   EXPECT_EQ(kvf_client_test_spin_us(c), spin) << "an older registration went, the live one stays";
   EXPECT_EQ(kvf_client_unregister(c, 14, nullptr), KVF_SUCCESS) << kvf_last_error();
   EXPECT_EQ(kvf_client_test_spin_us(c), 0u) << "the live registration went by its id";
+  // Out of order: the reply of an UNREGISTER the server handled after
+  // REGISTER 15 is applied first, then that REGISTER's reply: nothing is
+  // live. Then REGISTER 16 (GPU), and a stale reply (id 9, older than the
+  // newest applied) changes nothing.
+  scripted_gone = 15;
+  EXPECT_EQ(kvf_client_unregister(c, 0, nullptr), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(reg(0), 15u);
+  EXPECT_EQ(kvf_client_test_spin_us(c), 0u) << "registration 15 was already unregistered";
+  EXPECT_EQ(reg(0), 16u);
+  EXPECT_EQ(kvf_client_test_spin_us(c), spin);
+  scripted = 9;
+  EXPECT_EQ(reg(-1), 9u);
+  EXPECT_EQ(kvf_client_test_spin_us(c), spin) << "a stale REGISTER reply replaced the live registration";
   kvf_client_disconnect(c);
   kvf_mem_alloc_destroy(a);
 }

@@ -106,7 +106,11 @@ struct kvf_client {
   int reading;                 /* a thread holds the reader role */
   uint64_t spin_us;            /* waits read without sleeping this long first (client_spin_turns): 0 unless the
                                   live registration names a GPU, then KVF_CLIENT_SPIN_US (or a test's) */
-  uint64_t live_registration;  /* the id of the last successful REGISTER until it is unregistered; 0: none */
+  uint64_t live_registration;  /* the live registration's id as far as the replies say (0: none); with the two
+                                  below, so that replies applied out of order (threads wake in any order)
+                                  end where the server's order ends (registration ids only grow) */
+  uint64_t newest_registration; /* the highest id a REGISTER reply gave */
+  uint64_t newest_unregistered; /* the highest id an UNREGISTER reply named */
   kvf_status dead;             /* the connection is unusable: why; KVF_SUCCESS while healthy */
   char dead_detail[KVF_CLIENT_DETAIL_MAX];
 
@@ -767,10 +771,17 @@ kvf_status kvf_client_register_desc(kvf_client *client, const struct kvf_client_
   st = client_call(client, &req, fds, num_fds, KVF_PROTO_REGISTER_REPLY, &rep);
   if (st != KVF_SUCCESS) goto out;
   /* The new registration replaces the live one: the waits spin for a GPU
-   * cache's only (client_wait_locked says why). */
+   * cache's only (client_wait_locked says why). A reply older than one
+   * already applied changes nothing; one whose id an UNREGISTER reply
+   * already named leaves nothing live. */
   pthread_mutex_lock(&client->lock);
-  client->live_registration = rep.u.register_reply.registration_id;
-  client->spin_us = d.device >= 0 ? spin_bound(kvf_param_client_spin_us()) : 0;
+  uint64_t id = rep.u.register_reply.registration_id;
+  if (id > client->newest_registration) {
+    client->newest_registration = id;
+    int gone = id <= client->newest_unregistered;
+    client->live_registration = gone ? 0 : id;
+    client->spin_us = !gone && d.device >= 0 ? spin_bound(kvf_param_client_spin_us()) : 0;
+  }
   pthread_mutex_unlock(&client->lock);
   if (out) {
     kvf_client_registration got = KVF_CLIENT_REGISTRATION_INIT;
@@ -796,10 +807,13 @@ kvf_status kvf_client_unregister(kvf_client *client, uint64_t registration_id, u
   req.u.unregister.registration_id = registration_id;
   kvf_status st = client_call(client, &req, NULL, 0, KVF_PROTO_UNREGISTER_REPLY, &rep);
   if (st != KVF_SUCCESS) return st;
-  /* The live registration gone, nothing is left to spin for; an older one
-   * (draining) leaves the live one's spin. */
+  /* The reply names the registration it ended (the live one for id 0, 0
+   * when none was). The live one gone, nothing is left to spin for; an
+   * older one leaves the live one's spin. */
+  uint64_t gone = rep.u.unregister_reply.registration_id;
   pthread_mutex_lock(&client->lock);
-  if (registration_id == 0 || registration_id == client->live_registration) {
+  if (gone > client->newest_unregistered) client->newest_unregistered = gone;
+  if (gone != 0 && gone == client->live_registration) {
     client->live_registration = 0;
     client->spin_us = 0;
   }

@@ -18,7 +18,7 @@ extern "C" {
 void kvf_client_test_next_request_id(kvf_client *client, uint64_t id);
 
 /* Make the client's waits spin first for spin_us (at most a second), as
- * they do for KVF_CLIENT_SPIN_US once a registration names a GPU, so tests
+ * they do for KVF_CLIENT_SPIN_US while the live registration names a GPU, so tests
  * without a GPU run that path; 0: no spin. NULL is a no-op. */
 void kvf_client_test_spin(kvf_client *client, int64_t spin_us);
 
