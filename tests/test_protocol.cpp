@@ -583,8 +583,9 @@ TEST(Protocol, RegisterRejections) {
   // 3, an empty allocation or range, a descriptor past the frame's, a
   // region past its allocation (offset 2 MiB + 3 MiB > 4 MiB) or whose end
   // wraps 64 bits. The server refuses the request (KVF_ERR_INVALID_ARGUMENT,
-  // test_server_isolation), keeping the connection, where a decoder's
-  // refusal would close it; the decoder hands the values on as sent.
+  // KVF_ERR_PERMISSION for instance 0; test_server_isolation), keeping the
+  // connection, where a decoder's refusal would close it; the decoder hands
+  // the values on as sent.
   struct Value {
     size_t at, width;
     uint64_t value;

@@ -781,9 +781,10 @@ static kvf_status decode_register(rbuf *r, kvf_proto_register *g) {
     R(r_zero32(r, RF("reserved2")));
     /* A region's values (instance 0, an unknown provider, an empty
      * allocation or range, one past its allocation, a descriptor the frame
-     * does not carry) are the server's checks (register.c), not the
-     * frame's: a well-formed frame with a wrong value is a request it
-     * refuses with KVF_ERR_INVALID_ARGUMENT, keeping the connection. */
+     * does not carry) are the server's checks (server.c register_claim,
+     * register.c), not the frame's: a well-formed frame with a wrong value
+     * is a request it refuses (KVF_ERR_PERMISSION for an instance not the
+     * sender's, else KVF_ERR_INVALID_ARGUMENT), keeping the connection. */
 #undef RF
   }
 out:
