@@ -36,10 +36,12 @@
 namespace kvf_server_test {
 
 // Timing bounds that tell bounded work from unbounded (not a speed test)
-// are multiplied by this: 3 under ThreadSanitizer, whose build CI runs too
-// (an admission of 65536 chunks took 1.09 s there against the 1 s bound).
+// are multiplied by this: 4 under ThreadSanitizer, whose build CI runs too
+// (an admission of 65536 chunks took 1.09 s there against the 1 s bound,
+// 4.4-4.6 s with another build's tests on the same two cores; the call
+// waits 5).
 #ifdef KVF_TEST_TSAN
-constexpr double kTimingScale = 3.0;
+constexpr double kTimingScale = 4.0;
 #else
 constexpr double kTimingScale = 1.0;
 #endif

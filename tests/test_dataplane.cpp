@@ -1284,7 +1284,7 @@ TEST(Dataplane, EvictionNeverTakesPinnedEntries) {
   ASSERT_EQ(kvf_client_submit(e.c, KVF_CLIENT_STORE, &cx.x, &cid), KVF_SUCCESS) << kvf_last_error();
   for (auto t1 = Clock::now(); srv.data().l1.objects_reserved == 0 && ms_since(t1) < 5000;) sleep_ms(1);
   s = srv.data();
-  ASSERT_LT(ms_since(t0), 250) << "too slow: the retrieve of A may no longer be pinned";
+  ASSERT_LT(ms_since(t0), 250 * kvf_server_test::kTimingScale) << "too slow: the retrieve of A may no longer be pinned";
   EXPECT_EQ(s.l1.objects_pinned, 1u);
   EXPECT_EQ(s.l1.objects_reserved, 1u);
   EXPECT_EQ(s.l1.evicted_entries_total, 1u);
@@ -1339,7 +1339,7 @@ TEST(Dataplane, TimedOutRequestIsAnsweredEarlyAndReleasedLate) {
   EXPECT_EQ(r.outcome, KVF_CLIENT_TIMED_OUT) << result_text(r);
   EXPECT_EQ(r.status, KVF_ERR_TIMEOUT) << result_text(r);
   EXPECT_GE(answered, 90);
-  EXPECT_LT(answered, 450) << "the timeout was not answered at about 100 ms";
+  EXPECT_LT(answered, 450 * kvf_server_test::kTimingScale) << "the timeout was not answered at about 100 ms";
   // The store will be aborted: its reply must not claim anything stored.
   expect_nothing_moved(r, 0, "timed-out store");
   // Still held: the lease and the reservation, until the (delayed) proof.

@@ -809,10 +809,14 @@ kvf_status kvf_client_unregister(kvf_client *client, uint64_t registration_id, u
   if (st != KVF_SUCCESS) return st;
   /* The reply names the registration it ended (the live one for id 0, 0
    * when none was). The live one gone, nothing is left to spin for; an
-   * older one leaves the live one's spin. */
+   * older one leaves the live one's spin. An id the caller named counts
+   * only up to the newest this client was given: the server echoes any id
+   * (one of another kvferryd's, a junk value), and a higher one would mark
+   * registrations still to come as gone. */
   uint64_t gone = rep.u.unregister_reply.registration_id;
   pthread_mutex_lock(&client->lock);
-  if (gone > client->newest_unregistered) client->newest_unregistered = gone;
+  if (gone > client->newest_unregistered && (registration_id == 0 || gone <= client->newest_registration))
+    client->newest_unregistered = gone;
   if (gone != 0 && gone == client->live_registration) {
     client->live_registration = 0;
     client->spin_us = 0;
