@@ -106,10 +106,12 @@ struct kvf_client {
   int reading;                 /* a thread holds the reader role */
   uint64_t spin_us;            /* waits read without sleeping this long first (client_spin_turns): 0 unless the
                                   live registration names a GPU, then KVF_CLIENT_SPIN_US (or a test's) */
-  uint64_t live_registration;  /* the live registration's id as far as the replies say (0: none); with the two
-                                  below, so that replies applied out of order (threads wake in any order)
-                                  end where the server's order ends (registration ids only grow) */
+  /* The live registration as the replies say, in the server's order
+   * whatever order threads apply them in (registration ids only grow): the
+   * newest REGISTER reply's, unless an UNREGISTER reply named it or a newer
+   * one (spin_follow). */
   uint64_t newest_registration; /* the highest id a REGISTER reply gave */
+  int newest_on_gpu;            /* that registration names a GPU */
   uint64_t newest_unregistered; /* the highest id an UNREGISTER reply named */
   kvf_status dead;             /* the connection is unusable: why; KVF_SUCCESS while healthy */
   char dead_detail[KVF_CLIENT_DETAIL_MAX];
@@ -311,6 +313,13 @@ static void client_spin_turns(kvf_client *c, uint64_t until_ns) {
 /* A spin length in us: negative is none, more than a second a second. */
 static uint64_t spin_bound(int64_t us) {
   return us <= 0 ? 0 : us > KVF_CLIENT_MAX_SPIN_US ? KVF_CLIENT_MAX_SPIN_US : (uint64_t)us;
+}
+
+/* The waits spin for a live GPU registration only (client_wait_locked says
+ * why); c->lock held. */
+static void spin_follow(kvf_client *c) {
+  int live = c->newest_registration > c->newest_unregistered;
+  c->spin_us = live && c->newest_on_gpu ? spin_bound(kvf_param_client_spin_us()) : 0;
 }
 
 /* Wait for request `id` until deadline_ms (c->lock held). Returns
@@ -770,17 +779,14 @@ kvf_status kvf_client_register_desc(kvf_client *client, const struct kvf_client_
   req.u.reg.num_regions = num_regions;
   st = client_call(client, &req, fds, num_fds, KVF_PROTO_REGISTER_REPLY, &rep);
   if (st != KVF_SUCCESS) goto out;
-  /* The new registration replaces the live one: the waits spin for a GPU
-   * cache's only (client_wait_locked says why). A reply older than one
-   * already applied changes nothing; one whose id an UNREGISTER reply
-   * already named leaves nothing live. */
+  /* The new registration replaces the live one; a reply older than one
+   * already applied changes nothing. */
   pthread_mutex_lock(&client->lock);
   uint64_t id = rep.u.register_reply.registration_id;
   if (id > client->newest_registration) {
     client->newest_registration = id;
-    int gone = id <= client->newest_unregistered;
-    client->live_registration = gone ? 0 : id;
-    client->spin_us = !gone && d.device >= 0 ? spin_bound(kvf_param_client_spin_us()) : 0;
+    client->newest_on_gpu = d.device >= 0;
+    spin_follow(client);
   }
   pthread_mutex_unlock(&client->lock);
   if (out) {
@@ -808,18 +814,15 @@ kvf_status kvf_client_unregister(kvf_client *client, uint64_t registration_id, u
   kvf_status st = client_call(client, &req, NULL, 0, KVF_PROTO_UNREGISTER_REPLY, &rep);
   if (st != KVF_SUCCESS) return st;
   /* The reply names the registration it ended (the live one for id 0, 0
-   * when none was). The live one gone, nothing is left to spin for; an
-   * older one leaves the live one's spin. An id the caller named counts
-   * only up to the newest this client was given: the server echoes any id
-   * (one of another kvferryd's, a junk value), and a higher one would mark
-   * registrations still to come as gone. */
+   * when none was); an older one leaves the live one's spin. An id the
+   * caller named counts only up to the newest this client was given: the
+   * server echoes any id (one of another kvferryd's, a junk value), and a
+   * higher one would mark registrations still to come as gone. */
   uint64_t gone = rep.u.unregister_reply.registration_id;
   pthread_mutex_lock(&client->lock);
-  if (gone > client->newest_unregistered && (registration_id == 0 || gone <= client->newest_registration))
+  if (gone > client->newest_unregistered && (registration_id == 0 || gone <= client->newest_registration)) {
     client->newest_unregistered = gone;
-  if (gone != 0 && gone == client->live_registration) {
-    client->live_registration = 0;
-    client->spin_us = 0;
+    spin_follow(client);
   }
   pthread_mutex_unlock(&client->lock);
   if (state) *state = rep.u.unregister_reply.state;
