@@ -760,23 +760,21 @@ kvf_status register_tiny(RawConn &c, const kvf_mem_identity &id, uint64_t region
   return st;
 }
 
-// After refusals, connection c still registers allocation a correctly (the
-// tiny geometry), then unregisters it.
-void register_then_unregister(RawConn &c, const HostAlloc &a) {
-  kvf_proto_msg reply;
-  ASSERT_EQ(register_tiny(c, a.id, a.region, a.fd(), &reply), KVF_SUCCESS);
-  ASSERT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
-  kvf_proto_msg_clear(&reply);
-  ASSERT_EQ(c.simple(KVF_PROTO_UNREGISTER, &reply), KVF_SUCCESS);
-  EXPECT_EQ(reply.type, KVF_PROTO_UNREGISTER_REPLY) << describe(reply);
-  kvf_proto_msg_clear(&reply);
-}
-
 // REGISTER the tiny geometry in a on c and expect it accepted.
 void expect_registered(RawConn &c, const HostAlloc &a) {
   kvf_proto_msg reply;
   ASSERT_EQ(register_tiny(c, a.id, a.region, a.fd(), &reply), KVF_SUCCESS);
   ASSERT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
+  kvf_proto_msg_clear(&reply);
+}
+
+// After refusals, connection c still registers allocation a correctly (the
+// tiny geometry), then unregisters it.
+void register_then_unregister(RawConn &c, const HostAlloc &a) {
+  ASSERT_NO_FATAL_FAILURE(expect_registered(c, a));
+  kvf_proto_msg reply;
+  ASSERT_EQ(c.simple(KVF_PROTO_UNREGISTER, &reply), KVF_SUCCESS);
+  EXPECT_EQ(reply.type, KVF_PROTO_UNREGISTER_REPLY) << describe(reply);
   kvf_proto_msg_clear(&reply);
 }
 
@@ -874,12 +872,7 @@ TEST_F(Isolation, ADescriptorMustBeTheAllocationItsIdentityNames) {
     still_serving("the second of two allocations with a pipe");
   }
   // a's own descriptor again: re-registered (an alias of its mapping).
-  ASSERT_EQ(register_tiny(conn, a.id, a.region, a.fd(), &reply), KVF_SUCCESS);
-  EXPECT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
-  kvf_proto_msg_clear(&reply);
-  ASSERT_EQ(conn.simple(KVF_PROTO_UNREGISTER, &reply), KVF_SUCCESS);
-  EXPECT_EQ(reply.type, KVF_PROTO_UNREGISTER_REPLY) << describe(reply);
-  kvf_proto_msg_clear(&reply);
+  ASSERT_NO_FATAL_FAILURE(register_then_unregister(conn, a));
   conn.close();
   EXPECT_EQ(server_.stop(), 0) << kServerCodes;
 }
