@@ -388,11 +388,12 @@ Data clone(const Data &d) { return {clone(d.cache), clone(d.objs)}; }
 // Make dst (a clone of src, or of a set of the same shape) hold src's bytes
 // again without allocating: loops that start each round from the same
 // inputs spent a third of their time in fresh buffers' page faults.
+void refill(Set &to, const Set &from) {
+  for (size_t i = 0; i < from.size(); i++) std::memcpy(to.at(i).bytes(), from[i].bytes(), from[i].total());
+}
 void refill(Data &dst, const Data &src) {
-  for (const Set *from : {&src.cache, &src.objs}) {
-    Set &to = from == &src.cache ? dst.cache : dst.objs;
-    for (size_t i = 0; i < from->size(); i++) std::memcpy(to.at(i).bytes(), (*from)[i].bytes(), (*from)[i].total());
-  }
+  refill(dst.cache, src.cache);
+  refill(dst.objs, src.objs);
 }
 
 // Gather: a random cache, objects (and guards) poisoned. Scatter: random
