@@ -1004,6 +1004,67 @@ TEST_F(Isolation, RegionFaultsAreRefusedNamingTheFieldAndTheConnectionStays) {
   EXPECT_EQ(server_.stop(), 0) << kServerCodes;
 }
 
+// A refused REGISTER binds nothing: the generations a connection holds
+// (no other process may register them while it is connected) are those of
+// its registrations that succeeded. Otherwise a process that knows an
+// engine's instance could send REGISTERs the server refuses in the
+// engine's name and keep the engine out of its own allocations, and each
+// refusal would use up one of the connection's generation slots.
+constexpr uint64_t kGenerationSlots = 8;  // KVF_SERVER_MAX_GENERATIONS (host/server/server.c)
+
+TEST_F(Isolation, ARefusedRegisterBindsNoGeneration) {
+  ASSERT_TRUE(server_.start(dir_, 30000));
+  const uint64_t instance = 0x1d1e5ca1ab1e0001ull, generation = 7;
+  HostAlloc mine(1);
+  kvf_mem_identity id = mine.id;
+  id.instance_id = instance;
+  id.generation = generation;
+  RawConn squatter;
+  ASSERT_EQ(squatter.open(dir_, instance, generation), KVF_SUCCESS);
+  kvf_proto_msg reply;
+  // Refusals in the engine's generation, then in as many others as a
+  // connection has generation slots.
+  for (uint64_t k = 0; k <= kGenerationSlots; k++) {
+    kvf_mem_identity spoilt = id;
+    spoilt.generation = k == 0 ? generation : 100 + k;
+    SCOPED_TRACE(spoilt.generation);
+    kvf_proto_region empty = region_of(spoilt, mine.region, mine.region, 0);
+    empty.length = 0; /* refused by the registration worker, after the claim */
+    int fd = mine.fd();
+    ASSERT_EQ(register_raw(squatter, kTinyGeometry, {region_of(spoilt, 0, mine.region, 0), empty}, {fd}, &reply),
+              KVF_SUCCESS);
+    close(fd);
+    ASSERT_EQ(reply.type, KVF_PROTO_ERROR) << describe(reply);
+    EXPECT_STREQ(reply.u.error.field, "payload.regions[1].length") << describe(reply);
+    kvf_proto_msg_clear(&reply);
+  }
+  // Another process of that instance and generation (the squatter still
+  // connected) registers its own allocation.
+  Child &engine = spawn([this](int, int) {  // instance and generation are constants: no capture
+    HostAlloc fresh(2);
+    RawConn c;
+    if (c.open(dir_, instance, generation) != KVF_SUCCESS) return 40;
+    kvf_mem_identity own = fresh.id;
+    own.instance_id = instance;
+    own.generation = generation;
+    kvf_proto_msg r;
+    if (register_tiny(c, own, fresh.region, fresh.fd(), &r) != KVF_SUCCESS) return 41;
+    int ok = r.type == KVF_PROTO_REGISTER_REPLY;
+    if (!ok) std::fprintf(stderr, "engine: %s\n", describe(r).c_str());
+    kvf_proto_msg_clear(&r);
+    return ok ? 0 : 42;
+  });
+  EXPECT_EQ(finish(engine), 0) << "the refused REGISTER kept the generation bound to its sender";
+  // The squatter's connection is unharmed and registers its own.
+  EXPECT_EQ(squatter.simple(KVF_PROTO_HEARTBEAT, &reply), KVF_SUCCESS);
+  kvf_proto_msg_clear(&reply);
+  ASSERT_EQ(register_tiny(squatter, id, mine.region, mine.fd(), &reply), KVF_SUCCESS);
+  EXPECT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
+  kvf_proto_msg_clear(&reply);
+  squatter.close();
+  EXPECT_EQ(server_.stop(), 0) << kServerCodes;
+}
+
 // STORE or RETRIEVE tokens [0, 16) of the tiny geometry (one chunk, key
 // `key`, block 0) on c's live registration; the reply.
 kvf_status xfer_block0(RawConn &c, uint16_t type, uint64_t key, kvf_proto_msg *reply) {

@@ -133,6 +133,10 @@ typedef struct kvf_server_conn {
   uint64_t instance_id, generation;
   uint64_t bound_gen[KVF_SERVER_MAX_GENERATIONS];
   uint32_t num_bound;
+  /* num_bound before the REGISTER in progress: a refused REGISTER unbinds
+   * what its claim bound, so that only registrations that succeeded hold
+   * generations (a refusal must not keep another process out of them). */
+  uint32_t bound_before_register;
   /* LOOKUP pins: [num_pins] of an array of pins_cap (at most max_client_pins). */
   kvf_server_pin *pins;
   uint32_t num_pins, pins_cap;
@@ -514,6 +518,7 @@ static void server_finish_registers(kvf_server *s) {
         req->binding = NULL;
       }
       c->register_busy = 0;
+      if (req->status != KVF_SUCCESS) c->num_bound = c->bound_before_register;
       c->last_seen_ns = now; /* the time the REGISTER took does not count as silence */
       (void)kvf_registry_heartbeat(s->registry, c->client_id, now);
       if (req->frame) {
@@ -599,7 +604,8 @@ static kvf_status handle_hello(kvf_server *s, kvf_server_conn *c, const kvf_prot
 
 /* Whether c may register the allocations its regions name: each region's
  * instance is c's (its HELLO's), and each generation of it is registered
- * by no live connection of another process. Binds the generations to c.
+ * by no live connection of another process. Binds the generations to c
+ * (undone when the REGISTER is refused, here or by the worker).
  * Returns KVF_SUCCESS, or KVF_ERR_PERMISSION with kvf_last_error() naming
  * the region. Cost: regions + connections x generations, bounded. */
 static kvf_status register_claim(kvf_server *s, kvf_server_conn *c, const kvf_proto_register *rg) {
@@ -655,8 +661,10 @@ static kvf_status register_claim(kvf_server *s, kvf_server_conn *c, const kvf_pr
  * so its requests stay in order) until server_finish_registers() queues the
  * reply. Returns KVF_SUCCESS, or why the connection must be dropped. */
 static kvf_status handle_register(kvf_server *s, kvf_server_conn *c, kvf_proto_msg *m, int *fds, uint32_t num_fds) {
+  c->bound_before_register = c->num_bound;
   kvf_status st = register_claim(s, c, &m->u.reg);
   if (st != KVF_SUCCESS) {
+    c->num_bound = c->bound_before_register;
     close_fds(fds, num_fds);
     KVF_INFO(SERVER, "client %llu (pid %d): REGISTER refused: %s", (unsigned long long)c->client_id,
              (int)c->conn.peer.pid, kvf_last_error());
