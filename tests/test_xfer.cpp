@@ -1228,8 +1228,6 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS + 1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_back_to_back_us = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_back_to_back_us = KVF_BATCH_MAX_BACK_TO_BACK_US + 1; }));
-  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_streams = 0; }));
-  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_streams = 3; }));
   kvf_xfer_tuning ok = base;
   ok.batch_back_to_back_us = 0;
   ok.stage_edge_mb = 0;

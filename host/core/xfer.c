@@ -212,7 +212,6 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
                          .batch_first_runs = kvf_param_xfer_batch_first_runs(),
                          .batch_link_gbps = kvf_param_xfer_batch_link_gbps(),
                          .batch_back_to_back_us = kvf_param_xfer_batch_back_to_back_us(),
-                         .batch_streams = kvf_param_xfer_batch_streams(),
                          .kernel = kvf_param_xfer_kernel(),
                          .spread_kb = kvf_param_xfer_spread_kb(),
                          .cache_order = kvf_param_xfer_cache_order(),
@@ -240,7 +239,6 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
   if (t->batch_link_gbps < 0 || t->batch_link_gbps > KVF_BATCH_MAX_LINK_GBPS) t->batch_link_gbps = 55;
   if (t->batch_back_to_back_us < 0 || t->batch_back_to_back_us > KVF_BATCH_MAX_BACK_TO_BACK_US)
     t->batch_back_to_back_us = 20;
-  if (t->batch_streams < 1 || t->batch_streams > 2) t->batch_streams = 1;
   if (t->defer < 0 || t->defer > 1) t->defer = 0;
 }
 
@@ -249,8 +247,7 @@ kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
   if (t->pcie_sms < 0 || t->staging_mb < 0 || t->stage_sms < 0 || t->stage_pieces < 1 ||
       t->stage_pieces > KVF_STAGE_MAX_PIECES || t->param_bytes < 0 || t->task_bytes < 16 || t->task_bytes > 65536 ||
       t->task_bytes % 16 || t->task_waves < 0 || t->device_task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->batch_first_runs < 0 || t->batch_link_gbps < 0 || t->batch_link_gbps > KVF_BATCH_MAX_LINK_GBPS || t->batch_back_to_back_us < 0 ||
-      t->batch_back_to_back_us > KVF_BATCH_MAX_BACK_TO_BACK_US || t->batch_streams < 1 || t->batch_streams > 2 ||
-      t->stage_dma_batch < 0 ||
+      t->batch_back_to_back_us > KVF_BATCH_MAX_BACK_TO_BACK_US || t->stage_dma_batch < 0 ||
       t->small_stage_mb < 0 || t->kernel < 0 || t->kernel > 2 || t->stage_growth < 1 || t->stage_growth > 16 ||
       t->small_stage_growth < 1 || t->small_stage_growth > 16 ||
       t->staging_mb > KVF_STAGE_MAX_MB || t->stage_edge_mb < 0 || t->stage_edge_mb > KVF_STAGE_MAX_MB ||
@@ -885,20 +882,6 @@ static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void *
     if (q != cudaSuccess && q != cudaErrorNotReady) cudaGetLastError();
   }
   cudaError_t e = cudaSuccess;
-  /* KVF_XFER_BATCH_STREAMS 2: the context's copy stream forks from the
-   * caller's, takes every other call, and joins it back (after a refused
-   * call too), so that a second copy engine may work while the first
-   * finishes a call. Without the fork, one stream. */
-  int two = first > 0 && first < n && x->tune.batch_streams > 1;
-  if (two) {
-    e = cudaEventRecord(x->fork, stream);
-    if (e == cudaSuccess) e = cudaStreamWaitEvent(x->ce_stream, x->fork, 0);
-    if (e != cudaSuccess) {
-      cudaGetLastError();
-      two = 0;
-      e = cudaSuccess;
-    }
-  }
   *enqueued = 0;
   size_t m = 0;
   uint64_t host_ns = 0, engine_ns = 0;
@@ -907,8 +890,7 @@ static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void *
     m = k > 0 && x->tune.batch_link_gbps > 0 ? (size_t)kvf_batch_ramp_next(m, left, host_ns, engine_ns)
                                               : (size_t)kvf_batch_ramp_runs(k, first, left);
     uint64_t t0 = kvf_now_ns();
-    cudaStream_t s = two && (k & 1) ? x->ce_stream : stream;
-    if ((e = batch_copy(dst + *enqueued, src + *enqueued, size + *enqueued, m, s)) != cudaSuccess) break;
+    if ((e = batch_copy(dst + *enqueued, src + *enqueued, size + *enqueued, m, stream)) != cudaSuccess) break;
     if (x->tune.batch_link_gbps > 0 && *enqueued + m < n) { /* the next call is paced by this one */
       host_ns = kvf_now_ns() - t0;
       uint64_t bytes = 0;
@@ -917,15 +899,6 @@ static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void *
     }
     *enqueued += m;
     (*calls)++;
-  }
-  if (two) {
-    cudaError_t j = cudaEventRecord(x->join, x->ce_stream);
-    if (j == cudaSuccess) j = cudaStreamWaitEvent(stream, x->join, 0);
-    if (j != cudaSuccess) { /* the caller's stream cannot wait for the copy stream: the host does */
-      cudaGetLastError();
-      cudaStreamSynchronize(x->ce_stream);
-      if (e == cudaSuccess) e = j;
-    }
   }
   return e;
 }

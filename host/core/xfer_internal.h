@@ -218,7 +218,6 @@ typedef struct kvf_xfer_tuning {
   int64_t batch_link_gbps;  /* KVF_XFER_BATCH_LINK_GBPS: the copy engine's rate a ramp paces by (0: doubling) */
   int64_t batch_back_to_back_us; /* KVF_XFER_BATCH_BACK_TO_BACK_US: a call this soon after a host-bound batch call
                                     makes one call (0: never) */
-  int64_t batch_streams;   /* KVF_XFER_BATCH_STREAMS: streams a ramped batch's calls alternate between (1..2) */
   int64_t kernel;          /* KVF_XFER_KERNEL: 1 the grid-stride walk, 2 (or 0) the warp walk (kernels/walk.h) */
   int64_t spread_kb;       /* KVF_XFER_SPREAD_KB: uncapped launches of at least this payload spread (0: never) */
   int64_t cache_order;     /* KVF_XFER_CACHE_ORDER: 1: d2d gathers walk HND blocks in cache order */
