@@ -20,7 +20,7 @@ done
 for b in "$dest"/bin/*; do
   ldd "$b" | awk '/libjansson|libhwloc|libcrypto/ {print $3}' | while read -r lib; do [[ -f $lib ]] && cp -L "$lib" "$dest/lib/"; done
 done
-for b in kvf_param_probe kvf_hop_probe kvf_copy_probe kvf_handoff_probe; do [[ -x $build/perf/$b ]] && cp "$build/perf/$b" "$dest/bin/"; done
+for b in kvf_param_probe kvf_hop_probe kvf_copy_probe kvf_handoff_probe kvf_ce_probe; do [[ -x $build/perf/$b ]] && cp "$build/perf/$b" "$dest/bin/"; done
 # The CUPTI timeline (perf/kvf_trace.c) and the CUPTI it needs, when built.
 if [[ -f $build/perf/libkvf_trace.so ]]; then
   cp "$build/perf/libkvf_trace.so" "$dest/lib/"
