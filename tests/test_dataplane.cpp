@@ -487,6 +487,11 @@ struct Engine {
     co.timeout_ms = 20000;
     if (kvf_client_connect(&co, &c, nullptr) != KVF_SUCCESS) return std::string("connect: ") + kvf_last_error();
     if (!do_register) return "";
+    return attach_again();
+  }
+  // Register the cache again on the connected client (replacing the live
+  // registration). Returns "" or why not.
+  std::string attach_again() {
     std::vector<kvf_client_region> regions;
     for (size_t r = 0; r < lay->offsets.size(); r++) regions.push_back({alloc, lay->offsets[r], lay->sizes[r]});
     if (kvf_client_register(c, json.data(), json.size(), -1, regions.data(), (uint32_t)regions.size(), &reg) !=
@@ -1496,6 +1501,49 @@ int victim_main(const std::string &dir, int control, int report) {
   b = 'S';
   if (write(report, &b, 1) != 1) return 13;
   for (;;) pause();
+}
+
+// An UNREGISTER of a replaced registration whose request is still in
+// flight answers "draining" (2), not "unmapped" (3): the client library
+// documents 3 as the server no longer touching that memory, which an engine
+// may take as leave to reuse it. Once the request retires, 3.
+TEST(Dataplane, UnregisteringAReplacedRegistrationThatStillDrainsSaysDraining) {
+  TempDir tmp;
+  Server srv;
+  ServerConfig cfg;
+  cfg.delay_ms = 600; /* the STORE holds its lease that long */
+  ASSERT_EQ(srv.start(tmp.sock(), cfg), KVF_SUCCESS) << kvf_last_error();
+  const std::string json = small_json(64);
+  Engine e;
+  ASSERT_EQ(e.open(tmp.sock(), json, 72, "engine"), "");
+  const uint64_t replaced = e.reg.registration_id;
+  const uint32_t C = chunk_tokens(e.g);
+  std::vector<kvf_chunk_key> keys = prompt_keys(e.g, 8, C);
+  Tables t = make_tables({{0, C / 16}}, shuffled(64, 2));
+  Xfer x(t, keys, C, 0, C);
+  uint64_t rid = 0;
+  ASSERT_EQ(kvf_client_submit(e.c, KVF_CLIENT_STORE, &x.x, &rid), KVF_SUCCESS) << kvf_last_error();
+  auto t0 = Clock::now();
+  while (srv.reg().leases == 0 && ms_since(t0) < 5000) sleep_ms(1);
+  ASSERT_EQ(srv.reg().leases, 1u) << "the STORE never took its lease";
+  // The same memory registered again: the first registration drains.
+  e.reg = KVF_CLIENT_REGISTRATION_INIT;
+  ASSERT_EQ(e.attach_again(), "");
+  ASSERT_NE(e.reg.registration_id, replaced);
+  uint32_t state = 0;
+  ASSERT_EQ(kvf_client_unregister(e.c, replaced, &state), KVF_SUCCESS) << kvf_last_error();
+  if (ms_since(t0) < 500) {
+    EXPECT_EQ(state, 2u) << "the replaced registration still holds the STORE's lease";
+  }
+  kvf_client_result r = KVF_CLIENT_RESULT_INIT;
+  ASSERT_EQ(kvf_client_wait(e.c, rid, 0, &r), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(r.status, KVF_SUCCESS) << result_text(r);
+  ASSERT_TRUE(srv.wait_idle());
+  ASSERT_EQ(kvf_client_unregister(e.c, replaced, &state), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(state, 3u);
+  EXPECT_EQ(srv.reg().draining, 0u);
+  // The live registration was left alone.
+  EXPECT_EQ(srv.reg().active, 1u);
 }
 
 TEST(Dataplane, KilledEngineIsReapedAfterItsStoresRetire) {

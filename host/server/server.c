@@ -700,8 +700,10 @@ static kvf_status handle_unregister(kvf_server *s, kvf_server_conn *c, const kvf
   r.request_id = m->request_id;
   r.u.unregister_reply.registration_id = want ? want : active;
   if (want != 0 && want != active) {
-    /* Not the live one: replaced or unregistered already. Idempotent. */
-    r.u.unregister_reply.state = KVF_PROTO_REG_CLOSED;
+    /* Not the live one: replaced or unregistered already. Idempotent; it
+     * is unmapped (3) only once its requests in flight have retired. */
+    r.u.unregister_reply.state = kvf_registry_is_draining(s->registry, c->client_id, want) ? KVF_PROTO_REG_DRAINING
+                                                                                          : KVF_PROTO_REG_CLOSED;
     return server_send(s, c, &r);
   }
   kvf_status st = kvf_registry_unregister(s->registry, c->client_id);
