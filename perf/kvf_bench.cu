@@ -185,7 +185,6 @@ void usage(FILE *f) {
           "                            mode: sweep, latency and interference);\n"
           "                            keys: pieces, growth, dma_batch, param_bytes, task_bytes, task_waves, device_task_waves,\n"
           "                            batch_min_run, batch_max_runs, batch_first_runs, batch_link_gbps, batch_back_to_back_us,\n"
-          "                            batch_max_step,\n"
           "                            stage_sms, pcie_sms, staging_mb, kernel,\n"
           "                            small_stage_mb, small_stage_growth, edge_mb, multi_pieces,\n"
           "                            straight_kb, straight_min_run, spread_kb, cache_order, overlap, defer\n"
@@ -977,7 +976,6 @@ void apply_tune(const std::string &spec, kvf_xfer_tuning *t, int *cap) {
     else if (k == "batch_first_runs") t->batch_first_runs = v;
     else if (k == "batch_link_gbps") t->batch_link_gbps = v;
     else if (k == "batch_back_to_back_us") t->batch_back_to_back_us = v;
-    else if (k == "batch_max_step") t->batch_max_step = v;
     else if (k == "stage_sms") t->stage_sms = v;
     else if (k == "pcie_sms") t->pcie_sms = v;
     else if (k == "staging_mb") t->staging_mb = v;

@@ -1228,8 +1228,6 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS + 1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_back_to_back_us = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_back_to_back_us = KVF_BATCH_MAX_BACK_TO_BACK_US + 1; }));
-  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_max_step = 1; }));
-  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_max_step = KVF_BATCH_MAX_STEP + 1; }));
   kvf_xfer_tuning ok = base;
   ok.batch_back_to_back_us = 0;
   ok.stage_edge_mb = 0;
@@ -2256,31 +2254,24 @@ TEST(XferBatchRamp, OneCallRightAfterAHostBoundCall) {
 // copy time, between 1.5 and 2 times the previous call, everything left
 // once it fits that time or would leave under a quarter call behind.
 TEST(XferBatchRamp, PacedCallsTakeWhatTheHostEnqueuesInTheCopyTime) {
-  EXPECT_EQ(kvf_batch_ramp_next(8, 236, 1000, 10000, 2), 16u) << "a fast host doubles";
-  EXPECT_EQ(kvf_batch_ramp_next(8, 236, 10000, 10000, 2), 12u) << "a host as slow as the copy grows by half";
-  EXPECT_EQ(kvf_batch_ramp_next(8, 236, 20000, 10000, 2), 16u) << "a slower host doubles: fewer calls cost it less";
-  EXPECT_EQ(kvf_batch_ramp_next(64, 120, 20000, 10000, 2), 120u) << "... and takes the rest as doubling does";
-  EXPECT_EQ(kvf_batch_ramp_next(8, 236, 10000, 14000, 2), 12u);
-  EXPECT_EQ(kvf_batch_ramp_next(8, 236, 10000, 17500, 2), 14u) << "in between: what fits the copy time";
-  EXPECT_EQ(kvf_batch_ramp_next(64, 124, 20000, 86000, 2), 124u) << "the rest fits the copy time";
-  EXPECT_EQ(kvf_batch_ramp_next(64, 118, 60000, 86000, 2), 118u) << "the rest leaves under a quarter call";
-  EXPECT_EQ(kvf_batch_ramp_next(64, 200, 60000, 86000, 2), 96u);
-  EXPECT_EQ(kvf_batch_ramp_next(8, 5, 10000, 1000, 2), 5u) << "never more than is left";
-  EXPECT_EQ(kvf_batch_ramp_next(8, 100, 0, 1000, 2), 100u) << "an unmeasurably fast host takes the rest";
-  EXPECT_EQ(kvf_batch_ramp_next(0, 100, 1000, 1000, 2), 2u) << "from 0 runs as from 1";
-  EXPECT_EQ(kvf_batch_ramp_next(8, 0, 1000, 1000, 2), 0u);
-  // A host three times faster than the copy: the step limit decides.
-  EXPECT_EQ(kvf_batch_ramp_next(8, 236, 1000, 10000, 3), 24u) << "up to three times";
-  EXPECT_EQ(kvf_batch_ramp_next(8, 236, 1000, 10000, 16), 80u) << "what fits the copy time";
-  EXPECT_EQ(kvf_batch_ramp_next(8, 236, 1000, 10000, 0), 16u) << "a limit under 2 counts as 2";
-  EXPECT_EQ(kvf_batch_ramp_next(UINT64_MAX / 8, UINT64_MAX, UINT64_MAX, UINT64_MAX, 16),
-            UINT64_MAX / 8 + UINT64_MAX / 16 + 1)
-      << "16 times past the top of the range: no wrap";
-  EXPECT_EQ(kvf_batch_ramp_next(UINT64_MAX - 5, UINT64_MAX, UINT64_MAX, 1, 2), UINT64_MAX)
+  EXPECT_EQ(kvf_batch_ramp_next(8, 236, 1000, 10000), 16u) << "a fast host doubles";
+  EXPECT_EQ(kvf_batch_ramp_next(8, 236, 10000, 10000), 12u) << "a host as slow as the copy grows by half";
+  EXPECT_EQ(kvf_batch_ramp_next(8, 236, 20000, 10000), 16u) << "a slower host doubles: fewer calls cost it less";
+  EXPECT_EQ(kvf_batch_ramp_next(64, 120, 20000, 10000), 120u) << "... and takes the rest as doubling does";
+  EXPECT_EQ(kvf_batch_ramp_next(8, 236, 10000, 14000), 12u);
+  EXPECT_EQ(kvf_batch_ramp_next(8, 236, 10000, 17500), 14u) << "in between: what fits the copy time";
+  EXPECT_EQ(kvf_batch_ramp_next(64, 124, 20000, 86000), 124u) << "the rest fits the copy time";
+  EXPECT_EQ(kvf_batch_ramp_next(64, 118, 60000, 86000), 118u) << "the rest leaves under a quarter call";
+  EXPECT_EQ(kvf_batch_ramp_next(64, 200, 60000, 86000), 96u);
+  EXPECT_EQ(kvf_batch_ramp_next(8, 5, 10000, 1000), 5u) << "never more than is left";
+  EXPECT_EQ(kvf_batch_ramp_next(8, 100, 0, 1000), 100u) << "an unmeasurably fast host takes the rest";
+  EXPECT_EQ(kvf_batch_ramp_next(0, 100, 1000, 1000), 2u) << "from 0 runs as from 1";
+  EXPECT_EQ(kvf_batch_ramp_next(8, 0, 1000, 1000), 0u);
+  EXPECT_EQ(kvf_batch_ramp_next(UINT64_MAX - 5, UINT64_MAX, UINT64_MAX, 1), UINT64_MAX)
       << "steps that would wrap take the rest";
-  EXPECT_EQ(kvf_batch_ramp_next(UINT64_MAX / 2 + 7, UINT64_MAX, 1, 1, 2), UINT64_MAX / 2 + 7 + UINT64_MAX / 4 + 4);
-  EXPECT_EQ(kvf_batch_ramp_next(1, UINT64_MAX, 1, UINT64_MAX, 2), UINT64_MAX);
-  EXPECT_EQ(kvf_batch_ramp_next(UINT64_MAX / 2 + 7, UINT64_MAX, UINT64_MAX, 0, 2), UINT64_MAX);
+  EXPECT_EQ(kvf_batch_ramp_next(UINT64_MAX / 2 + 7, UINT64_MAX, 1, 1), UINT64_MAX / 2 + 7 + UINT64_MAX / 4 + 4);
+  EXPECT_EQ(kvf_batch_ramp_next(1, UINT64_MAX, 1, UINT64_MAX), UINT64_MAX);
+  EXPECT_EQ(kvf_batch_ramp_next(UINT64_MAX / 2 + 7, UINT64_MAX, UINT64_MAX, 0), UINT64_MAX);
 }
 
 // The ramp against a model of an idle stream (host: c + h a run per call;
@@ -2297,7 +2288,7 @@ TEST(XferBatchRamp, PacedRampKeepsTheCopyEngineBusyOnASlowHost) {
     uint64_t left = 244, m = 0, host_ns = 0, engine_ns = 0;
     *calls = 0;
     for (uint64_t k = 0; left > 0; k++) {
-      m = k > 0 && paced ? kvf_batch_ramp_next(m, left, host_ns, engine_ns, 2) : kvf_batch_ramp_runs(k, 8, left);
+      m = k > 0 && paced ? kvf_batch_ramp_next(m, left, host_ns, engine_ns) : kvf_batch_ramp_runs(k, 8, left);
       double took = c + h * (double)m;
       host += took;
       engine = std::max(engine, host) + d + e * (double)m;
@@ -2811,7 +2802,7 @@ uint64_t ramp_calls(uint64_t runs, uint64_t first) {
 uint64_t paced_max_calls(uint64_t runs, uint64_t first) {
   uint64_t calls = 0, m = 0;
   for (uint64_t left = runs; left > 0; calls++) {
-    m = calls == 0 ? kvf_batch_ramp_runs(0, first, left) : kvf_batch_ramp_next(m, left, 1, 1, 2);
+    m = calls == 0 ? kvf_batch_ramp_runs(0, first, left) : kvf_batch_ramp_next(m, left, 1, 1);
     left -= m;
   }
   return calls;

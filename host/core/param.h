@@ -81,8 +81,6 @@ extern "C" {
     "the batch API route enqueues its runs on an idle stream in calls of this many runs first, then larger ones (KVF_XFER_BATCH_LINK_GBPS), so the copy engine starts after the first call (0: all in one call)") \
   X(xfer_batch_link_gbps, "KVF_XFER_BATCH_LINK_GBPS", 55,                               \
     "after the first call of a ramped batch, each call takes as many runs as the host enqueued in the time the copy engine needs for the previous call's bytes at this many GB/s (1.5 to 2 times the previous call, or all the rest when it fits that time or leaves under a quarter call; twice when the host was slower than that copy); 0: twice as many each call") \
-  X(xfer_batch_max_step, "KVF_XFER_BATCH_MAX_STEP", 2,                                 \
-    "the most a paced batch call grows over the previous one (2..16): a host much faster than the copy engine needs fewer, larger calls") \
   X(xfer_batch_back_to_back_us, "KVF_XFER_BATCH_BACK_TO_BACK_US", 20,                   \
     "a batch-API call that comes within this many us of the return of the previous batch call (half to twice its runs), whose host time per run would outlast this call's copies, makes one cudaMemcpyBatchAsync call instead of a ramp (0: never)") \
   X(xfer_spread_kb, "KVF_XFER_SPREAD_KB", 4096,                                          \

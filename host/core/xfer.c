@@ -211,7 +211,6 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
                          .batch_max_runs = kvf_param_xfer_batch_max_runs(),
                          .batch_first_runs = kvf_param_xfer_batch_first_runs(),
                          .batch_link_gbps = kvf_param_xfer_batch_link_gbps(),
-                         .batch_max_step = kvf_param_xfer_batch_max_step(),
                          .batch_back_to_back_us = kvf_param_xfer_batch_back_to_back_us(),
                          .kernel = kvf_param_xfer_kernel(),
                          .spread_kb = kvf_param_xfer_spread_kb(),
@@ -240,7 +239,6 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
   if (t->batch_link_gbps < 0 || t->batch_link_gbps > KVF_BATCH_MAX_LINK_GBPS) t->batch_link_gbps = 55;
   if (t->batch_back_to_back_us < 0 || t->batch_back_to_back_us > KVF_BATCH_MAX_BACK_TO_BACK_US)
     t->batch_back_to_back_us = 20;
-  if (t->batch_max_step < 2 || t->batch_max_step > KVF_BATCH_MAX_STEP) t->batch_max_step = 2;
   if (t->defer < 0 || t->defer > 1) t->defer = 0;
 }
 
@@ -249,8 +247,7 @@ kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
   if (t->pcie_sms < 0 || t->staging_mb < 0 || t->stage_sms < 0 || t->stage_pieces < 1 ||
       t->stage_pieces > KVF_STAGE_MAX_PIECES || t->param_bytes < 0 || t->task_bytes < 16 || t->task_bytes > 65536 ||
       t->task_bytes % 16 || t->task_waves < 0 || t->device_task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->batch_first_runs < 0 || t->batch_link_gbps < 0 || t->batch_link_gbps > KVF_BATCH_MAX_LINK_GBPS || t->batch_back_to_back_us < 0 ||
-      t->batch_back_to_back_us > KVF_BATCH_MAX_BACK_TO_BACK_US || t->batch_max_step < 2 ||
-      t->batch_max_step > KVF_BATCH_MAX_STEP || t->stage_dma_batch < 0 ||
+      t->batch_back_to_back_us > KVF_BATCH_MAX_BACK_TO_BACK_US || t->stage_dma_batch < 0 ||
       t->small_stage_mb < 0 || t->kernel < 0 || t->kernel > 2 || t->stage_growth < 1 || t->stage_growth > 16 ||
       t->small_stage_growth < 1 || t->small_stage_growth > 16 ||
       t->staging_mb > KVF_STAGE_MAX_MB || t->stage_edge_mb < 0 || t->stage_edge_mb > KVF_STAGE_MAX_MB ||
@@ -890,7 +887,7 @@ static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void *
   uint64_t host_ns = 0, engine_ns = 0;
   for (size_t k = 0; *enqueued < n; k++) {
     size_t left = n - *enqueued;
-    m = k > 0 && x->tune.batch_link_gbps > 0 ? (size_t)kvf_batch_ramp_next(m, left, host_ns, engine_ns, (uint64_t)x->tune.batch_max_step)
+    m = k > 0 && x->tune.batch_link_gbps > 0 ? (size_t)kvf_batch_ramp_next(m, left, host_ns, engine_ns)
                                               : (size_t)kvf_batch_ramp_runs(k, first, left);
     uint64_t t0 = kvf_now_ns();
     if ((e = batch_copy(dst + *enqueued, src + *enqueued, size + *enqueued, m, stream)) != cudaSuccess) break;

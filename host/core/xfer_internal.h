@@ -167,18 +167,16 @@ uint64_t kvf_batch_ramp_runs(uint64_t done, uint64_t first, uint64_t left);
  * LINK_GBPS): the previous call enqueued `prev` runs in prev_host_ns, and
  * the copy engine needs prev_engine_ns for their bytes; the next call takes
  * as many runs as the host enqueues in that time, at least 1.5 and at most
- * max_step times prev (2 or more; doubling outran a host at 0.8 us a run:
- * the copy engine sat idle between calls, and smaller steps cost calls), and all of the `left`
+ * 2 times prev (doubling outran a host at 0.8 us a run: the copy engine sat
+ * idle between calls, and smaller steps cost calls), and all of the `left`
  * runs when they fit that time or leave at most a quarter of a call behind.
  * A host that took longer for the previous call (its fixed cost included)
  * than the copy engine needs for it doubles, as kvf_batch_ramp_runs.
  * prev_host_ns 0 counts as a fast host. Never 0 when left is not. */
-uint64_t kvf_batch_ramp_next(uint64_t prev, uint64_t left, uint64_t prev_host_ns, uint64_t prev_engine_ns,
-                             uint64_t max_step);
+uint64_t kvf_batch_ramp_next(uint64_t prev, uint64_t left, uint64_t prev_host_ns, uint64_t prev_engine_ns);
 
 /* The most KVF_XFER_BATCH_BACK_TO_BACK_US (a second). */
 #define KVF_BATCH_MAX_BACK_TO_BACK_US 1000000
-#define KVF_BATCH_MAX_STEP 16 /* the largest KVF_XFER_BATCH_MAX_STEP */
 
 /* Whether a batch-API call of `runs` runs, whose copies take engine_ns at
  * KVF_XFER_BATCH_LINK_GBPS, makes them in one call instead of a ramp: it
@@ -218,7 +216,6 @@ typedef struct kvf_xfer_tuning {
   int64_t batch_max_runs;  /* KVF_XFER_BATCH_MAX_RUNS: most runs for it (0: the route is off) */
   int64_t batch_first_runs; /* KVF_XFER_BATCH_FIRST_RUNS: runs of a ramped batch's first call (0: one call) */
   int64_t batch_link_gbps;  /* KVF_XFER_BATCH_LINK_GBPS: the copy engine's rate a ramp paces by (0: doubling) */
-  int64_t batch_max_step;  /* KVF_XFER_BATCH_MAX_STEP: the most a paced call grows over the previous one (2..16) */
   int64_t batch_back_to_back_us; /* KVF_XFER_BATCH_BACK_TO_BACK_US: a call this soon after a host-bound batch call
                                     makes one call (0: never) */
   int64_t kernel;          /* KVF_XFER_KERNEL: 1 the grid-stride walk, 2 (or 0) the warp walk (kernels/walk.h) */

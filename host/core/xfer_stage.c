@@ -457,8 +457,7 @@ int kvf_stage_batch_runs(const void *blob, int gather, uint64_t min_run, uint64_
   return 1;
 }
 
-uint64_t kvf_batch_ramp_next(uint64_t prev, uint64_t left, uint64_t prev_host_ns, uint64_t prev_engine_ns,
-                             uint64_t max_step) {
+uint64_t kvf_batch_ramp_next(uint64_t prev, uint64_t left, uint64_t prev_host_ns, uint64_t prev_engine_ns) {
   if (left == 0) return 0;
   if (prev == 0) prev = 1;
   /* Runs the host enqueues while the copy engine works through the previous
@@ -472,9 +471,7 @@ uint64_t kvf_batch_ramp_next(uint64_t prev, uint64_t left, uint64_t prev_host_ns
    * lost 10% of its rate to 7 paced calls). */
   if (fit < (double)prev) return kvf_batch_ramp_runs(1, prev, left);
   uint64_t half = prev / 2 + (prev & 1);
-  if (max_step < 2) max_step = 2;
-  uint64_t lo = prev > UINT64_MAX - half ? UINT64_MAX : prev + half,
-           hi = prev > UINT64_MAX / max_step ? UINT64_MAX : max_step * prev;
+  uint64_t lo = prev > UINT64_MAX - half ? UINT64_MAX : prev + half, hi = prev > UINT64_MAX / 2 ? UINT64_MAX : 2 * prev;
   uint64_t want = fit <= (double)lo ? lo : fit >= (double)hi ? hi : (uint64_t)fit;
   return want >= left || left - want <= want / 4 ? left : want;
 }
