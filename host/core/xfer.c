@@ -854,7 +854,10 @@ static cudaError_t batch_copy(void **dst, const void **src, size_t *size, size_t
  * 2026-12-02-h200-rows/NOTES.md). So after the first call each call takes
  * what the host can enqueue while the copy engine moves the previous
  * call's bytes at KVF_XFER_BATCH_LINK_GBPS, timed on the previous call
- * (kvf_batch_ramp_next). */
+ * (kvf_batch_ramp_next). The calls stay on one stream: alternated with a
+ * second stream, which the driver may give to another of the H200's three
+ * async engines, every MLA row was slower (perf/results/
+ * 2026-12-03-h200-batch-engines: GPU time of the ramp 340 -> 345-352 us). */
 static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void **src, size_t *size, size_t n,
                                      cudaStream_t stream, uint64_t *calls, size_t *enqueued) {
   uint64_t first = (uint64_t)x->tune.batch_first_runs;
