@@ -1010,6 +1010,28 @@ TEST_F(Isolation, RegionFaultsAreRefusedNamingTheFieldAndTheConnectionStays) {
 // engine's instance could send REGISTERs the server refuses in the
 // engine's name and keep the engine out of its own allocations, and each
 // refusal would use up one of the connection's generation slots.
+// In a child: connect as `instance` / `generation` (HELLO) and REGISTER a
+// fresh allocation of its own under that identity (allocation id
+// `allocation_id`, or the allocation's own when 0). Its exit status: 0 when
+// registered, else the step that failed (40 connect, 41 no reply, 42 refused,
+// the reply on stderr after `who`).
+int register_fresh_as(const std::string &dir, uint64_t instance, uint64_t generation, uint64_t allocation_id,
+                      const char *who) {
+  HostAlloc fresh(1);
+  RawConn c;
+  if (c.open(dir, instance, generation) != KVF_SUCCESS) return 40;
+  kvf_mem_identity id = fresh.id;
+  id.instance_id = instance;
+  id.generation = generation;
+  if (allocation_id) id.allocation_id = allocation_id;
+  kvf_proto_msg reply;
+  if (register_tiny(c, id, fresh.region, fresh.fd(), &reply) != KVF_SUCCESS) return 41;
+  int ok = reply.type == KVF_PROTO_REGISTER_REPLY;
+  if (!ok) std::fprintf(stderr, "%s: %s\n", who, describe(reply).c_str());
+  kvf_proto_msg_clear(&reply);
+  return ok ? 0 : 42;
+}
+
 constexpr uint64_t kGenerationSlots = 8;  // KVF_SERVER_MAX_GENERATIONS (host/server/server.c)
 
 TEST_F(Isolation, ARefusedRegisterBindsNoGeneration) {
@@ -1040,20 +1062,7 @@ TEST_F(Isolation, ARefusedRegisterBindsNoGeneration) {
   }
   // Another process of that instance and generation (the squatter still
   // connected) registers its own allocation.
-  Child &engine = spawn([this](int, int) {  // instance and generation are constants: no capture
-    HostAlloc fresh(2);
-    RawConn c;
-    if (c.open(dir_, instance, generation) != KVF_SUCCESS) return 40;
-    kvf_mem_identity own = fresh.id;
-    own.instance_id = instance;
-    own.generation = generation;
-    kvf_proto_msg r;
-    if (register_tiny(c, own, fresh.region, fresh.fd(), &r) != KVF_SUCCESS) return 41;
-    int ok = r.type == KVF_PROTO_REGISTER_REPLY;
-    if (!ok) std::fprintf(stderr, "engine: %s\n", describe(r).c_str());
-    kvf_proto_msg_clear(&r);
-    return ok ? 0 : 42;
-  });
+  Child &engine = spawn([this](int, int) { return register_fresh_as(dir_, instance, generation, 0, "engine"); });
   EXPECT_EQ(finish(engine), 0) << "the refused REGISTER kept the generation bound to its sender";
   // The squatter's connection is unharmed and registers its own.
   EXPECT_EQ(squatter.simple(KVF_PROTO_HEARTBEAT, &reply), KVF_SUCCESS);
@@ -1183,19 +1192,7 @@ TEST_F(Isolation, AnotherClientsAllocationIsRefusedWhateverTheDescriptor) {
   // Once the engine is gone its instance is free again: a new process of it
   // (a restart with the same generation, new memory) registers.
   Child &restart = spawn([this, &victim](int, int) {
-    HostAlloc fresh(1);
-    RawConn c;
-    if (c.open(dir_, victim.instance_id, victim.generation) != KVF_SUCCESS) return 40;
-    kvf_mem_identity id = fresh.id;
-    id.instance_id = victim.instance_id;
-    id.generation = victim.generation;
-    id.allocation_id = victim.allocation_id + 1000;
-    kvf_proto_msg reply;
-    if (register_tiny(c, id, fresh.region, fresh.fd(), &reply) != KVF_SUCCESS) return 41;
-    int ok = reply.type == KVF_PROTO_REGISTER_REPLY;
-    if (!ok) std::fprintf(stderr, "restart: %s\n", describe(reply).c_str());
-    kvf_proto_msg_clear(&reply);
-    return ok ? 0 : 42;
+    return register_fresh_as(dir_, victim.instance_id, victim.generation, victim.allocation_id + 1000, "restart");
   });
   EXPECT_EQ(finish(restart), 0) << "the engine's instance stayed bound after it left";
   EXPECT_EQ(server_.fds(), fds0) << "the server kept descriptors";
