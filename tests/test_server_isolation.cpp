@@ -49,6 +49,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <jansson.h>
@@ -1004,12 +1005,6 @@ TEST_F(Isolation, RegionFaultsAreRefusedNamingTheFieldAndTheConnectionStays) {
   EXPECT_EQ(server_.stop(), 0) << kServerCodes;
 }
 
-// A refused REGISTER binds nothing: the generations a connection holds
-// (no other process may register them while it is connected) are those of
-// its registrations that succeeded. Otherwise a process that knows an
-// engine's instance could send REGISTERs the server refuses in the
-// engine's name and keep the engine out of its own allocations, and each
-// refusal would use up one of the connection's generation slots.
 // In a child: connect as `instance` / `generation` (HELLO) and REGISTER a
 // fresh allocation of its own under that identity (allocation id
 // `allocation_id`, or the allocation's own when 0). Its exit status: 0 when
@@ -1032,6 +1027,12 @@ int register_fresh_as(const std::string &dir, uint64_t instance, uint64_t genera
   return ok ? 0 : 42;
 }
 
+// A refused REGISTER binds nothing: the generations a connection holds
+// (no other process may register them while it is connected) are those of
+// its registrations that succeeded. Otherwise a process that knows an
+// engine's instance could send REGISTERs the server refuses in the
+// engine's name and keep the engine out of its own allocations, and each
+// refusal would use up one of the connection's generation slots.
 constexpr uint64_t kGenerationSlots = 8;  // KVF_SERVER_MAX_GENERATIONS (host/server/server.c)
 
 TEST_F(Isolation, ARefusedRegisterBindsNoGeneration) {
@@ -1070,6 +1071,107 @@ TEST_F(Isolation, ARefusedRegisterBindsNoGeneration) {
   ASSERT_EQ(register_tiny(squatter, id, mine.region, mine.fd(), &reply), KVF_SUCCESS);
   EXPECT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
   kvf_proto_msg_clear(&reply);
+  // A claim refused part way (its first new generation fills the last
+  // slot, the second finds none) unbinds the first too.
+  for (uint64_t gen = 201; gen < 200 + kGenerationSlots - 1; gen++) {  // 7 bound with generation 7
+    kvf_mem_identity more = id;
+    more.generation = gen;
+    ASSERT_EQ(register_tiny(squatter, more, mine.region, mine.fd(), &reply), KVF_SUCCESS);
+    ASSERT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
+    kvf_proto_msg_clear(&reply);
+  }
+  kvf_mem_identity last = id, past = id;
+  last.generation = 300;
+  past.generation = 301;
+  int fd = mine.fd();
+  ASSERT_EQ(register_raw(squatter, kTinyGeometry, {region_of(last, 0, mine.region, 0), region_of(past, mine.region, mine.region, 0)},
+                         {fd}, &reply),
+            KVF_SUCCESS);
+  close(fd);
+  ASSERT_EQ(reply.type, KVF_PROTO_ERROR) << describe(reply);
+  EXPECT_EQ(reply.u.error.status, (uint32_t)KVF_ERR_PERMISSION) << describe(reply);
+  EXPECT_STREQ(reply.u.error.field, "payload.regions[1].generation") << describe(reply);
+  kvf_proto_msg_clear(&reply);
+  Child &next = spawn([this](int, int) { return register_fresh_as(dir_, instance, 300, 0, "generation 300"); });
+  EXPECT_EQ(finish(next), 0) << "the claim refused part way kept generation 300 bound";
+  squatter.close();
+  EXPECT_EQ(server_.stop(), 0) << kServerCodes;
+}
+
+// What a process that REGISTERs while another's REGISTER of the same
+// generation is still being checked saw.
+struct BusyReport {
+  uint32_t busy, attempts, registered;
+  char message[KVF_PROTO_MESSAGE_MAX];
+};
+
+// While a REGISTER is on the registration worker, the generations it named
+// are bound only until it is answered: another process naming one then is
+// answered KVF_ERR_BUSY (try again), not "registered it first", and
+// registers once the first REGISTER has been refused.
+TEST_F(Isolation, AGenerationNamedByARegisterStillBeingCheckedIsBusyNotBound) {
+  ASSERT_TRUE(server_.start(dir_, 30000));
+  const uint64_t instance = 0x1d1e5ca1ab1e0002ull, generation = 9;
+  // The engine: told to start, it REGISTERs every millisecond until
+  // registered (5 s at most) and reports what it saw.
+  Child &engine = spawn([this](int ctl, int rep) {
+    char go;
+    if (read(ctl, &go, 1) != 1) return 50;
+    BusyReport r;
+    std::memset(&r, 0, sizeof r);
+    HostAlloc fresh(1);
+    RawConn c;
+    if (c.open(dir_, instance, generation) != KVF_SUCCESS) return 51;
+    kvf_mem_identity id = fresh.id;
+    id.instance_id = instance;
+    id.generation = generation;
+    for (int64_t end = mono_ms() + 5000; !r.registered && mono_ms() < end; sleep_ms(1)) {
+      kvf_proto_msg reply;
+      if (register_tiny(c, id, fresh.region, fresh.fd(), &reply) != KVF_SUCCESS) return 52;
+      r.attempts++;
+      if (reply.type == KVF_PROTO_REGISTER_REPLY) r.registered = 1;
+      if (reply.type == KVF_PROTO_ERROR && reply.u.error.status == (uint32_t)KVF_ERR_BUSY) r.busy++;
+      if (reply.type == KVF_PROTO_ERROR)
+        std::snprintf(r.message, sizeof r.message, "%s", reply.u.error.message);
+      kvf_proto_msg_clear(&reply);
+    }
+    return put(rep, &r, sizeof r) ? 0 : 53;
+  });
+  // The squatter: a REGISTER in the engine's name whose geometry takes the
+  // worker about 200 ms to refuse (heavy_geometries' last).
+  const Heavy heavy = heavy_geometries().back();
+  const uint64_t size = round_page(heavy.region_size);
+  kvf_mem_alloc_options o = KVF_MEM_ALLOC_OPTIONS_INIT;
+  o.size = size;
+  kvf_mem_alloc *a = nullptr;
+  ASSERT_EQ(kvf_mem_alloc_create(&o, &a), KVF_SUCCESS) << kvf_last_error();
+  kvf_mem_identity id;
+  int fd = -1;
+  ASSERT_EQ(kvf_mem_alloc_export(a, &fd, &id), KVF_SUCCESS) << kvf_last_error();
+  id.instance_id = instance;
+  id.generation = generation;
+  RawConn squatter;
+  ASSERT_EQ(squatter.open(dir_, instance, generation), KVF_SUCCESS);
+  kvf_proto_msg slow;
+  std::memset(&slow, 0, sizeof slow);
+  kvf_status slow_st = KVF_ERR_INTERNAL;
+  std::thread t([&] { slow_st = register_raw(squatter, heavy.json, {region_of(id, 0, size, 0)}, {fd}, &slow); });
+  sleep_ms(20); /* the squatter's REGISTER is claimed as it arrives */
+  ASSERT_EQ(write(engine.control, "g", 1), 1);
+  BusyReport r;
+  ASSERT_TRUE(get(engine.report, &r, sizeof r, 30000)) << "the engine stopped: " << finish(engine);
+  t.join();
+  close(fd);
+  kvf_mem_alloc_destroy(a);
+  EXPECT_EQ(finish(engine), 0);
+  ASSERT_EQ(slow_st, KVF_SUCCESS);
+  EXPECT_EQ(slow.type, KVF_PROTO_ERROR) << "the squatter's REGISTER was not refused: " << describe(slow);
+  kvf_proto_msg_clear(&slow);
+  std::printf("engine: %u attempts, %u busy, registered %u; last refusal: %s\n", r.attempts, r.busy, r.registered,
+              r.message);
+  EXPECT_EQ(r.registered, 1u) << r.message;
+  EXPECT_GE(r.busy, 1u) << "no REGISTER of the engine's ran while the squatter's was checked";
+  EXPECT_NE(std::string(r.message).find("still in progress"), std::string::npos) << r.message;
   squatter.close();
   EXPECT_EQ(server_.stop(), 0) << kServerCodes;
 }

@@ -606,8 +606,10 @@ static kvf_status handle_hello(kvf_server *s, kvf_server_conn *c, const kvf_prot
  * instance is c's (its HELLO's), and each generation of it is registered
  * by no live connection of another process. Binds the generations to c
  * (undone when the REGISTER is refused, here or by the worker).
- * Returns KVF_SUCCESS, or KVF_ERR_PERMISSION with kvf_last_error() naming
- * the region. Cost: regions + connections x generations, bounded. */
+ * Returns KVF_SUCCESS; KVF_ERR_BUSY when another process's REGISTER still
+ * on the worker names a generation (retryable: it is bound only if that
+ * one succeeds); else KVF_ERR_PERMISSION; kvf_last_error() names the
+ * region. Cost: regions + connections x generations, bounded. */
 static kvf_status register_claim(kvf_server *s, kvf_server_conn *c, const kvf_proto_register *rg) {
   uint64_t gens[KVF_SERVER_MAX_GENERATIONS];
   uint32_t first[KVF_SERVER_MAX_GENERATIONS], ng = 0;
@@ -632,14 +634,24 @@ static kvf_status register_claim(kvf_server *s, kvf_server_conn *c, const kvf_pr
     for (uint32_t k = 0; k < s->num_conns; k++) {
       const kvf_server_conn *d = s->conns[k];
       if (d == c || d->instance_id != c->instance_id || d->conn.peer.pid == c->conn.peer.pid) continue;
-      for (uint32_t b = 0; b < d->num_bound; b++)
-        if (d->bound_gen[b] == gens[g])
-          return kvf_fail(KVF_ERR_PERMISSION,
-                          "payload.regions[%u].instance_id: instance %016llx generation %llu is bound to client %llu "
-                          "(pid %d), which registered it first and is still connected; a restarted engine counts its "
-                          "generation up (kvf_mem_instance_set)",
+      for (uint32_t b = 0; b < d->num_bound; b++) {
+        if (d->bound_gen[b] != gens[g]) continue;
+        /* Bound by a REGISTER still on the worker: it keeps the generation
+         * only if it succeeds, so this one may try again. */
+        if (d->register_busy && b >= d->bound_before_register)
+          return kvf_fail(KVF_ERR_BUSY,
+                          "payload.regions[%u].instance_id: instance %016llx generation %llu is named by a REGISTER "
+                          "of client %llu (pid %d) still in progress; it binds the generation only if it succeeds: "
+                          "try again",
                           (unsigned)first[g], (unsigned long long)c->instance_id, (unsigned long long)gens[g],
                           (unsigned long long)d->client_id, (int)d->conn.peer.pid);
+        return kvf_fail(KVF_ERR_PERMISSION,
+                        "payload.regions[%u].instance_id: instance %016llx generation %llu is bound to client %llu "
+                        "(pid %d), which registered it first and is still connected; a restarted engine counts its "
+                        "generation up (kvf_mem_instance_set)",
+                        (unsigned)first[g], (unsigned long long)c->instance_id, (unsigned long long)gens[g],
+                        (unsigned long long)d->client_id, (int)d->conn.peer.pid);
+      }
     }
   }
   for (uint32_t g = 0; g < ng; g++) {
