@@ -149,12 +149,13 @@ TEST_F(RegistryTest, DrainingRefusesLeasesAndUnmapsAfterTheLastOne) {
   EXPECT_EQ(a, b);
 
   const uint64_t id = kvf_registry_reg_id(a);
-  EXPECT_FALSE(kvf_registry_is_draining(reg_, 1, id)) << "active is not draining";
+  EXPECT_FALSE(kvf_registry_draining_upto(reg_, 1, id)) << "active is not draining";
   EXPECT_EQ(kvf_registry_unregister(reg_, 1), KVF_ERR_BUSY) << "leases held: the unmap is deferred";
   EXPECT_EQ(kvf_registry_reg_state(a), KVF_REGISTRY_DRAINING);
-  EXPECT_TRUE(kvf_registry_is_draining(reg_, 1, id));
-  EXPECT_FALSE(kvf_registry_is_draining(reg_, 1, id + 1)) << "another id";
-  EXPECT_FALSE(kvf_registry_is_draining(reg_, 2, id)) << "another client";
+  EXPECT_TRUE(kvf_registry_draining_upto(reg_, 1, id));
+  EXPECT_TRUE(kvf_registry_draining_upto(reg_, 1, id + 1)) << "a newer id: an older registration drains";
+  EXPECT_FALSE(kvf_registry_draining_upto(reg_, 1, id - 1)) << "an older id: nothing before it drains";
+  EXPECT_FALSE(kvf_registry_draining_upto(reg_, 2, id)) << "another client";
   EXPECT_EQ(kvf_registry_lease_acquire(reg_, 1, &c), KVF_ERR_STATE) << "draining refuses new leases";
   EXPECT_EQ(kvf_registry_wait_idle(reg_, 1, 20), KVF_ERR_TIMEOUT);
   kvf_registry_stats s = reg_client_stats(reg_, 1);
@@ -173,7 +174,7 @@ TEST_F(RegistryTest, DrainingRefusesLeasesAndUnmapsAfterTheLastOne) {
   ASSERT_EQ(kvf_registry_lease_release(reg_, b), KVF_SUCCESS) << kvf_last_error();
   waiter.join();
   EXPECT_EQ(held(table_stats(table_.get())), zero_held());
-  EXPECT_FALSE(kvf_registry_is_draining(reg_, 1, id)) << "unmapped";
+  EXPECT_FALSE(kvf_registry_draining_upto(reg_, 1, id)) << "unmapped";
   s = reg_stats(reg_);
   EXPECT_EQ(s.draining, 0u);
   EXPECT_EQ(s.leases, 0u);

@@ -657,13 +657,13 @@ uint64_t kvf_registry_active_id(kvf_registry *r, uint64_t client) {
   return id;
 }
 
-int kvf_registry_is_draining(kvf_registry *r, uint64_t client, uint64_t id) {
+int kvf_registry_draining_upto(kvf_registry *r, uint64_t client, uint64_t id) {
   if (r == NULL) return 0;
   int draining = 0;
   pthread_mutex_lock(&r->lock);
   kvf_reg_client *c = find_client(r, client);
   for (const kvf_registry_reg *e = c != NULL ? c->draining : NULL; e != NULL && !draining; e = e->next)
-    draining = e->id == id;
+    draining = e->id <= id;
   pthread_mutex_unlock(&r->lock);
   return draining;
 }

@@ -200,11 +200,12 @@ uint64_t kvf_registry_reg_id(const kvf_registry_reg *reg);
 /* The client's active registration id, or 0 (none, unknown client). */
 uint64_t kvf_registry_active_id(kvf_registry *r, uint64_t client);
 
-/* Whether the client's registration `id` is draining: replaced or
- * unregistered, with leases still held or its unmap still pending (0 for
- * an unknown client or id, or one unmapped). Cost: the client's draining
+/* Whether the client's registration `id`, or one older than it (ids only
+ * grow), is draining: replaced or unregistered, with leases still held or
+ * its unmap still pending. 0 for an unknown client, and when every
+ * registration up to `id` is unmapped. Cost: the client's draining
  * registrations. */
-int kvf_registry_is_draining(kvf_registry *r, uint64_t client, uint64_t id);
+int kvf_registry_draining_upto(kvf_registry *r, uint64_t client, uint64_t id);
 
 /* ---- completions --------------------------------------------------------- */
 

@@ -713,8 +713,9 @@ static kvf_status handle_unregister(kvf_server *s, kvf_server_conn *c, const kvf
   r.u.unregister_reply.registration_id = want ? want : active;
   if (want != 0 && want != active) {
     /* Not the live one: replaced or unregistered already. Idempotent; it
-     * is unmapped (3) only once its requests in flight have retired. */
-    r.u.unregister_reply.state = kvf_registry_is_draining(s->registry, c->client_id, want) ? KVF_PROTO_REG_DRAINING
+     * is unmapped (3) only once its requests in flight, and those of the
+     * registrations it replaced (the same memory, maybe), have retired. */
+    r.u.unregister_reply.state = kvf_registry_draining_upto(s->registry, c->client_id, want) ? KVF_PROTO_REG_DRAINING
                                                                                           : KVF_PROTO_REG_CLOSED;
     return server_send(s, c, &r);
   }
