@@ -166,7 +166,8 @@ int main(int argc, char **argv) {
         double w = report(v.name, [&](int i) { variant_call(v, i); });
         printf("%-12s %s  %-34s wall/memcpy %.3fx\n", sh.name, dir, v.name, w / base);
       }
-      // Byte check of the last variant: every run of set 0 arrived.
+      // Byte check of one two-stream variant (variants[3]), d2h: every run
+      // of set 0 arrived.
       if (gather) {
         CK(cudaMemset(pool, 5, slots * sh.run_bytes));
         CK(cudaDeviceSynchronize()); /* the memset ran on the legacy stream, which st[] do not wait for */
