@@ -1115,13 +1115,13 @@ TEST_F(Isolation, AGenerationNamedByARegisterStillBeingCheckedIsBusyNotBound) {
   // The engine: told to start, it REGISTERs every millisecond until
   // registered (5 s at most) and reports what it saw.
   Child &engine = spawn([this](int ctl, int rep) {
-    char go;
-    if (read(ctl, &go, 1) != 1) return 50;
     BusyReport r;
     std::memset(&r, 0, sizeof r);
     HostAlloc fresh(1);
-    RawConn c;
+    RawConn c; /* connected first, so that its REGISTERs follow the signal at once */
     if (c.open(dir_, instance, generation) != KVF_SUCCESS) return 51;
+    char go;
+    if (read(ctl, &go, 1) != 1) return 50;
     kvf_mem_identity id = fresh.id;
     id.instance_id = instance;
     id.generation = generation;

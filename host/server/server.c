@@ -631,20 +631,19 @@ static kvf_status register_claim(kvf_server *s, kvf_server_conn *c, const kvf_pr
     }
   }
   for (uint32_t g = 0; g < ng; g++) {
+    /* A firm binding anywhere answers PERMISSION; one made by a REGISTER
+     * still on the worker, which keeps the generation only if it succeeds,
+     * answers BUSY (try again) when nothing binds it firmly. */
+    const kvf_server_conn *pending = NULL;
     for (uint32_t k = 0; k < s->num_conns; k++) {
       const kvf_server_conn *d = s->conns[k];
       if (d == c || d->instance_id != c->instance_id || d->conn.peer.pid == c->conn.peer.pid) continue;
       for (uint32_t b = 0; b < d->num_bound; b++) {
         if (d->bound_gen[b] != gens[g]) continue;
-        /* Bound by a REGISTER still on the worker: it keeps the generation
-         * only if it succeeds, so this one may try again. */
-        if (d->register_busy && b >= d->bound_before_register)
-          return kvf_fail(KVF_ERR_BUSY,
-                          "payload.regions[%u].instance_id: instance %016llx generation %llu is named by a REGISTER "
-                          "of client %llu (pid %d) still in progress; it binds the generation only if it succeeds: "
-                          "try again",
-                          (unsigned)first[g], (unsigned long long)c->instance_id, (unsigned long long)gens[g],
-                          (unsigned long long)d->client_id, (int)d->conn.peer.pid);
+        if (d->register_busy && b >= d->bound_before_register) {
+          pending = d;
+          continue;
+        }
         return kvf_fail(KVF_ERR_PERMISSION,
                         "payload.regions[%u].instance_id: instance %016llx generation %llu is bound to client %llu "
                         "(pid %d), which registered it first and is still connected; a restarted engine counts its "
@@ -653,6 +652,12 @@ static kvf_status register_claim(kvf_server *s, kvf_server_conn *c, const kvf_pr
                         (unsigned long long)d->client_id, (int)d->conn.peer.pid);
       }
     }
+    if (pending)
+      return kvf_fail(KVF_ERR_BUSY,
+                      "payload.regions[%u].instance_id: instance %016llx generation %llu is named by a REGISTER of "
+                      "client %llu (pid %d) still in progress; it binds the generation only if it succeeds: try again",
+                      (unsigned)first[g], (unsigned long long)c->instance_id, (unsigned long long)gens[g],
+                      (unsigned long long)pending->client_id, (int)pending->conn.peer.pid);
   }
   for (uint32_t g = 0; g < ng; g++) {
     uint32_t b = 0;
@@ -684,6 +689,7 @@ static kvf_status handle_register(kvf_server *s, kvf_server_conn *c, kvf_proto_m
   }
   kvf_register_req *req = calloc(1, sizeof(*req));
   if (!req) {
+    c->num_bound = c->bound_before_register;
     close_fds(fds, num_fds);
     return server_send_error(s, c, m->request_id, KVF_ERR_OUT_OF_MEMORY, "register: out of memory");
   }
