@@ -1071,8 +1071,8 @@ TEST_F(Isolation, ARefusedRegisterBindsNoGeneration) {
   ASSERT_EQ(register_tiny(squatter, id, mine.region, mine.fd(), &reply), KVF_SUCCESS);
   EXPECT_EQ(reply.type, KVF_PROTO_REGISTER_REPLY) << describe(reply);
   kvf_proto_msg_clear(&reply);
-  // A claim refused part way (its first new generation fills the last
-  // slot, the second finds none) unbinds the first too.
+  // A claim refused part way (its first new generation would fill the
+  // last slot, the second finds none) binds neither.
   for (uint64_t gen = 201; gen < 200 + kGenerationSlots - 1; gen++) {  // 7 bound with generation 7
     kvf_mem_identity more = id;
     more.generation = gen;
@@ -1084,8 +1084,9 @@ TEST_F(Isolation, ARefusedRegisterBindsNoGeneration) {
   last.generation = 300;
   past.generation = 301;
   int fd = mine.fd();
-  ASSERT_EQ(register_raw(squatter, kTinyGeometry, {region_of(last, 0, mine.region, 0), region_of(past, mine.region, mine.region, 0)},
-                         {fd}, &reply),
+  ASSERT_EQ(register_raw(squatter, kTinyGeometry,
+                         {region_of(last, 0, mine.region, 0), region_of(past, mine.region, mine.region, 0)}, {fd},
+                         &reply),
             KVF_SUCCESS);
   close(fd);
   ASSERT_EQ(reply.type, KVF_PROTO_ERROR) << describe(reply);

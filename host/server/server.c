@@ -604,8 +604,9 @@ static kvf_status handle_hello(kvf_server *s, kvf_server_conn *c, const kvf_prot
 
 /* Whether c may register the allocations its regions name: each region's
  * instance is c's (its HELLO's), and each generation of it is registered
- * by no live connection of another process. Binds the generations to c
- * (undone when the REGISTER is refused, here or by the worker).
+ * by no live connection of another process. On success binds the
+ * generations to c (undone when the worker refuses the REGISTER); on
+ * failure binds nothing.
  * Returns KVF_SUCCESS; KVF_ERR_BUSY when another process's REGISTER still
  * on the worker names a generation (retryable: it is bound only if that
  * one succeeds); else KVF_ERR_PERMISSION; kvf_last_error() names the
@@ -659,17 +660,20 @@ static kvf_status register_claim(kvf_server *s, kvf_server_conn *c, const kvf_pr
                       (unsigned)first[g], (unsigned long long)c->instance_id, (unsigned long long)gens[g],
                       (unsigned long long)pending->client_id, (int)pending->conn.peer.pid);
   }
+  /* The generations c does not hold yet, all checked before any is bound. */
+  uint64_t add[KVF_SERVER_MAX_GENERATIONS];
+  uint32_t na = 0;
   for (uint32_t g = 0; g < ng; g++) {
     uint32_t b = 0;
     while (b < c->num_bound && c->bound_gen[b] != gens[g]) b++;
-    if (b == c->num_bound) {
-      if (c->num_bound == KVF_SERVER_MAX_GENERATIONS)
-        return kvf_fail(KVF_ERR_PERMISSION,
-                        "payload.regions[%u].generation: this connection registered %u generations already",
-                        (unsigned)first[g], KVF_SERVER_MAX_GENERATIONS);
-      c->bound_gen[c->num_bound++] = gens[g];
-    }
+    if (b < c->num_bound) continue;
+    if (c->num_bound + na == KVF_SERVER_MAX_GENERATIONS)
+      return kvf_fail(KVF_ERR_PERMISSION,
+                      "payload.regions[%u].generation: this connection registered %u generations already",
+                      (unsigned)first[g], KVF_SERVER_MAX_GENERATIONS);
+    add[na++] = gens[g];
   }
+  for (uint32_t i = 0; i < na; i++) c->bound_gen[c->num_bound++] = add[i];
   return KVF_SUCCESS;
 }
 
@@ -681,7 +685,6 @@ static kvf_status handle_register(kvf_server *s, kvf_server_conn *c, kvf_proto_m
   c->bound_before_register = c->num_bound;
   kvf_status st = register_claim(s, c, &m->u.reg);
   if (st != KVF_SUCCESS) {
-    c->num_bound = c->bound_before_register;
     close_fds(fds, num_fds);
     KVF_INFO(SERVER, "client %llu (pid %d): REGISTER refused: %s", (unsigned long long)c->client_id,
              (int)c->conn.peer.pid, kvf_last_error());

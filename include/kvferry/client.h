@@ -155,8 +155,9 @@ struct kvf_client_register_desc {
  * server's status (KVF_ERR_INVALID_ARGUMENT, KVF_ERR_PARSE,
  * KVF_ERR_INVALID_GEOMETRY, KVF_ERR_PROTOCOL...: the message names the
  * field; KVF_ERR_BUSY for a quota, or while another process's REGISTER of
- * the same generation is still being checked: try again); KVF_ERR_TIMEOUT (no reply in time: the request is dropped, a late
- * reply is discarded, the connection stays usable); KVF_ERR_DISCONNECTED
+ * the same generation is still being checked: try again); KVF_ERR_TIMEOUT
+ * (no reply in time: the request is dropped, a late reply is discarded,
+ * the connection stays usable); KVF_ERR_DISCONNECTED
  * (final: connect a new client); KVF_ERR_INVALID_ARGUMENT (NULL pointers,
  * more than 253 distinct allocations, shard_index not below shard_count,
  * shard_count over KVF_CLIENT_MAX_SHARDS: the message names the field). */
