@@ -1188,6 +1188,7 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_EQ(t.batch_first_runs, 8);
   EXPECT_EQ(t.batch_link_gbps, 55);
   EXPECT_EQ(t.small_stage_growth, 4);
+  EXPECT_EQ(t.small_stage_straight_pieces, 1);
   EXPECT_EQ(t.defer, 0);
   GeometryPtr g = load_preset("llama-3.1-8b-fa-nhd", 4);
   ASSERT_TRUE(g) << kvf_last_error();
@@ -1222,6 +1223,8 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_first_runs = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.small_stage_growth = 0; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.small_stage_growth = 17; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.small_stage_straight_pieces = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.small_stage_straight_pieces = KVF_STAGE_MAX_PIECES + 1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.defer = 2; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.defer = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_link_gbps = -1; }));
@@ -1236,6 +1239,7 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   ok.stage_straight_min_run = 0;
   ok.batch_first_runs = 0;
   ok.small_stage_growth = 16;
+  ok.small_stage_straight_pieces = 0;
   ok.defer = 1;
   ok.batch_link_gbps = 0; // doubling
   EXPECT_EQ(kvf_xfer_set_tuning(x.get(), &ok), KVF_SUCCESS) << kvf_last_error();
@@ -2918,6 +2922,34 @@ const RouteVariant kRouteVariants[] = {
        EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
        EXPECT_LE(p.pieces, 2u) << "a small request is staged in at most 2 pieces";
      }},
+    {"small_stage_straight", true,
+     [](kvf_xfer_tuning &t) {
+       t.batch_max_runs = 0;
+       t.stage_pieces = 4;
+       t.small_stage_mb = 1 << 20;
+       t.stage_straight_kb = 64; // a straight part wherever a view is one run a block
+       t.stage_straight_min_run = 0;
+     },
+     [](const kvf_xfer_path_info &p, Mem) {
+       EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
+       if (p.straight_runs)
+         EXPECT_EQ(p.pieces, 1u) << "a small request with a straight part is staged in one piece";
+       else
+         EXPECT_LE(p.pieces, 2u) << "a small request is staged in at most 2 pieces";
+     }},
+    {"small_stage_straight_two_pieces", true,
+     [](kvf_xfer_tuning &t) {
+       t.batch_max_runs = 0;
+       t.stage_pieces = 4;
+       t.small_stage_mb = 1 << 20;
+       t.stage_straight_kb = 64;
+       t.stage_straight_min_run = 0;
+       t.small_stage_straight_pieces = 0; // the small request's 2 pieces, straight part or not
+     },
+     [](const kvf_xfer_path_info &p, Mem) {
+       EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
+       EXPECT_LE(p.pieces, 2u) << "a small request is staged in at most 2 pieces";
+     }},
     {"straight_part", true,
      [](kvf_xfer_tuning &t) {
        t.batch_max_runs = 0;
@@ -3196,9 +3228,11 @@ TEST(XferGpu, BatchCallRightAfterAHostBoundOneIsOneCall) {
     }
 }
 
-// Under an SM cap below 64 the straight part takes three times
-// KVF_XFER_STAGE_STRAIGHT_KB (the slower kernels leave more to hide), and
-// however large the target, the pick stops at half the batch and at
+// At the default cap a one-chunk request of these caches is small
+// (KVF_XFER_SMALL_STAGE_MB): one piece, and a straight part of at least an
+// eighth of it to hide that piece's kernel. Under an SM cap below 64 the
+// straight part takes three times KVF_XFER_STAGE_STRAIGHT_KB (the slower
+// kernels leave more to hide), and however large the target, the pick stops at half the batch and at
 // KVF_STAGE_STRAIGHT_MAX_RUNS instead of leaving the call no straight part
 // (a 4 MiB target did that to gpt-oss-like's one-chunk gather at 4 SMs, in
 // kvf_bench's tables, whose sliding-window objects go direct).
@@ -3213,7 +3247,7 @@ TEST(XferGpu, CappedCallsTakeALargerStraightPartWithinItsLimits) {
       Prepared s;
       ASSERT_NO_FATAL_FAILURE(setup_chunks(preset, 1, 0, 61, &s));
       const uint64_t straight_kb[3] = {1024, 1024, 64 * 1024};  // default cap, 4 SMs, 4 SMs past every limit
-      uint64_t bytes[3] = {0, 0, 0};
+      uint64_t bytes[3] = {0, 0, 0}, pieces[3] = {0, 0, 0}, payload = 0;
       for (int k = 0; k < 3; k++) {
         SCOPED_TRACE(std::string(preset) + ", " + dir_name(d) + ", case " + std::to_string(k));
         GpuConfig cfg;
@@ -3225,20 +3259,24 @@ TEST(XferGpu, CappedCallsTakeALargerStraightPartWithinItsLimits) {
           t.batch_max_runs = 0;  // staged, the MLA cache too
           t.stage_straight_kb = (int64_t)kb;
         };
-        uint64_t *out = &bytes[k];
-        cfg.check_path = [out](const kvf_xfer_path_info &p) {
+        uint64_t *out = &bytes[k], *out_pieces = &pieces[k];
+        cfg.check_path = [out, out_pieces](const kvf_xfer_path_info &p) {
           ASSERT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
           EXPECT_LE(p.straight_runs, (uint64_t)KVF_STAGE_STRAIGHT_MAX_RUNS);
           EXPECT_EQ(p.straight_runs > 0, p.straight_bytes > 0);
           *out = p.straight_bytes;
+          *out_pieces = p.pieces;
         };
         kvf_xfer_stats st = KVF_XFER_STATS_INIT;
         ASSERT_NO_FATAL_FAILURE(run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 62 + (uint64_t)k, cfg, &st));
+        payload = st.payload_bytes;
         // Here every object is staged and whole, so the batch is the payload.
         EXPECT_LE(bytes[k], st.payload_bytes / 2) << "the part stays within half the batch";
       }
       SCOPED_TRACE(std::string(preset) + ", " + dir_name(d));
       EXPECT_GE(bytes[0], 1024 * kib) << "the default cap's target, in whole layers";
+      EXPECT_EQ(pieces[0], 1u) << "a small request with a straight part is one piece";
+      EXPECT_GE(bytes[0], payload / KVF_SMALL_STAGE_STRAIGHT_SHARE) << "which the straight part hides";
       EXPECT_GE(bytes[1], KVF_STAGE_STRAIGHT_CAPPED_FACTOR * 1024 * kib) << "4 SMs: three times the target";
       EXPECT_GT(bytes[2], bytes[1]) << "a target past the limits still leaves a straight part, up to them";
     }

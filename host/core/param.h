@@ -75,6 +75,8 @@ extern "C" {
     "staged host<->device requests of at most this many MiB use 2 pieces and 64 SMs for their staging kernels (0: the defaults above for every size)") \
   X(xfer_small_stage_growth, "KVF_XFER_SMALL_STAGE_GROWTH", 4,                          \
     "size ratio of the two pieces of such a small request (1..16): a gather's first piece, whose kernel the copy engine waits for, is 1/(1+ratio) of it") \
+  X(xfer_small_stage_straight_pieces, "KVF_XFER_SMALL_STAGE_STRAIGHT_PIECES", 1,        \
+    "pieces of such a small request when it has a straight part (KVF_XFER_STAGE_STRAIGHT_KB), whose copy hides its kernels (0: as without one)") \
   X(xfer_batch_max_runs, "KVF_XFER_BATCH_MAX_RUNS", 256,                                 \
     "... and have at most this many runs (its host cost grows with them; 0: never use the batch API route)") \
   X(xfer_batch_first_runs, "KVF_XFER_BATCH_FIRST_RUNS", 8,                              \

@@ -218,6 +218,7 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
                          .overlap = kvf_param_xfer_overlap(),
                          .small_stage_mb = kvf_param_xfer_small_stage_mb(),
                          .small_stage_growth = kvf_param_xfer_small_stage_growth(),
+                         .small_stage_straight_pieces = kvf_param_xfer_small_stage_straight_pieces(),
                          .defer = kvf_param_xfer_defer()};
   /* Out-of-range values from the environment fall back to the defaults'
    * behaviour rather than failing every call. */
@@ -226,6 +227,8 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
   if (t->stage_pieces > KVF_STAGE_MAX_PIECES) t->stage_pieces = KVF_STAGE_MAX_PIECES;
   if (t->stage_growth < 1 || t->stage_growth > 16) t->stage_growth = 2;
   if (t->small_stage_growth < 1 || t->small_stage_growth > 16) t->small_stage_growth = 4;
+  if (t->small_stage_straight_pieces < 0 || t->small_stage_straight_pieces > KVF_STAGE_MAX_PIECES)
+    t->small_stage_straight_pieces = 1;
   if (t->staging_mb > KVF_STAGE_MAX_MB) t->staging_mb = 64;
   if (t->stage_edge_mb < 0 || t->stage_edge_mb > KVF_STAGE_MAX_MB) t->stage_edge_mb = 16;
   if (t->stage_multi_pieces < 0 || t->stage_multi_pieces > KVF_STAGE_MAX_PIECES) t->stage_multi_pieces = 2;
@@ -249,8 +252,9 @@ kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
       t->task_bytes % 16 || t->task_waves < 0 || t->device_task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->batch_first_runs < 0 || t->batch_link_gbps < 0 || t->batch_link_gbps > KVF_BATCH_MAX_LINK_GBPS || t->batch_back_to_back_us < 0 ||
       t->batch_back_to_back_us > KVF_BATCH_MAX_BACK_TO_BACK_US || t->stage_dma_batch < 0 ||
       t->small_stage_mb < 0 || t->kernel < 0 || t->kernel > 2 || t->stage_growth < 1 || t->stage_growth > 16 ||
-      t->small_stage_growth < 1 || t->small_stage_growth > 16 ||
-      t->staging_mb > KVF_STAGE_MAX_MB || t->stage_edge_mb < 0 || t->stage_edge_mb > KVF_STAGE_MAX_MB ||
+      t->small_stage_growth < 1 || t->small_stage_growth > 16 || t->small_stage_straight_pieces < 0 ||
+      t->small_stage_straight_pieces > KVF_STAGE_MAX_PIECES || t->staging_mb > KVF_STAGE_MAX_MB ||
+      t->stage_edge_mb < 0 || t->stage_edge_mb > KVF_STAGE_MAX_MB ||
       t->stage_multi_pieces < 0 || t->stage_multi_pieces > KVF_STAGE_MAX_PIECES || t->stage_straight_kb < 0 ||
       t->stage_straight_kb > (int64_t)KVF_STAGE_MAX_MB << 10 || t->stage_straight_min_run < 0 ||
       t->stage_straight_min_run > (int64_t)KVF_STAGE_MAX_MB << 20 || t->spread_kb < 0 ||
@@ -1034,6 +1038,7 @@ typedef struct staged_call {
    * the copy engine moves between the cache and the host objects itself,
    * left out of the edge batch's pieces (edge_masks). */
   unsigned char *edge_masks; /* [pieces][segments] */
+  unsigned char *straight_pick; /* [segments]: the views the straight part moves */
   void **straight_dst;
   const void **straight_src;
   size_t *straight_size;
@@ -1054,6 +1059,7 @@ static void staged_call_free(staged_call *c) {
   free(c->runs);
   free(c->run_first);
   free(c->edge_masks);
+  free(c->straight_pick);
   free(c->straight_dst);
   free(c->straight_src);
   free(c->straight_size);
@@ -1277,7 +1283,7 @@ static const unsigned char *piece_mask(const staged_call *c, uint64_t bi, uint32
  * alone past KVF_STAGE_STRAIGHT_MAX_RUNS runs or half the batch (the pick
  * stops before either). Objects the direct kernel writes (a gather's
  * partial ones) are left to it. */
-static kvf_status plan_straight(kvf_xfer *x, const kvf_copy_request *r, int gather, staged_call *c) {
+static kvf_status plan_straight(kvf_xfer *x, const kvf_copy_request *r, int gather, int one_piece, staged_call *c) {
   const kvf_geometry *g = x->geometry;
   const kvf_plan *plan = &x->plan[r->format];
   uint64_t nog = g->num_object_groups, ns = plan->num_segments;
@@ -1299,6 +1305,16 @@ static kvf_status plan_straight(kvf_xfer *x, const kvf_copy_request *r, int gath
    * (glm-like: 220 us of enqueue for a 163 us copy; perf/results/
    * 2026-12-01-h200-straight). */
   if (x->max_sms && x->max_sms < KVF_SMALL_STAGE_SMS) target *= KVF_STAGE_STRAIGHT_CAPPED_FACTOR;
+  /* A small request staged in one piece (KVF_XFER_SMALL_STAGE_STRAIGHT_PIECES)
+   * hides all of its kernel behind the straight part: at least an eighth of
+   * the batch (the 64-SM kernel moves about 20 times the link's rate, plus
+   * a launch and a hand-off). Measured on an H200 (perf/results/
+   * 2026-12-03-h200-one-piece), fp8-inline's 16.5 MiB chunk in one piece,
+   * 1 -> 2 MiB straight: d2h 98.4/99.3 -> 99.3/99.4% of memcpy, h2d
+   * 97.6/97.6 -> 99.0/99.0 (two pieces: 98.1); glm-like and gpt-oss-like
+   * within 0.3 points at 2 MiB. */
+  if (one_piece && eb->bytes / KVF_SMALL_STAGE_STRAIGHT_SHARE > target)
+    target = eb->bytes / KVF_SMALL_STAGE_STRAIGHT_SHARE;
   if (ns == 0 || count == 0) return KVF_SUCCESS;
   kvf_copy_request part = *r;
   batch_tokens(r, eb, g->policy.chunk_tokens, &part);
@@ -1320,10 +1336,8 @@ static kvf_status plan_straight(kvf_xfer *x, const kvf_copy_request *r, int gath
   int fit = kvf_stage_batch_runs(blob, gather, min_run, KVF_STAGE_STRAIGHT_MAX_RUNS, &dst, &src, &sizes, &runs);
   if (fit < 0) goto oom;
   if (fit == 0) goto out;
-  if (!(c->edge_masks = malloc((size_t)c->pieces * ns))) goto oom;
-  for (uint32_t p = 0; p < c->pieces; p++)
-    for (uint64_t sgi = 0; sgi < ns; sgi++)
-      c->edge_masks[(size_t)p * ns + sgi] = (c->pieces == 1 || c->masks[(size_t)p * ns + sgi]) && !pick[sgi];
+  c->straight_pick = pick;
+  pick = NULL;
   c->straight_dst = dst;
   c->straight_src = src;
   c->straight_size = sizes;
@@ -1353,7 +1367,8 @@ out:
  * request (a gather with holes): plan again with one piece and no straight
  * part. */
 static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather, uint32_t pieces, uint32_t growth,
-                              int straight, uint32_t stage_sms, uint32_t pcie_sms, staged_call *c, int *retry) {
+                              int straight, uint32_t straight_pieces, uint32_t stage_sms, uint32_t pcie_sms,
+                              staged_call *c, int *retry) {
   const kvf_geometry *g = x->geometry;
   const kvf_plan *plan = &x->plan[r->format];
   uint64_t nog = g->num_object_groups, cc = g->policy.chunk_tokens, ns = plan->num_segments;
@@ -1379,13 +1394,32 @@ static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather
    * perf/results/2026-12-01-h200-large, with the batch sizes above). */
   if (nb > 1 && x->tune.stage_multi_pieces > 0 && pieces > (uint32_t)x->tune.stage_multi_pieces)
     pieces = (uint32_t)x->tune.stage_multi_pieces;
-  c->masks = malloc((size_t)(ns ? ns : 1) * (pieces ? pieces : 1));
-  if (!c->masks) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
-  c->pieces = pieces > 1 ? kvf_stage_piece_masks_growth(g, plan, r, gather, pieces, growth, c->masks)
-                         : 1;
   c->any_direct = c->sp.any_direct;
   c->edge = gather || nb == 0 ? 0 : nb - 1;
-  if (straight && x->tune.stage_straight_kb > 0 && nb > 0 && (st = plan_straight(x, r, gather, c))) goto out;
+  if (straight && x->tune.stage_straight_kb > 0 && nb > 0 &&
+      (st = plan_straight(x, r, gather, straight_pieces == 1, c)))
+    goto out;
+  if (c->straight_runs && straight_pieces > 0 && pieces > straight_pieces) pieces = straight_pieces;
+  c->masks = malloc((size_t)(ns ? ns : 1) * (pieces ? pieces : 1));
+  if (!c->masks) {
+    st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
+    goto out;
+  }
+  c->pieces = pieces > 1 ? kvf_stage_piece_masks_growth(g, plan, r, gather, pieces, growth, c->masks)
+                         : 1;
+  /* The pieces are cut over every view, then the straight part's views
+   * leave the edge batch's (cut over what is left, the pieces lost 1-5
+   * points at 4 SMs: perf/results/2026-12-03-h200-edge-pieces). */
+  if (c->straight_runs) {
+    if (!(c->edge_masks = malloc((size_t)c->pieces * ns))) {
+      st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
+      goto out;
+    }
+    for (uint32_t p = 0; p < c->pieces; p++)
+      for (uint64_t sgi = 0; sgi < ns; sgi++)
+        c->edge_masks[(size_t)p * ns + sgi] =
+            (c->pieces == 1 || c->masks[(size_t)p * ns + sgi]) && !c->straight_pick[sgi];
+  }
   c->num_launches = nb * c->pieces + (c->any_direct ? 1 : 0);
   c->launches = calloc(c->num_launches ? c->num_launches : 1, sizeof *c->launches);
   c->batches = calloc(nb ? nb : 1, sizeof *c->batches);
@@ -1497,7 +1531,8 @@ out:
  * and finish_staged joins the internal stream back (include/kvferry/
  * transfer.h states this). */
 static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream,
-                                uint32_t stage_sms, uint32_t pcie_sms, uint32_t pieces, uint32_t growth) {
+                                uint32_t stage_sms, uint32_t pcie_sms, uint32_t pieces, uint32_t growth,
+                                uint32_t straight_pieces) {
   const char *dir = gather ? "gather" : "scatter";
   uint64_t nb = 0, bi = 0, payload = 0, tasks = 0;
   uint32_t used_sms = 0;
@@ -1508,10 +1543,11 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
   /* The straight part goes on the caller's stream as one batch copy, which
    * the legacy and per-thread default streams may refuse. */
   kvf_status st =
-      plan_staged(x, r, gather, pieces, growth, !default_stream(stream), stage_sms, pcie_sms, &c, &retry);
+      plan_staged(x, r, gather, pieces, growth, !default_stream(stream), straight_pieces, stage_sms, pcie_sms, &c,
+                  &retry);
   if (!st && retry) {
     staged_call_free(&c);
-    st = plan_staged(x, r, gather, 1, growth, 0, stage_sms, pcie_sms, &c, &retry);
+    st = plan_staged(x, r, gather, 1, growth, 0, 0, stage_sms, pcie_sms, &c, &retry);
   }
   if (st) goto out;
   nb = c.sp.num_batches;
@@ -1819,15 +1855,22 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
       /* Under a cap below 64 SMs (the 4-SM case) the kernels stay slow and
        * 4 pieces overlap them better: gpt-oss-like d2h at 4 SMs fell from
        * 88.8% to 81.7% with 2 pieces, so the rule needs its 64 SMs. */
+      /* With a straight part, such a request's kernels at 64 SMs (7 us for
+       * glm-like's 7.6 MB) fit behind the straight copy (19-22 us for 1 MiB)
+       * with their hand-off, so one piece (KVF_XFER_SMALL_STAGE_STRAIGHT_PIECES)
+       * spares the copy engine a call (about 2 us each, and a small piece's
+       * copy ran at 12 GB/s). */
+      uint32_t straight_pieces = 0;
       if (x->tune.small_stage_mb > 0 && (!x->max_sms || x->max_sms >= KVF_SMALL_STAGE_SMS) &&
           (uint64_t)x->sm_count >= KVF_SMALL_STAGE_SMS &&
           request_payload_at_most(x, r, (uint64_t)x->tune.small_stage_mb << 20)) {
         if (stage_sms < KVF_SMALL_STAGE_SMS) stage_sms = KVF_SMALL_STAGE_SMS;
         if (pieces > KVF_SMALL_STAGE_PIECES) pieces = KVF_SMALL_STAGE_PIECES;
         growth = (uint32_t)x->tune.small_stage_growth;
+        straight_pieces = (uint32_t)x->tune.small_stage_straight_pieces;
       }
       if (x->max_sms && x->max_sms < stage_sms) stage_sms = x->max_sms;
-      return launch_staged(x, r, gather, stream, stage_sms, pcie_sms, pieces, growth);
+      return launch_staged(x, r, gather, stream, stage_sms, pcie_sms, pieces, growth, straight_pieces);
     }
   }
   uint32_t ctas = (uint32_t)x->sm_count;
