@@ -3100,7 +3100,9 @@ INSTANTIATE_TEST_SUITE_P(Presets, XferGpuRoutes, ::testing::ValuesIn(route_cases
 // API for long runs (a Llama NHD chunk: 1024 runs of 32 KiB), staged pieces
 // for short ones (HND: 256-byte runs), tables in kernel parameters on the
 // device, and the staged route on the legacy stream, which
-// cudaMemcpyBatchAsync refuses. On the device a chunk (17-32 MiB) is a
+// cudaMemcpyBatchAsync refuses; a staged chunk is a small request
+// (KVF_XFER_SMALL_STAGE_MB), in one piece where it has a straight part.
+// On the device a chunk (17-32 MiB) is a
 // spread launch (KVF_XFER_SPREAD_KB), and an HND gather walks the cache's
 // order (KVF_XFER_CACHE_ORDER).
 TEST(XferGpu, DefaultRoutesForOneChunk) {
@@ -3142,12 +3144,18 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
       const kvf_blob_opts device_opts = {0, nullptr,
                                          (uint64_t)sms * 16 * (uint64_t)kvf_param_xfer_device_task_waves()};
       const uint32_t device_slice = kvf_blob_slice_for(&device_opts, plan_payload(s.g(), s.plan));
-      cfg.check_path = [want, straight, cache_order, device_slice](const kvf_xfer_path_info &p) {
+      const bool small = sms >= KVF_SMALL_STAGE_SMS; // the small-request rule needs its 64 SMs
+      cfg.check_path = [want, straight, cache_order, device_slice, small](const kvf_xfer_path_info &p) {
         EXPECT_EQ(p.path, want) << kvf_xfer_path_name(p.path);
         EXPECT_EQ(p.straight_runs > 0, straight) << p.straight_runs << " runs straight";
         EXPECT_EQ(p.uploads, 0u) << "one chunk's tables fit the kernel parameters";
         if (want == KVF_PATH_STAGED) {
-          EXPECT_GT(p.pieces, 1u) << "one chunk's batch is split so the copy engine starts early";
+          // A chunk is a small request (KVF_XFER_SMALL_STAGE_MB): one piece
+          // behind its straight part, else two so the copy engine starts early.
+          if (small && straight)
+            EXPECT_EQ(p.pieces, 1u) << "the straight part hides the one piece's kernel";
+          else
+            EXPECT_GT(p.pieces, 1u) << "one chunk's batch is split so the copy engine starts early";
         }
         if (want == KVF_PATH_COPY_BATCH) {
           EXPECT_EQ(p.dma_runs, 244u) << "61 layers x 4 blocks";

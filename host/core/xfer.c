@@ -1845,7 +1845,13 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
        * fp8-inline (16.5 MiB) 93.6/93.0 -> 94.6/94.3; the GEMM running
        * alongside was slowed no more than by the default (the kernels only
        * touch device memory). The 32 MiB Llama chunk lost 1.6 points with
-       * 2 pieces at 16 SMs, so the rule stops below it (24 MiB). */
+       * 2 pieces at 16 SMs, so the rule stopped below it (24 MiB); at 64
+       * SMs, and in one piece behind its straight part (below), it gains:
+       * two rounds on an H200 (perf/results/2026-12-03-h200-one-piece),
+       * 24 -> 40 MiB, Llama NHD d2h 98.5/98.5 -> 99.4/99.6% of memcpy, h2d
+       * 98.1/97.9 -> 99.6/99.6, HND (2 pieces) d2h 95.8/95.7 -> 96.3/96.3,
+       * h2d 96.1/95.9 -> 96.6/96.4. Hence 40 MiB (one chunk of every
+       * preset). */
       /* Its pieces are 1:4 (KVF_XFER_SMALL_STAGE_GROWTH), a gather's first
        * the shorter, so the copy engine starts sooner: measured on an H200
        * in two runs (perf/results/2026-12-02-h200-ramp/ramp.md, ramp/run1),
