@@ -3237,8 +3237,8 @@ TEST(XferGpu, BatchCallRightAfterAHostBoundOneIsOneCall) {
 }
 
 // At the default cap a one-chunk request of these caches is small
-// (KVF_XFER_SMALL_STAGE_MB): one piece, and a straight part of at least an
-// eighth of it to hide that piece's kernel. Under an SM cap below 64 the
+// (KVF_XFER_SMALL_STAGE_MB): one piece, and a straight part of at least a
+// tenth of it to hide that piece's kernel. Under an SM cap below 64 the
 // straight part takes three times KVF_XFER_STAGE_STRAIGHT_KB (the slower
 // kernels leave more to hide), and however large the target, the pick stops at half the batch and at
 // KVF_STAGE_STRAIGHT_MAX_RUNS instead of leaving the call no straight part

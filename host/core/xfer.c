@@ -1306,13 +1306,16 @@ static kvf_status plan_straight(kvf_xfer *x, const kvf_copy_request *r, int gath
    * 2026-12-01-h200-straight). */
   if (x->max_sms && x->max_sms < KVF_SMALL_STAGE_SMS) target *= KVF_STAGE_STRAIGHT_CAPPED_FACTOR;
   /* A small request staged in one piece (KVF_XFER_SMALL_STAGE_STRAIGHT_PIECES)
-   * hides all of its kernel behind the straight part: at least an eighth of
-   * the batch (the 64-SM kernel moves about 20 times the link's rate, plus
-   * a launch and a hand-off). Measured on an H200 (perf/results/
-   * 2026-12-03-h200-one-piece), fp8-inline's 16.5 MiB chunk in one piece,
-   * 1 -> 2 MiB straight: d2h 98.4/99.3 -> 99.3/99.4% of memcpy, h2d
-   * 97.6/97.6 -> 99.0/99.0 (two pieces: 98.1); glm-like and gpt-oss-like
-   * within 0.3 points at 2 MiB. */
+   * hides all of its kernel behind the straight part: at least a tenth of
+   * the batch (the 64-SM kernel moves about 20 times the link's rate; twice
+   * that share covers its launch, its hand-off and slower kernels). Measured
+   * on an H200 (perf/results/2026-12-03-h200-one-piece), fp8-inline's
+   * 16.5 MiB chunk in one piece, 1 -> 2 MiB straight: d2h 98.4/99.3 ->
+   * 99.3/99.4% of memcpy, h2d 97.6/97.6 -> 99.0/99.0 (two pieces: 98.1);
+   * glm-like and gpt-oss-like within 0.3 points at 2 MiB. An eighth took
+   * glm-like's 8.3 MiB chunk to 1.5 MiB (whole views), 96 runs whose host
+   * time a slow host spent while its scatter's copy engine waited; a tenth
+   * keeps it at 1 MiB. */
   if (one_piece && eb->bytes / KVF_SMALL_STAGE_STRAIGHT_SHARE > target)
     target = eb->bytes / KVF_SMALL_STAGE_STRAIGHT_SHARE;
   if (ns == 0 || count == 0) return KVF_SUCCESS;

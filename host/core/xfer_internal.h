@@ -234,7 +234,7 @@ typedef struct kvf_xfer_tuning {
 #define KVF_SMALL_STAGE_SMS 64
 #define KVF_SMALL_STAGE_PIECES 2
 /* Such a request in one piece moves at least 1/this of its batch straight. */
-#define KVF_SMALL_STAGE_STRAIGHT_SHARE 8
+#define KVF_SMALL_STAGE_STRAIGHT_SHARE 10
 
 void kvf_xfer_tuning_from_params(kvf_xfer_tuning *out);
 
