@@ -617,7 +617,8 @@ void ensure_events(size_t n) {
 
 /* Median GPU time of op(i) over many repetitions, each bracketed by events on
  * the stream. The first call is a pilot that sizes the repetition count. With
- * priming, a spin kernel holds the stream while the reps are queued, so short
+ * priming, a spin kernel holds the stream while the reps are queued (three
+ * times the pilot's host time per rep, at most 20 ms), so short
  * device work is timed back to back rather than at the host's launch rate
  * (host-bound baselines stay host-bound: their queueing outlasts the spin). */
 Timing measure(const std::function<void(int)> &op, cudaStream_t s, bool prime = true) {
@@ -638,7 +639,11 @@ Timing measure(const std::function<void(int)> &op, cudaStream_t s, bool prime = 
   int reps = (int)std::ceil(g_opt.target_ms * 1e3 / pilot_us);
   reps = std::max(g_opt.min_reps, std::min(g_opt.max_reps, reps));
   if (prime && g_opt.prime) {
-    double spin_us = std::min(20000.0, reps * pilot_enqueue * 1e6 * 1.5 + 20);
+    /* Three times the pilot's enqueue: this host's enqueue can double between
+     * one call and the next (a KVM guest whose host time per CUDA call is
+     * bimodal), and a spin that ends before the last rep is queued times the
+     * later reps at the host's pace. */
+    double spin_us = std::min(20000.0, reps * pilot_enqueue * 1e6 * 3 + 20);
     k_spin<<<1, 1, 0, s>>>((uint64_t)(spin_us * 1e3));
     CK_LAUNCH();
     t.primed = true;
