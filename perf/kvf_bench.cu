@@ -186,7 +186,7 @@ void usage(FILE *f) {
           "                            keys: pieces, growth, dma_batch, param_bytes, task_bytes, task_waves, device_task_waves,\n"
           "                            batch_min_run, batch_max_runs, batch_first_runs, batch_link_gbps, batch_back_to_back_us,\n"
           "                            stage_sms, pcie_sms, staging_mb, kernel,\n"
-          "                            small_stage_mb, small_stage_growth, small_stage_straight_pieces, edge_mb, multi_pieces,\n"
+          "                            small_stage_mb, small_stage_growth, small_stage_one_piece, edge_mb, multi_pieces,\n"
           "                            straight_kb, straight_min_run, spread_kb, cache_order, overlap, defer\n"
           "                            (host/core/xfer_internal.h),\n"
           "                            cap (the context's max_sms). Variants are checked like every contender.\n"
@@ -986,7 +986,7 @@ void apply_tune(const std::string &spec, kvf_xfer_tuning *t, int *cap) {
     else if (k == "staging_mb") t->staging_mb = v;
     else if (k == "small_stage_mb") t->small_stage_mb = v;
     else if (k == "small_stage_growth") t->small_stage_growth = v;
-    else if (k == "small_stage_straight_pieces") t->small_stage_straight_pieces = v;
+    else if (k == "small_stage_one_piece") t->small_stage_one_piece = v;
     else if (k == "spread_kb") t->spread_kb = v;
     else if (k == "cache_order") t->cache_order = v;
     else if (k == "overlap") t->overlap = v;

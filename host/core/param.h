@@ -48,7 +48,7 @@ extern "C" {
   X(xfer_stage_edge_mb, "KVF_XFER_STAGE_EDGE_MB", 16,                                    \
     "most MiB of a staged call's first batch (a gather) or last batch (a scatter), at least one chunk, so the copy engine starts early and the last kernel is short (0: as large as the others)") \
   X(xfer_stage_straight_kb, "KVF_XFER_STAGE_STRAIGHT_KB", 1024,                              \
-    "KiB of a staged call's first (gather) or last (scatter) batch that the copy engine moves straight between the cache and host memory, in whole layers whose blocks are long runs (three times as much under an SM cap below 64, never past half the batch), while the kernels stage the rest (0: off)") \
+    "KiB of a staged call's first (gather) or last (scatter) batch that the copy engine moves straight between the cache and host memory, in whole layers whose blocks are long runs (three times as much under an SM cap below 64, a tenth of the batch or more for a one-piece small request, never past half the batch), while the kernels stage the rest (0: off)") \
   X(xfer_stage_straight_min_run, "KVF_XFER_STAGE_STRAIGHT_MIN_RUN", 16384,                   \
     "shortest run (a block of one layer) the copy engine moves straight for KVF_XFER_STAGE_STRAIGHT_KB") \
   X(xfer_stage_multi_pieces, "KVF_XFER_STAGE_MULTI_PIECES", 2,                           \
@@ -72,11 +72,11 @@ extern "C" {
   X(xfer_batch_min_run, "KVF_XFER_BATCH_MIN_RUN", 32768,                                 \
     "host<->device requests whose contiguous runs are at least this many bytes go to the copy engine's batch API (cudaMemcpyBatchAsync), no kernel") \
   X(xfer_small_stage_mb, "KVF_XFER_SMALL_STAGE_MB", 40,                                  \
-    "staged host<->device requests of at most this many MiB use 2 pieces and 64 SMs for their staging kernels (0: the defaults above for every size)") \
+    "staged host<->device requests of at most this many MiB use 2 pieces (1 with a straight part: KVF_XFER_SMALL_STAGE_ONE_PIECE) and 64 SMs for their staging kernels (0: the defaults above for every size)") \
   X(xfer_small_stage_growth, "KVF_XFER_SMALL_STAGE_GROWTH", 4,                          \
     "size ratio of the two pieces of such a small request (1..16): a gather's first piece, whose kernel the copy engine waits for, is 1/(1+ratio) of it") \
-  X(xfer_small_stage_straight_pieces, "KVF_XFER_SMALL_STAGE_STRAIGHT_PIECES", 1,        \
-    "pieces of such a small request when it has a straight part (KVF_XFER_STAGE_STRAIGHT_KB), whose copy hides its kernels (0: as without one)") \
+  X(xfer_small_stage_one_piece, "KVF_XFER_SMALL_STAGE_ONE_PIECE", 1,                   \
+    "1: such a small request of one batch that has a straight part (KVF_XFER_STAGE_STRAIGHT_KB) is one piece, and its straight part takes a tenth of the batch or more, so its copy hides the kernel; 0: 2 pieces all the same") \
   X(xfer_batch_max_runs, "KVF_XFER_BATCH_MAX_RUNS", 256,                                 \
     "... and have at most this many runs (its host cost grows with them; 0: never use the batch API route)") \
   X(xfer_batch_first_runs, "KVF_XFER_BATCH_FIRST_RUNS", 8,                              \

@@ -218,7 +218,7 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
                          .overlap = kvf_param_xfer_overlap(),
                          .small_stage_mb = kvf_param_xfer_small_stage_mb(),
                          .small_stage_growth = kvf_param_xfer_small_stage_growth(),
-                         .small_stage_straight_pieces = kvf_param_xfer_small_stage_straight_pieces(),
+                         .small_stage_one_piece = kvf_param_xfer_small_stage_one_piece(),
                          .defer = kvf_param_xfer_defer()};
   /* Out-of-range values from the environment fall back to the defaults'
    * behaviour rather than failing every call. */
@@ -227,8 +227,7 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
   if (t->stage_pieces > KVF_STAGE_MAX_PIECES) t->stage_pieces = KVF_STAGE_MAX_PIECES;
   if (t->stage_growth < 1 || t->stage_growth > 16) t->stage_growth = 2;
   if (t->small_stage_growth < 1 || t->small_stage_growth > 16) t->small_stage_growth = 4;
-  if (t->small_stage_straight_pieces < 0 || t->small_stage_straight_pieces > KVF_STAGE_MAX_PIECES)
-    t->small_stage_straight_pieces = 1;
+  if (t->small_stage_one_piece < 0 || t->small_stage_one_piece > 1) t->small_stage_one_piece = 1;
   if (t->staging_mb > KVF_STAGE_MAX_MB) t->staging_mb = 64;
   if (t->stage_edge_mb < 0 || t->stage_edge_mb > KVF_STAGE_MAX_MB) t->stage_edge_mb = 16;
   if (t->stage_multi_pieces < 0 || t->stage_multi_pieces > KVF_STAGE_MAX_PIECES) t->stage_multi_pieces = 2;
@@ -252,8 +251,8 @@ kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
       t->task_bytes % 16 || t->task_waves < 0 || t->device_task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->batch_first_runs < 0 || t->batch_link_gbps < 0 || t->batch_link_gbps > KVF_BATCH_MAX_LINK_GBPS || t->batch_back_to_back_us < 0 ||
       t->batch_back_to_back_us > KVF_BATCH_MAX_BACK_TO_BACK_US || t->stage_dma_batch < 0 ||
       t->small_stage_mb < 0 || t->kernel < 0 || t->kernel > 2 || t->stage_growth < 1 || t->stage_growth > 16 ||
-      t->small_stage_growth < 1 || t->small_stage_growth > 16 || t->small_stage_straight_pieces < 0 ||
-      t->small_stage_straight_pieces > KVF_STAGE_MAX_PIECES || t->staging_mb > KVF_STAGE_MAX_MB ||
+      t->small_stage_growth < 1 || t->small_stage_growth > 16 || t->small_stage_one_piece < 0 ||
+      t->small_stage_one_piece > 1 || t->staging_mb > KVF_STAGE_MAX_MB ||
       t->stage_edge_mb < 0 || t->stage_edge_mb > KVF_STAGE_MAX_MB ||
       t->stage_multi_pieces < 0 || t->stage_multi_pieces > KVF_STAGE_MAX_PIECES || t->stage_straight_kb < 0 ||
       t->stage_straight_kb > (int64_t)KVF_STAGE_MAX_MB << 10 || t->stage_straight_min_run < 0 ||
@@ -1305,9 +1304,10 @@ static kvf_status plan_straight(kvf_xfer *x, const kvf_copy_request *r, int gath
    * (glm-like: 220 us of enqueue for a 163 us copy; perf/results/
    * 2026-12-01-h200-straight). */
   if (x->max_sms && x->max_sms < KVF_SMALL_STAGE_SMS) target *= KVF_STAGE_STRAIGHT_CAPPED_FACTOR;
-  /* A small request staged in one piece (KVF_XFER_SMALL_STAGE_STRAIGHT_PIECES)
-   * hides all of its kernel behind the straight part: at least a tenth of
-   * the batch (the 64-SM kernel moves about 20 times the link's rate; twice
+  /* A small request staged in one piece (KVF_XFER_SMALL_STAGE_ONE_PIECE)
+   * hides all of its kernel behind the straight part: a tenth of the batch
+   * or more (as far as half the batch and KVF_STAGE_STRAIGHT_MAX_RUNS let
+   * the pick go) (the 64-SM kernel moves about 20 times the link's rate; twice
    * that share covers its launch, its hand-off and slower kernels). Measured
    * on an H200 (perf/results/2026-12-03-h200-one-piece), fp8-inline's
    * 16.5 MiB chunk in one piece, 1 -> 2 MiB straight: d2h 98.4/99.3 ->
@@ -1370,8 +1370,8 @@ out:
  * request (a gather with holes): plan again with one piece and no straight
  * part. */
 static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather, uint32_t pieces, uint32_t growth,
-                              int straight, uint32_t straight_pieces, uint32_t stage_sms, uint32_t pcie_sms,
-                              staged_call *c, int *retry) {
+                              int straight, int one_piece, uint32_t stage_sms, uint32_t pcie_sms, staged_call *c,
+                              int *retry) {
   const kvf_geometry *g = x->geometry;
   const kvf_plan *plan = &x->plan[r->format];
   uint64_t nog = g->num_object_groups, cc = g->policy.chunk_tokens, ns = plan->num_segments;
@@ -1399,10 +1399,13 @@ static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather
     pieces = (uint32_t)x->tune.stage_multi_pieces;
   c->any_direct = c->sp.any_direct;
   c->edge = gather || nb == 0 ? 0 : nb - 1;
-  if (straight && x->tune.stage_straight_kb > 0 && nb > 0 &&
-      (st = plan_straight(x, r, gather, straight_pieces == 1, c)))
+  /* one_piece: a small request of one batch with a straight part is one
+   * piece (measured on one chunk; a call of several batches overlaps its
+   * later kernels with copies anyway and keeps its pieces). */
+  one_piece = one_piece && nb == 1;
+  if (straight && x->tune.stage_straight_kb > 0 && nb > 0 && (st = plan_straight(x, r, gather, one_piece, c)))
     goto out;
-  if (c->straight_runs && straight_pieces > 0 && pieces > straight_pieces) pieces = straight_pieces;
+  if (c->straight_runs && one_piece) pieces = 1;
   c->masks = malloc((size_t)(ns ? ns : 1) * (pieces ? pieces : 1));
   if (!c->masks) {
     st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
@@ -1535,7 +1538,7 @@ out:
  * transfer.h states this). */
 static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream,
                                 uint32_t stage_sms, uint32_t pcie_sms, uint32_t pieces, uint32_t growth,
-                                uint32_t straight_pieces) {
+                                int one_piece) {
   const char *dir = gather ? "gather" : "scatter";
   uint64_t nb = 0, bi = 0, payload = 0, tasks = 0;
   uint32_t used_sms = 0;
@@ -1546,8 +1549,7 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
   /* The straight part goes on the caller's stream as one batch copy, which
    * the legacy and per-thread default streams may refuse. */
   kvf_status st =
-      plan_staged(x, r, gather, pieces, growth, !default_stream(stream), straight_pieces, stage_sms, pcie_sms, &c,
-                  &retry);
+      plan_staged(x, r, gather, pieces, growth, !default_stream(stream), one_piece, stage_sms, pcie_sms, &c, &retry);
   if (!st && retry) {
     staged_call_free(&c);
     st = plan_staged(x, r, gather, 1, growth, 0, 0, stage_sms, pcie_sms, &c, &retry);
@@ -1866,20 +1868,20 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
        * 88.8% to 81.7% with 2 pieces, so the rule needs its 64 SMs. */
       /* With a straight part, such a request's kernels at 64 SMs (7 us for
        * glm-like's 7.6 MB) fit behind the straight copy (19-22 us for 1 MiB)
-       * with their hand-off, so one piece (KVF_XFER_SMALL_STAGE_STRAIGHT_PIECES)
+       * with their hand-off, so one piece (KVF_XFER_SMALL_STAGE_ONE_PIECE)
        * spares the copy engine a call (about 2 us each, and a small piece's
        * copy ran at 12 GB/s). */
-      uint32_t straight_pieces = 0;
+      int one_piece = 0;
       if (x->tune.small_stage_mb > 0 && (!x->max_sms || x->max_sms >= KVF_SMALL_STAGE_SMS) &&
           (uint64_t)x->sm_count >= KVF_SMALL_STAGE_SMS &&
           request_payload_at_most(x, r, (uint64_t)x->tune.small_stage_mb << 20)) {
         if (stage_sms < KVF_SMALL_STAGE_SMS) stage_sms = KVF_SMALL_STAGE_SMS;
         if (pieces > KVF_SMALL_STAGE_PIECES) pieces = KVF_SMALL_STAGE_PIECES;
         growth = (uint32_t)x->tune.small_stage_growth;
-        straight_pieces = (uint32_t)x->tune.small_stage_straight_pieces;
+        one_piece = x->tune.small_stage_one_piece == 1;
       }
       if (x->max_sms && x->max_sms < stage_sms) stage_sms = x->max_sms;
-      return launch_staged(x, r, gather, stream, stage_sms, pcie_sms, pieces, growth, straight_pieces);
+      return launch_staged(x, r, gather, stream, stage_sms, pcie_sms, pieces, growth, one_piece);
     }
   }
   uint32_t ctas = (uint32_t)x->sm_count;

@@ -223,17 +223,19 @@ typedef struct kvf_xfer_tuning {
   int64_t cache_order;     /* KVF_XFER_CACHE_ORDER: 1: d2d gathers walk HND blocks in cache order */
   int64_t overlap;         /* KVF_XFER_OVERLAP: 1: uncapped d2d/peer launches overlap the previous kernel */
   int64_t small_stage_mb;  /* KVF_XFER_SMALL_STAGE_MB: staged requests of at most this payload use 2 pieces
-                              and at least KVF_SMALL_STAGE_SMS SMs (0: off) */
+                              (1 with a straight part: small_stage_one_piece) and at least
+                              KVF_SMALL_STAGE_SMS SMs (0: off) */
   int64_t small_stage_growth; /* KVF_XFER_SMALL_STAGE_GROWTH: their pieces' size ratio (1..16) */
-  int64_t small_stage_straight_pieces; /* KVF_XFER_SMALL_STAGE_STRAIGHT_PIECES: their pieces when they have a
-                                          straight part (0: as without one) */
+  int64_t small_stage_one_piece; /* KVF_XFER_SMALL_STAGE_ONE_PIECE: 1: such a request of one batch with a
+                                    straight part is one piece, the straight part a tenth of it or more;
+                                    0: 2 pieces all the same */
   int64_t defer;           /* KVF_XFER_DEFER: 1: calls are planned and enqueued by the context's thread */
 } kvf_xfer_tuning;
 
 /* The staged route's kernels for a small request (KVF_XFER_SMALL_STAGE_MB). */
 #define KVF_SMALL_STAGE_SMS 64
 #define KVF_SMALL_STAGE_PIECES 2
-/* Such a request in one piece moves at least 1/this of its batch straight. */
+/* Such a request in one piece moves 1/this of its batch straight, or more. */
 #define KVF_SMALL_STAGE_STRAIGHT_SHARE 10
 
 void kvf_xfer_tuning_from_params(kvf_xfer_tuning *out);
