@@ -2948,8 +2948,8 @@ const RouteVariant kRouteVariants[] = {
      },
      [](const kvf_xfer_path_info &p, Mem) {
        EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
-       // A straight part takes at most half the batch, so the views it
-       // leaves and its own are at least two: two pieces.
+       // A straight part takes at most half the batch, so the request
+       // moves at least two views, and the cut makes two pieces of them.
        if (p.straight_runs)
          EXPECT_EQ(p.pieces, 2u) << "with the rule off a small request keeps its 2 pieces";
        else

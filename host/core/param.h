@@ -72,7 +72,7 @@ extern "C" {
   X(xfer_batch_min_run, "KVF_XFER_BATCH_MIN_RUN", 32768,                                 \
     "host<->device requests whose contiguous runs are at least this many bytes go to the copy engine's batch API (cudaMemcpyBatchAsync), no kernel") \
   X(xfer_small_stage_mb, "KVF_XFER_SMALL_STAGE_MB", 40,                                  \
-    "staged host<->device requests of at most this many MiB use 2 pieces (1 with a straight part: KVF_XFER_SMALL_STAGE_ONE_PIECE) and 64 SMs for their staging kernels (0: the defaults above for every size)") \
+    "staged host<->device requests of at most this many MiB use 2 pieces (1 for a call of one batch with a straight part: KVF_XFER_SMALL_STAGE_ONE_PIECE) and 64 SMs for their staging kernels (0: the defaults above for every size)") \
   X(xfer_small_stage_growth, "KVF_XFER_SMALL_STAGE_GROWTH", 4,                          \
     "size ratio of the two pieces of such a small request (1..16): a gather's first piece, whose kernel the copy engine waits for, is 1/(1+ratio) of it") \
   X(xfer_small_stage_one_piece, "KVF_XFER_SMALL_STAGE_ONE_PIECE", 1,                   \

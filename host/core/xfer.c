@@ -1840,7 +1840,7 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
       if (x->tune.stage_sms > 0 && (uint64_t)x->tune.stage_sms < stage_sms) stage_sms = (uint32_t)x->tune.stage_sms;
       uint32_t pieces = x->tune.stage_pieces > 1 ? (uint32_t)x->tune.stage_pieces : 1;
       uint32_t growth = (uint32_t)x->tune.stage_growth;
-      /* A small request (one chunk of a small cache: 8-17 MiB) spends a
+      /* A small request (one chunk: 8-32 MiB) spends a
        * large share of its time in the pipeline's fixed cost, each piece's
        * hand-off from the kernel to the copy engine and the first piece's
        * kernel: two pieces, with kernels on 64 SMs so the first is short.

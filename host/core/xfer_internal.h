@@ -223,7 +223,7 @@ typedef struct kvf_xfer_tuning {
   int64_t cache_order;     /* KVF_XFER_CACHE_ORDER: 1: d2d gathers walk HND blocks in cache order */
   int64_t overlap;         /* KVF_XFER_OVERLAP: 1: uncapped d2d/peer launches overlap the previous kernel */
   int64_t small_stage_mb;  /* KVF_XFER_SMALL_STAGE_MB: staged requests of at most this payload use 2 pieces
-                              (1 with a straight part: small_stage_one_piece) and at least
+                              (1 for one batch with a straight part: small_stage_one_piece) and at least
                               KVF_SMALL_STAGE_SMS SMs (0: off) */
   int64_t small_stage_growth; /* KVF_XFER_SMALL_STAGE_GROWTH: their pieces' size ratio (1..16) */
   int64_t small_stage_one_piece; /* KVF_XFER_SMALL_STAGE_ONE_PIECE: 1: such a request of one batch with a
