@@ -2821,6 +2821,17 @@ void expect_paced_calls(const kvf_xfer_path_info &p, uint64_t first) {
 
 // The copy-engine batch route for any runs, its calls ramped from First
 // runs (0: one call; the stream is idle, so a ramp applies), doubling.
+// Staged, every request small, a straight part wherever a view is one run a
+// block; OnePiece 0: the small request's 2 pieces, straight part or not.
+template <int64_t OnePiece> void small_stage_straight_tune(kvf_xfer_tuning &t) {
+  t.batch_max_runs = 0;
+  t.stage_pieces = 4;
+  t.small_stage_mb = 1 << 20;
+  t.stage_straight_kb = 64;
+  t.stage_straight_min_run = 0;
+  t.small_stage_one_piece = OnePiece;
+}
+
 template <int64_t First> void copy_batch_tune(kvf_xfer_tuning &t) {
   t.batch_min_run = 0;
   t.batch_max_runs = 1 << 30;
@@ -2922,14 +2933,7 @@ const RouteVariant kRouteVariants[] = {
        EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
        EXPECT_LE(p.pieces, 2u) << "a small request is staged in at most 2 pieces";
      }},
-    {"small_stage_straight", true,
-     [](kvf_xfer_tuning &t) {
-       t.batch_max_runs = 0;
-       t.stage_pieces = 4;
-       t.small_stage_mb = 1 << 20;
-       t.stage_straight_kb = 64; // a straight part wherever a view is one run a block
-       t.stage_straight_min_run = 0;
-     },
+    {"small_stage_straight", true, small_stage_straight_tune<1>,
      [](const kvf_xfer_path_info &p, Mem) {
        EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
        if (p.straight_runs && p.batches == 1)
@@ -2937,15 +2941,7 @@ const RouteVariant kRouteVariants[] = {
        else
          EXPECT_LE(p.pieces, 2u) << "a small request is staged in at most 2 pieces";
      }},
-    {"small_stage_straight_two_pieces", true,
-     [](kvf_xfer_tuning &t) {
-       t.batch_max_runs = 0;
-       t.stage_pieces = 4;
-       t.small_stage_mb = 1 << 20;
-       t.stage_straight_kb = 64;
-       t.stage_straight_min_run = 0;
-       t.small_stage_one_piece = 0; // the small request's 2 pieces, straight part or not
-     },
+    {"small_stage_straight_two_pieces", true, small_stage_straight_tune<0>,
      [](const kvf_xfer_path_info &p, Mem) {
        EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
        // A straight part takes at most half the batch, so the request
