@@ -1305,10 +1305,10 @@ static kvf_status plan_straight(kvf_xfer *x, const kvf_copy_request *r, int gath
    * 2026-12-01-h200-straight). */
   if (x->max_sms && x->max_sms < KVF_SMALL_STAGE_SMS) target *= KVF_STAGE_STRAIGHT_CAPPED_FACTOR;
   /* A small request staged in one piece (KVF_XFER_SMALL_STAGE_ONE_PIECE)
-   * hides all of its kernel behind the straight part: a tenth of the batch
-   * or more (as far as half the batch and KVF_STAGE_STRAIGHT_MAX_RUNS let
-   * the pick go) (the 64-SM kernel moves about 20 times the link's rate; twice
-   * that share covers its launch, its hand-off and slower kernels). Measured
+   * hides all of its kernel behind the straight part, so the part takes a
+   * tenth of the batch or more, as far as the pick's limits let it. The
+   * 64-SM kernel moves about 20 times the link's rate; twice that share
+   * covers its launch, its hand-off and slower kernels. Measured
    * on an H200 (perf/results/2026-12-03-h200-one-piece), fp8-inline's
    * 16.5 MiB chunk in one piece, 1 -> 2 MiB straight: d2h 98.4/99.3 ->
    * 99.3/99.4% of memcpy, h2d 97.6/97.6 -> 99.0/99.0 (two pieces: 98.1);
