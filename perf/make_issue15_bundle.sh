@@ -4,7 +4,7 @@
 #
 #   perf/make_issue15_bundle.sh [BUILD_DIR] DEST
 #
-# DEST gets bin/ (test_xfer, kvf_bench, kvf_served_bench, kvferryd, kvf_param_probe, kvf_hop_probe, kvf_copy_probe, kvf_handoff_probe), lib/
+# DEST gets bin/ (test_xfer, kvf_bench, kvf_served_bench, kvferryd, kvf_param_probe, kvf_hop_probe, kvf_copy_probe, kvf_handoff_probe, kvf_ce_probe, kvf_bulk_probe), lib/
 # (shared libraries the binaries need that the GPU image may lack:
 # libjansson.so.4, libhwloc, libcrypto.so.3; libkvf_trace.so and libcupti when built), presets/ (the geometry presets), run_issue15.sh,
 # report.py and report_served.py. Run there as: bash DEST/run_issue15.sh
@@ -20,7 +20,7 @@ done
 for b in "$dest"/bin/*; do
   ldd "$b" | awk '/libjansson|libhwloc|libcrypto/ {print $3}' | while read -r lib; do [[ -f $lib ]] && cp -L "$lib" "$dest/lib/"; done
 done
-for b in kvf_param_probe kvf_hop_probe kvf_copy_probe kvf_handoff_probe kvf_ce_probe; do [[ -x $build/perf/$b ]] && cp "$build/perf/$b" "$dest/bin/"; done
+for b in kvf_param_probe kvf_hop_probe kvf_copy_probe kvf_handoff_probe kvf_ce_probe kvf_bulk_probe; do [[ -x $build/perf/$b ]] && cp "$build/perf/$b" "$dest/bin/"; done
 # The CUPTI timeline (perf/kvf_trace.c) and the CUPTI it needs, when built.
 if [[ -f $build/perf/libkvf_trace.so ]]; then
   cp "$build/perf/libkvf_trace.so" "$dest/lib/"
