@@ -648,13 +648,18 @@ static int decode(const kvf_blob_header *h, uint64_t task, task_view *tv) {
  * of extents already in order) the run lists of a one-chunk call of 4
  * pieces took 23-25 us on Llama NHD and 67 us on the 80-layer slice, 10.5-12
  * and 29-39 us this way (the 2-core development VM, 10th percentiles of
- * 3000 calls). */
-uint64_t kvf_blob_blocks(const void *blob, kvf_blob_block *out, uint64_t cap) {
+ * 3000 calls). Consecutive moving blocks of one chunk are handed over as
+ * one stretch: the per-block work is then a look at the id and the token
+ * count, and a caller that folds blocks into object extents (a staged
+ * call's copies) does so once per stretch. */
+uint64_t kvf_blob_visit_stretches(const void *blob, kvf_blob_stretch_fn visit, void *ctx) {
   const kvf_blob_header *h = blob;
   const char *b = blob;
   const kvf_blob_entry *entries = (const kvf_blob_entry *)(b + h->off_entries);
   const uint64_t *objects = (const uint64_t *)(b + h->off_objects);
   const uint32_t *ids = (const uint32_t *)(b + h->off_ids);
+  const uint64_t lt_end = h->lt_end, chunk_local = h->chunk_local;
+  const uint32_t max_id = h->num_blocks_max; /* below KVF_BLOCK_SKIP */
   uint64_t n = 0;
   for (uint32_t i = 0; i < h->num_entries; i++) {
     const kvf_blob_entry *e = &entries[i];
@@ -662,62 +667,100 @@ uint64_t kvf_blob_blocks(const void *blob, kvf_blob_block *out, uint64_t cap) {
     uint64_t end = i + 1 < h->num_entries ? entries[i + 1].first_task : h->total_tasks;
     uint64_t blocks = (end - e->first_task) / e->slices;
     if (blocks == 0) continue;
-    const char *cache_base = (const char *)(uintptr_t)e->cache_base;
-    /* Where block 0 of the entry is: its chunk k, the chunk's local token
-     * count nk, the block's token offset inside the chunk. */
-    uint64_t lb = kvf_blob_entry_lb(blob, e), k = 0, nk = 0, within = 0, bi = 0, start = 0;
-    if (!s->recurrent) {
-      start = lb * s->tokens;
-      uint64_t rel = start - h->lt_begin;
-      k = div_u64(rel, h->chunk_local);
-      within = rel - k * h->chunk_local;
-      bi = div_u64(within, s->tokens);
-    } else {
-      k = lb - h->chunk_begin;
-    }
-    for (uint64_t j = 0; j < blocks; j++) {
-      uint64_t units, obj_off;
-      if (s->recurrent) {
-        units = s->units_per_run;
-        obj_off = h->chunk_local * e->dst_per_token + e->dst_const;
-      } else {
-        uint64_t chunk_start = h->lt_begin + k * h->chunk_local;
-        nk = h->lt_end - chunk_start < h->chunk_local ? h->lt_end - chunk_start : h->chunk_local;
-        uint64_t valid = h->lt_end - start;
-        if (valid > s->tokens) valid = s->tokens;
-        units = valid * s->units_per_token;
-        obj_off = nk * e->dst_per_token + e->dst_const + bi * s->dst_block;
-      }
-      uint32_t id = ids[e->ids_offset + j];
-      uint64_t oi = k * h->num_object_groups + s->object_group;
-      if (id != KVF_BLOCK_SKIP && id < h->num_blocks_max && units > 0 && objects[oi] != 0) {
-        if (n < cap) {
-          out[n].entry = i;
-          out[n].object_index = oi;
-          out[n].cache = (char *)cache_base + (uint64_t)id * s->src_block;
-          out[n].object = (char *)(uintptr_t)objects[oi] + obj_off;
-          out[n].units = units;
-        }
+    const uint32_t *eid = ids + e->ids_offset;
+    uint64_t lb = kvf_blob_entry_lb(blob, e);
+    if (s->recurrent) {
+      /* A state a chunk: each its own stretch. */
+      uint64_t k = lb - h->chunk_begin, units = s->units_per_run;
+      uint64_t obj_off = chunk_local * e->dst_per_token + e->dst_const;
+      for (uint64_t j = 0; j < blocks; j++, k++) {
+        uint64_t oi = k * h->num_object_groups + s->object_group;
+        if (eid[j] >= max_id || units == 0 || objects[oi] == 0) continue;
+        const kvf_blob_stretch st = {i, oi, eid + j, 1, (char *)(uintptr_t)objects[oi] + obj_off, units};
+        visit(ctx, e, s, &st);
         n++;
       }
-      /* The next block. */
-      if (s->recurrent) {
-        k++;
-      } else {
-        start += s->tokens;
-        within += s->tokens;
-        bi++;
-        if (within >= h->chunk_local) {
-          /* The next chunk: chunk_local is a multiple of the block's tokens
-           * (geometry.c checks it), so the block starts it. */
-          within -= h->chunk_local;
-          k++;
-          bi = div_u64(within, s->tokens);
+      continue;
+    }
+    /* Where block 0 of the entry is: its chunk k, the block's token offset
+     * inside the chunk and its index there. */
+    const uint64_t tokens = s->tokens, full = tokens * s->units_per_token;
+    uint64_t start = lb * tokens, rel = start - h->lt_begin;
+    uint64_t k = div_u64(rel, chunk_local), within = rel - k * chunk_local, bi = div_u64(within, tokens);
+    for (uint64_t j = 0; j < blocks;) {
+      /* This chunk's blocks from j: to the chunk's end (chunk_local is a
+       * multiple of the block's tokens: geometry.c checks it). */
+      uint64_t m = s->blocks_per_chunk - bi;
+      if (m > blocks - j) m = blocks - j;
+      uint64_t chunk_start = h->lt_begin + k * chunk_local;
+      uint64_t nk = lt_end - chunk_start < chunk_local ? lt_end - chunk_start : chunk_local;
+      uint64_t oi = k * h->num_object_groups + s->object_group;
+      /* The block holding the request's end, where it is in this chunk
+       * (its units: block_of's, the tokens before the end; none when the
+       * end is where it starts); every other block moves whole. */
+      uint64_t short_at = UINT64_MAX, short_units = 0;
+      if (lt_end >= start && lt_end - start < m * tokens) {
+        uint64_t q = (lt_end - start) / tokens;
+        short_at = j + q;
+        short_units = (lt_end - start - q * tokens) * s->units_per_token;
+      }
+      if (objects[oi] != 0) {
+        char *first = (char *)(uintptr_t)objects[oi] + nk * e->dst_per_token + e->dst_const + bi * s->dst_block;
+        for (uint64_t a = j; a < j + m;) {
+          /* A stretch: moving blocks from a (an id below max_id is not
+           * KVF_BLOCK_SKIP), the short block last. */
+          uint64_t q = a, qe = short_at < j + m ? short_at : j + m, units_last = full;
+          while (q < qe && eid[q] < max_id) q++;
+          if (q == short_at && eid[q] < max_id && short_units > 0) {
+            q++;
+            units_last = short_units;
+          }
+          if (q > a) {
+            const kvf_blob_stretch st = {i, oi, eid + a, q - a, first + (a - j) * s->dst_block, units_last};
+            visit(ctx, e, s, &st);
+            n += q - a;
+            a = q;
+          } else {
+            a++; /* a block that moves nothing */
+          }
         }
+      }
+      j += m;
+      start += m * tokens;
+      within += m * tokens;
+      bi += m;
+      if (within >= chunk_local) {
+        within -= chunk_local;
+        k++;
+        bi = div_u64(within, tokens);
       }
     }
   }
   return n;
+}
+
+typedef struct block_store {
+  kvf_blob_block *out;
+  uint64_t cap, n;
+} block_store;
+
+static void store_blocks(void *ctx, const kvf_blob_entry *e, const kvf_blob_shape *s, const kvf_blob_stretch *st) {
+  block_store *bs = ctx;
+  const uint64_t full = (uint64_t)s->tokens * s->units_per_token;
+  for (uint64_t q = 0; q < st->count; q++, bs->n++) {
+    if (bs->n >= bs->cap) continue;
+    kvf_blob_block *o = &bs->out[bs->n];
+    o->entry = st->entry;
+    o->object_index = st->object_index;
+    o->cache = (char *)(uintptr_t)e->cache_base + (uint64_t)st->ids[q] * s->src_block;
+    o->object = st->object + q * s->dst_block;
+    o->units = q + 1 == st->count ? st->units_last : full;
+  }
+}
+
+uint64_t kvf_blob_blocks(const void *blob, kvf_blob_block *out, uint64_t cap) {
+  block_store bs = {out, cap, 0};
+  return kvf_blob_visit_stretches(blob, store_blocks, &bs);
 }
 
 uint64_t kvf_blob_object_extent(const kvf_blob_shape *s, uint64_t units) {

@@ -258,6 +258,28 @@ typedef struct kvf_blob_block {
  * are. */
 uint64_t kvf_blob_blocks(const void *blob, kvf_blob_block *out, uint64_t cap);
 
+/* Consecutive pairs of one entry in one object that kvf_blob_blocks would
+ * list one after another: block q of the stretch (q < count) has id ids[q],
+ * lies q * dst_block after `object` in the object and moves tokens x
+ * units_per_token units, the last one units_last. */
+typedef struct kvf_blob_stretch {
+  uint32_t entry;
+  uint64_t object_index;
+  const uint32_t *ids;
+  uint64_t count;
+  char *object;
+  uint64_t units_last;
+} kvf_blob_stretch;
+
+/* The blob's moving pairs as stretches, in task order, each handed to
+ * visit(ctx, its entry, the entry's shape, the stretch): for callers that
+ * fold blocks into something smaller (kvf_stage_blob_runs' object
+ * extents) without listing them. Returns how many pairs there were (what
+ * kvf_blob_blocks returns). */
+typedef void (*kvf_blob_stretch_fn)(void *ctx, const kvf_blob_entry *entry, const kvf_blob_shape *shape,
+                                    const kvf_blob_stretch *stretch);
+uint64_t kvf_blob_visit_stretches(const void *blob, kvf_blob_stretch_fn visit, void *ctx);
+
 /* Inline helpers the kernels call too (kernels/walk.h, xfer_kernel.cu). */
 #if defined(__CUDACC__)
 #define KVF_PLAN_INLINE static inline __host__ __device__

@@ -1463,6 +1463,85 @@ void expect_blocks_by_formula(const std::vector<uint8_t> &blob) {
   }
 }
 
+// kvf_stage_blob_runs against the runs of its blocks one by one: each
+// block's object extent (kvf_blob_object_extent of its units), sorted by
+// (object, offset) and merged where they touch or overlap; holes where a
+// merged run holds bytes no block moves.
+void expect_runs_by_blocks(const std::vector<uint8_t> &blob, const std::vector<uint64_t> &base) {
+  struct Ext {
+    uint64_t object, lo, hi, touched;
+  };
+  std::vector<Ext> ex;
+  for (const kvf_blob_block &b : blocks_by_formula(blob)) {
+    const kvf_blob_shape *sh =
+        kvf_blob_shape_of(blob.data(), &kvf_blob_entries(blob.data())[b.entry]);
+    uint64_t lo = reinterpret_cast<uint64_t>(b.object) - base[b.object_index];
+    ex.push_back({b.object_index, lo, lo + kvf_blob_object_extent(sh, b.units), b.units * sh->vec});
+  }
+  std::stable_sort(ex.begin(), ex.end(),
+                   [](const Ext &x, const Ext &y) { return x.object != y.object ? x.object < y.object : x.lo < y.lo; });
+  std::vector<kvf_stage_run> want;
+  bool want_holes = false;
+  for (size_t i = 0; i < ex.size();) {
+    Ext cur = ex[i++];
+    while (i < ex.size() && ex[i].object == cur.object && ex[i].lo <= cur.hi) {
+      cur.hi = std::max(cur.hi, ex[i].hi);
+      cur.touched += ex[i].touched;
+      i++;
+    }
+    want_holes = want_holes || cur.touched < cur.hi - cur.lo;
+    want.push_back({cur.object, cur.lo, cur.hi - cur.lo});
+  }
+  kvf_stage_run *runs = nullptr;
+  uint64_t n = 0;
+  int holes = 0;
+  ASSERT_EQ(kvf_stage_blob_runs(blob.data(), base.data(), &runs, &n, &holes), KVF_SUCCESS);
+  std::vector<kvf_stage_run> got(runs, runs + n);
+  free(runs);
+  EXPECT_EQ(holes != 0, want_holes);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); i++) {
+    SCOPED_TRACE("run " + std::to_string(i));
+    EXPECT_EQ(got[i].object, want[i].object);
+    EXPECT_EQ(got[i].offset, want[i].offset);
+    EXPECT_EQ(got[i].bytes, want[i].bytes);
+  }
+}
+
+// A request that ends inside a block (every preset's first chunk and 5
+// tokens of the next), with skipped ids: the blocks and the object runs of
+// its pieces' blobs agree with the blocks taken one at a time, the short
+// last block included.
+TEST(XferBlob, RunsOfARequestEndingInsideABlockMatchItsBlocks) {
+  for (const std::string &preset : preset_names()) {
+    SCOPED_TRACE(preset);
+    Prepared s;
+    ASSERT_NO_FATAL_FAILURE(setup_chunks(preset, 1, 5, 41, &s));
+    for (size_t gi = 0; gi < s.plan.ids.size(); gi++)
+      for (size_t i = 1; i < s.plan.ids[gi].size(); i += 7) s.plan.ids[gi][i] = KVF_BLOCK_SKIP;
+    const kvf_geometry *g = s.g();
+    std::mt19937_64 rng(42);
+    Data in = make_inputs(g, s.plan, Dir::Gather, 0, rng);
+    PlanHolder plan;
+    ASSERT_EQ(kvf_plan_build(g, KVF_FORMAT_CANONICAL, &plan.p), KVF_SUCCESS) << kvf_last_error();
+    Req r(s.plan, KVF_FORMAT_CANONICAL, payloads(in.cache), payloads(in.objs));
+    std::vector<uint64_t> base;
+    for (void *o : r.objects) base.push_back(reinterpret_cast<uint64_t>(o));
+    const uint32_t ns = plan.p.num_segments;
+    std::vector<unsigned char> masks((size_t)2 * ns);
+    for (int gather : {1, 0}) {
+      SCOPED_TRACE(gather ? "gather" : "scatter");
+      uint32_t made = kvf_stage_piece_masks(g, &plan.p, r.get(), gather, 2, masks.data());
+      for (uint32_t p = 0; p < made; p++) {
+        kvf_blob_opts o = {512, made > 1 ? masks.data() + (size_t)p * ns : nullptr, 0};
+        std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, &o);
+        ASSERT_NO_FATAL_FAILURE(expect_blocks_by_formula(blob));
+        ASSERT_NO_FATAL_FAILURE(expect_runs_by_blocks(blob, base));
+      }
+    }
+  }
+}
+
 class XferPieces : public ::testing::TestWithParam<HostCase> {};
 
 TEST_P(XferPieces, PiecesOfSmallTasksMatchTheReference) {
@@ -1514,6 +1593,7 @@ TEST_P(XferPieces, PiecesOfSmallTasksMatchTheReference) {
       const auto *h = reinterpret_cast<const kvf_blob_header *>(blob.data());
       payload += h->payload_bytes;
       ASSERT_NO_FATAL_FAILURE(expect_blocks_by_formula(blob));
+      ASSERT_NO_FATAL_FAILURE(expect_runs_by_blocks(blob, base));
       {
         // The same piece with every other object left out (a staged call's
         // batches and its direct launch split the objects so).
@@ -1522,7 +1602,9 @@ TEST_P(XferPieces, PiecesOfSmallTasksMatchTheReference) {
         kvf_copy_request rh = *r.get();
         rh.objects = half.data();
         SCOPED_TRACE("every other object left out");
-        ASSERT_NO_FATAL_FAILURE(expect_blocks_by_formula(build_blob(g, plan.p, &rh, gather, &o)));
+        std::vector<uint8_t> hb = build_blob(g, plan.p, &rh, gather, &o);
+        ASSERT_NO_FATAL_FAILURE(expect_blocks_by_formula(hb));
+        ASSERT_NO_FATAL_FAILURE(expect_runs_by_blocks(hb, base));
       }
       run_blob(blob);
       // A piece's copies: when it has no holes they hold exactly the bytes
