@@ -170,9 +170,22 @@ static uint64_t group_blocks(const kvf_geometry *g, const kvf_copy_request *r, u
   return lo < hi ? hi - lo : 0;
 }
 
-/* Whether the request moves any block of group gi (the blob's own test). */
-static int group_moves(const kvf_geometry *g, const kvf_copy_request *r, uint32_t gi) {
-  return group_blocks(g, r, gi) > 0;
+/* group_blocks of the last group asked for (a group moves when it is not
+ * 0, the blob's own test): a plan's segments come group by group, so a walk
+ * over them computes each group's count (its divisions) once rather than
+ * two or three times per segment. */
+typedef struct group_memo {
+  uint32_t gi;
+  uint64_t blocks;
+} group_memo;
+#define GROUP_MEMO_INIT {UINT32_MAX, 0}
+
+static uint64_t memo_blocks(group_memo *m, const kvf_geometry *g, const kvf_copy_request *r, uint32_t gi) {
+  if (m->gi != gi) {
+    m->gi = gi;
+    m->blocks = group_blocks(g, r, gi);
+  }
+  return m->blocks;
 }
 
 /* Whether the copy engine can move a segment's blocks as they are: each
@@ -226,11 +239,10 @@ uint64_t kvf_stage_straight_pick(const kvf_geometry *g, const kvf_plan *plan, co
  * Windowed attention keeps its per-token weight: weighing it by the blocks
  * it moves measured worse on gpt-oss-like (perf/results/
  * 2026-12-03-h200-pieces). */
-static double segment_weight(const kvf_geometry *g, const kvf_copy_request *r, const kvf_segment *seg) {
+static double segment_weight(const kvf_copy_request *r, const kvf_segment *seg, uint64_t group_blocks) {
   if (!seg->recurrent) return (double)seg->run * (double)seg->heads;
   uint64_t tokens = r->token_end > r->token_begin ? r->token_end - r->token_begin : 1;
-  return (double)group_blocks(g, r, seg->group) * (double)seg->run * (double)seg->heads * (double)seg->tokens /
-         (double)tokens;
+  return (double)group_blocks * (double)seg->run * (double)seg->heads * (double)seg->tokens / (double)tokens;
 }
 
 uint32_t kvf_stage_piece_masks(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r, int gather,
@@ -248,11 +260,14 @@ uint32_t kvf_stage_piece_masks_growth(const kvf_geometry *g, const kvf_plan *pla
   /* Moving views and their weights (segment_weight). */
   double total = 0;
   uint32_t views = 0;
+  group_memo memo = GROUP_MEMO_INIT;
   for (uint32_t s = 0; s < ns; s++) {
     const kvf_segment *seg = &plan->segments[s];
-    if (!group_moves(g, r, seg->group)) continue;
-    total += segment_weight(g, r, seg);
-    if (s == 0 || plan->segments[s - 1].view != seg->view || !group_moves(g, r, plan->segments[s - 1].group)) views++;
+    uint64_t blocks = memo_blocks(&memo, g, r, seg->group);
+    if (!blocks) continue;
+    total += segment_weight(r, seg, blocks);
+    /* A view's segments are of one group: the previous segment moves when it is of the same view. */
+    if (s == 0 || plan->segments[s - 1].view != seg->view) views++;
   }
   if (views == 0) return 1;
   if (pieces > views) pieces = views;
@@ -267,9 +282,11 @@ uint32_t kvf_stage_piece_masks_growth(const kvf_geometry *g, const kvf_plan *pla
   }
   double acc = 0, bound = total * weight[0] / sum;
   uint32_t p = 0, seen = 0;
+  memo = (group_memo)GROUP_MEMO_INIT;
   for (uint32_t s = 0; s < ns; s++) {
     const kvf_segment *seg = &plan->segments[s];
-    if (!group_moves(g, r, seg->group)) continue;
+    uint64_t blocks = memo_blocks(&memo, g, r, seg->group);
+    if (!blocks) continue;
     int first_of_view = s == 0 || plan->segments[s - 1].view != seg->view;
     if (first_of_view) {
       /* Close the piece once it holds its share, keeping one view for each
@@ -281,7 +298,7 @@ uint32_t kvf_stage_piece_masks_growth(const kvf_geometry *g, const kvf_plan *pla
       seen++;
     }
     masks[(size_t)p * ns + s] = 1;
-    acc += segment_weight(g, r, seg);
+    acc += segment_weight(r, seg, blocks);
   }
   return p + 1;
 }
