@@ -682,11 +682,10 @@ uint64_t kvf_blob_visit_stretches(const void *blob, kvf_blob_stretch_fn visit, v
       }
       continue;
     }
-    /* Where block 0 of the entry is: its chunk k, the block's token offset
-     * inside the chunk and its index there. */
+    /* Where block 0 of the entry is: its chunk k and its index bi there. */
     const uint64_t tokens = s->tokens, full = tokens * s->units_per_token;
     uint64_t start = lb * tokens, rel = start - h->lt_begin;
-    uint64_t k = div_u64(rel, chunk_local), within = rel - k * chunk_local, bi = div_u64(within, tokens);
+    uint64_t k = div_u64(rel, chunk_local), bi = div_u64(rel - k * chunk_local, tokens);
     for (uint64_t j = 0; j < blocks;) {
       /* This chunk's blocks from j: to the chunk's end (chunk_local is a
        * multiple of the block's tokens: geometry.c checks it). */
@@ -697,7 +696,9 @@ uint64_t kvf_blob_visit_stretches(const void *blob, kvf_blob_stretch_fn visit, v
       uint64_t oi = k * h->num_object_groups + s->object_group;
       /* The block holding the request's end, where it is in this chunk
        * (its units: block_of's, the tokens before the end; none when the
-       * end is where it starts); every other block moves whole. */
+       * end is where it starts); every other block moves whole. A built
+       * blob has no block past that one (kvf_blob_build stops at the
+       * request's last block). */
       uint64_t short_at = UINT64_MAX, short_units = 0;
       if (lt_end >= start && lt_end - start < m * tokens) {
         uint64_t q = (lt_end - start) / tokens;
@@ -725,15 +726,11 @@ uint64_t kvf_blob_visit_stretches(const void *blob, kvf_blob_stretch_fn visit, v
           }
         }
       }
+      /* The next chunk from its first block (or the entry's end). */
       j += m;
       start += m * tokens;
-      within += m * tokens;
-      bi += m;
-      if (within >= chunk_local) {
-        within -= chunk_local;
-        k++;
-        bi = div_u64(within, tokens);
-      }
+      k++;
+      bi = 0;
     }
   }
   return n;
