@@ -185,6 +185,7 @@ void usage(FILE *f) {
           "                            mode: sweep, latency and interference);\n"
           "                            keys: pieces, growth, dma_batch, param_bytes, task_bytes, task_waves, device_task_waves,\n"
           "                            batch_min_run, batch_max_runs, batch_first_runs, batch_link_gbps, batch_back_to_back_us,\n"
+          "                            batch_host_bound,\n"
           "                            stage_sms, pcie_sms, staging_mb, kernel,\n"
           "                            small_stage_mb, small_stage_growth, small_stage_one_piece, edge_mb, multi_pieces,\n"
           "                            straight_kb, straight_min_run, spread_kb, cache_order, overlap, defer\n"
@@ -981,6 +982,7 @@ void apply_tune(const std::string &spec, kvf_xfer_tuning *t, int *cap) {
     else if (k == "batch_first_runs") t->batch_first_runs = v;
     else if (k == "batch_link_gbps") t->batch_link_gbps = v;
     else if (k == "batch_back_to_back_us") t->batch_back_to_back_us = v;
+    else if (k == "batch_host_bound") t->batch_host_bound = v;
     else if (k == "stage_sms") t->stage_sms = v;
     else if (k == "pcie_sms") t->pcie_sms = v;
     else if (k == "staging_mb") t->staging_mb = v;
@@ -1302,7 +1304,8 @@ void write_kvf(JsonWriter &j, const std::vector<KvfResult> &kr, uint64_t payload
           .kv("cache_order", r.path.cache_order).kv("uploads", r.path.uploads).kv("batches", r.path.batches);
       j.kv("pieces", r.path.pieces).kv("dma_ops", r.path.dma_ops).kv("dma_runs", r.path.dma_runs);
       j.kv("straight_runs", r.path.straight_runs).kv("straight_bytes", r.path.straight_bytes);
-      j.kv("slice_bytes", r.path.slice_bytes).kv("host_us", r.path.host_us).kv("plan_us", r.path.plan_us).kv("deferred", r.path.deferred).end_object();
+      j.kv("slice_bytes", r.path.slice_bytes).kv("host_us", r.path.host_us).kv("plan_us", r.path.plan_us).kv("deferred", r.path.deferred);
+      j.kv("host_bound", r.path.host_bound).end_object();
     }
     if (std::isfinite(r.enqueue_alone_us)) j.kv("enqueue_alone_us", r.enqueue_alone_us).kv("enqueue_alone_p90_us", r.enqueue_alone_p90_us);
     j.kv("output_checked", r.checked);

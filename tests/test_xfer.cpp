@@ -1231,8 +1231,11 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS + 1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_back_to_back_us = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_back_to_back_us = KVF_BATCH_MAX_BACK_TO_BACK_US + 1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_host_bound = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_host_bound = 2; }));
   kvf_xfer_tuning ok = base;
   ok.batch_back_to_back_us = 0;
+  ok.batch_host_bound = 0;
   ok.stage_edge_mb = 0;
   ok.stage_multi_pieces = 0;
   ok.stage_straight_kb = 0;
@@ -2336,6 +2339,28 @@ TEST(XferBatchRamp, OneCallRightAfterAHostBoundCall) {
       << "times near the clock's end";
 }
 
+// A request is host-bound when the context's last batch call, of half to
+// twice its runs, took more host time per run than this call's copies need.
+TEST(XferBatchRamp, HostBoundWhenTheLastComparableCallOutlastsTheCopies) {
+  // The fp8 MLA chunk on a slow host: 244 runs in 220 us against a 188 us copy.
+  EXPECT_TRUE(kvf_batch_host_bound(220000, 244, 244, 188000));
+  EXPECT_FALSE(kvf_batch_host_bound(110000, 244, 244, 188000)) << "a fast host keeps ahead";
+  EXPECT_FALSE(kvf_batch_host_bound(188000, 244, 244, 188000)) << "as fast as the copies: not behind";
+  EXPECT_TRUE(kvf_batch_host_bound(188001, 244, 244, 188000));
+  // The bf16 MLA chunk's 327 us copy outlasts that host.
+  EXPECT_FALSE(kvf_batch_host_bound(220000, 244, 244, 327000));
+  // Scaled to this call's runs, and only from a comparable call.
+  EXPECT_TRUE(kvf_batch_host_bound(110000, 122, 244, 188000)) << "half the runs, half the time";
+  EXPECT_FALSE(kvf_batch_host_bound(110000, 122, 244, 221000));
+  EXPECT_TRUE(kvf_batch_host_bound(440000, 488, 244, 188000)) << "twice the runs";
+  EXPECT_FALSE(kvf_batch_host_bound(15000, 8, 244, 10)) << "8 runs say nothing of 244";
+  EXPECT_FALSE(kvf_batch_host_bound(900000, 489, 244, 10)) << "just over twice the runs";
+  EXPECT_FALSE(kvf_batch_host_bound(220000, 0, 244, 188000)) << "no batch call yet";
+  EXPECT_FALSE(kvf_batch_host_bound(220000, 244, 0, 0)) << "no runs";
+  EXPECT_TRUE(kvf_batch_host_bound(UINT64_MAX, UINT64_MAX / 2, UINT64_MAX / 2, UINT64_MAX / 4))
+      << "no overflow near the limits";
+}
+
 // A paced ramp's next call: what the host enqueues in the previous call's
 // copy time, between 1.5 and 2 times the previous call, everything left
 // once it fits that time or would leave under a quarter call behind.
@@ -2701,12 +2726,15 @@ struct GpuConfig {
   bool legacy_stream = false;  // pass NULL (the legacy default stream)
   double busy_ms = 0;          // a spin kernel this long on the stream before the call
   int calls = 1;               // the call this many times, each after the last one's stream sync
+  bool sync_each = true;       // false: the calls back to back, one sync after the last
   bool check_route = true;
   kvf_xfer_route route = KVF_ROUTE_D2D;
   // Applied to the context's tuning before the call (host/core/xfer_internal.h).
   std::function<void(kvf_xfer_tuning &)> tune;
   // Checked against kvf_xfer_last_path after the call.
   std::function<void(const kvf_xfer_path_info &)> check_path;
+  // Checked against kvf_xfer_last_path after each of the calls (0-based).
+  std::function<void(int, const kvf_xfer_path_info &)> check_each;
 };
 
 // Whether an uncapped device-to-device launch overlaps the previous kernel
@@ -2765,7 +2793,12 @@ void run_gpu_case(const kvf_geometry *g, const Plan &p, kvf_object_format fmt, D
     r->scrub();
     r.reset();
     ASSERT_EQ(st, KVF_SUCCESS) << kvf_last_error();
-    CUDA_OK(cudaStreamSynchronize(s));
+    if (cfg.check_each) {
+      kvf_xfer_path_info each;
+      kvf_xfer_last_path(x.get(), &each);
+      cfg.check_each(i, each);
+    }
+    if (cfg.sync_each || i + 1 == cfg.calls) CUDA_OK(cudaStreamSynchronize(s));
     CUDA_OK(cudaGetLastError());
   }
 
@@ -3306,6 +3339,7 @@ TEST(XferGpu, BatchCallRightAfterAHostBoundOneIsOneCall) {
         t.batch_first_runs = 8;
         t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS;
         t.batch_back_to_back_us = window_us;
+        t.batch_host_bound = 0; // the batch route however slow the host
       };
       cfg.check_path = [window_us](const kvf_xfer_path_info &p) {
         ASSERT_EQ(p.path, KVF_PATH_COPY_BATCH) << kvf_xfer_path_name(p.path);
@@ -3317,6 +3351,71 @@ TEST(XferGpu, BatchCallRightAfterAHostBoundOneIsOneCall) {
       };
       run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 34 + (uint64_t)d, cfg);
     }
+}
+
+// A request the batch route fits goes staged when the context's last batch
+// call was host-bound (KVF_XFER_BATCH_LINK_GBPS set so high here that every
+// call is) and the stream has reached the previous call (each call here
+// waits for the last): the first call has no measure and takes the batch
+// route, the next KVF_BATCH_HOST_BOUND_RETRY go staged, then one takes the
+// batch route to measure the host again. KVF_XFER_BATCH_HOST_BOUND 0: the
+// batch route every time. Every call's bytes land as the reference says.
+TEST(XferGpu, HostBoundBatchRequestGoesStagedAndMeasuresAgain) {
+  REQUIRE_GPU();
+  for (int64_t on : {1, 0})
+    for (Dir d : {Dir::Gather, Dir::Scatter}) {
+      SCOPED_TRACE(std::string(on ? "on " : "off ") + dir_name(d));
+      Prepared s;
+      ASSERT_NO_FATAL_FAILURE(setup_chunks("deepseek-v3-mla-fp8-656", 1, 0, 41, &s));
+      GpuConfig cfg;
+      cfg.obj_kind = Mem::Pinned;
+      cfg.route = expected_route(Mem::Pinned, d);
+      cfg.calls = KVF_BATCH_HOST_BOUND_RETRY + 3;
+      cfg.tune = [on](kvf_xfer_tuning &t) {
+        t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS;
+        t.batch_host_bound = on;
+      };
+      cfg.check_each = [on](int i, const kvf_xfer_path_info &p) {
+        SCOPED_TRACE("call " + std::to_string(i));
+        const bool batch = !on || i == 0 || i == KVF_BATCH_HOST_BOUND_RETRY + 1;
+        EXPECT_EQ(p.path, batch ? KVF_PATH_COPY_BATCH : KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
+        EXPECT_EQ(p.host_bound, batch ? 0u : 1u);
+        if (p.path == KVF_PATH_STAGED) {
+          EXPECT_GE(p.launches, 1u) << "the staged route's kernels";
+        }
+      };
+      run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 42 + (uint64_t)d, cfg);
+    }
+}
+
+// Behind queued work a host-bound request keeps the batch route: with a
+// spin kernel holding the stream and the calls back to back, the first
+// (no measure yet) is batched, the second goes staged (no earlier call to
+// ask about), and the later ones find the stream still short of the call
+// before them, so the work queued ahead hides their host time: one batch
+// call each (the back-to-back rule).
+TEST(XferGpu, HostBoundBatchRequestBehindQueuedWorkStaysBatched) {
+  REQUIRE_GPU();
+  for (Dir d : {Dir::Gather, Dir::Scatter}) {
+    SCOPED_TRACE(dir_name(d));
+    Prepared s;
+    ASSERT_NO_FATAL_FAILURE(setup_chunks("deepseek-v3-mla-fp8-656", 1, 0, 43, &s));
+    GpuConfig cfg;
+    cfg.obj_kind = Mem::Pinned;
+    cfg.route = expected_route(Mem::Pinned, d);
+    cfg.busy_ms = 200;  // far longer than the calls' host time
+    cfg.calls = 4;
+    cfg.sync_each = false;
+    cfg.tune = [](kvf_xfer_tuning &t) { t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS; };
+    cfg.check_each = [](int i, const kvf_xfer_path_info &p) {
+      SCOPED_TRACE("call " + std::to_string(i));
+      EXPECT_EQ(p.path, i == 1 ? KVF_PATH_STAGED : KVF_PATH_COPY_BATCH) << kvf_xfer_path_name(p.path);
+      if (i >= 2) {
+        EXPECT_EQ(p.dma_ops, 1u) << "queued work ahead: one batch call";
+      }
+    };
+    run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 44 + (uint64_t)d, cfg);
+  }
 }
 
 // At the default cap a one-chunk request of these caches is small

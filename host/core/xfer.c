@@ -78,6 +78,7 @@ struct kvf_xfer {
   uint64_t batch_end_ns;   /* when the last batch-API call that succeeded returned (0: none yet) */
   uint64_t batch_host_ns;  /* its host time, from taking the context to its return */
   uint64_t batch_runs;     /* its runs */
+  uint32_t host_bound_staged; /* host-bound calls staged in a row since the last batch call (KVF_XFER_BATCH_HOST_BOUND) */
   void *host_blob;         /* tables built on the host: the host backend's, and those launched in kernel parameters */
   size_t host_blob_cap;
 #ifdef KVF_WITH_CUDA
@@ -98,6 +99,12 @@ struct kvf_xfer {
   cudaEvent_t stage_ready[2]; /* the buffer holds what the next leg reads */
   cudaEvent_t fork, join;
   uint32_t next_stage;
+  /* Recorded on the caller's stream before a host-bound call's first
+   * enqueue (KVF_XFER_BATCH_HOST_BOUND): while the stream has not reached
+   * it, a whole call's work is queued ahead of the next call. */
+  cudaEvent_t call_mark;
+  cudaStream_t call_mark_stream;
+  int call_mark_set;
   /* The region bases seen last and where they live (route_of): a base
    * that is device memory (this GPU's or a peer's) keeps that kind while
    * it is allocated, and CUDA never hands a device address out as host
@@ -212,6 +219,7 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
                          .batch_first_runs = kvf_param_xfer_batch_first_runs(),
                          .batch_link_gbps = kvf_param_xfer_batch_link_gbps(),
                          .batch_back_to_back_us = kvf_param_xfer_batch_back_to_back_us(),
+                         .batch_host_bound = kvf_param_xfer_batch_host_bound(),
                          .kernel = kvf_param_xfer_kernel(),
                          .spread_kb = kvf_param_xfer_spread_kb(),
                          .cache_order = kvf_param_xfer_cache_order(),
@@ -241,6 +249,7 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
   if (t->batch_link_gbps < 0 || t->batch_link_gbps > KVF_BATCH_MAX_LINK_GBPS) t->batch_link_gbps = 55;
   if (t->batch_back_to_back_us < 0 || t->batch_back_to_back_us > KVF_BATCH_MAX_BACK_TO_BACK_US)
     t->batch_back_to_back_us = 20;
+  if (t->batch_host_bound < 0 || t->batch_host_bound > 1) t->batch_host_bound = 1;
   if (t->defer < 0 || t->defer > 1) t->defer = 0;
 }
 
@@ -249,7 +258,8 @@ kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
   if (t->pcie_sms < 0 || t->staging_mb < 0 || t->stage_sms < 0 || t->stage_pieces < 1 ||
       t->stage_pieces > KVF_STAGE_MAX_PIECES || t->param_bytes < 0 || t->task_bytes < 16 || t->task_bytes > 65536 ||
       t->task_bytes % 16 || t->task_waves < 0 || t->device_task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->batch_first_runs < 0 || t->batch_link_gbps < 0 || t->batch_link_gbps > KVF_BATCH_MAX_LINK_GBPS || t->batch_back_to_back_us < 0 ||
-      t->batch_back_to_back_us > KVF_BATCH_MAX_BACK_TO_BACK_US || t->stage_dma_batch < 0 ||
+      t->batch_back_to_back_us > KVF_BATCH_MAX_BACK_TO_BACK_US || t->batch_host_bound < 0 ||
+      t->batch_host_bound > 1 || t->stage_dma_batch < 0 ||
       t->small_stage_mb < 0 || t->kernel < 0 || t->kernel > 2 || t->stage_growth < 1 || t->stage_growth > 16 ||
       t->small_stage_growth < 1 || t->small_stage_growth > 16 || t->small_stage_one_piece < 0 ||
       t->small_stage_one_piece > 1 || t->staging_mb > KVF_STAGE_MAX_MB ||
@@ -456,6 +466,7 @@ kvf_status kvf_xfer_create(const kvf_geometry *g, const kvf_xfer_options *option
   }
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&x->fork, cudaEventDisableTiming);
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&x->join, cudaEventDisableTiming);
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&x->call_mark, cudaEventDisableTiming);
   /* Ready before the first call: the kernels' modules (loaded lazily by
    * default) and the staging buffers, sized for the largest chunk, so a
    * first call is as fast as later ones (a served STORE right after a
@@ -559,6 +570,7 @@ void kvf_xfer_destroy(kvf_xfer *x) {
     if (x->join) cudaEventSynchronize(x->join);
     if (x->fork) cudaEventDestroy(x->fork);
     if (x->join) cudaEventDestroy(x->join);
+    if (x->call_mark) cudaEventDestroy(x->call_mark);
     if (x->ce_stream) cudaStreamDestroy(x->ce_stream);
     if (x->private_stream) {
       cudaStreamSynchronize(x->private_stream);
@@ -827,6 +839,52 @@ static int64_t waves_of(const kvf_xfer *x, kvf_xfer_route route, uint32_t ctas) 
  * which cudaMemcpyBatchAsync refuses or may refuse. */
 static int default_stream(cudaStream_t s) { return s == NULL || s == cudaStreamLegacy || s == cudaStreamPerThread; }
 
+/* cudaEventQuery(event), or cudaStreamQuery(stream) when event is NULL, in
+ * relaxed capture mode: in the default global mode a query while any thread
+ * of the process captures a graph (on another stream) would be refused and
+ * invalidate that capture. cudaErrorNotReady is not an error the runtime
+ * keeps; another failure is cleared here and returned. */
+static cudaError_t query_relaxed(cudaStream_t stream, cudaEvent_t event) {
+  enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  cudaError_t q = event ? cudaEventQuery(event) : cudaStreamQuery(stream);
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  if (q != cudaSuccess && q != cudaErrorNotReady) cudaGetLastError();
+  return q;
+}
+
+/* Whether a request the batch route fits, of `runs` runs whose copies take
+ * engine_ns at KVF_XFER_BATCH_LINK_GBPS, goes staged instead
+ * (KVF_XFER_BATCH_HOST_BOUND). The batch API's host time grows with the
+ * runs (0.45-0.9 us each on the H200's KVM host, bimodal), the staged
+ * route's does not: where the context's last batch call says the host
+ * would take longer than the copies (the fp8 MLA chunk's 244 runs of 41 KiB
+ * on a slow host: 180-220 us for a 188 us copy), the batch route keeps the
+ * copy engine waiting, back to back or alone, and the staged route (35-55
+ * us of host time, GPU time 97.6-98.7% of the batch route's) does not. Not
+ * when the stream has yet to reach the context's previous call: the work
+ * queued ahead hides this call's host time, and the batch route in one call
+ * is the faster copy. Every KVF_BATCH_HOST_BOUND_RETRY + 1st host-bound call
+ * takes the batch route, so a host that got faster is seen. Records the
+ * mark the next call asks about; enqueues nothing else. */
+static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns, cudaStream_t stream) {
+  if (!x->tune.batch_host_bound || x->tune.staging_mb <= 0 || x->tune.batch_link_gbps <= 0 ||
+      !kvf_batch_host_bound(x->batch_host_ns, x->batch_runs, runs, engine_ns))
+    return 0;
+  /* No mark on this stream (a first host-bound call, or another stream):
+   * nothing known to be queued. */
+  int reached = !x->call_mark_set || x->call_mark_stream != stream ||
+                query_relaxed(NULL, x->call_mark) != cudaErrorNotReady;
+  x->call_mark_set = cudaEventRecord(x->call_mark, stream) == cudaSuccess;
+  if (!x->call_mark_set) cudaGetLastError(); /* the call's own enqueues report a broken stream */
+  x->call_mark_stream = stream;
+  if (reached && x->host_bound_staged < KVF_BATCH_HOST_BOUND_RETRY) {
+    x->host_bound_staged++;
+    return 1;
+  }
+  return 0;
+}
+
 /* n copies in one cudaMemcpyBatchAsync on `stream`, each after the work
  * enqueued before it there. */
 static cudaError_t batch_copy(void **dst, const void **src, size_t *size, size_t n, cudaStream_t stream) {
@@ -839,7 +897,7 @@ static cudaError_t batch_copy(void **dst, const void **src, size_t *size, size_t
 
 /* n copies in cudaMemcpyBatchAsync calls of growing size (kvf_batch_ramp_runs)
  * on `stream`, or in one call when the stream has work queued; *calls
- * counts them. The batch API's host time grows with its runs, about 0.45-0.9
+ * counts them. all_engine_ns: the n copies' time at KVF_XFER_BATCH_LINK_GBPS. The batch API's host time grows with its runs, about 0.45-0.9
  * us each, and its copies start only once the call returns: on an idle
  * stream a 244-run MLA chunk waited 104-219 us for its first byte, 1.31-1.63x
  * a memcpy's latency. A first call of a few runs starts the copy engine, and
@@ -862,31 +920,17 @@ static cudaError_t batch_copy(void **dst, const void **src, size_t *size, size_t
  * async engines, every MLA row was slower (perf/results/
  * 2026-12-03-h200-batch-engines: GPU time of the ramp 340 -> 345-352 us). */
 static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void **src, size_t *size, size_t n,
-                                     cudaStream_t stream, uint64_t *calls, size_t *enqueued) {
+                                     uint64_t all_engine_ns, cudaStream_t stream, uint64_t *calls, size_t *enqueued) {
   uint64_t first = (uint64_t)x->tune.batch_first_runs;
   /* Calls back to back on a host slower than the copy engine: the ramp's
    * calls would only add host time (kvf_batch_back_to_back). */
-  if (first > 0 && first < n && x->tune.batch_link_gbps > 0 && x->tune.batch_back_to_back_us > 0) {
-    uint64_t bytes = 0;
-    for (size_t i = 0; i < n; i++) bytes += size[i];
-    if (kvf_batch_back_to_back(x->batch_host_ns, x->batch_runs, x->batch_end_ns, x->call_start_ns,
-                               (uint64_t)x->tune.batch_back_to_back_us * 1000ull, n,
-                               bytes / (uint64_t)x->tune.batch_link_gbps))
-      first = 0;
-  }
-  if (first > 0 && first < n) {
-    /* Relaxed: in the default global mode a query while any thread of the
-     * process captures a graph (on another stream) would be refused and
-     * invalidate that capture. */
-    enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    cudaThreadExchangeStreamCaptureMode(&mode);
-    cudaError_t q = cudaStreamQuery(stream);
-    cudaThreadExchangeStreamCaptureMode(&mode);
-    /* cudaErrorNotReady (work queued) is not an error the runtime keeps;
-     * another answer leaves one call, which reports a broken stream. */
-    if (q != cudaSuccess) first = 0;
-    if (q != cudaSuccess && q != cudaErrorNotReady) cudaGetLastError();
-  }
+  if (first > 0 && first < n && x->tune.batch_link_gbps > 0 && x->tune.batch_back_to_back_us > 0 &&
+      kvf_batch_back_to_back(x->batch_host_ns, x->batch_runs, x->batch_end_ns, x->call_start_ns,
+                             (uint64_t)x->tune.batch_back_to_back_us * 1000ull, n, all_engine_ns))
+    first = 0;
+  /* cudaErrorNotReady (work queued) is not an error the runtime keeps;
+   * another answer leaves one call, which reports a broken stream. */
+  if (first > 0 && first < n && query_relaxed(stream, NULL) != cudaSuccess) first = 0;
   cudaError_t e = cudaSuccess;
   *enqueued = 0;
   size_t m = 0;
@@ -922,8 +966,10 @@ static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void *
  * 256 runs (the MLA chunk's 244); a Llama chunk's 1024 go staged instead
  * (95.8% / 95.1% of memcpy d2h / h2d with 4 pieces there, cross.json).
  * Returns KVF_ERR_UNSUPPORTED (nothing enqueued) when the request does not
- * fit. */
-static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream) {
+ * fit, or fits but goes staged for a host slower than its copies
+ * (host_bound_goes_staged: *host_bound 1). */
+static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream,
+                                    int *host_bound) {
   const kvf_plan *plan = &x->plan[r->format];
   size_t size = (size_t)kvf_blob_size(x->geometry, plan, r, NULL);
   kvf_status st = grow_host_blob(x, size);
@@ -936,14 +982,25 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
                                  (uint64_t)x->tune.batch_max_runs, &dst, &src, &sizes, &count);
   if (fit < 0) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
   if (fit == 0) return KVF_ERR_UNSUPPORTED;
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < count; i++) bytes += sizes[i];
+  uint64_t engine_ns = x->tune.batch_link_gbps > 0 ? bytes / (uint64_t)x->tune.batch_link_gbps : 0; /* GB/s = bytes/ns */
+  if (host_bound_goes_staged(x, count, engine_ns, stream)) {
+    free(dst);
+    free(src);
+    free(sizes);
+    *host_bound = 1;
+    return KVF_ERR_UNSUPPORTED;
+  }
   uint64_t calls = 0;
   size_t enqueued = 0;
   x->planned_ns = kvf_now_ns();
-  cudaError_t e = ramped_batch_copy(x, dst, src, sizes, count, stream, &calls, &enqueued);
-  if (e == cudaSuccess) { /* what the next call's kvf_batch_back_to_back weighs */
+  cudaError_t e = ramped_batch_copy(x, dst, src, sizes, count, engine_ns, stream, &calls, &enqueued);
+  if (e == cudaSuccess) { /* what the next call's kvf_batch_back_to_back and host_bound_goes_staged weigh */
     x->batch_end_ns = kvf_now_ns();
     x->batch_host_ns = x->batch_end_ns - x->call_start_ns;
     x->batch_runs = count;
+    x->host_bound_staged = 0;
   }
   free(dst);
   free(src);
@@ -1831,8 +1888,9 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
    * the staged route unless staging is off or the call is being captured
    * (a graph gets the direct kernel). */
   if (stageable && capture == cudaStreamCaptureStatusNone) {
+    int host_bound = 0;
     if (x->tune.batch_max_runs > 0 && !default_stream(stream)) {
-      st = launch_copy_batch(x, r, gather, stream);
+      st = launch_copy_batch(x, r, gather, stream, &host_bound);
       if (st != KVF_ERR_UNSUPPORTED) return st;
     }
     if (x->tune.staging_mb > 0) {
@@ -1881,7 +1939,9 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
         one_piece = x->tune.small_stage_one_piece == 1;
       }
       if (x->max_sms && x->max_sms < stage_sms) stage_sms = x->max_sms;
-      return launch_staged(x, r, gather, stream, stage_sms, pcie_sms, pieces, growth, one_piece);
+      st = launch_staged(x, r, gather, stream, stage_sms, pcie_sms, pieces, growth, one_piece);
+      if (st == KVF_SUCCESS) x->path.host_bound = (uint32_t)host_bound;
+      return st;
     }
   }
   uint32_t ctas = (uint32_t)x->sm_count;

@@ -179,6 +179,19 @@ uint64_t kvf_batch_ramp_next(uint64_t prev, uint64_t left, uint64_t prev_host_ns
 #define KVF_BATCH_MAX_BACK_TO_BACK_US 1000000
 
 /* Whether a batch-API call of `runs` runs, whose copies take engine_ns at
+ * KVF_XFER_BATCH_LINK_GBPS, would keep the copy engine waiting for the host:
+ * the context's last batch call took prev_host_ns of host time (from taking
+ * the context to its return) for prev_runs runs, a comparable call (half to
+ * twice the runs: a call's fixed cost says nothing of another size's), and
+ * at that rate this call's host time outlasts engine_ns. prev_runs 0 (no
+ * batch call yet): no. */
+int kvf_batch_host_bound(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t runs, uint64_t engine_ns);
+
+/* Host-bound calls that take the staged route in a row before one takes
+ * the batch route again, to measure the host anew (KVF_XFER_BATCH_HOST_BOUND). */
+#define KVF_BATCH_HOST_BOUND_RETRY 8
+
+/* Whether a batch-API call of `runs` runs, whose copies take engine_ns at
  * KVF_XFER_BATCH_LINK_GBPS, makes them in one call instead of a ramp: it
  * came in (start_ns) within window_ns of the return (prev_end_ns; 0: none
  * yet) of the context's previous batch call, which took prev_host_ns of host
@@ -218,6 +231,8 @@ typedef struct kvf_xfer_tuning {
   int64_t batch_link_gbps;  /* KVF_XFER_BATCH_LINK_GBPS: the copy engine's rate a ramp paces by (0: doubling) */
   int64_t batch_back_to_back_us; /* KVF_XFER_BATCH_BACK_TO_BACK_US: a call this soon after a host-bound batch call
                                     makes one call (0: never) */
+  int64_t batch_host_bound; /* KVF_XFER_BATCH_HOST_BOUND: 1: a host-bound batch request on a stream that
+                               reached the context's previous call takes the staged route */
   int64_t kernel;          /* KVF_XFER_KERNEL: 1 the grid-stride walk, 2 (or 0) the warp walk (kernels/walk.h) */
   int64_t spread_kb;       /* KVF_XFER_SPREAD_KB: uncapped launches of at least this payload spread (0: never) */
   int64_t cache_order;     /* KVF_XFER_CACHE_ORDER: 1: d2d gathers walk HND blocks in cache order */
@@ -286,6 +301,8 @@ typedef struct kvf_xfer_path_info {
   double host_us;          /* host time of the call, from entering to returning */
   double plan_us;          /* of host_us, the part before its first enqueue: checks, route, tables, runs */
   uint32_t deferred;       /* 1: planned and enqueued by the context's thread (KVF_XFER_DEFER); host_us is its time */
+  uint32_t host_bound;     /* 1: staged although the batch route fits, its host being slower than its copies
+                              (KVF_XFER_BATCH_HOST_BOUND) */
 } kvf_xfer_path_info;
 
 const char *kvf_xfer_path_name(kvf_xfer_path path);

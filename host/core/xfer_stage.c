@@ -549,6 +549,11 @@ int kvf_batch_back_to_back(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t p
                            uint64_t window_ns, uint64_t runs, uint64_t engine_ns) {
   if (window_ns == 0 || prev_end_ns == 0 || prev_runs == 0 || runs == 0) return 0;
   if (start_ns < prev_end_ns || start_ns - prev_end_ns >= window_ns) return 0;
+  return kvf_batch_host_bound(prev_host_ns, prev_runs, runs, engine_ns);
+}
+
+int kvf_batch_host_bound(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t runs, uint64_t engine_ns) {
+  if (prev_runs == 0 || runs == 0) return 0;
   if (prev_runs > runs * 2 || runs > prev_runs * 2) return 0; /* not comparable: no rate to go by */
   /* In double: the products could pass 64 bits for absurd tunings. */
   return (double)prev_host_ns * (double)runs / (double)prev_runs > (double)engine_ns;

@@ -280,6 +280,7 @@ kvf_status kvf_scuda_lane_warm(int device, void *stream) {
   if (base.batch_max_runs > 0) {
     t = base;
     t.batch_min_run = 0;
+    t.batch_host_bound = 0; /* the batch route itself, whatever the host's speed */
     if ((st = warm_route(x, &t, &req, stream, "copy-batch")) != KVF_SUCCESS) goto out;
   }
   t = base;
