@@ -3353,12 +3353,12 @@ TEST(XferGpu, BatchCallRightAfterAHostBoundOneIsOneCall) {
     }
 }
 
-// A request the batch route fits goes staged when the context's last batch
-// call was host-bound (KVF_XFER_BATCH_LINK_GBPS set so high here that every
-// call is) and the stream has reached the previous call (each call here
-// waits for the last): the first call has no measure and takes the batch
-// route, the next KVF_BATCH_HOST_BOUND_RETRY go staged, then one takes the
-// batch route to measure the host again. KVF_XFER_BATCH_HOST_BOUND 0: the
+// A request the batch route fits goes staged when the context's last two
+// batch calls were host-bound (KVF_XFER_BATCH_LINK_GBPS set so high here
+// that every call is) and the stream has reached the previous call (each
+// call here waits for the last): the first two calls take the batch route
+// (one measure is not enough), the next KVF_BATCH_HOST_BOUND_RETRY go
+// staged, then one takes the batch route to measure the host again. KVF_XFER_BATCH_HOST_BOUND 0: the
 // batch route every time. Every call's bytes land as the reference says.
 TEST(XferGpu, HostBoundBatchRequestGoesStagedAndMeasuresAgain) {
   REQUIRE_GPU();
@@ -3370,14 +3370,14 @@ TEST(XferGpu, HostBoundBatchRequestGoesStagedAndMeasuresAgain) {
       GpuConfig cfg;
       cfg.obj_kind = Mem::Pinned;
       cfg.route = expected_route(Mem::Pinned, d);
-      cfg.calls = KVF_BATCH_HOST_BOUND_RETRY + 3;
+      cfg.calls = KVF_BATCH_HOST_BOUND_RETRY + 4;
       cfg.tune = [on](kvf_xfer_tuning &t) {
         t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS;
         t.batch_host_bound = on;
       };
       cfg.check_each = [on](int i, const kvf_xfer_path_info &p) {
         SCOPED_TRACE("call " + std::to_string(i));
-        const bool batch = !on || i == 0 || i == KVF_BATCH_HOST_BOUND_RETRY + 1;
+        const bool batch = !on || i <= 1 || i == KVF_BATCH_HOST_BOUND_RETRY + 2;
         EXPECT_EQ(p.path, batch ? KVF_PATH_COPY_BATCH : KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
         EXPECT_EQ(p.host_bound, batch ? 0u : 1u);
         if (p.path == KVF_PATH_STAGED) {
@@ -3389,11 +3389,11 @@ TEST(XferGpu, HostBoundBatchRequestGoesStagedAndMeasuresAgain) {
 }
 
 // Behind queued work a host-bound request keeps the batch route: with a
-// spin kernel holding the stream and the calls back to back, the first
-// (no measure yet) is batched, the second goes staged (no earlier call to
-// ask about), and the later ones find the stream still short of the call
-// before them, so the work queued ahead hides their host time: one batch
-// call each (the back-to-back rule).
+// spin kernel holding the stream and the calls back to back, the first two
+// measure the host, the third finds work queued on the stream (no earlier
+// host-bound call to ask about) and the later ones find the stream still
+// short of the call before them: the work queued ahead hides their host
+// time, one batch call each.
 TEST(XferGpu, HostBoundBatchRequestBehindQueuedWorkStaysBatched) {
   REQUIRE_GPU();
   for (Dir d : {Dir::Gather, Dir::Scatter}) {
@@ -3404,13 +3404,14 @@ TEST(XferGpu, HostBoundBatchRequestBehindQueuedWorkStaysBatched) {
     cfg.obj_kind = Mem::Pinned;
     cfg.route = expected_route(Mem::Pinned, d);
     cfg.busy_ms = 200;  // far longer than the calls' host time
-    cfg.calls = 4;
+    cfg.calls = 5;
     cfg.sync_each = false;
     cfg.tune = [](kvf_xfer_tuning &t) { t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS; };
     cfg.check_each = [](int i, const kvf_xfer_path_info &p) {
       SCOPED_TRACE("call " + std::to_string(i));
-      EXPECT_EQ(p.path, i == 1 ? KVF_PATH_STAGED : KVF_PATH_COPY_BATCH) << kvf_xfer_path_name(p.path);
-      if (i >= 2) {
+      EXPECT_EQ(p.path, KVF_PATH_COPY_BATCH) << kvf_xfer_path_name(p.path);
+      EXPECT_EQ(p.host_bound, 0u);
+      if (i >= 1) {
         EXPECT_EQ(p.dma_ops, 1u) << "queued work ahead: one batch call";
       }
     };

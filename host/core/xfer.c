@@ -78,6 +78,7 @@ struct kvf_xfer {
   uint64_t batch_end_ns;   /* when the last batch-API call that succeeded returned (0: none yet) */
   uint64_t batch_host_ns;  /* its host time, from taking the context to its return */
   uint64_t batch_runs;     /* its runs */
+  uint64_t batch_host_ns_before, batch_runs_before; /* the same of the batch call before it (runs 0: none) */
   uint32_t host_bound_staged; /* host-bound calls staged in a row since the last batch call (KVF_XFER_BATCH_HOST_BOUND) */
   void *host_blob;         /* tables built on the host: the host backend's, and those launched in kernel parameters */
   size_t host_blob_cap;
@@ -857,24 +858,31 @@ static cudaError_t query_relaxed(cudaStream_t stream, cudaEvent_t event) {
  * engine_ns at KVF_XFER_BATCH_LINK_GBPS, goes staged instead
  * (KVF_XFER_BATCH_HOST_BOUND). The batch API's host time grows with the
  * runs (0.45-0.9 us each on the H200's KVM host, bimodal), the staged
- * route's does not: where the context's last batch call says the host
+ * route's does not: where the context's last two batch calls say the host
  * would take longer than the copies (the fp8 MLA chunk's 244 runs of 41 KiB
  * on a slow host: 180-220 us for a 188 us copy), the batch route keeps the
  * copy engine waiting, back to back or alone, and the staged route (35-55
  * us of host time, GPU time 97.6-98.7% of the batch route's) does not. Not
- * when the stream has yet to reach the context's previous call: the work
+ * when the stream has yet to reach the context's previous call (or, with no
+ * such call to ask about, has work queued): the work
  * queued ahead hides this call's host time, and the batch route in one call
  * is the faster copy. Every KVF_BATCH_HOST_BOUND_RETRY + 1st host-bound call
  * takes the batch route, so a host that got faster is seen. Records the
  * mark the next call asks about; enqueues nothing else. */
 static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns, cudaStream_t stream) {
+  /* Both of the last two batch calls: one slow call (the thread descheduled,
+   * a bf16 MLA chunk's host time once past its 327 us copy) says little,
+   * and sent calls that the batch route moves faster staged. */
   if (!x->tune.batch_host_bound || x->tune.staging_mb <= 0 || x->tune.batch_link_gbps <= 0 ||
-      !kvf_batch_host_bound(x->batch_host_ns, x->batch_runs, runs, engine_ns))
+      !kvf_batch_host_bound(x->batch_host_ns, x->batch_runs, runs, engine_ns) ||
+      !kvf_batch_host_bound(x->batch_host_ns_before, x->batch_runs_before, runs, engine_ns))
     return 0;
-  /* No mark on this stream (a first host-bound call, or another stream):
-   * nothing known to be queued. */
-  int reached = !x->call_mark_set || x->call_mark_stream != stream ||
-                query_relaxed(NULL, x->call_mark) != cudaErrorNotReady;
+  /* No mark on this stream (the first host-bound call, or another stream):
+   * the stream itself says whether work is queued (behind a host that keeps
+   * ahead it is, and the batch route keeps it so). */
+  int reached = x->call_mark_set && x->call_mark_stream == stream
+                    ? query_relaxed(NULL, x->call_mark) != cudaErrorNotReady
+                    : query_relaxed(stream, NULL) == cudaSuccess;
   x->call_mark_set = cudaEventRecord(x->call_mark, stream) == cudaSuccess;
   if (!x->call_mark_set) cudaGetLastError(); /* the call's own enqueues report a broken stream */
   x->call_mark_stream = stream;
@@ -997,6 +1005,8 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
   x->planned_ns = kvf_now_ns();
   cudaError_t e = ramped_batch_copy(x, dst, src, sizes, count, engine_ns, stream, &calls, &enqueued);
   if (e == cudaSuccess) { /* what the next call's kvf_batch_back_to_back and host_bound_goes_staged weigh */
+    x->batch_host_ns_before = x->batch_host_ns;
+    x->batch_runs_before = x->batch_runs;
     x->batch_end_ns = kvf_now_ns();
     x->batch_host_ns = x->batch_end_ns - x->call_start_ns;
     x->batch_runs = count;
