@@ -367,7 +367,7 @@ if want hostbound; then
   # (the host's speed is bimodal on the lent H200); then each call alone.
   for rep in 1 2; do
     step hostbound-$rep 70 --preset deepseek-v3-mla-bf16,deepseek-v3-mla-fp8-656,deepseek-v3-mla-dcp4-rank1,qwen3-next-like-hybrid \
-      --tokens 256 --directions d2h,h2d --sms-pcie 0 --baselines limit,batch --peers none --tune batch_host_bound=0
+      --tokens 256 --directions d2h,h2d --sms-pcie 0,4 --baselines limit,batch --peers none --tune batch_host_bound=0
     step hostbound-latency-$rep 40 --mode latency --preset deepseek-v3-mla-bf16,deepseek-v3-mla-fp8-656,deepseek-v3-mla-dcp4-rank1 \
       --tokens 256 --directions d2h,h2d --latency-reps 60 --tune batch_host_bound=0
   done
