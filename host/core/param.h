@@ -86,7 +86,7 @@ extern "C" {
   X(xfer_batch_back_to_back_us, "KVF_XFER_BATCH_BACK_TO_BACK_US", 20,                   \
     "a batch-API call that comes within this many us of the return of the previous batch call (half to twice its runs), whose host time per run would outlast this call's copies, makes one cudaMemcpyBatchAsync call instead of a ramp (0: never)") \
   X(xfer_batch_host_bound, "KVF_XFER_BATCH_HOST_BOUND", 1,                            \
-    "1: a request the batch API route fits takes the staged route when the context's last two batch calls (each of half to twice its runs) took more host time per run than this call's copies need at KVF_XFER_BATCH_LINK_GBPS, unless the stream has not yet reached the context's previous call, or has work queued where there is none to ask about (queued work hides the host); every 9th such call takes the batch route to measure the host again; 0: never") \
+    "1: a request the batch API route fits takes the staged route when the context's last two batch calls (each of half to twice its runs) took more host time per run than this call's copies need at KVF_XFER_BATCH_LINK_GBPS, and 1/8 more, unless the stream has not yet reached the context's previous call, or has work queued where there is none to ask about (queued work hides the host); every 9th such call takes the batch route to measure the host again; 0: never") \
   X(xfer_spread_kb, "KVF_XFER_SPREAD_KB", 4096,                                          \
     "a device-to-device or peer launch that may use every SM and moves at least this many KiB runs small CTAs, several rounds of them, that the GPU hands out as SMs free up (0: never; one CTA per SM then)") \
   X(xfer_overlap, "KVF_XFER_OVERLAP", 1,                                                 \

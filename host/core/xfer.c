@@ -873,9 +873,15 @@ static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns
   /* Both of the last two batch calls: one slow call (the thread descheduled,
    * a bf16 MLA chunk's host time once past its 327 us copy) says little,
    * and sent calls that the batch route moves faster staged. */
+  /* And by more than the staged route costs the copy engine: near the
+   * break-even the batch route's copy engine waits a little, where the
+   * staged route's calls run 2-5% longer (the fp8 MLA chunk d2h back to
+   * back, the host at 115-220 us for a 188 us copy: 191 us a call batched,
+   * 198-203 staged; perf/results/2026-12-03-h200-hostbound). */
+  uint64_t staged_ns = engine_ns + engine_ns / KVF_BATCH_HOST_BOUND_MARGIN;
   if (!x->tune.batch_host_bound || x->tune.staging_mb <= 0 || x->tune.batch_link_gbps <= 0 ||
-      !kvf_batch_host_bound(x->batch_host_ns, x->batch_runs, runs, engine_ns) ||
-      !kvf_batch_host_bound(x->batch_host_ns_before, x->batch_runs_before, runs, engine_ns))
+      !kvf_batch_host_bound(x->batch_host_ns, x->batch_runs, runs, staged_ns) ||
+      !kvf_batch_host_bound(x->batch_host_ns_before, x->batch_runs_before, runs, staged_ns))
     return 0;
   /* No mark on this stream (the first host-bound call, or another stream):
    * the stream itself says whether work is queued (behind a host that keeps

@@ -190,6 +190,9 @@ int kvf_batch_host_bound(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t run
 /* Host-bound calls that take the staged route in a row before one takes
  * the batch route again, to measure the host anew (KVF_XFER_BATCH_HOST_BOUND). */
 #define KVF_BATCH_HOST_BOUND_RETRY 8
+/* ... and a host counts as bound only past its copies' time plus 1/this
+ * of it, what the staged route costs the copy engine. */
+#define KVF_BATCH_HOST_BOUND_MARGIN 8
 
 /* Whether a batch-API call of `runs` runs, whose copies take engine_ns at
  * KVF_XFER_BATCH_LINK_GBPS, makes them in one call instead of a ramp: it
