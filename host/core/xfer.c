@@ -102,10 +102,14 @@ struct kvf_xfer {
   uint32_t next_stage;
   /* Recorded on the caller's stream before a host-bound call's first
    * enqueue (KVF_XFER_BATCH_HOST_BOUND): while the stream has not reached
-   * it, a whole call's work is queued ahead of the next call. */
+   * it, a whole call's work is queued ahead of the next call. Only the
+   * next call asks it (call_mark_call: the launch_cuda call that recorded
+   * it, 0: none), and only on the same stream (by its id: a destroyed
+   * stream's handle can come back for another). */
   cudaEvent_t call_mark;
-  cudaStream_t call_mark_stream;
-  int call_mark_set;
+  unsigned long long call_mark_stream_id;
+  uint64_t call_mark_call;
+  uint64_t cuda_calls; /* launch_cuda calls so far */
   /* The region bases seen last and where they live (route_of): a base
    * that is device memory (this GPU's or a peer's) keeps that kind while
    * it is allocated, and CUDA never hands a device address out as host
@@ -859,39 +863,49 @@ static cudaError_t query_relaxed(cudaStream_t stream, cudaEvent_t event) {
  * (KVF_XFER_BATCH_HOST_BOUND). The batch API's host time grows with the
  * runs (0.45-0.9 us each on the H200's KVM host, bimodal), the staged
  * route's does not: where the context's last two batch calls say the host
- * would take longer than the copies (the fp8 MLA chunk's 244 runs of 41 KiB
- * on a slow host: 180-220 us for a 188 us copy), the batch route keeps the
+ * would take longer than the copies and the staged route's own cost
+ * (kvf_batch_host_outlasts_staged; the fp8 MLA chunk's 244 runs of 41 KiB
+ * on a slow host: 218-240 us for a 188 us copy), the batch route keeps the
  * copy engine waiting, back to back or alone, and the staged route (35-55
  * us of host time, GPU time 97.6-98.7% of the batch route's) does not. Not
- * when the stream has yet to reach the context's previous call (or, with no
- * such call to ask about, has work queued): the work
- * queued ahead hides this call's host time, and the batch route in one call
- * is the faster copy. Every KVF_BATCH_HOST_BOUND_RETRY + 1st host-bound call
- * takes the batch route, so a host that got faster is seen. Records the
- * mark the next call asks about; enqueues nothing else. */
-static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns, cudaStream_t stream) {
-  /* Both of the last two batch calls: one slow call (the thread descheduled,
-   * a bf16 MLA chunk's host time once past its 327 us copy) says little,
-   * and sent calls that the batch route moves faster staged. */
-  /* And by more than the staged route costs the copy engine: near the
-   * break-even the batch route's copy engine waits a little, where the
-   * staged route's calls run 2-5% longer (the fp8 MLA chunk d2h back to
-   * back, the host at 115-220 us for a 188 us copy: 191 us a call batched,
-   * 198-203 staged; perf/results/2026-12-03-h200-hostbound). */
-  uint64_t staged_ns = engine_ns + engine_ns / KVF_BATCH_HOST_BOUND_MARGIN;
+ * when the stream is busy short of the mark of the call right before this
+ * one (or busy with no such mark): the work queued ahead hides this call's
+ * host time, and the batch route in one call is the faster copy. Every
+ * KVF_BATCH_HOST_BOUND_RETRY + 1st host-bound call takes the batch route,
+ * so a host that got faster is seen. Records the mark the next call asks
+ * about, an event of the context's own that neither copies nor waits, and
+ * enqueues nothing else; *stream_idle: whether the stream was idle (-1:
+ * not asked). */
+static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns, cudaStream_t stream,
+                                  int *stream_idle) {
+  *stream_idle = -1;
   if (!x->tune.batch_host_bound || x->tune.staging_mb <= 0 || x->tune.batch_link_gbps <= 0 ||
-      !kvf_batch_host_bound(x->batch_host_ns, x->batch_runs, runs, staged_ns) ||
-      !kvf_batch_host_bound(x->batch_host_ns_before, x->batch_runs_before, runs, staged_ns))
+      !kvf_batch_host_outlasts_staged(x->batch_host_ns, x->batch_runs, x->batch_host_ns_before,
+                                      x->batch_runs_before, runs, engine_ns))
     return 0;
-  /* No mark on this stream (the first host-bound call, or another stream):
-   * the stream itself says whether work is queued (behind a host that keeps
-   * ahead it is, and the batch route keeps it so). */
-  int reached = x->call_mark_set && x->call_mark_stream == stream
-                    ? query_relaxed(NULL, x->call_mark) != cudaErrorNotReady
-                    : query_relaxed(stream, NULL) == cudaSuccess;
-  x->call_mark_set = cudaEventRecord(x->call_mark, stream) == cudaSuccess;
-  if (!x->call_mark_set) cudaGetLastError(); /* the call's own enqueues report a broken stream */
-  x->call_mark_stream = stream;
+  /* Asked before the mark goes on the stream, which would make it look
+   * busy to the ramp (ramped_batch_copy) of a call that stays batched. An
+   * idle stream has reached any mark; a busy one, only the mark of the call
+   * right before this one says whether its work is more than that call's
+   * (no such mark: the first host-bound call, another route or stream in
+   * between, and behind a host that keeps ahead work is queued). */
+  int idle = query_relaxed(stream, NULL) == cudaSuccess;
+  unsigned long long stream_id = 0;
+  int have_id = cudaStreamGetId(stream, &stream_id) == cudaSuccess;
+  if (!have_id) cudaGetLastError();
+  int reached = idle || (have_id && x->call_mark_call != 0 && x->call_mark_call + 1 == x->cuda_calls &&
+                         x->call_mark_stream_id == stream_id &&
+                         query_relaxed(NULL, x->call_mark) != cudaErrorNotReady);
+  *stream_idle = idle;
+  x->call_mark_call = 0;
+  if (have_id) {
+    if (cudaEventRecord(x->call_mark, stream) == cudaSuccess) {
+      x->call_mark_call = x->cuda_calls;
+      x->call_mark_stream_id = stream_id;
+    } else {
+      cudaGetLastError(); /* the call's own enqueues report a broken stream */
+    }
+  }
   if (reached && x->host_bound_staged < KVF_BATCH_HOST_BOUND_RETRY) {
     x->host_bound_staged++;
     return 1;
@@ -911,8 +925,9 @@ static cudaError_t batch_copy(void **dst, const void **src, size_t *size, size_t
 
 /* n copies in cudaMemcpyBatchAsync calls of growing size (kvf_batch_ramp_runs)
  * on `stream`, or in one call when the stream has work queued; *calls
- * counts them. all_engine_ns: the n copies' time at KVF_XFER_BATCH_LINK_GBPS. The batch API's host time grows with its runs, about 0.45-0.9
- * us each, and its copies start only once the call returns: on an idle
+ * counts them. all_engine_ns: the n copies' time at
+ * KVF_XFER_BATCH_LINK_GBPS. The batch API's host time grows with its runs,
+ * about 0.45-0.9 us each, and its copies start only once the call returns: on an idle
  * stream a 244-run MLA chunk waited 104-219 us for its first byte, 1.31-1.63x
  * a memcpy's latency. A first call of a few runs starts the copy engine, and
  * each later call is enqueued while it works (a 73 KiB run takes 1.3 us at
@@ -934,7 +949,8 @@ static cudaError_t batch_copy(void **dst, const void **src, size_t *size, size_t
  * async engines, every MLA row was slower (perf/results/
  * 2026-12-03-h200-batch-engines: GPU time of the ramp 340 -> 345-352 us). */
 static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void **src, size_t *size, size_t n,
-                                     uint64_t all_engine_ns, cudaStream_t stream, uint64_t *calls, size_t *enqueued) {
+                                     uint64_t all_engine_ns, cudaStream_t stream, int stream_idle, uint64_t *calls,
+                                     size_t *enqueued) {
   uint64_t first = (uint64_t)x->tune.batch_first_runs;
   /* Calls back to back on a host slower than the copy engine: the ramp's
    * calls would only add host time (kvf_batch_back_to_back). */
@@ -943,8 +959,10 @@ static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void *
                              (uint64_t)x->tune.batch_back_to_back_us * 1000ull, n, all_engine_ns))
     first = 0;
   /* cudaErrorNotReady (work queued) is not an error the runtime keeps;
-   * another answer leaves one call, which reports a broken stream. */
-  if (first > 0 && first < n && query_relaxed(stream, NULL) != cudaSuccess) first = 0;
+   * another answer leaves one call, which reports a broken stream.
+   * stream_idle: the answer asked earlier in this call (-1: none). */
+  if (first > 0 && first < n && stream_idle < 0) stream_idle = query_relaxed(stream, NULL) == cudaSuccess;
+  if (first > 0 && first < n && !stream_idle) first = 0;
   cudaError_t e = cudaSuccess;
   *enqueued = 0;
   size_t m = 0;
@@ -999,7 +1017,11 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
   uint64_t bytes = 0;
   for (size_t i = 0; i < count; i++) bytes += sizes[i];
   uint64_t engine_ns = x->tune.batch_link_gbps > 0 ? bytes / (uint64_t)x->tune.batch_link_gbps : 0; /* GB/s = bytes/ns */
-  if (host_bound_goes_staged(x, count, engine_ns, stream)) {
+  int stream_idle = -1;
+  /* A host-bound call built the run list for nothing: a few us of the
+   * 35-55 the staged route then takes, where asking first would need the
+   * runs' count, which only the list gives. */
+  if (host_bound_goes_staged(x, count, engine_ns, stream, &stream_idle)) {
     free(dst);
     free(src);
     free(sizes);
@@ -1009,7 +1031,7 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
   uint64_t calls = 0;
   size_t enqueued = 0;
   x->planned_ns = kvf_now_ns();
-  cudaError_t e = ramped_batch_copy(x, dst, src, sizes, count, engine_ns, stream, &calls, &enqueued);
+  cudaError_t e = ramped_batch_copy(x, dst, src, sizes, count, engine_ns, stream, stream_idle, &calls, &enqueued);
   if (e == cudaSuccess) { /* what the next call's kvf_batch_back_to_back and host_bound_goes_staged weigh */
     x->batch_host_ns_before = x->batch_host_ns;
     x->batch_runs_before = x->batch_runs;
@@ -1888,6 +1910,7 @@ static int request_payload_at_most(const kvf_xfer *x, const kvf_copy_request *r,
 static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream) {
   kvf_xfer_route route = KVF_ROUTE_D2D;
   int stageable = 0;
+  x->cuda_calls++; /* before any return: a mark left by the call before it ages (host_bound_goes_staged) */
   kvf_status st = route_of(x, r, gather, &route, &stageable);
   if (st) return st;
   enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;

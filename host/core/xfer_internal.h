@@ -195,6 +195,14 @@ int kvf_batch_host_bound(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t run
 #define KVF_BATCH_HOST_BOUND_MARGIN 8
 
 /* Whether a batch-API call of `runs` runs, whose copies take engine_ns at
+ * KVF_XFER_BATCH_LINK_GBPS, goes staged for its host time: the context's
+ * last two batch calls (last_*, before_*; runs 0: none) are both
+ * host-bound by kvf_batch_host_bound against engine_ns plus
+ * engine_ns / KVF_BATCH_HOST_BOUND_MARGIN. */
+int kvf_batch_host_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, uint64_t before_host_ns,
+                                   uint64_t before_runs, uint64_t runs, uint64_t engine_ns);
+
+/* Whether a batch-API call of `runs` runs, whose copies take engine_ns at
  * KVF_XFER_BATCH_LINK_GBPS, makes them in one call instead of a ramp: it
  * came in (start_ns) within window_ns of the return (prev_end_ns; 0: none
  * yet) of the context's previous batch call, which took prev_host_ns of host

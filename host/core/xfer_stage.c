@@ -558,3 +558,19 @@ int kvf_batch_host_bound(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t run
   /* In double: the products could pass 64 bits for absurd tunings. */
   return (double)prev_host_ns * (double)runs / (double)prev_runs > (double)engine_ns;
 }
+
+int kvf_batch_host_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, uint64_t before_host_ns,
+                                   uint64_t before_runs, uint64_t runs, uint64_t engine_ns) {
+  /* Past the staged route's own cost: near the break-even the batch route's
+   * copy engine waits a little, where the staged route's calls run 2-5%
+   * longer (the fp8 MLA chunk d2h back to back, the host at 115-220 us for
+   * a 188 us copy: 191 us a call batched, 198-203 staged; perf/results/
+   * 2026-12-03-h200-hostbound). */
+  uint64_t staged_ns = engine_ns + engine_ns / KVF_BATCH_HOST_BOUND_MARGIN;
+  if (staged_ns < engine_ns) staged_ns = UINT64_MAX;
+  /* Both calls: one slow call (the thread descheduled, a bf16 MLA chunk's
+   * host time once past its 327 us copy) says little, and sent calls the
+   * batch route moves faster staged. */
+  return kvf_batch_host_bound(last_host_ns, last_runs, runs, staged_ns) &&
+         kvf_batch_host_bound(before_host_ns, before_runs, runs, staged_ns);
+}
