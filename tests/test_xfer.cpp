@@ -3417,42 +3417,88 @@ TEST(XferGpu, HostBoundBatchRequestGoesStagedAndMeasuresAgain) {
     }
 }
 
-// A host-bound call asks only the mark of the call right before it: after
-// a host-bound call (staged, its mark left on the stream) comes one that
-// takes another route (batch route off for it), then a spin kernel fills
-// the stream and a host-bound call comes. The old mark was reached long
-// ago, but the stream now has work queued: the batch route, in one call.
-TEST(XferGpu, HostBoundCallIgnoresTheMarkOfAnEarlierCall) {
+// A host-bound call goes staged behind a busy stream only while that
+// stream works on the context's call right before it (its start mark
+// reached, its end mark not). Here a host-bound call goes staged on the
+// idle stream (call 2); then either a call of another route comes (batch
+// route off for it) and a spin kernel fills the stream before the next
+// host-bound call, or the spin comes straight after call 2. Either way the
+// last call finds work queued that is not the previous call's: the batch
+// route, in one call.
+TEST(XferGpu, HostBoundCallBehindOtherWorkStaysBatched) {
+  REQUIRE_GPU();
+  for (bool other_route : {true, false})
+    for (Dir d : {Dir::Gather, Dir::Scatter}) {
+      SCOPED_TRACE(std::string(other_route ? "another route's call, then a spin, " : "a spin, ") + dir_name(d));
+      Prepared s;
+      ASSERT_NO_FATAL_FAILURE(setup_chunks("deepseek-v3-mla-fp8-656", 1, 0, 45, &s));
+      GpuConfig cfg;
+      cfg.obj_kind = Mem::Pinned;
+      cfg.route = expected_route(Mem::Pinned, d);
+      const int last = other_route ? 4 : 3;
+      cfg.calls = last + 1;
+      cfg.tune = [](kvf_xfer_tuning &t) { t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS; };
+      int64_t max_runs = 0;
+      cfg.before_each = [&max_runs, other_route, last](int i, kvf_xfer *x, cudaStream_t stream) {
+        if (other_route && i >= 3) {
+          kvf_xfer_tuning t;
+          kvf_xfer_get_tuning(x, &t);
+          if (i == 3) max_runs = t.batch_max_runs;
+          t.batch_max_runs = i == 3 ? 0 : max_runs;
+          ASSERT_EQ(kvf_xfer_set_tuning(x, &t), KVF_SUCCESS) << kvf_last_error();
+        }
+        if (i == last) CUDA_OK(kvf_test_spin(stream, 200));
+      };
+      cfg.check_each = [last](int i, const kvf_xfer_path_info &p) {
+        SCOPED_TRACE("call " + std::to_string(i));
+        const bool batch = i <= 1 || i == last;
+        EXPECT_EQ(p.path, batch ? KVF_PATH_COPY_BATCH : KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
+        EXPECT_EQ(p.host_bound, i == 2 ? 1u : 0u);
+        if (i == last) {
+          EXPECT_EQ(p.dma_ops, 1u) << "queued work ahead: one batch call";
+        }
+      };
+      run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 46 + (uint64_t)d, cfg);
+    }
+}
+
+// Back to back on a host slower than the copies (KVF_XFER_BATCH_LINK_GBPS so
+// high that every call is host-bound), a call that comes while the stream
+// still works on the call before it goes staged: the stream waits for every
+// other call (2, 4, 6 go staged on an idle stream) and the odd calls come
+// right after, about 190 us of the previous call's copies still queued.
+// Those take the mark's branch; a thread descheduled for that long would
+// find the stream idle or past the mark, so two of the three suffice.
+TEST(XferGpu, HostBoundCallRightBehindThePreviousOneGoesStaged) {
   REQUIRE_GPU();
   for (Dir d : {Dir::Gather, Dir::Scatter}) {
     SCOPED_TRACE(dir_name(d));
     Prepared s;
-    ASSERT_NO_FATAL_FAILURE(setup_chunks("deepseek-v3-mla-fp8-656", 1, 0, 45, &s));
+    ASSERT_NO_FATAL_FAILURE(setup_chunks("deepseek-v3-mla-fp8-656", 1, 0, 47, &s));
     GpuConfig cfg;
     cfg.obj_kind = Mem::Pinned;
     cfg.route = expected_route(Mem::Pinned, d);
-    cfg.calls = 5;
+    cfg.calls = 8;
+    cfg.sync_each = false;
     cfg.tune = [](kvf_xfer_tuning &t) { t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS; };
-    int64_t max_runs = 0;
-    cfg.before_each = [&max_runs](int i, kvf_xfer *x, cudaStream_t stream) {
-      if (i < 3) return;
-      kvf_xfer_tuning t;
-      kvf_xfer_get_tuning(x, &t);
-      if (i == 3) max_runs = t.batch_max_runs;
-      t.batch_max_runs = i == 3 ? 0 : max_runs;
-      ASSERT_EQ(kvf_xfer_set_tuning(x, &t), KVF_SUCCESS) << kvf_last_error();
-      if (i == 4) CUDA_OK(kvf_test_spin(stream, 200));
+    cfg.before_each = [](int i, kvf_xfer *, cudaStream_t stream) {
+      if (i % 2 == 0) CUDA_OK(cudaStreamSynchronize(stream));
     };
-    cfg.check_each = [](int i, const kvf_xfer_path_info &p) {
+    int odd_staged = 0;
+    cfg.check_each = [&odd_staged](int i, const kvf_xfer_path_info &p) {
       SCOPED_TRACE("call " + std::to_string(i));
-      const bool batch = i <= 1 || i == 4;
-      EXPECT_EQ(p.path, batch ? KVF_PATH_COPY_BATCH : KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
-      EXPECT_EQ(p.host_bound, i == 2 ? 1u : 0u);
-      if (i == 4) {
-        EXPECT_EQ(p.dma_ops, 1u) << "queued work ahead: one batch call";
+      if (i <= 1) {
+        EXPECT_EQ(p.path, KVF_PATH_COPY_BATCH) << "two batch calls measure the host first";
+      } else if (i % 2 == 0) {
+        EXPECT_EQ(p.path, KVF_PATH_STAGED) << "an idle stream: " << kvf_xfer_path_name(p.path);
+        EXPECT_EQ(p.host_bound, 1u);
+      } else if (p.path == KVF_PATH_STAGED) {
+        EXPECT_EQ(p.host_bound, 1u);
+        odd_staged++;
       }
     };
-    run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 46 + (uint64_t)d, cfg);
+    run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 48 + (uint64_t)d, cfg);
+    EXPECT_GE(odd_staged, 2) << "calls right behind the previous one's work took the batch route";
   }
 }
 

@@ -100,15 +100,17 @@ struct kvf_xfer {
   cudaEvent_t stage_ready[2]; /* the buffer holds what the next leg reads */
   cudaEvent_t fork, join;
   uint32_t next_stage;
-  /* Recorded on the caller's stream before a host-bound call's first
-   * enqueue (KVF_XFER_BATCH_HOST_BOUND): while the stream has not reached
-   * it, a whole call's work is queued ahead of the next call. Only the
-   * next call asks it (call_mark_call: the launch_cuda call that recorded
-   * it, 0: none), and only on the same stream (by its id: a destroyed
-   * stream's handle can come back for another). */
-  cudaEvent_t call_mark;
+  /* Recorded on the stream before a host-bound call's first enqueue and
+   * after its last (KVF_XFER_BATCH_HOST_BOUND): a busy stream that has
+   * reached the first and not the second works on that call and nothing
+   * else. Only the context's next launch_cuda call asks them
+   * (call_mark_call: the call that recorded both, 0: none;
+   * call_mark_started: the call that recorded the first), and only on the
+   * same stream (by its id: a destroyed stream's handle can come back for
+   * another). */
+  cudaEvent_t call_mark, call_end_mark;
   unsigned long long call_mark_stream_id;
-  uint64_t call_mark_call;
+  uint64_t call_mark_call, call_mark_started;
   uint64_t cuda_calls; /* launch_cuda calls so far */
   /* The region bases seen last and where they live (route_of): a base
    * that is device memory (this GPU's or a peer's) keeps that kind while
@@ -472,6 +474,7 @@ kvf_status kvf_xfer_create(const kvf_geometry *g, const kvf_xfer_options *option
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&x->fork, cudaEventDisableTiming);
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&x->join, cudaEventDisableTiming);
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&x->call_mark, cudaEventDisableTiming);
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&x->call_end_mark, cudaEventDisableTiming);
   /* Ready before the first call: the kernels' modules (loaded lazily by
    * default) and the staging buffers, sized for the largest chunk, so a
    * first call is as fast as later ones (a served STORE right after a
@@ -576,6 +579,7 @@ void kvf_xfer_destroy(kvf_xfer *x) {
     if (x->fork) cudaEventDestroy(x->fork);
     if (x->join) cudaEventDestroy(x->join);
     if (x->call_mark) cudaEventDestroy(x->call_mark);
+    if (x->call_end_mark) cudaEventDestroy(x->call_end_mark);
     if (x->ce_stream) cudaStreamDestroy(x->ce_stream);
     if (x->private_stream) {
       cudaStreamSynchronize(x->private_stream);
@@ -868,14 +872,15 @@ static cudaError_t query_relaxed(cudaStream_t stream, cudaEvent_t event) {
  * on a slow host: 218-240 us for a 188 us copy), the batch route keeps the
  * copy engine waiting, back to back or alone, and the staged route (35-55
  * us of host time, GPU time 97.6-98.7% of the batch route's) does not. Not
- * when the stream is busy short of the mark of the call right before this
- * one (or busy with no such mark): the work queued ahead hides this call's
- * host time, and the batch route in one call is the faster copy. Every
- * KVF_BATCH_HOST_BOUND_RETRY + 1st host-bound call takes the batch route,
- * so a host that got faster is seen. Records the mark the next call asks
- * about, an event of the context's own that neither copies nor waits, and
- * enqueues nothing else; *stream_idle: whether the stream was idle (-1:
- * not asked). */
+ * when the stream is busy with more than the context's call right before
+ * this one (short of its start mark, past its end mark, or with no such
+ * marks): the work queued ahead hides this call's host time, and the batch
+ * route in one call is the faster copy. Every KVF_BATCH_HOST_BOUND_RETRY +
+ * 1st host-bound call takes the batch route, so a host that got faster is
+ * seen. Records the start mark the next call asks about (end_call_mark
+ * records the end), an event of the context's own that neither copies nor
+ * waits, and enqueues nothing else; *stream_idle: whether the stream was
+ * idle (-1: not asked). */
 static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns, cudaStream_t stream,
                                   int *stream_idle) {
   *stream_idle = -1;
@@ -884,23 +889,25 @@ static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns
                                       x->batch_runs_before, runs, engine_ns))
     return 0;
   /* Asked before the mark goes on the stream, which would make it look
-   * busy to the ramp (ramped_batch_copy) of a call that stays batched. An
-   * idle stream has reached any mark; a busy one, only the mark of the call
-   * right before this one says whether its work is more than that call's
-   * (no such mark: the first host-bound call, another route or stream in
-   * between, and behind a host that keeps ahead work is queued). */
+   * busy to the ramp (ramped_batch_copy) of a call that stays batched. A
+   * busy stream is the previous call's alone (back to back behind a slow
+   * host) only between that call's marks; no marks: the first host-bound
+   * call, another route or stream in between, and behind a host that keeps
+   * ahead work is queued. Work the caller queued after that call leaves the
+   * end mark reached and the stream busy. */
   int idle = query_relaxed(stream, NULL) == cudaSuccess;
   unsigned long long stream_id = 0;
   int have_id = cudaStreamGetId(stream, &stream_id) == cudaSuccess;
   if (!have_id) cudaGetLastError();
   int reached = idle || (have_id && x->call_mark_call != 0 && x->call_mark_call + 1 == x->cuda_calls &&
                          x->call_mark_stream_id == stream_id &&
-                         query_relaxed(NULL, x->call_mark) != cudaErrorNotReady);
+                         query_relaxed(NULL, x->call_mark) != cudaErrorNotReady &&
+                         query_relaxed(NULL, x->call_end_mark) == cudaErrorNotReady);
   *stream_idle = idle;
   x->call_mark_call = 0;
   if (have_id) {
     if (cudaEventRecord(x->call_mark, stream) == cudaSuccess) {
-      x->call_mark_call = x->cuda_calls;
+      x->call_mark_started = x->cuda_calls;
       x->call_mark_stream_id = stream_id;
     } else {
       cudaGetLastError(); /* the call's own enqueues report a broken stream */
@@ -927,9 +934,9 @@ static cudaError_t batch_copy(void **dst, const void **src, size_t *size, size_t
  * on `stream`, or in one call when the stream has work queued; *calls
  * counts them. all_engine_ns: the n copies' time at
  * KVF_XFER_BATCH_LINK_GBPS. The batch API's host time grows with its runs,
- * about 0.45-0.9 us each, and its copies start only once the call returns: on an idle
- * stream a 244-run MLA chunk waited 104-219 us for its first byte, 1.31-1.63x
- * a memcpy's latency. A first call of a few runs starts the copy engine, and
+ * about 0.45-0.9 us each, and its copies start only once the call returns:
+ * on an idle stream a 244-run MLA chunk waited 104-219 us for its first
+ * byte, 1.31-1.63x a memcpy's latency. A first call of a few runs starts the copy engine, and
  * each later call is enqueued while it works (a 73 KiB run takes 1.3 us at
  * 55 GB/s). Each call also costs the copy engine about 2 us, so behind queued
  * work, where the host is ahead anyway, one call is faster. Measured on an
@@ -1907,10 +1914,9 @@ static int request_payload_at_most(const kvf_xfer *x, const kvf_copy_request *r,
   return 1;
 }
 
-static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream) {
+static kvf_status launch_cuda_routes(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream) {
   kvf_xfer_route route = KVF_ROUTE_D2D;
   int stageable = 0;
-  x->cuda_calls++; /* before any return: a mark left by the call before it ages (host_bound_goes_staged) */
   kvf_status st = route_of(x, r, gather, &route, &stageable);
   if (st) return st;
   enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -1987,6 +1993,26 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
   if (route == KVF_ROUTE_D2H || route == KVF_ROUTE_H2D || route == KVF_ROUTE_HOST_TO_HOST) ctas = pcie_sms;
   if (x->max_sms && x->max_sms < ctas) ctas = x->max_sms;
   return launch_one(x, r, gather, stream, route, ctas, capture);
+}
+
+/* After a call that recorded a start mark (host_bound_goes_staged), its end
+ * mark after its last enqueue: the next call asks both. A failed call, or
+ * a refused record, leaves no marks to ask. */
+static void end_call_mark(kvf_xfer *x, kvf_status st, cudaStream_t stream) {
+  if (x->call_mark_started != x->cuda_calls) return;
+  x->call_mark_started = 0;
+  if (st != KVF_SUCCESS) return;
+  if (cudaEventRecord(x->call_end_mark, stream) == cudaSuccess)
+    x->call_mark_call = x->cuda_calls;
+  else
+    cudaGetLastError(); /* the call's work is enqueued; the next call just has no marks */
+}
+
+static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream) {
+  x->cuda_calls++; /* the marks of the call before this one are asked by this one only */
+  kvf_status st = launch_cuda_routes(x, r, gather, stream);
+  end_call_mark(x, st, stream);
+  return st;
 }
 
 /* ---- deferred calls (KVF_XFER_DEFER) ----------------------------------------- */

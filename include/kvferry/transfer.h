@@ -176,10 +176,9 @@ KVF_API void kvf_xfer_destroy(kvf_xfer *xfer);
  * (pageable host memory, another device without peer access), KVF_ERR_CUDA
  * when a CUDA call fails (a query, an allocation, the wait for an earlier
  * call's tables) or the runtime refuses an enqueue, KVF_ERR_OUT_OF_MEMORY.
- * On failure nothing is enqueued, except after a refused enqueue
- * (KVF_ERR_CUDA), which leaves exactly what "Failures" above states (a
- * call may leave an event of the context's own on the stream, which
- * neither copies nor waits). */
+ * On failure nothing is enqueued but, at most, an event of the context's
+ * own that neither copies nor waits, except after a refused enqueue
+ * (KVF_ERR_CUDA), which leaves exactly what "Failures" above states. */
 KVF_API kvf_status kvf_xfer_gather(kvf_xfer *xfer, const kvf_copy_request *request, kvf_stream stream);
 
 /* Scatter: copy the request's objects into the cache blocks. Same rules. */
