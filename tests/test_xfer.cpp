@@ -3418,29 +3418,45 @@ TEST(XferGpu, HostBoundBatchRequestGoesStagedAndMeasuresAgain) {
 }
 
 // A host-bound call goes staged behind a busy stream only while that
-// stream works on the context's call right before it (its start mark
-// reached, its end mark not). Here a host-bound call goes staged on the
-// idle stream (call 2); then either a call of another route comes (batch
-// route off for it) and a spin kernel fills the stream before the next
-// host-bound call, or the spin comes straight after call 2. Either way the
-// last call finds work queued that is not the previous call's: the batch
-// route, in one call.
+// stream works on the context's call right before it, which came back
+// within KVF_XFER_BATCH_BACK_TO_BACK_US. Here a host-bound call goes staged
+// on the idle stream (call 2), and the last call finds work queued that is
+// not the previous call's: the batch route, in one call. Each case leaves
+// one guard to catch it (the window is 1 s unless said):
+//   - another route's call right behind call 2 (batch route off for it),
+//     then a spin kernel and the last call, while call 2's copies may still
+//     run: the marks are call 2's, not the previous call's;
+//   - the caller's spin kernel after call 2 has finished: call 2's end mark
+//     is reached;
+//   - the caller's spin kernel at once behind call 2, which is still
+//     running, and a window of 1 us: the last call does not come back to
+//     back (in this case nothing on the GPU tells the spin from call 2's
+//     own work, so only the window can).
 TEST(XferGpu, HostBoundCallBehindOtherWorkStaysBatched) {
   REQUIRE_GPU();
-  for (bool other_route : {true, false})
+  enum Between { OtherRoute, SpinAfter, SpinAtOnce };
+  for (Between between : {OtherRoute, SpinAfter, SpinAtOnce})
     for (Dir d : {Dir::Gather, Dir::Scatter}) {
-      SCOPED_TRACE(std::string(other_route ? "another route's call, then a spin, " : "a spin, ") + dir_name(d));
+      SCOPED_TRACE(std::string(between == OtherRoute  ? "another route's call, "
+                               : between == SpinAfter ? "a spin after call 2, "
+                                                      : "a spin at once, ") +
+                   dir_name(d));
       Prepared s;
       ASSERT_NO_FATAL_FAILURE(setup_chunks("deepseek-v3-mla-fp8-656", 1, 0, 45, &s));
       GpuConfig cfg;
       cfg.obj_kind = Mem::Pinned;
       cfg.route = expected_route(Mem::Pinned, d);
-      const int last = other_route ? 4 : 3;
+      const int last = between == OtherRoute ? 4 : 3;
       cfg.calls = last + 1;
-      cfg.tune = [](kvf_xfer_tuning &t) { t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS; };
+      cfg.sync_each = false;
+      cfg.tune = [between](kvf_xfer_tuning &t) {
+        t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS;
+        t.batch_back_to_back_us = between == SpinAtOnce ? 1 : KVF_BATCH_MAX_BACK_TO_BACK_US;
+      };
       int64_t max_runs = 0;
-      cfg.before_each = [&max_runs, other_route, last](int i, kvf_xfer *x, cudaStream_t stream) {
-        if (other_route && i >= 3) {
+      cfg.before_each = [&max_runs, between, last](int i, kvf_xfer *x, cudaStream_t stream) {
+        if (i <= 2 || (between == SpinAfter && i == 3)) CUDA_OK(cudaStreamSynchronize(stream));
+        if (between == OtherRoute && i >= 3) {
           kvf_xfer_tuning t;
           kvf_xfer_get_tuning(x, &t);
           if (i == 3) max_runs = t.batch_max_runs;
@@ -3466,9 +3482,10 @@ TEST(XferGpu, HostBoundCallBehindOtherWorkStaysBatched) {
 // high that every call is host-bound), a call that comes while the stream
 // still works on the call before it goes staged: the stream waits for every
 // other call (2, 4, 6 go staged on an idle stream) and the odd calls come
-// right after, about 190 us of the previous call's copies still queued.
-// Those take the mark's branch; a thread descheduled for that long would
-// find the stream idle or past the mark, so two of the three suffice.
+// right after, within the window (1 s here), about 190 us of the previous
+// call's work still queued: they take the marks' branch. Two of the three
+// suffice: the stream can read busy and then reach the previous call's end
+// before its end mark is asked.
 TEST(XferGpu, HostBoundCallRightBehindThePreviousOneGoesStaged) {
   REQUIRE_GPU();
   for (Dir d : {Dir::Gather, Dir::Scatter}) {
@@ -3480,7 +3497,10 @@ TEST(XferGpu, HostBoundCallRightBehindThePreviousOneGoesStaged) {
     cfg.route = expected_route(Mem::Pinned, d);
     cfg.calls = 8;
     cfg.sync_each = false;
-    cfg.tune = [](kvf_xfer_tuning &t) { t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS; };
+    cfg.tune = [](kvf_xfer_tuning &t) {
+      t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS;
+      t.batch_back_to_back_us = KVF_BATCH_MAX_BACK_TO_BACK_US;
+    };
     cfg.before_each = [](int i, kvf_xfer *, cudaStream_t stream) {
       if (i % 2 == 0) CUDA_OK(cudaStreamSynchronize(stream));
     };

@@ -102,15 +102,17 @@ struct kvf_xfer {
   uint32_t next_stage;
   /* Recorded on the stream before a host-bound call's first enqueue and
    * after its last (KVF_XFER_BATCH_HOST_BOUND): a busy stream that has
-   * reached the first and not the second works on that call and nothing
-   * else. Only the context's next launch_cuda call asks them
-   * (call_mark_call: the call that recorded both, 0: none;
-   * call_mark_started: the call that recorded the first), and only on the
+   * reached the first and not the second works on that call, and on
+   * nothing else unless the caller queued work behind it, which no query
+   * shows (hence the window of host_bound_goes_staged). Only the context's
+   * next launch_cuda call asks them (call_mark_call: the call that
+   * recorded both, 0: none; call_mark_started: the call that recorded the
+   * first; call_mark_end_ns: when that call returned), and only on the
    * same stream (by its id: a destroyed stream's handle can come back for
    * another). */
   cudaEvent_t call_mark, call_end_mark;
   unsigned long long call_mark_stream_id;
-  uint64_t call_mark_call, call_mark_started;
+  uint64_t call_mark_call, call_mark_started, call_mark_end_ns;
   uint64_t cuda_calls; /* launch_cuda calls so far */
   /* The region bases seen last and where they live (route_of): a base
    * that is device memory (this GPU's or a peer's) keeps that kind while
@@ -872,10 +874,10 @@ static cudaError_t query_relaxed(cudaStream_t stream, cudaEvent_t event) {
  * on a slow host: 218-240 us for a 188 us copy), the batch route keeps the
  * copy engine waiting, back to back or alone, and the staged route (35-55
  * us of host time, GPU time 97.6-98.7% of the batch route's) does not. Not
- * when the stream is busy with more than the context's call right before
- * this one (short of its start mark, past its end mark, or with no such
- * marks): the work queued ahead hides this call's host time, and the batch
- * route in one call is the faster copy. Every KVF_BATCH_HOST_BOUND_RETRY +
+ * when the stream is busy unless with the context's call right before this
+ * one, which came back within KVF_XFER_BATCH_BACK_TO_BACK_US (between its
+ * start and end marks): work queued ahead hides this call's host time, and
+ * the batch route in one call is the faster copy. Every KVF_BATCH_HOST_BOUND_RETRY +
  * 1st host-bound call takes the batch route, so a host that got faster is
  * seen. Records the start mark the next call asks about (end_call_mark
  * records the end), an event of the context's own that neither copies nor
@@ -893,13 +895,17 @@ static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns
    * busy stream is the previous call's alone (back to back behind a slow
    * host) only between that call's marks; no marks: the first host-bound
    * call, another route or stream in between, and behind a host that keeps
-   * ahead work is queued. Work the caller queued after that call leaves the
-   * end mark reached and the stream busy. */
+   * ahead work is queued. Work the caller queued behind that call leaves
+   * its end mark reached once it is done, and while it is not, only time
+   * tells: a call back to back (within the window) has had no time to
+   * queue much. */
   int idle = query_relaxed(stream, NULL) == cudaSuccess;
   unsigned long long stream_id = 0;
   int have_id = cudaStreamGetId(stream, &stream_id) == cudaSuccess;
   if (!have_id) cudaGetLastError();
-  int reached = idle || (have_id && x->call_mark_call != 0 && x->call_mark_call + 1 == x->cuda_calls &&
+  uint64_t window_ns = (uint64_t)x->tune.batch_back_to_back_us * 1000ull;
+  int back_to_back = x->call_start_ns >= x->call_mark_end_ns && x->call_start_ns - x->call_mark_end_ns < window_ns;
+  int reached = idle || (have_id && back_to_back && x->call_mark_call != 0 && x->call_mark_call + 1 == x->cuda_calls &&
                          x->call_mark_stream_id == stream_id &&
                          query_relaxed(NULL, x->call_mark) != cudaErrorNotReady &&
                          query_relaxed(NULL, x->call_end_mark) == cudaErrorNotReady);
@@ -2002,10 +2008,12 @@ static void end_call_mark(kvf_xfer *x, kvf_status st, cudaStream_t stream) {
   if (x->call_mark_started != x->cuda_calls) return;
   x->call_mark_started = 0;
   if (st != KVF_SUCCESS) return;
-  if (cudaEventRecord(x->call_end_mark, stream) == cudaSuccess)
-    x->call_mark_call = x->cuda_calls;
-  else
+  if (cudaEventRecord(x->call_end_mark, stream) != cudaSuccess) {
     cudaGetLastError(); /* the call's work is enqueued; the next call just has no marks */
+    return;
+  }
+  x->call_mark_call = x->cuda_calls;
+  x->call_mark_end_ns = kvf_now_ns();
 }
 
 static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream) {

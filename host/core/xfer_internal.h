@@ -241,9 +241,10 @@ typedef struct kvf_xfer_tuning {
   int64_t batch_first_runs; /* KVF_XFER_BATCH_FIRST_RUNS: runs of a ramped batch's first call (0: one call) */
   int64_t batch_link_gbps;  /* KVF_XFER_BATCH_LINK_GBPS: the copy engine's rate a ramp paces by (0: doubling) */
   int64_t batch_back_to_back_us; /* KVF_XFER_BATCH_BACK_TO_BACK_US: a call this soon after a host-bound batch call
-                                    makes one call (0: never) */
-  int64_t batch_host_bound; /* KVF_XFER_BATCH_HOST_BOUND: 1: a host-bound batch request on a stream that
-                               reached the context's previous call takes the staged route */
+                                    makes one call (0: never); and a host-bound call this soon after the
+                                    previous one may go staged behind a busy stream */
+  int64_t batch_host_bound; /* KVF_XFER_BATCH_HOST_BOUND: 1: a host-bound batch request on a stream idle or
+                               busy with the context's previous call alone takes the staged route */
   int64_t kernel;          /* KVF_XFER_KERNEL: 1 the grid-stride walk, 2 (or 0) the warp walk (kernels/walk.h) */
   int64_t spread_kb;       /* KVF_XFER_SPREAD_KB: uncapped launches of at least this payload spread (0: never) */
   int64_t cache_order;     /* KVF_XFER_CACHE_ORDER: 1: d2d gathers walk HND blocks in cache order */

@@ -56,7 +56,8 @@
  * its tables (a slot of the context's ring, waited for while an earlier call
  * still reads it) and the staging buffers. A failure there (any status but
  * KVF_ERR_CUDA, or KVF_ERR_CUDA from a query, an allocation or that wait)
- * enqueues nothing. After the first enqueue, the only failure is the CUDA
+ * enqueues nothing but, at most, an event of the context's own that
+ * neither copies nor waits (KVF_XFER_BATCH_HOST_BOUND's mark). After the first enqueue, the only failure is the CUDA
  * runtime refusing an enqueue (a launch, a copy, an event record or wait),
  * which cannot be checked ahead. The call then returns KVF_ERR_CUDA,
  * kvf_last_error() says how far it got, and what was enqueued stays and
@@ -176,9 +177,9 @@ KVF_API void kvf_xfer_destroy(kvf_xfer *xfer);
  * (pageable host memory, another device without peer access), KVF_ERR_CUDA
  * when a CUDA call fails (a query, an allocation, the wait for an earlier
  * call's tables) or the runtime refuses an enqueue, KVF_ERR_OUT_OF_MEMORY.
- * On failure nothing is enqueued but, at most, an event of the context's
- * own that neither copies nor waits, except after a refused enqueue
- * (KVF_ERR_CUDA), which leaves exactly what "Failures" above states. */
+ * On failure nothing is enqueued (but, at most, an event of the context's
+ * own that neither copies nor waits), except after a refused enqueue
+ * (KVF_ERR_CUDA), which leaves what "Failures" above states. */
 KVF_API kvf_status kvf_xfer_gather(kvf_xfer *xfer, const kvf_copy_request *request, kvf_stream stream);
 
 /* Scatter: copy the request's objects into the cache blocks. Same rules. */
