@@ -3431,7 +3431,9 @@ TEST(XferGpu, HostBoundBatchRequestGoesStagedAndMeasuresAgain) {
 //   - the caller's spin kernel at once behind call 2, which is still
 //     running, and a window of 1 us: the last call does not come back to
 //     back (in this case nothing on the GPU tells the spin from call 2's
-//     own work, so only the window can).
+//     own work, so only the window can). Sixteen chunks in a call (the
+//     batch route's limit raised to fit them) keep call 2 running for
+//     milliseconds, far longer than the test takes to make call 3.
 TEST(XferGpu, HostBoundCallBehindOtherWorkStaysBatched) {
   REQUIRE_GPU();
   enum Between { OtherRoute, SpinAfter, SpinAtOnce };
@@ -3442,7 +3444,7 @@ TEST(XferGpu, HostBoundCallBehindOtherWorkStaysBatched) {
                                                       : "a spin at once, ") +
                    dir_name(d));
       Prepared s;
-      ASSERT_NO_FATAL_FAILURE(setup_chunks("deepseek-v3-mla-fp8-656", 1, 0, 45, &s));
+      ASSERT_NO_FATAL_FAILURE(setup_chunks("deepseek-v3-mla-fp8-656", between == SpinAtOnce ? 16 : 1, 0, 45, &s));
       GpuConfig cfg;
       cfg.obj_kind = Mem::Pinned;
       cfg.route = expected_route(Mem::Pinned, d);
@@ -3452,6 +3454,7 @@ TEST(XferGpu, HostBoundCallBehindOtherWorkStaysBatched) {
       cfg.tune = [between](kvf_xfer_tuning &t) {
         t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS;
         t.batch_back_to_back_us = between == SpinAtOnce ? 1 : KVF_BATCH_MAX_BACK_TO_BACK_US;
+        if (between == SpinAtOnce) t.batch_max_runs = 16 * 256;
       };
       int64_t max_runs = 0;
       cfg.before_each = [&max_runs, between, last](int i, kvf_xfer *x, cudaStream_t stream) {
@@ -3482,16 +3485,16 @@ TEST(XferGpu, HostBoundCallBehindOtherWorkStaysBatched) {
 // high that every call is host-bound), a call that comes while the stream
 // still works on the call before it goes staged: the stream waits for every
 // other call (2, 4, 6 go staged on an idle stream) and the odd calls come
-// right after, within the window (1 s here), about 190 us of the previous
-// call's work still queued: they take the marks' branch. Two of the three
-// suffice: the stream can read busy and then reach the previous call's end
-// before its end mark is asked.
+// right after, within the window (1 s here), milliseconds of the previous
+// call's work still queued (sixteen chunks a call, the batch route's limit
+// raised to fit them): they take the marks' branch. Two of the three
+// suffice: a thread descheduled that long finds the previous call done.
 TEST(XferGpu, HostBoundCallRightBehindThePreviousOneGoesStaged) {
   REQUIRE_GPU();
   for (Dir d : {Dir::Gather, Dir::Scatter}) {
     SCOPED_TRACE(dir_name(d));
     Prepared s;
-    ASSERT_NO_FATAL_FAILURE(setup_chunks("deepseek-v3-mla-fp8-656", 1, 0, 47, &s));
+    ASSERT_NO_FATAL_FAILURE(setup_chunks("deepseek-v3-mla-fp8-656", 16, 0, 47, &s));
     GpuConfig cfg;
     cfg.obj_kind = Mem::Pinned;
     cfg.route = expected_route(Mem::Pinned, d);
@@ -3500,6 +3503,7 @@ TEST(XferGpu, HostBoundCallRightBehindThePreviousOneGoesStaged) {
     cfg.tune = [](kvf_xfer_tuning &t) {
       t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS;
       t.batch_back_to_back_us = KVF_BATCH_MAX_BACK_TO_BACK_US;
+      t.batch_max_runs = 16 * 256;
     };
     cfg.before_each = [](int i, kvf_xfer *, cudaStream_t stream) {
       if (i % 2 == 0) CUDA_OK(cudaStreamSynchronize(stream));
