@@ -903,8 +903,8 @@ static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns
   unsigned long long stream_id = 0;
   int have_id = cudaStreamGetId(stream, &stream_id) == cudaSuccess;
   if (!have_id) cudaGetLastError();
-  uint64_t window_ns = (uint64_t)x->tune.batch_back_to_back_us * 1000ull;
-  int back_to_back = x->call_start_ns >= x->call_mark_end_ns && x->call_start_ns - x->call_mark_end_ns < window_ns;
+  int back_to_back =
+      kvf_came_back_to_back(x->call_mark_end_ns, x->call_start_ns, (uint64_t)x->tune.batch_back_to_back_us * 1000ull);
   int reached = idle || (have_id && back_to_back && x->call_mark_call != 0 && x->call_mark_call + 1 == x->cuda_calls &&
                          x->call_mark_stream_id == stream_id &&
                          query_relaxed(NULL, x->call_mark) != cudaErrorNotReady &&

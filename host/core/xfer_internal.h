@@ -202,6 +202,11 @@ int kvf_batch_host_bound(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t run
 int kvf_batch_host_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, uint64_t before_host_ns,
                                    uint64_t before_runs, uint64_t runs, uint64_t engine_ns);
 
+/* Whether a call that came in at start_ns is back to back with a previous
+ * one that returned at prev_end_ns (0: none): within window_ns after it
+ * (KVF_XFER_BATCH_BACK_TO_BACK_US; 0: never). */
+int kvf_came_back_to_back(uint64_t prev_end_ns, uint64_t start_ns, uint64_t window_ns);
+
 /* Whether a batch-API call of `runs` runs, whose copies take engine_ns at
  * KVF_XFER_BATCH_LINK_GBPS, makes them in one call instead of a ramp: it
  * came in (start_ns) within window_ns of the return (prev_end_ns; 0: none

@@ -547,9 +547,12 @@ uint64_t kvf_batch_ramp_runs(uint64_t done, uint64_t first, uint64_t left) {
 
 int kvf_batch_back_to_back(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t prev_end_ns, uint64_t start_ns,
                            uint64_t window_ns, uint64_t runs, uint64_t engine_ns) {
-  if (window_ns == 0 || prev_end_ns == 0 || prev_runs == 0 || runs == 0) return 0;
-  if (start_ns < prev_end_ns || start_ns - prev_end_ns >= window_ns) return 0;
+  if (!kvf_came_back_to_back(prev_end_ns, start_ns, window_ns)) return 0;
   return kvf_batch_host_bound(prev_host_ns, prev_runs, runs, engine_ns);
+}
+
+int kvf_came_back_to_back(uint64_t prev_end_ns, uint64_t start_ns, uint64_t window_ns) {
+  return window_ns != 0 && prev_end_ns != 0 && start_ns >= prev_end_ns && start_ns - prev_end_ns < window_ns;
 }
 
 int kvf_batch_host_bound(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t runs, uint64_t engine_ns) {
