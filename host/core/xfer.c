@@ -877,9 +877,9 @@ static cudaError_t query_relaxed(cudaStream_t stream, cudaEvent_t event) {
  * when the stream is busy unless with the context's call right before this
  * one, which came back within KVF_XFER_BATCH_BACK_TO_BACK_US (between its
  * start and end marks): work queued ahead hides this call's host time, and
- * the batch route in one call is the faster copy. Every KVF_BATCH_HOST_BOUND_RETRY +
- * 1st host-bound call takes the batch route, so a host that got faster is
- * seen. Records the start mark the next call asks about (end_call_mark
+ * the batch route in one call is the faster copy. Every
+ * KVF_BATCH_HOST_BOUND_RETRY + 1st host-bound call takes the batch route,
+ * so a host that got faster is seen. Records the start mark the next call asks about (end_call_mark
  * records the end), an event of the context's own that neither copies nor
  * waits, and enqueues nothing else; *stream_idle: whether the stream was
  * idle (-1: not asked). */
@@ -942,8 +942,8 @@ static cudaError_t batch_copy(void **dst, const void **src, size_t *size, size_t
  * KVF_XFER_BATCH_LINK_GBPS. The batch API's host time grows with its runs,
  * about 0.45-0.9 us each, and its copies start only once the call returns:
  * on an idle stream a 244-run MLA chunk waited 104-219 us for its first
- * byte, 1.31-1.63x a memcpy's latency. A first call of a few runs starts the copy engine, and
- * each later call is enqueued while it works (a 73 KiB run takes 1.3 us at
+ * byte, 1.31-1.63x a memcpy's latency. A first call of a few runs starts
+ * the copy engine, and each later call is enqueued while it works (a 73 KiB run takes 1.3 us at
  * 55 GB/s). Each call also costs the copy engine about 2 us, so behind queued
  * work, where the host is ahead anyway, one call is faster. Measured on an
  * H200 (perf/results/2026-12-02-h200-ramp/ramp.md): the MLA chunk's latency

@@ -57,11 +57,11 @@
  * still reads it) and the staging buffers. A failure there (any status but
  * KVF_ERR_CUDA, or KVF_ERR_CUDA from a query, an allocation or that wait)
  * enqueues nothing but, at most, an event of the context's own that
- * neither copies nor waits (KVF_XFER_BATCH_HOST_BOUND's mark). After the first enqueue, the only failure is the CUDA
- * runtime refusing an enqueue (a launch, a copy, an event record or wait),
- * which cannot be checked ahead. The call then returns KVF_ERR_CUDA,
- * kvf_last_error() says how far it got, and what was enqueued stays and
- * will run:
+ * neither copies nor waits (KVF_XFER_BATCH_HOST_BOUND's mark). After the
+ * first enqueue, the only failure is the CUDA runtime refusing an enqueue
+ * (a launch, a copy, an event record or wait), which cannot be checked
+ * ahead. The call then returns KVF_ERR_CUDA, kvf_last_error() says how far
+ * it got, and what was enqueued stays and will run:
  *   - one-launch routes: with tables in kernel parameters, nothing; with
  *     uploaded tables, the upload, which writes nothing of the caller's;
  *     the kernel too only when the launch was accepted and recording the
