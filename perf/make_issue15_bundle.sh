@@ -8,6 +8,10 @@
 # (shared libraries the binaries need that the GPU image may lack:
 # libjansson.so.4, libhwloc, libcrypto.so.3; libkvf_trace.so and libcupti when built), presets/ (the geometry presets), run_issue15.sh,
 # report.py and report_served.py. Run there as: bash DEST/run_issue15.sh
+# The binaries and libraries are compressed with xz (bin/*.xz, lib/*.xz),
+# which run_issue15.sh unpacks in place: the device tool carries at most
+# 64 MiB with the repository (about 53 MiB on 2026-12-04), and xz makes the
+# whole bundle about 6 MiB where gzip made 14.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/.." && pwd)
@@ -26,6 +30,7 @@ if [[ -f $build/perf/libkvf_trace.so ]]; then
   cp "$build/perf/libkvf_trace.so" "$dest/lib/"
   ldd "$build/perf/libkvf_trace.so" | awk '/libcupti/ {print $3}' | while read -r lib; do [[ -f $lib ]] && cp -L "$lib" "$dest/lib/"; done
 fi
+xz -9 -f -T0 "$dest"/bin/* "$dest"/lib/*
 cp "$root"/geometry/presets/*.json "$dest/presets/"
 cp "$here/run_issue15.sh" "$here/report.py" "$here/report_served.py" "$dest/"
 git -C "$root" rev-parse --short=12 HEAD > "$dest/COMMIT" 2>/dev/null || true

@@ -86,6 +86,20 @@ mkdir -p "$work" || exit 2
 pack() { tar czf "$outdir/issue15-results.tar.gz.tmp" -C "$work" . 2>/dev/null &&
          mv "$outdir/issue15-results.tar.gz.tmp" "$outdir/issue15-results.tar.gz"; }
 
+# A bundle travels compressed (make_issue15_bundle.sh): unpack it in place.
+unpack_bundle() { # DIR
+  local z
+  for z in "$1"/bin/*.xz "$1"/lib/*.xz; do
+    [[ -e $z ]] || continue
+    if command -v xz >/dev/null 2>&1; then xz -d -f "$z"
+    else python3 -c 'import lzma, os, sys; z = sys.argv[1]; open(z[:-3], "wb").write(lzma.open(z).read()); os.remove(z)' "$z"
+    fi || { echo "run_issue15.sh: cannot unpack $z" >&2; exit 2; }
+  done
+  chmod +x "$1"/bin/* 2>/dev/null
+  return 0
+}
+unpack_bundle "${bundle:-$here}"
+
 # Where things are: a bundle (bin/ lib/ presets/ next to this script, or
 # --bundle), else the source tree and its build.
 if [[ -z $bundle && -x $here/bin/kvf_bench ]]; then bundle=$here; fi
