@@ -11,7 +11,7 @@
 # The binaries and libraries are compressed with xz (bin/*.xz, lib/*.xz),
 # which run_issue15.sh unpacks in place: the device tool carries at most
 # 64 MiB with the repository (about 53 MiB on 2026-12-04), and xz makes the
-# whole bundle about 6 MiB where gzip made 14.
+# whole bundle about 8 MiB where gzip made 14.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/.." && pwd)

@@ -239,7 +239,7 @@ if want conf; then
     say "conf: compute-sanitizer not found: memcheck and racecheck not run"
     failed=1
   fi
-  ((fallback)) && export KVF_XFER_KERNEL=1
+  if ((fallback)); then export KVF_XFER_KERNEL=1; fi
 fi
 
 # ---- benchmark --------------------------------------------------------------------
