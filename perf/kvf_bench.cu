@@ -185,7 +185,7 @@ void usage(FILE *f) {
           "                            mode: sweep, latency and interference);\n"
           "                            keys: pieces, growth, dma_batch, param_bytes, task_bytes, task_waves, device_task_waves,\n"
           "                            batch_min_run, batch_max_runs, batch_first_runs, batch_link_gbps, batch_back_to_back_us,\n"
-          "                            batch_host_bound,\n"
+          "                            batch_host_bound, batch_staged_cost,\n"
           "                            stage_sms, pcie_sms, staging_mb, kernel,\n"
           "                            small_stage_mb, small_stage_growth, small_stage_one_piece, edge_mb, multi_pieces,\n"
           "                            straight_kb, straight_min_run, spread_kb, cache_order, overlap, defer\n"
@@ -983,6 +983,7 @@ void apply_tune(const std::string &spec, kvf_xfer_tuning *t, int *cap) {
     else if (k == "batch_link_gbps") t->batch_link_gbps = v;
     else if (k == "batch_back_to_back_us") t->batch_back_to_back_us = v;
     else if (k == "batch_host_bound") t->batch_host_bound = v;
+    else if (k == "batch_staged_cost") t->batch_staged_cost = v;
     else if (k == "stage_sms") t->stage_sms = v;
     else if (k == "pcie_sms") t->pcie_sms = v;
     else if (k == "staging_mb") t->staging_mb = v;
@@ -1236,6 +1237,8 @@ struct KvfResult {
   bool checked = false; /* this cap's output was compared with the reference */
   kvf_xfer_path_info path{};
   bool path_ok = false;
+  kvf_xfer_path_info sustained_path{}; /* the last call back to back (measure_sustained) */
+  bool sustained_path_ok = false;
   double enqueue_alone_us = NAN, enqueue_alone_p90_us = NAN; /* host time of a call with nothing queued */
 };
 
@@ -1305,7 +1308,13 @@ void write_kvf(JsonWriter &j, const std::vector<KvfResult> &kr, uint64_t payload
       j.kv("pieces", r.path.pieces).kv("dma_ops", r.path.dma_ops).kv("dma_runs", r.path.dma_runs);
       j.kv("straight_runs", r.path.straight_runs).kv("straight_bytes", r.path.straight_bytes);
       j.kv("slice_bytes", r.path.slice_bytes).kv("host_us", r.path.host_us).kv("plan_us", r.path.plan_us).kv("deferred", r.path.deferred);
-      j.kv("host_bound", r.path.host_bound).end_object();
+      j.kv("host_bound", r.path.host_bound).kv("staged_cost", r.path.staged_cost)
+          .kv("staged_cost_measures", r.path.staged_cost_measures).end_object();
+    }
+    if (r.sustained_path_ok) {
+      j.key("sustained_path").begin_object().kv("name", kvf_xfer_path_name(r.sustained_path.path));
+      j.kv("host_bound", r.sustained_path.host_bound).kv("staged_cost", r.sustained_path.staged_cost)
+          .kv("staged_cost_measures", r.sustained_path.staged_cost_measures).end_object();
     }
     if (std::isfinite(r.enqueue_alone_us)) j.kv("enqueue_alone_us", r.enqueue_alone_us).kv("enqueue_alone_p90_us", r.enqueue_alone_p90_us);
     j.kv("output_checked", r.checked);
@@ -1365,6 +1374,10 @@ std::vector<KvfResult> run_kvferry(Config &c, const std::vector<int> &caps, cons
       }
       r.t = measure_gpu_and_sustained(op_kvferry(c, x, g_gpu.stream), g_gpu.stream);
       r.stats_ok = kvf_xfer_last_stats(x, &r.stats) == KVF_SUCCESS;
+      if (std::isfinite(r.t.sustained_us)) {
+        kvf_xfer_last_path(x, &r.sustained_path);
+        r.sustained_path_ok = true;
+      }
       if (c.d.gather && v.expect) {
         size_t bad;
         r.checked = true;

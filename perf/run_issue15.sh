@@ -30,8 +30,9 @@
 #   idle      (not in the defaults) one-chunk latency after 100 ms idle, kvferry and memcpy
 #   d2dtask   (not in the defaults) d2d every preset, 256 and 4096 tokens, tasks of 4 and 2 KiB
 #             against the default, twice
-#   hostbound (not in the defaults) the batch-route chunks with KVF_XFER_BATCH_HOST_BOUND on and off,
-#             per call, back to back and alone, twice
+#   hostbound (not in the defaults) the batch-route chunks with KVF_XFER_BATCH_HOST_BOUND on (the
+#             staged route's cost measured, and fixed at 1125) and off, per call, back to back and
+#             alone, twice
 #   latency   one chunk alone, synchronized: MLA, llama nhd, llama hnd; every direction; deferred
 #             calls and the doubling batch ramp (KVF_XFER_BATCH_LINK_GBPS=0) as variants
 #   interf    a cuBLAS bf16 GEMM (or the FMA kernel) on another stream while one-chunk
@@ -382,14 +383,17 @@ fi
 
 if want hostbound; then
   # Not in the default steps: the batch-route chunks (three MLA caches, the
-  # qwen3-like hybrid) with KVF_XFER_BATCH_HOST_BOUND on (the default) and
-  # off, one chunk d2h/h2d against memcpy and cudaMemcpyBatchAsync, twice
-  # (the host's speed is bimodal on the lent H200); then each call alone.
+  # qwen3-like hybrid) with KVF_XFER_BATCH_HOST_BOUND on (the default: the
+  # staged route's cost measured), on with the cost fixed at an eighth (the
+  # rule before it measured) and off, one chunk d2h/h2d against memcpy and
+  # cudaMemcpyBatchAsync, twice (the host's speed is bimodal on the lent
+  # H200); then each call alone.
   for rep in 1 2; do
-    step hostbound-$rep 70 --preset deepseek-v3-mla-bf16,deepseek-v3-mla-fp8-656,deepseek-v3-mla-dcp4-rank1,qwen3-next-like-hybrid \
-      --tokens 256 --directions d2h,h2d --sms-pcie 0,4 --baselines limit,batch --peers none --tune batch_host_bound=0
-    step hostbound-latency-$rep 40 --mode latency --preset deepseek-v3-mla-bf16,deepseek-v3-mla-fp8-656,deepseek-v3-mla-dcp4-rank1 \
-      --tokens 256 --directions d2h,h2d --latency-reps 60 --tune batch_host_bound=0
+    step hostbound-$rep 90 --preset deepseek-v3-mla-bf16,deepseek-v3-mla-fp8-656,deepseek-v3-mla-dcp4-rank1,qwen3-next-like-hybrid \
+      --tokens 256 --directions d2h,h2d --sms-pcie 0,4 --baselines limit,batch --peers none \
+      --tune batch_staged_cost=1125 --tune batch_host_bound=0
+    step hostbound-latency-$rep 50 --mode latency --preset deepseek-v3-mla-bf16,deepseek-v3-mla-fp8-656,deepseek-v3-mla-dcp4-rank1 \
+      --tokens 256 --directions d2h,h2d --latency-reps 60 --tune batch_staged_cost=1125 --tune batch_host_bound=0
   done
 fi
 

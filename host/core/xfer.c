@@ -113,6 +113,17 @@ struct kvf_xfer {
   cudaEvent_t call_mark, call_end_mark;
   unsigned long long call_mark_stream_id;
   uint64_t call_mark_call, call_mark_started, call_mark_end_ns;
+  /* The staged route's cost as measured (KVF_XFER_BATCH_STAGED_COST 0): a
+   * staged host-bound call's span on its stream, span_start (before its
+   * first enqueue) to span_end (after its last), read by a later call once
+   * both have completed; one span in flight at a time. span_armed: the
+   * launch_cuda call that recorded span_start (0: none); span_engine_ns:
+   * its copies' time at the link rate. */
+  cudaEvent_t span_start, span_end;
+  uint64_t span_armed, span_engine_ns;
+  int span_pending;
+  uint64_t staged_cost[KVF_STAGED_COST_SAMPLES]; /* ring of measures (kvf_staged_cost_sample) */
+  uint32_t staged_cost_measures;                 /* measures taken; the next goes at this % the ring */
   uint64_t cuda_calls; /* launch_cuda calls so far */
   /* The region bases seen last and where they live (route_of): a base
    * that is device memory (this GPU's or a peer's) keeps that kind while
@@ -229,6 +240,7 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
                          .batch_link_gbps = kvf_param_xfer_batch_link_gbps(),
                          .batch_back_to_back_us = kvf_param_xfer_batch_back_to_back_us(),
                          .batch_host_bound = kvf_param_xfer_batch_host_bound(),
+                         .batch_staged_cost = kvf_param_xfer_batch_staged_cost(),
                          .kernel = kvf_param_xfer_kernel(),
                          .spread_kb = kvf_param_xfer_spread_kb(),
                          .cache_order = kvf_param_xfer_cache_order(),
@@ -259,6 +271,7 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
   if (t->batch_back_to_back_us < 0 || t->batch_back_to_back_us > KVF_BATCH_MAX_BACK_TO_BACK_US)
     t->batch_back_to_back_us = 20;
   if (t->batch_host_bound < 0 || t->batch_host_bound > 1) t->batch_host_bound = 1;
+  if (t->batch_staged_cost < 0 || (uint64_t)t->batch_staged_cost > KVF_BATCH_MAX_STAGED_COST) t->batch_staged_cost = 0;
   if (t->defer < 0 || t->defer > 1) t->defer = 0;
 }
 
@@ -268,7 +281,8 @@ kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
       t->stage_pieces > KVF_STAGE_MAX_PIECES || t->param_bytes < 0 || t->task_bytes < 16 || t->task_bytes > 65536 ||
       t->task_bytes % 16 || t->task_waves < 0 || t->device_task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->batch_first_runs < 0 || t->batch_link_gbps < 0 || t->batch_link_gbps > KVF_BATCH_MAX_LINK_GBPS || t->batch_back_to_back_us < 0 ||
       t->batch_back_to_back_us > KVF_BATCH_MAX_BACK_TO_BACK_US || t->batch_host_bound < 0 ||
-      t->batch_host_bound > 1 || t->stage_dma_batch < 0 ||
+      t->batch_host_bound > 1 || t->batch_staged_cost < 0 ||
+      (uint64_t)t->batch_staged_cost > KVF_BATCH_MAX_STAGED_COST || t->stage_dma_batch < 0 ||
       t->small_stage_mb < 0 || t->kernel < 0 || t->kernel > 2 || t->stage_growth < 1 || t->stage_growth > 16 ||
       t->small_stage_growth < 1 || t->small_stage_growth > 16 || t->small_stage_one_piece < 0 ||
       t->small_stage_one_piece > 1 || t->staging_mb > KVF_STAGE_MAX_MB ||
@@ -477,6 +491,8 @@ kvf_status kvf_xfer_create(const kvf_geometry *g, const kvf_xfer_options *option
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&x->join, cudaEventDisableTiming);
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&x->call_mark, cudaEventDisableTiming);
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&x->call_end_mark, cudaEventDisableTiming);
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&x->span_start, cudaEventDefault); /* timed */
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&x->span_end, cudaEventDefault);
   /* Ready before the first call: the kernels' modules (loaded lazily by
    * default) and the staging buffers, sized for the largest chunk, so a
    * first call is as fast as later ones (a served STORE right after a
@@ -582,6 +598,8 @@ void kvf_xfer_destroy(kvf_xfer *x) {
     if (x->join) cudaEventDestroy(x->join);
     if (x->call_mark) cudaEventDestroy(x->call_mark);
     if (x->call_end_mark) cudaEventDestroy(x->call_end_mark);
+    if (x->span_start) cudaEventDestroy(x->span_start);
+    if (x->span_end) cudaEventDestroy(x->span_end);
     if (x->ce_stream) cudaStreamDestroy(x->ce_stream);
     if (x->private_stream) {
       cudaStreamSynchronize(x->private_stream);
@@ -864,13 +882,40 @@ static cudaError_t query_relaxed(cudaStream_t stream, cudaEvent_t event) {
   return q;
 }
 
+/* Reads the span of the staged call measured last (host_bound_goes_staged)
+ * once both its marks have completed: one more measure of the staged
+ * route's cost. A span is a call's whole time on its stream: when the call
+ * came while the stream worked on the one before, its time back to back;
+ * on an idle stream, its time alone (its planning before the first enqueue
+ * included). The lowest measure is what the rule weighs, so one span that
+ * waited for other work on the GPU does not turn the rule off. */
+static void read_staged_span(kvf_xfer *x) {
+  if (!x->span_pending) return;
+  cudaError_t q = query_relaxed(NULL, x->span_end);
+  if (q == cudaErrorNotReady) return;
+  x->span_pending = 0;
+  float ms = 0;
+  if (q != cudaSuccess || cudaEventElapsedTime(&ms, x->span_start, x->span_end) != cudaSuccess) {
+    cudaGetLastError();
+    return;
+  }
+  uint64_t cost = kvf_staged_cost_sample(ms > 0 ? (uint64_t)((double)ms * 1e6) : 0, x->span_engine_ns);
+  if (cost) x->staged_cost[x->staged_cost_measures++ % KVF_STAGED_COST_SAMPLES] = cost;
+}
+
+static uint64_t staged_cost_now(const kvf_xfer *x) {
+  size_t n = x->staged_cost_measures < KVF_STAGED_COST_SAMPLES ? x->staged_cost_measures : KVF_STAGED_COST_SAMPLES;
+  return kvf_staged_cost_of(x->staged_cost, n, x->tune.batch_staged_cost);
+}
+
 /* Whether a request the batch route fits, of `runs` runs whose copies take
  * engine_ns at KVF_XFER_BATCH_LINK_GBPS, goes staged instead
  * (KVF_XFER_BATCH_HOST_BOUND). The batch API's host time grows with the
  * runs (0.45-0.9 us each on the H200's KVM host, bimodal), the staged
  * route's does not: where the context's last two batch calls say the host
- * would take longer than the copies and the staged route's own cost
- * (kvf_batch_host_outlasts_staged; the fp8 MLA chunk's 244 runs of 41 KiB
+ * would take longer than the staged route's own time for the call (its
+ * cost measured on the context: read_staged_span;
+ * kvf_batch_host_outlasts_staged; the fp8 MLA chunk's 244 runs of 41 KiB
  * on a slow host: 218-240 us for a 188 us copy), the batch route keeps the
  * copy engine waiting, back to back or alone, and the staged route (35-55
  * us of host time, GPU time 97.6-98.7% of the batch route's) does not. Not
@@ -886,9 +931,10 @@ static cudaError_t query_relaxed(cudaStream_t stream, cudaEvent_t event) {
 static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns, cudaStream_t stream,
                                   int *stream_idle) {
   *stream_idle = -1;
-  if (!x->tune.batch_host_bound || x->tune.staging_mb <= 0 || x->tune.batch_link_gbps <= 0 ||
-      !kvf_batch_host_outlasts_staged(x->batch_host_ns, x->batch_runs, x->batch_host_ns_before,
-                                      x->batch_runs_before, runs, engine_ns))
+  if (!x->tune.batch_host_bound || x->tune.staging_mb <= 0 || x->tune.batch_link_gbps <= 0) return 0;
+  read_staged_span(x);
+  if (!kvf_batch_host_outlasts_staged(x->batch_host_ns, x->batch_runs, x->batch_host_ns_before, x->batch_runs_before,
+                                      runs, engine_ns, staged_cost_now(x)))
     return 0;
   /* Asked before the mark goes on the stream, which would make it look
    * busy to the ramp (ramped_batch_copy) of a call that stays batched. A
@@ -921,6 +967,16 @@ static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns
   }
   if (reached && x->host_bound_staged < KVF_BATCH_HOST_BOUND_RETRY) {
     x->host_bound_staged++;
+    /* Measure this call's span unless a span is still in flight (its
+     * events would be recorded again before it was read). */
+    if (x->tune.batch_staged_cost == 0 && !x->span_pending) {
+      if (cudaEventRecord(x->span_start, stream) == cudaSuccess) {
+        x->span_armed = x->cuda_calls;
+        x->span_engine_ns = engine_ns;
+      } else {
+        cudaGetLastError(); /* no measure this time; the call's own enqueues report a broken stream */
+      }
+    }
     return 1;
   }
   return 0;
@@ -2016,10 +2072,29 @@ static void end_call_mark(kvf_xfer *x, kvf_status st, cudaStream_t stream) {
   x->call_mark_end_ns = kvf_now_ns();
 }
 
+/* After a staged host-bound call that recorded its span's start
+ * (host_bound_goes_staged), the span's end after its last enqueue, for a
+ * later call to read. A failed call leaves no span. */
+static void end_staged_span(kvf_xfer *x, kvf_status st, cudaStream_t stream) {
+  if (x->span_armed != x->cuda_calls) return;
+  x->span_armed = 0;
+  if (st != KVF_SUCCESS || x->path.path != KVF_PATH_STAGED) return;
+  if (cudaEventRecord(x->span_end, stream) != cudaSuccess) {
+    cudaGetLastError(); /* the call's work is enqueued; no measure this time */
+    return;
+  }
+  x->span_pending = 1;
+}
+
 static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream) {
   x->cuda_calls++; /* the marks of the call before this one are asked by this one only */
   kvf_status st = launch_cuda_routes(x, r, gather, stream);
   end_call_mark(x, st, stream);
+  end_staged_span(x, st, stream);
+  if (st == KVF_SUCCESS) {
+    x->path.staged_cost = staged_cost_now(x);
+    x->path.staged_cost_measures = x->staged_cost_measures;
+  }
   return st;
 }
 

@@ -190,17 +190,37 @@ int kvf_batch_host_bound(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t run
 /* Host-bound calls that take the staged route in a row before one takes
  * the batch route again, to measure the host anew (KVF_XFER_BATCH_HOST_BOUND). */
 #define KVF_BATCH_HOST_BOUND_RETRY 8
-/* ... and a host counts as bound only past its copies' time plus 1/this
- * of it, what the staged route costs the copy engine. */
-#define KVF_BATCH_HOST_BOUND_MARGIN 8
+/* The staged route's cost in thousandths of its copies' time at
+ * KVF_XFER_BATCH_LINK_GBPS, what a host-bound call weighs the batch route's
+ * host time against: KVF_XFER_BATCH_STAGED_COST when set, else the lowest
+ * of the context's last KVF_STAGED_COST_SAMPLES measures (one staged
+ * host-bound call's span on the stream, start mark to end mark), and
+ * this until the first. The staged route ran 1.03-1.08x its copies back to
+ * back on the H200 of 2026-12-03/04 and 1.135x on a later lease
+ * (perf/results/2026-12-04-h200-final): a constant cannot be right on both. */
+#define KVF_BATCH_STAGED_COST_PRIOR 1125
+#define KVF_BATCH_MAX_STAGED_COST 1000000000ull
+#define KVF_STAGED_COST_SAMPLES 4
 
 /* Whether a batch-API call of `runs` runs, whose copies take engine_ns at
  * KVF_XFER_BATCH_LINK_GBPS, goes staged for its host time: the context's
  * last two batch calls (last_*, before_*; runs 0: none) are both
- * host-bound by kvf_batch_host_bound against engine_ns plus
- * engine_ns / KVF_BATCH_HOST_BOUND_MARGIN. */
+ * host-bound by kvf_batch_host_bound against engine_ns times
+ * staged_cost / 1000 (kvf_staged_cost_of; saturating). */
 int kvf_batch_host_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, uint64_t before_host_ns,
-                                   uint64_t before_runs, uint64_t runs, uint64_t engine_ns);
+                                   uint64_t before_runs, uint64_t runs, uint64_t engine_ns, uint64_t staged_cost);
+
+/* One measure of the staged route's cost: a staged call's span on the GPU
+ * (span_ns) in thousandths of its copies' time at the link rate
+ * (engine_ns), at least 1 and at most KVF_BATCH_MAX_STAGED_COST; 0 (no
+ * measure) when either is 0. */
+uint64_t kvf_staged_cost_sample(uint64_t span_ns, uint64_t engine_ns);
+
+/* The staged route's cost a host-bound decision weighs: `fixed` when above
+ * 0 (KVF_XFER_BATCH_STAGED_COST), else the lowest nonzero of samples[0, n)
+ * (a span that waited for other work only ever runs long), else
+ * KVF_BATCH_STAGED_COST_PRIOR. */
+uint64_t kvf_staged_cost_of(const uint64_t *samples, size_t n, int64_t fixed);
 
 /* Whether a call that came in at start_ns is back to back with a previous
  * one that returned at prev_end_ns (0: none): within window_ns after it
@@ -250,6 +270,8 @@ typedef struct kvf_xfer_tuning {
                                     previous one may go staged behind a busy stream */
   int64_t batch_host_bound; /* KVF_XFER_BATCH_HOST_BOUND: 1: a host-bound batch request on a stream idle or
                                busy with the context's previous call alone takes the staged route */
+  int64_t batch_staged_cost; /* KVF_XFER_BATCH_STAGED_COST: the staged route's cost that rule weighs, in
+                                thousandths of the copies' time (0: measured on the context) */
   int64_t kernel;          /* KVF_XFER_KERNEL: 1 the grid-stride walk, 2 (or 0) the warp walk (kernels/walk.h) */
   int64_t spread_kb;       /* KVF_XFER_SPREAD_KB: uncapped launches of at least this payload spread (0: never) */
   int64_t cache_order;     /* KVF_XFER_CACHE_ORDER: 1: d2d gathers walk HND blocks in cache order */
@@ -320,6 +342,9 @@ typedef struct kvf_xfer_path_info {
   uint32_t deferred;       /* 1: planned and enqueued by the context's thread (KVF_XFER_DEFER); host_us is its time */
   uint32_t host_bound;     /* 1: staged although the batch route fits, its host being slower than its copies
                               (KVF_XFER_BATCH_HOST_BOUND) */
+  uint64_t staged_cost;    /* after the call, the staged route's cost the host-bound rule weighs, in
+                              thousandths of the copies' time (kvf_staged_cost_of) */
+  uint32_t staged_cost_measures; /* the context's measures of it so far (KVF_XFER_BATCH_STAGED_COST 0) */
 } kvf_xfer_path_info;
 
 const char *kvf_xfer_path_name(kvf_xfer_path path);

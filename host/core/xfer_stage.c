@@ -563,17 +563,32 @@ int kvf_batch_host_bound(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t run
 }
 
 int kvf_batch_host_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, uint64_t before_host_ns,
-                                   uint64_t before_runs, uint64_t runs, uint64_t engine_ns) {
+                                   uint64_t before_runs, uint64_t runs, uint64_t engine_ns, uint64_t staged_cost) {
   /* Past the staged route's own cost: near the break-even the batch route's
-   * copy engine waits a little, where the staged route's calls run 2-5%
-   * longer (the fp8 MLA chunk d2h back to back, the host at 115-220 us for
-   * a 188 us copy: 191 us a call batched, 198-203 staged; perf/results/
-   * 2026-12-03-h200-hostbound). */
-  uint64_t staged_ns = engine_ns + engine_ns / KVF_BATCH_HOST_BOUND_MARGIN;
-  if (staged_ns < engine_ns) staged_ns = UINT64_MAX;
+   * copy engine waits a little, where the staged route's calls run longer
+   * than the copies (the fp8 MLA chunk d2h back to back, the host at
+   * 115-220 us for a 188 us copy: 191 us a call batched, 198-203 staged;
+   * perf/results/2026-12-03-h200-hostbound; 213 on a later lease). In
+   * double: a cost measured against an absurd link rate is huge. */
+  double staged = (double)engine_ns * (double)staged_cost / 1000.0;
+  uint64_t staged_ns = staged >= 18446744073709551615.0 ? UINT64_MAX : (uint64_t)staged;
   /* Both calls: one slow call (the thread descheduled, a bf16 MLA chunk's
    * host time once past its 327 us copy) says little, and sent calls the
    * batch route moves faster staged. */
   return kvf_batch_host_bound(last_host_ns, last_runs, runs, staged_ns) &&
          kvf_batch_host_bound(before_host_ns, before_runs, runs, staged_ns);
+}
+
+uint64_t kvf_staged_cost_sample(uint64_t span_ns, uint64_t engine_ns) {
+  if (engine_ns == 0 || span_ns == 0) return 0;
+  double cost = (double)span_ns * 1000.0 / (double)engine_ns;
+  return cost >= (double)KVF_BATCH_MAX_STAGED_COST ? KVF_BATCH_MAX_STAGED_COST : cost < 1.0 ? 1 : (uint64_t)cost;
+}
+
+uint64_t kvf_staged_cost_of(const uint64_t *samples, size_t n, int64_t fixed) {
+  if (fixed > 0) return (uint64_t)fixed;
+  uint64_t best = 0;
+  for (size_t i = 0; i < n; i++)
+    if (samples[i] && (!best || samples[i] < best)) best = samples[i];
+  return best ? best : KVF_BATCH_STAGED_COST_PRIOR;
 }
