@@ -192,12 +192,13 @@ int kvf_batch_host_bound(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t run
 #define KVF_BATCH_HOST_BOUND_RETRY 8
 /* The staged route's cost in thousandths of its copies' time at
  * KVF_XFER_BATCH_LINK_GBPS, what a host-bound call weighs the batch route's
- * host time against: KVF_XFER_BATCH_STAGED_COST when set, else the lowest
- * of the context's last KVF_STAGED_COST_SAMPLES measures (one staged
- * host-bound call's span on the stream, start mark to end mark), and
- * this until the first. The staged route ran 1.03-1.08x its copies back to
- * back on the H200 of 2026-12-03/04 and 1.135x on a later lease
- * (perf/results/2026-12-04-h200-final): a constant cannot be right on both. */
+ * host time against: KVF_XFER_BATCH_STAGED_COST when set, else the mean of
+ * the context's last KVF_STAGED_COST_SAMPLES measures (the span on the
+ * stream of a staged host-bound call that came while the stream worked on
+ * the call before it: its period back to back), and this until the first.
+ * The staged route ran 1.03-1.08x its copies back to back on the H200 of
+ * 2026-12-03/04 and 1.135x on a later lease (perf/results/
+ * 2026-12-04-h200-final): a constant cannot be right on both. */
 #define KVF_BATCH_STAGED_COST_PRIOR 1125
 #define KVF_BATCH_MAX_STAGED_COST 1000000000ull
 #define KVF_STAGED_COST_SAMPLES 4
@@ -217,9 +218,9 @@ int kvf_batch_host_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, ui
 uint64_t kvf_staged_cost_sample(uint64_t span_ns, uint64_t engine_ns);
 
 /* The staged route's cost a host-bound decision weighs: `fixed` when above
- * 0 (KVF_XFER_BATCH_STAGED_COST), else the lowest nonzero of samples[0, n)
- * (a span that waited for other work only ever runs long), else
- * KVF_BATCH_STAGED_COST_PRIOR. */
+ * 0 (KVF_XFER_BATCH_STAGED_COST), else the mean of the nonzero
+ * samples[0, n) (a period: the spans of calls back to back vary by a few
+ * percent around it), else KVF_BATCH_STAGED_COST_PRIOR. */
 uint64_t kvf_staged_cost_of(const uint64_t *samples, size_t n, int64_t fixed);
 
 /* Whether a call that came in at start_ns is back to back with a previous

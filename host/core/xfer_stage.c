@@ -587,8 +587,11 @@ uint64_t kvf_staged_cost_sample(uint64_t span_ns, uint64_t engine_ns) {
 
 uint64_t kvf_staged_cost_of(const uint64_t *samples, size_t n, int64_t fixed) {
   if (fixed > 0) return (uint64_t)fixed;
-  uint64_t best = 0;
-  for (size_t i = 0; i < n; i++)
-    if (samples[i] && (!best || samples[i] < best)) best = samples[i];
-  return best ? best : KVF_BATCH_STAGED_COST_PRIOR;
+  uint64_t sum = 0, taken = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (!samples[i]) continue;
+    sum = samples[i] > UINT64_MAX - sum ? UINT64_MAX : sum + samples[i];
+    taken++;
+  }
+  return taken ? sum / taken : KVF_BATCH_STAGED_COST_PRIOR;
 }
