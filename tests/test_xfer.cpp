@@ -2367,11 +2367,11 @@ TEST(XferBatchRamp, HostBoundWhenTheLastComparableCallOutlastsTheCopies) {
 
 // A request goes staged for its host time only when both of the last two
 // batch calls outlast its copies by more than the staged route's own cost
-// (thousandths of the copy time: KVF_BATCH_STAGED_COST_PRIOR until the
-// context has measured it).
+// (thousandths of the copy time: KVF_BATCH_STAGED_COST_ALONE on an idle
+// stream).
 TEST(XferBatchRamp, HostBoundStagingNeedsTwoCallsPastTheStagedRoutesCost) {
-  static_assert(KVF_BATCH_STAGED_COST_PRIOR == 1125, "the figures below assume an eighth");
-  const uint64_t prior = KVF_BATCH_STAGED_COST_PRIOR;
+  static_assert(KVF_BATCH_STAGED_COST_ALONE == 1125, "the figures below assume an eighth");
+  const uint64_t prior = KVF_BATCH_STAGED_COST_ALONE;
   // The fp8 MLA chunk: a 188 us copy, 211.5 us with the staged route's cost.
   EXPECT_FALSE(kvf_batch_host_outlasts_staged(211500, 244, 211500, 244, 244, 188000, prior)) << "at the cost: batched";
   EXPECT_TRUE(kvf_batch_host_outlasts_staged(211501, 244, 211501, 244, 244, 188000, prior));
@@ -2401,7 +2401,7 @@ TEST(XferBatchRamp, HostBoundStagingWeighsTheMeasuredStagedCost) {
   const uint64_t copy_ns = 187700;
   const uint64_t slow_staged = kvf_staged_cost_sample(213100, copy_ns);
   EXPECT_EQ(slow_staged, 1135u);
-  EXPECT_TRUE(kvf_batch_host_outlasts_staged(212000, 244, 213000, 244, 244, copy_ns, KVF_BATCH_STAGED_COST_PRIOR))
+  EXPECT_TRUE(kvf_batch_host_outlasts_staged(212000, 244, 213000, 244, 244, copy_ns, KVF_BATCH_STAGED_COST_ALONE))
       << "the constant eighth sent these staged";
   EXPECT_FALSE(kvf_batch_host_outlasts_staged(212000, 244, 213000, 244, 244, copy_ns, slow_staged))
       << "the measured cost keeps them batched";
@@ -2410,11 +2410,12 @@ TEST(XferBatchRamp, HostBoundStagingWeighsTheMeasuredStagedCost) {
   const uint64_t fast_staged = kvf_staged_cost_sample(193300, copy_ns);
   EXPECT_EQ(fast_staged, 1029u);
   EXPECT_TRUE(kvf_batch_host_outlasts_staged(205000, 244, 205000, 244, 244, copy_ns, fast_staged));
-  EXPECT_FALSE(kvf_batch_host_outlasts_staged(205000, 244, 205000, 244, 244, copy_ns, KVF_BATCH_STAGED_COST_PRIOR));
+  EXPECT_FALSE(kvf_batch_host_outlasts_staged(205000, 244, 205000, 244, 244, copy_ns, KVF_BATCH_STAGED_COST_ALONE));
 }
 
-// A span becomes thousandths of the copy time, bounded; the cost weighed is
-// the fixed one when set, else the mean of the measures, else the prior.
+// A span becomes thousandths of the copy time, bounded; the cost weighed back
+// to back is the fixed one when set, else the mean of the measures, else
+// the copy time itself (unmeasured: any host-bound call tries the route).
 TEST(XferBatchRamp, StagedCostIsTheMeanMeasureUnlessFixed) {
   EXPECT_EQ(kvf_staged_cost_sample(0, 188000), 0u) << "no span: no measure";
   EXPECT_EQ(kvf_staged_cost_sample(200000, 0), 0u) << "no copy time: no measure";
@@ -2424,8 +2425,9 @@ TEST(XferBatchRamp, StagedCostIsTheMeanMeasureUnlessFixed) {
   EXPECT_EQ(kvf_staged_cost_sample(200000, 100), 2000000u) << "a span against an absurd link rate";
 
   const uint64_t none[KVF_STAGED_COST_SAMPLES] = {};
-  EXPECT_EQ(kvf_staged_cost_of(none, 0, 0), (uint64_t)KVF_BATCH_STAGED_COST_PRIOR) << "nothing measured yet";
-  EXPECT_EQ(kvf_staged_cost_of(none, KVF_STAGED_COST_SAMPLES, 0), (uint64_t)KVF_BATCH_STAGED_COST_PRIOR)
+  static_assert(KVF_BATCH_STAGED_COST_UNMEASURED == 1000, "unmeasured: any host-bound call back to back tries it");
+  EXPECT_EQ(kvf_staged_cost_of(none, 0, 0), (uint64_t)KVF_BATCH_STAGED_COST_UNMEASURED) << "nothing measured yet";
+  EXPECT_EQ(kvf_staged_cost_of(none, KVF_STAGED_COST_SAMPLES, 0), (uint64_t)KVF_BATCH_STAGED_COST_UNMEASURED)
       << "zeros are no measures";
   const uint64_t some[KVF_STAGED_COST_SAMPLES] = {1180, 1024, 1120, 0};
   EXPECT_EQ(kvf_staged_cost_of(some, 3, 0), 1108u) << "the mean of the measures taken";
@@ -3456,7 +3458,7 @@ TEST(XferGpu, HostBoundBatchRequestGoesStagedAndMeasuresAgain) {
       cfg.calls = KVF_BATCH_HOST_BOUND_RETRY + 4;
       cfg.tune = [on](kvf_xfer_tuning &t) {
         t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS;
-        t.batch_staged_cost = KVF_BATCH_STAGED_COST_PRIOR; // the link rate is fake: a measured cost would be huge
+        t.batch_staged_cost = KVF_BATCH_STAGED_COST_ALONE; // the link rate is fake: a measured cost would be huge
         t.batch_host_bound = on;
         t.batch_first_runs = 8;
         t.batch_back_to_back_us = 0; // every batch call on the idle stream ramps
@@ -3512,7 +3514,7 @@ TEST(XferGpu, HostBoundCallBehindOtherWorkStaysBatched) {
       cfg.sync_each = false;
       cfg.tune = [between](kvf_xfer_tuning &t) {
         t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS;
-        t.batch_staged_cost = KVF_BATCH_STAGED_COST_PRIOR; // the link rate is fake: a measured cost would be huge
+        t.batch_staged_cost = KVF_BATCH_STAGED_COST_ALONE; // the link rate is fake: a measured cost would be huge
         t.batch_back_to_back_us = between == SpinAtOnce ? 1 : KVF_BATCH_MAX_BACK_TO_BACK_US;
         if (between == SpinAtOnce) t.batch_max_runs = 16 * 256;
       };
@@ -3562,7 +3564,7 @@ TEST(XferGpu, HostBoundCallRightBehindThePreviousOneGoesStaged) {
     cfg.sync_each = false;
     cfg.tune = [](kvf_xfer_tuning &t) {
       t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS;
-      t.batch_staged_cost = KVF_BATCH_STAGED_COST_PRIOR; // the link rate is fake: a measured cost would be huge
+      t.batch_staged_cost = KVF_BATCH_STAGED_COST_ALONE; // the link rate is fake: a measured cost would be huge
       t.batch_back_to_back_us = KVF_BATCH_MAX_BACK_TO_BACK_US;
       t.batch_max_runs = 16 * 256;
     };
@@ -3587,22 +3589,24 @@ TEST(XferGpu, HostBoundCallRightBehindThePreviousOneGoesStaged) {
   }
 }
 
-// The staged route's cost is measured on the context (KVF_XFER_BATCH_STAGED_COST
-// 0, the default): the span on the stream of a staged host-bound call that
-// came while the stream worked on the call before it, read by a later call
-// once complete. With KVF_XFER_BATCH_LINK_GBPS set so high that every call
-// is host-bound, a copy's time at that rate is nanoseconds, so a span costs
-// thousands of times the copies and the rule weighs the batch calls' host
-// time against that. The stream is synchronized before every even call and
-// the odd ones come right behind it (sixteen chunks a call keep it busy for
-// milliseconds): calls 0 and 1 measure the host, later ones go staged on
-// the prior cost (an eighth) until an odd call's span is read, and from the
-// call that reads it on, the batch route. A fixed cost (the rule before it
-// measured: KVF_XFER_BATCH_STAGED_COST 1125) keeps them all staged. Every
-// call's bytes land as the reference says.
+// The staged route's cost back to back is measured on the context
+// (KVF_XFER_BATCH_STAGED_COST 0, the default): the span on the stream of a
+// staged host-bound call that came while the stream worked on the call
+// before it, read by a later call once complete; a call on an idle stream
+// weighs a fixed cost (an eighth more than the copies). With
+// KVF_XFER_BATCH_LINK_GBPS set so high that every call is host-bound, a
+// copy's time at that rate is nanoseconds, so a measured span costs
+// thousands of times the copies. The stream is synchronized before every
+// even call and the odd ones come right behind it (sixteen chunks a call
+// keep it busy for milliseconds): calls 0 and 1 measure the host; the even
+// calls after them go staged on the fixed cost; the odd ones go staged
+// until a span is read (the cost unmeasured is the copies' time: a call
+// back to back tries the route) and take the batch route from then on. A
+// fixed cost (KVF_XFER_BATCH_STAGED_COST 1125, the rule before it measured)
+// keeps them all staged. Every call's bytes land as the reference says.
 TEST(XferGpu, HostBoundRuleWeighsTheStagedRoutesMeasuredCost) {
   REQUIRE_GPU();
-  for (int64_t fixed : {(int64_t)0, (int64_t)KVF_BATCH_STAGED_COST_PRIOR})
+  for (int64_t fixed : {(int64_t)0, (int64_t)KVF_BATCH_STAGED_COST_ALONE})
     for (Dir d : {Dir::Gather, Dir::Scatter}) {
       SCOPED_TRACE(std::string(fixed ? "fixed cost, " : "measured cost, ") + dir_name(d));
       Prepared s;
@@ -3621,38 +3625,39 @@ TEST(XferGpu, HostBoundRuleWeighsTheStagedRoutesMeasuredCost) {
       cfg.before_each = [](int i, kvf_xfer *, cudaStream_t stream) {
         if (i % 2 == 0) CUDA_OK(cudaStreamSynchronize(stream));
       };
-      int first_measured = -1, batch_after = 0;
-      cfg.check_each = [fixed, &first_measured, &batch_after](int i, const kvf_xfer_path_info &p) {
+      int batch_after_measure = 0;
+      cfg.check_each = [fixed, &batch_after_measure](int i, const kvf_xfer_path_info &p) {
         SCOPED_TRACE("call " + std::to_string(i));
         if (fixed) {
           EXPECT_EQ(p.staged_cost, (uint64_t)fixed);
           EXPECT_EQ(p.staged_cost_measures, 0u) << "a fixed cost is not measured";
         }
-        if (p.staged_cost_measures > 0 && first_measured < 0) first_measured = i;
+        const bool measured = p.staged_cost_measures > 0;  // read at the call's start, if at all
         if (i <= 1) {
           EXPECT_EQ(p.path, KVF_PATH_COPY_BATCH) << "two batch calls measure the host first";
-        } else if (first_measured < 0) {
-          EXPECT_EQ(p.path, KVF_PATH_STAGED) << "host-bound on the prior cost: " << kvf_xfer_path_name(p.path);
+        } else if (i % 2 == 0 || !measured) {
+          EXPECT_EQ(p.path, KVF_PATH_STAGED) << "host-bound at a fixed or unmeasured cost: "
+                                             << kvf_xfer_path_name(p.path);
           EXPECT_EQ(p.host_bound, 1u);
-          EXPECT_EQ(p.staged_cost, fixed ? (uint64_t)fixed : (uint64_t)KVF_BATCH_STAGED_COST_PRIOR);
         } else {
           EXPECT_EQ(p.path, KVF_PATH_COPY_BATCH) << "the measured cost outlasts the host: "
                                                  << kvf_xfer_path_name(p.path);
           EXPECT_EQ(p.host_bound, 0u);
           EXPECT_GT(p.staged_cost, (uint64_t)100000) << "a span of microseconds against a copy of nanoseconds";
-          batch_after++;
+          batch_after_measure++;
+        }
+        if (!fixed && !measured) {
+          EXPECT_EQ(p.staged_cost, (uint64_t)KVF_BATCH_STAGED_COST_UNMEASURED);
         }
       };
       run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 50 + (uint64_t)d, cfg);
+      // Calls 3 and 5 each may be measured and read by calls 4 and 6 (a
+      // thread descheduled for milliseconds finds the stream idle and goes
+      // unmeasured), so odd calls 5 or 7 take the batch route.
       if (fixed) {
-        EXPECT_LT(first_measured, 0);
+        EXPECT_EQ(batch_after_measure, 0);
       } else {
-        // Calls 3, 5 and 7 each may be measured; a thread descheduled for
-        // milliseconds finds the stream idle and goes unmeasured, so one
-        // of the first two suffices.
-        EXPECT_GE(first_measured, 4) << "a span is read by a later call";
-        EXPECT_LE(first_measured, 6) << "no odd call was measured";
-        EXPECT_GE(batch_after, 2);
+        EXPECT_GE(batch_after_measure, 1) << "no odd call was measured and read";
       }
     }
 }
@@ -3678,7 +3683,7 @@ TEST(XferGpu, HostBoundBatchRequestBehindQueuedWorkStaysBatched) {
     cfg.sync_each = false;
     cfg.tune = [](kvf_xfer_tuning &t) {
       t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS;
-      t.batch_staged_cost = KVF_BATCH_STAGED_COST_PRIOR; // the link rate is fake: a measured cost would be huge
+      t.batch_staged_cost = KVF_BATCH_STAGED_COST_ALONE; // the link rate is fake: a measured cost would be huge
     };
     cfg.check_each = [](int i, const kvf_xfer_path_info &p) {
       SCOPED_TRACE("call " + std::to_string(i));

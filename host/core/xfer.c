@@ -885,12 +885,16 @@ static cudaError_t query_relaxed(cudaStream_t stream, cudaEvent_t event) {
 
 /* Reads the span of the staged call measured last (host_bound_goes_staged)
  * once both its marks have completed: one more measure of the staged
- * route's cost. Only a call that came while the stream worked on the call
- * before it is measured: its span starts as that work ends, so it is the
- * staged route's period back to back, where the batch route's is its host
- * time. On an idle stream a span would also hold the call's planning before
- * its first enqueue: on the H200 such spans of the fp8 MLA chunk measured
- * 1.48-1.54x the copy against 1.02-1.12x back to back. */
+ * route's cost back to back. Only a call that came while the stream worked
+ * on the call before it is measured: its span starts as that work ends, so
+ * it is the staged route's period back to back, where the batch route's is
+ * its host time. That period is not what a call alone costs: on the H200
+ * the fp8 MLA chunk's staged calls ran at 1.02-1.12x the copy back to back,
+ * and a span on an idle stream, which also holds the call's planning before
+ * its first enqueue, measured 1.48-1.54x (where the call alone, host
+ * included, took 1.26x a memcpy's wall time: the first call on a context is
+ * not a typical one). A call on an idle stream keeps a fixed cost
+ * (staged_cost_alone). */
 static void read_staged_span(kvf_xfer *x) {
   if (!x->span_pending) return;
   cudaError_t q = query_relaxed(NULL, x->span_end);
@@ -905,9 +909,15 @@ static void read_staged_span(kvf_xfer *x) {
   if (cost) x->staged_cost[x->staged_cost_measures++ % KVF_STAGED_COST_SAMPLES] = cost;
 }
 
-static uint64_t staged_cost_now(const kvf_xfer *x) {
+/* The staged route's cost back to back: measured (kvf_staged_cost_of). */
+static uint64_t staged_cost_back_to_back(const kvf_xfer *x) {
   size_t n = x->staged_cost_measures < KVF_STAGED_COST_SAMPLES ? x->staged_cost_measures : KVF_STAGED_COST_SAMPLES;
   return kvf_staged_cost_of(x->staged_cost, n, x->tune.batch_staged_cost);
+}
+
+/* ... and alone, on an idle stream: not measured (read_staged_span says why). */
+static uint64_t staged_cost_alone(const kvf_xfer *x) {
+  return x->tune.batch_staged_cost > 0 ? (uint64_t)x->tune.batch_staged_cost : KVF_BATCH_STAGED_COST_ALONE;
 }
 
 /* Whether a request the batch route fits, of `runs` runs whose copies take
@@ -915,9 +925,10 @@ static uint64_t staged_cost_now(const kvf_xfer *x) {
  * (KVF_XFER_BATCH_HOST_BOUND). The batch API's host time grows with the
  * runs (0.45-0.9 us each on the H200's KVM host, bimodal), the staged
  * route's does not: where the context's last two batch calls say the host
- * would take longer than the staged route's own time for the call (its
- * cost measured on the context: read_staged_span;
- * kvf_batch_host_outlasts_staged; the fp8 MLA chunk's 244 runs of 41 KiB
+ * would take longer than the staged route's own time for the call
+ * (kvf_batch_host_outlasts_staged: on an idle stream its cost alone, behind
+ * the previous call its period back to back as measured on the context,
+ * read_staged_span; the fp8 MLA chunk's 244 runs of 41 KiB
  * on a slow host: 218-240 us for a 188 us copy), the batch route keeps the
  * copy engine waiting, back to back or alone, and the staged route (35-55
  * us of host time, GPU time 97.6-98.7% of the batch route's) does not. Not
@@ -935,8 +946,10 @@ static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns
   *stream_idle = -1;
   if (!x->tune.batch_host_bound || x->tune.staging_mb <= 0 || x->tune.batch_link_gbps <= 0) return 0;
   read_staged_span(x);
+  const uint64_t alone = staged_cost_alone(x), back_to_back_cost = staged_cost_back_to_back(x);
+  /* The stream is asked only when either cost could send the call staged. */
   if (!kvf_batch_host_outlasts_staged(x->batch_host_ns, x->batch_runs, x->batch_host_ns_before, x->batch_runs_before,
-                                      runs, engine_ns, staged_cost_now(x)))
+                                      runs, engine_ns, alone < back_to_back_cost ? alone : back_to_back_cost))
     return 0;
   /* Asked before the mark goes on the stream, which would make it look
    * busy to the ramp (ramped_batch_copy) of a call that stays batched. A
@@ -967,7 +980,9 @@ static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns
       cudaGetLastError(); /* the call's own enqueues report a broken stream */
     }
   }
-  if (reached && x->host_bound_staged < KVF_BATCH_HOST_BOUND_RETRY) {
+  if (reached && x->host_bound_staged < KVF_BATCH_HOST_BOUND_RETRY &&
+      kvf_batch_host_outlasts_staged(x->batch_host_ns, x->batch_runs, x->batch_host_ns_before, x->batch_runs_before,
+                                     runs, engine_ns, idle ? alone : back_to_back_cost)) {
     x->host_bound_staged++;
     /* Measure this call's span when it follows the previous call's work
      * (read_staged_span), unless a span is still in flight (its events
@@ -2095,7 +2110,7 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
   end_call_mark(x, st, stream);
   end_staged_span(x, st, stream);
   if (st == KVF_SUCCESS) {
-    x->path.staged_cost = staged_cost_now(x);
+    x->path.staged_cost = staged_cost_back_to_back(x);
     x->path.staged_cost_measures = x->staged_cost_measures;
   }
   return st;

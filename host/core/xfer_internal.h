@@ -192,14 +192,18 @@ int kvf_batch_host_bound(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t run
 #define KVF_BATCH_HOST_BOUND_RETRY 8
 /* The staged route's cost in thousandths of its copies' time at
  * KVF_XFER_BATCH_LINK_GBPS, what a host-bound call weighs the batch route's
- * host time against: KVF_XFER_BATCH_STAGED_COST when set, else the mean of
- * the context's last KVF_STAGED_COST_SAMPLES measures (the span on the
- * stream of a staged host-bound call that came while the stream worked on
- * the call before it: its period back to back), and this until the first.
- * The staged route ran 1.03-1.08x its copies back to back on the H200 of
- * 2026-12-03/04 and 1.135x on a later lease (perf/results/
- * 2026-12-04-h200-final): a constant cannot be right on both. */
-#define KVF_BATCH_STAGED_COST_PRIOR 1125
+ * host time against: KVF_XFER_BATCH_STAGED_COST when set; else, for a call
+ * on an idle stream, KVF_BATCH_STAGED_COST_ALONE (an eighth more, the rule's
+ * margin since 2026-12-03), and for a call that came while the stream
+ * worked on the call before it, the mean of the context's last
+ * KVF_STAGED_COST_SAMPLES measures of such calls' spans on the stream (their
+ * period back to back), KVF_BATCH_STAGED_COST_UNMEASURED until the first:
+ * any host-bound call back to back then goes staged once and is measured.
+ * The staged route ran 1.02-1.08x its copies back to back on some H200
+ * leases and 1.135x on another (perf/results/2026-12-04-h200-final): no
+ * constant suits both, and under an eighth more the rule never tried it. */
+#define KVF_BATCH_STAGED_COST_ALONE 1125
+#define KVF_BATCH_STAGED_COST_UNMEASURED 1000
 #define KVF_BATCH_MAX_STAGED_COST 1000000000ull
 #define KVF_STAGED_COST_SAMPLES 4
 
@@ -217,10 +221,10 @@ int kvf_batch_host_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, ui
  * measure) when either is 0. */
 uint64_t kvf_staged_cost_sample(uint64_t span_ns, uint64_t engine_ns);
 
-/* The staged route's cost a host-bound decision weighs: `fixed` when above
- * 0 (KVF_XFER_BATCH_STAGED_COST), else the mean of the nonzero
- * samples[0, n) (a period: the spans of calls back to back vary by a few
- * percent around it), else KVF_BATCH_STAGED_COST_PRIOR. */
+/* The staged route's cost back to back: `fixed` when above 0
+ * (KVF_XFER_BATCH_STAGED_COST), else the mean of the nonzero samples[0, n)
+ * (a period: the spans of calls back to back vary by a few percent around
+ * it), else KVF_BATCH_STAGED_COST_UNMEASURED. */
 uint64_t kvf_staged_cost_of(const uint64_t *samples, size_t n, int64_t fixed);
 
 /* Whether a call that came in at start_ns is back to back with a previous
@@ -343,8 +347,8 @@ typedef struct kvf_xfer_path_info {
   uint32_t deferred;       /* 1: planned and enqueued by the context's thread (KVF_XFER_DEFER); host_us is its time */
   uint32_t host_bound;     /* 1: staged although the batch route fits, its host being slower than its copies
                               (KVF_XFER_BATCH_HOST_BOUND) */
-  uint64_t staged_cost;    /* after the call, the staged route's cost the host-bound rule weighs, in
-                              thousandths of the copies' time (kvf_staged_cost_of) */
+  uint64_t staged_cost;    /* after the call, the staged route's cost back to back that the host-bound
+                              rule weighs, in thousandths of the copies' time (kvf_staged_cost_of) */
   uint32_t staged_cost_measures; /* the context's measures of it so far (KVF_XFER_BATCH_STAGED_COST 0) */
 } kvf_xfer_path_info;
 

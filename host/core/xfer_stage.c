@@ -593,5 +593,5 @@ uint64_t kvf_staged_cost_of(const uint64_t *samples, size_t n, int64_t fixed) {
     sum = samples[i] > UINT64_MAX - sum ? UINT64_MAX : sum + samples[i];
     taken++;
   }
-  return taken ? sum / taken : KVF_BATCH_STAGED_COST_PRIOR;
+  return taken ? sum / taken : KVF_BATCH_STAGED_COST_UNMEASURED;
 }
