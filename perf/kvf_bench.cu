@@ -1313,7 +1313,8 @@ void write_kvf(JsonWriter &j, const std::vector<KvfResult> &kr, uint64_t payload
     }
     if (r.sustained_path_ok) {
       j.key("sustained_path").begin_object().kv("name", kvf_xfer_path_name(r.sustained_path.path));
-      j.kv("host_bound", r.sustained_path.host_bound).kv("staged_cost", r.sustained_path.staged_cost)
+      j.kv("host_bound", r.sustained_path.host_bound).kv("back_to_back", r.sustained_path.back_to_back)
+          .kv("staged_cost", r.sustained_path.staged_cost)
           .kv("staged_cost_measures", r.sustained_path.staged_cost_measures).end_object();
     }
     if (std::isfinite(r.enqueue_alone_us)) j.kv("enqueue_alone_us", r.enqueue_alone_us).kv("enqueue_alone_p90_us", r.enqueue_alone_p90_us);

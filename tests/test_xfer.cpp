@@ -2414,9 +2414,10 @@ TEST(XferBatchRamp, HostBoundStagingWeighsTheMeasuredStagedCost) {
 }
 
 // A span becomes thousandths of the copy time, bounded; the cost weighed back
-// to back is the fixed one when set, else the mean of the measures, else
-// the copy time itself (unmeasured: any host-bound call tries the route).
-TEST(XferBatchRamp, StagedCostIsTheMeanMeasureUnlessFixed) {
+// to back is the fixed one when set, else, once four measures are taken, the
+// median of the last four, else the copy time itself (unmeasured: host-bound
+// calls back to back take the staged route, and are measured, until then).
+TEST(XferBatchRamp, StagedCostIsTheMedianOfFourMeasuresUnlessFixed) {
   EXPECT_EQ(kvf_staged_cost_sample(0, 188000), 0u) << "no span: no measure";
   EXPECT_EQ(kvf_staged_cost_sample(200000, 0), 0u) << "no copy time: no measure";
   EXPECT_EQ(kvf_staged_cost_sample(188000, 188000), 1000u);
@@ -2424,19 +2425,22 @@ TEST(XferBatchRamp, StagedCostIsTheMeanMeasureUnlessFixed) {
   EXPECT_EQ(kvf_staged_cost_sample(UINT64_MAX, 1), KVF_BATCH_MAX_STAGED_COST) << "at most the cap";
   EXPECT_EQ(kvf_staged_cost_sample(200000, 100), 2000000u) << "a span against an absurd link rate";
 
-  const uint64_t none[KVF_STAGED_COST_SAMPLES] = {};
-  static_assert(KVF_BATCH_STAGED_COST_UNMEASURED == 1000, "unmeasured: any host-bound call back to back tries it");
-  EXPECT_EQ(kvf_staged_cost_of(none, 0, 0), (uint64_t)KVF_BATCH_STAGED_COST_UNMEASURED) << "nothing measured yet";
-  EXPECT_EQ(kvf_staged_cost_of(none, KVF_STAGED_COST_SAMPLES, 0), (uint64_t)KVF_BATCH_STAGED_COST_UNMEASURED)
-      << "zeros are no measures";
-  const uint64_t some[KVF_STAGED_COST_SAMPLES] = {1180, 1024, 1120, 0};
-  EXPECT_EQ(kvf_staged_cost_of(some, 3, 0), 1108u) << "the mean of the measures taken";
-  EXPECT_EQ(kvf_staged_cost_of(some, 4, 0), 1108u) << "a zero is no measure";
-  EXPECT_EQ(kvf_staged_cost_of(some, 1, 0), 1180u) << "only the measures taken";
-  EXPECT_EQ(kvf_staged_cost_of(some, 3, 1125), 1125u) << "KVF_XFER_BATCH_STAGED_COST fixes it";
-  EXPECT_EQ(kvf_staged_cost_of(none, 0, 1), 1u);
-  const uint64_t huge[2] = {UINT64_MAX, UINT64_MAX};
-  EXPECT_EQ(kvf_staged_cost_of(huge, 2, 0), UINT64_MAX / 2) << "the sum saturates instead of wrapping";
+  static_assert(KVF_STAGED_COST_SAMPLES == 4, "the figures below assume four measures");
+  static_assert(KVF_BATCH_STAGED_COST_UNMEASURED == 1000, "unmeasured: host-bound calls back to back try it");
+  const uint64_t four[KVF_STAGED_COST_SAMPLES] = {1180, 1024, 1120, 1135};
+  EXPECT_EQ(kvf_staged_cost_of(four, 0, 0), (uint64_t)KVF_BATCH_STAGED_COST_UNMEASURED) << "nothing measured yet";
+  EXPECT_EQ(kvf_staged_cost_of(four, 3, 0), (uint64_t)KVF_BATCH_STAGED_COST_UNMEASURED)
+      << "three measures are not enough: one high span would have been half of them";
+  EXPECT_EQ(kvf_staged_cost_of(four, 4, 0), 1127u) << "the mean of the middle two";
+  EXPECT_EQ(kvf_staged_cost_of(four, 9, 0), 1127u) << "more measures taken: the ring's four";
+  const uint64_t one_long[KVF_STAGED_COST_SAMPLES] = {1020, 1030, 5000, 1025};
+  EXPECT_EQ(kvf_staged_cost_of(one_long, 4, 0), 1027u) << "a span that waited for other work moves it little";
+  const uint64_t one_short[KVF_STAGED_COST_SAMPLES] = {1140, 1130, 1, 1135};
+  EXPECT_EQ(kvf_staged_cost_of(one_short, 4, 0), 1132u) << "nor does one short span";
+  EXPECT_EQ(kvf_staged_cost_of(four, 4, 1125), 1125u) << "KVF_XFER_BATCH_STAGED_COST fixes it";
+  EXPECT_EQ(kvf_staged_cost_of(four, 0, 1), 1u);
+  const uint64_t huge[KVF_STAGED_COST_SAMPLES] = {UINT64_MAX, UINT64_MAX, UINT64_MAX, UINT64_MAX};
+  EXPECT_EQ(kvf_staged_cost_of(huge, 4, 0), UINT64_MAX) << "no overflow in the mean of the middle two";
 }
 
 // A paced ramp's next call: what the host enqueues in the previous call's
@@ -3592,18 +3596,21 @@ TEST(XferGpu, HostBoundCallRightBehindThePreviousOneGoesStaged) {
 // The staged route's cost back to back is measured on the context
 // (KVF_XFER_BATCH_STAGED_COST 0, the default): the span on the stream of a
 // staged host-bound call that came while the stream worked on the call
-// before it, read by a later call once complete; a call on an idle stream
-// weighs a fixed cost (an eighth more than the copies). With
-// KVF_XFER_BATCH_LINK_GBPS set so high that every call is host-bound, a
-// copy's time at that rate is nanoseconds, so a measured span costs
-// thousands of times the copies. The stream is synchronized before every
-// even call and the odd ones come right behind it (sixteen chunks a call
-// keep it busy for milliseconds): calls 0 and 1 measure the host; the even
-// calls after them go staged on the fixed cost; the odd ones go staged
-// until a span is read (the cost unmeasured is the copies' time: a call
-// back to back tries the route) and take the batch route from then on. A
-// fixed cost (KVF_XFER_BATCH_STAGED_COST 1125, the rule before it measured)
-// keeps them all staged. Every call's bytes land as the reference says.
+// before it, read by a later call once complete; from four measures on, a
+// call back to back weighs their median, and until then the copies' time
+// (host-bound calls back to back take the staged route and are measured). A
+// call on an idle stream weighs a fixed cost (an eighth more than the
+// copies). With KVF_XFER_BATCH_LINK_GBPS set so high that every call is
+// host-bound, a copy's time at that rate is nanoseconds, so a measured span
+// costs thousands of times the copies. The stream is synchronized before
+// every even call and the odd ones come right behind it (sixteen chunks a
+// call keep it busy for milliseconds): calls 0 and 1 measure the host;
+// calls weighed alone go staged; calls weighed back to back go staged until
+// four spans are read, and take the batch route from then on. Every ninth
+// host-bound call in a row takes the batch route to measure the host
+// (KVF_BATCH_HOST_BOUND_RETRY). A fixed cost (KVF_XFER_BATCH_STAGED_COST
+// 1125, the rule before it measured) keeps them all staged. Every call's
+// bytes land as the reference says.
 TEST(XferGpu, HostBoundRuleWeighsTheStagedRoutesMeasuredCost) {
   REQUIRE_GPU();
   for (int64_t fixed : {(int64_t)0, (int64_t)KVF_BATCH_STAGED_COST_ALONE})
@@ -3614,7 +3621,7 @@ TEST(XferGpu, HostBoundRuleWeighsTheStagedRoutesMeasuredCost) {
       GpuConfig cfg;
       cfg.obj_kind = Mem::Pinned;
       cfg.route = expected_route(Mem::Pinned, d);
-      cfg.calls = 8;
+      cfg.calls = 24;
       cfg.sync_each = false;
       cfg.tune = [fixed](kvf_xfer_tuning &t) {
         t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS;
@@ -3625,39 +3632,43 @@ TEST(XferGpu, HostBoundRuleWeighsTheStagedRoutesMeasuredCost) {
       cfg.before_each = [](int i, kvf_xfer *, cudaStream_t stream) {
         if (i % 2 == 0) CUDA_OK(cudaStreamSynchronize(stream));
       };
-      int batch_after_measure = 0;
-      cfg.check_each = [fixed, &batch_after_measure](int i, const kvf_xfer_path_info &p) {
+      int staged_in_a_row = 0, explored = 0, batch_after_measures = 0;
+      cfg.check_each = [&](int i, const kvf_xfer_path_info &p) {
         SCOPED_TRACE("call " + std::to_string(i));
         if (fixed) {
           EXPECT_EQ(p.staged_cost, (uint64_t)fixed);
           EXPECT_EQ(p.staged_cost_measures, 0u) << "a fixed cost is not measured";
         }
-        const bool measured = p.staged_cost_measures > 0;  // read at the call's start, if at all
+        const bool measured = p.staged_cost_measures >= KVF_STAGED_COST_SAMPLES;  // read at the call's start
         if (i <= 1) {
           EXPECT_EQ(p.path, KVF_PATH_COPY_BATCH) << "two batch calls measure the host first";
-        } else if (i % 2 == 0 || !measured) {
+        } else if (staged_in_a_row == KVF_BATCH_HOST_BOUND_RETRY) {
+          EXPECT_EQ(p.path, KVF_PATH_COPY_BATCH) << "the batch route measures the host again";
+        } else if (p.back_to_back && measured && !fixed) {
+          EXPECT_EQ(p.path, KVF_PATH_COPY_BATCH) << "the measured cost outlasts the host: "
+                                                 << kvf_xfer_path_name(p.path);
+          EXPECT_GT(p.staged_cost, (uint64_t)100000) << "a span of microseconds against a copy of nanoseconds";
+          batch_after_measures++;
+        } else {
           EXPECT_EQ(p.path, KVF_PATH_STAGED) << "host-bound at a fixed or unmeasured cost: "
                                              << kvf_xfer_path_name(p.path);
           EXPECT_EQ(p.host_bound, 1u);
-        } else {
-          EXPECT_EQ(p.path, KVF_PATH_COPY_BATCH) << "the measured cost outlasts the host: "
-                                                 << kvf_xfer_path_name(p.path);
-          EXPECT_EQ(p.host_bound, 0u);
-          EXPECT_GT(p.staged_cost, (uint64_t)100000) << "a span of microseconds against a copy of nanoseconds";
-          batch_after_measure++;
+          if (p.back_to_back && !fixed) {
+            EXPECT_EQ(p.staged_cost, (uint64_t)KVF_BATCH_STAGED_COST_UNMEASURED);
+            explored++;
+          }
         }
-        if (!fixed && !measured) {
-          EXPECT_EQ(p.staged_cost, (uint64_t)KVF_BATCH_STAGED_COST_UNMEASURED);
-        }
+        staged_in_a_row = p.path == KVF_PATH_STAGED ? staged_in_a_row + 1 : 0;
       };
       run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 50 + (uint64_t)d, cfg);
-      // Calls 3 and 5 each may be measured and read by calls 4 and 6 (a
-      // thread descheduled for milliseconds finds the stream idle and goes
-      // unmeasured), so odd calls 5 or 7 take the batch route.
       if (fixed) {
-        EXPECT_EQ(batch_after_measure, 0);
+        EXPECT_EQ(batch_after_measures, 0);
       } else {
-        EXPECT_GE(batch_after_measure, 1) << "no odd call was measured and read";
+        // Each odd call from 3 on may be measured and read by the next (a
+        // thread descheduled for milliseconds finds the stream idle and
+        // goes unmeasured): four of the first nine suffice.
+        EXPECT_GE(explored, KVF_STAGED_COST_SAMPLES) << "calls back to back unmeasured go staged";
+        EXPECT_GE(batch_after_measures, 1) << "four odd calls were not measured and read";
       }
     }
 }

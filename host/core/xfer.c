@@ -124,7 +124,11 @@ struct kvf_xfer {
   uint64_t span_armed, span_engine_ns;
   int span_pending;
   uint64_t staged_cost[KVF_STAGED_COST_SAMPLES]; /* ring of measures (kvf_staged_cost_sample) */
-  uint32_t staged_cost_measures;                 /* measures taken; the next goes at this % the ring */
+  uint32_t staged_cost_next;                     /* where the next measure goes in the ring */
+  uint32_t staged_cost_measures;                 /* measures taken (saturating) */
+  uint32_t staged_kept_batched; /* host-bound calls back to back the measures kept batched since one was
+                                   measured (KVF_STAGED_COST_REMEASURE) */
+  uint32_t rule_back_to_back;   /* the call in progress was weighed back to back (path info back_to_back) */
   uint64_t cuda_calls; /* launch_cuda calls so far */
   /* The region bases seen last and where they live (route_of): a base
    * that is device memory (this GPU's or a peer's) keeps that kind while
@@ -167,6 +171,8 @@ struct kvf_xfer {
 };
 
 #ifdef KVF_WITH_CUDA
+static void forget_staged_cost(kvf_xfer *x);
+
 /* Wait (under defer_mu) until the thread has enqueued every call posted
  * before this one began (a post under way counts as posted). Calls posted
  * meanwhile are not waited for, so steady posting cannot starve it. */
@@ -296,6 +302,10 @@ kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
     return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_set_tuning: a value is out of range");
   defer_drain(x);
   pthread_mutex_lock(&x->lock);
+#ifdef KVF_WITH_CUDA
+  if (t->batch_link_gbps != x->tune.batch_link_gbps || t->batch_staged_cost != x->tune.batch_staged_cost)
+    forget_staged_cost(x);
+#endif
   x->tune = *t;
 #ifdef KVF_WITH_CUDA
   __atomic_store_n(&x->defer_on, (int)t->defer, __ATOMIC_RELAXED);
@@ -894,7 +904,7 @@ static cudaError_t query_relaxed(cudaStream_t stream, cudaEvent_t event) {
  * its first enqueue, measured 1.48-1.54x (where the call alone, host
  * included, took 1.26x a memcpy's wall time: the first call on a context is
  * not a typical one). A call on an idle stream keeps a fixed cost
- * (staged_cost_alone). */
+ * (staged_cost_alone). perf/results/2026-12-04-h200-hostbound-measured. */
 static void read_staged_span(kvf_xfer *x) {
   if (!x->span_pending) return;
   cudaError_t q = query_relaxed(NULL, x->span_end);
@@ -906,10 +916,24 @@ static void read_staged_span(kvf_xfer *x) {
     return;
   }
   uint64_t cost = kvf_staged_cost_sample(ms > 0 ? (uint64_t)((double)ms * 1e6) : 0, x->span_engine_ns);
-  if (cost) x->staged_cost[x->staged_cost_measures++ % KVF_STAGED_COST_SAMPLES] = cost;
+  if (!cost) return;
+  x->staged_cost[x->staged_cost_next] = cost;
+  x->staged_cost_next = (x->staged_cost_next + 1) % KVF_STAGED_COST_SAMPLES;
+  if (x->staged_cost_measures < UINT32_MAX) x->staged_cost_measures++;
 }
 
-/* The staged route's cost back to back: measured (kvf_staged_cost_of). */
+/* Forget the measures (under x->lock): they are thousandths of the copy time
+ * at the link rate they were taken at, and a span in flight carries its
+ * call's copy time at that rate. */
+static void forget_staged_cost(kvf_xfer *x) {
+  memset(x->staged_cost, 0, sizeof x->staged_cost);
+  x->staged_cost_next = x->staged_cost_measures = x->staged_kept_batched = 0;
+  x->span_pending = 0;
+  x->span_armed = 0;
+}
+
+/* The staged route's cost back to back: measured (kvf_staged_cost_of; the
+ * ring is full once KVF_STAGED_COST_SAMPLES measures are taken). */
 static uint64_t staged_cost_back_to_back(const kvf_xfer *x) {
   size_t n = x->staged_cost_measures < KVF_STAGED_COST_SAMPLES ? x->staged_cost_measures : KVF_STAGED_COST_SAMPLES;
   return kvf_staged_cost_of(x->staged_cost, n, x->tune.batch_staged_cost);
@@ -937,19 +961,25 @@ static uint64_t staged_cost_alone(const kvf_xfer *x) {
  * start and end marks): work queued ahead hides this call's host time, and
  * the batch route in one call is the faster copy. Every
  * KVF_BATCH_HOST_BOUND_RETRY + 1st host-bound call takes the batch route,
- * so a host that got faster is seen. Records the start mark the next call asks about (end_call_mark
- * records the end), an event of the context's own that neither copies nor
- * waits, and enqueues nothing else; *stream_idle: whether the stream was
- * idle (-1: not asked). */
+ * so a host that got faster is seen. Records the start mark the next call
+ * asks about (end_call_mark records the end) and, for a staged call behind
+ * the previous one, the timed start of its span (read_staged_span): events
+ * of the context's own that neither copy nor wait; enqueues nothing else.
+ * *stream_idle: whether the stream was idle (-1: not asked). */
 static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns, cudaStream_t stream,
                                   int *stream_idle) {
   *stream_idle = -1;
   if (!x->tune.batch_host_bound || x->tune.staging_mb <= 0 || x->tune.batch_link_gbps <= 0) return 0;
   read_staged_span(x);
   const uint64_t alone = staged_cost_alone(x), back_to_back_cost = staged_cost_back_to_back(x);
-  /* The stream is asked only when either cost could send the call staged. */
+  /* Unmeasured, or measured again (below): the cost a call back to back that
+   * the measures keep batched would weigh without them. */
+  const uint64_t explore = x->tune.batch_staged_cost > 0 ? alone : KVF_BATCH_STAGED_COST_UNMEASURED;
+  uint64_t lowest = alone < back_to_back_cost ? alone : back_to_back_cost;
+  if (explore < lowest) lowest = explore;
+  /* The stream is asked only when some cost could send the call staged. */
   if (!kvf_batch_host_outlasts_staged(x->batch_host_ns, x->batch_runs, x->batch_host_ns_before, x->batch_runs_before,
-                                      runs, engine_ns, alone < back_to_back_cost ? alone : back_to_back_cost))
+                                      runs, engine_ns, lowest))
     return 0;
   /* Asked before the mark goes on the stream, which would make it look
    * busy to the ramp (ramped_batch_copy) of a call that stays batched. A
@@ -980,9 +1010,19 @@ static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns
       cudaGetLastError(); /* the call's own enqueues report a broken stream */
     }
   }
-  if (reached && x->host_bound_staged < KVF_BATCH_HOST_BOUND_RETRY &&
+  if (!reached || x->host_bound_staged >= KVF_BATCH_HOST_BOUND_RETRY) return 0;
+  x->rule_back_to_back = !idle;
+  int staged = kvf_batch_host_outlasts_staged(x->batch_host_ns, x->batch_runs, x->batch_host_ns_before,
+                                              x->batch_runs_before, runs, engine_ns, idle ? alone : back_to_back_cost);
+  /* Kept batched by the measures alone: every KVF_STAGED_COST_REMEASURE-th
+   * such call goes staged to be measured again. */
+  if (!staged && !idle && x->tune.batch_staged_cost == 0 && !x->span_pending &&
       kvf_batch_host_outlasts_staged(x->batch_host_ns, x->batch_runs, x->batch_host_ns_before, x->batch_runs_before,
-                                     runs, engine_ns, idle ? alone : back_to_back_cost)) {
+                                     runs, engine_ns, explore) &&
+      ++x->staged_kept_batched >= KVF_STAGED_COST_REMEASURE)
+    staged = 1;
+  if (staged) {
+    if (!idle) x->staged_kept_batched = 0;
     x->host_bound_staged++;
     /* Measure this call's span when it follows the previous call's work
      * (read_staged_span), unless a span is still in flight (its events
@@ -2106,12 +2146,14 @@ static void end_staged_span(kvf_xfer *x, kvf_status st, cudaStream_t stream) {
 
 static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream) {
   x->cuda_calls++; /* the marks of the call before this one are asked by this one only */
+  x->rule_back_to_back = 0;
   kvf_status st = launch_cuda_routes(x, r, gather, stream);
   end_call_mark(x, st, stream);
   end_staged_span(x, st, stream);
   if (st == KVF_SUCCESS) {
     x->path.staged_cost = staged_cost_back_to_back(x);
     x->path.staged_cost_measures = x->staged_cost_measures;
+    x->path.back_to_back = x->rule_back_to_back;
   }
   return st;
 }

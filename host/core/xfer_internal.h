@@ -195,10 +195,14 @@ int kvf_batch_host_bound(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t run
  * host time against: KVF_XFER_BATCH_STAGED_COST when set; else, for a call
  * on an idle stream, KVF_BATCH_STAGED_COST_ALONE (an eighth more, the rule's
  * margin since 2026-12-03), and for a call that came while the stream
- * worked on the call before it, the mean of the context's last
+ * worked on the call before it, the median of the context's last
  * KVF_STAGED_COST_SAMPLES measures of such calls' spans on the stream (their
- * period back to back), KVF_BATCH_STAGED_COST_UNMEASURED until the first:
- * any host-bound call back to back then goes staged once and is measured.
+ * period back to back; kvf_staged_cost_of), KVF_BATCH_STAGED_COST_UNMEASURED
+ * until there are that many: host-bound calls back to back take the staged
+ * route, and are measured, until then. Every KVF_STAGED_COST_REMEASURE-th
+ * such call that the measures keep on the batch route (it would go staged
+ * unmeasured) goes staged to be measured again, so a cost measured high
+ * (the copy engine shared for a while) does not keep the rule off for good.
  * The staged route ran 1.02-1.08x its copies back to back on some H200
  * leases and 1.135x on another (perf/results/2026-12-04-h200-final): no
  * constant suits both, and under an eighth more the rule never tried it. */
@@ -206,6 +210,7 @@ int kvf_batch_host_bound(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t run
 #define KVF_BATCH_STAGED_COST_UNMEASURED 1000
 #define KVF_BATCH_MAX_STAGED_COST 1000000000ull
 #define KVF_STAGED_COST_SAMPLES 4
+#define KVF_STAGED_COST_REMEASURE 32
 
 /* Whether a batch-API call of `runs` runs, whose copies take engine_ns at
  * KVF_XFER_BATCH_LINK_GBPS, goes staged for its host time: the context's
@@ -222,9 +227,10 @@ int kvf_batch_host_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, ui
 uint64_t kvf_staged_cost_sample(uint64_t span_ns, uint64_t engine_ns);
 
 /* The staged route's cost back to back: `fixed` when above 0
- * (KVF_XFER_BATCH_STAGED_COST), else the mean of the nonzero samples[0, n)
- * (a period: the spans of calls back to back vary by a few percent around
- * it), else KVF_BATCH_STAGED_COST_UNMEASURED. */
+ * (KVF_XFER_BATCH_STAGED_COST), else, once n reaches
+ * KVF_STAGED_COST_SAMPLES, the median of samples[0, KVF_STAGED_COST_SAMPLES)
+ * (the mean of the middle two: one span that waited for other work, or
+ * one short one, moves it little), else KVF_BATCH_STAGED_COST_UNMEASURED. */
 uint64_t kvf_staged_cost_of(const uint64_t *samples, size_t n, int64_t fixed);
 
 /* Whether a call that came in at start_ns is back to back with a previous
@@ -349,7 +355,10 @@ typedef struct kvf_xfer_path_info {
                               (KVF_XFER_BATCH_HOST_BOUND) */
   uint64_t staged_cost;    /* after the call, the staged route's cost back to back that the host-bound
                               rule weighs, in thousandths of the copies' time (kvf_staged_cost_of) */
-  uint32_t staged_cost_measures; /* the context's measures of it so far (KVF_XFER_BATCH_STAGED_COST 0) */
+  uint32_t staged_cost_measures; /* the context's measures of it since the tuning last changed how it is weighed
+                                    (KVF_XFER_BATCH_STAGED_COST 0; at most 2^32 - 1) */
+  uint32_t back_to_back;   /* 1: the host-bound rule weighed this call as one back to back (the stream busy with
+                              the context's previous call), so against staged_cost; 0: alone, or not asked */
 } kvf_xfer_path_info;
 
 const char *kvf_xfer_path_name(kvf_xfer_path path);

@@ -587,11 +587,15 @@ uint64_t kvf_staged_cost_sample(uint64_t span_ns, uint64_t engine_ns) {
 
 uint64_t kvf_staged_cost_of(const uint64_t *samples, size_t n, int64_t fixed) {
   if (fixed > 0) return (uint64_t)fixed;
-  uint64_t sum = 0, taken = 0;
-  for (size_t i = 0; i < n; i++) {
-    if (!samples[i]) continue;
-    sum = samples[i] > UINT64_MAX - sum ? UINT64_MAX : sum + samples[i];
-    taken++;
-  }
-  return taken ? sum / taken : KVF_BATCH_STAGED_COST_UNMEASURED;
+  if (n < KVF_STAGED_COST_SAMPLES) return KVF_BATCH_STAGED_COST_UNMEASURED;
+  uint64_t v[KVF_STAGED_COST_SAMPLES];
+  memcpy(v, samples, sizeof v);
+  for (size_t a = 1; a < KVF_STAGED_COST_SAMPLES; a++) /* four values: insertion sort */
+    for (size_t b = a; b > 0 && v[b - 1] > v[b]; b--) {
+      uint64_t t = v[b];
+      v[b] = v[b - 1];
+      v[b - 1] = t;
+    }
+  const size_t mid = KVF_STAGED_COST_SAMPLES / 2;
+  return v[mid - 1] / 2 + v[mid] / 2 + (v[mid - 1] % 2 + v[mid] % 2) / 2; /* no overflow */
 }
