@@ -124,8 +124,7 @@ struct kvf_xfer {
   uint64_t span_armed, span_engine_ns;
   int span_pending;
   uint64_t staged_cost[KVF_STAGED_COST_SAMPLES]; /* ring of measures (kvf_staged_cost_sample) */
-  uint32_t staged_cost_next;                     /* where the next measure goes in the ring */
-  uint32_t staged_cost_measures;                 /* measures taken (saturating) */
+  uint64_t staged_cost_measures;                 /* measures taken; the next goes at this % the ring's size */
   uint32_t staged_kept_batched; /* host-bound calls back to back the measures kept batched since one was
                                    measured (KVF_STAGED_COST_REMEASURE) */
   uint32_t rule_back_to_back;   /* the call in progress was weighed back to back (path info back_to_back) */
@@ -172,6 +171,7 @@ struct kvf_xfer {
 
 #ifdef KVF_WITH_CUDA
 static void forget_staged_cost(kvf_xfer *x);
+static uint64_t staged_cost_back_to_back(const kvf_xfer *x);
 
 /* Wait (under defer_mu) until the thread has enqueued every call posted
  * before this one began (a post under way counts as posted). Calls posted
@@ -335,6 +335,10 @@ void kvf_xfer_last_path(const kvf_xfer *x, kvf_xfer_path_info *out) {
   defer_drain(x);
   pthread_mutex_lock((pthread_mutex_t *)&x->lock);
   *out = x->path;
+#ifdef KVF_WITH_CUDA
+  out->staged_cost = staged_cost_back_to_back(x); /* the context's now: no call since the last */
+  out->staged_cost_measures = x->staged_cost_measures;
+#endif
   pthread_mutex_unlock((pthread_mutex_t *)&x->lock);
 }
 
@@ -916,10 +920,7 @@ static void read_staged_span(kvf_xfer *x) {
     return;
   }
   uint64_t cost = kvf_staged_cost_sample(ms > 0 ? (uint64_t)((double)ms * 1e6) : 0, x->span_engine_ns);
-  if (!cost) return;
-  x->staged_cost[x->staged_cost_next] = cost;
-  x->staged_cost_next = (x->staged_cost_next + 1) % KVF_STAGED_COST_SAMPLES;
-  if (x->staged_cost_measures < UINT32_MAX) x->staged_cost_measures++;
+  if (cost) x->staged_cost[x->staged_cost_measures++ % KVF_STAGED_COST_SAMPLES] = cost;
 }
 
 /* Forget the measures (under x->lock): they are thousandths of the copy time
@@ -927,7 +928,8 @@ static void read_staged_span(kvf_xfer *x) {
  * call's copy time at that rate. */
 static void forget_staged_cost(kvf_xfer *x) {
   memset(x->staged_cost, 0, sizeof x->staged_cost);
-  x->staged_cost_next = x->staged_cost_measures = x->staged_kept_batched = 0;
+  x->staged_cost_measures = 0;
+  x->staged_kept_batched = 0;
   x->span_pending = 0;
   x->span_armed = 0;
 }
@@ -935,13 +937,21 @@ static void forget_staged_cost(kvf_xfer *x) {
 /* The staged route's cost back to back: measured (kvf_staged_cost_of; the
  * ring is full once KVF_STAGED_COST_SAMPLES measures are taken). */
 static uint64_t staged_cost_back_to_back(const kvf_xfer *x) {
-  size_t n = x->staged_cost_measures < KVF_STAGED_COST_SAMPLES ? x->staged_cost_measures : KVF_STAGED_COST_SAMPLES;
+  size_t n = x->staged_cost_measures < KVF_STAGED_COST_SAMPLES ? (size_t)x->staged_cost_measures
+                                                                : KVF_STAGED_COST_SAMPLES;
   return kvf_staged_cost_of(x->staged_cost, n, x->tune.batch_staged_cost);
 }
 
 /* ... and alone, on an idle stream: not measured (read_staged_span says why). */
 static uint64_t staged_cost_alone(const kvf_xfer *x) {
   return x->tune.batch_staged_cost > 0 ? (uint64_t)x->tune.batch_staged_cost : KVF_BATCH_STAGED_COST_ALONE;
+}
+
+/* Whether the context's last two batch calls, for `runs` runs, outlast the
+ * staged route at `cost` (kvf_batch_host_outlasts_staged). */
+static int host_outlasts(const kvf_xfer *x, uint64_t runs, uint64_t engine_ns, uint64_t cost) {
+  return kvf_batch_host_outlasts_staged(x->batch_host_ns, x->batch_runs, x->batch_host_ns_before, x->batch_runs_before,
+                                        runs, engine_ns, cost);
 }
 
 /* Whether a request the batch route fits, of `runs` runs whose copies take
@@ -978,9 +988,7 @@ static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns
   uint64_t lowest = alone < back_to_back_cost ? alone : back_to_back_cost;
   if (explore < lowest) lowest = explore;
   /* The stream is asked only when some cost could send the call staged. */
-  if (!kvf_batch_host_outlasts_staged(x->batch_host_ns, x->batch_runs, x->batch_host_ns_before, x->batch_runs_before,
-                                      runs, engine_ns, lowest))
-    return 0;
+  if (!host_outlasts(x, runs, engine_ns, lowest)) return 0;
   /* Asked before the mark goes on the stream, which would make it look
    * busy to the ramp (ramped_batch_copy) of a call that stays batched. A
    * busy stream is the previous call's alone (back to back behind a slow
@@ -1012,14 +1020,11 @@ static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns
   }
   if (!reached || x->host_bound_staged >= KVF_BATCH_HOST_BOUND_RETRY) return 0;
   x->rule_back_to_back = !idle;
-  int staged = kvf_batch_host_outlasts_staged(x->batch_host_ns, x->batch_runs, x->batch_host_ns_before,
-                                              x->batch_runs_before, runs, engine_ns, idle ? alone : back_to_back_cost);
+  int staged = host_outlasts(x, runs, engine_ns, idle ? alone : back_to_back_cost);
   /* Kept batched by the measures alone: every KVF_STAGED_COST_REMEASURE-th
    * such call goes staged to be measured again. */
   if (!staged && !idle && x->tune.batch_staged_cost == 0 && !x->span_pending &&
-      kvf_batch_host_outlasts_staged(x->batch_host_ns, x->batch_runs, x->batch_host_ns_before, x->batch_runs_before,
-                                     runs, engine_ns, explore) &&
-      ++x->staged_kept_batched >= KVF_STAGED_COST_REMEASURE)
+      host_outlasts(x, runs, engine_ns, explore) && ++x->staged_kept_batched >= KVF_STAGED_COST_REMEASURE)
     staged = 1;
   if (staged) {
     if (!idle) x->staged_kept_batched = 0;
@@ -2150,11 +2155,7 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
   kvf_status st = launch_cuda_routes(x, r, gather, stream);
   end_call_mark(x, st, stream);
   end_staged_span(x, st, stream);
-  if (st == KVF_SUCCESS) {
-    x->path.staged_cost = staged_cost_back_to_back(x);
-    x->path.staged_cost_measures = x->staged_cost_measures;
-    x->path.back_to_back = x->rule_back_to_back;
-  }
+  if (st == KVF_SUCCESS) x->path.back_to_back = x->rule_back_to_back;
   return st;
 }
 

@@ -355,8 +355,8 @@ typedef struct kvf_xfer_path_info {
                               (KVF_XFER_BATCH_HOST_BOUND) */
   uint64_t staged_cost;    /* after the call, the staged route's cost back to back that the host-bound
                               rule weighs, in thousandths of the copies' time (kvf_staged_cost_of) */
-  uint32_t staged_cost_measures; /* the context's measures of it since the tuning last changed how it is weighed
-                                    (KVF_XFER_BATCH_STAGED_COST 0; at most 2^32 - 1) */
+  uint64_t staged_cost_measures; /* the context's measures of it since the tuning last changed how it is weighed
+                                    (KVF_XFER_BATCH_STAGED_COST 0) */
   uint32_t back_to_back;   /* 1: the host-bound rule weighed this call as one back to back (the stream busy with
                               the context's previous call), so against staged_cost; 0: alone, or not asked */
 } kvf_xfer_path_info;

@@ -585,17 +585,17 @@ uint64_t kvf_staged_cost_sample(uint64_t span_ns, uint64_t engine_ns) {
   return cost >= (double)KVF_BATCH_MAX_STAGED_COST ? KVF_BATCH_MAX_STAGED_COST : cost < 1.0 ? 1 : (uint64_t)cost;
 }
 
+static int compare_u64(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return (x > y) - (x < y);
+}
+
 uint64_t kvf_staged_cost_of(const uint64_t *samples, size_t n, int64_t fixed) {
   if (fixed > 0) return (uint64_t)fixed;
   if (n < KVF_STAGED_COST_SAMPLES) return KVF_BATCH_STAGED_COST_UNMEASURED;
   uint64_t v[KVF_STAGED_COST_SAMPLES];
   memcpy(v, samples, sizeof v);
-  for (size_t a = 1; a < KVF_STAGED_COST_SAMPLES; a++) /* four values: insertion sort */
-    for (size_t b = a; b > 0 && v[b - 1] > v[b]; b--) {
-      uint64_t t = v[b];
-      v[b] = v[b - 1];
-      v[b - 1] = t;
-    }
+  qsort(v, KVF_STAGED_COST_SAMPLES, sizeof v[0], compare_u64);
   const size_t mid = KVF_STAGED_COST_SAMPLES / 2;
   return v[mid - 1] / 2 + v[mid] / 2 + (v[mid - 1] % 2 + v[mid] % 2) / 2; /* no overflow */
 }
