@@ -1172,7 +1172,7 @@ TEST(XferStagePlan, EdgeBatchOnChunksOfDifferentSizes) {
 }
 
 // The staging tunables: defaults as documented, out-of-range values refused
-// by kvf_xfer_set_tuning with nothing changed.
+// by kvf_xfer_set_tuning with nothing changed and the field named.
 TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   kvf_xfer_tuning t;
   kvf_xfer_tuning_from_params(&t);
@@ -1201,8 +1201,22 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
     kvf_xfer_tuning bad = base;
     change(bad);
     kvf_status st = kvf_xfer_set_tuning(x.get(), &bad);
+    std::string said = kvf_last_error();
     kvf_xfer_tuning now;
     kvf_xfer_get_tuning(x.get(), &now);
+    // The one field changed, named as the struct names it.
+    const char *field = nullptr;
+#define KVF_CHANGED(f) \
+  if (bad.f != base.f) field = #f;
+    KVF_CHANGED(stage_edge_mb) KVF_CHANGED(staging_mb) KVF_CHANGED(stage_multi_pieces)
+    KVF_CHANGED(stage_straight_kb) KVF_CHANGED(stage_straight_min_run) KVF_CHANGED(spread_kb)
+    KVF_CHANGED(cache_order) KVF_CHANGED(overlap) KVF_CHANGED(device_task_waves) KVF_CHANGED(kernel)
+    KVF_CHANGED(batch_first_runs) KVF_CHANGED(small_stage_growth) KVF_CHANGED(small_stage_one_piece)
+    KVF_CHANGED(defer) KVF_CHANGED(batch_link_gbps) KVF_CHANGED(batch_back_to_back_us)
+    KVF_CHANGED(batch_host_bound) KVF_CHANGED(batch_staged_cost) KVF_CHANGED(task_bytes)
+    KVF_CHANGED(stage_pieces)
+#undef KVF_CHANGED
+    EXPECT_TRUE(field && said.find(std::string(": ") + field + " ") != std::string::npos) << said;
     return st == KVF_ERR_INVALID_ARGUMENT && memcmp(&now, &base, sizeof now) == 0;
   };
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_edge_mb = -1; }));
@@ -1236,6 +1250,9 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_host_bound = 2; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_staged_cost = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_staged_cost = (int64_t)KVF_BATCH_MAX_STAGED_COST + 1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.task_bytes = 24; })) << "not a multiple of 16";
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.task_bytes = 65536 + 16; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_pieces = 0; }));
   kvf_xfer_tuning ok = base;
   ok.batch_back_to_back_us = 0;
   ok.batch_host_bound = 0;

@@ -4,6 +4,8 @@
  * threads. */
 #define _POSIX_C_SOURCE 200809L
 #include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -282,24 +284,62 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
   if (t->defer < 0 || t->defer > 1) t->defer = 0;
 }
 
+/* Each tunable's accepted range (kvf_xfer_set_tuning names the first one
+ * outside it). */
+static const struct {
+  const char *field;
+  size_t offset;
+  int64_t lo, hi;
+} tuning_ranges[] = {
+#define KVF_TUNING_RANGE(f, lo, hi) {#f, offsetof(kvf_xfer_tuning, f), (lo), (hi)}
+    KVF_TUNING_RANGE(pcie_sms, 0, INT64_MAX),
+    KVF_TUNING_RANGE(staging_mb, 0, KVF_STAGE_MAX_MB),
+    KVF_TUNING_RANGE(stage_sms, 0, INT64_MAX),
+    KVF_TUNING_RANGE(stage_pieces, 1, KVF_STAGE_MAX_PIECES),
+    KVF_TUNING_RANGE(stage_growth, 1, 16),
+    KVF_TUNING_RANGE(stage_edge_mb, 0, KVF_STAGE_MAX_MB),
+    KVF_TUNING_RANGE(stage_multi_pieces, 0, KVF_STAGE_MAX_PIECES),
+    KVF_TUNING_RANGE(stage_straight_kb, 0, (int64_t)KVF_STAGE_MAX_MB << 10),
+    KVF_TUNING_RANGE(stage_straight_min_run, 0, (int64_t)KVF_STAGE_MAX_MB << 20),
+    KVF_TUNING_RANGE(stage_dma_batch, 0, INT64_MAX),
+    KVF_TUNING_RANGE(param_bytes, 0, INT64_MAX),
+    KVF_TUNING_RANGE(task_bytes, 16, 65536),
+    KVF_TUNING_RANGE(task_waves, 0, INT64_MAX),
+    KVF_TUNING_RANGE(device_task_waves, 0, INT64_MAX),
+    KVF_TUNING_RANGE(batch_min_run, 0, INT64_MAX),
+    KVF_TUNING_RANGE(batch_max_runs, 0, INT64_MAX),
+    KVF_TUNING_RANGE(batch_first_runs, 0, INT64_MAX),
+    KVF_TUNING_RANGE(batch_link_gbps, 0, KVF_BATCH_MAX_LINK_GBPS),
+    KVF_TUNING_RANGE(batch_back_to_back_us, 0, KVF_BATCH_MAX_BACK_TO_BACK_US),
+    KVF_TUNING_RANGE(batch_host_bound, 0, 1),
+    KVF_TUNING_RANGE(batch_staged_cost, 0, (int64_t)KVF_BATCH_MAX_STAGED_COST),
+    KVF_TUNING_RANGE(kernel, 0, 2),
+    KVF_TUNING_RANGE(spread_kb, 0, KVF_SPREAD_MAX_KB),
+    KVF_TUNING_RANGE(cache_order, 0, 1),
+    KVF_TUNING_RANGE(overlap, 0, 1),
+    KVF_TUNING_RANGE(small_stage_mb, 0, INT64_MAX),
+    KVF_TUNING_RANGE(small_stage_growth, 1, 16),
+    KVF_TUNING_RANGE(small_stage_one_piece, 0, 1),
+    KVF_TUNING_RANGE(defer, 0, 1),
+#undef KVF_TUNING_RANGE
+};
+/* Every field has a range: the struct is all int64_t. */
+_Static_assert(sizeof tuning_ranges / sizeof tuning_ranges[0] == sizeof(kvf_xfer_tuning) / sizeof(int64_t),
+               "a kvf_xfer_tuning field without a range");
+
 kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
   if (!x || !t) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_set_tuning: NULL argument");
-  if (t->pcie_sms < 0 || t->staging_mb < 0 || t->stage_sms < 0 || t->stage_pieces < 1 ||
-      t->stage_pieces > KVF_STAGE_MAX_PIECES || t->param_bytes < 0 || t->task_bytes < 16 || t->task_bytes > 65536 ||
-      t->task_bytes % 16 || t->task_waves < 0 || t->device_task_waves < 0 || t->batch_min_run < 0 || t->batch_max_runs < 0 || t->batch_first_runs < 0 || t->batch_link_gbps < 0 || t->batch_link_gbps > KVF_BATCH_MAX_LINK_GBPS || t->batch_back_to_back_us < 0 ||
-      t->batch_back_to_back_us > KVF_BATCH_MAX_BACK_TO_BACK_US || t->batch_host_bound < 0 ||
-      t->batch_host_bound > 1 || t->batch_staged_cost < 0 ||
-      (uint64_t)t->batch_staged_cost > KVF_BATCH_MAX_STAGED_COST || t->stage_dma_batch < 0 ||
-      t->small_stage_mb < 0 || t->kernel < 0 || t->kernel > 2 || t->stage_growth < 1 || t->stage_growth > 16 ||
-      t->small_stage_growth < 1 || t->small_stage_growth > 16 || t->small_stage_one_piece < 0 ||
-      t->small_stage_one_piece > 1 || t->staging_mb > KVF_STAGE_MAX_MB ||
-      t->stage_edge_mb < 0 || t->stage_edge_mb > KVF_STAGE_MAX_MB ||
-      t->stage_multi_pieces < 0 || t->stage_multi_pieces > KVF_STAGE_MAX_PIECES || t->stage_straight_kb < 0 ||
-      t->stage_straight_kb > (int64_t)KVF_STAGE_MAX_MB << 10 || t->stage_straight_min_run < 0 ||
-      t->stage_straight_min_run > (int64_t)KVF_STAGE_MAX_MB << 20 || t->spread_kb < 0 ||
-      t->spread_kb > KVF_SPREAD_MAX_KB || t->cache_order < 0 || t->cache_order > 1 || t->overlap < 0 ||
-      t->overlap > 1 || t->defer < 0 || t->defer > 1)
-    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_set_tuning: a value is out of range");
+  for (size_t i = 0; i < sizeof tuning_ranges / sizeof tuning_ranges[0]; i++) {
+    int64_t v;
+    memcpy(&v, (const char *)t + tuning_ranges[i].offset, sizeof v);
+    if (v < tuning_ranges[i].lo || v > tuning_ranges[i].hi)
+      return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_set_tuning: %s %lld: must be %lld..%lld",
+                      tuning_ranges[i].field, (long long)v, (long long)tuning_ranges[i].lo,
+                      (long long)tuning_ranges[i].hi);
+  }
+  if (t->task_bytes % 16)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_set_tuning: task_bytes %lld: must be a multiple of 16",
+                    (long long)t->task_bytes);
   defer_drain(x);
   pthread_mutex_lock(&x->lock);
 #ifdef KVF_WITH_CUDA
