@@ -2384,11 +2384,11 @@ TEST(XferBatchRamp, HostBoundWhenTheLastComparableCallOutlastsTheCopies) {
 
 // A request goes staged for its host time only when both of the last two
 // batch calls outlast its copies by more than the staged route's own cost
-// (thousandths of the copy time: KVF_BATCH_STAGED_COST_ALONE on an idle
+// (thousandths of the copy time: KVF_BATCH_STAGED_COST_EIGHTH on an idle
 // stream).
 TEST(XferBatchRamp, HostBoundStagingNeedsTwoCallsPastTheStagedRoutesCost) {
-  static_assert(KVF_BATCH_STAGED_COST_ALONE == 1125, "the figures below assume an eighth");
-  const uint64_t prior = KVF_BATCH_STAGED_COST_ALONE;
+  static_assert(KVF_BATCH_STAGED_COST_EIGHTH == 1125, "the figures below assume an eighth");
+  const uint64_t prior = KVF_BATCH_STAGED_COST_EIGHTH;
   // The fp8 MLA chunk: a 188 us copy, 211.5 us with the staged route's cost.
   EXPECT_FALSE(kvf_batch_host_outlasts_staged(211500, 244, 211500, 244, 244, 188000, prior)) << "at the cost: batched";
   EXPECT_TRUE(kvf_batch_host_outlasts_staged(211501, 244, 211501, 244, 244, 188000, prior));
@@ -2407,6 +2407,63 @@ TEST(XferBatchRamp, HostBoundStagingNeedsTwoCallsPastTheStagedRoutesCost) {
       << "the largest cost of a tiny copy: 100 ms, which the largest host time outlasts";
 }
 
+// The batch route's latency alone follows the ramp: while the host keeps
+// ahead of the copy engine (the paced calls grow 1.5-2 times) it is about the
+// copy time; past it the calls double, and the last one, half the runs, is
+// copied after all the host time. The fp8 MLA chunk (244 runs, 186 us at 55
+// GB/s) measured 1.10-1.16x a memcpy at a host of 99-126 us and 1.56-1.61x
+// at 206-215 (perf/results/2026-12-04-h200-hostbound-measured, run 4).
+TEST(XferBatchRamp, AloneLatencyFollowsTheRamp) {
+  const uint64_t copy_ns = 10244096 / 55;
+  const double fast = (double)kvf_batch_alone_latency(244, 8, 120000, copy_ns) / (double)copy_ns;
+  EXPECT_GE(fast, 1.0);
+  EXPECT_LT(fast, 1.05) << "the host keeps ahead";
+  const double slow = (double)kvf_batch_alone_latency(244, 8, 206000, copy_ns) / (double)copy_ns;
+  EXPECT_GT(slow, 1.55);
+  EXPECT_LT(slow, 1.65) << "the host's 206 us, then half the runs copied";
+  EXPECT_EQ(kvf_batch_alone_latency(244, 0, 206000, copy_ns), 206000 + copy_ns) << "one call";
+  EXPECT_EQ(kvf_batch_alone_latency(8, 8, 10000, 6000), 16000u) << "one call of the first's size";
+  EXPECT_EQ(kvf_batch_alone_latency(0, 8, 10000, 6000), 0u);
+  EXPECT_EQ(kvf_batch_alone_latency(244, 8, UINT64_MAX, copy_ns), UINT64_MAX) << "saturates";
+  EXPECT_EQ(kvf_batch_alone_latency(UINT64_MAX, 8, UINT64_MAX, UINT64_MAX), UINT64_MAX) << "a short loop at any size";
+  uint64_t before = 0;
+  for (uint64_t host = 0; host <= 400000; host += 1000) {
+    uint64_t lat = kvf_batch_alone_latency(244, 8, host, copy_ns);
+    EXPECT_GE(lat, host > copy_ns ? host : copy_ns) << host;
+    // The ramp's steps change with the host's rate: a faster host can make
+    // a shape up to 5% slower, never by much more.
+    EXPECT_GE(lat + copy_ns / 10, before) << "about monotonic in the host time: " << host;
+    before = lat;
+  }
+}
+
+// A call alone goes staged when, at each of the last two batch calls' host
+// time, the batch route's latency alone outlasts the staged route's (its
+// copies at 1.05x plus 50 us). Run 4 of 2026-12-04: at a host of 206 us the
+// fp8 MLA chunk d2h alone took 1.56x a memcpy batched and 1.29x staged, and
+// the fixed eighth (209.5 us) kept it batched; at 168 us batched took 1.23x.
+// A small request stays batched where its host time passes its copy's,
+// which the eighth sent staged.
+TEST(XferBatchRamp, CallAloneWeighsBothRoutesLatency) {
+  const uint64_t copy_ns = 10244096 / 55;
+  EXPECT_TRUE(kvf_batch_alone_outlasts_staged(206000, 244, 206000, 244, 244, 8, copy_ns));
+  EXPECT_FALSE(kvf_batch_host_outlasts_staged(206000, 244, 206000, 244, 244, copy_ns, KVF_BATCH_STAGED_COST_EIGHTH))
+      << "the eighth kept it batched";
+  EXPECT_FALSE(kvf_batch_alone_outlasts_staged(168000, 244, 168000, 244, 244, 8, copy_ns));
+  EXPECT_FALSE(kvf_batch_alone_outlasts_staged(206000, 244, 120000, 244, 244, 8, copy_ns)) << "one fast call";
+  EXPECT_FALSE(kvf_batch_alone_outlasts_staged(120000, 244, 206000, 244, 244, 8, copy_ns)) << "the other one";
+  EXPECT_FALSE(kvf_batch_alone_outlasts_staged(206000, 244, 0, 0, 244, 8, copy_ns)) << "one batch call yet";
+  EXPECT_TRUE(kvf_batch_alone_outlasts_staged(103000, 122, 206000, 244, 244, 8, copy_ns)) << "scaled per run";
+  EXPECT_FALSE(kvf_batch_alone_outlasts_staged(900000, 489, 900000, 489, 244, 8, copy_ns)) << "not comparable";
+  EXPECT_FALSE(kvf_batch_alone_outlasts_staged(10000, 8, 10000, 8, 8, 8, 6000)) << "8 runs: 16 us batched";
+  EXPECT_TRUE(kvf_batch_host_outlasts_staged(10000, 8, 10000, 8, 8, 6000, KVF_BATCH_STAGED_COST_EIGHTH))
+      << "which the eighth sent staged";
+  EXPECT_TRUE(kvf_batch_alone_outlasts_staged(60000, 8, 60000, 8, 8, 8, 6000)) << "a host past 50 us";
+  EXPECT_TRUE(kvf_batch_alone_outlasts_staged(UINT64_MAX, 244, UINT64_MAX, 244, 244, 8, copy_ns));
+  EXPECT_FALSE(kvf_batch_alone_outlasts_staged(UINT64_MAX, 244, UINT64_MAX, 244, 244, 8, UINT64_MAX))
+      << "a copy past 64 bits: nothing outlasts the staged route's";
+}
+
 // The lease of 2026-12-04 (perf/results/2026-12-04-h200-final): the staged
 // route ran the fp8 MLA chunk d2h at 213.1 us a call back to back for a
 // 187.7 us copy (1.135x), its batch calls took 203-217 us of host time, and
@@ -2418,7 +2475,7 @@ TEST(XferBatchRamp, HostBoundStagingWeighsTheMeasuredStagedCost) {
   const uint64_t copy_ns = 187700;
   const uint64_t slow_staged = kvf_staged_cost_sample(213100, copy_ns);
   EXPECT_EQ(slow_staged, 1135u);
-  EXPECT_TRUE(kvf_batch_host_outlasts_staged(212000, 244, 213000, 244, 244, copy_ns, KVF_BATCH_STAGED_COST_ALONE))
+  EXPECT_TRUE(kvf_batch_host_outlasts_staged(212000, 244, 213000, 244, 244, copy_ns, KVF_BATCH_STAGED_COST_EIGHTH))
       << "the constant eighth sent these staged";
   EXPECT_FALSE(kvf_batch_host_outlasts_staged(212000, 244, 213000, 244, 244, copy_ns, slow_staged))
       << "the measured cost keeps them batched";
@@ -2427,7 +2484,7 @@ TEST(XferBatchRamp, HostBoundStagingWeighsTheMeasuredStagedCost) {
   const uint64_t fast_staged = kvf_staged_cost_sample(193300, copy_ns);
   EXPECT_EQ(fast_staged, 1029u);
   EXPECT_TRUE(kvf_batch_host_outlasts_staged(205000, 244, 205000, 244, 244, copy_ns, fast_staged));
-  EXPECT_FALSE(kvf_batch_host_outlasts_staged(205000, 244, 205000, 244, 244, copy_ns, KVF_BATCH_STAGED_COST_ALONE));
+  EXPECT_FALSE(kvf_batch_host_outlasts_staged(205000, 244, 205000, 244, 244, copy_ns, KVF_BATCH_STAGED_COST_EIGHTH));
 }
 
 // A span becomes thousandths of the copy time, bounded; the cost weighed back
@@ -3479,7 +3536,7 @@ TEST(XferGpu, HostBoundBatchRequestGoesStagedAndMeasuresAgain) {
       cfg.calls = KVF_BATCH_HOST_BOUND_RETRY + 4;
       cfg.tune = [on](kvf_xfer_tuning &t) {
         t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS;
-        t.batch_staged_cost = KVF_BATCH_STAGED_COST_ALONE; // the link rate is fake: a measured cost would be huge
+        t.batch_staged_cost = KVF_BATCH_STAGED_COST_EIGHTH; // the link rate is fake: a measured cost would be huge
         t.batch_host_bound = on;
         t.batch_first_runs = 8;
         t.batch_back_to_back_us = 0; // every batch call on the idle stream ramps
@@ -3496,6 +3553,46 @@ TEST(XferGpu, HostBoundBatchRequestGoesStagedAndMeasuresAgain) {
         }
       };
       run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 42 + (uint64_t)d, cfg);
+    }
+}
+
+// With the staged route's cost not fixed (the default), a host-bound call
+// alone on an idle stream weighs both routes' latency alone
+// (kvf_batch_alone_outlasts_staged): the batch route's ramp at the host
+// time of the context's last two batch calls against the staged route's
+// copies at 1.05x plus 50 us. Four fp8 MLA chunks a call (976 runs, the
+// batch route's limit raised to fit them; 0.4-0.9 ms of host time on the
+// H200) at a link rate so high their copies take nanoseconds: the batch
+// route's latency is its host time, past 50 us, so calls from the third on
+// go staged but every ninth in a row. At 1 GB/s the copies take 41 ms,
+// which the host keeps ahead of: every call stays batched. Every call is
+// synchronized and checked against the reference.
+TEST(XferGpu, HostBoundCallAloneWeighsBothRoutesLatency) {
+  REQUIRE_GPU();
+  for (int64_t link_gbps : {(int64_t)KVF_BATCH_MAX_LINK_GBPS, (int64_t)1})
+    for (Dir d : {Dir::Gather, Dir::Scatter}) {
+      SCOPED_TRACE("link " + std::to_string(link_gbps) + " GB/s, " + dir_name(d));
+      Prepared s;
+      ASSERT_NO_FATAL_FAILURE(setup_chunks("deepseek-v3-mla-fp8-656", 4, 0, 51, &s));
+      GpuConfig cfg;
+      cfg.obj_kind = Mem::Pinned;
+      cfg.route = expected_route(Mem::Pinned, d);
+      cfg.calls = KVF_BATCH_HOST_BOUND_RETRY + 4;
+      cfg.tune = [link_gbps](kvf_xfer_tuning &t) {
+        t.batch_link_gbps = link_gbps;
+        t.batch_staged_cost = 0;
+        t.batch_back_to_back_us = 0; // every batch call on the idle stream ramps
+        t.batch_max_runs = 4 * 256;
+      };
+      const bool host_bound = link_gbps > 1;
+      cfg.check_each = [host_bound](int i, const kvf_xfer_path_info &p) {
+        SCOPED_TRACE("call " + std::to_string(i));
+        const bool batch = !host_bound || i <= 1 || i == KVF_BATCH_HOST_BOUND_RETRY + 2;
+        EXPECT_EQ(p.path, batch ? KVF_PATH_COPY_BATCH : KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
+        EXPECT_EQ(p.host_bound, batch ? 0u : 1u);
+        EXPECT_EQ(p.back_to_back, 0u) << "every call alone";
+      };
+      run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 52 + (uint64_t)d, cfg);
     }
 }
 
@@ -3535,7 +3632,7 @@ TEST(XferGpu, HostBoundCallBehindOtherWorkStaysBatched) {
       cfg.sync_each = false;
       cfg.tune = [between](kvf_xfer_tuning &t) {
         t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS;
-        t.batch_staged_cost = KVF_BATCH_STAGED_COST_ALONE; // the link rate is fake: a measured cost would be huge
+        t.batch_staged_cost = KVF_BATCH_STAGED_COST_EIGHTH; // the link rate is fake: a measured cost would be huge
         t.batch_back_to_back_us = between == SpinAtOnce ? 1 : KVF_BATCH_MAX_BACK_TO_BACK_US;
         if (between == SpinAtOnce) t.batch_max_runs = 16 * 256;
       };
@@ -3585,7 +3682,7 @@ TEST(XferGpu, HostBoundCallRightBehindThePreviousOneGoesStaged) {
     cfg.sync_each = false;
     cfg.tune = [](kvf_xfer_tuning &t) {
       t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS;
-      t.batch_staged_cost = KVF_BATCH_STAGED_COST_ALONE; // the link rate is fake: a measured cost would be huge
+      t.batch_staged_cost = KVF_BATCH_STAGED_COST_EIGHTH; // the link rate is fake: a measured cost would be huge
       t.batch_back_to_back_us = KVF_BATCH_MAX_BACK_TO_BACK_US;
       t.batch_max_runs = 16 * 256;
     };
@@ -3616,8 +3713,9 @@ TEST(XferGpu, HostBoundCallRightBehindThePreviousOneGoesStaged) {
 // before it, read by a later call once complete; from four measures on, a
 // call back to back weighs their median, and until then the copies' time
 // (host-bound calls back to back take the staged route and are measured). A
-// call on an idle stream weighs a fixed cost (an eighth more than the
-// copies). With KVF_XFER_BATCH_LINK_GBPS set so high that every call is
+// call on an idle stream weighs both routes' latency alone (its milliseconds
+// of host time against the staged route's 50 us and nanoseconds of copies:
+// staged). With KVF_XFER_BATCH_LINK_GBPS set so high that every call is
 // host-bound, a copy's time at that rate is nanoseconds, so the rule's
 // verdict back to back turns on real times: the batch calls' host time
 // against the measured span. Sixteen bf16 MLA chunks a call are 3904 runs of
@@ -3635,7 +3733,7 @@ TEST(XferGpu, HostBoundCallRightBehindThePreviousOneGoesStaged) {
 // bytes land as the reference says.
 TEST(XferGpu, HostBoundRuleWeighsTheStagedRoutesMeasuredCost) {
   REQUIRE_GPU();
-  for (int64_t fixed : {(int64_t)0, (int64_t)KVF_BATCH_STAGED_COST_ALONE})
+  for (int64_t fixed : {(int64_t)0, (int64_t)KVF_BATCH_STAGED_COST_EIGHTH})
     for (Dir d : {Dir::Gather, Dir::Scatter}) {
       SCOPED_TRACE(std::string(fixed ? "fixed cost, " : "measured cost, ") + dir_name(d));
       Prepared s;
@@ -3716,7 +3814,7 @@ TEST(XferGpu, HostBoundBatchRequestBehindQueuedWorkStaysBatched) {
     cfg.sync_each = false;
     cfg.tune = [](kvf_xfer_tuning &t) {
       t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS;
-      t.batch_staged_cost = KVF_BATCH_STAGED_COST_ALONE; // the link rate is fake: a measured cost would be huge
+      t.batch_staged_cost = KVF_BATCH_STAGED_COST_EIGHTH; // the link rate is fake: a measured cost would be huge
     };
     cfg.check_each = [](int i, const kvf_xfer_path_info &p) {
       SCOPED_TRACE("call " + std::to_string(i));

@@ -947,8 +947,9 @@ static cudaError_t query_relaxed(cudaStream_t stream, cudaEvent_t event) {
  * and a span on an idle stream, which also holds the call's planning before
  * its first enqueue, measured 1.48-1.54x (where the call alone, host
  * included, took 1.26x a memcpy's wall time: the first call on a context is
- * not a typical one). A call on an idle stream keeps a fixed cost
- * (staged_cost_alone). perf/results/2026-12-04-h200-hostbound-measured. */
+ * not a typical one). A call on an idle stream weighs a model of both
+ * routes' latency instead (alone_outlasts).
+ * perf/results/2026-12-04-h200-hostbound-measured. */
 static void read_staged_span(kvf_xfer *x) {
   if (!x->span_pending) return;
   cudaError_t q = query_relaxed(NULL, x->span_end);
@@ -982,11 +983,6 @@ static uint64_t staged_cost_back_to_back(const kvf_xfer *x) {
   return kvf_staged_cost_of(x->staged_cost, n, x->tune.batch_staged_cost);
 }
 
-/* ... and alone, on an idle stream: not measured (read_staged_span says why). */
-static uint64_t staged_cost_alone(const kvf_xfer *x) {
-  return x->tune.batch_staged_cost > 0 ? (uint64_t)x->tune.batch_staged_cost : KVF_BATCH_STAGED_COST_ALONE;
-}
-
 /* Whether the context's last two batch calls, for `runs` runs, outlast the
  * staged route at `cost` (kvf_batch_host_outlasts_staged). */
 static int host_outlasts(const kvf_xfer *x, uint64_t runs, uint64_t engine_ns, uint64_t cost) {
@@ -994,17 +990,32 @@ static int host_outlasts(const kvf_xfer *x, uint64_t runs, uint64_t engine_ns, u
                                         runs, engine_ns, cost);
 }
 
+/* Whether a host-bound call alone, on an idle stream, goes staged: a span
+ * there holds the call's planning and is not measured (read_staged_span
+ * says why). With the cost fixed (KVF_XFER_BATCH_STAGED_COST), the
+ * host time against it; else the batch route's latency alone at that host
+ * time, ramp included, against the staged route's
+ * (kvf_batch_alone_outlasts_staged): past the copy time the ramp's last
+ * call, half the runs, is copied after all the host time, and the fixed
+ * eighth kept such calls batched up to 1.125x (the fp8 MLA chunk d2h alone
+ * at 1.56x a memcpy where the staged route took 1.29x). */
+static int alone_outlasts(const kvf_xfer *x, uint64_t runs, uint64_t engine_ns) {
+  if (x->tune.batch_staged_cost > 0) return host_outlasts(x, runs, engine_ns, (uint64_t)x->tune.batch_staged_cost);
+  return kvf_batch_alone_outlasts_staged(x->batch_host_ns, x->batch_runs, x->batch_host_ns_before,
+                                         x->batch_runs_before, runs, (uint64_t)x->tune.batch_first_runs, engine_ns);
+}
+
 /* Whether a request the batch route fits, of `runs` runs whose copies take
  * engine_ns at KVF_XFER_BATCH_LINK_GBPS, goes staged instead
  * (KVF_XFER_BATCH_HOST_BOUND). The batch API's host time grows with the
  * runs (0.45-0.9 us each on the H200's KVM host, bimodal), the staged
- * route's does not: where the context's last two batch calls say the host
- * would take longer than the staged route's own time for the call
- * (kvf_batch_host_outlasts_staged: on an idle stream its cost alone, behind
- * the previous call its period back to back as measured on the context,
- * read_staged_span; the fp8 MLA chunk's 244 runs of 41 KiB
- * on a slow host: 218-240 us for a 188 us copy), the batch route keeps the
- * copy engine waiting, back to back or alone, and the staged route (35-55
+ * route's does not: where the context's last two batch calls say the
+ * batch route would take longer than the staged route (on an idle stream
+ * their latencies alone, alone_outlasts; behind the previous call the host
+ * time against the staged route's period back to back as measured on the
+ * context, kvf_batch_host_outlasts_staged and read_staged_span; the fp8 MLA
+ * chunk's 244 runs of 41 KiB on a slow host: 218-240 us for a 188 us copy),
+ * the batch route keeps the copy engine waiting, back to back or alone, and the staged route (35-55
  * us of host time, GPU time 97.6-98.7% of the batch route's) does not. Not
  * when the stream is busy unless with the context's call right before this
  * one, which came back within KVF_XFER_BATCH_BACK_TO_BACK_US (between its
@@ -1021,14 +1032,16 @@ static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns
   *stream_idle = -1;
   if (!x->tune.batch_host_bound || x->tune.staging_mb <= 0 || x->tune.batch_link_gbps <= 0) return 0;
   read_staged_span(x);
-  const uint64_t alone = staged_cost_alone(x), back_to_back_cost = staged_cost_back_to_back(x);
+  const uint64_t back_to_back_cost = staged_cost_back_to_back(x);
   /* Unmeasured, or measured again (below): the cost a call back to back that
    * the measures keep batched would weigh without them. */
-  const uint64_t explore = x->tune.batch_staged_cost > 0 ? alone : KVF_BATCH_STAGED_COST_UNMEASURED;
-  uint64_t lowest = alone < back_to_back_cost ? alone : back_to_back_cost;
-  if (explore < lowest) lowest = explore;
-  /* The stream is asked only when some cost could send the call staged. */
-  if (!host_outlasts(x, runs, engine_ns, lowest)) return 0;
+  const uint64_t explore =
+      x->tune.batch_staged_cost > 0 ? (uint64_t)x->tune.batch_staged_cost : KVF_BATCH_STAGED_COST_UNMEASURED;
+  const uint64_t lowest = explore < back_to_back_cost ? explore : back_to_back_cost;
+  /* The stream is asked only when the call could go staged, alone or back
+   * to back. */
+  const int alone = alone_outlasts(x, runs, engine_ns);
+  if (!alone && !host_outlasts(x, runs, engine_ns, lowest)) return 0;
   /* Asked before the mark goes on the stream, which would make it look
    * busy to the ramp (ramped_batch_copy) of a call that stays batched. A
    * busy stream is the previous call's alone (back to back behind a slow
@@ -1060,7 +1073,7 @@ static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns
   }
   if (!reached || x->host_bound_staged >= KVF_BATCH_HOST_BOUND_RETRY) return 0;
   x->rule_back_to_back = !idle;
-  int staged = host_outlasts(x, runs, engine_ns, idle ? alone : back_to_back_cost);
+  int staged = idle ? alone : host_outlasts(x, runs, engine_ns, back_to_back_cost);
   /* Kept batched by the measures alone: every KVF_STAGED_COST_REMEASURE-th
    * such call goes staged to be measured again. */
   if (!staged && !idle && x->tune.batch_staged_cost == 0 && !x->span_pending &&

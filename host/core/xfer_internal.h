@@ -192,9 +192,10 @@ int kvf_batch_host_bound(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t run
 #define KVF_BATCH_HOST_BOUND_RETRY 8
 /* The staged route's cost in thousandths of its copies' time at
  * KVF_XFER_BATCH_LINK_GBPS, what a host-bound call weighs the batch route's
- * host time against: KVF_XFER_BATCH_STAGED_COST when set; else, for a call
- * on an idle stream, KVF_BATCH_STAGED_COST_ALONE (an eighth more, the rule's
- * margin since 2026-12-03), and for a call that came while the stream
+ * host time against: KVF_XFER_BATCH_STAGED_COST when set (the value of
+ * KVF_BATCH_STAGED_COST_EIGHTH, an eighth more, was the rule's margin from
+ * 2026-12-03); else, a call on an idle stream weighs latencies
+ * (kvf_batch_alone_outlasts_staged), and a call that came while the stream
  * worked on the call before it, the median of the context's last
  * KVF_STAGED_COST_SAMPLES measures of such calls' spans on the stream (their
  * period back to back; kvf_staged_cost_of), KVF_BATCH_STAGED_COST_UNMEASURED
@@ -206,7 +207,7 @@ int kvf_batch_host_bound(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t run
  * The staged route ran 1.02-1.08x its copies back to back on some H200
  * leases and 1.135x on another (perf/results/2026-12-04-h200-final): no
  * constant suits both, and under an eighth more the rule never tried it. */
-#define KVF_BATCH_STAGED_COST_ALONE 1125
+#define KVF_BATCH_STAGED_COST_EIGHTH 1125
 #define KVF_BATCH_STAGED_COST_UNMEASURED 1000
 #define KVF_BATCH_MAX_STAGED_COST 1000000000ull
 #define KVF_STAGED_COST_SAMPLES 4
@@ -219,6 +220,47 @@ int kvf_batch_host_bound(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t run
  * staged_cost / 1000 (kvf_staged_cost_of; saturating). */
 int kvf_batch_host_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, uint64_t before_host_ns,
                                    uint64_t before_runs, uint64_t runs, uint64_t engine_ns, uint64_t staged_cost);
+
+/* The batch route's latency for a call alone on an idle stream, from its
+ * start to its last copy's end, as the ramp would enqueue it: `runs` runs
+ * whose host time is host_ns in all (spread evenly over the runs) and whose
+ * copies take engine_ns, the first call of `first` runs
+ * (KVF_XFER_BATCH_FIRST_RUNS; 0: one call), each later one of
+ * kvf_batch_ramp_next's size; a call's copies start once the host has
+ * enqueued it and the copy engine is done with the previous call's. It
+ * leaves out the copy engine's cost per call (about 2 us): on the H200 the
+ * fp8 MLA chunk's latency alone (244 runs, 186 us at 55 GB/s) measured
+ * 1.10-1.16x a memcpy's where this gives 1.02-1.03x the copy (host 99-126
+ * us), 1.22-1.23 where it gives 1.12-1.21 (151-168), 1.30-1.32 where
+ * 1.28-1.53 (181-190) and 1.56-1.75 where 1.61-1.82 (206-244): past the
+ * copy time the ramp doubles, so its
+ * last call, half the runs, is copied after all the host time
+ * (perf/results/2026-12-04-h200-hostbound-measured). Saturates at
+ * UINT64_MAX; 0 for 0 runs. */
+uint64_t kvf_batch_alone_latency(uint64_t runs, uint64_t first, uint64_t host_ns, uint64_t engine_ns);
+
+/* The staged route's latency for a call alone, what kvf_batch_alone_
+ * outlasts_staged weighs: its copies' time at KVF_XFER_BATCH_LINK_GBPS
+ * times KVF_BATCH_STAGED_ALONE_RATE thousandths (the route's period back to
+ * back, 1.02-1.08x on the H200) plus KVF_BATCH_STAGED_ALONE_NS (its launches
+ * and first piece). The fp8 MLA chunk alone on the H200 (a 186 us copy at 55
+ * GB/s): d2h 245-257 us of wall time, h2d 213-222 (the 2026-12-03/04
+ * leases' latency steps, KVF_XFER_BATCH_STAGED_COST 1125), so 1.05x plus
+ * 22-56 us; the larger, which the d2h boundary needs, is taken: at a host of
+ * 181-190 us its batch calls alone took 255-259 us, at 196-201 270-296. */
+#define KVF_BATCH_STAGED_ALONE_RATE 1050
+#define KVF_BATCH_STAGED_ALONE_NS 50000
+
+/* Whether a batch-API call of `runs` runs alone on an idle stream, whose
+ * copies take engine_ns, goes staged for its host time: at the host time
+ * of each of the context's last two batch calls (last_*, before_*; scaled
+ * to `runs`, from a comparable call as kvf_batch_host_bound, runs 0: none)
+ * the batch route's latency alone (kvf_batch_alone_latency, first as there)
+ * outlasts the staged route's (KVF_BATCH_STAGED_ALONE_RATE, _NS). A small
+ * request stays batched where its host time is over its copy's but under
+ * the staged route's fixed cost. */
+int kvf_batch_alone_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, uint64_t before_host_ns,
+                                    uint64_t before_runs, uint64_t runs, uint64_t first, uint64_t engine_ns);
 
 /* One measure of the staged route's cost: a staged call's span on the GPU
  * (span_ns) in thousandths of its copies' time at the link rate

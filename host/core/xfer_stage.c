@@ -562,6 +562,44 @@ int kvf_batch_host_bound(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t run
   return (double)prev_host_ns * (double)runs / (double)prev_runs > (double)engine_ns;
 }
 
+uint64_t kvf_batch_alone_latency(uint64_t runs, uint64_t first, uint64_t host_ns, uint64_t engine_ns) {
+  if (runs == 0) return 0;
+  /* In double: per-run times, and sums that may pass 64 bits (saturated
+   * below); the steps grow at least 1.5 times a call (kvf_batch_ramp_next),
+   * so the loop is short. */
+  const double host_per_run = (double)host_ns / (double)runs, engine_per_run = (double)engine_ns / (double)runs;
+  double host_done = 0, engine_done = 0;
+  uint64_t left = runs, m = 0;
+  for (uint64_t k = 0; left > 0; k++) {
+    if (k == 0) {
+      m = kvf_batch_ramp_runs(0, first, left);
+    } else {
+      double h = host_per_run * (double)m, e = engine_per_run * (double)m;
+      m = kvf_batch_ramp_next(m, left, h >= 18446744073709551615.0 ? UINT64_MAX : (uint64_t)h,
+                              e >= 18446744073709551615.0 ? UINT64_MAX : (uint64_t)e);
+    }
+    host_done += host_per_run * (double)m;
+    engine_done = (engine_done > host_done ? engine_done : host_done) + engine_per_run * (double)m;
+    left -= m;
+  }
+  return engine_done >= 18446744073709551615.0 ? UINT64_MAX : (uint64_t)engine_done;
+}
+
+int kvf_batch_alone_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, uint64_t before_host_ns,
+                                    uint64_t before_runs, uint64_t runs, uint64_t first, uint64_t engine_ns) {
+  double staged = (double)engine_ns * KVF_BATCH_STAGED_ALONE_RATE / 1000.0 + (double)KVF_BATCH_STAGED_ALONE_NS;
+  const uint64_t host[2] = {last_host_ns, before_host_ns}, host_runs[2] = {last_runs, before_runs};
+  for (int i = 0; i < 2; i++) {
+    if (host_runs[i] == 0 || runs == 0) return 0;
+    if (host_runs[i] > runs * 2 || runs > host_runs[i] * 2) return 0; /* as kvf_batch_host_bound */
+    double scaled = (double)host[i] * (double)runs / (double)host_runs[i];
+    uint64_t host_ns = scaled >= 18446744073709551615.0 ? UINT64_MAX : (uint64_t)scaled;
+    /* Both calls, as kvf_batch_host_outlasts_staged. */
+    if ((double)kvf_batch_alone_latency(runs, first, host_ns, engine_ns) <= staged) return 0;
+  }
+  return 1;
+}
+
 int kvf_batch_host_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, uint64_t before_host_ns,
                                    uint64_t before_runs, uint64_t runs, uint64_t engine_ns, uint64_t staged_cost) {
   /* Past the staged route's own cost: near the break-even the batch route's
