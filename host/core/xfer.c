@@ -999,10 +999,11 @@ static int host_outlasts(const kvf_xfer *x, uint64_t runs, uint64_t engine_ns, u
  * call, half the runs, is copied after all the host time, and the fixed
  * eighth kept such calls batched up to 1.125x (the fp8 MLA chunk d2h alone
  * at 1.56x a memcpy where the staged route took 1.29x). */
-static int alone_outlasts(const kvf_xfer *x, uint64_t runs, uint64_t engine_ns) {
+static int alone_outlasts(const kvf_xfer *x, uint64_t runs, uint64_t engine_ns, int gather) {
   if (x->tune.batch_staged_cost > 0) return host_outlasts(x, runs, engine_ns, (uint64_t)x->tune.batch_staged_cost);
   return kvf_batch_alone_outlasts_staged(x->batch_host_ns, x->batch_runs, x->batch_host_ns_before,
-                                         x->batch_runs_before, runs, (uint64_t)x->tune.batch_first_runs, engine_ns);
+                                         x->batch_runs_before, runs, (uint64_t)x->tune.batch_first_runs, engine_ns,
+                                         gather ? KVF_BATCH_STAGED_ALONE_GATHER_NS : KVF_BATCH_STAGED_ALONE_SCATTER_NS);
 }
 
 /* Whether a request the batch route fits, of `runs` runs whose copies take
@@ -1027,7 +1028,7 @@ static int alone_outlasts(const kvf_xfer *x, uint64_t runs, uint64_t engine_ns) 
  * the previous one, the timed start of its span (read_staged_span): events
  * of the context's own that neither copy nor wait; enqueues nothing else.
  * *stream_idle: whether the stream was idle (-1: not asked). */
-static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns, cudaStream_t stream,
+static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns, int gather, cudaStream_t stream,
                                   int *stream_idle) {
   *stream_idle = -1;
   if (!x->tune.batch_host_bound || x->tune.staging_mb <= 0 || x->tune.batch_link_gbps <= 0) return 0;
@@ -1040,7 +1041,7 @@ static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns
   const uint64_t lowest = explore < back_to_back_cost ? explore : back_to_back_cost;
   /* The stream is asked only when the call could go staged, alone or back
    * to back. */
-  const int alone = alone_outlasts(x, runs, engine_ns);
+  const int alone = alone_outlasts(x, runs, engine_ns, gather);
   if (!alone && !host_outlasts(x, runs, engine_ns, lowest)) return 0;
   /* Asked before the mark goes on the stream, which would make it look
    * busy to the ramp (ramped_batch_copy) of a call that stays batched. A
@@ -1206,7 +1207,7 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
   /* A host-bound call built the run list for nothing: a few us of the
    * 35-55 the staged route then takes, where asking first would need the
    * runs' count, which only the list gives. */
-  if (host_bound_goes_staged(x, count, engine_ns, stream, &stream_idle)) {
+  if (host_bound_goes_staged(x, count, engine_ns, gather, stream, &stream_idle)) {
     free(dst);
     free(src);
     free(sizes);

@@ -242,25 +242,36 @@ uint64_t kvf_batch_alone_latency(uint64_t runs, uint64_t first, uint64_t host_ns
 /* The staged route's latency for a call alone, what kvf_batch_alone_
  * outlasts_staged weighs: its copies' time at KVF_XFER_BATCH_LINK_GBPS
  * times KVF_BATCH_STAGED_ALONE_RATE thousandths (the route's period back to
- * back, 1.02-1.08x on the H200) plus KVF_BATCH_STAGED_ALONE_NS (its launches
- * and first piece). The fp8 MLA chunk alone on the H200 (a 186 us copy at 55
- * GB/s): d2h 245-257 us of wall time, h2d 213-222 (the 2026-12-03/04
- * leases' latency steps, KVF_XFER_BATCH_STAGED_COST 1125), so 1.05x plus
- * 22-56 us; the larger, which the d2h boundary needs, is taken: at a host of
- * 181-190 us its batch calls alone took 255-259 us, at 196-201 270-296. */
+ * back, 1.02-1.08x on the H200) plus a fixed part, its launches and the
+ * piece its copies wait for: a gather's first piece, which the copy engine
+ * waits for, or a scatter's last, which waits for the copy engine. The fp8
+ * MLA chunk alone on the H200 (a 186 us copy at 55 GB/s) took d2h 243-258
+ * us of wall time, median 249, and h2d 217-240, median 222 (the latency
+ * steps of perf/results/2026-12-03-h200-hostbound and 2026-12-04-h200-
+ * hostbound-*, staged): 1.05x plus 53 and 26 us. Batched, d2h took 240 us at
+ * a host of 168 us, 254-259 at 181-190 and 270-296 at 196-201; h2d 238 at
+ * 151 and 257-260 at 181-190. The model leaves the batch route's cost per
+ * call out (it puts those calls 0-30 us under their measures), so the
+ * fixed parts are taken at about the medians: the model sends a gather
+ * staged from 188 us of host, a scatter from about 163. The bf16 MLA
+ * chunk staged alone took 1.04-1.11x a memcpy (perf/results/
+ * 2026-12-02-h200-rows), under these. */
 #define KVF_BATCH_STAGED_ALONE_RATE 1050
-#define KVF_BATCH_STAGED_ALONE_NS 50000
+#define KVF_BATCH_STAGED_ALONE_GATHER_NS 50000
+#define KVF_BATCH_STAGED_ALONE_SCATTER_NS 25000
 
 /* Whether a batch-API call of `runs` runs alone on an idle stream, whose
  * copies take engine_ns, goes staged for its host time: at the host time
  * of each of the context's last two batch calls (last_*, before_*; scaled
  * to `runs`, from a comparable call as kvf_batch_host_bound, runs 0: none)
  * the batch route's latency alone (kvf_batch_alone_latency, first as there)
- * outlasts the staged route's (KVF_BATCH_STAGED_ALONE_RATE, _NS). A small
- * request stays batched where its host time is over its copy's but under
- * the staged route's fixed cost. */
+ * outlasts the staged route's: engine_ns times KVF_BATCH_STAGED_ALONE_RATE
+ * thousandths plus staged_fixed_ns (KVF_BATCH_STAGED_ALONE_GATHER_NS or
+ * _SCATTER_NS). A small request stays batched where its host time is over
+ * its copy's but under the staged route's fixed part. */
 int kvf_batch_alone_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, uint64_t before_host_ns,
-                                    uint64_t before_runs, uint64_t runs, uint64_t first, uint64_t engine_ns);
+                                    uint64_t before_runs, uint64_t runs, uint64_t first, uint64_t engine_ns,
+                                    uint64_t staged_fixed_ns);
 
 /* One measure of the staged route's cost: a staged call's span on the GPU
  * (span_ns) in thousandths of its copies' time at the link rate
