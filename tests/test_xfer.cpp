@@ -1214,7 +1214,9 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
     KVF_CHANGED(batch_first_runs) KVF_CHANGED(small_stage_growth) KVF_CHANGED(small_stage_one_piece)
     KVF_CHANGED(defer) KVF_CHANGED(batch_link_gbps) KVF_CHANGED(batch_back_to_back_us)
     KVF_CHANGED(batch_host_bound) KVF_CHANGED(batch_staged_cost) KVF_CHANGED(task_bytes)
-    KVF_CHANGED(stage_pieces)
+    KVF_CHANGED(stage_pieces) KVF_CHANGED(pcie_sms) KVF_CHANGED(stage_sms) KVF_CHANGED(stage_growth)
+    KVF_CHANGED(param_bytes) KVF_CHANGED(task_waves) KVF_CHANGED(batch_min_run) KVF_CHANGED(batch_max_runs)
+    KVF_CHANGED(stage_dma_batch) KVF_CHANGED(small_stage_mb)
 #undef KVF_CHANGED
     EXPECT_TRUE(field && said.find(std::string(": ") + field + " ") != std::string::npos) << said;
     return st == KVF_ERR_INVALID_ARGUMENT && memcmp(&now, &base, sizeof now) == 0;
@@ -1253,6 +1255,19 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.task_bytes = 24; })) << "not a multiple of 16";
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.task_bytes = 65536 + 16; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_pieces = 0; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_pieces = KVF_STAGE_MAX_PIECES + 1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.task_bytes = 0; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.pcie_sms = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_sms = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_growth = 0; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_growth = 17; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.param_bytes = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.task_waves = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_min_run = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_max_runs = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_dma_batch = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.small_stage_mb = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.kernel = -1; }));
   kvf_xfer_tuning ok = base;
   ok.batch_back_to_back_us = 0;
   ok.batch_host_bound = 0;
@@ -2382,10 +2397,10 @@ TEST(XferBatchRamp, HostBoundWhenTheLastComparableCallOutlastsTheCopies) {
       << "no overflow near the limits";
 }
 
-// A request goes staged for its host time only when both of the last two
-// batch calls outlast its copies by more than the staged route's own cost
-// (thousandths of the copy time: KVF_BATCH_STAGED_COST_EIGHTH on an idle
-// stream).
+// With the cost fixed (KVF_XFER_BATCH_STAGED_COST; the eighth was the rule
+// for every call until 2026-12-04), a request goes staged for its host time
+// only when both of the last two batch calls outlast its copies by more
+// than that cost (thousandths of the copy time).
 TEST(XferBatchRamp, HostBoundStagingNeedsTwoCallsPastTheStagedRoutesCost) {
   static_assert(KVF_BATCH_STAGED_COST_EIGHTH == 1125, "the figures below assume an eighth");
   const uint64_t prior = KVF_BATCH_STAGED_COST_EIGHTH;
@@ -2431,7 +2446,7 @@ TEST(XferBatchRamp, AloneLatencyFollowsTheRamp) {
     uint64_t lat = kvf_batch_alone_latency(244, 8, host, copy_ns);
     EXPECT_GE(lat, host > copy_ns ? host : copy_ns) << host;
     // The ramp's steps change with the host's rate: a faster host can make
-    // a shape up to 5% slower, never by much more.
+    // this shape up to 5.4% of the copy slower (at 96 us), never by 10%.
     EXPECT_GE(lat + copy_ns / 10, before) << "about monotonic in the host time: " << host;
     before = lat;
   }
@@ -2444,11 +2459,16 @@ TEST(XferBatchRamp, AloneLatencyFollowsTheRamp) {
 // memcpy batched and 1.29x staged, and the fixed eighth (209.5 us) kept it
 // batched; d2h at 168 us batched took 1.23x, about what it takes staged,
 // and h2d at 170 us is slower batched (1.22x at 151) than staged (1.11-1.16x).
+// At 150 us a scatter stays batched although h2d measured faster staged
+// there: the model leaves the batch calls' own cost out, and the fixed part
+// is the median staged figure, so the break-even sits on the batch side.
 // A small request stays batched where its host time passes its copy's,
 // which the eighth sent staged.
 TEST(XferBatchRamp, CallAloneWeighsBothRoutesLatency) {
-  const uint64_t copy_ns = 10244096 / 55, gather = KVF_BATCH_STAGED_ALONE_GATHER_NS,
-                 scatter = KVF_BATCH_STAGED_ALONE_SCATTER_NS;
+  static_assert(KVF_BATCH_STAGED_ALONE_GATHER_NS == 50000 && KVF_BATCH_STAGED_ALONE_SCATTER_NS == 25000,
+                "the figures below assume 50 and 25 us");
+  const uint64_t copy_ns = 10244096 / 55;
+  const int gather = 1, scatter = 0;
   EXPECT_TRUE(kvf_batch_alone_outlasts_staged(206000, 244, 206000, 244, 244, 8, copy_ns, gather));
   EXPECT_FALSE(kvf_batch_host_outlasts_staged(206000, 244, 206000, 244, 244, copy_ns, KVF_BATCH_STAGED_COST_EIGHTH))
       << "the eighth kept it batched";
@@ -2468,8 +2488,6 @@ TEST(XferBatchRamp, CallAloneWeighsBothRoutesLatency) {
   EXPECT_TRUE(kvf_batch_alone_outlasts_staged(UINT64_MAX, 244, UINT64_MAX, 244, 244, 8, copy_ns, gather));
   EXPECT_FALSE(kvf_batch_alone_outlasts_staged(UINT64_MAX, 244, UINT64_MAX, 244, 244, 8, UINT64_MAX, gather))
       << "a copy past 64 bits: nothing outlasts the staged route's";
-  EXPECT_FALSE(kvf_batch_alone_outlasts_staged(UINT64_MAX, 244, UINT64_MAX, 244, 244, 8, copy_ns, UINT64_MAX))
-      << "nor a fixed part past 64 bits";
 }
 
 // The lease of 2026-12-04 (perf/results/2026-12-04-h200-final): the staged
@@ -3574,7 +3592,10 @@ TEST(XferGpu, HostBoundBatchRequestGoesStagedAndMeasuresAgain) {
 // route's latency is its host time, past 50 us, so calls from the third on
 // go staged but every ninth in a row. At 1 GB/s the copies take 41 ms,
 // which the host keeps ahead of: every call stays batched. Every call is
-// synchronized and checked against the reference.
+// synchronized and checked against the reference. Both verdicts are far
+// from the break-even, so this checks the idle-stream branch's wiring (the
+// rule before the model gave the same); XferBatchRamp's cases check the
+// model's verdicts near it, the gather/scatter parts included.
 TEST(XferGpu, HostBoundCallAloneWeighsBothRoutesLatency) {
   REQUIRE_GPU();
   for (int64_t link_gbps : {(int64_t)KVF_BATCH_MAX_LINK_GBPS, (int64_t)1})

@@ -1003,7 +1003,7 @@ static int alone_outlasts(const kvf_xfer *x, uint64_t runs, uint64_t engine_ns, 
   if (x->tune.batch_staged_cost > 0) return host_outlasts(x, runs, engine_ns, (uint64_t)x->tune.batch_staged_cost);
   return kvf_batch_alone_outlasts_staged(x->batch_host_ns, x->batch_runs, x->batch_host_ns_before,
                                          x->batch_runs_before, runs, (uint64_t)x->tune.batch_first_runs, engine_ns,
-                                         gather ? KVF_BATCH_STAGED_ALONE_GATHER_NS : KVF_BATCH_STAGED_ALONE_SCATTER_NS);
+                                         gather);
 }
 
 /* Whether a request the batch route fits, of `runs` runs whose copies take
@@ -1041,8 +1041,8 @@ static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns
   const uint64_t lowest = explore < back_to_back_cost ? explore : back_to_back_cost;
   /* The stream is asked only when the call could go staged, alone or back
    * to back. */
-  const int alone = alone_outlasts(x, runs, engine_ns, gather);
-  if (!alone && !host_outlasts(x, runs, engine_ns, lowest)) return 0;
+  const int alone = alone_outlasts(x, runs, engine_ns, gather), behind = host_outlasts(x, runs, engine_ns, lowest);
+  if (!alone && !behind) return 0;
   /* Asked before the mark goes on the stream, which would make it look
    * busy to the ramp (ramped_batch_copy) of a call that stays batched. A
    * busy stream is the previous call's alone (back to back behind a slow
@@ -1053,6 +1053,12 @@ static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns
    * tells: a call back to back (within the window) has had no time to
    * queue much. */
   int idle = query_relaxed(stream, NULL) == cudaSuccess;
+  *stream_idle = idle;
+  /* Only a call alone could go staged (the latency model can send a call
+   * staged whose host time is under its copy time): behind other work it
+   * takes the batch route and leaves no marks, as a call that is not
+   * host-bound. */
+  if (!idle && !behind) return 0;
   unsigned long long stream_id = 0;
   int have_id = cudaStreamGetId(stream, &stream_id) == cudaSuccess;
   if (!have_id) cudaGetLastError();
@@ -1062,7 +1068,6 @@ static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns
                          x->call_mark_stream_id == stream_id &&
                          query_relaxed(NULL, x->call_mark) != cudaErrorNotReady &&
                          query_relaxed(NULL, x->call_end_mark) == cudaErrorNotReady);
-  *stream_idle = idle;
   x->call_mark_call = 0;
   if (have_id) {
     if (cudaEventRecord(x->call_mark, stream) == cudaSuccess) {

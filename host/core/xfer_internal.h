@@ -235,8 +235,14 @@ int kvf_batch_host_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, ui
  * 1.28-1.53 (181-190) and 1.56-1.75 where 1.61-1.82 (206-244): past the
  * copy time the ramp doubles, so its
  * last call, half the runs, is copied after all the host time
- * (perf/results/2026-12-04-h200-hostbound-measured). Saturates at
- * UINT64_MAX; 0 for 0 runs. */
+ * (perf/results/2026-12-04-h200-hostbound-measured). A model: the host
+ * time it is given (from the call's start, planning included) is spread
+ * evenly over the runs, where the ramp paces by each call's own; it assumes
+ * the ramp, where a call right after a host-bound one makes one call
+ * (kvf_batch_back_to_back); and it is not monotonic in the host time,
+ * since the ramp's steps change shape with the host's rate (the fp8 chunk's
+ * latency drops 5.4% of the copy at 96 us; some shapes more). Saturates
+ * at UINT64_MAX; 0 for 0 runs. */
 uint64_t kvf_batch_alone_latency(uint64_t runs, uint64_t first, uint64_t host_ns, uint64_t engine_ns);
 
 /* The staged route's latency for a call alone, what kvf_batch_alone_
@@ -253,7 +259,8 @@ uint64_t kvf_batch_alone_latency(uint64_t runs, uint64_t first, uint64_t host_ns
  * 151 and 257-260 at 181-190. The model leaves the batch route's cost per
  * call out (it puts those calls 0-30 us under their measures), so the
  * fixed parts are taken at about the medians: the model sends a gather
- * staged from 188 us of host, a scatter from about 163. The bf16 MLA
+ * staged from 186 us of host (the copy time, where the ramp starts
+ * doubling), a scatter from about 163. The bf16 MLA
  * chunk staged alone took 1.04-1.11x a memcpy (perf/results/
  * 2026-12-02-h200-rows), under these. */
 #define KVF_BATCH_STAGED_ALONE_RATE 1050
@@ -266,12 +273,12 @@ uint64_t kvf_batch_alone_latency(uint64_t runs, uint64_t first, uint64_t host_ns
  * to `runs`, from a comparable call as kvf_batch_host_bound, runs 0: none)
  * the batch route's latency alone (kvf_batch_alone_latency, first as there)
  * outlasts the staged route's: engine_ns times KVF_BATCH_STAGED_ALONE_RATE
- * thousandths plus staged_fixed_ns (KVF_BATCH_STAGED_ALONE_GATHER_NS or
- * _SCATTER_NS). A small request stays batched where its host time is over
+ * thousandths plus KVF_BATCH_STAGED_ALONE_GATHER_NS (gather 1) or
+ * _SCATTER_NS. A small request stays batched where its host time is over
  * its copy's but under the staged route's fixed part. */
 int kvf_batch_alone_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, uint64_t before_host_ns,
                                     uint64_t before_runs, uint64_t runs, uint64_t first, uint64_t engine_ns,
-                                    uint64_t staged_fixed_ns);
+                                    int gather);
 
 /* One measure of the staged route's cost: a staged call's span on the GPU
  * (span_ns) in thousandths of its copies' time at the link rate
@@ -332,10 +339,11 @@ typedef struct kvf_xfer_tuning {
   int64_t batch_back_to_back_us; /* KVF_XFER_BATCH_BACK_TO_BACK_US: a call this soon after a host-bound batch call
                                     makes one call (0: never); and a host-bound call this soon after the
                                     previous one may go staged behind a busy stream */
-  int64_t batch_host_bound; /* KVF_XFER_BATCH_HOST_BOUND: 1: a host-bound batch request on a stream idle or
-                               busy with the context's previous call alone takes the staged route */
+  int64_t batch_host_bound; /* KVF_XFER_BATCH_HOST_BOUND: 1: a batch request takes the staged route for its host
+                               time: alone on an idle stream where the batch route's modelled latency outlasts
+                               the staged route's, or host-bound behind the context's previous call alone */
   int64_t batch_staged_cost; /* KVF_XFER_BATCH_STAGED_COST: the staged route's cost that rule weighs, in
-                                thousandths of the copies' time (0: measured on the context) */
+                                thousandths of the copies' time (0: modelled alone, measured back to back) */
   int64_t kernel;          /* KVF_XFER_KERNEL: 1 the grid-stride walk, 2 (or 0) the warp walk (kernels/walk.h) */
   int64_t spread_kb;       /* KVF_XFER_SPREAD_KB: uncapped launches of at least this payload spread (0: never) */
   int64_t cache_order;     /* KVF_XFER_CACHE_ORDER: 1: d2d gathers walk HND blocks in cache order */
@@ -404,8 +412,9 @@ typedef struct kvf_xfer_path_info {
   double host_us;          /* host time of the call, from entering to returning */
   double plan_us;          /* of host_us, the part before its first enqueue: checks, route, tables, runs */
   uint32_t deferred;       /* 1: planned and enqueued by the context's thread (KVF_XFER_DEFER); host_us is its time */
-  uint32_t host_bound;     /* 1: staged although the batch route fits, its host being slower than its copies
-                              (KVF_XFER_BATCH_HOST_BOUND) */
+  uint32_t host_bound;     /* 1: staged although the batch route fits, for the batch route's host time
+                              (KVF_XFER_BATCH_HOST_BOUND: alone, its modelled latency; back to back, the host
+                              slower than the staged route's period) */
   uint64_t staged_cost;    /* after the call, the staged route's cost back to back that the host-bound
                               rule weighs, in thousandths of the copies' time (kvf_staged_cost_of) */
   uint64_t staged_cost_measures; /* the context's measures of it since the tuning last changed how it is weighed

@@ -587,8 +587,9 @@ uint64_t kvf_batch_alone_latency(uint64_t runs, uint64_t first, uint64_t host_ns
 
 int kvf_batch_alone_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, uint64_t before_host_ns,
                                     uint64_t before_runs, uint64_t runs, uint64_t first, uint64_t engine_ns,
-                                    uint64_t staged_fixed_ns) {
-  double staged = (double)engine_ns * KVF_BATCH_STAGED_ALONE_RATE / 1000.0 + (double)staged_fixed_ns;
+                                    int gather) {
+  double staged = (double)engine_ns * KVF_BATCH_STAGED_ALONE_RATE / 1000.0 +
+                  (double)(gather ? KVF_BATCH_STAGED_ALONE_GATHER_NS : KVF_BATCH_STAGED_ALONE_SCATTER_NS);
   const uint64_t host[2] = {last_host_ns, before_host_ns}, host_runs[2] = {last_runs, before_runs};
   for (int i = 0; i < 2; i++) {
     if (host_runs[i] == 0 || runs == 0) return 0;
