@@ -2423,6 +2423,10 @@ static kvf_status defer_start(kvf_xfer *x) {
   x->defer_seq = x->defer_finished = x->defer_base = __atomic_load_n(x->defer_done, __ATOMIC_ACQUIRE);
   int rc = pthread_create(&x->defer_thread, NULL, defer_main, x);
   if (rc != 0) return kvf_fail(KVF_ERR_SYSTEM, "deferred calls: starting their thread: %s", strerror(rc));
+  KVF_WARN(XFER,
+           "deferred calls (KVF_XFER_DEFER=1) on device %d: the GPU can deadlock when a caller's stream shares a "
+           "hardware work queue with the context's internal stream (include/kvferry/transfer.h)",
+           x->device);
   return KVF_SUCCESS;
 }
 

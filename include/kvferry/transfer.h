@@ -216,7 +216,18 @@ KVF_API kvf_status kvf_xfer_scatter(kvf_xfer *xfer, const kvf_copy_request *requ
  * process whose other code may free device or pinned memory at any time
  * (PyTorch's caching allocator calls cudaFree when it empties its cache).
  * The same holds for device-wide synchronization inside kvferry:
- * destroying another context on the device frees memory. */
+ * destroying another context on the device frees memory.
+ *
+ * Hazard, found 2026-12-04 and not yet fixed: the caller's stream waits on
+ * a value in memory (cuStreamWaitValue64), which CUDA's scheduler does not
+ * see as a dependency. When that stream and the context's internal stream
+ * share one of the device's hardware work queues (CUDA_DEVICE_MAX_CONNECTIONS,
+ * 8 by default, streams assigned to them as they are created), the
+ * internal stream's work for the call queues behind the caller's wait for
+ * it, and both streams stop for good. On an H200 the concurrent-threads
+ * GPU test hung after 20 repetitions at the default, 10 at 32 connections,
+ * and at once with one connection (perf/results/2026-12-04-h200-alone-
+ * latency/NOTES.md). Any process with several streams can meet it. */
 
 /* Wait until the context's thread has enqueued every deferred call made
  * before this one (not for their GPU work), and return the first error a

@@ -129,7 +129,10 @@ class Transfer(HandleOwner):
         by the call. Returns at once otherwise (and on the host backend).
         Flush before anything that waits for the whole device (a
         ``cudaFree``, ``torch.cuda.empty_cache()``): a stream still waiting
-        for a call's enqueue would hang it (kvferry/transfer.h)."""
+        for a call's enqueue would hang it (kvferry/transfer.h). Deferred
+        calls have a known defect: the GPU can deadlock when the caller's
+        stream shares a hardware work queue with the context's internal
+        stream, so leave ``KVF_XFER_DEFER`` off outside experiments."""
         with self._handle.use() as x:
             lib.kvf_xfer_flush(x)
 
