@@ -227,7 +227,7 @@ KVF_API kvf_status kvf_xfer_scatter(kvf_xfer *xfer, const kvf_copy_request *requ
  * it, and both streams stop for good. On an H200 the concurrent-threads
  * GPU test hung after 20 repetitions at the default, 10 at 32 connections,
  * and at once with one connection (perf/results/2026-12-04-h200-alone-
- * latency/NOTES.md). Any process with several streams can meet it. */
+ * latency/NOTES.md). One caller stream is enough to meet it. */
 
 /* Wait until the context's thread has enqueued every deferred call made
  * before this one (not for their GPU work), and return the first error a
