@@ -555,11 +555,23 @@ int kvf_came_back_to_back(uint64_t prev_end_ns, uint64_t start_ns, uint64_t wind
   return window_ns != 0 && prev_end_ns != 0 && start_ns >= prev_end_ns && start_ns - prev_end_ns < window_ns;
 }
 
+/* A time computed in double, in whole ns: UINT64_MAX past 64 bits. */
+static uint64_t ns_of(double ns) { return ns >= 18446744073709551615.0 ? UINT64_MAX : (uint64_t)ns; }
+
+/* The host time a call of `runs` runs takes at the rate of a previous batch
+ * call (prev_host_ns for prev_runs), or -1 when that call says nothing:
+ * either count 0, or not comparable (half to twice the runs: a call's fixed
+ * cost says nothing of another size's). In double: the product could pass
+ * 64 bits for absurd tunings. */
+static double host_ns_for(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t runs) {
+  if (prev_runs == 0 || runs == 0) return -1;
+  if (prev_runs > runs * 2 || runs > prev_runs * 2) return -1;
+  return (double)prev_host_ns * (double)runs / (double)prev_runs;
+}
+
 int kvf_batch_host_bound(uint64_t prev_host_ns, uint64_t prev_runs, uint64_t runs, uint64_t engine_ns) {
-  if (prev_runs == 0 || runs == 0) return 0;
-  if (prev_runs > runs * 2 || runs > prev_runs * 2) return 0; /* not comparable: no rate to go by */
-  /* In double: the products could pass 64 bits for absurd tunings. */
-  return (double)prev_host_ns * (double)runs / (double)prev_runs > (double)engine_ns;
+  double host_ns = host_ns_for(prev_host_ns, prev_runs, runs);
+  return host_ns >= 0 && host_ns > (double)engine_ns;
 }
 
 uint64_t kvf_batch_alone_latency(uint64_t runs, uint64_t first, uint64_t host_ns, uint64_t engine_ns) {
@@ -575,14 +587,13 @@ uint64_t kvf_batch_alone_latency(uint64_t runs, uint64_t first, uint64_t host_ns
       m = kvf_batch_ramp_runs(0, first, left);
     } else {
       double h = host_per_run * (double)m, e = engine_per_run * (double)m;
-      m = kvf_batch_ramp_next(m, left, h >= 18446744073709551615.0 ? UINT64_MAX : (uint64_t)h,
-                              e >= 18446744073709551615.0 ? UINT64_MAX : (uint64_t)e);
+      m = kvf_batch_ramp_next(m, left, ns_of(h), ns_of(e));
     }
     host_done += host_per_run * (double)m;
     engine_done = (engine_done > host_done ? engine_done : host_done) + engine_per_run * (double)m;
     left -= m;
   }
-  return engine_done >= 18446744073709551615.0 ? UINT64_MAX : (uint64_t)engine_done;
+  return ns_of(engine_done);
 }
 
 int kvf_batch_alone_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, uint64_t before_host_ns,
@@ -592,12 +603,9 @@ int kvf_batch_alone_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, u
                   (double)(gather ? KVF_BATCH_STAGED_ALONE_GATHER_NS : KVF_BATCH_STAGED_ALONE_SCATTER_NS);
   const uint64_t host[2] = {last_host_ns, before_host_ns}, host_runs[2] = {last_runs, before_runs};
   for (int i = 0; i < 2; i++) {
-    if (host_runs[i] == 0 || runs == 0) return 0;
-    if (host_runs[i] > runs * 2 || runs > host_runs[i] * 2) return 0; /* as kvf_batch_host_bound */
-    double scaled = (double)host[i] * (double)runs / (double)host_runs[i];
-    uint64_t host_ns = scaled >= 18446744073709551615.0 ? UINT64_MAX : (uint64_t)scaled;
+    double host_ns = host_ns_for(host[i], host_runs[i], runs);
     /* Both calls, as kvf_batch_host_outlasts_staged. */
-    if ((double)kvf_batch_alone_latency(runs, first, host_ns, engine_ns) <= staged) return 0;
+    if (host_ns < 0 || (double)kvf_batch_alone_latency(runs, first, ns_of(host_ns), engine_ns) <= staged) return 0;
   }
   return 1;
 }
@@ -610,8 +618,7 @@ int kvf_batch_host_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, ui
    * 115-220 us for a 188 us copy: 191 us a call batched, 198-203 staged;
    * perf/results/2026-12-03-h200-hostbound; 213 on a later lease). In
    * double: a cost measured against an absurd link rate is huge. */
-  double staged = (double)engine_ns * (double)staged_cost / 1000.0;
-  uint64_t staged_ns = staged >= 18446744073709551615.0 ? UINT64_MAX : (uint64_t)staged;
+  uint64_t staged_ns = ns_of((double)engine_ns * (double)staged_cost / 1000.0);
   /* Both calls: one slow call (the thread descheduled, a bf16 MLA chunk's
    * host time once past its 327 us copy) says little, and sent calls the
    * batch route moves faster staged. */
