@@ -188,7 +188,7 @@ void usage(FILE *f) {
           "                            batch_host_bound, batch_staged_cost,\n"
           "                            stage_sms, pcie_sms, staging_mb, kernel,\n"
           "                            small_stage_mb, small_stage_growth, small_stage_one_piece, edge_mb, multi_pieces,\n"
-          "                            straight_kb, straight_min_run, spread_kb, cache_order, overlap, defer\n"
+          "                            straight_kb, straight_min_run, straight_alone, spread_kb, cache_order, overlap, defer\n"
           "                            (host/core/xfer_internal.h),\n"
           "                            cap (the context's max_sms). Variants are checked like every contender.\n"
           "  --enqueue-reps N          synchronized calls timing the host enqueue of each kvferry entry (default 15;\n"
@@ -970,6 +970,7 @@ void apply_tune(const std::string &spec, kvf_xfer_tuning *t, int *cap) {
     else if (k == "edge_mb") t->stage_edge_mb = v;
     else if (k == "straight_kb") t->stage_straight_kb = v;
     else if (k == "straight_min_run") t->stage_straight_min_run = v;
+    else if (k == "straight_alone") t->stage_straight_alone = v;
     else if (k == "multi_pieces") t->stage_multi_pieces = v;
     else if (k == "kernel") t->kernel = v;
     else if (k == "dma_batch") t->stage_dma_batch = v;

@@ -1181,6 +1181,7 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_EQ(t.stage_multi_pieces, 2);
   EXPECT_EQ(t.stage_straight_kb, 1024);
   EXPECT_EQ(t.stage_straight_min_run, 16384);
+  EXPECT_EQ(t.stage_straight_alone, 0);
   EXPECT_EQ(t.spread_kb, 4096);
   EXPECT_EQ(t.cache_order, 1);
   EXPECT_EQ(t.overlap, 1);
@@ -1209,7 +1210,8 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
 #define KVF_CHANGED(f) \
   if (bad.f != base.f) field = #f;
     KVF_CHANGED(stage_edge_mb) KVF_CHANGED(staging_mb) KVF_CHANGED(stage_multi_pieces)
-    KVF_CHANGED(stage_straight_kb) KVF_CHANGED(stage_straight_min_run) KVF_CHANGED(spread_kb)
+    KVF_CHANGED(stage_straight_kb) KVF_CHANGED(stage_straight_min_run) KVF_CHANGED(stage_straight_alone)
+    KVF_CHANGED(spread_kb)
     KVF_CHANGED(cache_order) KVF_CHANGED(overlap) KVF_CHANGED(device_task_waves) KVF_CHANGED(kernel)
     KVF_CHANGED(batch_first_runs) KVF_CHANGED(small_stage_growth) KVF_CHANGED(small_stage_one_piece)
     KVF_CHANGED(defer) KVF_CHANGED(batch_link_gbps) KVF_CHANGED(batch_back_to_back_us)
@@ -1230,6 +1232,8 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_straight_kb = ((int64_t)KVF_STAGE_MAX_MB << 10) + 1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_straight_min_run = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_straight_min_run = ((int64_t)KVF_STAGE_MAX_MB << 20) + 1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_straight_alone = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_straight_alone = 2; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.spread_kb = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.spread_kb = (int64_t)KVF_SPREAD_MAX_KB + 1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.cache_order = 2; }));
@@ -1276,6 +1280,7 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   ok.stage_multi_pieces = 0;
   ok.stage_straight_kb = 0;
   ok.stage_straight_min_run = 0;
+  ok.stage_straight_alone = 1;
   ok.batch_first_runs = 0;
   ok.small_stage_growth = 16;
   ok.small_stage_one_piece = 0;
@@ -3131,6 +3136,7 @@ template <int64_t OnePiece> void small_stage_straight_tune(kvf_xfer_tuning &t) {
   t.small_stage_mb = 1 << 20;
   t.stage_straight_kb = 64;
   t.stage_straight_min_run = 0;
+  t.stage_straight_alone = 1; // the case's gathers are alone on their stream
   t.small_stage_one_piece = OnePiece;
 }
 
@@ -3258,6 +3264,7 @@ const RouteVariant kRouteVariants[] = {
        t.batch_max_runs = 0;
        t.stage_straight_kb = 1; // the first (last) view that is one run a block
        t.stage_straight_min_run = 0;
+       t.stage_straight_alone = 1;
        t.stage_pieces = 2;
        t.small_stage_mb = 0;
      },
@@ -3267,6 +3274,7 @@ const RouteVariant kRouteVariants[] = {
        t.batch_max_runs = 0;
        t.stage_straight_kb = 64;
        t.stage_straight_min_run = 0;
+       t.stage_straight_alone = 1;
        t.stage_pieces = 1; // the copies follow run lists all the same
        t.small_stage_mb = 0;
      },
@@ -3278,6 +3286,7 @@ const RouteVariant kRouteVariants[] = {
        t.stage_edge_mb = 1;
        t.stage_straight_kb = 16;
        t.stage_straight_min_run = 0;
+       t.stage_straight_alone = 1;
        t.stage_pieces = 4;
        t.small_stage_mb = 0;
      },
@@ -3404,8 +3413,9 @@ INSTANTIATE_TEST_SUITE_P(Presets, XferGpuRoutes, ::testing::ValuesIn(route_cases
 // for short ones (HND: 256-byte runs), tables in kernel parameters on the
 // device, and the staged route on the legacy stream, which
 // cudaMemcpyBatchAsync refuses; a staged chunk is a small request
-// (KVF_XFER_SMALL_STAGE_MB), in one piece where it has a straight part.
-// On the device a chunk (17-32 MiB) is a
+// (KVF_XFER_SMALL_STAGE_MB), in one piece where it has a straight part
+// (not a gather alone on its stream, as here: StagedGatherAloneLeavesOut
+// ItsStraightPart). On the device a chunk (17-32 MiB) is a
 // spread launch (KVF_XFER_SPREAD_KB), and an HND gather walks the cache's
 // order (KVF_XFER_CACHE_ORDER).
 TEST(XferGpu, DefaultRoutesForOneChunk) {
@@ -3438,7 +3448,7 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
       cfg.legacy_stream = w.legacy;
       cfg.route = expected_route(w.obj, d);
       kvf_xfer_path want = w.path;
-      bool straight = w.straight;
+      bool straight = w.straight && d == Dir::Scatter; // a gather alone has none
       bool cache_order = d == Dir::Gather; // the walk applies it to head-major blocks only
       // A device-to-device launch aims at KVF_XFER_DEVICE_TASK_WAVES tasks
       // per warp of 16-warp SMs: its slice for this payload.
@@ -3474,6 +3484,67 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
       };
       run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 24 + (uint64_t)d, cfg);
     }
+}
+
+// A staged gather alone on an idle stream has no straight part: the copy
+// engine would start only after that part's batch call, whose host time
+// outlasts the first piece's kernel (staged_straight, host/core/xfer.c);
+// it takes two pieces instead. Behind other work it keeps the part in one
+// piece, as it does alone with KVF_XFER_STAGE_STRAIGHT_ALONE=1, and a
+// scatter keeps it either way. Right behind an event the caller records
+// (as a latency measure does) the stream is busy for a moment: asked again
+// once the call is planned, it is found idle, at least in most of five
+// calls (it depends on how soon the GPU completes the event). Every call
+// is checked against the CPU reference.
+TEST(XferGpu, StagedGatherAloneLeavesOutItsStraightPart) {
+  REQUIRE_GPU();
+  int sms = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  if (sms < KVF_SMALL_STAGE_SMS) GTEST_SKIP() << "one piece or two is the small-request rule's, which needs 64 SMs";
+  struct Case {
+    Dir dir;
+    double busy_ms; // a spin ahead of the first call on its stream
+    bool event_first; // an event recorded on the stream right before each call
+    int64_t straight_alone;
+    bool straight;
+  };
+  const Case cases[] = {{Dir::Gather, 0, false, 0, false},
+                        {Dir::Gather, 20, false, 0, true},
+                        {Dir::Gather, 0, false, 1, true},
+                        {Dir::Scatter, 0, false, 0, true},
+                        {Dir::Gather, 0, true, 0, false}};
+  uint64_t seed = 90;
+  cudaEvent_t mark = nullptr;
+  CUDA_OK(cudaEventCreateWithFlags(&mark, cudaEventDisableTiming));
+  for (const Case &c : cases) {
+    SCOPED_TRACE(std::string(dir_name(c.dir)) + (c.busy_ms > 0 ? " behind a spin" : " alone") +
+                 (c.event_first ? " behind an event" : "") + ", straight_alone " + std::to_string(c.straight_alone));
+    Prepared s;
+    ASSERT_NO_FATAL_FAILURE(setup_chunks("llama-3.1-8b-fa-nhd", 1, 0, seed++, &s));
+    GpuConfig cfg;
+    cfg.obj_kind = Mem::Pinned;
+    cfg.route = expected_route(Mem::Pinned, c.dir);
+    cfg.busy_ms = c.busy_ms;
+    const int64_t straight_alone = c.straight_alone;
+    cfg.tune = [straight_alone](kvf_xfer_tuning &t) { t.stage_straight_alone = straight_alone; };
+    if (c.event_first) {
+      cfg.calls = 5;
+      cfg.before_each = [mark](int, kvf_xfer *, cudaStream_t stream) { CUDA_OK(cudaEventRecord(mark, stream)); };
+    }
+    int as_wanted = 0;
+    const bool straight = c.straight;
+    cfg.check_each = [straight, &as_wanted](int, const kvf_xfer_path_info &p) {
+      ASSERT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
+      EXPECT_EQ(p.straight_runs > 0 ? 1u : 2u, p.pieces) << "one piece behind a straight part, else two";
+      if ((p.straight_runs > 0) == straight) as_wanted++;
+    };
+    run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, c.dir, 0, seed++, cfg);
+    if (c.event_first)
+      EXPECT_GE(as_wanted, 3) << "of 5 gathers right behind an event, found alone once planned";
+    else
+      EXPECT_EQ(as_wanted, 1) << (straight ? "a straight part" : "no straight part");
+  }
+  CUDA_OK(cudaEventDestroy(mark));
 }
 
 // The batch API route splits its runs into calls of 8, 16, 32, ... runs
@@ -3889,6 +3960,7 @@ TEST(XferGpu, CappedCallsTakeALargerStraightPartWithinItsLimits) {
         cfg.tune = [kb](kvf_xfer_tuning &t) {
           t.batch_max_runs = 0;  // staged, the MLA cache too
           t.stage_straight_kb = (int64_t)kb;
+          t.stage_straight_alone = 1;  // the gathers are alone on their stream
         };
         uint64_t *out = &bytes[k], *out_pieces = &pieces[k];
         cfg.check_path = [out, out_pieces](const kvf_xfer_path_info &p) {

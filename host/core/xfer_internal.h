@@ -327,6 +327,7 @@ typedef struct kvf_xfer_tuning {
   int64_t stage_multi_pieces; /* KVF_XFER_STAGE_MULTI_PIECES: most pieces per batch of a multi-batch call (0: off) */
   int64_t stage_straight_kb; /* KVF_XFER_STAGE_STRAIGHT_KB: the edge batch's bytes the copy engine moves straight (0: off) */
   int64_t stage_straight_min_run; /* KVF_XFER_STAGE_STRAIGHT_MIN_RUN: shortest block run it moves straight */
+  int64_t stage_straight_alone; /* KVF_XFER_STAGE_STRAIGHT_ALONE: 1: a gather alone (idle stream) keeps it too */
   int64_t stage_dma_batch; /* KVF_XFER_STAGE_DMA_BATCH: 1: a piece's copies are one cudaMemcpyBatchAsync */
   int64_t param_bytes;     /* KVF_XFER_PARAM_TABLE_BYTES: tables up to this size go in kernel parameters */
   int64_t task_bytes;      /* KVF_XFER_TASK_BYTES: most bytes a task moves */
