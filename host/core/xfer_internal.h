@@ -227,14 +227,14 @@ int kvf_batch_host_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, ui
  * copies take engine_ns, the first call of `first` runs
  * (KVF_XFER_BATCH_FIRST_RUNS; 0: one call), each later one of
  * kvf_batch_ramp_next's size; a call's copies start once the host has
- * enqueued it and the copy engine is done with the previous call's. It
- * leaves out the copy engine's cost per call (about 2 us): on the H200 the
- * fp8 MLA chunk's latency alone (244 runs, 186 us at 55 GB/s) measured
- * 1.10-1.16x a memcpy's where this gives 1.02-1.03x the copy (host 99-126
- * us), 1.22-1.23 where it gives 1.12-1.21 (151-168), 1.30-1.32 where
- * 1.28-1.53 (181-190) and 1.56-1.75 where 1.61-1.82 (206-244): past the
- * copy time the ramp doubles, so its
- * last call, half the runs, is copied after all the host time
+ * enqueued it and the copy engine is done with the previous call's, and
+ * each call costs KVF_BATCH_ALONE_CALL_NS more. On the H200 the fp8 MLA
+ * chunk's latency alone (244 runs, 186 us at 55 GB/s) measured 1.10-1.16x
+ * a memcpy's where this gave 1.02-1.03x the copy without the calls' cost
+ * (host 99-126 us), 1.22-1.23 where it gave 1.12-1.21 (151-168), 1.30-1.32
+ * where 1.28-1.53 (181-190) and 1.56-1.75 where 1.61-1.82 (206-244): past
+ * the copy time the ramp doubles, so its last call, half the runs, is
+ * copied after all the host time
  * (perf/results/2026-12-04-h200-hostbound-measured). A model: the host
  * time it is given (from the call's start, planning included) is spread
  * evenly over the runs, where the ramp paces by each call's own; it assumes
@@ -245,27 +245,43 @@ int kvf_batch_host_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, ui
  * at UINT64_MAX; 0 for 0 runs. */
 uint64_t kvf_batch_alone_latency(uint64_t runs, uint64_t first, uint64_t host_ns, uint64_t engine_ns);
 
+/* What each of the ramp's calls adds to a call alone's latency on the copy
+ * engine beyond its copies' time: the engine idles about 1.3 us between
+ * calls (kvf_trace), and a call's copies start later than the even spread
+ * of the host time says. On an H200 whose host kept ahead of the copy
+ * engine, the batch route alone took 9-17 us more than the model without it
+ * (bf16 and fp8 MLA chunks, 7 calls; qwen3-like, 4), and the MLA DCP rank's
+ * 61 runs of 72 KiB 23-25 us (4 calls) (perf/results/
+ * 2026-12-04-h200-straight-alone). */
+#define KVF_BATCH_ALONE_CALL_NS 2500
+
 /* The staged route's latency for a call alone, what kvf_batch_alone_
  * outlasts_staged weighs: its copies' time at KVF_XFER_BATCH_LINK_GBPS
- * times KVF_BATCH_STAGED_ALONE_RATE thousandths (the route's period back to
- * back, 1.02-1.08x on the H200) plus a fixed part, its launches and the
- * piece its copies wait for: a gather's first piece, which the copy engine
- * waits for, or a scatter's last, which waits for the copy engine. The fp8
- * MLA chunk alone on the H200 (a 186 us copy at 55 GB/s) took d2h 243-258
- * us of wall time, median 249, and h2d 217-240, median 222 (the latency
- * steps of perf/results/2026-12-03-h200-hostbound and 2026-12-04-h200-
- * hostbound-*, staged): 1.05x plus 53 and 26 us. Batched, d2h took 240 us at
- * a host of 168 us, 254-259 at 181-190 and 270-296 at 196-201; h2d 238 at
- * 151 and 257-260 at 181-190. The model leaves the batch route's cost per
- * call out (it puts those calls 0-30 us under their measures), so the
- * fixed parts are taken at about the medians: the model sends a gather
- * staged from 186 us of host (the copy time, where the ramp starts
- * doubling), a scatter from about 163. The bf16 MLA
- * chunk staged alone took 1.04-1.11x a memcpy (perf/results/
- * 2026-12-02-h200-rows), under these. */
-#define KVF_BATCH_STAGED_ALONE_RATE 1050
-#define KVF_BATCH_STAGED_ALONE_GATHER_NS 50000
-#define KVF_BATCH_STAGED_ALONE_SCATTER_NS 25000
+ * times KVF_BATCH_STAGED_ALONE_RATE thousandths plus a fixed part, its
+ * launches and the piece its copies wait for: a gather's first piece,
+ * which the copy engine waits for (a gather alone has no straight part:
+ * staged_straight in host/core/xfer.c), or a scatter's last kernel, which
+ * waits for the copy engine behind the straight part's copies. Measured on
+ * an H200 whose host kept ahead of the copy engine (perf/results/
+ * 2026-12-04-h200-straight-alone, lat-1 and lat-2), one chunk alone,
+ * staged, wall time less a memcpy's overhead, over the copy at 55 GB/s:
+ * gathers +17.5 to +22 us (bf16 and fp8 MLA, the DCP rank, qwen3-like:
+ * 82-327 us copies), scatters +8 to +12. The rate keeps long copies, where
+ * the staged route's batches cost 1-2% (4096 tokens at 98% of memcpy and
+ * more), on the batch route; the fixed parts are those offsets less about
+ * the rate's share. With the calls' cost in the batch route's model
+ * (KVF_BATCH_ALONE_CALL_NS), of those eight rows it sends three
+ * scatters (not qwen3-like's) staged: right on six, one tie (qwen3-like's
+ * scatter 3 us faster staged), wrong on the DCP rank's gather (8 us faster
+ * staged); a gather of the fp8 MLA chunk goes staged from 134 us of host,
+ * of the bf16 chunk from 167 (at 200 us it measured 1.086x a memcpy
+ * batched against 1.055x staged), a scatter from 32 and 56 us; and a
+ * scatter of 8 runs (a 6 us copy) stays batched. Before the straight part was left out of
+ * gathers alone, the fp8 MLA chunk d2h staged alone took 243-258 us, and
+ * the gather's part was 50 us. */
+#define KVF_BATCH_STAGED_ALONE_RATE 1010
+#define KVF_BATCH_STAGED_ALONE_GATHER_NS 20000
+#define KVF_BATCH_STAGED_ALONE_SCATTER_NS 10000
 
 /* Whether a batch-API call of `runs` runs alone on an idle stream, whose
  * copies take engine_ns, goes staged for its host time: at the host time
@@ -275,7 +291,7 @@ uint64_t kvf_batch_alone_latency(uint64_t runs, uint64_t first, uint64_t host_ns
  * outlasts the staged route's: engine_ns times KVF_BATCH_STAGED_ALONE_RATE
  * thousandths plus KVF_BATCH_STAGED_ALONE_GATHER_NS (gather 1) or
  * _SCATTER_NS. A small request stays batched where its host time is over
- * its copy's but under the staged route's fixed part. */
+ * its copy's but under the staged route's fixed part (less the calls'). */
 int kvf_batch_alone_outlasts_staged(uint64_t last_host_ns, uint64_t last_runs, uint64_t before_host_ns,
                                     uint64_t before_runs, uint64_t runs, uint64_t first, uint64_t engine_ns,
                                     int gather);

@@ -590,7 +590,8 @@ uint64_t kvf_batch_alone_latency(uint64_t runs, uint64_t first, uint64_t host_ns
       m = kvf_batch_ramp_next(m, left, ns_of(h), ns_of(e));
     }
     host_done += host_per_run * (double)m;
-    engine_done = (engine_done > host_done ? engine_done : host_done) + engine_per_run * (double)m;
+    engine_done =
+        (engine_done > host_done ? engine_done : host_done) + engine_per_run * (double)m + KVF_BATCH_ALONE_CALL_NS;
     left -= m;
   }
   return ns_of(engine_done);
