@@ -3503,10 +3503,10 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
 // it takes two pieces instead. Behind other work it keeps the part in one
 // piece, as it does alone with KVF_XFER_STAGE_STRAIGHT_ALONE=1, and a
 // scatter keeps it either way. Right behind an event the caller records
-// (as a latency measure does) the stream is busy for a moment: asked again
-// once the call is planned, it is found idle, at least in most of five
-// calls (it depends on how soon the GPU completes the event). Every call
-// is checked against the CPU reference.
+// (as a latency measure does) the stream is busy for a moment, which the
+// call waits out (stream_idle_soon), at least in most of five calls (it
+// depends on how soon the GPU completes the event). Every call is checked
+// against the CPU reference.
 TEST(XferGpu, StagedGatherAloneLeavesOutItsStraightPart) {
   REQUIRE_GPU();
   int sms = 0;
@@ -3678,15 +3678,30 @@ TEST(XferGpu, HostBoundBatchRequestGoesStagedAndMeasuresAgain) {
 // synchronized and checked against the reference. Both verdicts are far
 // from the break-even, so this checks the idle-stream branch's wiring (the
 // rule before the model gave the same); XferBatchRamp's cases check the
-// model's verdicts near it, the gather/scatter parts included.
+// model's verdicts near it, the gather/scatter parts included. One chunk a
+// call, each right behind an event the test records (its run list built in
+// a few us, before the GPU completes the event), still finds its stream
+// idle (stream_idle_soon).
 TEST(XferGpu, HostBoundCallAloneWeighsBothRoutesLatency) {
   REQUIRE_GPU();
-  for (int64_t link_gbps : {(int64_t)KVF_BATCH_MAX_LINK_GBPS, (int64_t)1})
+  struct Case {
+    int64_t link_gbps;
+    uint64_t chunks;
+    bool event_first; // an event recorded on the stream right before each call
+  };
+  cudaEvent_t mark = nullptr;
+  CUDA_OK(cudaEventCreateWithFlags(&mark, cudaEventDisableTiming));
+  for (Case c : {Case{(int64_t)KVF_BATCH_MAX_LINK_GBPS, 4, false}, Case{1, 4, false},
+                 Case{(int64_t)KVF_BATCH_MAX_LINK_GBPS, 1, true}})
     for (Dir d : {Dir::Gather, Dir::Scatter}) {
-      SCOPED_TRACE("link " + std::to_string(link_gbps) + " GB/s, " + dir_name(d));
+      const int64_t link_gbps = c.link_gbps;
+      SCOPED_TRACE("link " + std::to_string(link_gbps) + " GB/s, " + std::to_string(c.chunks) + " chunks, " +
+                   (c.event_first ? "behind an event, " : "") + dir_name(d));
       Prepared s;
-      ASSERT_NO_FATAL_FAILURE(setup_chunks("deepseek-v3-mla-fp8-656", 4, 0, 51, &s));
+      ASSERT_NO_FATAL_FAILURE(setup_chunks("deepseek-v3-mla-fp8-656", c.chunks, 0, 51, &s));
       GpuConfig cfg;
+      if (c.event_first)
+        cfg.before_each = [mark](int, kvf_xfer *, cudaStream_t stream) { CUDA_OK(cudaEventRecord(mark, stream)); };
       cfg.obj_kind = Mem::Pinned;
       cfg.route = expected_route(Mem::Pinned, d);
       cfg.calls = KVF_BATCH_HOST_BOUND_RETRY + 4;
@@ -3706,6 +3721,7 @@ TEST(XferGpu, HostBoundCallAloneWeighsBothRoutesLatency) {
       };
       run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 52 + (uint64_t)d, cfg);
     }
+  CUDA_OK(cudaEventDestroy(mark));
 }
 
 // A host-bound call goes staged behind a busy stream only while that

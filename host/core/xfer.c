@@ -940,6 +940,28 @@ static cudaError_t query_relaxed(cudaStream_t stream, cudaEvent_t event) {
   return q;
 }
 
+/* Whether the stream is idle, or becomes idle within KVF_IDLE_WAIT_NS: an
+ * event the caller recorded just before the call (as a latency measure
+ * does, or an engine marking its stream) keeps it busy for a few us after
+ * the record returns. On an H200 a call alone right behind such an event
+ * found its stream busy after building its run list on about half the
+ * calls, and then took the batch route where the rule said staged (the
+ * bf16 and fp8 MLA chunks h2d alone at 1.08-1.12x a memcpy where the
+ * staged route took 1.04-1.06x; perf/results/2026-12-04-h200-straight-
+ * alone, d4). Asked only where idleness decides the route (a call alone
+ * the host-bound rule would stage, a staged gather's straight part), so a
+ * busy stream costs such a call at most this much host time, which the
+ * work it is busy with hides. */
+#define KVF_IDLE_WAIT_NS 5000
+
+static int stream_idle_soon(cudaStream_t stream) {
+  if (query_relaxed(stream, NULL) == cudaSuccess) return 1;
+  const uint64_t t0 = kvf_now_ns();
+  while (kvf_now_ns() - t0 < KVF_IDLE_WAIT_NS)
+    if (query_relaxed(stream, NULL) == cudaSuccess) return 1;
+  return 0;
+}
+
 /* Reads the span of the staged call measured last (host_bound_goes_staged)
  * once both its marks have completed: one more measure of the staged
  * route's cost back to back. Only a call that came while the stream worked
@@ -1055,7 +1077,7 @@ static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns
    * its end mark reached once it is done, and while it is not, only time
    * tells: a call back to back (within the window) has had no time to
    * queue much. */
-  int idle = query_relaxed(stream, NULL) == cudaSuccess;
+  int idle = alone ? stream_idle_soon(stream) : query_relaxed(stream, NULL) == cudaSuccess;
   *stream_idle = idle;
   /* Only a call alone could go staged (the latency model can send a call
    * staged whose host time is under its copy time): behind other work it
@@ -1817,20 +1839,16 @@ out:
  * fp8-inline 1.20 -> 1.07, glm-like 1.38-1.44 -> 1.16, gpt-oss-like
  * 1.37-1.43 -> 1.18, the MLA chunks within 0.02. A scatter's part goes
  * after its copy engine's leg, which hides its host time: kept.
- * stream_idle: the stream asked already (host_bound_goes_staged), -1 not.
- * Returns 0 (no straight part), 1 (a straight part where the plan finds
- * one) or STRAIGHT_ASK_AGAIN: a gather whose stream was busy when asked
- * here, which launch_staged asks again once planned. An event the caller
- * recorded just before the call (as a latency measure does) leaves the
- * stream busy for a few us; the run list the batch route builds first
- * gives it that time, the staged route alone asks at once. */
-enum { STRAIGHT_ASK_AGAIN = 2 };
-
+ * stream_idle: the stream asked already (host_bound_goes_staged), -1 not;
+ * else asked here, allowing an event recorded just before the call the few
+ * us it takes to complete (stream_idle_soon). Asked again once the call
+ * was planned, such a stream was idle, but the second plan cost more
+ * (the bf16 MLA chunk's gather alone 1.09-1.13x a memcpy) than the wait. */
 static int staged_straight(const kvf_xfer *x, int gather, cudaStream_t stream, int stream_idle) {
   if (default_stream(stream)) return 0;
   if (!gather || x->tune.stage_straight_alone || x->tune.stage_straight_kb <= 0) return 1;
   if (stream_idle >= 0) return !stream_idle;
-  return query_relaxed(stream, NULL) == cudaSuccess ? 0 : STRAIGHT_ASK_AGAIN;
+  return !stream_idle_soon(stream);
 }
 
 /* Host<->device through the staging buffers: batches of whole chunks,
@@ -1863,15 +1881,7 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
   cudaError_t e = cudaSuccess;
   staged_call c;
   if (pieces < 1) pieces = 1;
-  kvf_status st =
-      plan_staged(x, r, gather, pieces, growth, straight != 0, one_piece, stage_sms, pcie_sms, &c, &retry);
-  if (!st && !retry && straight == STRAIGHT_ASK_AGAIN && c.straight_runs &&
-      query_relaxed(stream, NULL) == cudaSuccess) {
-    /* Busy only for the moment the planning took: the gather is alone
-     * (staged_straight), planned again without its straight part. */
-    staged_call_free(&c);
-    st = plan_staged(x, r, gather, pieces, growth, 0, one_piece, stage_sms, pcie_sms, &c, &retry);
-  }
+  kvf_status st = plan_staged(x, r, gather, pieces, growth, straight, one_piece, stage_sms, pcie_sms, &c, &retry);
   if (!st && retry) {
     staged_call_free(&c);
     st = plan_staged(x, r, gather, 1, growth, 0, 0, stage_sms, pcie_sms, &c, &retry);
