@@ -2935,6 +2935,10 @@ struct GpuConfig {
   std::function<void(int, const kvf_xfer_path_info &)> check_each;
   // Run before each of the calls (0-based), after the busy spin of the first.
   std::function<void(int, kvf_xfer *, cudaStream_t)> before_each;
+  // An event recorded on the stream right before each call, as a caller
+  // timing it does: the stream is busy for the few us the GPU takes to
+  // complete it.
+  bool event_before_call = false;
 };
 
 // Whether an uncapped device-to-device launch overlaps the previous kernel
@@ -2985,6 +2989,14 @@ void run_gpu_case(const kvf_geometry *g, const Plan &p, kvf_object_format fmt, D
   }
   Stream stream;
   cudaStream_t s = cfg.legacy_stream ? nullptr : stream.s;
+  cudaEvent_t before_call = nullptr;
+  if (cfg.event_before_call) CUDA_OK(cudaEventCreate(&before_call));
+  struct EventGuard {
+    cudaEvent_t e;
+    ~EventGuard() {
+      if (e) cudaEventDestroy(e);
+    }
+  } before_call_guard{before_call};
 
   for (int i = 0; i < cfg.calls; i++) {  // the same copy again: the same bytes land
     if (cfg.busy_ms > 0 && i == 0) CUDA_OK(kvf_test_spin(s, cfg.busy_ms));
@@ -2992,6 +3004,7 @@ void run_gpu_case(const kvf_geometry *g, const Plan &p, kvf_object_format fmt, D
       ASSERT_NO_FATAL_FAILURE(cfg.before_each(i, x.get(), s));
     }
     auto r = std::make_unique<Req>(p, fmt, dcache.payloads(), dobjs.payloads());
+    if (before_call) CUDA_OK(cudaEventRecord(before_call, s));
     kvf_status st = call(x.get(), dir, r->get(), s);
     r->scrub();
     r.reset();
@@ -3525,8 +3538,6 @@ TEST(XferGpu, StagedGatherAloneLeavesOutItsStraightPart) {
                         {Dir::Scatter, 0, false, 0, true},
                         {Dir::Gather, 0, true, 0, false}};
   uint64_t seed = 90;
-  cudaEvent_t mark = nullptr;
-  CUDA_OK(cudaEventCreateWithFlags(&mark, cudaEventDisableTiming));
   for (const Case &c : cases) {
     SCOPED_TRACE(std::string(dir_name(c.dir)) + (c.busy_ms > 0 ? " behind a spin" : " alone") +
                  (c.event_first ? " behind an event" : "") + ", straight_alone " + std::to_string(c.straight_alone));
@@ -3540,7 +3551,7 @@ TEST(XferGpu, StagedGatherAloneLeavesOutItsStraightPart) {
     cfg.tune = [straight_alone](kvf_xfer_tuning &t) { t.stage_straight_alone = straight_alone; };
     if (c.event_first) {
       cfg.calls = 5;
-      cfg.before_each = [mark](int, kvf_xfer *, cudaStream_t stream) { CUDA_OK(cudaEventRecord(mark, stream)); };
+      cfg.event_before_call = true;
     }
     int as_wanted = 0;
     const bool straight = c.straight;
@@ -3555,7 +3566,6 @@ TEST(XferGpu, StagedGatherAloneLeavesOutItsStraightPart) {
     else
       EXPECT_EQ(as_wanted, 1) << (straight ? "a straight part" : "no straight part");
   }
-  CUDA_OK(cudaEventDestroy(mark));
 }
 
 // The batch API route splits its runs into calls of 8, 16, 32, ... runs
@@ -3679,8 +3689,8 @@ TEST(XferGpu, HostBoundBatchRequestGoesStagedAndMeasuresAgain) {
 // from the break-even, so this checks the idle-stream branch's wiring (the
 // rule before the model gave the same); XferBatchRamp's cases check the
 // model's verdicts near it, the gather/scatter parts included. One chunk a
-// call, each right behind an event the test records (its run list built in
-// a few us, before the GPU completes the event), still finds its stream
+// call, each right behind an event the test records (asked with the last
+// call's runs, before the GPU completes the event), still finds its stream
 // idle (stream_idle_soon).
 TEST(XferGpu, HostBoundCallAloneWeighsBothRoutesLatency) {
   REQUIRE_GPU();
@@ -3689,8 +3699,6 @@ TEST(XferGpu, HostBoundCallAloneWeighsBothRoutesLatency) {
     uint64_t chunks;
     bool event_first; // an event recorded on the stream right before each call
   };
-  cudaEvent_t mark = nullptr;
-  CUDA_OK(cudaEventCreateWithFlags(&mark, cudaEventDisableTiming));
   for (Case c : {Case{(int64_t)KVF_BATCH_MAX_LINK_GBPS, 4, false}, Case{1, 4, false},
                  Case{(int64_t)KVF_BATCH_MAX_LINK_GBPS, 1, true}})
     for (Dir d : {Dir::Gather, Dir::Scatter}) {
@@ -3700,8 +3708,7 @@ TEST(XferGpu, HostBoundCallAloneWeighsBothRoutesLatency) {
       Prepared s;
       ASSERT_NO_FATAL_FAILURE(setup_chunks("deepseek-v3-mla-fp8-656", c.chunks, 0, 51, &s));
       GpuConfig cfg;
-      if (c.event_first)
-        cfg.before_each = [mark](int, kvf_xfer *, cudaStream_t stream) { CUDA_OK(cudaEventRecord(mark, stream)); };
+      cfg.event_before_call = c.event_first;
       cfg.obj_kind = Mem::Pinned;
       cfg.route = expected_route(Mem::Pinned, d);
       cfg.calls = KVF_BATCH_HOST_BOUND_RETRY + 4;
@@ -3721,7 +3728,6 @@ TEST(XferGpu, HostBoundCallAloneWeighsBothRoutesLatency) {
       };
       run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 52 + (uint64_t)d, cfg);
     }
-  CUDA_OK(cudaEventDestroy(mark));
 }
 
 // A host-bound call goes staged behind a busy stream only while that
