@@ -262,25 +262,27 @@ uint64_t kvf_batch_alone_latency(uint64_t runs, uint64_t first, uint64_t host_ns
  * which the copy engine waits for (a gather alone has no straight part:
  * staged_straight in host/core/xfer.c), or a scatter's last kernel, which
  * waits for the copy engine behind the straight part's copies. Measured on
- * an H200 whose host kept ahead of the copy engine (perf/results/
- * 2026-12-04-h200-straight-alone, lat-1 and lat-2), one chunk alone,
- * staged, wall time less a memcpy's overhead, over the copy at 55 GB/s:
- * gathers +17.5 to +22 us (bf16 and fp8 MLA, the DCP rank, qwen3-like:
- * 82-327 us copies), scatters +8 to +12. The rate keeps long copies, where
- * the staged route's batches cost 1-2% (4096 tokens at 98% of memcpy and
- * more), on the batch route; the fixed parts are those offsets less about
- * the rate's share. With the calls' cost in the batch route's model
- * (KVF_BATCH_ALONE_CALL_NS), of those eight rows it sends three
- * scatters (not qwen3-like's) staged: right on six, one tie (qwen3-like's
- * scatter 3 us faster staged), wrong on the DCP rank's gather (8 us faster
- * staged); a gather of the fp8 MLA chunk goes staged from 134 us of host,
- * of the bf16 chunk from 167 (at 200 us it measured 1.086x a memcpy
- * batched against 1.055x staged), a scatter from 32 and 56 us; and a
- * scatter of 8 runs (a 6 us copy) stays batched. Before the straight part was left out of
- * gathers alone, the fp8 MLA chunk d2h staged alone took 243-258 us, and
+ * an H200 (perf/results/2026-12-04-h200-straight-alone: d2 on a lease whose
+ * host kept ahead of the copy engine, d6 and f1 on others), one chunk
+ * alone, staged, wall time less a memcpy's overhead, over the copy at 55
+ * GB/s (bf16 and fp8 MLA, the DCP rank, qwen3-like: 82-327 us copies):
+ * gathers +17.5 to +22 us on d2, +24 to +36 on d6 and f1; scatters +8 to
+ * +12 (+13 at most on d6). The rate keeps long copies, where the staged
+ * route's batches cost 1-2% (4096 tokens at 98% of memcpy and more), on the
+ * batch route; the fixed parts are about those offsets less the rate's
+ * share, the gather's at the later leases'. With the calls' cost in the
+ * batch route's model (KVF_BATCH_ALONE_CALL_NS), of d2's eight rows it
+ * sends three scatters (not qwen3-like's) staged: right on six, one tie
+ * (qwen3-like's scatter 3 us faster staged), wrong on the DCP rank's gather
+ * (8 us faster staged). A gather of the fp8 MLA chunk goes staged from 157
+ * us of host (batched at 190-215 us it took 1.31-1.72x a memcpy, staged
+ * 1.18-1.23x), of the bf16 chunk from 248 (at 200-217 us batched 1.085-1.10x,
+ * staged 1.07-1.13x: a tie), a scatter from 32 and 56 us; and a scatter of
+ * 8 runs (a 6 us copy) stays batched. Before the straight part was left out
+ * of gathers alone, the fp8 MLA chunk d2h staged alone took 243-258 us, and
  * the gather's part was 50 us. */
 #define KVF_BATCH_STAGED_ALONE_RATE 1010
-#define KVF_BATCH_STAGED_ALONE_GATHER_NS 20000
+#define KVF_BATCH_STAGED_ALONE_GATHER_NS 30000
 #define KVF_BATCH_STAGED_ALONE_SCATTER_NS 10000
 
 /* Whether a batch-API call of `runs` runs alone on an idle stream, whose
