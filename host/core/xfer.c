@@ -77,7 +77,9 @@ struct kvf_xfer {
   kvf_xfer_path_info path; /* how the last successful call moved its bytes */
   uint64_t planned_ns;     /* when the call in progress made its first enqueue (0: not yet) */
   uint64_t call_start_ns;  /* when the call in progress took the context (launch_cuda) */
-  uint64_t call_end_ns;    /* when the CUDA backend's last call returned (0: none yet) */
+  uint64_t call_end_ns;    /* when the CUDA backend's last successful call returned (0: none yet) */
+  cudaStream_t call_end_stream; /* its stream */
+  uint64_t idle_wait_ns;   /* host time the call in progress spent waiting for its stream (stream_idle_soon) */
   uint64_t batch_end_ns;   /* when the last batch-API call that succeeded returned (0: none yet) */
   uint64_t batch_host_ns;  /* its host time, from taking the context to its return */
   uint64_t batch_runs;     /* its runs */
@@ -959,24 +961,28 @@ static cudaError_t query_relaxed(cudaStream_t stream, cudaEvent_t event) {
  * bf16 and fp8 MLA chunks h2d alone at 1.08-1.12x a memcpy where the
  * staged route took 1.04-1.06x; perf/results/2026-12-04-h200-straight-
  * alone, d4). Asked only where idleness decides the route (a call alone
- * the host-bound rule would stage, a staged gather's straight part), so a
- * busy stream costs such a call at most this much host time, which the
- * work it is busy with hides. */
+ * the host-bound rule would stage, a small gather's straight part), so a
+ * stream busy with other work costs such a call at most this much host
+ * time, which x->idle_wait_ns keeps out of the batch calls' host time. */
 #define KVF_IDLE_WAIT_NS 5000
 
-static int stream_idle_soon(const kvf_xfer *x, cudaStream_t stream) {
+static int stream_idle_soon(kvf_xfer *x, cudaStream_t stream) {
   if (query_relaxed(stream, NULL) == cudaSuccess) return 1;
   /* A call that came within KVF_XFER_BATCH_BACK_TO_BACK_US of the
-   * context's previous one finds that call's work there, not an event:
-   * waiting would only add host time to calls back to back (the MLA DCP
-   * rank's chunk, whose scatter the rule weighs staged alone, ran back to
-   * back at 0.82x cudaMemcpyBatchAsync's rate with the wait on every call). */
-  if (kvf_came_back_to_back(x->call_end_ns, x->call_start_ns, (uint64_t)x->tune.batch_back_to_back_us * 1000ull))
+   * context's previous one on this stream finds that call's work there,
+   * not an event: waiting would only add host time to calls back to back
+   * (the MLA DCP rank's chunk, whose scatter the rule weighs staged alone,
+   * ran back to back at 0.82x cudaMemcpyBatchAsync's rate with the wait on
+   * every call). */
+  if (x->call_end_stream == stream &&
+      kvf_came_back_to_back(x->call_end_ns, x->call_start_ns, (uint64_t)x->tune.batch_back_to_back_us * 1000ull))
     return 0;
   const uint64_t t0 = kvf_now_ns();
-  while (kvf_now_ns() - t0 < KVF_IDLE_WAIT_NS)
-    if (query_relaxed(stream, NULL) == cudaSuccess) return 1;
-  return 0;
+  int idle = 0;
+  while (!idle && kvf_now_ns() - t0 < KVF_IDLE_WAIT_NS) idle = query_relaxed(stream, NULL) == cudaSuccess;
+  /* Not the batch API's host time, which the host-bound rule weighs. */
+  x->idle_wait_ns += kvf_now_ns() - t0;
+  return idle;
 }
 
 /* Reads the span of the staged call measured last (host_bound_goes_staged)
@@ -1287,7 +1293,8 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
     x->batch_host_ns_before = x->batch_host_ns;
     x->batch_runs_before = x->batch_runs;
     x->batch_end_ns = kvf_now_ns();
-    x->batch_host_ns = x->batch_end_ns - x->call_start_ns;
+    uint64_t host_ns = x->batch_end_ns - x->call_start_ns;
+    x->batch_host_ns = host_ns > x->idle_wait_ns ? host_ns - x->idle_wait_ns : 0;
     x->batch_runs = count;
     x->host_bound_staged = 0;
   }
@@ -1880,7 +1887,7 @@ out:
  * us it takes to complete (stream_idle_soon). Asked again once the call
  * was planned, such a stream was idle, but the second plan cost more
  * (the bf16 MLA chunk's gather alone 1.09-1.13x a memcpy) than the wait. */
-static int staged_straight(const kvf_xfer *x, int gather, cudaStream_t stream, int stream_idle) {
+static int staged_straight(kvf_xfer *x, int gather, cudaStream_t stream, int stream_idle) {
   if (default_stream(stream)) return 0;
   if (!gather || x->tune.stage_straight_alone || x->tune.stage_straight_kb <= 0) return 1;
   if (stream_idle >= 0) return !stream_idle;
@@ -2294,11 +2301,15 @@ static void end_staged_span(kvf_xfer *x, kvf_status st, cudaStream_t stream) {
 static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream) {
   x->cuda_calls++; /* the marks of the call before this one are asked by this one only */
   x->rule_back_to_back = 0;
+  x->idle_wait_ns = 0;
   kvf_status st = launch_cuda_routes(x, r, gather, stream);
   end_call_mark(x, st, stream);
   end_staged_span(x, st, stream);
-  if (st == KVF_SUCCESS) x->path.back_to_back = x->rule_back_to_back;
-  x->call_end_ns = kvf_now_ns();
+  if (st == KVF_SUCCESS) {
+    x->path.back_to_back = x->rule_back_to_back;
+    x->call_end_ns = kvf_now_ns();
+    x->call_end_stream = stream;
+  }
   return st;
 }
 
