@@ -91,7 +91,8 @@ struct kvf_xfer {
   struct batch_shape {
     int gather;
     kvf_object_format format;
-    uint64_t token_begin, token_end, runs, engine_ns;
+    uint64_t tokens, moving; /* token count; what moves (batch_shape_of) */
+    uint64_t runs, engine_ns;
   } listed;
   void *host_blob;         /* tables built on the host: the host backend's, and those launched in kernel parameters */
   size_t host_blob_cap;
@@ -1239,6 +1240,28 @@ static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void *
  * Returns KVF_ERR_UNSUPPORTED (nothing enqueued) when the request does not
  * fit, or fits but goes staged for a host slower than its copies
  * (host_bound_goes_staged: *host_bound 1). */
+/* What decides a request's batch-API runs but its block ids' contiguity:
+ * its direction, format and token count, and (hashed, FNV-1a) which groups
+ * move how many blocks from where and which objects are present. Equal
+ * shapes list about the same runs. */
+static struct batch_shape batch_shape_of(const kvf_geometry *g, const kvf_copy_request *r, int gather) {
+  struct batch_shape s = {gather, r->format, r->token_end - r->token_begin, 14695981039346656037ull, 0, 0};
+  const uint64_t prime = 1099511628211ull;
+  for (uint32_t gi = 0; gi < g->num_groups; gi++) {
+    const kvf_group_blocks *b = &r->groups[gi];
+    const int moves = b->block_ids != NULL && b->count > 0;
+    s.moving = (s.moving ^ (moves ? b->count : 0)) * prime;
+    s.moving = (s.moving ^ (moves ? b->first_block : 0)) * prime;
+  }
+  const uint64_t objects = kvf_copy_request_chunks(g, r) * g->num_object_groups;
+  for (uint64_t i = 0; i < objects; i++) s.moving = (s.moving ^ (uint64_t)(r->objects[i] != NULL)) * prime;
+  return s;
+}
+
+static int same_batch_shape(const struct batch_shape *a, const struct batch_shape *b) {
+  return a->gather == b->gather && a->format == b->format && a->tokens == b->tokens && a->moving == b->moving;
+}
+
 static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream,
                                     int *host_bound, int *stream_idle) {
   /* A request of the last listed one's shape asks the host-bound rule with
@@ -1247,11 +1270,12 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
    * H200, where the staged route alone took 1.04x a memcpy and the call
    * that listed first 1.07x; perf/results/2026-12-04-h200-straight-alone).
    * The block ids may merge into other runs: an estimate, as the host
-   * time the rule scales by them is. */
-  const struct batch_shape shape = {gather, r->format, r->token_begin, r->token_end, 0, 0};
+   * time the rule scales by them is; a count it misses by more than twice
+   * is asked again once listed. */
+  const struct batch_shape shape = batch_shape_of(x->geometry, r, gather);
   int asked = 0;
-  if (x->listed.runs && x->listed.gather == shape.gather && x->listed.format == shape.format &&
-      x->listed.token_begin == shape.token_begin && x->listed.token_end == shape.token_end) {
+  const uint64_t estimate = x->listed.runs;
+  if (estimate && same_batch_shape(&x->listed, &shape)) {
     asked = 1;
     if (host_bound_goes_staged(x, x->listed.runs, x->listed.engine_ns, gather, stream, stream_idle)) {
       *host_bound = 1;
@@ -1278,7 +1302,8 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
   x->listed.engine_ns = engine_ns;
   /* A request of a new shape lists its runs first: the rule needs their
    * count. */
-  if (!asked && host_bound_goes_staged(x, count, engine_ns, gather, stream, stream_idle)) {
+  const int missed = asked && (count > estimate * 2 || count * 2 < estimate);
+  if ((!asked || missed) && host_bound_goes_staged(x, count, engine_ns, gather, stream, stream_idle)) {
     free(dst);
     free(src);
     free(sizes);
