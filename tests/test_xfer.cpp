@@ -3514,12 +3514,13 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
 // engine would start only after that part's batch call, whose host time
 // outlasts the first piece's kernel (staged_straight, host/core/xfer.c);
 // it takes two pieces instead. Behind other work it keeps the part in one
-// piece, as it does alone with KVF_XFER_STAGE_STRAIGHT_ALONE=1, and a
-// scatter keeps it either way. Right behind an event the caller records
-// (as a latency measure does) the stream is busy for a moment, which the
-// call waits out (stream_idle_soon), at least in most of five calls (it
-// depends on how soon the GPU completes the event). Every call is checked
-// against the CPU reference.
+// piece, as it does alone with KVF_XFER_STAGE_STRAIGHT_ALONE=1 and under
+// an SM cap of 4 (not measured alone: its part is three times larger for
+// the slower kernels), and a scatter keeps it either way. Right behind an
+// event the caller records (as a latency measure does) the call still
+// finds its stream idle in most of five calls (this chunk's run listing
+// for the batch route usually outlasts the event; stream_idle_soon waits
+// out the rest). Every call is checked against the CPU reference.
 TEST(XferGpu, StagedGatherAloneLeavesOutItsStraightPart) {
   REQUIRE_GPU();
   int sms = 0;
@@ -3530,23 +3531,27 @@ TEST(XferGpu, StagedGatherAloneLeavesOutItsStraightPart) {
     double busy_ms; // a spin ahead of the first call on its stream
     bool event_first; // an event recorded on the stream right before each call
     int64_t straight_alone;
+    uint32_t max_sms;
     bool straight;
   };
-  const Case cases[] = {{Dir::Gather, 0, false, 0, false},
-                        {Dir::Gather, 20, false, 0, true},
-                        {Dir::Gather, 0, false, 1, true},
-                        {Dir::Scatter, 0, false, 0, true},
-                        {Dir::Gather, 0, true, 0, false}};
+  const Case cases[] = {{Dir::Gather, 0, false, 0, 0, false},
+                        {Dir::Gather, 20, false, 0, 0, true},
+                        {Dir::Gather, 0, false, 1, 0, true},
+                        {Dir::Gather, 0, false, 0, 4, true},
+                        {Dir::Scatter, 0, false, 0, 0, true},
+                        {Dir::Gather, 0, true, 0, 0, false}};
   uint64_t seed = 90;
   for (const Case &c : cases) {
     SCOPED_TRACE(std::string(dir_name(c.dir)) + (c.busy_ms > 0 ? " behind a spin" : " alone") +
-                 (c.event_first ? " behind an event" : "") + ", straight_alone " + std::to_string(c.straight_alone));
+                 (c.event_first ? " behind an event" : "") + ", straight_alone " + std::to_string(c.straight_alone) +
+                 ", max_sms " + std::to_string(c.max_sms));
     Prepared s;
     ASSERT_NO_FATAL_FAILURE(setup_chunks("llama-3.1-8b-fa-nhd", 1, 0, seed++, &s));
     GpuConfig cfg;
     cfg.obj_kind = Mem::Pinned;
     cfg.route = expected_route(Mem::Pinned, c.dir);
     cfg.busy_ms = c.busy_ms;
+    cfg.max_sms = c.max_sms;
     const int64_t straight_alone = c.straight_alone;
     cfg.tune = [straight_alone](kvf_xfer_tuning &t) { t.stage_straight_alone = straight_alone; };
     if (c.event_first) {
@@ -3554,15 +3559,17 @@ TEST(XferGpu, StagedGatherAloneLeavesOutItsStraightPart) {
       cfg.event_before_call = true;
     }
     int as_wanted = 0;
-    const bool straight = c.straight;
-    cfg.check_each = [straight, &as_wanted](int, const kvf_xfer_path_info &p) {
+    const bool straight = c.straight, small = c.max_sms == 0;
+    cfg.check_each = [straight, small, &as_wanted](int, const kvf_xfer_path_info &p) {
       ASSERT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
-      EXPECT_EQ(p.straight_runs > 0 ? 1u : 2u, p.pieces) << "one piece behind a straight part, else two";
+      if (small) {
+        EXPECT_EQ(p.straight_runs > 0 ? 1u : 2u, p.pieces) << "one piece behind a straight part, else two";
+      }
       if ((p.straight_runs > 0) == straight) as_wanted++;
     };
     run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, c.dir, 0, seed++, cfg);
     if (c.event_first)
-      EXPECT_GE(as_wanted, 3) << "of 5 gathers right behind an event, found alone once planned";
+      EXPECT_GE(as_wanted, 3) << "of 5 gathers right behind an event, found alone";
     else
       EXPECT_EQ(as_wanted, 1) << (straight ? "a straight part" : "no straight part");
   }

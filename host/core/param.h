@@ -48,11 +48,11 @@ extern "C" {
   X(xfer_stage_edge_mb, "KVF_XFER_STAGE_EDGE_MB", 16,                                    \
     "most MiB of a staged call's first batch (a gather) or last batch (a scatter), at least one chunk, so the copy engine starts early and the last kernel is short (0: as large as the others)") \
   X(xfer_stage_straight_kb, "KVF_XFER_STAGE_STRAIGHT_KB", 1024,                              \
-    "KiB of a staged call's first (gather) or last (scatter) batch that the copy engine moves straight between the cache and host memory, in whole layers whose blocks are long runs (three times as much under an SM cap below 64, a tenth of the batch or more for a one-piece small request, never past half the batch), while the kernels stage the rest (0: off)") \
+    "KiB of a staged call's first (gather) or last (scatter) batch that the copy engine moves straight between the cache and host memory, in whole layers whose blocks are long runs (three times as much under an SM cap below 64, a tenth of the batch or more for a one-piece small request, never past half the batch; none for a small gather alone: KVF_XFER_STAGE_STRAIGHT_ALONE), while the kernels stage the rest (0: off)") \
   X(xfer_stage_straight_min_run, "KVF_XFER_STAGE_STRAIGHT_MIN_RUN", 16384,                   \
     "shortest run (a block of one layer) the copy engine moves straight for KVF_XFER_STAGE_STRAIGHT_KB") \
   X(xfer_stage_straight_alone, "KVF_XFER_STAGE_STRAIGHT_ALONE", 0,                        \
-    "1: a staged gather on an idle stream (a call alone) keeps its straight part; 0: it has none, so the copy engine starts after the first piece's kernel, not after the straight part's batch call, whose host time a call alone waits for (calls behind other work keep it)") \
+    "1: a staged gather on an idle stream (a call alone: idle when asked or within 5 us, unless within KVF_XFER_BATCH_BACK_TO_BACK_US of the previous call on it) keeps its straight part; 0: a small request of one batch, uncapped, has none, so the copy engine starts after the first piece's kernel, not after the straight part's batch call, whose host time a call alone waits for (calls behind other work, capped calls, calls of several batches and scatters keep it)") \
   X(xfer_stage_multi_pieces, "KVF_XFER_STAGE_MULTI_PIECES", 2,                           \
     "most pieces per batch of a staged call of more than one batch (0: KVF_XFER_STAGE_PIECES)") \
   X(xfer_stage_sms, "KVF_XFER_STAGE_SMS", 16,                                             \

@@ -1741,6 +1741,46 @@ out:
   return st;
 }
 
+/* Whether a staged call may have a straight part (plan_staged): none on
+ * the legacy and per-thread default streams, which may refuse its one
+ * batch copy on the caller's stream; STRAIGHT_UNLESS_ALONE for a gather,
+ * which leaves it out where it was measured to lose (a small request of
+ * one batch, KVF_XFER_SMALL_STAGE_MB, uncapped: the one-piece rule) when
+ * its stream is idle. A gather's copy engine starts on the part, after its
+ * batch call's host time (0.7-1 us a run on the H200's KVM host), where it
+ * would start after the first piece's kernel without it: behind other work
+ * that wait is hidden and the part keeps the copy engine busy while the
+ * kernel runs (one chunk back to back, 3-14 points of memcpy's rate with
+ * it), but on an idle stream the call waits for it. Measured on an H200
+ * (perf/results/2026-12-04-h200-straight-alone), one chunk d2h alone,
+ * wall time over a memcpy's, with -> without: Llama NHD 1.11 -> 1.04,
+ * fp8-inline 1.20 -> 1.07, glm-like 1.38-1.44 -> 1.16, gpt-oss-like
+ * 1.37-1.43 -> 1.18, the MLA chunks within 0.02. Calls of several batches
+ * and capped calls (whose part is three times larger for their slower
+ * kernels) were not measured alone and keep it. A scatter's part goes
+ * after its copy engine's leg, which hides its host time: kept. */
+enum { STRAIGHT_NONE, STRAIGHT_KEEP, STRAIGHT_UNLESS_ALONE };
+
+static int staged_straight(const kvf_xfer *x, int gather, cudaStream_t stream) {
+  if (default_stream(stream)) return STRAIGHT_NONE;
+  if (!gather || x->tune.stage_straight_alone) return STRAIGHT_KEEP;
+  return STRAIGHT_UNLESS_ALONE;
+}
+
+/* Leave a planned straight part out (plan_staged). */
+static void drop_straight(staged_call *c) {
+  free(c->straight_pick);
+  free(c->straight_dst);
+  free(c->straight_src);
+  free(c->straight_size);
+  c->straight_pick = NULL;
+  c->straight_dst = NULL;
+  c->straight_src = NULL;
+  c->straight_size = NULL;
+  c->straight_runs = 0;
+  c->straight_bytes = 0;
+}
+
 /* Plan a staged call with `pieces` pieces per batch: the batches, each
  * piece's tables (built in x->host_blob; uploaded through a slot only when
  * one is too large for the kernel parameters) and copies, and the straight
@@ -1748,8 +1788,8 @@ out:
  * request (a gather with holes): plan again with one piece and no straight
  * part. */
 static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather, uint32_t pieces, uint32_t growth,
-                              int straight, int one_piece, uint32_t stage_sms, uint32_t pcie_sms, staged_call *c,
-                              int *retry) {
+                              int straight, int stream_idle, cudaStream_t stream, int one_piece, uint32_t stage_sms,
+                              uint32_t pcie_sms, staged_call *c, int *retry) {
   const kvf_geometry *g = x->geometry;
   const kvf_plan *plan = &x->plan[r->format];
   uint64_t nog = g->num_object_groups, cc = g->policy.chunk_tokens, ns = plan->num_segments;
@@ -1781,8 +1821,18 @@ static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather
    * piece (measured on one chunk; a call of several batches overlaps its
    * later kernels with copies anyway and keeps its pieces). */
   one_piece = one_piece && nb == 1;
-  if (straight && x->tune.stage_straight_kb > 0 && nb > 0 && (st = plan_straight(x, r, gather, one_piece, c)))
+  /* A gather alone in the shape measured (staged_straight): its stream
+   * asked already (stream_idle 1: no part to pick), else asked once a part
+   * is found, allowing an event recorded just before the call the few us it
+   * takes to complete (stream_idle_soon); a plan made again once planned
+   * cost more (the bf16 MLA chunk's gather alone 1.09-1.13x a memcpy) than
+   * that wait. */
+  const int unless_alone = straight == STRAIGHT_UNLESS_ALONE && one_piece;
+  if (unless_alone && stream_idle == 1) straight = STRAIGHT_NONE;
+  if (straight != STRAIGHT_NONE && x->tune.stage_straight_kb > 0 && nb > 0 &&
+      (st = plan_straight(x, r, gather, one_piece, c)))
     goto out;
+  if (unless_alone && c->straight_runs && stream_idle < 0 && stream_idle_soon(x, stream)) drop_straight(c);
   if (c->straight_runs && one_piece) pieces = 1;
   c->masks = malloc((size_t)(ns ? ns : 1) * (pieces ? pieces : 1));
   if (!c->masks) {
@@ -1894,31 +1944,6 @@ out:
   return st;
 }
 
-/* Whether a staged call may have a straight part (plan_staged). It goes on
- * the caller's stream as one batch copy, which the legacy and per-thread
- * default streams may refuse. A gather's copy engine starts on it, after its
- * batch call's host time (0.7-1 us a run on the H200's KVM host), where it
- * would start after the first piece's kernel without it: behind other work
- * that wait is hidden and the part keeps the copy engine busy while the
- * kernel runs (one chunk back to back, 3-14 points of memcpy's rate with
- * it), but on an idle stream the call waits for it. Measured on an H200
- * (perf/results/2026-12-04-h200-straight-alone), one chunk d2h alone,
- * wall time over a memcpy's, with -> without: Llama NHD 1.11 -> 1.04,
- * fp8-inline 1.20 -> 1.07, glm-like 1.38-1.44 -> 1.16, gpt-oss-like
- * 1.37-1.43 -> 1.18, the MLA chunks within 0.02. A scatter's part goes
- * after its copy engine's leg, which hides its host time: kept.
- * stream_idle: the stream asked already (host_bound_goes_staged), -1 not;
- * else asked here, allowing an event recorded just before the call the few
- * us it takes to complete (stream_idle_soon). Asked again once the call
- * was planned, such a stream was idle, but the second plan cost more
- * (the bf16 MLA chunk's gather alone 1.09-1.13x a memcpy) than the wait. */
-static int staged_straight(kvf_xfer *x, int gather, cudaStream_t stream, int stream_idle) {
-  if (default_stream(stream)) return 0;
-  if (!gather || x->tune.stage_straight_alone || x->tune.stage_straight_kb <= 0) return 1;
-  if (stream_idle >= 0) return !stream_idle;
-  return !stream_idle_soon(x, stream);
-}
-
 /* Host<->device through the staging buffers: batches of whole chunks,
  * alternating between the two buffers so the kernel fills one while the
  * copy engine drains the other (or the reverse for a scatter), each batch
@@ -1941,7 +1966,7 @@ static int staged_straight(kvf_xfer *x, int gather, cudaStream_t stream, int str
  * transfer.h states this). */
 static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream,
                                 uint32_t stage_sms, uint32_t pcie_sms, uint32_t pieces, uint32_t growth,
-                                int straight, int one_piece) {
+                                int straight, int stream_idle, int one_piece) {
   const char *dir = gather ? "gather" : "scatter";
   uint64_t nb = 0, bi = 0, payload = 0, tasks = 0;
   uint32_t used_sms = 0;
@@ -1949,10 +1974,11 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
   cudaError_t e = cudaSuccess;
   staged_call c;
   if (pieces < 1) pieces = 1;
-  kvf_status st = plan_staged(x, r, gather, pieces, growth, straight, one_piece, stage_sms, pcie_sms, &c, &retry);
+  kvf_status st = plan_staged(x, r, gather, pieces, growth, straight, stream_idle, stream, one_piece, stage_sms,
+                              pcie_sms, &c, &retry);
   if (!st && retry) {
     staged_call_free(&c);
-    st = plan_staged(x, r, gather, 1, growth, 0, 0, stage_sms, pcie_sms, &c, &retry);
+    st = plan_staged(x, r, gather, 1, growth, STRAIGHT_NONE, stream_idle, stream, 0, stage_sms, pcie_sms, &c, &retry);
   }
   if (st) goto out;
   nb = c.sp.num_batches;
@@ -2282,8 +2308,8 @@ static kvf_status launch_cuda_routes(kvf_xfer *x, const kvf_copy_request *r, int
         one_piece = x->tune.small_stage_one_piece == 1;
       }
       if (x->max_sms && x->max_sms < stage_sms) stage_sms = x->max_sms;
-      st = launch_staged(x, r, gather, stream, stage_sms, pcie_sms, pieces, growth,
-                         staged_straight(x, gather, stream, stream_idle), one_piece);
+      st = launch_staged(x, r, gather, stream, stage_sms, pcie_sms, pieces, growth, staged_straight(x, gather, stream),
+                         stream_idle, one_piece);
       if (st == KVF_SUCCESS) x->path.host_bound = (uint32_t)host_bound;
       return st;
     }
