@@ -1270,8 +1270,9 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
    * H200, where the staged route alone took 1.04x a memcpy and the call
    * that listed first 1.07x; perf/results/2026-12-04-h200-straight-alone).
    * The block ids may merge into other runs: an estimate, as the host
-   * time the rule scales by them is; a count it misses by more than twice
-   * is asked again once listed. */
+   * time the rule scales by them is. (Asking again once listed would find
+   * the call's marks already taken: a call back to back could not go
+   * staged, and the ramp would ask a stream holding the mark.) */
   const struct batch_shape shape = batch_shape_of(x->geometry, r, gather);
   int asked = 0;
   const uint64_t estimate = x->listed.runs;
@@ -1302,8 +1303,7 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
   x->listed.engine_ns = engine_ns;
   /* A request of a new shape lists its runs first: the rule needs their
    * count. */
-  const int missed = asked && (count > estimate * 2 || count * 2 < estimate);
-  if ((!asked || missed) && host_bound_goes_staged(x, count, engine_ns, gather, stream, stream_idle)) {
+  if (!asked && host_bound_goes_staged(x, count, engine_ns, gather, stream, stream_idle)) {
     free(dst);
     free(src);
     free(sizes);
