@@ -1240,18 +1240,19 @@ static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void *
  * Returns KVF_ERR_UNSUPPORTED (nothing enqueued) when the request does not
  * fit, or fits but goes staged for a host slower than its copies
  * (host_bound_goes_staged: *host_bound 1). */
-/* What decides a request's batch-API runs but its block ids' contiguity:
- * its direction, format and token count, and (hashed, FNV-1a) which groups
- * move how many blocks from where and which objects are present. Equal
+/* What decides a request's batch-API runs but its block ids: its
+ * direction, format and token count, and (hashed, FNV-1a) which groups
+ * move and which objects are present. Not a group's count or first block,
+ * which describe the table it passes (a chunk's slice of it, or all of
+ * it) and move with every chunk of a sequence; nor skipped blocks or the
+ * ids' contiguity, which the estimate leaves to the next listing. Equal
  * shapes list about the same runs. */
 static struct batch_shape batch_shape_of(const kvf_geometry *g, const kvf_copy_request *r, int gather) {
   struct batch_shape s = {gather, r->format, r->token_end - r->token_begin, 14695981039346656037ull, 0, 0};
   const uint64_t prime = 1099511628211ull;
   for (uint32_t gi = 0; gi < g->num_groups; gi++) {
     const kvf_group_blocks *b = &r->groups[gi];
-    const int moves = b->block_ids != NULL && b->count > 0;
-    s.moving = (s.moving ^ (moves ? b->count : 0)) * prime;
-    s.moving = (s.moving ^ (moves ? b->first_block : 0)) * prime;
+    s.moving = (s.moving ^ (uint64_t)(b->block_ids != NULL && b->count > 0)) * prime;
   }
   const uint64_t objects = kvf_copy_request_chunks(g, r) * g->num_object_groups;
   for (uint64_t i = 0; i < objects; i++) s.moving = (s.moving ^ (uint64_t)(r->objects[i] != NULL)) * prime;
