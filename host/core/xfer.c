@@ -77,9 +77,6 @@ struct kvf_xfer {
   kvf_xfer_path_info path; /* how the last successful call moved its bytes */
   uint64_t planned_ns;     /* when the call in progress made its first enqueue (0: not yet) */
   uint64_t call_start_ns;  /* when the call in progress took the context (launch_cuda) */
-  uint64_t call_end_ns;    /* when the CUDA backend's last successful call returned (0: none yet) */
-  cudaStream_t call_end_stream; /* its stream */
-  uint64_t idle_wait_ns;   /* host time the call in progress spent waiting for its stream (stream_idle_soon) */
   uint64_t batch_end_ns;   /* when the last batch-API call that succeeded returned (0: none yet) */
   uint64_t batch_host_ns;  /* its host time, from taking the context to its return */
   uint64_t batch_runs;     /* its runs */
@@ -97,6 +94,9 @@ struct kvf_xfer {
   void *host_blob;         /* tables built on the host: the host backend's, and those launched in kernel parameters */
   size_t host_blob_cap;
 #ifdef KVF_WITH_CUDA
+  uint64_t call_end_ns;    /* when the CUDA backend's last successful call returned (0: none yet) */
+  cudaStream_t call_end_stream; /* its stream */
+  uint64_t idle_wait_ns;   /* host time the call in progress spent waiting for its stream (stream_idle_soon) */
   int cuda_ready; /* the device was valid and set: destroy has CUDA work to undo */
   int sm_count;
   int can_overlap; /* the device (compute capability 9.0) and the kernels' build take overlapped launches */
