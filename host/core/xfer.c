@@ -1225,21 +1225,6 @@ static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void *
   return e;
 }
 
-/* The copy engine moves the request's runs straight between the cache and
- * the host objects, on the caller's stream: one call, no kernel, no SM
- * (measured on an H200, perf/results/2026-11-29-h200/curve.json: 55.1-55.3
- * GB/s, the memcpy limit, for runs of 32-72 KiB up to 16384 runs: one
- * 256-token Llama-3.1-8B chunk, 1024 runs of 32 KiB, 55.1 of 55.2 GB/s;
- * 38.5 GB/s at 65472 runs; 0.3-0.6 GB/s for 256-byte runs). The call's host
- * time grows with its runs (perf/results/2026-12-01-h200-run1/
- * chunk-256.json and chunk-4096.json, enqueue_alone_us d2h/h2d: 61 runs
- * 36/40 us, 84 runs 85/53, 244 runs 117/123, 1024 runs 453-868, 3904 runs
- * 3597/3019, 16384 runs 7437/7601), so KVF_XFER_BATCH_MAX_RUNS keeps it to
- * 256 runs (the MLA chunk's 244); a Llama chunk's 1024 go staged instead
- * (95.8% / 95.1% of memcpy d2h / h2d with 4 pieces there, cross.json).
- * Returns KVF_ERR_UNSUPPORTED (nothing enqueued) when the request does not
- * fit, or fits but goes staged for a host slower than its copies
- * (host_bound_goes_staged: *host_bound 1). */
 /* What decides a request's batch-API runs but its block ids: its
  * direction, format and token count, and (hashed, FNV-1a) which groups
  * move and which objects are present. Not a group's count or first block,
@@ -1263,6 +1248,21 @@ static int same_batch_shape(const struct batch_shape *a, const struct batch_shap
   return a->gather == b->gather && a->format == b->format && a->tokens == b->tokens && a->moving == b->moving;
 }
 
+/* The copy engine moves the request's runs straight between the cache and
+ * the host objects, on the caller's stream: one call, no kernel, no SM
+ * (measured on an H200, perf/results/2026-11-29-h200/curve.json: 55.1-55.3
+ * GB/s, the memcpy limit, for runs of 32-72 KiB up to 16384 runs: one
+ * 256-token Llama-3.1-8B chunk, 1024 runs of 32 KiB, 55.1 of 55.2 GB/s;
+ * 38.5 GB/s at 65472 runs; 0.3-0.6 GB/s for 256-byte runs). The call's host
+ * time grows with its runs (perf/results/2026-12-01-h200-run1/
+ * chunk-256.json and chunk-4096.json, enqueue_alone_us d2h/h2d: 61 runs
+ * 36/40 us, 84 runs 85/53, 244 runs 117/123, 1024 runs 453-868, 3904 runs
+ * 3597/3019, 16384 runs 7437/7601), so KVF_XFER_BATCH_MAX_RUNS keeps it to
+ * 256 runs (the MLA chunk's 244); a Llama chunk's 1024 go staged instead
+ * (95.8% / 95.1% of memcpy d2h / h2d with 4 pieces there, cross.json).
+ * Returns KVF_ERR_UNSUPPORTED (nothing enqueued) when the request does not
+ * fit, or fits but goes staged for a host slower than its copies
+ * (host_bound_goes_staged: *host_bound 1). */
 static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream,
                                     int *host_bound, int *stream_idle) {
   /* A request of the last listed one's shape asks the host-bound rule with
@@ -1276,8 +1276,7 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
    * staged, and the ramp would ask a stream holding the mark.) */
   const struct batch_shape shape = batch_shape_of(x->geometry, r, gather);
   int asked = 0;
-  const uint64_t estimate = x->listed.runs;
-  if (estimate && same_batch_shape(&x->listed, &shape)) {
+  if (x->listed.runs && same_batch_shape(&x->listed, &shape)) {
     asked = 1;
     if (host_bound_goes_staged(x, x->listed.runs, x->listed.engine_ns, gather, stream, stream_idle)) {
       *host_bound = 1;
@@ -1429,6 +1428,20 @@ typedef struct staged_call {
  * object's span. */
 static int uses_runs(const staged_call *c) { return c->pieces > 1 || c->straight_runs > 0; }
 
+/* Leave a planned straight part out (plan_staged), or free it (staged_call_free). */
+static void drop_straight(staged_call *c) {
+  free(c->straight_pick);
+  free(c->straight_dst);
+  free(c->straight_src);
+  free(c->straight_size);
+  c->straight_pick = NULL;
+  c->straight_dst = NULL;
+  c->straight_src = NULL;
+  c->straight_size = NULL;
+  c->straight_runs = 0;
+  c->straight_bytes = 0;
+}
+
 static void staged_call_free(staged_call *c) {
   kvf_stage_plan_free(&c->sp);
   free(c->masks);
@@ -1437,10 +1450,7 @@ static void staged_call_free(staged_call *c) {
   free(c->runs);
   free(c->run_first);
   free(c->edge_masks);
-  free(c->straight_pick);
-  free(c->straight_dst);
-  free(c->straight_src);
-  free(c->straight_size);
+  drop_straight(c);
 }
 
 /* The kernel of a staged call's launches: never spread (they touch device
@@ -1766,20 +1776,6 @@ static int staged_straight(const kvf_xfer *x, int gather, cudaStream_t stream) {
   if (default_stream(stream)) return STRAIGHT_NONE;
   if (!gather || x->tune.stage_straight_alone) return STRAIGHT_KEEP;
   return STRAIGHT_UNLESS_ALONE;
-}
-
-/* Leave a planned straight part out (plan_staged). */
-static void drop_straight(staged_call *c) {
-  free(c->straight_pick);
-  free(c->straight_dst);
-  free(c->straight_src);
-  free(c->straight_size);
-  c->straight_pick = NULL;
-  c->straight_dst = NULL;
-  c->straight_src = NULL;
-  c->straight_size = NULL;
-  c->straight_runs = 0;
-  c->straight_bytes = 0;
 }
 
 /* Plan a staged call with `pieces` pieces per batch: the batches, each
