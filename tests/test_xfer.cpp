@@ -2939,6 +2939,10 @@ struct GpuConfig {
   // timing it does: the stream is busy for the few us the GPU takes to
   // complete it.
   bool event_before_call = false;
+  // Each call on a stream of its own, created right before it (the one
+  // before destroyed once synchronized): CUDA may hand a new stream the
+  // destroyed one's handle.
+  bool new_stream_each_call = false;
 };
 
 // Whether an uncapped device-to-device launch overlaps the previous kernel
@@ -2987,8 +2991,8 @@ void run_gpu_case(const kvf_geometry *g, const Plan &p, kvf_object_format fmt, D
     cfg.tune(t);
     ASSERT_EQ(kvf_xfer_set_tuning(x.get(), &t), KVF_SUCCESS) << kvf_last_error();
   }
-  Stream stream;
-  cudaStream_t s = cfg.legacy_stream ? nullptr : stream.s;
+  auto stream = std::make_unique<Stream>();
+  cudaStream_t s = cfg.legacy_stream ? nullptr : stream->s;
   cudaEvent_t before_call = nullptr;
   if (cfg.event_before_call) CUDA_OK(cudaEventCreate(&before_call));
   struct EventGuard {
@@ -2999,6 +3003,12 @@ void run_gpu_case(const kvf_geometry *g, const Plan &p, kvf_object_format fmt, D
   } before_call_guard{before_call};
 
   for (int i = 0; i < cfg.calls; i++) {  // the same copy again: the same bytes land
+    if (cfg.new_stream_each_call && i > 0) {
+      CUDA_OK(cudaStreamSynchronize(s));
+      stream.reset();
+      stream = std::make_unique<Stream>();
+      s = stream->s;
+    }
     if (cfg.busy_ms > 0 && i == 0) CUDA_OK(kvf_test_spin(s, cfg.busy_ms));
     if (cfg.before_each) {
       ASSERT_NO_FATAL_FAILURE(cfg.before_each(i, x.get(), s));
@@ -3572,6 +3582,54 @@ TEST(XferGpu, StagedGatherAloneLeavesOutItsStraightPart) {
       EXPECT_GE(as_wanted, 3) << "of 5 gathers right behind an event, found alone";
     else
       EXPECT_EQ(as_wanted, 1) << (straight ? "a straight part" : "no straight part");
+  }
+}
+
+// A call alone that the host-bound rule would stage waits up to
+// KVF_IDLE_WAIT_NS for its busy stream (an event recorded just before it
+// may still be completing), but not when it came within
+// KVF_XFER_BATCH_BACK_TO_BACK_US of the context's previous call on that
+// stream: that stream's work is the previous call's. Each call from the
+// third on (the first two measure the batch route's host time) finds a
+// spin ahead of it. Window 1 s: no wait on the same stream; window 0, or a
+// new stream each call (CUDA may give it the destroyed one's handle; the
+// context tells streams by id): the whole wait.
+TEST(XferGpu, CallBackToBackOnItsStreamDoesNotWaitForIt) {
+  REQUIRE_GPU();
+  struct Case {
+    int64_t window_us;
+    bool new_streams;
+  };
+  for (Case c : {Case{KVF_BATCH_MAX_BACK_TO_BACK_US, false}, Case{0, false}, Case{KVF_BATCH_MAX_BACK_TO_BACK_US, true}}) {
+    SCOPED_TRACE("window " + std::to_string(c.window_us) + " us" + (c.new_streams ? ", a new stream each call" : ""));
+    Prepared s;
+    ASSERT_NO_FATAL_FAILURE(setup_chunks("deepseek-v3-mla-fp8-656", 1, 0, 63, &s));
+    GpuConfig cfg;
+    cfg.obj_kind = Mem::Pinned;
+    cfg.route = KVF_ROUTE_D2H;
+    cfg.calls = 5;
+    cfg.new_stream_each_call = c.new_streams;
+    const int64_t window_us = c.window_us;
+    cfg.tune = [window_us](kvf_xfer_tuning &t) {
+      t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS; // every batch call host-bound: the rule asks its stream
+      t.batch_staged_cost = 0;
+      t.batch_back_to_back_us = window_us;
+    };
+    cfg.before_each = [](int i, kvf_xfer *, cudaStream_t stream) {
+      if (i >= 2) CUDA_OK(kvf_test_spin(stream, 2));
+    };
+    const bool waits = c.window_us == 0 || c.new_streams;
+    cfg.check_each = [waits](int i, const kvf_xfer_path_info &p) {
+      SCOPED_TRACE("call " + std::to_string(i));
+      if (i < 2) return;
+      if (waits) {
+        EXPECT_GE(p.idle_wait_us, KVF_IDLE_WAIT_NS / 1e3) << "a busy stream, not the previous call's";
+      } else {
+        EXPECT_EQ(p.idle_wait_us, 0.0) << "back to back on its stream: no wait";
+      }
+      EXPECT_EQ(p.path, KVF_PATH_COPY_BATCH) << "a busy stream: " << kvf_xfer_path_name(p.path);
+    };
+    run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, Dir::Gather, 0, 64, cfg);
   }
 }
 

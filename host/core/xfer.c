@@ -95,7 +95,7 @@ struct kvf_xfer {
   size_t host_blob_cap;
 #ifdef KVF_WITH_CUDA
   uint64_t call_end_ns;    /* when the CUDA backend's last successful call returned (0: none yet) */
-  cudaStream_t call_end_stream; /* its stream */
+  unsigned long long call_end_stream_id; /* its stream's id (cudaStreamGetId; 0 with call_end_ns: unknown) */
   uint64_t idle_wait_ns;   /* host time the call in progress spent waiting for its stream (stream_idle_soon) */
   int cuda_ready; /* the device was valid and set: destroy has CUDA work to undo */
   int sm_count;
@@ -964,8 +964,8 @@ static cudaError_t query_relaxed(cudaStream_t stream, cudaEvent_t event) {
  * alone, d4). Asked only where idleness decides the route (a call alone
  * the host-bound rule would stage, a small gather's straight part), so a
  * stream busy with other work costs such a call at most this much host
- * time, which x->idle_wait_ns keeps out of the batch calls' host time. */
-#define KVF_IDLE_WAIT_NS 5000
+ * time (KVF_IDLE_WAIT_NS), which x->idle_wait_ns keeps out of the batch
+ * calls' host time. */
 
 static int stream_idle_soon(kvf_xfer *x, cudaStream_t stream) {
   if (query_relaxed(stream, NULL) == cudaSuccess) return 1;
@@ -974,8 +974,14 @@ static int stream_idle_soon(kvf_xfer *x, cudaStream_t stream) {
    * not an event: waiting would only add host time to calls back to back
    * (the MLA DCP rank's chunk, whose scatter the rule weighs staged alone,
    * ran back to back at 0.82x cudaMemcpyBatchAsync's rate with the wait on
-   * every call). */
-  if (x->call_end_stream == stream &&
+   * every call). The stream by its id: a destroyed stream's handle can come
+   * back for another, which holds none of that call's work. */
+  unsigned long long id = 0;
+  if (cudaStreamGetId(stream, &id) != cudaSuccess) {
+    cudaGetLastError();
+    id = 0;
+  }
+  if (id && x->call_end_stream_id == id &&
       kvf_came_back_to_back(x->call_end_ns, x->call_start_ns, (uint64_t)x->tune.batch_back_to_back_us * 1000ull))
     return 0;
   const uint64_t t0 = kvf_now_ns();
@@ -2355,8 +2361,14 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
   end_staged_span(x, st, stream);
   if (st == KVF_SUCCESS) {
     x->path.back_to_back = x->rule_back_to_back;
+    x->path.idle_wait_us = (double)x->idle_wait_ns / 1e3;
+    unsigned long long id = 0;
+    if (cudaStreamGetId(stream, &id) != cudaSuccess) {
+      cudaGetLastError(); /* unknown: the next call waits as after another stream's */
+      id = 0;
+    }
     x->call_end_ns = kvf_now_ns();
-    x->call_end_stream = stream;
+    x->call_end_stream_id = id;
   }
   return st;
 }

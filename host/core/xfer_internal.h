@@ -178,6 +178,10 @@ uint64_t kvf_batch_ramp_next(uint64_t prev, uint64_t left, uint64_t prev_host_ns
 /* The most KVF_XFER_BATCH_BACK_TO_BACK_US (a second). */
 #define KVF_BATCH_MAX_BACK_TO_BACK_US 1000000
 
+/* How long a call waits for its busy stream where idleness decides its
+ * route (host/core/xfer.c, stream_idle_soon, says why). */
+#define KVF_IDLE_WAIT_NS 5000
+
 /* Whether a batch-API call of `runs` runs, whose copies take engine_ns at
  * KVF_XFER_BATCH_LINK_GBPS, would keep the copy engine waiting for the host:
  * the context's last batch call took prev_host_ns of host time (from taking
@@ -440,6 +444,8 @@ typedef struct kvf_xfer_path_info {
                                     (KVF_XFER_BATCH_STAGED_COST 0) */
   uint32_t back_to_back;   /* 1: the host-bound rule weighed this call as one back to back (the stream busy with
                               the context's previous call), so against staged_cost; 0: alone, or not asked */
+  double idle_wait_us;     /* of host_us, the time the call waited for its stream to become idle (a call alone
+                              the host-bound rule weighs, a small gather's straight part: stream_idle_soon) */
 } kvf_xfer_path_info;
 
 const char *kvf_xfer_path_name(kvf_xfer_path path);
