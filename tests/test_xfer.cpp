@@ -2317,6 +2317,84 @@ TEST(XferStraight, BatchRunsLeaveNothingToFreeWhenTheyDoNotFit) {
   }
 }
 
+// kvf_stage_runs_layout tells requests of one shape apart by what decides
+// how their batch-API runs merge: tables whose ids follow each other in the
+// same places hash alike (and list as many runs, counted here by
+// kvf_stage_batch_runs), whatever the ids; a table with a different
+// pattern, a skipped block, or objects or regions placed otherwise relative
+// to each other do not. Moving every region or object by one offset
+// changes nothing. Llama NHD, one chunk: 16 blocks in each of 64 planes.
+TEST(XferStraight, RunsLayoutTellsRequestsThatListTheSameRuns) {
+  PlannedRequest q;
+  ASSERT_NO_FATAL_FAILURE(plan_chunks("llama-3.1-8b-fa-nhd", 1, 0, 33, &q));
+  ASSERT_EQ(q.r->ids.size(), 1u);
+  const size_t n = q.r->ids[0].size();
+  ASSERT_EQ(n, 16u);
+  auto runs_of = [&](const Req &r) {
+    std::vector<uint8_t> blob = build_blob(q.g(), q.plan.p, r.get(), true, nullptr);
+    void **dst = nullptr;
+    const void **src = nullptr;
+    size_t *size = nullptr, count = 0;
+    EXPECT_EQ(kvf_stage_batch_runs(blob.data(), 1, 0, 1u << 20, &dst, &src, &size, &count), 1);
+    free(dst);
+    free(src);
+    free(size);
+    return count;
+  };
+  auto with_ids = [&](std::vector<uint32_t> ids) {
+    auto r = std::make_unique<Req>(q.s.plan, KVF_FORMAT_CANONICAL, q.r->bases, q.r->objects);
+    r->ids[0] = std::move(ids);
+    r->rebind();
+    return r;
+  };
+  std::vector<uint32_t> from0(n), from2(n), reversed(n), pairs(n);
+  for (uint32_t i = 0; i < n; i++) {
+    from0[i] = i;
+    from2[i] = i + 2;
+    reversed[i] = (uint32_t)n - 1 - i;
+    pairs[i] = i % 2 ? pairs[i - 1] + 1 : (i ^ 2); // 2,3,0,1,6,7,4,5,...: runs of two
+  }
+  std::vector<uint32_t> shuffled = q.s.plan.ids[0], skipped = from0;
+  skipped[5] = KVF_BLOCK_SKIP;
+  struct Named {
+    const char *name;
+    std::unique_ptr<Req> r;
+  };
+  std::vector<Named> reqs;
+  reqs.push_back({"from 0", with_ids(from0)});
+  reqs.push_back({"from 2", with_ids(from2)});
+  reqs.push_back({"reversed", with_ids(reversed)});
+  reqs.push_back({"pairs", with_ids(pairs)});
+  reqs.push_back({"shuffled", with_ids(shuffled)});
+  reqs.push_back({"a skip", with_ids(skipped)});
+  std::vector<uint64_t> layout, runs;
+  for (const Named &x : reqs) {
+    layout.push_back(kvf_stage_runs_layout(q.g(), x.r->get()));
+    runs.push_back(x.name == std::string("a skip") ? 0 : runs_of(*x.r));
+  }
+  EXPECT_EQ(layout[0], layout[1]) << "ids following each other alike";
+  EXPECT_EQ(runs[0], runs[1]);
+  EXPECT_EQ(runs[0], 64u) << "one run a plane";
+  EXPECT_EQ(runs[2], 1024u) << "reversed: no two merge";
+  EXPECT_EQ(runs[3], 512u) << "pairs";
+  for (size_t i = 0; i < reqs.size(); i++)
+    for (size_t j = i + 1; j < reqs.size(); j++) {
+      if (i == 0 && j == 1) continue;
+      EXPECT_NE(layout[i], layout[j]) << reqs[i].name << " / " << reqs[j].name;
+    }
+  // The same places, every region (or object) moved by one offset.
+  auto moved = with_ids(from0);
+  for (void *&b : moved->bases) b = static_cast<char *>(b) + (uintptr_t{1} << 36);
+  for (void *&o : moved->objects) o = static_cast<char *>(o) + 4096;
+  moved->rebind();
+  EXPECT_EQ(kvf_stage_runs_layout(q.g(), moved->get()), layout[0]);
+  // Two regions swapped: their places relative to the first change.
+  ASSERT_GE(moved->bases.size(), 3u);
+  std::swap(moved->bases[1], moved->bases[2]);
+  moved->rebind();
+  EXPECT_NE(kvf_stage_runs_layout(q.g(), moved->get()), layout[0]);
+}
+
 // The batch API's runs go in calls of `first`, then twice as many, the
 // rest in one call once the next doubling would reach it; first 0 is one
 // call. Every run is enqueued exactly once, whatever the count.
@@ -2939,6 +3017,11 @@ struct GpuConfig {
   // timing it does: the stream is busy for the few us the GPU takes to
   // complete it.
   bool event_before_call = false;
+  // The plan of call i when not the case's (nullptr: the case's). The bytes
+  // are checked after the last call, which must use the case's plan, and
+  // only a gather's are then the reference's: earlier scatters of another
+  // plan leave their blocks written.
+  std::function<const Plan *(int)> plan_for_call;
   // Each call on a stream of its own, created right before it (the one
   // before destroyed once synchronized): CUDA may hand a new stream the
   // destroyed one's handle.
@@ -3013,7 +3096,11 @@ void run_gpu_case(const kvf_geometry *g, const Plan &p, kvf_object_format fmt, D
     if (cfg.before_each) {
       ASSERT_NO_FATAL_FAILURE(cfg.before_each(i, x.get(), s));
     }
-    auto r = std::make_unique<Req>(p, fmt, dcache.payloads(), dobjs.payloads());
+    const Plan *call_plan = cfg.plan_for_call ? cfg.plan_for_call(i) : nullptr;
+    if (i + 1 == cfg.calls) {
+      ASSERT_EQ(call_plan, nullptr) << "the last call checks the case's plan";
+    }
+    auto r = std::make_unique<Req>(call_plan ? *call_plan : p, fmt, dcache.payloads(), dobjs.payloads());
     if (before_call) CUDA_OK(cudaEventRecord(before_call, s));
     kvf_status st = call(x.get(), dir, r->get(), s);
     r->scrub();
@@ -3583,6 +3670,40 @@ TEST(XferGpu, StagedGatherAloneLeavesOutItsStraightPart) {
     else
       EXPECT_EQ(as_wanted, 1) << (straight ? "a straight part" : "no straight part");
   }
+}
+
+// A request the batch route does not fit (a Llama chunk's 1024 blocks of
+// shuffled ids: more than KVF_XFER_BATCH_MAX_RUNS runs) is refused there
+// without building its runs again when the last one refused had its shape
+// and layout (kvf_stage_runs_layout); a request of that shape whose ids
+// follow each other (64 runs, one a plane) still takes the batch route, and
+// does not make the context forget the refused one. Calls: shuffled,
+// shuffled, in order, shuffled, in order, shuffled (the case's plan, whose
+// gather the last call checks).
+TEST(XferGpu, RequestTheBatchRouteRefusedIsNotListedAgain) {
+  REQUIRE_GPU();
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_chunks("llama-3.1-8b-fa-nhd", 1, 0, 61, &s));
+  Plan in_order = s.plan;
+  std::iota(in_order.ids[0].begin(), in_order.ids[0].end(), 0u);
+  GpuConfig cfg;
+  cfg.obj_kind = Mem::Pinned;
+  cfg.route = KVF_ROUTE_D2H;
+  cfg.calls = 6;
+  cfg.tune = [](kvf_xfer_tuning &t) { t.batch_host_bound = 0; }; // the route by fit alone
+  cfg.plan_for_call = [&in_order](int i) -> const Plan * { return i == 2 || i == 4 ? &in_order : nullptr; };
+  cfg.check_each = [](int i, const kvf_xfer_path_info &p) {
+    SCOPED_TRACE("call " + std::to_string(i));
+    if (i == 2 || i == 4) {
+      EXPECT_EQ(p.path, KVF_PATH_COPY_BATCH) << kvf_xfer_path_name(p.path);
+      EXPECT_EQ(p.dma_runs, 64u) << "one run a plane";
+      EXPECT_EQ(p.batch_listed, 1u);
+    } else {
+      EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
+      EXPECT_EQ(p.batch_listed, i == 0 ? 1u : 0u) << "listed once, refused since without listing";
+    }
+  };
+  run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, Dir::Gather, 0, 62, cfg);
 }
 
 // A call alone that the host-bound rule would stage waits up to

@@ -91,11 +91,21 @@ struct kvf_xfer {
     uint64_t tokens, moving; /* token count; what moves (batch_shape_of) */
     uint64_t runs, engine_ns;
   } listed;
+  /* The last request the batch route did not fit (too many runs, or too
+   * short): its shape and layout (kvf_stage_runs_layout), which a request
+   * like it is refused on without building its runs again (a Llama chunk's
+   * 1024 blocks, about 15 us of a call alone on the H200). */
+  struct {
+    struct batch_shape shape;
+    uint64_t layout;
+    int known;
+  } unfit;
   void *host_blob;         /* tables built on the host: the host backend's, and those launched in kernel parameters */
   size_t host_blob_cap;
 #ifdef KVF_WITH_CUDA
   uint64_t call_end_ns;    /* when the CUDA backend's last successful call returned (0: none yet) */
   unsigned long long call_end_stream_id; /* its stream's id (cudaStreamGetId; 0 with call_end_ns: unknown) */
+  int call_listed;         /* the call in progress built its batch-API runs (launch_copy_batch) */
   uint64_t idle_wait_ns;   /* host time the call in progress spent waiting for its stream (stream_idle_soon) */
   int cuda_ready; /* the device was valid and set: destroy has CUDA work to undo */
   int sm_count;
@@ -363,6 +373,7 @@ kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
 #endif
   x->tune = *t;
   x->listed.runs = 0; /* the runs' limits or the link rate may have changed */
+  x->unfit.known = 0;
 #ifdef KVF_WITH_CUDA
   __atomic_store_n(&x->defer_on, (int)t->defer, __ATOMIC_RELAXED);
 #endif
@@ -1281,6 +1292,9 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
    * the call's marks already taken: a call back to back could not go
    * staged, and the ramp would ask a stream holding the mark.) */
   const struct batch_shape shape = batch_shape_of(x->geometry, r, gather);
+  const uint64_t layout = kvf_stage_runs_layout(x->geometry, r);
+  if (x->unfit.known && x->unfit.layout == layout && same_batch_shape(&x->unfit.shape, &shape))
+    return KVF_ERR_UNSUPPORTED;
   int asked = 0;
   if (x->listed.runs && same_batch_shape(&x->listed, &shape)) {
     asked = 1;
@@ -1294,13 +1308,19 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
   kvf_status st = grow_host_blob(x, size);
   if (st) return st;
   kvf_blob_build(x->geometry, plan, r, gather, NULL, x->host_blob);
+  x->call_listed = 1;
   void **dst = NULL;
   const void **src = NULL;
   size_t *sizes = NULL, count = 0;
   int fit = kvf_stage_batch_runs(x->host_blob, gather, (uint64_t)x->tune.batch_min_run,
                                  (uint64_t)x->tune.batch_max_runs, &dst, &src, &sizes, &count);
   if (fit < 0) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
-  if (fit == 0) return KVF_ERR_UNSUPPORTED;
+  if (fit == 0) {
+    x->unfit.shape = shape;
+    x->unfit.layout = layout;
+    x->unfit.known = 1;
+    return KVF_ERR_UNSUPPORTED;
+  }
   uint64_t bytes = 0;
   for (size_t i = 0; i < count; i++) bytes += sizes[i];
   uint64_t engine_ns = x->tune.batch_link_gbps > 0 ? bytes / (uint64_t)x->tune.batch_link_gbps : 0; /* GB/s = bytes/ns */
@@ -2356,11 +2376,13 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
   x->cuda_calls++; /* the marks of the call before this one are asked by this one only */
   x->rule_back_to_back = 0;
   x->idle_wait_ns = 0;
+  x->call_listed = 0;
   kvf_status st = launch_cuda_routes(x, r, gather, stream);
   end_call_mark(x, st, stream);
   end_staged_span(x, st, stream);
   if (st == KVF_SUCCESS) {
     x->path.back_to_back = x->rule_back_to_back;
+    x->path.batch_listed = (uint32_t)x->call_listed;
     x->path.idle_wait_us = (double)x->idle_wait_ns / 1e3;
     unsigned long long id = 0;
     if (cudaStreamGetId(stream, &id) != cudaSuccess) {

@@ -155,6 +155,15 @@ kvf_status kvf_stage_blob_runs(const void *blob, const uint64_t *object_base, kv
 int kvf_stage_batch_runs(const void *blob, int gather, uint64_t min_run, uint64_t max_runs, void ***dst,
                          const void ***src, size_t **size, size_t *count);
 
+/* A hash (FNV-1a) of what decides how a request's batch-API runs merge
+ * beyond its shape (direction, format, tokens, what moves): for each
+ * group, which of the blocks it names are skipped and which follow the
+ * block before with the next id; the objects' and regions' places relative
+ * to the first of each. Requests of one shape and layout list the same
+ * number of runs (kvf_stage_batch_runs), unless runs happen to meet across
+ * a region's end, which only costs a route. */
+uint64_t kvf_stage_runs_layout(const kvf_geometry *geometry, const kvf_copy_request *request);
+
 /* How many of the `left` runs still to enqueue the next cudaMemcpyBatchAsync
  * of a ramped batch takes, when `done` calls were made before it: `first`,
  * then twice as many each call, and the rest in one call once the next
@@ -444,6 +453,8 @@ typedef struct kvf_xfer_path_info {
                                     (KVF_XFER_BATCH_STAGED_COST 0) */
   uint32_t back_to_back;   /* 1: the host-bound rule weighed this call as one back to back (the stream busy with
                               the context's previous call), so against staged_cost; 0: alone, or not asked */
+  uint32_t batch_listed;   /* 1: the call built its request's batch-API runs (KVF_PATH_COPY_BATCH, or refused
+                              there: too many runs, too short, or staged by the host-bound rule once listed) */
   double idle_wait_us;     /* of host_us, the time the call waited for its stream to become idle (a call alone
                               the host-bound rule weighs, a small gather's straight part: stream_idle_soon) */
 } kvf_xfer_path_info;
