@@ -106,6 +106,7 @@ struct kvf_xfer {
   uint64_t call_end_ns;    /* when the CUDA backend's last successful call returned (0: none yet) */
   unsigned long long call_end_stream_id; /* its stream's id (cudaStreamGetId; 0 with call_end_ns: unknown) */
   int call_listed;         /* the call in progress built its batch-API runs (launch_copy_batch) */
+  int call_captured;       /* the call in progress is on a capturing stream (or not known yet) */
   uint64_t idle_wait_ns;   /* host time the call in progress spent waiting for its stream (stream_idle_soon) */
   int cuda_ready; /* the device was valid and set: destroy has CUDA work to undo */
   int sm_count;
@@ -964,6 +965,22 @@ static cudaError_t query_relaxed(cudaStream_t stream, cudaEvent_t event) {
   return q;
 }
 
+/* The stream's id (cudaStreamGetId; ids, unlike handles, are never
+ * reused), 0 when the runtime does not give one: asked in relaxed capture
+ * mode, as query_relaxed asks. Never of a stream being captured, where the
+ * call is refused and invalidates the capture. */
+static unsigned long long stream_id_relaxed(cudaStream_t stream) {
+  unsigned long long id = 0;
+  enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  if (cudaStreamGetId(stream, &id) != cudaSuccess) {
+    cudaGetLastError();
+    id = 0;
+  }
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  return id;
+}
+
 /* Whether the stream is idle, or becomes idle within KVF_IDLE_WAIT_NS: an
  * event the caller recorded just before the call (as a latency measure
  * does, or an engine marking its stream) keeps it busy for a few us after
@@ -987,11 +1004,7 @@ static int stream_idle_soon(kvf_xfer *x, cudaStream_t stream) {
    * ran back to back at 0.82x cudaMemcpyBatchAsync's rate with the wait on
    * every call). The stream by its id: a destroyed stream's handle can come
    * back for another, which holds none of that call's work. */
-  unsigned long long id = 0;
-  if (cudaStreamGetId(stream, &id) != cudaSuccess) {
-    cudaGetLastError();
-    id = 0;
-  }
+  const unsigned long long id = stream_id_relaxed(stream);
   if (id && x->call_end_stream_id == id &&
       kvf_came_back_to_back(x->call_end_ns, x->call_start_ns, (uint64_t)x->tune.batch_back_to_back_us * 1000ull))
     return 0;
@@ -1125,9 +1138,8 @@ static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns
    * takes the batch route and leaves no marks, as a call that is not
    * host-bound. */
   if (!idle && !behind) return 0;
-  unsigned long long stream_id = 0;
-  int have_id = cudaStreamGetId(stream, &stream_id) == cudaSuccess;
-  if (!have_id) cudaGetLastError();
+  const unsigned long long stream_id = stream_id_relaxed(stream);
+  const int have_id = stream_id != 0;
   int back_to_back =
       kvf_came_back_to_back(x->call_mark_end_ns, x->call_start_ns, (uint64_t)x->tune.batch_back_to_back_us * 1000ull);
   int reached = idle || (have_id && back_to_back && x->call_mark_call != 0 && x->call_mark_call + 1 == x->cuda_calls &&
@@ -2272,6 +2284,7 @@ static kvf_status launch_cuda_routes(kvf_xfer *x, const kvf_copy_request *r, int
     cudaGetLastError();
     return kvf_fail(KVF_ERR_CUDA, "stream: %s", cudaGetErrorString(e));
   }
+  x->call_captured = capture != cudaStreamCaptureStatusNone;
   uint32_t pcie_sms = (uint32_t)x->sm_count;
   if (x->tune.pcie_sms > 0 && (uint64_t)x->tune.pcie_sms < pcie_sms) pcie_sms = (uint32_t)x->tune.pcie_sms;
   if (x->max_sms && x->max_sms < pcie_sms) pcie_sms = x->max_sms;
@@ -2377,6 +2390,7 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
   x->rule_back_to_back = 0;
   x->idle_wait_ns = 0;
   x->call_listed = 0;
+  x->call_captured = 1; /* until launch_cuda_routes knows */
   kvf_status st = launch_cuda_routes(x, r, gather, stream);
   end_call_mark(x, st, stream);
   end_staged_span(x, st, stream);
@@ -2384,13 +2398,10 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
     x->path.back_to_back = x->rule_back_to_back;
     x->path.batch_listed = (uint32_t)x->call_listed;
     x->path.idle_wait_us = (double)x->idle_wait_ns / 1e3;
-    unsigned long long id = 0;
-    if (cudaStreamGetId(stream, &id) != cudaSuccess) {
-      cudaGetLastError(); /* unknown: the next call waits as after another stream's */
-      id = 0;
-    }
     x->call_end_ns = kvf_now_ns();
-    x->call_end_stream_id = id;
+    /* 0 (unknown) for a captured call: the next call waits as after another
+     * stream's. */
+    x->call_end_stream_id = x->call_captured ? 0 : stream_id_relaxed(stream);
   }
   return st;
 }
