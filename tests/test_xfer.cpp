@@ -3066,6 +3066,7 @@ void run_gpu_case(const kvf_geometry *g, const Plan &p, kvf_object_format fmt, D
   DevSet dcache, dobjs;
   ASSERT_NO_FATAL_FAILURE(upload_new(in.cache, cfg.cache_kind, device_of(cfg.cache_kind, cfg.cache_device), &dcache));
   ASSERT_NO_FATAL_FAILURE(upload_new(in.objs, cfg.obj_kind, device_of(cfg.obj_kind, cfg.obj_device), &dobjs));
+  ASSERT_FALSE(cfg.new_stream_each_call && cfg.legacy_stream) << "one stream or the other";
   XferPtr x = make_xfer(g, 0, 0, cfg.max_sms);
   ASSERT_TRUE(x);
   if (cfg.tune) {
@@ -3088,9 +3089,11 @@ void run_gpu_case(const kvf_geometry *g, const Plan &p, kvf_object_format fmt, D
   for (int i = 0; i < cfg.calls; i++) {  // the same copy again: the same bytes land
     if (cfg.new_stream_each_call && i > 0) {
       CUDA_OK(cudaStreamSynchronize(s));
+      const cudaStream_t destroyed = s;
       stream.reset();
       stream = std::make_unique<Stream>();
       s = stream->s;
+      if (s == destroyed) std::printf("call %d: the new stream has the destroyed one's handle\n", i);
     }
     if (cfg.busy_ms > 0 && i == 0) CUDA_OK(kvf_test_spin(s, cfg.busy_ms));
     if (cfg.before_each) {

@@ -104,7 +104,10 @@ struct kvf_xfer {
   size_t host_blob_cap;
 #ifdef KVF_WITH_CUDA
   uint64_t call_end_ns;    /* when the CUDA backend's last successful call returned (0: none yet) */
-  unsigned long long call_end_stream_id; /* its stream's id (cudaStreamGetId; 0 with call_end_ns: unknown) */
+  unsigned long long call_end_stream_id; /* its stream's id (cudaStreamGetId), when call_end_has_id */
+  int call_end_has_id;
+  unsigned long long call_stream_id; /* the call in progress's stream's id (call_stream_id) */
+  int call_stream_id_asked, call_stream_id_ok;
   int call_listed;         /* the call in progress built its batch-API runs (launch_copy_batch) */
   int call_captured;       /* the call in progress is on a capturing stream (or not known yet) */
   uint64_t idle_wait_ns;   /* host time the call in progress spent waiting for its stream (stream_idle_soon) */
@@ -965,20 +968,22 @@ static cudaError_t query_relaxed(cudaStream_t stream, cudaEvent_t event) {
   return q;
 }
 
-/* The stream's id (cudaStreamGetId; ids, unlike handles, are never
- * reused), 0 when the runtime does not give one: asked in relaxed capture
- * mode, as query_relaxed asks. Never of a stream being captured, where the
- * call is refused and invalidates the capture. */
-static unsigned long long stream_id_relaxed(cudaStream_t stream) {
-  unsigned long long id = 0;
-  enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  cudaThreadExchangeStreamCaptureMode(&mode);
-  if (cudaStreamGetId(stream, &id) != cudaSuccess) {
-    cudaGetLastError();
-    id = 0;
+/* The id of the call's stream (cudaStreamGetId: ids, unlike handles, are
+ * never reused): asked once a call, in relaxed capture mode as
+ * query_relaxed asks, and never of a stream being captured (the runtime
+ * refuses it there and invalidates the capture). Returns whether the
+ * runtime gave one. */
+static int call_stream_id(kvf_xfer *x, cudaStream_t stream, unsigned long long *id) {
+  if (!x->call_stream_id_asked) {
+    x->call_stream_id_asked = 1;
+    enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    x->call_stream_id_ok = cudaStreamGetId(stream, &x->call_stream_id) == cudaSuccess;
+    if (!x->call_stream_id_ok) cudaGetLastError();
+    cudaThreadExchangeStreamCaptureMode(&mode);
   }
-  cudaThreadExchangeStreamCaptureMode(&mode);
-  return id;
+  *id = x->call_stream_id;
+  return x->call_stream_id_ok;
 }
 
 /* Whether the stream is idle, or becomes idle within KVF_IDLE_WAIT_NS: an
@@ -994,7 +999,6 @@ static unsigned long long stream_id_relaxed(cudaStream_t stream) {
  * stream busy with other work costs such a call at most this much host
  * time (KVF_IDLE_WAIT_NS), which x->idle_wait_ns keeps out of the batch
  * calls' host time. */
-
 static int stream_idle_soon(kvf_xfer *x, cudaStream_t stream) {
   if (query_relaxed(stream, NULL) == cudaSuccess) return 1;
   /* A call that came within KVF_XFER_BATCH_BACK_TO_BACK_US of the
@@ -1004,9 +1008,10 @@ static int stream_idle_soon(kvf_xfer *x, cudaStream_t stream) {
    * ran back to back at 0.82x cudaMemcpyBatchAsync's rate with the wait on
    * every call). The stream by its id: a destroyed stream's handle can come
    * back for another, which holds none of that call's work. */
-  const unsigned long long id = stream_id_relaxed(stream);
-  if (id && x->call_end_stream_id == id &&
-      kvf_came_back_to_back(x->call_end_ns, x->call_start_ns, (uint64_t)x->tune.batch_back_to_back_us * 1000ull))
+  unsigned long long id = 0;
+  if (x->call_end_has_id &&
+      kvf_came_back_to_back(x->call_end_ns, x->call_start_ns, (uint64_t)x->tune.batch_back_to_back_us * 1000ull) &&
+      call_stream_id(x, stream, &id) && id == x->call_end_stream_id)
     return 0;
   const uint64_t t0 = kvf_now_ns();
   int idle = 0;
@@ -1138,8 +1143,8 @@ static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns
    * takes the batch route and leaves no marks, as a call that is not
    * host-bound. */
   if (!idle && !behind) return 0;
-  const unsigned long long stream_id = stream_id_relaxed(stream);
-  const int have_id = stream_id != 0;
+  unsigned long long stream_id = 0;
+  const int have_id = call_stream_id(x, stream, &stream_id);
   int back_to_back =
       kvf_came_back_to_back(x->call_mark_end_ns, x->call_start_ns, (uint64_t)x->tune.batch_back_to_back_us * 1000ull);
   int reached = idle || (have_id && back_to_back && x->call_mark_call != 0 && x->call_mark_call + 1 == x->cuda_calls &&
@@ -2391,6 +2396,7 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
   x->idle_wait_ns = 0;
   x->call_listed = 0;
   x->call_captured = 1; /* until launch_cuda_routes knows */
+  x->call_stream_id_asked = 0;
   kvf_status st = launch_cuda_routes(x, r, gather, stream);
   end_call_mark(x, st, stream);
   end_staged_span(x, st, stream);
@@ -2398,10 +2404,12 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
     x->path.back_to_back = x->rule_back_to_back;
     x->path.batch_listed = (uint32_t)x->call_listed;
     x->path.idle_wait_us = (double)x->idle_wait_ns / 1e3;
+    /* No id for a captured call, nor one on a default stream (whose calls
+     * never ask): the next call then waits as after another stream's. */
+    unsigned long long id = 0;
+    x->call_end_has_id = !x->call_captured && !default_stream(stream) && call_stream_id(x, stream, &id);
+    x->call_end_stream_id = id;
     x->call_end_ns = kvf_now_ns();
-    /* 0 (unknown) for a captured call: the next call waits as after another
-     * stream's. */
-    x->call_end_stream_id = x->call_captured ? 0 : stream_id_relaxed(stream);
   }
   return st;
 }
