@@ -204,9 +204,7 @@ void kvf_plan_free(kvf_plan *plan) {
 
 /* ---- blobs --------------------------------------------------------------- */
 
-/* The block range of group gi a request moves: local blocks (chunks for a
- * recurrent group) [*b0, *b1), clipped to the group's table. */
-static void moved_range(const kvf_geometry *g, const kvf_copy_request *r, uint32_t gi, uint64_t *b0, uint64_t *b1) {
+void kvf_blob_group_window(const kvf_geometry *g, const kvf_copy_request *r, uint32_t gi, uint64_t *b0, uint64_t *b1) {
   const kvf_group *gr = &g->groups[gi];
   const kvf_group_blocks *t = &r->groups[gi];
   *b0 = *b1 = 0;
@@ -268,7 +266,7 @@ static void blob_layout(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
   uint64_t entries = 0, ids = 0;
   for (uint32_t gi = 0; gi < g->num_groups; gi++) {
     uint64_t b0, b1, n = 0;
-    moved_range(g, r, gi, &b0, &b1);
+    kvf_blob_group_window(g, r, gi, &b0, &b1);
     if (b0 == b1) continue;
     for (uint32_t s = plan->group_first[gi]; s < plan->group_first[gi + 1]; s++) n += seg_in(opts, s);
     if (!n) continue;
@@ -431,7 +429,7 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
   int moving[KVF_MAX_GROUPS] = {0};
   for (uint32_t gi = 0; gi < g->num_groups; gi++) {
     uint64_t per_block;
-    moved_range(g, r, gi, &b0s[gi], &b1s[gi]);
+    kvf_blob_group_window(g, r, gi, &b0s[gi], &b1s[gi]);
     if (b0s[gi] == b1s[gi] || !(per_block = group_block_bytes(plan, opts, gi))) continue;
     moving[gi] = 1;
     h->payload_bytes += group_payload_of(g, r, gi, b0s[gi], b1s[gi], h->lt_end, per_block);
@@ -504,7 +502,7 @@ uint32_t kvf_blob_entry_segments(const kvf_geometry *g, const kvf_plan *plan, co
   uint32_t n = 0;
   for (uint32_t gi = 0; gi < g->num_groups; gi++) {
     uint64_t b0, b1;
-    moved_range(g, r, gi, &b0, &b1);
+    kvf_blob_group_window(g, r, gi, &b0, &b1);
     if (b0 == b1 || !group_block_bytes(plan, opts, gi)) continue;
     for (uint32_t s = plan->group_first[gi]; s < plan->group_first[gi + 1]; s++)
       if (seg_in(opts, s)) out[n++] = s;

@@ -210,6 +210,12 @@ typedef struct kvf_blob_opts {
 /* The slice a build of opts takes for a blob moving `payload` bytes. */
 uint32_t kvf_blob_slice_for(const kvf_blob_opts *opts, uint64_t payload);
 
+/* The blocks of group gi a blob of the request moves: local blocks
+ * (chunks for a recurrent group) [*b0, *b1), clipped to the group's table;
+ * empty (*b0 == *b1 == 0) when the group does not move. */
+void kvf_blob_group_window(const kvf_geometry *geometry, const kvf_copy_request *request, uint32_t gi, uint64_t *b0,
+                           uint64_t *b1);
+
 /* Bytes a blob of the request may take (the request is checked first by
  * the caller): room for a shape per entry, where a build takes as many as
  * its entries differ (its header's size says how many bytes it took). opts

@@ -2317,82 +2317,89 @@ TEST(XferStraight, BatchRunsLeaveNothingToFreeWhenTheyDoNotFit) {
   }
 }
 
-// kvf_stage_runs_layout tells requests of one shape apart by what decides
-// how their batch-API runs merge: tables whose ids follow each other in the
-// same places hash alike (and list as many runs, counted here by
-// kvf_stage_batch_runs), whatever the ids; a table with a different
-// pattern, a skipped block, or objects or regions placed otherwise relative
-// to each other do not. Moving every region or object by one offset
-// changes nothing. Llama NHD, one chunk: 16 blocks in each of 64 planes.
-TEST(XferStraight, RunsLayoutTellsRequestsThatListTheSameRuns) {
+// kvf_stage_batch_runs_floor never exceeds the runs kvf_stage_batch_runs
+// lists (merged), on every preset whose blocks are single runs, one and two
+// chunks, tables whose ids follow the block before's with probability 0,
+// 1/2, 9/10 or 1, with and without skipped blocks. It refuses a Llama NHD
+// chunk of shuffled ids (1024 runs) over the route's 256, lets the same
+// chunk in order (64 runs) through, and has no floor when an object is
+// missing.
+TEST(XferStraight, RunsFloorIsAtMostTheListedRuns) {
+  uint64_t seed = 700, compared = 0;
+  for (const std::string &preset : preset_names())
+    for (uint64_t chunks : {1, 2})
+      for (double p_follow : {0.0, 0.5, 0.9, 1.0})
+        for (bool skips : {false, true})
+          for (bool adjacent : {false, true}) {
+          SCOPED_TRACE(preset + ", " + std::to_string(chunks) + " chunks, follow " + std::to_string(p_follow) +
+                       (skips ? ", skips" : "") + (adjacent ? ", regions and objects end to end" : ""));
+          PlannedRequest q;
+          ASSERT_NO_FATAL_FAILURE(plan_chunks(preset, chunks, 0, seed++, &q));
+          if (adjacent) { // runs may then merge across planes, regions and objects
+            uintptr_t at = uintptr_t{1} << 40;
+            for (uint32_t r = 0; r < q.r->bases.size(); r++) {
+              kvf_region_info ri = KVF_REGION_INFO_INIT;
+              ASSERT_EQ(kvf_geometry_region(q.g(), r, &ri), KVF_SUCCESS);
+              q.r->bases[r] = reinterpret_cast<void *>(at);
+              at += ri.size;
+            }
+            at = uintptr_t{1} << 44;
+            for (uint64_t i = 0; i < q.r->objects.size(); i++) {
+              q.r->objects[i] = reinterpret_cast<void *>(at);
+              at += object_bytes(q.g(), q.r->get(), i);
+            }
+          }
+          std::mt19937_64 rng(seed++);
+          for (uint32_t gi = 0; gi < q.r->ids.size(); gi++) {
+            std::vector<uint32_t> &ids = q.r->ids[gi];
+            kvf_group_info info = KVF_GROUP_INFO_INIT;
+            ASSERT_EQ(kvf_geometry_group(q.g(), gi, &info), KVF_SUCCESS);
+            const uint32_t num_blocks = info.num_blocks;
+            ASSERT_GE(num_blocks, ids.size());
+            std::vector<bool> used(num_blocks, false);
+            for (size_t i = 0; i < ids.size(); i++) {
+              uint32_t id = 0;
+              const bool follow = i > 0 && ids[i - 1] != KVF_BLOCK_SKIP && ids[i - 1] + 1 < num_blocks &&
+                                  !used[ids[i - 1] + 1] && std::uniform_real_distribution<>(0, 1)(rng) < p_follow;
+              if (follow) {
+                id = ids[i - 1] + 1;
+              } else {
+                do id = (uint32_t)(rng() % num_blocks);
+                while (used[id]);
+              }
+              used[id] = true;
+              ids[i] = skips && i > 0 && rng() % 6 == 0 ? KVF_BLOCK_SKIP : id;
+            }
+          }
+          q.r->rebind();
+          std::vector<uint8_t> blob = build_blob(q.g(), q.plan.p, q.r->get(), true, nullptr);
+          void **dst = nullptr;
+          const void **src = nullptr;
+          size_t *size = nullptr, count = 0;
+          if (kvf_stage_batch_runs(blob.data(), 1, 0, uint64_t{1} << 30, &dst, &src, &size, &count) != 1)
+            continue;  // blocks that are not single runs: the route never takes them
+          free(dst);
+          free(src);
+          free(size);
+          const uint64_t floor = kvf_stage_batch_runs_floor(q.g(), &q.plan.p, q.r->get());
+          EXPECT_LE(floor, count);
+          EXPECT_GE(floor, 1u);
+          compared++;
+        }
+  EXPECT_GE(compared, 100u) << "presets whose blocks are single runs";
+
   PlannedRequest q;
-  ASSERT_NO_FATAL_FAILURE(plan_chunks("llama-3.1-8b-fa-nhd", 1, 0, 33, &q));
-  ASSERT_EQ(q.r->ids.size(), 1u);
-  const size_t n = q.r->ids[0].size();
-  ASSERT_EQ(n, 16u);
-  auto runs_of = [&](const Req &r) {
-    std::vector<uint8_t> blob = build_blob(q.g(), q.plan.p, r.get(), true, nullptr);
-    void **dst = nullptr;
-    const void **src = nullptr;
-    size_t *size = nullptr, count = 0;
-    EXPECT_EQ(kvf_stage_batch_runs(blob.data(), 1, 0, 1u << 20, &dst, &src, &size, &count), 1);
-    free(dst);
-    free(src);
-    free(size);
-    return count;
-  };
-  auto with_ids = [&](std::vector<uint32_t> ids) {
-    auto r = std::make_unique<Req>(q.s.plan, KVF_FORMAT_CANONICAL, q.r->bases, q.r->objects);
-    r->ids[0] = std::move(ids);
-    r->rebind();
-    return r;
-  };
-  std::vector<uint32_t> from0(n), from2(n), reversed(n), pairs(n);
-  for (uint32_t i = 0; i < n; i++) {
-    from0[i] = i;
-    from2[i] = i + 2;
-    reversed[i] = (uint32_t)n - 1 - i;
-    pairs[i] = i % 2 ? pairs[i - 1] + 1 : (i ^ 2); // 2,3,0,1,6,7,4,5,...: runs of two
-  }
-  std::vector<uint32_t> shuffled = q.s.plan.ids[0], skipped = from0;
-  skipped[5] = KVF_BLOCK_SKIP;
-  struct Named {
-    const char *name;
-    std::unique_ptr<Req> r;
-  };
-  std::vector<Named> reqs;
-  reqs.push_back({"from 0", with_ids(from0)});
-  reqs.push_back({"from 2", with_ids(from2)});
-  reqs.push_back({"reversed", with_ids(reversed)});
-  reqs.push_back({"pairs", with_ids(pairs)});
-  reqs.push_back({"shuffled", with_ids(shuffled)});
-  reqs.push_back({"a skip", with_ids(skipped)});
-  std::vector<uint64_t> layout, runs;
-  for (const Named &x : reqs) {
-    layout.push_back(kvf_stage_runs_layout(q.g(), x.r->get()));
-    runs.push_back(x.name == std::string("a skip") ? 0 : runs_of(*x.r));
-  }
-  EXPECT_EQ(layout[0], layout[1]) << "ids following each other alike";
-  EXPECT_EQ(runs[0], runs[1]);
-  EXPECT_EQ(runs[0], 64u) << "one run a plane";
-  EXPECT_EQ(runs[2], 1024u) << "reversed: no two merge";
-  EXPECT_EQ(runs[3], 512u) << "pairs";
-  for (size_t i = 0; i < reqs.size(); i++)
-    for (size_t j = i + 1; j < reqs.size(); j++) {
-      if (i == 0 && j == 1) continue;
-      EXPECT_NE(layout[i], layout[j]) << reqs[i].name << " / " << reqs[j].name;
-    }
-  // The same places, every region (or object) moved by one offset.
-  auto moved = with_ids(from0);
-  for (void *&b : moved->bases) b = static_cast<char *>(b) + (uintptr_t{1} << 36);
-  for (void *&o : moved->objects) o = static_cast<char *>(o) + 4096;
-  moved->rebind();
-  EXPECT_EQ(kvf_stage_runs_layout(q.g(), moved->get()), layout[0]);
-  // Two regions swapped: their places relative to the first change.
-  ASSERT_GE(moved->bases.size(), 3u);
-  std::swap(moved->bases[1], moved->bases[2]);
-  moved->rebind();
-  EXPECT_NE(kvf_stage_runs_layout(q.g(), moved->get()), layout[0]);
+  ASSERT_NO_FATAL_FAILURE(plan_chunks("llama-3.1-8b-fa-nhd", 1, 0, 31, &q));
+  std::vector<uint32_t> &ids = q.r->ids[0];
+  ASSERT_EQ(ids.size(), 16u);
+  for (uint32_t i = 0; i < 16; i++) ids[i] = 15 - i; // no id follows the one before
+  q.r->rebind();
+  EXPECT_GT(kvf_stage_batch_runs_floor(q.g(), &q.plan.p, q.r->get()), 256u) << "1024 blocks, none merging";
+  std::iota(ids.begin(), ids.end(), 0u);
+  EXPECT_LE(kvf_stage_batch_runs_floor(q.g(), &q.plan.p, q.r->get()), 64u) << "in order: a run a plane at most";
+  q.r->objects[0] = nullptr;
+  q.r->rebind();
+  EXPECT_EQ(kvf_stage_batch_runs_floor(q.g(), &q.plan.p, q.r->get()), 0u) << "a missing object: no floor";
 }
 
 // The batch API's runs go in calls of `first`, then twice as many, the
@@ -3067,6 +3074,7 @@ void run_gpu_case(const kvf_geometry *g, const Plan &p, kvf_object_format fmt, D
   ASSERT_NO_FATAL_FAILURE(upload_new(in.cache, cfg.cache_kind, device_of(cfg.cache_kind, cfg.cache_device), &dcache));
   ASSERT_NO_FATAL_FAILURE(upload_new(in.objs, cfg.obj_kind, device_of(cfg.obj_kind, cfg.obj_device), &dobjs));
   ASSERT_FALSE(cfg.new_stream_each_call && cfg.legacy_stream) << "one stream or the other";
+  ASSERT_TRUE(!cfg.plan_for_call || dir == Dir::Gather) << "another plan's scatter writes blocks the check would see";
   XferPtr x = make_xfer(g, 0, 0, cfg.max_sms);
   ASSERT_TRUE(x);
   if (cfg.tune) {
@@ -3675,15 +3683,13 @@ TEST(XferGpu, StagedGatherAloneLeavesOutItsStraightPart) {
   }
 }
 
-// A request the batch route does not fit (a Llama chunk's 1024 blocks of
-// shuffled ids: more than KVF_XFER_BATCH_MAX_RUNS runs) is refused there
-// without building its runs again when the last one refused had its shape
-// and layout (kvf_stage_runs_layout); a request of that shape whose ids
-// follow each other (64 runs, one a plane) still takes the batch route, and
-// does not make the context forget the refused one. Calls: shuffled,
-// shuffled, in order, shuffled, in order, shuffled (the case's plan, whose
-// gather the last call checks).
-TEST(XferGpu, RequestTheBatchRouteRefusedIsNotListedAgain) {
+// A request whose ids cannot merge under KVF_XFER_BATCH_MAX_RUNS (a Llama
+// chunk's 1024 blocks of shuffled ids: kvf_stage_batch_runs_floor) goes
+// staged without building its batch-API runs; the same chunk with its ids
+// in order (64 runs, one a plane) still takes the batch route. Calls:
+// shuffled, shuffled, in order, shuffled, in order, shuffled (the case's
+// plan, whose gather the last call checks).
+TEST(XferGpu, RequestWhoseIdsCannotMergeUnderTheLimitIsNotListed) {
   REQUIRE_GPU();
   Prepared s;
   ASSERT_NO_FATAL_FAILURE(setup_chunks("llama-3.1-8b-fa-nhd", 1, 0, 61, &s));
@@ -3703,7 +3709,7 @@ TEST(XferGpu, RequestTheBatchRouteRefusedIsNotListedAgain) {
       EXPECT_EQ(p.batch_listed, 1u);
     } else {
       EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
-      EXPECT_EQ(p.batch_listed, i == 0 ? 1u : 0u) << "listed once, refused since without listing";
+      EXPECT_EQ(p.batch_listed, 0u) << "refused by the floor, without listing";
     }
   };
   run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, Dir::Gather, 0, 62, cfg);

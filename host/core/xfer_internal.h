@@ -155,14 +155,14 @@ kvf_status kvf_stage_blob_runs(const void *blob, const uint64_t *object_base, kv
 int kvf_stage_batch_runs(const void *blob, int gather, uint64_t min_run, uint64_t max_runs, void ***dst,
                          const void ***src, size_t **size, size_t *count);
 
-/* A hash (FNV-1a) of what decides how a request's batch-API runs merge
- * beyond its shape (direction, format, tokens, what moves): for each
- * group, which of the blocks it names are skipped and which follow the
- * block before with the next id; the objects' and regions' places relative
- * to the first of each. Requests of one shape and layout list the same
- * number of runs (kvf_stage_batch_runs), unless runs happen to meet across
- * a region's end, which only costs a route. */
-uint64_t kvf_stage_runs_layout(const kvf_geometry *geometry, const kvf_copy_request *request);
+/* The fewest runs a checked request's batch-API listing
+ * (kvf_stage_batch_runs) can merge into: its blocks' runs less every merge
+ * its ids allow (a block whose id follows the block before's, one between
+ * consecutive segments). 0 when an object is missing (its blocks leave the
+ * listing). The copy-batch route refuses a request over its limit by this
+ * floor without building its runs. */
+uint64_t kvf_stage_batch_runs_floor(const kvf_geometry *geometry, const kvf_plan *plan,
+                                    const kvf_copy_request *request);
 
 /* How many of the `left` runs still to enqueue the next cudaMemcpyBatchAsync
  * of a ramped batch takes, when `done` calls were made before it: `first`,

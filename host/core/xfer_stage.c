@@ -153,32 +153,9 @@ void kvf_stage_plan_batches(kvf_stage_plan *p, uint64_t cap, uint64_t edge_cap, 
 
 /* The blocks of group gi the request names (chunks for a recurrent group):
  * how many at most it moves (skipped ids counted). */
-/* The local blocks [*lo, *hi) of group gi the request names, clipped to its
- * table (chunks for a recurrent group); empty when the group does not move. */
-static void group_window(const kvf_geometry *g, const kvf_copy_request *r, uint32_t gi, uint64_t *lo, uint64_t *hi) {
-  const kvf_group_blocks *t = &r->groups[gi];
-  *lo = *hi = 0;
-  if (!t->block_ids || !t->count) return;
-  uint64_t c = g->policy.chunk_tokens, l, h;
-  if (g->groups[gi].desc.kind == KVF_GROUP_RECURRENT) {
-    l = r->token_begin / c;
-    h = r->token_end / c;
-  } else {
-    uint64_t bs = g->groups[gi].desc.block_size;
-    l = kvf_local_token(g, r->token_begin) / bs;
-    h = (kvf_local_token(g, r->token_end) + bs - 1) / bs;
-  }
-  if (t->first_block > l) l = t->first_block;
-  if (t->first_block + t->count < h) h = t->first_block + t->count;
-  if (l < h) {
-    *lo = l;
-    *hi = h;
-  }
-}
-
 static uint64_t group_blocks(const kvf_geometry *g, const kvf_copy_request *r, uint32_t gi) {
   uint64_t lo, hi;
-  group_window(g, r, gi, &lo, &hi);
+  kvf_blob_group_window(g, r, gi, &lo, &hi);
   return hi - lo;
 }
 
@@ -531,40 +508,37 @@ int kvf_stage_batch_runs(const void *blob, int gather, uint64_t min_run, uint64_
   return 1;
 }
 
-/* FNV-1a, one 64-bit word at a time. */
-static uint64_t fnv_word(uint64_t h, uint64_t w) { return (h ^ w) * 1099511628211ull; }
-
-uint64_t kvf_stage_runs_layout(const kvf_geometry *g, const kvf_copy_request *r) {
-  uint64_t h = 14695981039346656037ull;
+uint64_t kvf_stage_batch_runs_floor(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r) {
+  /* A missing object takes its blocks out of the listing: no floor then. */
+  const uint64_t objects = kvf_copy_request_chunks(g, r) * g->num_object_groups;
+  for (uint64_t i = 0; i < objects; i++)
+    if (!r->objects[i]) return 0;
+  uint64_t items = 0, merges = 0, entries = 0;
   for (uint32_t gi = 0; gi < g->num_groups; gi++) {
     const kvf_group_blocks *t = &r->groups[gi];
-    uint64_t lo, hi;
-    group_window(g, r, gi, &lo, &hi);
-    h = fnv_word(h, hi - lo);
+    uint64_t lo, hi, present = 0, follow = 0;
+    kvf_blob_group_window(g, r, gi, &lo, &hi); /* the window the blob lists */
     for (uint64_t b = lo; b < hi; b++) {
       uint32_t id = t->block_ids[b - t->first_block];
-      /* 2: skipped; 1: the id after the block before's (its run may merge
-       * with that block's); 0: a run of its own. */
+      if (id == KVF_BLOCK_SKIP) continue;
+      present++;
+      /* Only a block whose id follows the block before's can continue that
+       * block's run: a skipped block between leaves a gap in the object. */
       uint32_t prev = b > lo ? t->block_ids[b - 1 - t->first_block] : KVF_BLOCK_SKIP;
-      h = fnv_word(h, id == KVF_BLOCK_SKIP ? 2 : prev != KVF_BLOCK_SKIP && id == prev + 1 ? 1 : 0);
+      follow += prev != KVF_BLOCK_SKIP && id == prev + 1;
     }
+    if (present == 0) continue;
+    /* The listing goes segment by segment (an entry each), each over the
+     * group's window (kvf_blob_visit_stretches). */
+    uint64_t segments = plan->group_first[gi + 1] - plan->group_first[gi];
+    items += segments * present;
+    merges += segments * follow;
+    entries += segments;
   }
-  /* Runs merge across objects or regions only where they are adjacent:
-   * their places relative to the first one's. */
-  const uint64_t objects = kvf_copy_request_chunks(g, r) * g->num_object_groups;
-  uintptr_t first = 0;
-  for (uint64_t i = 0; i < objects; i++) {
-    uintptr_t o = (uintptr_t)r->objects[i];
-    if (o && !first) first = o;
-    h = fnv_word(h, o ? (uint64_t)(o - first) + 1 : 0);
-  }
-  first = 0;
-  for (uint32_t i = 0; r->region_bases && i < g->num_regions; i++) {
-    uintptr_t b = (uintptr_t)r->region_bases[i];
-    if (b && !first) first = b;
-    h = fnv_word(h, b ? (uint64_t)(b - first) + 1 : 0);
-  }
-  return h;
+  /* And at most one merge where an entry's last run meets the next one's
+   * first. */
+  if (entries > 1) merges += entries - 1;
+  return items > merges ? items - merges : (items ? 1 : 0);
 }
 
 uint64_t kvf_batch_ramp_next(uint64_t prev, uint64_t left, uint64_t prev_host_ns, uint64_t prev_engine_ns) {
