@@ -3934,6 +3934,51 @@ TEST(XferGpu, HostBoundCallAloneWeighsBothRoutesLatency) {
     }
 }
 
+// A request of the last listed one's shape (direction, format, tokens,
+// which groups and objects move) asks the host-bound rule with that one's
+// runs before listing its own (batch_shape_of), so a call the rule stages
+// lists nothing; block ids are not part of the shape (a sequence's next
+// chunk has other ids), the token count is. Four fp8 MLA chunks a call
+// (976 runs), every call host-bound at a fake link rate: calls 0 and 1
+// take the batch route and list; 2 and 3 (other ids) go staged without
+// listing; 4 (three chunks: another shape) lists; 5 (four chunks again)
+// lists, its shape no longer the last listed; 6 and 7 go staged without
+// listing. Gathers only: the last call's objects are checked against the
+// reference (the ids of calls 3 and 4 move other blocks).
+TEST(XferGpu, RequestOfTheListedShapeAsksTheHostBoundRuleBeforeListing) {
+  REQUIRE_GPU();
+  Prepared s;
+  ASSERT_NO_FATAL_FAILURE(setup_chunks("deepseek-v3-mla-fp8-656", 4, 0, 65, &s));
+  Plan other_ids = s.plan, three_chunks = s.plan;
+  std::reverse(other_ids.ids[0].begin(), other_ids.ids[0].end());
+  three_chunks.token_end = 3 * chunk_tokens(s.g());
+  GpuConfig cfg;
+  cfg.obj_kind = Mem::Pinned;
+  cfg.route = KVF_ROUTE_D2H;
+  cfg.calls = 8;
+  cfg.tune = [](kvf_xfer_tuning &t) {
+    t.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS;
+    t.batch_staged_cost = 0;
+    t.batch_back_to_back_us = 0;
+    t.batch_max_runs = 4 * 256;
+  };
+  cfg.plan_for_call = [&other_ids, &three_chunks](int i) -> const Plan * {
+    return i == 3 ? &other_ids : i == 4 ? &three_chunks : nullptr;
+  };
+  cfg.check_each = [](int i, const kvf_xfer_path_info &p) {
+    SCOPED_TRACE("call " + std::to_string(i));
+    const bool lists = i <= 1 || i == 4 || i == 5;
+    EXPECT_EQ(p.batch_listed, lists ? 1u : 0u);
+    if (i <= 1) {
+      EXPECT_EQ(p.path, KVF_PATH_COPY_BATCH) << "two batch calls measure the host first";
+    } else if (!lists) {
+      EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path);
+      EXPECT_EQ(p.host_bound, 1u);
+    }
+  };
+  run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, Dir::Gather, 0, 66, cfg);
+}
+
 // A host-bound call goes staged behind a busy stream only while that
 // stream works on the context's call right before it, which came back
 // within KVF_XFER_BATCH_BACK_TO_BACK_US. Here a host-bound call goes staged
