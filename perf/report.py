@@ -15,6 +15,7 @@ Runs on any machine with python3; no GPU needed.
 """
 import argparse
 import glob
+import gzip
 import json
 import math
 import os
@@ -62,10 +63,11 @@ class Data:
 
 def load(directory):
     d = Data()
-    paths = sorted(glob.glob(os.path.join(directory, "*.json")))
+    # Committed results keep their raw files gzip-compressed (perf/results/README.md).
+    paths = sorted(glob.glob(os.path.join(directory, "*.json")) + glob.glob(os.path.join(directory, "*.json.gz")))
     for path in paths:
         try:
-            with open(path) as f:
+            with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
                 doc = json.load(f)
         except (OSError, ValueError) as e:
             print(f"report.py: skipping {path}: {e}", file=sys.stderr)
@@ -73,6 +75,8 @@ def load(directory):
         if doc.get("schema") != "kvferry-bench/1":
             continue
         name = os.path.basename(path)
+        if name.endswith(".gz"):
+            name = name[:-3]
         d.files.append((name, doc.get("meta", {}), doc.get("complete", False), doc.get("seconds")))
         for r in doc.get("results", []):
             r["_file"] = name

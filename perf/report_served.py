@@ -10,6 +10,7 @@ first STORE after a registration against later ones) and
 OUTDIR/served.png (GB/s against requests in flight; skipped without
 matplotlib).
 """
+import gzip
 import json
 import os
 import sys
@@ -18,7 +19,7 @@ import sys
 def load(paths):
     rows = []
     for p in paths:
-        with open(p) as f:
+        with (gzip.open(p, "rt") if p.endswith(".gz") else open(p)) as f:
             rows += [json.loads(line) for line in f if line.strip()]
     return rows
 

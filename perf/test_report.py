@@ -6,6 +6,7 @@ Runs as a script (ctest perf_report) or under pytest.
 
 The synthetic records follow kvf_bench.cu's writer field for field; they are
 written to a temporary directory only and are never results."""
+import gzip
 import json
 import os
 import sys
@@ -290,6 +291,22 @@ def main():
         b = report.brief(d, v15)
         check("llama-hnd" in b and "missed" in b and len(b) < 12000, "brief summary")
         check(report.GPU_TIME in b and report.SUSTAINED in b and "sus/batch x2.50" in b, "brief: both verdicts")
+    # Committed results keep their raw JSON gzip-compressed: the same files
+    # compressed render the same tables.
+    with tempfile.TemporaryDirectory() as tmp:
+        synthetic(tmp)
+        report.main([tmp])
+        plain = open(os.path.join(tmp, "results.md")).read()
+        for name in os.listdir(tmp):
+            if name.endswith(".json"):
+                path = os.path.join(tmp, name)
+                with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+                    g.write(f.read())
+                os.remove(path)
+        report.main([tmp])
+        packed = open(os.path.join(tmp, "results.md")).read()
+        strip = lambda md: [line for line in md.splitlines() if "generated" not in line.lower()]
+        check(strip(packed) == strip(plain), "gzip-compressed JSON renders as the plain JSON does")
     if failures:
         for f in failures:
             print("FAIL:", f)
