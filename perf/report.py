@@ -5,7 +5,8 @@ summary against the performance targets of the kernels issue.
   report.py DIR              read DIR/*.json (kvf_bench output, schema kvferry-bench/1) and
                              write DIR/results.md, DIR/bandwidth.png, DIR/smcaps.png, DIR/presets.png
   report.py --install DIR    copy DIR/*.json, *.jsonl and *.log into perf/results/<date>-<gpu>/
-                             first, then render there (the committed layout)
+                             first (gzip-compressed from 8 KiB), then render there (the committed
+                             layout)
   report.py --brief DIR      also print, on stdout, one line per measured (preset, direction,
                              size) against every baseline and peer and issue 15's verdicts
                              (what perf/run_issue15.sh prints last)
@@ -30,6 +31,10 @@ SLOWDOWN = 0.03        # < 3% slowdown of a concurrent compute-bound kernel
 DEVICE_RATIO = 0.90    # d2d and p2p: >= 90%
 SMALL_RUN_RATIO = 0.80  # d2d with 256-byte runs (HND cache into canonical objects): >= 80%
 SMALL_RUN_BYTES = 512  # records whose average run is at most this count as "small runs"
+
+# report.py --install compresses raw files this large: the device tool carries the whole
+# checkout, results included, within 64 MiB.
+INSTALL_GZIP_BYTES = 8192
 
 PCIE = ("d2h", "h2d")
 DEVICE = ("d2d", "d2d-scatter", "p2p", "p2p-scatter")
@@ -1138,10 +1143,16 @@ def main(argv=None):
         os.makedirs(out_dir, exist_ok=True)
         # The runs' JSON, and the JSON lines and logs beside them (the probes'
         # params.jsonl and hops.log, bench.log, each step's log).
+        # Files of INSTALL_GZIP_BYTES or more go in gzip-compressed (perf/results/README.md).
         for p in sorted(glob.glob(os.path.join(args.dir, "*.json")) + glob.glob(os.path.join(args.dir, "*.jsonl")) +
                         glob.glob(os.path.join(args.dir, "*.log"))):
             dst = os.path.join(out_dir, os.path.basename(p))
-            if os.path.abspath(p) != os.path.abspath(dst):
+            if os.path.abspath(p) == os.path.abspath(dst):
+                continue
+            if os.path.getsize(p) >= INSTALL_GZIP_BYTES:
+                with open(p, "rb") as f, gzip.GzipFile(dst + ".gz", "wb", compresslevel=9, mtime=0) as g:
+                    shutil.copyfileobj(f, g)
+            else:
                 shutil.copyfile(p, dst)
         d = load(out_dir)
     verdicts = evaluate(d)

@@ -231,6 +231,16 @@ def main():
         dest = os.path.join(root, "2026-11-29-h200")
         for name in ("params.jsonl", "hops.log", "results.md"):
             check(os.path.exists(os.path.join(dest, name)), f"--install puts {name} in the results directory")
+        # Files of 8 KiB or more go in compressed, and render as the plain ones did.
+        big = [n for n in os.listdir(tmp) if n.endswith(".json") and os.path.getsize(os.path.join(tmp, n)) >= 8192]
+        check(big, "the synthetic run has JSON of 8 KiB or more")
+        for name in big:
+            check(os.path.exists(os.path.join(dest, name + ".gz")) and not os.path.exists(os.path.join(dest, name)),
+                  f"--install compresses {name}")
+        report.main([tmp])  # the plain files, rendered where they are
+        strip = lambda md: [line for line in md.splitlines() if "generated" not in line.lower()]
+        check(strip(open(os.path.join(dest, "results.md")).read()) == strip(open(os.path.join(tmp, "results.md")).read()),
+              "the installed results render as the plain ones")
     # A passing run: no planted misses -> every judged target met.
     with tempfile.TemporaryDirectory() as tmp:
         doc = {"schema": "kvferry-bench/1", "complete": True, "meta": {"gpu": "NVIDIA H200", "date": "2026-11-29"},
