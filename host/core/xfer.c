@@ -960,17 +960,21 @@ static cudaError_t query_relaxed(cudaStream_t stream, cudaEvent_t event) {
 
 /* The id of the call's stream (cudaStreamGetId: ids, unlike handles, are
  * never reused): asked once a call, in relaxed capture mode as
- * query_relaxed asks, and never of a stream being captured (the runtime
- * refuses it there and invalidates the capture). Returns whether the
- * runtime gave one. */
+ * query_relaxed asks. None for a stream being captured (the runtime
+ * refuses the ask there and invalidates the capture) or a default stream
+ * (whose calls never compare ids). Returns whether there is one. */
 static int call_stream_id(kvf_xfer *x, cudaStream_t stream, unsigned long long *id) {
   if (!x->call_stream_id_asked) {
     x->call_stream_id_asked = 1;
-    enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    cudaThreadExchangeStreamCaptureMode(&mode);
-    x->call_stream_id_ok = cudaStreamGetId(stream, &x->call_stream_id) == cudaSuccess;
-    if (!x->call_stream_id_ok) cudaGetLastError();
-    cudaThreadExchangeStreamCaptureMode(&mode);
+    x->call_stream_id = 0;
+    x->call_stream_id_ok = 0;
+    if (!x->call_captured && !default_stream(stream)) {
+      enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+      cudaThreadExchangeStreamCaptureMode(&mode);
+      x->call_stream_id_ok = cudaStreamGetId(stream, &x->call_stream_id) == cudaSuccess;
+      if (!x->call_stream_id_ok) cudaGetLastError();
+      cudaThreadExchangeStreamCaptureMode(&mode);
+    }
   }
   *id = x->call_stream_id;
   return x->call_stream_id_ok;
@@ -2391,10 +2395,10 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
     x->path.back_to_back = x->rule_back_to_back;
     x->path.batch_listed = (uint32_t)x->call_listed;
     x->path.idle_wait_us = (double)x->idle_wait_ns / 1e3;
-    /* No id for a captured call, nor one on a default stream (whose calls
-     * never ask): the next call then waits as after another stream's. */
+    /* Without an id (call_stream_id) the next call waits as after another
+     * stream's. */
     unsigned long long id = 0;
-    x->call_end_has_id = !x->call_captured && !default_stream(stream) && call_stream_id(x, stream, &id);
+    x->call_end_has_id = call_stream_id(x, stream, &id);
     x->call_end_stream_id = id;
     x->call_end_ns = kvf_now_ns();
   }
