@@ -1293,6 +1293,12 @@ static int same_batch_shape(const struct batch_shape *a, const struct batch_shap
  * (host_bound_goes_staged: *host_bound 1). */
 static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int gather, cudaStream_t stream,
                                     int *host_bound, int *stream_idle) {
+  const kvf_plan *plan = &x->plan[r->format];
+  /* Refused without listing when its ids cannot merge under the limit (a
+   * Llama chunk's 1024 blocks of shuffled ids: listing them took about 15
+   * us of a call alone on the H200, 1.089x a memcpy against 1.072x with
+   * the route off). */
+  if (kvf_stage_batch_runs_floor(x->geometry, plan, r) > (uint64_t)x->tune.batch_max_runs) return KVF_ERR_UNSUPPORTED;
   /* A request of the last listed one's shape asks the host-bound rule with
    * its runs before listing its own: a call that goes staged then spares
    * the listing (8-10 us for the fp8 and bf16 MLA chunks' 244 runs on the
@@ -1302,12 +1308,6 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
    * time the rule scales by them is. (Asking again once listed would find
    * the call's marks already taken: a call back to back could not go
    * staged, and the ramp would ask a stream holding the mark.) */
-  const kvf_plan *plan = &x->plan[r->format];
-  /* Refused without listing when its ids cannot merge under the limit (a
-   * Llama chunk's 1024 blocks of shuffled ids: listing them took about 15
-   * us of a call alone on the H200, 1.089x a memcpy against 1.072x with
-   * the route off). */
-  if (kvf_stage_batch_runs_floor(x->geometry, plan, r) > (uint64_t)x->tune.batch_max_runs) return KVF_ERR_UNSUPPORTED;
   const struct batch_shape shape = batch_shape_of(x->geometry, r, gather);
   int asked = 0;
   if (x->listed.runs && same_batch_shape(&x->listed, &shape)) {
