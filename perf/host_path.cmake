@@ -1,0 +1,31 @@
+# kvferry's GPU routes on the CPU: the real kvf_xfer code over a CUDA runtime
+# that does the work on the CPU when it is enqueued (host_path_stub.c, which
+# also stands in for the kernel's entry points, so neither libcudart's nor
+# xfer_kernel.cu's objects are linked). Verifies every preset's routes
+# against the CPU reference without a GPU, and times kvferry's own host
+# path per call (perf/README.md). Included by the top-level CMakeLists.txt
+# with CUDA on when tests or perf/ are built: CI runs its checks.
+add_executable(kvf_host_path ${PROJECT_SOURCE_DIR}/perf/kvf_host_path.cpp ${PROJECT_SOURCE_DIR}/perf/host_path_stub.c
+               ${PROJECT_SOURCE_DIR}/perf/bench_plan.cpp)
+target_include_directories(kvf_host_path PRIVATE ${PROJECT_SOURCE_DIR} ${CUDAToolkit_INCLUDE_DIRS})
+target_compile_definitions(kvf_host_path PRIVATE KVF_WITH_CUDA=1
+  KVF_PRESET_DIR_BUILD="${PROJECT_SOURCE_DIR}/geometry/presets")
+target_link_libraries(kvf_host_path PRIVATE kvferry_static Threads::Threads)
+kvf_target_defaults(kvf_host_path)
+if(KVF_BUILD_TESTS)
+  # Each route the planner picks, byte for byte against the reference:
+  # one chunk (staged, batch and kernel routes as chosen by default), four
+  # chunks with a partial last one, the same in one-chunk staging batches
+  # (the two buffers' pipeline and its edge batches), and the direct kernel
+  # to host memory (staging and the batch route off).
+  set(_kvf_hp $<TARGET_FILE:kvf_host_path> --verify-only)
+  add_test(NAME perf_host_path_256 COMMAND ${_kvf_hp} --tokens 256)
+  add_test(NAME perf_host_path_1000 COMMAND ${_kvf_hp} --tokens 1000)
+  add_test(NAME perf_host_path_batches_1000 COMMAND ${_kvf_hp} --tokens 1000 --directions d2h,h2d)
+  add_test(NAME perf_host_path_direct_1000 COMMAND ${_kvf_hp} --tokens 1000 --directions d2h,h2d)
+  set_tests_properties(perf_host_path_256 perf_host_path_1000 perf_host_path_batches_1000 perf_host_path_direct_1000
+                       PROPERTIES LABELS unit TIMEOUT 600)
+  set_tests_properties(perf_host_path_batches_1000 PROPERTIES ENVIRONMENT KVF_XFER_STAGING_MB=1)
+  set_tests_properties(perf_host_path_direct_1000 PROPERTIES
+                       ENVIRONMENT "KVF_XFER_STAGING_MB=0;KVF_XFER_BATCH_MAX_RUNS=0")
+endif()

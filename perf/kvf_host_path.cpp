@@ -1,0 +1,365 @@
+/* perf/kvf_host_path.cpp - kvferry's own host time per call on its GPU
+ * routes, and the bytes those routes move, on a machine without a GPU.
+ *
+ * The CUDA runtime and the kernel's entry points are perf/host_path_stub.c:
+ * device memory is host memory the stub answers for, and enqueued work runs
+ * on the CPU at once. So the real kvf_xfer code (route choice, the staged
+ * route's plan, the batch route's runs, the tables) runs as on a GPU
+ * machine, and two things can be measured here:
+ *
+ *   verify: each (preset, direction) call moves exactly what the CPU
+ *     reference (kvf_reference_gather/scatter) moves, byte for byte;
+ *   time:   the host time of each call alone (calls 200 us apart, so every
+ *     rule sees an idle stream), with the work left out: planning, tables,
+ *     runs and the stub's calls, none of the driver's time. On the H200
+ *     machine's KVM guest the same code ran 2-3 times slower than here
+ *     (perf/results/2026-12-04-h200-unfit-memo: plan_us 1.9-5.3 us there
+ *     against 1.0-2.0 here for a one-chunk d2d call), and each CUDA call
+ *     adds its own 0.1-7 us there.
+ *
+ *   kvf_host_path [--preset-dir DIR] [--presets a,b] [--tokens N] [--reps N]
+ *                 [--directions d2d,d2h,h2d] [--verify-only] [--json FILE]
+ *
+ * Exit status: 0 when every call succeeded and matched the reference. */
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <dirent.h>
+#include <sys/resource.h>
+#include <string>
+#include <vector>
+
+#include <kvferry/copy.h>
+#include <kvferry/geometry.h>
+#include <kvferry/status.h>
+#include <kvferry/transfer.h>
+
+#include "bench_plan.h"
+#include "host/core/xfer_internal.h"
+#include "host_path_stub.h"
+
+#include <cuda_runtime_api.h>
+
+#ifndef KVF_PRESET_DIR_BUILD
+#define KVF_PRESET_DIR_BUILD "geometry/presets"
+#endif
+
+using namespace kvfb;
+
+namespace {
+
+struct Options {
+  std::string preset_dir = KVF_PRESET_DIR_BUILD;
+  std::vector<std::string> presets; /* empty: every preset in the directory */
+  std::vector<std::string> directions = {"d2d", "d2h", "h2d"};
+  uint64_t tokens = 256;
+  int reps = 200;
+  bool verify_only = false;
+  std::string json;
+};
+
+std::vector<std::string> split(const std::string &s) {
+  std::vector<std::string> out;
+  size_t at = 0;
+  while (at <= s.size()) {
+    size_t comma = s.find(',', at);
+    if (comma == std::string::npos) comma = s.size();
+    if (comma > at) out.push_back(s.substr(at, comma - at));
+    at = comma + 1;
+  }
+  return out;
+}
+
+std::vector<std::string> preset_names(const std::string &dir) {
+  std::vector<std::string> names;
+  DIR *d = opendir(dir.c_str());
+  if (!d) return names;
+  while (dirent *e = readdir(d)) {
+    std::string n = e->d_name;
+    if (n.size() > 5 && n.compare(n.size() - 5, 5, ".json") == 0) names.push_back(n.substr(0, n.size() - 5));
+  }
+  closedir(d);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+void fill(void *p, uint64_t n, uint64_t seed) {
+  auto *b = static_cast<unsigned char *>(p);
+  uint64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t v = splitmix64(&seed);
+    memcpy(b + i, &v, 8);
+  }
+  for (; i < n; i++) b[i] = (unsigned char)splitmix64(&seed);
+}
+
+double now_us() {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void pause_us(long us) {
+  timespec ts{0, us * 1000};
+  while (nanosleep(&ts, &ts) == -1 && errno == EINTR) {
+  }
+}
+
+struct Row {
+  std::string preset, direction, path, error;
+  uint64_t payload = 0;
+  bool verified = false;
+  double median_us = 0, p10_us = 0, p90_us = 0, plan_us = 0;
+  double launches = 0, copies = 0, batch_runs = 0, pointer_queries = 0, page_faults = 0;
+};
+
+/* One (preset, direction): verify once with the work done, then time with
+ * the work left out. */
+Row run_one(const Options &o, const std::string &preset, const std::string &direction) {
+  Row row;
+  row.preset = preset;
+  row.direction = direction;
+  const bool gather = direction != "h2d";
+  const bool host_objects = direction != "d2d";
+  const std::string path = o.preset_dir + "/" + preset + ".json";
+
+  kvf_geometry *small = nullptr;
+  kvf_geometry_load_options lo = KVF_GEOMETRY_LOAD_OPTIONS_INIT;
+  lo.num_blocks_override = 4;
+  if (kvf_geometry_load_file(path.c_str(), &lo, &small, nullptr)) {
+    row.error = std::string("load: ") + kvf_last_error();
+    return row;
+  }
+  const uint64_t need = plan_blocks_needed(small, o.tokens);
+  kvf_geometry_destroy(small);
+  kvf_geometry *g = nullptr;
+  lo.num_blocks_override = (uint32_t)(need + 8);
+  if (kvf_geometry_load_file(path.c_str(), &lo, &g, nullptr)) {
+    row.error = std::string("load: ") + kvf_last_error();
+    return row;
+  }
+
+  const uint32_t nreg = kvf_geometry_num_regions(g);
+  std::vector<void *> cache(nreg, nullptr), ref_cache(nreg, nullptr);
+  std::vector<uint64_t> region_size(nreg, 0);
+  Tables t;
+  ObjectLayout layout;
+  std::vector<void *> objects, ref_objects;
+  char *arena = nullptr, *ref_arena = nullptr;
+  kvf_xfer *x = nullptr;
+  kvf_xfer_options xo = KVF_XFER_OPTIONS_INIT;
+  xo.device = 0;
+  std::vector<double> times, plans;
+  kvf_host_stub_counts c0, c1;
+  size_t next = 0;
+  std::vector<uint32_t> pool;
+  kvf_copy_request r = KVF_COPY_REQUEST_INIT, ref = KVF_COPY_REQUEST_INIT;
+  /* A stream of the caller's own, as engines use: the legacy stream takes
+   * neither the batch route nor a straight part. */
+  cudaStream_t stream = nullptr;
+  cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  auto call = [&]() {
+    return gather ? kvf_xfer_gather(x, &r, (kvf_stream)stream) : kvf_xfer_scatter(x, &r, (kvf_stream)stream);
+  };
+
+  for (uint32_t i = 0; i < nreg; i++) {
+    kvf_region_info ri = KVF_REGION_INFO_INIT;
+    kvf_geometry_region(g, i, &ri);
+    region_size[i] = ri.size;
+    cache[i] = kvf_host_stub_device_alloc(ri.size);
+    ref_cache[i] = aligned_alloc(256, (ri.size + 255) / 256 * 256 + 256);
+    if (!cache[i] || !ref_cache[i]) {
+      row.error = "out of memory";
+      goto out;
+    }
+    fill(cache[i], ri.size, 1000 + i);
+  }
+  pool = plan_pool(lo.num_blocks_override, 42);
+  if (!plan_tables(g, o.tokens, pool, &next, &t) || !plan_objects(g, o.tokens, t, 256, &layout)) {
+    row.error = "planning the request failed";
+    goto out;
+  }
+  arena = static_cast<char *>(host_objects ? kvf_host_stub_pinned_alloc(layout.span)
+                                           : kvf_host_stub_device_alloc(layout.span));
+  ref_arena = static_cast<char *>(aligned_alloc(256, (layout.span + 255) / 256 * 256 + 256));
+  if (!arena || !ref_arena) {
+    row.error = "out of memory";
+    goto out;
+  }
+  objects = plan_object_pointers(layout, arena);
+  ref_objects = plan_object_pointers(layout, ref_arena);
+  r.region_bases = cache.data();
+  r.token_begin = 0;
+  r.token_end = o.tokens;
+  r.groups = t.groups.data();
+  r.objects = objects.data();
+  ref = r;
+  ref.region_bases = ref_cache.data();
+  ref.objects = ref_objects.data();
+
+  if (kvf_xfer_create(g, &xo, &x)) {
+    row.error = std::string("kvf_xfer_create: ") + kvf_last_error();
+    goto out;
+  }
+
+  /* Verify: the same call on the reference's copies of the inputs. */
+  kvf_host_stub_execute(1);
+  for (uint32_t i = 0; i < nreg; i++) memcpy(ref_cache[i], cache[i], region_size[i]);
+  memset(arena, 0, layout.span);
+  memset(ref_arena, 0, layout.span);
+  if (!gather) {
+    fill(arena, layout.span, 77);
+    memcpy(ref_arena, arena, layout.span);
+  }
+  if (call()) {
+    row.error = std::string(gather ? "kvf_xfer_gather: " : "kvf_xfer_scatter: ") + kvf_last_error();
+    goto out;
+  }
+  if (gather ? kvf_reference_gather(g, &ref) : kvf_reference_scatter(g, &ref)) {
+    row.error = std::string("reference: ") + kvf_last_error();
+    goto out;
+  }
+  {
+    kvf_xfer_stats st = KVF_XFER_STATS_INIT;
+    kvf_xfer_last_stats(x, &st);
+    row.payload = st.payload_bytes;
+    kvf_xfer_path_info pi;
+    kvf_xfer_last_path(x, &pi);
+    row.path = kvf_xfer_path_name(pi.path);
+  }
+  row.verified = memcmp(arena, ref_arena, layout.span) == 0;
+  for (uint32_t i = 0; row.verified && i < nreg; i++)
+    row.verified = memcmp(cache[i], ref_cache[i], region_size[i]) == 0;
+  if (!row.verified) {
+    row.error = "the moved bytes differ from the CPU reference's";
+    goto out;
+  }
+  if (o.verify_only) goto out;
+
+  /* Time: each call alone, the work left out. */
+  kvf_host_stub_execute(0);
+  kvf_host_stub_counts_get(&c0);
+  rusage ru0, ru1;
+  getrusage(RUSAGE_SELF, &ru0);
+  for (int i = 0; i < o.reps; i++) {
+    pause_us(200);
+    double a = now_us();
+    kvf_status s = call();
+    double b = now_us();
+    if (s) {
+      row.error = std::string("timed call: ") + kvf_last_error();
+      goto out;
+    }
+    kvf_xfer_path_info pi;
+    kvf_xfer_last_path(x, &pi);
+    times.push_back(b - a);
+    plans.push_back(pi.plan_us);
+    row.path = kvf_xfer_path_name(pi.path);
+  }
+  kvf_host_stub_counts_get(&c1);
+  getrusage(RUSAGE_SELF, &ru1);
+  row.page_faults = double(ru1.ru_minflt - ru0.ru_minflt + ru1.ru_majflt - ru0.ru_majflt) / o.reps;
+  std::sort(times.begin(), times.end());
+  std::sort(plans.begin(), plans.end());
+  row.median_us = times[times.size() / 2];
+  row.p10_us = times[times.size() / 10];
+  row.p90_us = times[times.size() * 9 / 10];
+  row.plan_us = plans[plans.size() / 2];
+  row.launches = double(c1.launches - c0.launches) / o.reps;
+  row.copies = double(c1.copies - c0.copies + c1.batch_copies - c0.batch_copies) / o.reps;
+  row.batch_runs = double(c1.batch_runs - c0.batch_runs) / o.reps;
+  row.pointer_queries = double(c1.pointer_queries - c0.pointer_queries) / o.reps;
+
+out:
+  kvf_host_stub_execute(1);
+  kvf_xfer_destroy(x);
+  cudaStreamDestroy(stream);
+  if (arena) kvf_host_stub_free(arena);
+  free(ref_arena);
+  for (uint32_t i = 0; i < nreg; i++) {
+    if (cache[i]) kvf_host_stub_free(cache[i]);
+    free(ref_cache[i]);
+  }
+  kvf_geometry_destroy(g);
+  return row;
+}
+
+int usage(const char *argv0) {
+  fprintf(stderr,
+          "usage: %s [--preset-dir DIR] [--presets a,b] [--tokens N] [--reps N] [--directions d2d,d2h,h2d]\n"
+          "          [--verify-only] [--json FILE]\n",
+          argv0);
+  return 2;
+}
+
+} // namespace
+
+int main(int argc, char **argv) {
+  Options o;
+  for (int i = 1; i < argc; i++) {
+    std::string a = argv[i];
+    auto value = [&]() -> std::string { return i + 1 < argc ? argv[++i] : std::string(); };
+    if (a == "--preset-dir") o.preset_dir = value();
+    else if (a == "--presets") o.presets = split(value());
+    else if (a == "--directions") o.directions = split(value());
+    else if (a == "--tokens") o.tokens = strtoull(value().c_str(), nullptr, 10);
+    else if (a == "--reps") o.reps = atoi(value().c_str());
+    else if (a == "--verify-only") o.verify_only = true;
+    else if (a == "--json") o.json = value();
+    else return usage(argv[0]);
+  }
+  if (o.tokens == 0 || o.reps < 1) return usage(argv[0]);
+  for (const std::string &d : o.directions)
+    if (d != "d2d" && d != "d2h" && d != "h2d") return usage(argv[0]);
+  if (o.presets.empty()) o.presets = preset_names(o.preset_dir);
+  if (o.presets.empty()) {
+    fprintf(stderr, "kvf_host_path: no presets in %s\n", o.preset_dir.c_str());
+    return 2;
+  }
+
+  std::vector<Row> rows;
+  int failed = 0;
+  printf("%-32s %-4s %-10s %8s %9s %9s %8s %8s %6s %6s %7s %6s\n", "preset", "dir", "path", "verified", "host_us",
+         "p90_us", "plan_us", "launches", "copies", "runs", "queries", "faults");
+  for (const std::string &p : o.presets)
+    for (const std::string &d : o.directions) {
+      Row row = run_one(o, p, d);
+      if (!row.error.empty()) {
+        failed = 1;
+        printf("%-32s %-4s FAILED: %s\n", p.c_str(), d.c_str(), row.error.c_str());
+      } else {
+        printf("%-32s %-4s %-10s %8s %9.2f %9.2f %8.2f %8.2f %6.2f %6.1f %7.2f %6.2f\n", p.c_str(), d.c_str(),
+               row.path.c_str(), row.verified ? "yes" : "no", row.median_us, row.p90_us, row.plan_us, row.launches,
+               row.copies, row.batch_runs, row.pointer_queries, row.page_faults);
+      }
+      fflush(stdout);
+      rows.push_back(row);
+    }
+
+  if (!o.json.empty()) {
+    FILE *f = fopen(o.json.c_str(), "w");
+    if (!f) {
+      fprintf(stderr, "kvf_host_path: %s: %s\n", o.json.c_str(), strerror(errno));
+      return 1;
+    }
+    fprintf(f, "{\"schema\": \"kvf_host_path/1\", \"tokens\": %llu, \"reps\": %d, \"verify_only\": %s, \"rows\": [",
+            (unsigned long long)o.tokens, o.reps, o.verify_only ? "true" : "false");
+    for (size_t i = 0; i < rows.size(); i++) {
+      const Row &w = rows[i];
+      fprintf(f,
+              "%s\n {\"preset\": \"%s\", \"direction\": \"%s\", \"path\": \"%s\", \"payload_bytes\": %llu, "
+              "\"verified\": %s, \"host_us\": %.3f, \"p10_us\": %.3f, \"p90_us\": %.3f, \"plan_us\": %.3f, "
+              "\"launches\": %.2f, \"copies\": %.2f, \"batch_runs\": %.1f, \"pointer_queries\": %.2f, "
+              "\"page_faults\": %.2f, "
+              "\"error\": \"%s\"}",
+              i ? "," : "", w.preset.c_str(), w.direction.c_str(), w.path.c_str(), (unsigned long long)w.payload,
+              w.verified ? "true" : "false", w.median_us, w.p10_us, w.p90_us, w.plan_us, w.launches, w.copies,
+              w.batch_runs, w.pointer_queries, w.page_faults, w.error.c_str());
+    }
+    fprintf(f, "\n]}\n");
+    fclose(f);
+  }
+  return failed;
+}
