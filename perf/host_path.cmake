@@ -14,16 +14,21 @@ target_link_libraries(kvf_host_path PRIVATE kvferry_static Threads::Threads)
 kvf_target_defaults(kvf_host_path)
 if(KVF_BUILD_TESTS)
   # Each route the planner picks, byte for byte against the reference:
-  # one chunk (staged, batch and kernel routes as chosen by default), four
-  # chunks with a partial last one, the same in one-chunk staging batches
-  # (the two buffers' pipeline and its edge batches), and the direct kernel
-  # to host memory (staging and the batch route off).
+  # one chunk (staged, batch and kernel routes as chosen by default); four
+  # chunks with a partial last one, whole and with every fifth block skipped
+  # (holes: objects a gather writes in part); the native format with skips;
+  # one-chunk staging batches (the two buffers' pipeline and its edge
+  # batches); the direct kernel to host memory (staging and the batch route
+  # off).
   set(_kvf_hp $<TARGET_FILE:kvf_host_path> --verify-only)
   add_test(NAME perf_host_path_256 COMMAND ${_kvf_hp} --tokens 256)
   add_test(NAME perf_host_path_1000 COMMAND ${_kvf_hp} --tokens 1000)
+  add_test(NAME perf_host_path_skips_1000 COMMAND ${_kvf_hp} --tokens 1000 --skip-every 5)
+  add_test(NAME perf_host_path_native_skips_1024 COMMAND ${_kvf_hp} --tokens 1024 --format native --skip-every 5)
   add_test(NAME perf_host_path_batches_1000 COMMAND ${_kvf_hp} --tokens 1000 --directions d2h,h2d)
   add_test(NAME perf_host_path_direct_1000 COMMAND ${_kvf_hp} --tokens 1000 --directions d2h,h2d)
-  set_tests_properties(perf_host_path_256 perf_host_path_1000 perf_host_path_batches_1000 perf_host_path_direct_1000
+  set_tests_properties(perf_host_path_256 perf_host_path_1000 perf_host_path_skips_1000
+                       perf_host_path_native_skips_1024 perf_host_path_batches_1000 perf_host_path_direct_1000
                        PROPERTIES LABELS unit TIMEOUT 600)
   set_tests_properties(perf_host_path_batches_1000 PROPERTIES ENVIRONMENT KVF_XFER_STAGING_MB=1)
   set_tests_properties(perf_host_path_direct_1000 PROPERTIES

@@ -18,7 +18,11 @@
  *     adds its own 0.1-7 us there.
  *
  *   kvf_host_path [--preset-dir DIR] [--presets a,b] [--tokens N] [--reps N]
- *                 [--directions d2d,d2h,h2d] [--verify-only] [--json FILE]
+ *                 [--directions d2d,d2h,h2d] [--format canonical|native]
+ *                 [--skip-every K] [--verify-only] [--json FILE]
+ *
+ * --skip-every K makes every K-th id of each block table KVF_BLOCK_SKIP
+ * (blocks that move nothing: holes in the objects).
  *
  * Exit status: 0 when every call succeeded and matched the reference. */
 #include <algorithm>
@@ -58,6 +62,8 @@ struct Options {
   std::vector<std::string> directions = {"d2d", "d2h", "h2d"};
   uint64_t tokens = 256;
   int reps = 200;
+  kvf_object_format format = KVF_FORMAT_CANONICAL;
+  uint64_t skip_every = 0; /* every k-th block id of each table is KVF_BLOCK_SKIP (0: none) */
   bool verify_only = false;
   std::string json;
 };
@@ -108,7 +114,7 @@ void pause_us(long us) {
 }
 
 struct Row {
-  std::string preset, direction, path, error;
+  std::string preset, direction, path, error, skipped;
   uint64_t payload = 0;
   bool verified = false;
   double median_us = 0, p10_us = 0, p90_us = 0, plan_us = 0;
@@ -193,12 +199,22 @@ Row run_one(const Options &o, const std::string &preset, const std::string &dire
   r.region_bases = cache.data();
   r.token_begin = 0;
   r.token_end = o.tokens;
+  r.format = o.format;
+  if (o.skip_every > 0)
+    for (auto &ids : t.ids)
+      for (size_t i = o.skip_every - 1; i < ids.size(); i += o.skip_every) ids[i] = KVF_BLOCK_SKIP;
   r.groups = t.groups.data();
   r.objects = objects.data();
   ref = r;
   ref.region_bases = ref_cache.data();
   ref.objects = ref_objects.data();
 
+  /* The native format holds whole blocks: a request that would end one
+   * mid-block is refused by design (a row skipped, not failed). */
+  if (o.format == KVF_FORMAT_NATIVE && kvf_copy_request_check(g, &r) != KVF_SUCCESS) {
+    row.skipped = kvf_last_error();
+    goto out;
+  }
   if (kvf_xfer_create(g, &xo, &x)) {
     row.error = std::string("kvf_xfer_create: ") + kvf_last_error();
     goto out;
@@ -286,10 +302,21 @@ out:
   return row;
 }
 
+/* A string as a JSON string's contents (kvferry's messages are ASCII). */
+std::string json_escape(const std::string &in) {
+  std::string out;
+  for (char ch : in) {
+    if (ch == '"' || ch == '\\') out += '\\';
+    if ((unsigned char)ch < 0x20) ch = ' ';
+    out += ch;
+  }
+  return out;
+}
+
 int usage(const char *argv0) {
   fprintf(stderr,
           "usage: %s [--preset-dir DIR] [--presets a,b] [--tokens N] [--reps N] [--directions d2d,d2h,h2d]\n"
-          "          [--verify-only] [--json FILE]\n",
+          "          [--format canonical|native] [--skip-every K] [--verify-only] [--json FILE]\n",
           argv0);
   return 2;
 }
@@ -307,6 +334,11 @@ int main(int argc, char **argv) {
     else if (a == "--tokens") o.tokens = strtoull(value().c_str(), nullptr, 10);
     else if (a == "--reps") o.reps = atoi(value().c_str());
     else if (a == "--verify-only") o.verify_only = true;
+    else if (a == "--format") {
+      std::string f = value();
+      if (f != "canonical" && f != "native") return usage(argv[0]);
+      o.format = f == "native" ? KVF_FORMAT_NATIVE : KVF_FORMAT_CANONICAL;
+    } else if (a == "--skip-every") o.skip_every = strtoull(value().c_str(), nullptr, 10);
     else if (a == "--json") o.json = value();
     else return usage(argv[0]);
   }
@@ -326,7 +358,9 @@ int main(int argc, char **argv) {
   for (const std::string &p : o.presets)
     for (const std::string &d : o.directions) {
       Row row = run_one(o, p, d);
-      if (!row.error.empty()) {
+      if (!row.skipped.empty()) {
+        printf("%-32s %-4s skipped: %s\n", p.c_str(), d.c_str(), row.skipped.c_str());
+      } else if (!row.error.empty()) {
         failed = 1;
         printf("%-32s %-4s FAILED: %s\n", p.c_str(), d.c_str(), row.error.c_str());
       } else {
@@ -353,10 +387,11 @@ int main(int argc, char **argv) {
               "\"verified\": %s, \"host_us\": %.3f, \"p10_us\": %.3f, \"p90_us\": %.3f, \"plan_us\": %.3f, "
               "\"launches\": %.2f, \"copies\": %.2f, \"batch_runs\": %.1f, \"pointer_queries\": %.2f, "
               "\"page_faults\": %.2f, "
-              "\"error\": \"%s\"}",
+              "\"skipped\": \"%s\", \"error\": \"%s\"}",
               i ? "," : "", w.preset.c_str(), w.direction.c_str(), w.path.c_str(), (unsigned long long)w.payload,
               w.verified ? "true" : "false", w.median_us, w.p10_us, w.p90_us, w.plan_us, w.launches, w.copies,
-              w.batch_runs, w.pointer_queries, w.page_faults, w.error.c_str());
+              w.batch_runs, w.pointer_queries, w.page_faults, json_escape(w.skipped).c_str(),
+              json_escape(w.error).c_str());
     }
     fprintf(f, "\n]}\n");
     fclose(f);
