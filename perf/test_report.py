@@ -14,6 +14,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402
+import report_host_path  # noqa: E402
 
 LIMIT = {"d2h": 54.0, "h2d": 54.5, "d2d": 2100.0, "d2d-scatter": 2100.0}
 
@@ -317,12 +318,53 @@ def main():
         packed = open(os.path.join(tmp, "results.md")).read()
         strip = lambda md: [line for line in md.splitlines() if "generated" not in line.lower()]
         check(strip(packed) == strip(plain), "gzip-compressed JSON renders as the plain JSON does")
+    host_path_checks(check)
     if failures:
         for f in failures:
             print("FAIL:", f)
         return 1
     print("test_report: ok")
     return 0
+
+
+def host_path_run(rows):
+    """A kvf_host_path JSON document (its writer's fields) of (preset, dir, host_us, plan_us, error)."""
+    return {"schema": "kvf_host_path/1", "tokens": 256, "reps": 10, "verify_only": False,
+            "rows": [{"preset": p, "direction": d, "path": "staged", "payload_bytes": 1, "verified": not err,
+                      "host_us": h, "p10_us": h, "p90_us": h, "plan_us": pl, "launches": 2, "copies": 2,
+                      "batch_runs": 0, "pointer_queries": 1, "page_faults": 0, "skipped": "", "error": err}
+                     for p, d, h, pl, err in rows]}
+
+
+def host_path_checks(check):
+    """report_host_path.py: the lowest median of each label's rounds, ratios to the first label,
+    failed rows left out, compressed rounds read, malformed arguments refused."""
+    with tempfile.TemporaryDirectory() as tmp:
+        files = {
+            "a1.json": [("llama", "d2h", 10.0, 8.0, ""), ("mla", "d2h", 4.0, 3.0, "")],
+            "a2.json": [("llama", "d2h", 9.0, 7.5, ""), ("mla", "d2h", 5.0, 3.5, "")],
+            "b1.json": [("llama", "d2h", 6.0, 4.0, ""), ("mla", "d2h", 0.1, 0.1, "differs")],
+        }
+        for name, rows in files.items():
+            with open(os.path.join(tmp, name), "w") as f:
+                json.dump(host_path_run(rows), f)
+        with gzip.open(os.path.join(tmp, "b2.json.gz"), "wt") as f:
+            json.dump(host_path_run([("llama", "d2h", 7.0, 4.5, "")]), f)
+        j = lambda n: os.path.join(tmp, n)  # noqa: E731
+        out = os.path.join(tmp, "out")
+        rc = report_host_path.main([out, f"base={j('a1.json')},{j('a2.json')}", f"new={j('b1.json')},{j('b2.json.gz')}"])
+        check(rc == 0, f"report_host_path.main returned {rc}")
+        md = open(os.path.join(out, "host-path.md")).read()
+        check("| llama | d2h | staged | 9.00 | 7.50 | 6.00 | 4.00 | 0.667 |" in md,
+              "host path: the lowest median per label and the ratio to the first")
+        check("| mla | d2h | staged | 4.00 | 3.00 | - | - | - |" in md, "host path: a failed row is left out")
+        check("Rounds per label: base: 2, new: 2." in md, "host path: rounds per label")
+        check(report_host_path.main([out, "base"]) == 2, "host path: an argument without = is refused")
+        try:
+            import matplotlib  # noqa: F401
+            check(os.path.getsize(os.path.join(out, "host-path.png")) > 0, "host path: the plot")
+        except ImportError:
+            pass
 
 
 def test_report():
