@@ -14,14 +14,16 @@ target_link_libraries(kvf_host_path PRIVATE kvferry_static Threads::Threads)
 kvf_target_defaults(kvf_host_path)
 if(KVF_BUILD_TESTS)
   # Each route the planner picks, byte for byte against the reference:
-  # one chunk (staged, batch and kernel routes as chosen by default); four
+  # one chunk in four calls back to back with other block ids (staged, batch
+  # and kernel routes as chosen by default, and as the rules that remember
+  # earlier calls choose them); four
   # chunks with a partial last one, whole and with every fifth block skipped
   # (holes: objects a gather writes in part); the native format with skips;
   # one-chunk staging batches (the two buffers' pipeline and its edge
   # batches); the direct kernel to host memory (staging and the batch route
   # off).
   set(_kvf_hp $<TARGET_FILE:kvf_host_path> --verify-only)
-  add_test(NAME perf_host_path_256 COMMAND ${_kvf_hp} --tokens 256)
+  add_test(NAME perf_host_path_256 COMMAND ${_kvf_hp} --tokens 256 --calls 4)
   add_test(NAME perf_host_path_1000 COMMAND ${_kvf_hp} --tokens 1000)
   add_test(NAME perf_host_path_skips_1000 COMMAND ${_kvf_hp} --tokens 1000 --skip-every 5)
   add_test(NAME perf_host_path_native_skips_1024 COMMAND ${_kvf_hp} --tokens 1024 --format native --skip-every 5)

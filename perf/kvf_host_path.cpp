@@ -19,10 +19,12 @@
  *
  *   kvf_host_path [--preset-dir DIR] [--presets a,b] [--tokens N] [--reps N]
  *                 [--directions d2d,d2h,h2d] [--format canonical|native]
- *                 [--skip-every K] [--verify-only] [--json FILE]
+ *                 [--skip-every K] [--calls N] [--verify-only] [--json FILE]
  *
  * --skip-every K makes every K-th id of each block table KVF_BLOCK_SKIP
- * (blocks that move nothing: holes in the objects).
+ * (blocks that move nothing: holes in the objects). --calls N verifies N
+ * calls a row, back to back, each with other block ids (the second's in
+ * order).
  *
  * Exit status: 0 when every call succeeded and matched the reference. */
 #include <algorithm>
@@ -64,6 +66,7 @@ struct Options {
   int reps = 200;
   kvf_object_format format = KVF_FORMAT_CANONICAL;
   uint64_t skip_every = 0; /* every k-th block id of each table is KVF_BLOCK_SKIP (0: none) */
+  int calls = 1;           /* verified calls per row */
   bool verify_only = false;
   std::string json;
 };
@@ -111,6 +114,13 @@ void pause_us(long us) {
   timespec ts{0, us * 1000};
   while (nanosleep(&ts, &ts) == -1 && errno == EINTR) {
   }
+}
+
+/* Every k-th id of each of t's tables becomes KVF_BLOCK_SKIP (k 0: none). */
+void skip_blocks(Tables *t, uint64_t k) {
+  if (k == 0) return;
+  for (auto &ids : t->ids)
+    for (size_t i = k - 1; i < ids.size(); i += k) ids[i] = KVF_BLOCK_SKIP;
 }
 
 struct Row {
@@ -200,9 +210,7 @@ Row run_one(const Options &o, const std::string &preset, const std::string &dire
   r.token_begin = 0;
   r.token_end = o.tokens;
   r.format = o.format;
-  if (o.skip_every > 0)
-    for (auto &ids : t.ids)
-      for (size_t i = o.skip_every - 1; i < ids.size(); i += o.skip_every) ids[i] = KVF_BLOCK_SKIP;
+  skip_blocks(&t, o.skip_every);
   r.groups = t.groups.data();
   r.objects = objects.data();
   ref = r;
@@ -220,37 +228,58 @@ Row run_one(const Options &o, const std::string &preset, const std::string &dire
     goto out;
   }
 
-  /* Verify: the same call on the reference's copies of the inputs. */
+  /* Verify: each call against the same call on the reference's copies of
+   * the inputs. Calls after the first come back to back with other block
+   * ids: the second's in order (consecutive blocks, which the batch route's
+   * runs merge), the rest shuffled anew, so the rules that remember earlier
+   * calls (the batch route's listed shape, the staged route's measures) are
+   * walked too. */
   kvf_host_stub_execute(1);
-  for (uint32_t i = 0; i < nreg; i++) memcpy(ref_cache[i], cache[i], region_size[i]);
-  memset(arena, 0, layout.span);
-  memset(ref_arena, 0, layout.span);
-  if (!gather) {
-    fill(arena, layout.span, 77);
-    memcpy(ref_arena, arena, layout.span);
-  }
-  if (call()) {
-    row.error = std::string(gather ? "kvf_xfer_gather: " : "kvf_xfer_scatter: ") + kvf_last_error();
-    goto out;
-  }
-  if (gather ? kvf_reference_gather(g, &ref) : kvf_reference_scatter(g, &ref)) {
-    row.error = std::string("reference: ") + kvf_last_error();
-    goto out;
-  }
-  {
-    kvf_xfer_stats st = KVF_XFER_STATS_INIT;
-    kvf_xfer_last_stats(x, &st);
-    row.payload = st.payload_bytes;
-    kvf_xfer_path_info pi;
-    kvf_xfer_last_path(x, &pi);
-    row.path = kvf_xfer_path_name(pi.path);
-  }
-  row.verified = memcmp(arena, ref_arena, layout.span) == 0;
-  for (uint32_t i = 0; row.verified && i < nreg; i++)
-    row.verified = memcmp(cache[i], ref_cache[i], region_size[i]) == 0;
-  if (!row.verified) {
-    row.error = "the moved bytes differ from the CPU reference's";
-    goto out;
+  for (int ci = 0; ci < o.calls; ci++) {
+    if (ci > 0) {
+      pool = plan_pool(lo.num_blocks_override, 42 + (uint64_t)ci);
+      if (ci == 1) std::sort(pool.begin(), pool.end());
+      next = 0;
+      if (!plan_tables(g, o.tokens, pool, &next, &t)) {
+        row.error = "planning the request failed";
+        goto out;
+      }
+      skip_blocks(&t, o.skip_every);
+      r.groups = ref.groups = t.groups.data();
+    }
+    for (uint32_t i = 0; i < nreg; i++) memcpy(ref_cache[i], cache[i], region_size[i]);
+    memset(arena, 0, layout.span);
+    memset(ref_arena, 0, layout.span);
+    if (!gather) {
+      fill(arena, layout.span, 77 + (uint64_t)ci);
+      memcpy(ref_arena, arena, layout.span);
+    }
+    if (call()) {
+      row.error = std::string(gather ? "kvf_xfer_gather: " : "kvf_xfer_scatter: ") + kvf_last_error() + " (call " +
+                  std::to_string(ci + 1) + ")";
+      goto out;
+    }
+    if (gather ? kvf_reference_gather(g, &ref) : kvf_reference_scatter(g, &ref)) {
+      row.error = std::string("reference: ") + kvf_last_error();
+      goto out;
+    }
+    {
+      kvf_xfer_stats st = KVF_XFER_STATS_INIT;
+      kvf_xfer_last_stats(x, &st);
+      row.payload = st.payload_bytes;
+      kvf_xfer_path_info pi;
+      kvf_xfer_last_path(x, &pi);
+      std::string name = kvf_xfer_path_name(pi.path);
+      if (ci == 0) row.path = name;
+      else if (("+" + row.path + "+").find("+" + name + "+") == std::string::npos) row.path += "+" + name;
+    }
+    row.verified = memcmp(arena, ref_arena, layout.span) == 0;
+    for (uint32_t i = 0; row.verified && i < nreg; i++)
+      row.verified = memcmp(cache[i], ref_cache[i], region_size[i]) == 0;
+    if (!row.verified) {
+      row.error = "call " + std::to_string(ci + 1) + ": the moved bytes differ from the CPU reference's";
+      goto out;
+    }
   }
   if (o.verify_only) goto out;
 
@@ -316,7 +345,7 @@ std::string json_escape(const std::string &in) {
 int usage(const char *argv0) {
   fprintf(stderr,
           "usage: %s [--preset-dir DIR] [--presets a,b] [--tokens N] [--reps N] [--directions d2d,d2h,h2d]\n"
-          "          [--format canonical|native] [--skip-every K] [--verify-only] [--json FILE]\n",
+          "          [--format canonical|native] [--skip-every K] [--calls N] [--verify-only] [--json FILE]\n",
           argv0);
   return 2;
 }
@@ -339,10 +368,11 @@ int main(int argc, char **argv) {
       if (f != "canonical" && f != "native") return usage(argv[0]);
       o.format = f == "native" ? KVF_FORMAT_NATIVE : KVF_FORMAT_CANONICAL;
     } else if (a == "--skip-every") o.skip_every = strtoull(value().c_str(), nullptr, 10);
+    else if (a == "--calls") o.calls = atoi(value().c_str());
     else if (a == "--json") o.json = value();
     else return usage(argv[0]);
   }
-  if (o.tokens == 0 || o.reps < 1) return usage(argv[0]);
+  if (o.tokens == 0 || o.reps < 1 || o.calls < 1) return usage(argv[0]);
   for (const std::string &d : o.directions)
     if (d != "d2d" && d != "d2h" && d != "h2d") return usage(argv[0]);
   if (o.presets.empty()) o.presets = preset_names(o.preset_dir);
@@ -353,7 +383,7 @@ int main(int argc, char **argv) {
 
   std::vector<Row> rows;
   int failed = 0;
-  printf("%-32s %-4s %-10s %8s %9s %9s %8s %8s %6s %6s %7s %6s\n", "preset", "dir", "path", "verified", "host_us",
+  printf("%-32s %-4s %-18s %8s %9s %9s %8s %8s %6s %6s %7s %6s\n", "preset", "dir", "path", "verified", "host_us",
          "p90_us", "plan_us", "launches", "copies", "runs", "queries", "faults");
   for (const std::string &p : o.presets)
     for (const std::string &d : o.directions) {
@@ -364,7 +394,7 @@ int main(int argc, char **argv) {
         failed = 1;
         printf("%-32s %-4s FAILED: %s\n", p.c_str(), d.c_str(), row.error.c_str());
       } else {
-        printf("%-32s %-4s %-10s %8s %9.2f %9.2f %8.2f %8.2f %6.2f %6.1f %7.2f %6.2f\n", p.c_str(), d.c_str(),
+        printf("%-32s %-4s %-18s %8s %9.2f %9.2f %8.2f %8.2f %6.2f %6.1f %7.2f %6.2f\n", p.c_str(), d.c_str(),
                row.path.c_str(), row.verified ? "yes" : "no", row.median_us, row.p90_us, row.plan_us, row.launches,
                row.copies, row.batch_runs, row.pointer_queries, row.page_faults);
       }
