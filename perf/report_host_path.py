@@ -88,7 +88,7 @@ def plot(labeled, path):
         ax.bar(xs, [rows[k]["host_us"] if k in rows else 0 for k in keys], width, label=label)
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(keys))])
     ax.set_xticklabels([f"{p} {d}" for p, d in keys], rotation=80, fontsize=7)
-    ax.set_ylabel("host time per call, us (best round's median)")
+    ax.set_ylabel("host us per call (best median)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
