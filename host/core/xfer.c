@@ -1674,7 +1674,7 @@ static kvf_status add_piece_runs(staged_call *c, const void *blob, const uint64_
     c->runs = p;
     c->runs_cap = cap;
   }
-  memcpy(c->runs + c->num_runs, runs, sizeof *runs * n);
+  if (n) memcpy(c->runs + c->num_runs, runs, sizeof *runs * n); /* c->runs is NULL before a first run */
   c->num_runs += n;
   free(runs);
   return KVF_SUCCESS;
