@@ -2317,6 +2317,179 @@ TEST(XferStraight, BatchRunsLeaveNothingToFreeWhenTheyDoNotFit) {
   }
 }
 
+// kvf_stage_blob_runs_cached answers as kvf_stage_blob_runs would, and from
+// its slots only where that answer cannot differ. Hits: other ids of the
+// same blocks, the same pieces in the other staging buffer (objects and
+// bases moved together), the next chunk of the sequence. Misses: a skipped
+// block (a recurrent state's too), another object base, an object left out,
+// a request one token shorter over the same blocks, another blob. More keys
+// than slots evict; a random walk over all of these never differs from the
+// listing.
+TEST(XferStraight, StagedRunsCacheAnswersAsTheListingDoes) {
+  for (const char *preset :
+       {"llama-3.1-8b-fa-hnd", "glm-like-hybrid", "llama-3.1-70b-tp4-rank2-slice", "deepseek-v3-mla-bf16"}) {
+    SCOPED_TRACE(preset);
+    PlannedRequest q;
+    ASSERT_NO_FATAL_FAILURE(plan_chunks(preset, 2, 100, 77, &q));
+    const kvf_geometry *g = q.g();
+    const uint64_t chunk = [&] {
+      kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
+      kvf_geometry_policy(g, &pol);
+      return pol.chunk_tokens;
+    }();
+    bool all_full = true; // every group full attention: the request can move a chunk on as is
+    for (uint32_t gi = 0; gi < kvf_geometry_num_groups(g); gi++) {
+      kvf_group_info info = KVF_GROUP_INFO_INIT;
+      kvf_geometry_group(g, gi, &info);
+      all_full = all_full && info.kind == KVF_GROUP_FULL;
+    }
+    std::vector<unsigned char> half(q.plan.p.num_segments, 0);
+    for (size_t i = 0; i < half.size(); i += 2) half[i] = 1;
+    kvf_blob_opts o_half = {0, half.data(), 0};
+    // The request as built, and variants of it (objects, token range, tables).
+    std::vector<void *> objects(q.r->objects);
+    std::vector<kvf_group_blocks> groups(q.r->groups);
+    kvf_copy_request req = *q.r->get();
+    auto blob_of = [&](const kvf_copy_request &r, const kvf_blob_opts *o) {
+      return build_blob(g, q.plan.p, &r, true, o);
+    };
+    std::vector<uint64_t> base;
+    for (void *obj : objects) base.push_back(reinterpret_cast<uint64_t>(obj));
+    kvf_stage_runs_cache cache{};
+    uint64_t hits = 0, misses = 0;
+    // One answer checked against the listing; want: 1 from a slot, 0 listed,
+    // -1 either (the random walk).
+    auto expect_listing = [&](const std::vector<uint8_t> &blob, const std::vector<uint64_t> &b, int want,
+                              const std::string &what) {
+      SCOPED_TRACE(what);
+      kvf_stage_run *fresh = nullptr;
+      const kvf_stage_run *got = nullptr;
+      uint64_t n = 0, m = 0;
+      int holes = 0, got_holes = 0;
+      ASSERT_EQ(kvf_stage_blob_runs(blob.data(), b.data(), &fresh, &n, &holes), KVF_SUCCESS);
+      ASSERT_EQ(kvf_stage_blob_runs_cached(&cache, blob.data(), b.data(), &got, &m, &got_holes), KVF_SUCCESS);
+      EXPECT_EQ(m, n);
+      EXPECT_EQ(got_holes, holes);
+      if (m == n && n > 0) {
+        EXPECT_EQ(memcmp(got, fresh, sizeof *fresh * n), 0);
+      }
+      free(fresh);
+      if (want >= 0) {
+        EXPECT_EQ(cache.hits, hits + (uint64_t)want);
+        EXPECT_EQ(cache.misses, misses + (uint64_t)(1 - want));
+      }
+      hits = cache.hits;
+      misses = cache.misses;
+    };
+    std::vector<uint8_t> whole = blob_of(req, nullptr), part = blob_of(req, &o_half);
+    const auto *h = reinterpret_cast<const kvf_blob_header *>(whole.data());
+    auto *ids = reinterpret_cast<uint32_t *>(whole.data() + h->off_ids);
+    const uint64_t num_ids = (h->off_objects - h->off_ids) / sizeof(uint32_t);
+    ASSERT_NO_FATAL_FAILURE(expect_listing(whole, base, 0, "first"));
+    ASSERT_NO_FATAL_FAILURE(expect_listing(part, base, 0, "another blob"));
+    // Other ids of the same blocks: reversed among themselves.
+    std::vector<uint32_t> moving;
+    for (uint64_t i = 0; i < num_ids; i++)
+      if (ids[i] < h->num_blocks_max) moving.push_back(ids[i]);
+    ASSERT_GT(moving.size(), 2u);
+    std::reverse(moving.begin(), moving.end());
+    for (uint64_t i = 0, j = 0; i < num_ids; i++)
+      if (ids[i] < h->num_blocks_max) ids[i] = moving[j++];
+    ASSERT_NO_FATAL_FAILURE(expect_listing(whole, base, 1, "other ids, the same blocks"));
+    ASSERT_NO_FATAL_FAILURE(expect_listing(part, base, 1, "the other blob again"));
+    // A skipped block: other extents (or holes), never the slot's.
+    const uint32_t kept = ids[1];
+    ids[1] = KVF_BLOCK_SKIP;
+    ASSERT_NO_FATAL_FAILURE(expect_listing(whole, base, 0, "a block skipped"));
+    ids[1] = kept;
+    ASSERT_NO_FATAL_FAILURE(expect_listing(whole, base, 1, "the block back"));
+    // A recurrent state skipped (the hybrid's states are entries of their own).
+    for (uint32_t e = 0; e < h->num_entries; e++) {
+      const kvf_blob_entry &en = kvf_blob_entries(whole.data())[e];
+      if (!kvf_blob_shape_of(whole.data(), &en)->recurrent || ids[en.ids_offset] >= h->num_blocks_max) continue;
+      const uint32_t state = ids[en.ids_offset];
+      ids[en.ids_offset] = KVF_BLOCK_SKIP;
+      ASSERT_NO_FATAL_FAILURE(expect_listing(whole, base, 0, "a recurrent state skipped"));
+      ids[en.ids_offset] = state;
+      break;
+    }
+    std::vector<uint64_t> moved = base;
+    moved[0] += 4096;
+    ASSERT_NO_FATAL_FAILURE(expect_listing(whole, moved, 0, "another object base"));
+    {
+      // The pieces in the other staging buffer: objects and bases moved together.
+      const uint64_t shift = uint64_t{1} << 30;
+      std::vector<void *> far(objects);
+      std::vector<uint64_t> far_base(base);
+      for (size_t i = 0; i < far.size(); i++) {
+        if (far[i]) far[i] = static_cast<char *>(far[i]) + shift;
+        far_base[i] += shift;
+      }
+      kvf_copy_request r2 = req;
+      r2.objects = far.data();
+      std::vector<uint8_t> b2 = blob_of(r2, nullptr);
+      ASSERT_NO_FATAL_FAILURE(expect_listing(b2, far_base, 1, "the other staging buffer"));
+    }
+    {
+      // An object left out, its base kept.
+      std::vector<void *> fewer(objects);
+      fewer[0] = nullptr;
+      kvf_copy_request r2 = req;
+      r2.objects = fewer.data();
+      std::vector<uint8_t> b2 = blob_of(r2, nullptr);
+      ASSERT_NO_FATAL_FAILURE(expect_listing(b2, base, 0, "an object left out"));
+    }
+    {
+      // One token shorter over the same blocks: only the header's end differs.
+      kvf_copy_request r2 = req;
+      r2.token_end -= 1;
+      std::vector<uint8_t> b2 = blob_of(r2, nullptr);
+      ASSERT_NO_FATAL_FAILURE(expect_listing(b2, base, 0, "one token shorter"));
+    }
+    if (all_full) {
+      // The same request a chunk further on in its sequence.
+      std::vector<kvf_group_blocks> on(groups);
+      for (uint32_t gi = 0; gi < on.size(); gi++) {
+        kvf_group_info info = KVF_GROUP_INFO_INIT;
+        kvf_geometry_group(g, gi, &info);
+        on[gi].first_block += chunk / info.block_size;
+      }
+      kvf_copy_request r2 = req;
+      r2.token_begin += chunk;
+      r2.token_end += chunk;
+      r2.groups = on.data();
+      ASSERT_EQ(kvf_copy_request_check(g, &r2), KVF_SUCCESS) << kvf_last_error();
+      std::vector<uint8_t> b2 = blob_of(r2, nullptr);
+      ASSERT_NO_FATAL_FAILURE(expect_listing(b2, base, 1, "the next chunk"));
+    }
+    // More keys than slots: each answer still the listing's.
+    for (uint32_t k = 0; k < KVF_STAGE_RUNS_SLOTS + 2; k++) {
+      std::vector<uint64_t> other = base;
+      other[0] += 8192 * (k + 2);
+      ASSERT_NO_FATAL_FAILURE(expect_listing(whole, other, 0, "eviction"));
+    }
+    ASSERT_NO_FATAL_FAILURE(expect_listing(whole, base, 0, "evicted"));
+    // A random walk over skips, ids and bases: never another answer.
+    std::mt19937_64 rng(1234);
+    for (int step = 0; step < 200; step++) {
+      std::vector<uint8_t> &b = rng() % 2 ? whole : part;
+      const auto *hb = reinterpret_cast<const kvf_blob_header *>(b.data());
+      auto *bid = reinterpret_cast<uint32_t *>(b.data() + hb->off_ids);
+      const uint64_t nid = (hb->off_objects - hb->off_ids) / sizeof(uint32_t);
+      const uint64_t at = rng() % nid;
+      switch (rng() % 3) {
+      case 0: bid[at] = bid[at] < hb->num_blocks_max ? KVF_BLOCK_SKIP : (uint32_t)(rng() % hb->num_blocks_max); break;
+      case 1: std::swap(bid[at], bid[rng() % nid]); break;
+      default: break;
+      }
+      std::vector<uint64_t> bb = base;
+      bb[rng() % bb.size()] += 256 * (rng() % 3);
+      ASSERT_NO_FATAL_FAILURE(expect_listing(b, bb, -1, "random step " + std::to_string(step)));
+    }
+    kvf_stage_runs_cache_free(&cache);
+  }
+}
+
 // kvf_stage_batch_runs_floor never exceeds the runs kvf_stage_batch_runs
 // lists (merged), on every preset whose blocks are single runs, one and two
 // chunks, tables whose ids follow the block before's with probability 0,

@@ -155,6 +155,7 @@ struct kvf_xfer {
    * bases are queried every call (host memory can be unregistered). */
   const void **region_seen; /* [num_regions] */
   unsigned char *region_kind;
+  kvf_stage_runs_cache runs_cache; /* staged pieces' copy-engine runs, by blob (under lock) */
   /* Deferred calls (KVF_XFER_DEFER): the caller's thread checks and copies
    * the request, records `start` on its stream and makes the stream wait
    * until *done reaches the call's number; the context's thread plans and
@@ -686,6 +687,7 @@ void kvf_xfer_destroy(kvf_xfer *x) {
   }
   free(x->region_seen);
   free(x->region_kind);
+  kvf_stage_runs_cache_free(&x->runs_cache);
   pthread_mutex_destroy(&x->defer_post_mu);
   pthread_mutex_destroy(&x->defer_mu);
   pthread_cond_destroy(&x->defer_wake);
@@ -1440,6 +1442,7 @@ typedef struct staged_call {
   kvf_stage_run *runs;      /* pieces > 1: every piece's copies, host object offsets */
   uint64_t *run_first;      /* [batches * pieces + 1] into runs */
   uint64_t num_runs, runs_cap;
+  uint32_t runs_cached; /* pieces whose runs came from the context's cache */
   int uploaded;             /* tables uploaded through a slot (some launch's are too large for parameters) */
   staging *slot;
   int any_direct;
@@ -1653,22 +1656,31 @@ static cudaError_t finish_staged(kvf_xfer *x, cudaStream_t stream, staging *slot
   return first;
 }
 
-/* Add a piece blob's copies (host object offsets) to the call's runs; 1 when
- * a gather's piece would copy bytes no task writes (then the call is planned
- * again with one piece per batch). */
-static kvf_status add_piece_runs(staged_call *c, const void *blob, const uint64_t *base, int gather, int *bad) {
-  kvf_stage_run *runs = NULL;
+/* Add a piece blob's copies (host object offsets) to the call's runs; *bad
+ * set when a gather's piece would copy bytes no task writes (then the call
+ * is planned again with one piece per batch). `cached`: through the
+ * context's cache (kvf_stage_blob_runs_cached), for calls of one batch (the
+ * one-chunk calls it was measured on); calls of several batches, whose
+ * planning overlaps earlier batches' copies, list as before. */
+static kvf_status add_piece_runs(kvf_xfer *x, staged_call *c, const void *blob, const uint64_t *base, int gather,
+                                 int cached, int *bad) {
+  const kvf_stage_run *runs = NULL;
+  kvf_stage_run *own = NULL;
   uint64_t n = 0;
   int holes = 0;
-  kvf_status st = kvf_stage_blob_runs(blob, base, &runs, &n, &holes);
+  const uint64_t hits = x->runs_cache.hits;
+  kvf_status st = cached ? kvf_stage_blob_runs_cached(&x->runs_cache, blob, base, &runs, &n, &holes)
+                         : kvf_stage_blob_runs(blob, base, &own, &n, &holes);
   if (st) return st;
+  c->runs_cached += x->runs_cache.hits != hits;
+  if (own) runs = own;
   if (holes && gather) *bad = 1;
   if (c->num_runs + n > c->runs_cap) {
     uint64_t cap = c->runs_cap ? c->runs_cap : 64;
     while (cap < c->num_runs + n) cap *= 2;
     kvf_stage_run *p = realloc(c->runs, sizeof *p * cap);
     if (!p) {
-      free(runs);
+      free(own);
       return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
     }
     c->runs = p;
@@ -1676,7 +1688,7 @@ static kvf_status add_piece_runs(staged_call *c, const void *blob, const uint64_
   }
   if (n) memcpy(c->runs + c->num_runs, runs, sizeof *runs * n); /* c->runs is NULL before a first run */
   c->num_runs += n;
-  free(runs);
+  free(own);
   return KVF_SUCCESS;
 }
 
@@ -1941,7 +1953,7 @@ static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather
       if (uses_runs(c)) {
         int bad = 0;
         /* The piece's objects are indexed like the batch's request. */
-        if ((st = add_piece_runs(c, blob, base + pb->k0 * nog, gather, &bad))) goto out;
+        if ((st = add_piece_runs(x, c, blob, base + pb->k0 * nog, gather, nb == 1, &bad))) goto out;
         if (bad) {
           *retry = 1;
           goto out;
@@ -2023,7 +2035,8 @@ static kvf_status launch_staged(kvf_xfer *x, const kvf_copy_request *r, int gath
       payload += ((const kvf_blob_header *)((char *)x->host_blob + c.launches[l].blob_off))->payload_bytes;
   }
   payload += c.straight_bytes;
-  x->path = (kvf_xfer_path_info){.path = KVF_PATH_STAGED, .batches = (uint32_t)nb, .pieces = c.pieces};
+  x->path = (kvf_xfer_path_info){
+      .path = KVF_PATH_STAGED, .batches = (uint32_t)nb, .pieces = c.pieces, .runs_cached = c.runs_cached};
   /* With a straight part the copy engine's legs go on the caller's stream
    * (a gather's copy engine starts there at once, with no hand-off from
    * another stream) and the kernels on the internal one. */

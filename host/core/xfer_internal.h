@@ -145,6 +145,51 @@ typedef struct kvf_stage_run {
 kvf_status kvf_stage_blob_runs(const void *blob, const uint64_t *object_base, kvf_stage_run **runs, uint64_t *count,
                                int *holes);
 
+/* kvf_stage_blob_runs remembered for the blobs a context builds again and
+ * again: a staged call's pieces of one request shape give the same runs
+ * whatever their block ids, as long as the same blocks are skipped (the runs
+ * are object extents in a staging buffer), and wherever the request lies in
+ * its sequence and whichever staging buffer its pieces fill. A blob's key is
+ * what the listing reads as it reads it: each object as present or not and
+ * its place from its base, the header and shapes with the request's place
+ * made relative to its start, the entries, and each id as whether it moves
+ * (below the header's num_blocks_max).
+ * Measured on the development VM (kvf_host_path, perf/results/
+ * 2026-12-04-cpu-host-path): the listing was about 40% of the 80-layer tp4
+ * slice's one-chunk staged call (whose planning took 28-30 us on the H200's
+ * host); through the cache the call's host time went from 11.0-11.1 to
+ * 6.3-6.9 us, Llama's layouts' 5.4-6.6 to 3.5-4.8 us, the glm-like and
+ * gpt-oss-like hybrids' 4.6-5.9 to 3.7-5.1 us. A hit costs 0.25-0.5 us
+ * where the listing took 1.2-5.1 us; a miss 12-15% more than the listing. */
+/* A slot a piece: up to KVF_STAGE_MAX_PIECES pieces of one batch (a context
+ * that gathers and scatters one shape fills two sets; FIFO evicts). */
+#define KVF_STAGE_RUNS_SLOTS KVF_STAGE_MAX_PIECES
+
+typedef struct kvf_stage_runs_slot {
+  unsigned char *key; /* NULL: empty */
+  size_t key_size;
+  kvf_stage_run *runs;
+  uint64_t count;
+  int holes;
+} kvf_stage_runs_slot;
+
+typedef struct kvf_stage_runs_cache {
+  kvf_stage_runs_slot slots[KVF_STAGE_RUNS_SLOTS];
+  uint32_t next;          /* the slot a miss fills next */
+  unsigned char *scratch; /* the key being built */
+  size_t scratch_cap;
+  uint64_t hits, misses;
+} kvf_stage_runs_cache;
+
+/* kvf_stage_blob_runs(blob, object_base, ...) through the cache (zeroed
+ * before its first use): *runs points into the cache, valid until its
+ * next call or kvf_stage_runs_cache_free. Without memory for a key the blob
+ * is listed uncached; KVF_ERR_OUT_OF_MEMORY only where the listing itself
+ * fails (*runs NULL). */
+kvf_status kvf_stage_blob_runs_cached(kvf_stage_runs_cache *cache, const void *blob, const uint64_t *object_base,
+                                      const kvf_stage_run **runs, uint64_t *count, int *holes);
+void kvf_stage_runs_cache_free(kvf_stage_runs_cache *cache);
+
 /* The blob's runs for cudaMemcpyBatchAsync (the copy-batch route, a staged
  * call's straight part), when every block of every entry is one contiguous
  * run on both sides, the runs are at least min_run bytes (the shortest may
@@ -457,6 +502,8 @@ typedef struct kvf_xfer_path_info {
                               there: too many runs, too short, or staged by the host-bound rule once listed) */
   double idle_wait_us;     /* of host_us, the time the call waited for its stream to become idle (a call alone
                               the host-bound rule weighs, a small gather's straight part: stream_idle_soon) */
+  uint32_t runs_cached;    /* staged pieces whose copy-engine runs came from the context's cache
+                              (kvf_stage_blob_runs_cached) */
 } kvf_xfer_path_info;
 
 const char *kvf_xfer_path_name(kvf_xfer_path path);

@@ -420,6 +420,129 @@ kvf_status kvf_stage_blob_runs(const void *blob, const uint64_t *object_base, kv
   return KVF_SUCCESS;
 }
 
+/* Room for the key of a blob (kvf_stage_blob_runs_cached): n ids' flags
+ * and the sizes of the arrays before them; 0 when it would not fit a
+ * size_t (nothing a built blob reaches). */
+static size_t runs_key_size(const kvf_blob_header *h, uint64_t ids, uint64_t objects) {
+  uint64_t size = sizeof *h, part;
+  if (!kvf_mul_u64(h->num_entries, sizeof(kvf_blob_entry), &part) || !kvf_add_u64(size, part, &size)) return 0;
+  if (!kvf_mul_u64(h->num_shapes, sizeof(kvf_blob_shape), &part) || !kvf_add_u64(size, part, &size)) return 0;
+  if (!kvf_mul_u64(objects, 2 * sizeof(uint64_t), &part) || !kvf_add_u64(size, part, &size)) return 0;
+  if (!kvf_add_u64(size, ids, &size) || size > SIZE_MAX) return 0;
+  return (size_t)size;
+}
+
+/* A miss: list the blob into the next slot (FIFO), under a copy of `key`
+ * when there is one and room for it (else the slot keeps the runs without
+ * a key, which nothing matches, until it is reused). */
+static kvf_status list_into_slot(kvf_stage_runs_cache *cache, const void *blob, const uint64_t *object_base,
+                                 const unsigned char *key, size_t key_size, const kvf_stage_run **runs,
+                                 uint64_t *count, int *holes) {
+  kvf_stage_runs_slot *slot = &cache->slots[cache->next];
+  free(slot->key);
+  free(slot->runs);
+  *slot = (kvf_stage_runs_slot){0};
+  kvf_stage_run *fresh = NULL;
+  uint64_t n = 0;
+  int hole = 0;
+  kvf_status st = kvf_stage_blob_runs(blob, object_base, &fresh, &n, &hole);
+  if (st) return st;
+  unsigned char *copy = key ? malloc(key_size) : NULL;
+  if (copy) memcpy(copy, key, key_size);
+  *slot = (kvf_stage_runs_slot){copy, copy ? key_size : 0, fresh, n, hole};
+  cache->next = (cache->next + 1) % KVF_STAGE_RUNS_SLOTS;
+  *runs = fresh;
+  *count = n;
+  *holes = hole;
+  return KVF_SUCCESS;
+}
+
+kvf_status kvf_stage_blob_runs_cached(kvf_stage_runs_cache *cache, const void *blob, const uint64_t *object_base,
+                                      const kvf_stage_run **runs, uint64_t *count, int *holes) {
+  const kvf_blob_header *h = blob;
+  const kvf_blob_entry *entries = kvf_blob_entries(blob);
+  const uint32_t *ids = (const uint32_t *)((const char *)blob + h->off_ids);
+  const uint64_t objects = (uint64_t)h->num_chunks * h->num_object_groups;
+  *runs = NULL;
+  *count = 0;
+  *holes = 0;
+  /* The ids the entries read: each group's entries share theirs. */
+  uint64_t num_ids = 0;
+  for (uint32_t i = 0; i < h->num_entries; i++) {
+    uint64_t end = i + 1 < h->num_entries ? entries[i + 1].first_task : h->total_tasks;
+    uint64_t last = entries[i].ids_offset + (end - entries[i].first_task) / entries[i].slices;
+    if (last > num_ids) num_ids = last;
+  }
+  /* Without room for a key the blob is listed as if uncached: the
+   * cache is a shortcut, never a reason to fail. */
+  size_t size = runs_key_size(h, num_ids, objects);
+  if (size > 0 && cache->scratch_cap < size) {
+    unsigned char *p = realloc(cache->scratch, size);
+    if (p) {
+      cache->scratch = p;
+      cache->scratch_cap = size;
+    }
+  }
+  if (size == 0 || cache->scratch_cap < size)
+    return list_into_slot(cache, blob, object_base, NULL, 0, runs, count, holes);
+  /* The key: what kvf_stage_blob_runs reads, as it reads it, so that the
+   * same shape elsewhere is the same key:
+   * - an object as whether it is there and where it lies from its base (a
+   *   call's pieces in either staging buffer);
+   * - the request's place only relative to its start: every chunk of a
+   *   sequence stored in turn (the listing reads lt_begin, chunk_begin and
+   *   a shape's first_block only as differences, and a request begins on a
+   *   chunk, which holds whole blocks);
+   * - an id as whether it moves.
+   * The parts that tell a context's keys apart come first, so that a
+   * comparison with another key ends early: objects, header (pieces,
+   * directions), shapes, entries, ids. */
+  unsigned char *k = cache->scratch;
+  const uint64_t *blob_objects = (const uint64_t *)((const char *)blob + h->off_objects);
+  for (uint64_t i = 0; i < objects; i++) {
+    uint64_t where[2] = {blob_objects[i] != 0, blob_objects[i] ? blob_objects[i] - object_base[i] : 0};
+    memcpy(k, where, sizeof where);
+    k += sizeof where;
+  }
+  kvf_blob_header hk = *h;
+  hk.lt_end = h->lt_end - h->lt_begin;
+  hk.lt_begin = 0;
+  hk.chunk_begin = 0;
+  memcpy(k, &hk, sizeof hk);
+  k += sizeof hk;
+  for (uint32_t i = 0; i < h->num_shapes; i++) {
+    kvf_blob_shape sk = kvf_blob_shapes(blob)[i];
+    /* 0 when the request begins on a block, as it does (on a chunk) */
+    sk.first_block = sk.recurrent ? 0 : sk.first_block * sk.tokens - h->lt_begin;
+    memcpy(k, &sk, sizeof sk);
+    k += sizeof sk;
+  }
+  memcpy(k, entries, h->num_entries * sizeof *entries);
+  k += h->num_entries * sizeof *entries;
+  for (uint64_t i = 0; i < num_ids; i++) k[i] = ids[i] < h->num_blocks_max;
+  for (uint32_t i = 0; i < KVF_STAGE_RUNS_SLOTS; i++) {
+    const kvf_stage_runs_slot *slot = &cache->slots[i];
+    if (slot->key && slot->key_size == size && memcmp(slot->key, cache->scratch, size) == 0) {
+      cache->hits++;
+      *runs = slot->runs;
+      *count = slot->count;
+      *holes = slot->holes;
+      return KVF_SUCCESS;
+    }
+  }
+  cache->misses++;
+  return list_into_slot(cache, blob, object_base, cache->scratch, size, runs, count, holes);
+}
+
+void kvf_stage_runs_cache_free(kvf_stage_runs_cache *cache) {
+  for (uint32_t i = 0; i < KVF_STAGE_RUNS_SLOTS; i++) {
+    free(cache->slots[i].key);
+    free(cache->slots[i].runs);
+  }
+  free(cache->scratch);
+  memset(cache, 0, sizeof *cache);
+}
+
 /* ---- runs for the copy engine's batch API -------------------------------- */
 
 /* Free the three run arrays and leave them NULL (callers free them again on
