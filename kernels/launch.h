@@ -25,6 +25,12 @@ int kvf_kernel_threads(void);
  * allows 32764 bytes of kernel parameters on every GPU kvferry supports). */
 #define KVF_KERNEL_PARAM_MAX 32752
 
+/* The parameter sizes the kernel is built for, ascending (xfer_kernel.cu
+ * says why these; kvf_kernel_param_room takes the first that holds a blob).
+ * Here so that a stand-in for the kernel (perf/host_path_stub.c) rounds
+ * the same way. */
+#define KVF_KERNEL_PARAM_SIZES 2048, 4096, 6144, 8192, 12288, 16384, KVF_KERNEL_PARAM_MAX
+
 /* Bytes of parameters a blob of blob_bytes is launched with (the smallest
  * variant that holds it), 0 when it is larger than KVF_KERNEL_PARAM_MAX. */
 size_t kvf_kernel_param_room(size_t blob_bytes);

@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(WalkShape<Spread>::threads, WalkShape<Spread>:
 // 4, 6 and 8 KiB: a one-chunk blob of the 32- and 61-layer presets is
 // 3.2-3.4 KB, of the hybrids 2.9-5.4 KB, of the 80-layer tp4 slice 8.0 KB
 // (kernels/plan.h's entries and shapes).
-constexpr int kParamSizes[] = {2048, 4096, 6144, 8192, 12288, 16384, KVF_KERNEL_PARAM_MAX};
+constexpr int kParamSizes[] = {KVF_KERNEL_PARAM_SIZES};
 static_assert(sizeof kParamSizes / sizeof kParamSizes[0] == 7, "the launch switch and the preload name every size");
 constexpr bool ascending(int i = 1) {
   return i >= (int)(sizeof kParamSizes / sizeof kParamSizes[0]) || (kParamSizes[i - 1] < kParamSizes[i] && ascending(i + 1));

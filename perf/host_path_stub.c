@@ -7,19 +7,24 @@
  * "Device" memory is host memory in a registry that cudaPointerGetAttributes
  * answers from; pinned memory is registered as host. Work runs when it is
  * enqueued, in the order the calls come: kernel launches copy their blob's
- * tasks with the CPU path (kvf_blob_run_cpu), copies are memcpy. Every
- * dependency CUDA orders by streams and events was enqueued before the work
- * that waits on it, so that order is one CUDA allows, and the bytes that
- * end up moved are those the real routes move. Events complete at once and
- * time the host between their records; streams are always idle. What this
- * does not model: the driver's own time, concurrency, and any route choice
- * that follows measured device time (the path each call took is reported).
+ * tasks with the CPU path (kvf_blob_run_cpu), copies are memcpy, each
+ * checked to lie inside one allocation the stub made (allocations have their
+ * exact sizes, so ASan sees an overrun past one). Running work in the order
+ * it is enqueued is one schedule CUDA allows, so a plan that moves the
+ * wrong bytes fails here as on a GPU. The converse does not hold: a missing
+ * wait between streams (a staging buffer reused too early, the straight
+ * part against the kernels) still moves the right bytes here. Events
+ * complete at once and time the host between their records; streams are
+ * always idle, so the branches for a busy stream are not taken. What this
+ * does not model either: the driver's own time, concurrency, and any route
+ * choice that follows measured device time (each call reports its path).
  *
  * kvf_host_stub_execute(0) makes the work a no-op, so that a timing loop
  * measures only kvferry's planning and the calls it makes. Single-threaded
  * use only (the harness's). */
 #define _GNU_SOURCE /* clock_gettime (common/clock.h) */
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -52,20 +57,31 @@ static void *stub_alloc(size_t size, int device) {
     g_ranges = p;
     g_cap_ranges = cap;
   }
-  /* 256-byte aligned like cudaMalloc; at least one byte so that every
-   * allocation has its own address. */
-  size_t rounded = (size + 255) / 256 * 256;
-  char *b = aligned_alloc(256, rounded ? rounded : 256);
-  if (!b) return NULL;
+  /* 256-byte aligned like cudaMalloc, of exactly the size asked (at least
+   * one byte, so that every allocation has its own address). */
+  void *b = NULL;
+  if (posix_memalign(&b, 256, size ? size : 1)) return NULL;
   g_ranges[g_num_ranges++] = (stub_range){b, size ? size : 1, device};
   return b;
 }
 
-static stub_range *stub_find(const void *p) {
-  const char *c = p;
-  for (size_t i = 0; i < g_num_ranges; i++)
-    if (c >= g_ranges[i].base && c < g_ranges[i].base + g_ranges[i].size) return &g_ranges[i];
+/* The allocation holding [p, p + n) whole, or NULL. */
+static stub_range *stub_find_span(const void *p, size_t n) {
+  const uintptr_t at = (uintptr_t)p;
+  for (size_t i = 0; i < g_num_ranges; i++) {
+    const uintptr_t lo = (uintptr_t)g_ranges[i].base;
+    if (at >= lo && at - lo < g_ranges[i].size) return g_ranges[i].size - (at - lo) >= n ? &g_ranges[i] : NULL;
+  }
   return NULL;
+}
+
+static stub_range *stub_find(const void *p) { return stub_find_span(p, 1); }
+
+/* A copy's two sides lie inside the stub's allocations (kvferry copies
+ * only between device and pinned memory). Checked only where the work runs:
+ * a linear search a side, which a timing loop must not count as kvferry's. */
+static int copy_in_bounds(void *dst, const void *src, size_t n) {
+  return !g_execute || n == 0 || (stub_find_span(dst, n) && stub_find_span(src, n));
 }
 
 static void stub_free(void *p) {
@@ -203,6 +219,7 @@ cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void
 
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind, cudaStream_t s) {
   (void)kind, (void)s;
+  if (!copy_in_bounds(dst, src, n)) return cudaErrorInvalidValue;
   if (g_execute) memcpy(dst, src, n);
   g_counts.copies++;
   return cudaSuccess;
@@ -211,6 +228,9 @@ cudaError_t cudaMemcpyBatchAsync(void *const *dsts, const void *const *srcs, con
                                  struct cudaMemcpyAttributes *attrs, size_t *attrs_idxs, size_t num_attrs,
                                  cudaStream_t s) {
   (void)attrs, (void)attrs_idxs, (void)num_attrs, (void)s;
+  if (count == 0) return cudaErrorInvalidValue;
+  for (size_t i = 0; i < count; i++)
+    if (sizes[i] == 0 || !copy_in_bounds(dsts[i], srcs[i], sizes[i])) return cudaErrorInvalidValue;
   if (g_execute)
     for (size_t i = 0; i < count; i++) memcpy(dsts[i], srcs[i], sizes[i]);
   g_counts.batch_copies++;
@@ -264,27 +284,51 @@ cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t *config, const void *fu
   return cudaErrorNotSupported; /* only the deferred mode's waits launch through it */
 }
 
-/* The driver's entry points: a device to count, nothing else. */
+/* The driver's entry points (host/core/cudawrap.c loads them all): those
+ * that loading and its error messages call, typed as the driver's; the
+ * rest (cuMem*, cuStream*: the memory providers, which the transfer
+ * routes never call) stop the process if called, rather than run through
+ * a pointer of another type. */
 static CUresult CUDAAPI stub_cu_init(unsigned int flags) {
   (void)flags;
+  return CUDA_SUCCESS;
+}
+static CUresult CUDAAPI stub_cu_driver_version(int *v) {
+  *v = CUDART_VERSION;
   return CUDA_SUCCESS;
 }
 static CUresult CUDAAPI stub_cu_device_count(int *n) {
   *n = 1;
   return CUDA_SUCCESS;
 }
-static CUresult CUDAAPI stub_cu_unsupported(void) { return CUDA_ERROR_NOT_SUPPORTED; }
+static CUresult CUDAAPI stub_cu_error_string(CUresult r, const char **s) {
+  *s = r == CUDA_SUCCESS ? "no error" : "stub error";
+  return CUDA_SUCCESS;
+}
+static CUresult CUDAAPI stub_cu_error_name(CUresult r, const char **s) {
+  *s = r == CUDA_SUCCESS ? "CUDA_SUCCESS" : "CUDA_ERROR_STUB";
+  return CUDA_SUCCESS;
+}
+static void stub_cu_not_modelled(void) {
+  fprintf(stderr, "host_path_stub: a CUDA driver entry point it does not model was called\n");
+  abort();
+}
 
 cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **fn, unsigned int version,
                                              unsigned long long flags,
                                              enum cudaDriverEntryPointQueryResult *status) {
   (void)version, (void)flags;
-  if (!strcmp(symbol, "cuInit"))
-    *fn = (void *)stub_cu_init;
-  else if (!strcmp(symbol, "cuDeviceGetCount"))
-    *fn = (void *)stub_cu_device_count;
-  else
-    *fn = (void *)stub_cu_unsupported;
+  static const struct {
+    const char *symbol;
+    void *fn;
+  } typed[] = {{"cuInit", (void *)stub_cu_init},
+               {"cuDriverGetVersion", (void *)stub_cu_driver_version},
+               {"cuDeviceGetCount", (void *)stub_cu_device_count},
+               {"cuGetErrorString", (void *)stub_cu_error_string},
+               {"cuGetErrorName", (void *)stub_cu_error_name}};
+  *fn = (void *)stub_cu_not_modelled;
+  for (size_t i = 0; i < sizeof typed / sizeof *typed; i++)
+    if (!strcmp(symbol, typed[i].symbol)) *fn = typed[i].fn;
   if (status) *status = cudaDriverEntryPointSuccess;
   return cudaSuccess;
 }
@@ -292,7 +336,7 @@ cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **fn, unsi
 /* ---- the kernel's entry points (kernels/launch.h) ---------------------------- */
 
 enum { kStubWarps = 16 }; /* kernels/xfer_kernel.cu: 512 threads a CTA */
-static const size_t kStubParamSizes[] = {2048, 4096, 6144, 8192, 12288, 16384, KVF_KERNEL_PARAM_MAX};
+static const size_t kStubParamSizes[] = {KVF_KERNEL_PARAM_SIZES};
 
 int kvf_kernel_threads(void) { return kStubWarps * 32; }
 int kvf_kernel_can_overlap(void) { return 1; }
