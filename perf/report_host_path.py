@@ -60,7 +60,12 @@ def table(labeled):
         head.append(f"{label} / {base_label} host")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key in sorted(base):
-        cells = [key[0], key[1], base[key]["path"]]
+        # A label that took another route says so: its time is that route's.
+        paths = [base[key]["path"]]
+        for _, rows in labeled[1:]:
+            if key in rows and rows[key]["path"] not in paths:
+                paths.append(rows[key]["path"])
+        cells = [key[0], key[1], " / ".join(paths)]
         for _, rows in labeled:
             r = rows.get(key)
             cells += [f"{r['host_us']:.2f}", f"{r['plan_us']:.2f}"] if r else ["-", "-"]
@@ -85,7 +90,7 @@ def plot(labeled, path):
     width = 0.8 / len(labeled)
     for i, (label, rows) in enumerate(labeled):
         xs = [k + i * width for k in range(len(keys))]
-        ax.bar(xs, [rows[k]["host_us"] if k in rows else 0 for k in keys], width, label=label)
+        ax.bar(xs, [rows[k]["host_us"] if k in rows else float("nan") for k in keys], width, label=label)
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(keys))])
     ax.set_xticklabels([f"{p} {d}" for p, d in keys], rotation=80, fontsize=7)
     ax.set_ylabel("host us per call (best median)")

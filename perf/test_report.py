@@ -342,12 +342,19 @@ def host_path_checks(check):
     with tempfile.TemporaryDirectory() as tmp:
         files = {
             "a1.json": [("llama", "d2h", 10.0, 8.0, ""), ("mla", "d2h", 4.0, 3.0, "")],
-            "a2.json": [("llama", "d2h", 9.0, 7.5, ""), ("mla", "d2h", 5.0, 3.5, "")],
-            "b1.json": [("llama", "d2h", 6.0, 4.0, ""), ("mla", "d2h", 0.1, 0.1, "differs")],
+            "a2.json": [("llama", "d2h", 9.0, 7.5, ""), ("mla", "d2h", 5.0, 3.5, ""), ("tp4", "h2d", 4.0, 3.0, "")],
+            "b1.json": [("llama", "d2h", 6.0, 4.0, ""), ("mla", "d2h", 0.1, 0.1, "differs"),
+                        ("tp4", "h2d", 3.0, 2.0, "")],
         }
         for name, rows in files.items():
             with open(os.path.join(tmp, name), "w") as f:
                 json.dump(host_path_run(rows), f)
+        # A label whose row took another route (the batch route) says so.
+        with open(os.path.join(tmp, "b1.json")) as f:
+            doc = json.load(f)
+        doc["rows"][2]["path"] = "copy-batch"
+        with open(os.path.join(tmp, "b1.json"), "w") as f:
+            json.dump(doc, f)
         with gzip.open(os.path.join(tmp, "b2.json.gz"), "wt") as f:
             json.dump(host_path_run([("llama", "d2h", 7.0, 4.5, "")]), f)
         j = lambda n: os.path.join(tmp, n)  # noqa: E731
@@ -359,6 +366,8 @@ def host_path_checks(check):
               "host path: the lowest median per label and the ratio to the first")
         check("| mla | d2h | staged | 4.00 | 3.00 | - | - | - |" in md, "host path: a failed row is left out")
         check("Rounds per label: base: 2, new: 2." in md, "host path: rounds per label")
+        check("| tp4 | h2d | staged / copy-batch | 4.00 | 3.00 | 3.00 | 2.00 | 0.750 |" in md,
+              "host path: a row whose route differs between labels names both")
         check(report_host_path.main([out, "base"]) == 2, "host path: an argument without = is refused")
         try:
             import matplotlib  # noqa: F401
