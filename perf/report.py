@@ -66,13 +66,19 @@ class Data:
         return self.files[0][1] if self.files else {}
 
 
+def open_result(path):
+    """A result file for reading as text, gzip-compressed where its name ends in .gz
+    (perf/results/README.md); report_served.py and report_host_path.py read through it too."""
+    return gzip.open(path, "rt") if path.endswith(".gz") else open(path)
+
+
 def load(directory):
     d = Data()
     # Committed results keep their raw files gzip-compressed (perf/results/README.md).
     paths = sorted(glob.glob(os.path.join(directory, "*.json")) + glob.glob(os.path.join(directory, "*.json.gz")))
     for path in paths:
         try:
-            with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+            with open_result(path) as f:
                 doc = json.load(f)
         except (OSError, ValueError) as e:
             print(f"report.py: skipping {path}: {e}", file=sys.stderr)

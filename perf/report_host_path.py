@@ -10,15 +10,15 @@ only ever adds time. A row (preset, direction) takes, per label, the lowest of
 its rounds' medians (host_us and plan_us); the first label is the baseline
 the others are divided by. Writes OUTDIR/host-path.md, and host-path.png
 where matplotlib is installed. Files ending in .gz are read compressed."""
-import gzip
 import json
 import os
 import sys
 
+from report import open_result
+
 
 def load(path):
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
+    with open_result(path) as f:
         return json.load(f)
 
 

@@ -10,16 +10,17 @@ first STORE after a registration against later ones) and
 OUTDIR/served.png (GB/s against requests in flight; skipped without
 matplotlib).
 """
-import gzip
 import json
 import os
 import sys
+
+from report import open_result
 
 
 def load(paths):
     rows = []
     for p in paths:
-        with (gzip.open(p, "rt") if p.endswith(".gz") else open(p)) as f:
+        with open_result(p) as f:
             rows += [json.loads(line) for line in f if line.strip()]
     return rows
 
