@@ -175,8 +175,16 @@ Row run_one(const Options &o, const std::string &preset, const std::string &dire
   xo.device = 0;
   std::vector<double> times, plans;
   kvf_host_stub_counts c0, c1;
-  size_t next = 0;
-  std::vector<uint32_t> pool;
+  /* Call ci's block tables: a shuffled pool, call 1's in order (consecutive
+   * blocks), every skip_every-th id skipped. */
+  auto draw_tables = [&](int ci) {
+    std::vector<uint32_t> pool = plan_pool(lo.num_blocks_override, 42 + (uint64_t)ci);
+    if (ci == 1) std::sort(pool.begin(), pool.end());
+    size_t next = 0;
+    if (!plan_tables(g, o.tokens, pool, &next, &t)) return false;
+    skip_blocks(&t, o.skip_every);
+    return true;
+  };
   kvf_copy_request r = KVF_COPY_REQUEST_INIT, ref = KVF_COPY_REQUEST_INIT;
   /* A stream of the caller's own, as engines use: the legacy stream takes
    * neither the batch route nor a straight part. */
@@ -198,8 +206,7 @@ Row run_one(const Options &o, const std::string &preset, const std::string &dire
     }
     fill(cache[i], ri.size, 1000 + i);
   }
-  pool = plan_pool(lo.num_blocks_override, 42);
-  if (!plan_tables(g, o.tokens, pool, &next, &t) || !plan_objects(g, o.tokens, t, 256, &layout)) {
+  if (!draw_tables(0) || !plan_objects(g, o.tokens, t, 256, &layout)) {
     row.error = "planning the request failed";
     goto out;
   }
@@ -216,7 +223,6 @@ Row run_one(const Options &o, const std::string &preset, const std::string &dire
   r.token_begin = 0;
   r.token_end = o.tokens;
   r.format = o.format;
-  skip_blocks(&t, o.skip_every);
   r.groups = t.groups.data();
   r.objects = objects.data();
   ref = r;
@@ -243,14 +249,10 @@ Row run_one(const Options &o, const std::string &preset, const std::string &dire
   kvf_host_stub_execute(1);
   for (int ci = 0; ci < o.calls; ci++) {
     if (ci > 0) {
-      pool = plan_pool(lo.num_blocks_override, 42 + (uint64_t)ci);
-      if (ci == 1) std::sort(pool.begin(), pool.end());
-      next = 0;
-      if (!plan_tables(g, o.tokens, pool, &next, &t)) {
+      if (!draw_tables(ci)) {
         row.error = "planning the request failed";
         goto out;
       }
-      skip_blocks(&t, o.skip_every);
       r.groups = ref.groups = t.groups.data();
     }
     for (uint32_t i = 0; i < nreg; i++) memcpy(ref_cache[i], cache[i], region_size[i]);
