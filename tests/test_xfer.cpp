@@ -2981,6 +2981,129 @@ TEST(XferPieces, PiecesWeighTheBytesTheyMove) {
     }
 }
 
+// The memo of the piece split and the straight pick (kvf_stage_memo) answers
+// as the two steps do, byte for byte, on five presets (a sliding window and
+// recurrent states among them). Hits: the same question again, and the next
+// chunk of a sequence where every group is full attention (another place and
+// other block ids, the same blocks counted). Misses: a request a block
+// shorter, a token shorter, as many tokens over one block more, the other
+// direction, other pieces or growth, a pick with another target. More questions than slots evict. A random walk
+// of 300 questions over token ranges and parameters never differs from the
+// steps themselves.
+TEST(XferPieces, PlanMemoAnswersAsTheStepsDo) {
+  for (const char *preset : {"llama-3.1-8b-fa-hnd", "glm-like-hybrid", "gpt-oss-20b-like", "qwen3-next-like-hybrid",
+                             "llama-3.1-70b-tp4-rank2-slice"}) {
+    SCOPED_TRACE(preset);
+    PlannedRequest q;
+    ASSERT_NO_FATAL_FAILURE(plan_chunks(preset, 3, 0, 91, &q));
+    const kvf_geometry *g = q.g();
+    const kvf_plan &plan = q.plan.p;
+    const size_t ns = plan.num_segments;
+    kvf_object_policy pol = KVF_OBJECT_POLICY_INIT;
+    kvf_geometry_policy(g, &pol);
+    const uint64_t chunk = pol.chunk_tokens;
+    bool all_full = true;
+    uint64_t block = chunk; // the smallest block size of an attention group
+    for (uint32_t gi = 0; gi < kvf_geometry_num_groups(g); gi++) {
+      kvf_group_info info = KVF_GROUP_INFO_INIT;
+      kvf_geometry_group(g, gi, &info);
+      all_full = all_full && info.kind == KVF_GROUP_FULL;
+      if (info.kind != KVF_GROUP_RECURRENT) block = std::min<uint64_t>(block, info.block_size);
+    }
+    const kvf_copy_request whole = *q.r->get();
+    ASSERT_EQ(whole.token_end - whole.token_begin, 3 * chunk);
+    auto tokens = [&](uint64_t from, uint64_t to) {
+      kvf_copy_request r = whole;
+      r.token_begin = whole.token_begin + from;
+      r.token_end = whole.token_begin + to;
+      return r;
+    };
+    struct Ask {
+      bool pick;
+      int gather;
+      uint32_t pieces, growth;
+      uint64_t target, limit;
+    };
+    kvf_stage_memo memo{};
+    uint64_t hits = 0, misses = 0;
+    // want: 1 a hit, 0 a miss, -1 either.
+    auto expect_same = [&](const kvf_copy_request &r, const Ask &a, int want, const std::string &what) {
+      SCOPED_TRACE(what);
+      std::vector<unsigned char> direct(KVF_STAGE_MAX_PIECES * ns + 1, 0xAB), got(direct);
+      if (a.pick) {
+        uint64_t d = kvf_stage_straight_pick(g, &plan, &r, !a.gather, 16384, a.target, a.limit, 128, direct.data());
+        uint64_t m = kvf_stage_straight_pick_memo(&memo, g, &plan, &r, !a.gather, 16384, a.target, a.limit, 128,
+                                                  got.data());
+        EXPECT_EQ(m, d);
+      } else {
+        uint32_t d = kvf_stage_piece_masks_growth(g, &plan, &r, a.gather, a.pieces, a.growth, direct.data());
+        uint32_t m = kvf_stage_piece_masks_memo(&memo, g, &plan, &r, a.gather, a.pieces, a.growth, got.data());
+        EXPECT_EQ(m, d);
+      }
+      EXPECT_TRUE(got == direct) << "the bytes written differ";
+      if (want >= 0) {
+        EXPECT_EQ(memo.hits, hits + (uint64_t)want);
+        EXPECT_EQ(memo.misses, misses + (uint64_t)(1 - want));
+      }
+      hits = memo.hits;
+      misses = memo.misses;
+    };
+    const Ask masks{false, 1, 2, 4, 0, 0}, pick{true, 1, 0, 0, 2u << 20, 64u << 20};
+    const kvf_copy_request first = tokens(0, chunk);
+    for (const Ask &a : {masks, pick}) {
+      const std::string kind = a.pick ? "pick: " : "masks: ";
+      ASSERT_NO_FATAL_FAILURE(expect_same(first, a, 0, kind + "first"));
+      ASSERT_NO_FATAL_FAILURE(expect_same(first, a, 1, kind + "again"));
+      if (all_full) {
+        // The next chunk with its own blocks: only the counts are asked.
+        kvf_copy_request next = tokens(chunk, 2 * chunk);
+        ASSERT_NO_FATAL_FAILURE(expect_same(next, a, 1, kind + "the next chunk"));
+      }
+      ASSERT_NO_FATAL_FAILURE(expect_same(tokens(0, chunk - block), a, 0, kind + "a block shorter"));
+      ASSERT_NO_FATAL_FAILURE(expect_same(tokens(0, chunk - 1), a, 0, kind + "a token shorter"));
+      if (block > 1) { // as many tokens over one block more
+        ASSERT_NO_FATAL_FAILURE(expect_same(tokens(block / 2, block / 2 + chunk), a, 0, kind + "one block more"));
+      }
+      Ask other = a;
+      other.gather = 0;
+      ASSERT_NO_FATAL_FAILURE(expect_same(first, other, 0, kind + "the other direction"));
+      other = a;
+      if (a.pick)
+        other.target *= 2;
+      else
+        other.pieces = 3;
+      ASSERT_NO_FATAL_FAILURE(expect_same(first, other, 0, kind + "other parameters"));
+      if (!a.pick) {
+        other = a;
+        other.growth = 2;
+        ASSERT_NO_FATAL_FAILURE(expect_same(first, other, 0, kind + "another growth"));
+      }
+    }
+    // More questions than slots: the first one asked is gone.
+    for (uint32_t k = 0; k < KVF_STAGE_MEMO_SLOTS; k++) {
+      Ask a = pick;
+      a.target = (uint64_t)(k + 16) << 20; // targets asked nowhere else
+      ASSERT_NO_FATAL_FAILURE(expect_same(first, a, 0, "eviction"));
+    }
+    ASSERT_NO_FATAL_FAILURE(expect_same(first, masks, 0, "evicted"));
+    // A random walk: token ranges, directions, pieces, growths and targets.
+    std::mt19937_64 rng(4321);
+    const uint64_t hits_before = memo.hits;
+    for (int step = 0; step < 300; step++) {
+      uint64_t from = rng() % (2 * chunk), to = from + 1 + rng() % (3 * chunk - from);
+      if (rng() % 2) { // mostly whole chunks, as engines move them
+        from = from / chunk * chunk;
+        to = from + chunk;
+      }
+      Ask a{rng() % 2 == 0, (int)(rng() % 2), 1 + (uint32_t)(rng() % 5), 1 + (uint32_t)(rng() % 4),
+            (uint64_t)(1 + rng() % 4) << 20, (uint64_t)(2 + rng() % 8) << 20};
+      ASSERT_NO_FATAL_FAILURE(expect_same(tokens(from, to), a, -1, "random step " + std::to_string(step)));
+    }
+    EXPECT_GT(memo.hits, hits_before);
+    kvf_stage_memo_free(&memo);
+  }
+}
+
 // The injection hook belongs to the staged route: the host backend has no
 // batches, and a host context has no staging or internal stream.
 TEST(XferHost, TheStagedFailureHookLeavesTheHostBackendAlone) {

@@ -156,6 +156,7 @@ struct kvf_xfer {
   const void **region_seen; /* [num_regions] */
   unsigned char *region_kind;
   kvf_stage_runs_cache runs_cache; /* staged pieces' copy-engine runs, by blob (under lock) */
+  kvf_stage_memo plan_memo;        /* staged calls' piece splits and straight picks (under lock) */
   /* Deferred calls (KVF_XFER_DEFER): the caller's thread checks and copies
    * the request, records `start` on its stream and makes the stream wait
    * until *done reaches the call's number; the context's thread plans and
@@ -688,6 +689,7 @@ void kvf_xfer_destroy(kvf_xfer *x) {
   free(x->region_seen);
   free(x->region_kind);
   kvf_stage_runs_cache_free(&x->runs_cache);
+  kvf_stage_memo_free(&x->plan_memo);
   pthread_mutex_destroy(&x->defer_post_mu);
   pthread_mutex_destroy(&x->defer_mu);
   pthread_cond_destroy(&x->defer_wake);
@@ -1762,8 +1764,8 @@ static kvf_status plan_straight(kvf_xfer *x, const kvf_copy_request *r, int gath
   size_t *sizes = NULL, runs = 0;
   kvf_status st = KVF_SUCCESS;
   if (!pick || !objects) goto oom;
-  if (!kvf_stage_straight_pick(g, plan, &part, !gather, min_run, target, eb->bytes / 2, KVF_STAGE_STRAIGHT_MAX_RUNS,
-                               pick))
+  if (!kvf_stage_straight_pick_memo(&x->plan_memo, g, plan, &part, !gather, min_run, target, eb->bytes / 2,
+                                    KVF_STAGE_STRAIGHT_MAX_RUNS, pick))
     goto out;
   for (uint64_t i = 0; i < count; i++) objects[i] = c->sp.staged[first + i] ? r->objects[first + i] : NULL;
   part.objects = objects;
@@ -1882,7 +1884,7 @@ static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather
     st = kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
     goto out;
   }
-  c->pieces = pieces > 1 ? kvf_stage_piece_masks_growth(g, plan, r, gather, pieces, growth, c->masks)
+  c->pieces = pieces > 1 ? kvf_stage_piece_masks_memo(&x->plan_memo, g, plan, r, gather, pieces, growth, c->masks)
                          : 1;
   /* The pieces are cut over every view, then the straight part's views
    * leave the edge batch's (cut over what is left, the pieces lost 1-5

@@ -129,6 +129,46 @@ uint64_t kvf_stage_straight_pick(const kvf_geometry *geometry, const kvf_plan *p
                                  int from_end, uint64_t min_run, uint64_t target, uint64_t limit, uint64_t max_runs,
                                  unsigned char *pick);
 
+/* A memo of the staged plan's steps that read a request only through the
+ * blocks each of its groups moves and its token count: the piece split
+ * (kvf_stage_piece_masks_growth) and the straight part's views
+ * (kvf_stage_straight_pick). Both walk every segment of the plan (160 on
+ * the 80-layer tp4 slice), and a context asks them the same question for
+ * every chunk of one size it moves, whatever the chunk's place and block
+ * ids. Answers are keyed by the plan's address, so a memo belongs to one
+ * context, whose plans do not change while it lives; it is zeroed before
+ * its first use and owned by the caller's lock.
+ * Measured on the development VM (kvf_host_path, perf/results/
+ * 2026-12-05-cpu-plan-memo): the piece split was a quarter of the tp4
+ * slice's one-chunk staged call and a sixth of Llama's; with the memo those
+ * calls took 0.68-0.70x (tp4) and 0.77-0.90x (Llama) of their host time. */
+#define KVF_STAGE_MEMO_SLOTS 8
+
+typedef struct kvf_stage_memo_slot {
+  uint64_t *key; /* NULL: empty */
+  size_t key_words;
+  unsigned char *value;
+  size_t value_size;
+  uint64_t result;
+} kvf_stage_memo_slot;
+
+typedef struct kvf_stage_memo {
+  kvf_stage_memo_slot slots[KVF_STAGE_MEMO_SLOTS];
+  uint32_t next; /* the slot a miss fills next (FIFO) */
+  uint64_t hits, misses;
+} kvf_stage_memo;
+
+/* kvf_stage_piece_masks_growth and kvf_stage_straight_pick through the
+ * memo: the same results and the same bytes written. Without memory for a
+ * slot the answer is computed and not kept. */
+uint32_t kvf_stage_piece_masks_memo(kvf_stage_memo *memo, const kvf_geometry *geometry, const kvf_plan *plan,
+                                    const kvf_copy_request *request, int gather, uint32_t pieces, uint32_t growth,
+                                    unsigned char *masks);
+uint64_t kvf_stage_straight_pick_memo(kvf_stage_memo *memo, const kvf_geometry *geometry, const kvf_plan *plan,
+                                      const kvf_copy_request *request, int from_end, uint64_t min_run,
+                                      uint64_t target, uint64_t limit, uint64_t max_runs, unsigned char *pick);
+void kvf_stage_memo_free(kvf_stage_memo *memo);
+
 /* A contiguous byte range of one object. */
 typedef struct kvf_stage_run {
   uint64_t object; /* index into the request's objects */

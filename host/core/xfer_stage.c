@@ -292,6 +292,116 @@ uint32_t kvf_stage_piece_masks_growth(const kvf_geometry *g, const kvf_plan *pla
   return p + 1;
 }
 
+/* ---- the memo of the piece split and the straight pick ------------------- */
+
+/* Words of a memo key: a tag, the plan, its sizes, up to 6 parameters, the
+ * request's tokens and each group's block count. */
+#define MEMO_KEY_WORDS (10 + KVF_MAX_GROUPS)
+
+enum { MEMO_PIECE_MASKS = 1, MEMO_STRAIGHT_PICK = 2 };
+
+/* Completes a key begun with its tag and parameters: what the two steps
+ * read of the request (group_blocks of each group, and its tokens for a
+ * recurrent state's weight). Returns the key's words. */
+static size_t memo_key_request(uint64_t *key, size_t n, const kvf_geometry *g, const kvf_plan *plan,
+                               const kvf_copy_request *r) {
+  key[n++] = (uint64_t)(uintptr_t)plan;
+  key[n++] = plan->num_segments;
+  key[n++] = r->token_end > r->token_begin ? r->token_end - r->token_begin : 0;
+  key[n++] = g->num_groups;
+  for (uint32_t gi = 0; gi < g->num_groups; gi++) key[n++] = group_blocks(g, r, gi);
+  return n;
+}
+
+static const kvf_stage_memo_slot *memo_find(kvf_stage_memo *m, const uint64_t *key, size_t words) {
+  for (uint32_t i = 0; i < KVF_STAGE_MEMO_SLOTS; i++) {
+    const kvf_stage_memo_slot *s = &m->slots[i];
+    if (s->key && s->key_words == words && memcmp(s->key, key, words * sizeof *key) == 0) {
+      m->hits++;
+      return s;
+    }
+  }
+  m->misses++;
+  return NULL;
+}
+
+/* Keeps an answer in the next slot; without memory, the slot is left empty. */
+static void memo_keep(kvf_stage_memo *m, const uint64_t *key, size_t words, const unsigned char *value, size_t size,
+                      uint64_t result) {
+  kvf_stage_memo_slot *s = &m->slots[m->next];
+  m->next = (m->next + 1) % KVF_STAGE_MEMO_SLOTS;
+  free(s->key);
+  free(s->value);
+  *s = (kvf_stage_memo_slot){0};
+  uint64_t *k = malloc(words * sizeof *k);
+  unsigned char *v = malloc(size ? size : 1);
+  if (!k || !v) {
+    free(k);
+    free(v);
+    return;
+  }
+  memcpy(k, key, words * sizeof *k);
+  memcpy(v, value, size);
+  *s = (kvf_stage_memo_slot){k, words, v, size, result};
+}
+
+uint32_t kvf_stage_piece_masks_memo(kvf_stage_memo *m, const kvf_geometry *g, const kvf_plan *plan,
+                                    const kvf_copy_request *r, int gather, uint32_t pieces, uint32_t growth,
+                                    unsigned char *masks) {
+  if (g->num_groups > KVF_MAX_GROUPS) return kvf_stage_piece_masks_growth(g, plan, r, gather, pieces, growth, masks);
+  /* The bytes kvf_stage_piece_masks_growth writes: its pieces as it clamps them. */
+  const uint32_t clamped = pieces < 1 ? 1 : pieces > KVF_STAGE_MAX_PIECES ? KVF_STAGE_MAX_PIECES : pieces;
+  const size_t size = (size_t)clamped * plan->num_segments;
+  uint64_t key[MEMO_KEY_WORDS];
+  size_t n = 0;
+  key[n++] = MEMO_PIECE_MASKS;
+  key[n++] = gather != 0;
+  key[n++] = pieces;
+  key[n++] = growth;
+  n = memo_key_request(key, n, g, plan, r);
+  const kvf_stage_memo_slot *s = memo_find(m, key, n);
+  if (s && s->value_size == size) {
+    memcpy(masks, s->value, size);
+    return (uint32_t)s->result;
+  }
+  uint32_t made = kvf_stage_piece_masks_growth(g, plan, r, gather, pieces, growth, masks);
+  memo_keep(m, key, n, masks, size, made);
+  return made;
+}
+
+uint64_t kvf_stage_straight_pick_memo(kvf_stage_memo *m, const kvf_geometry *g, const kvf_plan *plan,
+                                      const kvf_copy_request *r, int from_end, uint64_t min_run, uint64_t target,
+                                      uint64_t limit, uint64_t max_runs, unsigned char *pick) {
+  if (g->num_groups > KVF_MAX_GROUPS)
+    return kvf_stage_straight_pick(g, plan, r, from_end, min_run, target, limit, max_runs, pick);
+  const size_t size = plan->num_segments;
+  uint64_t key[MEMO_KEY_WORDS];
+  size_t n = 0;
+  key[n++] = MEMO_STRAIGHT_PICK;
+  key[n++] = from_end != 0;
+  key[n++] = min_run;
+  key[n++] = target;
+  key[n++] = limit;
+  key[n++] = max_runs;
+  n = memo_key_request(key, n, g, plan, r);
+  const kvf_stage_memo_slot *s = memo_find(m, key, n);
+  if (s && s->value_size == size) {
+    memcpy(pick, s->value, size);
+    return s->result;
+  }
+  uint64_t bytes = kvf_stage_straight_pick(g, plan, r, from_end, min_run, target, limit, max_runs, pick);
+  memo_keep(m, key, n, pick, size, bytes);
+  return bytes;
+}
+
+void kvf_stage_memo_free(kvf_stage_memo *m) {
+  for (uint32_t i = 0; i < KVF_STAGE_MEMO_SLOTS; i++) {
+    free(m->slots[i].key);
+    free(m->slots[i].value);
+  }
+  memset(m, 0, sizeof *m);
+}
+
 typedef struct extent {
   uint64_t object, lo, hi, touched;
 } extent;
