@@ -495,6 +495,143 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
   return tasks;
 }
 
+/* ---- the memo of built blobs ------------------------------------------------ */
+
+/* Room for a memo key (kvf_blob_build_memo): its words, then the mask. */
+static size_t memo_key_size(const kvf_geometry *g, const kvf_plan *plan, const kvf_blob_opts *opts) {
+  size_t words = 14 + 4 * (size_t)g->num_groups + g->num_object_groups + g->num_regions;
+  return words * sizeof(uint64_t) + (opts && opts->segments ? plan->num_segments : 0);
+}
+
+/* A miss: build into out, and keep a copy under a copy of the key when
+ * there is one, the blob is small enough and there is memory for both. */
+static uint64_t memo_build_keep(kvf_blob_memo *m, const kvf_geometry *g, const kvf_plan *plan,
+                                const kvf_copy_request *r, int gather, const kvf_blob_opts *opts, void *out,
+                                const unsigned char *key, size_t key_size, uint64_t moving_groups) {
+  uint64_t tasks = kvf_blob_build(g, plan, r, gather, opts, out);
+  const uint64_t size = ((const kvf_blob_header *)out)->size;
+  if (!key || size > KVF_BLOB_MEMO_MAX_BYTES) return tasks;
+  kvf_blob_memo_slot *s = &m->slots[m->next];
+  m->next = (m->next + 1) % KVF_BLOB_MEMO_SLOTS;
+  free(s->key);
+  free(s->blob);
+  *s = (kvf_blob_memo_slot){0};
+  unsigned char *k = malloc(key_size);
+  void *b = malloc((size_t)size);
+  if (!k || !b) {
+    free(k);
+    free(b);
+    return tasks;
+  }
+  memcpy(k, key, key_size);
+  memcpy(b, out, (size_t)size);
+  *s = (kvf_blob_memo_slot){k, key_size, b, tasks, moving_groups};
+  return tasks;
+}
+
+uint64_t kvf_blob_build_memo(kvf_blob_memo *m, const kvf_geometry *g, const kvf_plan *plan,
+                             const kvf_copy_request *r, int gather, const kvf_blob_opts *opts, void *out) {
+  const size_t size = memo_key_size(g, plan, opts);
+  if (m->scratch_cap < size) {
+    unsigned char *p = realloc(m->scratch, size);
+    if (!p) return kvf_blob_build(g, plan, r, gather, opts, out); /* a shortcut, never a reason to fail */
+    m->scratch = p;
+    m->scratch_cap = size;
+  }
+  /* What kvf_blob_build reads, with the request's place in its sequence
+   * made relative: two requests of one key lie a whole number of chunks
+   * apart (their first tokens agree modulo the chunk), so their local
+   * tokens, chunks and blocks differ by one constant each, which only the
+   * header's lt_begin, lt_end and chunk_begin and the shapes' first_block
+   * carry (entries count from them). */
+  const uint64_t c = g->policy.chunk_tokens, chunk_local = c / g->dcp_world;
+  const uint64_t lt_begin = kvf_local_token(g, r->token_begin), lt_end = kvf_local_token(g, r->token_end);
+  const uint64_t chunk_begin = r->token_begin / c, num_chunks = kvf_copy_request_chunks(g, r);
+  const uint64_t nobj = num_chunks * g->num_object_groups;
+  uint64_t *w = (uint64_t *)m->scratch;
+  size_t n = 0;
+  w[n++] = (uint64_t)(uintptr_t)g;
+  w[n++] = (uint64_t)(uintptr_t)plan;
+  w[n++] = gather ? 1 : 0;
+  w[n++] = opts ? opts->slice_bytes : 0;
+  w[n++] = opts ? opts->task_slots : 0;
+  w[n++] = opts && opts->segments ? 1 : 0;
+  w[n++] = r->token_begin % c;
+  w[n++] = r->token_end - r->token_begin;
+  w[n++] = lt_begin % chunk_local;
+  w[n++] = lt_end - lt_begin;
+  w[n++] = num_chunks;
+  w[n++] = r->token_end / c - chunk_begin;
+  w[n++] = r->region_bases ? 1 : 0;
+  w[n++] = r->objects ? 1 : 0;
+  uint64_t b0s[KVF_MAX_GROUPS], b1s[KVF_MAX_GROUPS];
+  for (uint32_t gi = 0; gi < g->num_groups; gi++) {
+    kvf_blob_group_window(g, r, gi, &b0s[gi], &b1s[gi]);
+    const uint64_t b0 = b0s[gi], b1 = b1s[gi];
+    if (b0 == b1) {
+      memset(w + n, 0, 4 * sizeof *w);
+      n += 4;
+      continue;
+    }
+    const kvf_group *gr = &g->groups[gi];
+    const int recurrent = gr->desc.kind == KVF_GROUP_RECURRENT;
+    const kvf_group_blocks *t = &r->groups[gi];
+    const uint32_t *ids = t->block_ids + (b0 - t->first_block);
+    uint64_t skipped = 0;
+    for (uint64_t b = 0; b < b1 - b0; b++) skipped += ids[b] == KVF_BLOCK_SKIP;
+    w[n++] = b0 - (recurrent ? chunk_begin : lt_begin / gr->desc.block_size);
+    w[n++] = b1 - b0;
+    w[n++] = skipped;
+    w[n++] = ids[b1 - 1 - b0] == KVF_BLOCK_SKIP;
+  }
+  uint64_t og_bits[KVF_MAX_GROUPS] = {0};
+  if (r->objects)
+    for (uint64_t i = 0; i < nobj; i++) og_bits[i % g->num_object_groups] |= (uint64_t)(uintptr_t)r->objects[i];
+  for (uint32_t og = 0; og < g->num_object_groups; og++) w[n++] = align_of(og_bits[og]);
+  for (uint32_t i = 0; i < g->num_regions; i++) w[n++] = r->region_bases ? (uint64_t)(uintptr_t)r->region_bases[i] : 0;
+  if (opts && opts->segments) memcpy(w + n, opts->segments, plan->num_segments);
+  for (uint32_t i = 0; i < KVF_BLOB_MEMO_SLOTS; i++) {
+    const kvf_blob_memo_slot *s = &m->slots[i];
+    if (!s->key || s->key_size != size || memcmp(s->key, m->scratch, size)) continue;
+    m->hits++;
+    const kvf_blob_header *kept = s->blob;
+    memcpy(out, s->blob, (size_t)kept->size);
+    kvf_blob_header *h = out;
+    h->lt_begin = lt_begin;
+    h->lt_end = lt_end;
+    h->chunk_begin = chunk_begin;
+    kvf_blob_shape *shapes = (kvf_blob_shape *)((char *)out + h->off_shapes);
+    for (uint32_t i2 = 0; i2 < h->num_shapes; i2++)
+      if (!shapes[i2].recurrent) shapes[i2].first_block = lt_begin / shapes[i2].tokens;
+    uint32_t *id_out = (uint32_t *)((char *)out + h->off_ids);
+    for (uint32_t gi = 0, at = 0; gi < g->num_groups; gi++) {
+      if (!(s->moving_groups >> gi & 1)) continue;
+      const kvf_group_blocks *t = &r->groups[gi];
+      memcpy(id_out + at, t->block_ids + (b0s[gi] - t->first_block), (b1s[gi] - b0s[gi]) * sizeof(uint32_t));
+      at += (uint32_t)(b1s[gi] - b0s[gi]);
+    }
+    uint64_t *objects = (uint64_t *)((char *)out + h->off_objects);
+    for (uint64_t i2 = 0; i2 < nobj; i2++) objects[i2] = r->objects ? (uint64_t)(uintptr_t)r->objects[i2] : 0;
+    return s->tasks;
+  }
+  m->misses++;
+  /* The groups whose ids the build copies (the key holds what decides it:
+   * the blocks, the mask, the plan). */
+  uint64_t moving_groups = 0;
+  for (uint32_t gi = 0; gi < g->num_groups; gi++)
+    if (b0s[gi] != b1s[gi] && group_block_bytes(plan, opts, gi)) moving_groups |= (uint64_t)1 << gi;
+  return memo_build_keep(m, g, plan, r, gather, opts, out, m->scratch, size, moving_groups);
+}
+
+void kvf_blob_memo_free(kvf_blob_memo *m) {
+  for (uint32_t i = 0; i < KVF_BLOB_MEMO_SLOTS; i++) {
+    free(m->slots[i].key);
+    free(m->slots[i].blob);
+  }
+  free(m->scratch);
+  memset(m, 0, sizeof *m);
+}
+
 uint32_t kvf_blob_entry_segments(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r,
                                  const kvf_blob_opts *opts, uint32_t *out) {
   /* kvf_blob_build's order: the groups that move blocks in this blob, each

@@ -234,6 +234,51 @@ uint64_t kvf_blob_size(const kvf_geometry *geometry, const kvf_plan *plan, const
 uint64_t kvf_blob_build(const kvf_geometry *geometry, const kvf_plan *plan, const kvf_copy_request *request,
                         int gather, const kvf_blob_opts *opts, void *out);
 
+/* A memo of built blobs: kvf_blob_build's answer to a request of a shape
+ * asked before, copied from the memo with the parts that change from call
+ * to call written in (block ids, object pointers, the request's place in its
+ * sequence). A blob's build walks every segment it moves (160 on the
+ * 80-layer tp4 slice) on the engine's thread; a context asks it for the
+ * same shape on every chunk of one size. The key is what the build reads:
+ * the plan, gather, the options (the segment mask's bytes), the request's
+ * place inside its chunk and its length, each group's blocks relative to
+ * the request's first (and how many are KVF_BLOCK_SKIP, and whether the
+ * last is, which the payload counts), the object pointers' alignment per
+ * object group and the region bases. The plan must not change while the
+ * memo holds blobs of it (a context's never do); the memo is zeroed before
+ * its first use, and its owner serializes calls.
+ * Measured on the development VM (perf/kvf_host_path, perf/results/
+ * 2026-12-05-cpu-blob-memo): one-chunk calls alone took 0.47-0.66x of their
+ * host time on the kernel route (the tp4 slice 2.72 -> 1.28 us) and
+ * 0.65-0.87x on the staged and batch routes. */
+#define KVF_BLOB_MEMO_SLOTS 12
+/* Larger blobs (requests of many chunks, whose copies dwarf their build)
+ * are built and not kept. */
+#define KVF_BLOB_MEMO_MAX_BYTES (64u << 10)
+
+typedef struct kvf_blob_memo_slot {
+  unsigned char *key; /* NULL: empty */
+  size_t key_size;
+  void *blob; /* as built (h->size bytes) */
+  uint64_t tasks;
+  uint64_t moving_groups; /* bit gi: the build copied group gi's ids */
+} kvf_blob_memo_slot;
+
+typedef struct kvf_blob_memo {
+  kvf_blob_memo_slot slots[KVF_BLOB_MEMO_SLOTS];
+  uint32_t next; /* the slot a miss fills next (FIFO) */
+  unsigned char *scratch; /* the key being built */
+  size_t scratch_cap;
+  uint64_t hits, misses;
+} kvf_blob_memo;
+
+/* kvf_blob_build through the memo: the same bytes written, the same tasks
+ * returned. Without memory for a key or a slot the blob is built and not
+ * kept. */
+uint64_t kvf_blob_build_memo(kvf_blob_memo *memo, const kvf_geometry *geometry, const kvf_plan *plan,
+                             const kvf_copy_request *request, int gather, const kvf_blob_opts *opts, void *out);
+void kvf_blob_memo_free(kvf_blob_memo *memo);
+
 /* The plan's segment of each of the entries a build of (request, opts)
  * gives, in entry order, into out[0 .. its entry count) (host tools: an
  * entry does not carry it). Returns the entry count. */

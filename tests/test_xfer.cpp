@@ -1586,6 +1586,197 @@ TEST(XferBlob, RunsOfARequestEndingInsideABlockMatchItsBlocks) {
   }
 }
 
+// The memo of built blobs (kvf_blob_memo) writes what kvf_blob_build
+// writes, byte for byte, and returns its tasks, on every preset in both
+// formats. Hits: the same request again; other ids with the same blocks
+// skipped; an object moved keeping its alignment; the next chunk of the
+// sequence where every group is full attention. Misses: a block skipped, the
+// last block skipped, an object's alignment lowered, another region base,
+// another segment mask, slice or direction, a table a block shorter at its
+// start. More shapes than slots evict. A random walk of 300 requests (token
+// ranges, ids, skips, tables' starts, objects, bases, masks, options) never
+// differs from the build.
+TEST(XferBlob, MemoBuildsWhatTheBuildBuilds) {
+  uint64_t seed = 900;
+  for (const std::string &preset : preset_names())
+    for (kvf_object_format format : {KVF_FORMAT_CANONICAL, KVF_FORMAT_NATIVE}) {
+      SCOPED_TRACE(preset + (format == KVF_FORMAT_NATIVE ? ", native" : ", canonical"));
+      Prepared s;
+      ASSERT_NO_FATAL_FAILURE(setup_chunks(preset, 3, 0, seed++, &s));
+      const kvf_geometry *g = s.g();
+      PlanHolder plan;
+      ASSERT_EQ(kvf_plan_build(g, format, &plan.p), KVF_SUCCESS) << kvf_last_error();
+      Req q(s.plan, format, fake_bases(g), fake_objects(g, s.plan));
+      const uint64_t chunk = chunk_tokens(g), nog = kvf_geometry_num_object_groups(g);
+      const size_t ns = plan.p.num_segments;
+      bool all_full = true;
+      for (uint32_t gi = 0; gi < kvf_geometry_num_groups(g); gi++) {
+        kvf_group_info info = KVF_GROUP_INFO_INIT;
+        kvf_geometry_group(g, gi, &info);
+        all_full = all_full && info.kind == KVF_GROUP_FULL;
+      }
+      kvf_blob_memo memo{};
+      uint64_t hits = 0, misses = 0;
+      // Tokens [from, to) of the three chunks, with their objects.
+      auto request = [&](uint64_t from, uint64_t to) {
+        kvf_copy_request r = *q.get();
+        r.token_begin = q.get()->token_begin + from;
+        r.token_end = q.get()->token_begin + to;
+        r.objects = q.objects.data() + from / chunk * nog;
+        return r;
+      };
+      // want: 1 a hit, 0 a miss, -1 either.
+      auto expect_build = [&](const kvf_copy_request &r, int gather, const kvf_blob_opts *o, int want,
+                              const std::string &what) {
+        SCOPED_TRACE(what);
+        ASSERT_EQ(kvf_copy_request_check(g, &r), KVF_SUCCESS) << kvf_last_error();
+        const size_t size = kvf_blob_size(g, &plan.p, &r, o) + 64;
+        std::vector<uint8_t> built(size, 0xA5), got(size, 0xA5);
+        const uint64_t tasks = kvf_blob_build(g, &plan.p, &r, gather, o, built.data());
+        EXPECT_EQ(kvf_blob_build_memo(&memo, g, &plan.p, &r, gather, o, got.data()), tasks);
+        EXPECT_TRUE(got == built) << "the bytes written differ";
+        if (want >= 0) {
+          EXPECT_EQ(memo.hits, hits + (uint64_t)want);
+          EXPECT_EQ(memo.misses, misses + (uint64_t)(1 - want));
+        }
+        hits = memo.hits;
+        misses = memo.misses;
+      };
+      const kvf_copy_request first = request(0, chunk);
+      ASSERT_NO_FATAL_FAILURE(expect_build(first, 1, nullptr, 0, "first"));
+      ASSERT_NO_FATAL_FAILURE(expect_build(first, 1, nullptr, 1, "again"));
+      ASSERT_NO_FATAL_FAILURE(expect_build(first, 0, nullptr, 0, "the other direction"));
+      {
+        // Other ids of the same blocks: each group's reversed.
+        Req other(s.plan, format, fake_bases(g), fake_objects(g, s.plan));
+        for (auto &ids : other.ids) std::reverse(ids.begin(), ids.end());
+        other.rebind();
+        kvf_copy_request r = first;
+        r.groups = other.groups.data();
+        ASSERT_NO_FATAL_FAILURE(expect_build(r, 1, nullptr, 1, "other ids"));
+        // The first block the request moves skipped, then (it back) each group's last.
+        uint64_t b0 = 0, b1 = 0;
+        kvf_blob_group_window(g, &r, 0, &b0, &b1);
+        ASSERT_LT(b0, b1);
+        uint32_t &id = other.ids[0][b0 - other.groups[0].first_block];
+        const uint32_t kept = id;
+        id = KVF_BLOCK_SKIP;
+        ASSERT_NO_FATAL_FAILURE(expect_build(r, 1, nullptr, 0, "a block skipped"));
+        id = kept;
+        ASSERT_NO_FATAL_FAILURE(expect_build(r, 1, nullptr, 1, "the block back"));
+        const int one_block = b1 - b0 == 1; // its last is the first, skipped above: a hit
+        for (uint32_t gi = 0; gi < other.ids.size(); gi++) {
+          kvf_blob_group_window(g, &r, gi, &b0, &b1);
+          if (b0 != b1) other.ids[gi][b1 - 1 - other.groups[gi].first_block] = KVF_BLOCK_SKIP;
+        }
+        ASSERT_NO_FATAL_FAILURE(expect_build(r, 1, nullptr, one_block ? -1 : 0, "the last blocks skipped"));
+      }
+      {
+        std::vector<void *> objects(q.objects);
+        kvf_copy_request r = first;
+        r.objects = objects.data();
+        objects[0] = static_cast<char *>(objects[0]) + 4096;
+        ASSERT_NO_FATAL_FAILURE(expect_build(r, 1, nullptr, 1, "an object moved, as aligned"));
+        objects[0] = static_cast<char *>(objects[0]) + 2;
+        ASSERT_NO_FATAL_FAILURE(expect_build(r, 1, nullptr, 0, "an object less aligned"));
+      }
+      {
+        std::vector<void *> bases(q.bases);
+        bases.back() = static_cast<char *>(bases.back()) + 4096;
+        kvf_copy_request r = first;
+        r.region_bases = bases.data();
+        ASSERT_NO_FATAL_FAILURE(expect_build(r, 1, nullptr, 0, "another region base"));
+      }
+      std::vector<unsigned char> half(ns, 0);
+      for (size_t i = 0; i < ns; i += 2) half[i] = 1;
+      kvf_blob_opts o_half = {0, half.data(), 0}, o_slice = {1024, nullptr, 0};
+      ASSERT_NO_FATAL_FAILURE(expect_build(first, 1, &o_half, 0, "a mask"));
+      ASSERT_NO_FATAL_FAILURE(expect_build(first, 1, &o_half, 1, "the mask again"));
+      half[0] ^= 1;
+      ASSERT_NO_FATAL_FAILURE(expect_build(first, 1, &o_half, 0, "another mask"));
+      ASSERT_NO_FATAL_FAILURE(expect_build(first, 1, &o_slice, 0, "another slice"));
+      if (all_full) {
+        ASSERT_NO_FATAL_FAILURE(expect_build(request(chunk, 2 * chunk), 1, nullptr, 1, "the next chunk"));
+      }
+      {
+        // The first group's table a block shorter at its start: as many
+        // tokens, a block fewer.
+        std::vector<kvf_group_blocks> groups(q.groups);
+        groups[0].first_block += 1;
+        groups[0].block_ids += 1;
+        groups[0].count -= 1;
+        kvf_copy_request r = first;
+        r.groups = groups.data();
+        ASSERT_NO_FATAL_FAILURE(expect_build(r, 1, nullptr, 0, "a table a block shorter"));
+      }
+      // More shapes than slots: the first is gone.
+      for (uint32_t k = 0; k < KVF_BLOB_MEMO_SLOTS; k++) {
+        kvf_blob_opts o = {(uint32_t)(2048 + 16 * k), nullptr, 0};
+        ASSERT_NO_FATAL_FAILURE(expect_build(first, 1, &o, 0, "eviction"));
+      }
+      ASSERT_NO_FATAL_FAILURE(expect_build(first, 1, nullptr, 0, "evicted"));
+      // A random walk.
+      std::mt19937_64 rng(seed);
+      Req walk(s.plan, format, fake_bases(g), fake_objects(g, s.plan));
+      std::vector<unsigned char> mask(ns, 1);
+      const uint64_t hits_before = memo.hits;
+      for (int step = 0; step < 300; step++) {
+        // A request begins on a chunk; half of them are one chunk, as engines move them.
+        uint64_t from = rng() % 3 * chunk, to = rng() % 2 ? from + chunk : from + 1 + rng() % (3 * chunk - from);
+        if (format == KVF_FORMAT_NATIVE) to = (to + chunk - 1) / chunk * chunk; // native objects hold whole blocks
+        switch (rng() % 7) {
+        case 0: { // an id skipped, or one back
+          auto &ids = walk.ids[rng() % walk.ids.size()];
+          if (!ids.empty()) {
+            uint32_t &id = ids[rng() % ids.size()];
+            id = id == KVF_BLOCK_SKIP ? (uint32_t)(rng() % 4) : KVF_BLOCK_SKIP;
+          }
+          break;
+        }
+        case 1: { // two ids swapped
+          auto &ids = walk.ids[rng() % walk.ids.size()];
+          if (ids.size() > 1) std::swap(ids[rng() % ids.size()], ids[rng() % ids.size()]);
+          break;
+        }
+        case 2: { // an object moved by 0, 2, 16 or 4096 bytes
+          void *&o = walk.objects[rng() % walk.objects.size()];
+          o = static_cast<char *>(o) + (uint64_t[]){0, 2, 16, 4096}[rng() % 4];
+          break;
+        }
+        case 3: walk.bases[rng() % walk.bases.size()] = fake_bases(g)[0]; break;
+        case 4: mask[rng() % ns] ^= 1; break;
+        case 5: { // a table starting up to two blocks later, or as built
+          const uint32_t gi = (uint32_t)(rng() % walk.ids.size()), later = (uint32_t)(rng() % 3);
+          walk.groups[gi] = {nullptr, s.plan.first_block[gi], (uint32_t)walk.ids[gi].size()};
+          if (walk.groups[gi].count > later) {
+            walk.groups[gi].first_block += later;
+            walk.groups[gi].count -= later;
+          }
+          break;
+        }
+        default: break;
+        }
+        // rebind, keeping each table's start
+        for (size_t gi = 0; gi < walk.ids.size(); gi++)
+          walk.groups[gi].block_ids = walk.ids[gi].empty() ? nullptr
+                                                           : walk.ids[gi].data() + (walk.groups[gi].first_block -
+                                                                                     s.plan.first_block[gi]);
+        walk.req.region_bases = walk.bases.data();
+        walk.req.groups = walk.groups.data();
+        walk.req.objects = walk.objects.data();
+        kvf_copy_request r = *walk.get();
+        r.token_begin = walk.get()->token_begin + from;
+        r.token_end = walk.get()->token_begin + to;
+        r.objects = walk.objects.data() + from / chunk * nog;
+        kvf_blob_opts o = {rng() % 2 ? 0u : 1024u, rng() % 2 ? mask.data() : nullptr, rng() % 3 ? 0u : 512u};
+        ASSERT_NO_FATAL_FAILURE(
+            expect_build(r, (int)(rng() % 2), &o, -1, "random step " + std::to_string(step)));
+      }
+      EXPECT_GT(memo.hits, hits_before);
+      kvf_blob_memo_free(&memo);
+    }
+}
+
 class XferPieces : public ::testing::TestWithParam<HostCase> {};
 
 TEST_P(XferPieces, PiecesOfSmallTasksMatchTheReference) {
@@ -2986,8 +3177,9 @@ TEST(XferPieces, PiecesWeighTheBytesTheyMove) {
 // recurrent states among them). Hits: the same question again, and the next
 // chunk of a sequence where every group is full attention (another place and
 // other block ids, the same blocks counted). Misses: a request a block
-// shorter, a token shorter, as many tokens over one block more, the other
-// direction, other pieces or growth, a pick with another target. More questions than slots evict. A random walk
+// shorter, a token shorter, as many tokens with a table a block shorter at
+// its start, the other direction, other pieces or growth, a pick with
+// another target. More questions than slots evict. A random walk
 // of 300 questions over token ranges and parameters never differs from the
 // steps themselves.
 TEST(XferPieces, PlanMemoAnswersAsTheStepsDo) {
@@ -3029,6 +3221,7 @@ TEST(XferPieces, PlanMemoAnswersAsTheStepsDo) {
     // want: 1 a hit, 0 a miss, -1 either.
     auto expect_same = [&](const kvf_copy_request &r, const Ask &a, int want, const std::string &what) {
       SCOPED_TRACE(what);
+      ASSERT_EQ(kvf_copy_request_check(g, &r), KVF_SUCCESS) << kvf_last_error();
       std::vector<unsigned char> direct(KVF_STAGE_MAX_PIECES * ns + 1, 0xAB), got(direct);
       if (a.pick) {
         uint64_t d = kvf_stage_straight_pick(g, &plan, &r, !a.gather, 16384, a.target, a.limit, 128, direct.data());
@@ -3061,8 +3254,15 @@ TEST(XferPieces, PlanMemoAnswersAsTheStepsDo) {
       }
       ASSERT_NO_FATAL_FAILURE(expect_same(tokens(0, chunk - block), a, 0, kind + "a block shorter"));
       ASSERT_NO_FATAL_FAILURE(expect_same(tokens(0, chunk - 1), a, 0, kind + "a token shorter"));
-      if (block > 1) { // as many tokens over one block more
-        ASSERT_NO_FATAL_FAILURE(expect_same(tokens(block / 2, block / 2 + chunk), a, 0, kind + "one block more"));
+      {
+        // As many tokens, the first group's table a block shorter at its start.
+        std::vector<kvf_group_blocks> groups(whole.groups, whole.groups + kvf_geometry_num_groups(g));
+        groups[0].first_block += 1;
+        groups[0].block_ids += 1;
+        groups[0].count -= 1;
+        kvf_copy_request r = first;
+        r.groups = groups.data();
+        ASSERT_NO_FATAL_FAILURE(expect_same(r, a, 0, kind + "a table a block shorter"));
       }
       Ask other = a;
       other.gather = 0;
@@ -3089,15 +3289,22 @@ TEST(XferPieces, PlanMemoAnswersAsTheStepsDo) {
     // A random walk: token ranges, directions, pieces, growths and targets.
     std::mt19937_64 rng(4321);
     const uint64_t hits_before = memo.hits;
+    std::vector<kvf_group_blocks> clipped(whole.groups, whole.groups + kvf_geometry_num_groups(g));
     for (int step = 0; step < 300; step++) {
-      uint64_t from = rng() % (2 * chunk), to = from + 1 + rng() % (3 * chunk - from);
-      if (rng() % 2) { // mostly whole chunks, as engines move them
-        from = from / chunk * chunk;
-        to = from + chunk;
+      // A request begins on a chunk; half of them are one chunk, as engines move them.
+      uint64_t from = rng() % 3 * chunk, to = rng() % 2 ? from + chunk : from + 1 + rng() % (3 * chunk - from);
+      kvf_copy_request r = tokens(from, to);
+      const uint32_t gi = (uint32_t)(rng() % clipped.size()), later = (uint32_t)(rng() % 3);
+      clipped[gi] = whole.groups[gi]; // a table starting up to two blocks later
+      if (clipped[gi].count > later) {
+        clipped[gi].first_block += later;
+        clipped[gi].block_ids += later;
+        clipped[gi].count -= later;
       }
+      r.groups = clipped.data();
       Ask a{rng() % 2 == 0, (int)(rng() % 2), 1 + (uint32_t)(rng() % 5), 1 + (uint32_t)(rng() % 4),
             (uint64_t)(1 + rng() % 4) << 20, (uint64_t)(2 + rng() % 8) << 20};
-      ASSERT_NO_FATAL_FAILURE(expect_same(tokens(from, to), a, -1, "random step " + std::to_string(step)));
+      ASSERT_NO_FATAL_FAILURE(expect_same(r, a, -1, "random step " + std::to_string(step)));
     }
     EXPECT_GT(memo.hits, hits_before);
     kvf_stage_memo_free(&memo);

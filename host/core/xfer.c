@@ -157,6 +157,7 @@ struct kvf_xfer {
   unsigned char *region_kind;
   kvf_stage_runs_cache runs_cache; /* staged pieces' copy-engine runs, by blob (under lock) */
   kvf_stage_memo plan_memo;        /* staged calls' piece splits and straight picks (under lock) */
+  kvf_blob_memo blob_memo;         /* the routes' blobs, by shape (kvf_blob_build_memo; under lock) */
   /* Deferred calls (KVF_XFER_DEFER): the caller's thread checks and copies
    * the request, records `start` on its stream and makes the stream wait
    * until *done reaches the call's number; the context's thread plans and
@@ -690,6 +691,7 @@ void kvf_xfer_destroy(kvf_xfer *x) {
   free(x->region_kind);
   kvf_stage_runs_cache_free(&x->runs_cache);
   kvf_stage_memo_free(&x->plan_memo);
+  kvf_blob_memo_free(&x->blob_memo);
   pthread_mutex_destroy(&x->defer_post_mu);
   pthread_mutex_destroy(&x->defer_mu);
   pthread_cond_destroy(&x->defer_wake);
@@ -1324,7 +1326,7 @@ static kvf_status launch_copy_batch(kvf_xfer *x, const kvf_copy_request *r, int 
   size_t size = (size_t)kvf_blob_size(x->geometry, plan, r, NULL);
   kvf_status st = grow_host_blob(x, size);
   if (st) return st;
-  kvf_blob_build(x->geometry, plan, r, gather, NULL, x->host_blob);
+  kvf_blob_build_memo(&x->blob_memo, x->geometry, plan, r, gather, NULL, x->host_blob);
   x->call_listed = 1;
   void **dst = NULL;
   const void **src = NULL;
@@ -1772,7 +1774,7 @@ static kvf_status plan_straight(kvf_xfer *x, const kvf_copy_request *r, int gath
   kvf_blob_opts o = {0, pick, 0};
   uint64_t size = round256(kvf_blob_size(g, plan, &part, &o));
   if (!(blob = aligned_alloc(256, size))) goto oom;
-  kvf_blob_build(g, plan, &part, gather, &o, blob);
+  kvf_blob_build_memo(&x->blob_memo, g, plan, &part, gather, &o, blob);
   int fit = kvf_stage_batch_runs(blob, gather, min_run, KVF_STAGE_STRAIGHT_MAX_RUNS, &dst, &src, &sizes, &runs);
   if (fit < 0) goto oom;
   if (fit == 0) goto out;
@@ -1949,7 +1951,7 @@ static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather
       launch *l = &c->launches[c->batches[bi].first + p];
       kvf_blob_opts o = blob_opts(x, stage_sms, x->tune.task_waves, piece_mask(c, bi, p, ns));
       void *blob = (char *)x->host_blob + l->blob_off;
-      l->tasks = kvf_blob_build(g, plan, &part, gather, &o, blob);
+      l->tasks = kvf_blob_build_memo(&x->blob_memo, g, plan, &part, gather, &o, blob);
       l->slice = ((const kvf_blob_header *)blob)->slice_bytes;
       l->blob_size = ((const kvf_blob_header *)blob)->size; /* its shapes: at most the room kept for them */
       if (uses_runs(c)) {
@@ -1973,7 +1975,7 @@ static kvf_status plan_staged(kvf_xfer *x, const kvf_copy_request *r, int gather
     launch *l = &c->launches[c->direct];
     void *blob = (char *)x->host_blob + l->blob_off;
     kvf_blob_opts o = blob_opts(x, pcie_sms, x->tune.task_waves, NULL);
-    l->tasks = kvf_blob_build(g, plan, &part, gather, &o, blob);
+    l->tasks = kvf_blob_build_memo(&x->blob_memo, g, plan, &part, gather, &o, blob);
     l->slice = ((const kvf_blob_header *)blob)->slice_bytes;
     l->blob_size = ((const kvf_blob_header *)blob)->size;
   }
@@ -2178,7 +2180,7 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
   x->path = (kvf_xfer_path_info){.path = KVF_PATH_KERNEL};
   if ((st = grow_host_blob(x, bound + KVF_KERNEL_PARAM_MAX))) return st;
   kvf_blob_opts o = blob_opts(x, ctas, waves_of(x, route, ctas), NULL);
-  uint64_t tasks = kvf_blob_build(g, plan, r, gather, &o, x->host_blob);
+  uint64_t tasks = kvf_blob_build_memo(&x->blob_memo, g, plan, r, gather, &o, x->host_blob);
   kvf_blob_header *h = x->host_blob;
   int kernel = kernel_of(x, route, ctas, h->payload_bytes);
   h->cache_order = launch_cache_order(x, route, gather, kernel);
