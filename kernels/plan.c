@@ -499,7 +499,7 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
 
 /* Room for a memo key (kvf_blob_build_memo): its words, then the mask. */
 static size_t memo_key_size(const kvf_geometry *g, const kvf_plan *plan, const kvf_blob_opts *opts) {
-  size_t words = 14 + 4 * (size_t)g->num_groups + g->num_object_groups + g->num_regions;
+  size_t words = 13 + 4 * (size_t)g->num_groups + g->num_object_groups + g->num_regions;
   return words * sizeof(uint64_t) + (opts && opts->segments ? plan->num_segments : 0);
 }
 
@@ -540,11 +540,13 @@ uint64_t kvf_blob_build_memo(kvf_blob_memo *m, const kvf_geometry *g, const kvf_
   }
   /* What kvf_blob_build reads, with the request's place in its sequence
    * made relative: two requests of one key lie a whole number of chunks
-   * apart (their first tokens agree modulo the chunk), so their local
-   * tokens, chunks and blocks differ by one constant each, which only the
-   * header's lt_begin, lt_end and chunk_begin and the shapes' first_block
-   * carry (entries count from them). */
-  const uint64_t c = g->policy.chunk_tokens, chunk_local = c / g->dcp_world;
+   * apart (their first tokens agree modulo the chunk; a checked request
+   * begins on one), so their local tokens, chunks and blocks differ by one
+   * constant each, which only the header's lt_begin, lt_end and chunk_begin
+   * and the shapes' first_block carry (entries count from them). Nothing
+   * divides by the chunk's local tokens: a geometry of recurrent groups
+   * only may have none (a chunk shorter than its DCP world). */
+  const uint64_t c = g->policy.chunk_tokens;
   const uint64_t lt_begin = kvf_local_token(g, r->token_begin), lt_end = kvf_local_token(g, r->token_end);
   const uint64_t chunk_begin = r->token_begin / c, num_chunks = kvf_copy_request_chunks(g, r);
   const uint64_t nobj = num_chunks * g->num_object_groups;
@@ -558,7 +560,6 @@ uint64_t kvf_blob_build_memo(kvf_blob_memo *m, const kvf_geometry *g, const kvf_
   w[n++] = opts && opts->segments ? 1 : 0;
   w[n++] = r->token_begin % c;
   w[n++] = r->token_end - r->token_begin;
-  w[n++] = lt_begin % chunk_local;
   w[n++] = lt_end - lt_begin;
   w[n++] = num_chunks;
   w[n++] = r->token_end / c - chunk_begin;

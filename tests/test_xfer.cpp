@@ -1777,6 +1777,50 @@ TEST(XferBlob, MemoBuildsWhatTheBuildBuilds) {
     }
 }
 
+// A geometry of recurrent groups only may have a chunk shorter than its DCP
+// world (validation ties chunk_tokens to block_size x world only for
+// attention groups), so a rank holds no token of a chunk (chunk_local 0).
+// The blob memo answers such a request as the build does, and twice: it must
+// not divide by the chunk's local tokens (it did, and the process died).
+TEST(XferBlob, MemoTakesAChunkShorterThanItsDcpWorld) {
+  const std::string json = R"({"format": "kvferry-geometry", "version": 1, "name": "states-only-dcp",
+    "regions": [{"name": "state", "count": 1, "size": 0}],
+    "groups": [{"name": "linear", "kind": "recurrent", "num_blocks": 8,
+                "layers": [{"count": 1, "name": "layer", "region": "state", "offset": 0, "elem_bytes": 2,
+                            "block_stride": 4096, "states": [{"offset": 0, "bytes": 4096}]}]}],
+    "objects": {"chunk_tokens": 1, "format": "canonical"}, "dcp": {"world": 2, "rank": 1}})";
+  kvf_geometry *raw = nullptr;
+  kvf_geometry_error err;
+  ASSERT_EQ(kvf_geometry_load_buffer(json.data(), json.size(), nullptr, &raw, &err), KVF_SUCCESS) << kvf_last_error();
+  GeometryPtr geo(raw);
+  PlanHolder plan;
+  ASSERT_EQ(kvf_plan_build(raw, KVF_FORMAT_CANONICAL, &plan.p), KVF_SUCCESS) << kvf_last_error();
+  std::vector<uint32_t> ids{3, 5};
+  kvf_group_blocks table{ids.data(), 0, 2};
+  std::vector<void *> bases{reinterpret_cast<void *>(uintptr_t{1} << 40)};
+  std::vector<void *> objects{reinterpret_cast<void *>(uintptr_t{1} << 44), reinterpret_cast<void *>(uintptr_t{1} << 45)};
+  kvf_copy_request r = KVF_COPY_REQUEST_INIT;
+  r.token_begin = 0;
+  r.token_end = 2;
+  r.format = KVF_FORMAT_CANONICAL;
+  r.region_bases = bases.data();
+  r.groups = &table;
+  r.objects = objects.data();
+  ASSERT_EQ(kvf_copy_request_check(raw, &r), KVF_SUCCESS) << kvf_last_error();
+  const size_t size = kvf_blob_size(raw, &plan.p, &r, nullptr) + 64;
+  std::vector<uint8_t> built(size, 0xA5);
+  const uint64_t tasks = kvf_blob_build(raw, &plan.p, &r, 1, nullptr, built.data());
+  ASSERT_GT(tasks, 0u);
+  kvf_blob_memo memo{};
+  for (int time = 0; time < 2; time++) {
+    std::vector<uint8_t> got(size, 0xA5);
+    EXPECT_EQ(kvf_blob_build_memo(&memo, raw, &plan.p, &r, 1, nullptr, got.data()), tasks);
+    EXPECT_TRUE(got == built) << "call " << time;
+  }
+  EXPECT_EQ(memo.hits, 1u);
+  kvf_blob_memo_free(&memo);
+}
+
 class XferPieces : public ::testing::TestWithParam<HostCase> {};
 
 TEST_P(XferPieces, PiecesOfSmallTasksMatchTheReference) {
