@@ -1593,7 +1593,8 @@ TEST(XferBlob, RunsOfARequestEndingInsideABlockMatchItsBlocks) {
 // sequence where every group is full attention. Misses: a block skipped, the
 // last block skipped, an object's alignment lowered, another region base,
 // another segment mask, slice or direction, a table a block shorter at its
-// start. More shapes than slots evict. A random walk of 300 requests (token
+// start, and one as long ending a block before the request. More shapes
+// than slots evict. A random walk of 300 requests (token
 // ranges, ids, skips, tables' starts, objects, bases, masks, options) never
 // differs from the build.
 TEST(XferBlob, MemoBuildsWhatTheBuildBuilds) {
@@ -1708,6 +1709,15 @@ TEST(XferBlob, MemoBuildsWhatTheBuildBuilds) {
         kvf_copy_request r = first;
         r.groups = groups.data();
         ASSERT_NO_FATAL_FAILURE(expect_build(r, 1, nullptr, 0, "a table a block shorter"));
+        // As many blocks again, from the request's first: the table ending a
+        // block before the request does (the entries count from another block).
+        uint64_t b0 = 0, b1 = 0;
+        kvf_blob_group_window(g, &first, 0, &b0, &b1);
+        groups[0] = q.groups[0];
+        groups[0].count = (uint32_t)(b1 - 1 - groups[0].first_block);
+        if (b1 - b0 > 1) {
+          ASSERT_NO_FATAL_FAILURE(expect_build(r, 1, nullptr, 0, "a table ending a block early"));
+        }
       }
       // More shapes than slots: the first is gone.
       for (uint32_t k = 0; k < KVF_BLOB_MEMO_SLOTS; k++) {
@@ -3217,8 +3227,8 @@ TEST(XferPieces, PiecesWeighTheBytesTheyMove) {
 }
 
 // The memo of the piece split and the straight pick (kvf_stage_memo) answers
-// as the two steps do, byte for byte, on five presets (a sliding window and
-// recurrent states among them). Hits: the same question again, and the next
+// as the two steps do, byte for byte, on six presets (a sliding window,
+// recurrent states and a DCP rank among them). Hits: the same question again, and the next
 // chunk of a sequence where every group is full attention (another place and
 // other block ids, the same blocks counted). Misses: a request a block
 // shorter, a token shorter, as many tokens with a table a block shorter at
@@ -3228,7 +3238,7 @@ TEST(XferPieces, PiecesWeighTheBytesTheyMove) {
 // steps themselves.
 TEST(XferPieces, PlanMemoAnswersAsTheStepsDo) {
   for (const char *preset : {"llama-3.1-8b-fa-hnd", "glm-like-hybrid", "gpt-oss-20b-like", "qwen3-next-like-hybrid",
-                             "llama-3.1-70b-tp4-rank2-slice"}) {
+                             "llama-3.1-70b-tp4-rank2-slice", "deepseek-v3-mla-dcp4-rank1"}) {
     SCOPED_TRACE(preset);
     PlannedRequest q;
     ASSERT_NO_FATAL_FAILURE(plan_chunks(preset, 3, 0, 91, &q));
