@@ -394,8 +394,10 @@ static uint64_t group_payload_of(const kvf_geometry *g, const kvf_copy_request *
   return bytes;
 }
 
-uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r, int gather,
-                        const kvf_blob_opts *opts, void *out) {
+/* kvf_blob_build, also saying which groups' ids it copied (bit gi of
+ * *moving_groups). */
+static uint64_t blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r, int gather,
+                           const kvf_blob_opts *opts, void *out, uint64_t *moving_groups) {
   kvf_blob_header *h = out;
   memset(h, 0, sizeof *h);
   uint64_t c = g->policy.chunk_tokens;
@@ -432,6 +434,7 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
     kvf_blob_group_window(g, r, gi, &b0s[gi], &b1s[gi]);
     if (b0s[gi] == b1s[gi] || !(per_block = group_block_bytes(plan, opts, gi))) continue;
     moving[gi] = 1;
+    *moving_groups |= (uint64_t)1 << gi; /* num_groups < KVF_MAX_GROUPS (64): geometry.c checks */
     h->payload_bytes += group_payload_of(g, r, gi, b0s[gi], b1s[gi], h->lt_end, per_block);
   }
   const uint32_t slice = kvf_blob_slice_for(opts, h->payload_bytes);
@@ -495,6 +498,12 @@ uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_c
   return tasks;
 }
 
+uint64_t kvf_blob_build(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r, int gather,
+                        const kvf_blob_opts *opts, void *out) {
+  uint64_t moving_groups = 0;
+  return blob_build(g, plan, r, gather, opts, out, &moving_groups);
+}
+
 /* ---- the memo of built blobs ------------------------------------------------ */
 
 /* Room for a memo key (kvf_blob_build_memo): its words, then the mask. */
@@ -504,28 +513,36 @@ static size_t memo_key_size(const kvf_geometry *g, const kvf_plan *plan, const k
 }
 
 /* A miss: build into out, and keep a copy under a copy of the key when
- * there is one, the blob is small enough and there is memory for both. */
+ * there is one, the blob is small enough and there is memory for both. The
+ * slot's buffers are reused where they are large enough (a context that
+ * misses on every call allocates nothing once its slots have grown). */
 static uint64_t memo_build_keep(kvf_blob_memo *m, const kvf_geometry *g, const kvf_plan *plan,
                                 const kvf_copy_request *r, int gather, const kvf_blob_opts *opts, void *out,
-                                const unsigned char *key, size_t key_size, uint64_t moving_groups) {
-  uint64_t tasks = kvf_blob_build(g, plan, r, gather, opts, out);
+                                const unsigned char *key, size_t key_size) {
+  uint64_t moving_groups = 0;
+  uint64_t tasks = blob_build(g, plan, r, gather, opts, out, &moving_groups);
   const uint64_t size = ((const kvf_blob_header *)out)->size;
   if (!key || size > KVF_BLOB_MEMO_MAX_BYTES) return tasks;
   kvf_blob_memo_slot *s = &m->slots[m->next];
   m->next = (m->next + 1) % KVF_BLOB_MEMO_SLOTS;
-  free(s->key);
-  free(s->blob);
-  *s = (kvf_blob_memo_slot){0};
-  unsigned char *k = malloc(key_size);
-  void *b = malloc((size_t)size);
-  if (!k || !b) {
-    free(k);
-    free(b);
-    return tasks;
+  s->key_size = 0; /* matches nothing until filled */
+  if (s->key_cap < key_size) {
+    free(s->key);
+    s->key_cap = 0;
+    if (!(s->key = malloc(key_size))) return tasks;
+    s->key_cap = key_size;
   }
-  memcpy(k, key, key_size);
-  memcpy(b, out, (size_t)size);
-  *s = (kvf_blob_memo_slot){k, key_size, b, tasks, moving_groups};
+  if (s->blob_cap < size) {
+    free(s->blob);
+    s->blob_cap = 0;
+    if (!(s->blob = malloc((size_t)size))) return tasks;
+    s->blob_cap = (size_t)size;
+  }
+  memcpy(s->key, key, key_size);
+  memcpy(s->blob, out, (size_t)size);
+  s->key_size = key_size;
+  s->tasks = tasks;
+  s->moving_groups = moving_groups;
   return tasks;
 }
 
@@ -593,7 +610,7 @@ uint64_t kvf_blob_build_memo(kvf_blob_memo *m, const kvf_geometry *g, const kvf_
   if (opts && opts->segments) memcpy(w + n, opts->segments, plan->num_segments);
   for (uint32_t i = 0; i < KVF_BLOB_MEMO_SLOTS; i++) {
     const kvf_blob_memo_slot *s = &m->slots[i];
-    if (!s->key || s->key_size != size || memcmp(s->key, m->scratch, size)) continue;
+    if (s->key_size != size || memcmp(s->key, m->scratch, size)) continue;
     m->hits++;
     const kvf_blob_header *kept = s->blob;
     memcpy(out, s->blob, (size_t)kept->size);
@@ -616,12 +633,7 @@ uint64_t kvf_blob_build_memo(kvf_blob_memo *m, const kvf_geometry *g, const kvf_
     return s->tasks;
   }
   m->misses++;
-  /* The groups whose ids the build copies (the key holds what decides it:
-   * the blocks, the mask, the plan). */
-  uint64_t moving_groups = 0;
-  for (uint32_t gi = 0; gi < g->num_groups; gi++)
-    if (b0s[gi] != b1s[gi] && group_block_bytes(plan, opts, gi)) moving_groups |= (uint64_t)1 << gi;
-  return memo_build_keep(m, g, plan, r, gather, opts, out, m->scratch, size, moving_groups);
+  return memo_build_keep(m, g, plan, r, gather, opts, out, m->scratch, size);
 }
 
 void kvf_blob_memo_free(kvf_blob_memo *m) {

@@ -257,9 +257,11 @@ uint64_t kvf_blob_build(const kvf_geometry *geometry, const kvf_plan *plan, cons
 #define KVF_BLOB_MEMO_MAX_BYTES (64u << 10)
 
 typedef struct kvf_blob_memo_slot {
-  unsigned char *key; /* NULL: empty */
-  size_t key_size;
+  unsigned char *key;
+  size_t key_size; /* 0: empty */
+  size_t key_cap;
   void *blob; /* as built (h->size bytes) */
+  size_t blob_cap;
   uint64_t tasks;
   uint64_t moving_groups; /* bit gi: the build copied group gi's ids */
 } kvf_blob_memo_slot;
