@@ -17,7 +17,8 @@ if(KVF_BUILD_TESTS)
   # one chunk in four calls back to back with other block ids (staged, batch
   # and kernel routes as chosen by default, and as the rules that remember
   # earlier calls choose them; later staged calls must take their pieces'
-  # runs from the context's cache), whole and with every fifth block
+  # runs from the context's cache, and later calls blobs from the context's
+  # memo, which are then the ones checked), whole and with every fifth block
   # skipped; four
   # chunks with a partial last one, whole and with every fifth block skipped
   # (holes: objects a gather writes in part); the native format with skips;
@@ -25,8 +26,9 @@ if(KVF_BUILD_TESTS)
   # batches); the direct kernel to host memory (staging and the batch route
   # off).
   set(_kvf_hp $<TARGET_FILE:kvf_host_path> --verify-only)
-  add_test(NAME perf_host_path_256 COMMAND ${_kvf_hp} --tokens 256 --calls 4 --expect-cached-runs)
-  add_test(NAME perf_host_path_skips_256 COMMAND ${_kvf_hp} --tokens 256 --calls 4 --skip-every 5 --expect-cached-runs)
+  add_test(NAME perf_host_path_256 COMMAND ${_kvf_hp} --tokens 256 --calls 4 --expect-cached-runs --expect-cached-blobs)
+  add_test(NAME perf_host_path_skips_256 COMMAND ${_kvf_hp} --tokens 256 --calls 4 --skip-every 5 --expect-cached-runs
+           --expect-cached-blobs)
   add_test(NAME perf_host_path_1000 COMMAND ${_kvf_hp} --tokens 1000)
   add_test(NAME perf_host_path_skips_1000 COMMAND ${_kvf_hp} --tokens 1000 --skip-every 5)
   add_test(NAME perf_host_path_native_skips_1024 COMMAND ${_kvf_hp} --tokens 1024 --format native --skip-every 5)

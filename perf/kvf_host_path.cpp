@@ -20,14 +20,17 @@
  *   kvf_host_path [--preset-dir DIR] [--presets a,b] [--tokens N] [--reps N]
  *                 [--directions d2d,d2h,h2d] [--format canonical|native]
  *                 [--skip-every K] [--calls N] [--expect-cached-runs]
- *                 [--verify-only] [--json FILE]
+ *                 [--expect-cached-blobs] [--verify-only] [--json FILE]
  *
  * --skip-every K makes every K-th id of each block table KVF_BLOCK_SKIP
  * (blocks that move nothing: holes in the objects). --calls N verifies N
  * calls a row, back to back, each with other block ids (the second's in
  * order); --expect-cached-runs then fails a row whose later one-batch
  * staged calls never took their pieces' runs from the context's cache
- * (host/core/xfer_internal.h, kvf_stage_blob_runs_cached).
+ * (host/core/xfer_internal.h, kvf_stage_blob_runs_cached), and
+ * --expect-cached-blobs one whose later calls never took a blob from the
+ * context's memo (kernels/plan.h, kvf_blob_build_memo): the blobs those
+ * calls launch are then the memo's, checked against the reference.
  *
  * Exit status: 0 when every call succeeded and matched the reference. */
 #include <algorithm>
@@ -71,6 +74,7 @@ struct Options {
   uint64_t skip_every = 0; /* every k-th block id of each table is KVF_BLOCK_SKIP (0: none) */
   int calls = 1;           /* verified calls per row */
   bool expect_cached_runs = false; /* fail a row whose later staged calls never took runs from the cache */
+  bool expect_cached_blobs = false; /* fail a row whose later calls never took a blob from the memo */
   bool verify_only = false;
   std::string json;
 };
@@ -135,6 +139,8 @@ struct Row {
   double launches = 0, copies = 0, batch_runs = 0, pointer_queries = 0, page_faults = 0;
   int staged_later = 0, cached_later = 0; /* verified calls after the first staged in one batch, and of those
                                              the ones whose pieces' runs came from the context's cache */
+  int later = 0, blobs_later = 0;          /* verified calls after the first, and of those the ones that took
+                                              a blob from the context's memo */
 };
 
 /* One (preset, direction): verify once with the work done, then time with
@@ -278,6 +284,10 @@ Row run_one(const Options &o, const std::string &preset, const std::string &dire
       kvf_xfer_path_info pi;
       kvf_xfer_last_path(x, &pi);
       std::string name = kvf_xfer_path_name(pi.path);
+      if (ci > 0) {
+        row.later++;
+        row.blobs_later += pi.blobs_cached > 0;
+      }
       if (ci > 0 && pi.path == KVF_PATH_STAGED && pi.batches == 1) {
         row.staged_later++;
         row.cached_later += pi.runs_cached > 0;
@@ -298,6 +308,12 @@ Row run_one(const Options &o, const std::string &preset, const std::string &dire
    * kept or dropped), not more. */
   if (o.expect_cached_runs && row.staged_later >= 2 && row.cached_later == 0) {
     row.error = std::to_string(row.staged_later) + " later staged calls, none took its runs from the cache";
+    goto out;
+  }
+  /* The blob memo serves every call of a shape after the first; the routes
+   * the rules pick may change between calls, so one such call is enough. */
+  if (o.expect_cached_blobs && row.later >= 2 && row.blobs_later == 0) {
+    row.error = std::to_string(row.later) + " later calls, none took a blob from the memo";
     goto out;
   }
   if (o.verify_only) goto out;
@@ -365,6 +381,7 @@ int usage(const char *argv0) {
   fprintf(stderr,
           "usage: %s [--preset-dir DIR] [--presets a,b] [--tokens N] [--reps N] [--directions d2d,d2h,h2d]\n"
           "          [--format canonical|native] [--skip-every K] [--calls N] [--expect-cached-runs]\n"
+          "          [--expect-cached-blobs]\n"
           "          [--verify-only] [--json FILE]\n",
           argv0);
   return 2;
@@ -390,6 +407,7 @@ int main(int argc, char **argv) {
     } else if (a == "--skip-every") o.skip_every = strtoull(value().c_str(), nullptr, 10);
     else if (a == "--calls") o.calls = atoi(value().c_str());
     else if (a == "--expect-cached-runs") o.expect_cached_runs = true;
+    else if (a == "--expect-cached-blobs") o.expect_cached_blobs = true;
     else if (a == "--json") o.json = value();
     else return usage(argv[0]);
   }
@@ -437,11 +455,12 @@ int main(int argc, char **argv) {
               "%s\n {\"preset\": \"%s\", \"direction\": \"%s\", \"path\": \"%s\", \"payload_bytes\": %llu, "
               "\"verified\": %s, \"host_us\": %.3f, \"p10_us\": %.3f, \"p90_us\": %.3f, \"plan_us\": %.3f, "
               "\"launches\": %.2f, \"copies\": %.2f, \"batch_runs\": %.1f, \"pointer_queries\": %.2f, "
-              "\"page_faults\": %.2f, \"staged_later\": %d, \"cached_later\": %d, "
+              "\"page_faults\": %.2f, \"staged_later\": %d, \"cached_later\": %d, \"later\": %d, "
+              "\"blobs_later\": %d, "
               "\"skipped\": \"%s\", \"error\": \"%s\"}",
               i ? "," : "", w.preset.c_str(), w.direction.c_str(), w.path.c_str(), (unsigned long long)w.payload,
               w.verified ? "true" : "false", w.median_us, w.p10_us, w.p90_us, w.plan_us, w.launches, w.copies,
-              w.batch_runs, w.pointer_queries, w.page_faults, w.staged_later, w.cached_later,
+              w.batch_runs, w.pointer_queries, w.page_faults, w.staged_later, w.cached_later, w.later, w.blobs_later,
               json_escape(w.skipped).c_str(),
               json_escape(w.error).c_str());
     }

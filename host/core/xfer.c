@@ -2405,10 +2405,12 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
   x->call_listed = 0;
   x->call_captured = 1; /* until launch_cuda_routes knows */
   x->call_stream_id_asked = 0;
+  const uint64_t blob_hits = x->blob_memo.hits;
   kvf_status st = launch_cuda_routes(x, r, gather, stream);
   end_call_mark(x, st, stream);
   end_staged_span(x, st, stream);
   if (st == KVF_SUCCESS) {
+    x->path.blobs_cached = (uint32_t)(x->blob_memo.hits - blob_hits);
     x->path.back_to_back = x->rule_back_to_back;
     x->path.batch_listed = (uint32_t)x->call_listed;
     x->path.idle_wait_us = (double)x->idle_wait_ns / 1e3;

@@ -544,6 +544,7 @@ typedef struct kvf_xfer_path_info {
                               the host-bound rule weighs, a small gather's straight part: stream_idle_soon) */
   uint32_t runs_cached;    /* staged pieces whose copy-engine runs came from the context's cache
                               (kvf_stage_blob_runs_cached) */
+  uint32_t blobs_cached;   /* the call's blobs that came from the context's memo (kvf_blob_build_memo) */
 } kvf_xfer_path_info;
 
 const char *kvf_xfer_path_name(kvf_xfer_path path);
