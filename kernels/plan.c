@@ -512,49 +512,11 @@ static size_t memo_key_size(const kvf_geometry *g, const kvf_plan *plan, const k
   return words * sizeof(uint64_t) + (opts && opts->segments ? plan->num_segments : 0);
 }
 
-/* A miss: build into out, and keep a copy under a copy of the key when
- * there is one, the blob is small enough and there is memory for both. The
- * slot's buffers are reused where they are large enough (a context that
- * misses on every call allocates nothing once its slots have grown). */
-static uint64_t memo_build_keep(kvf_blob_memo *m, const kvf_geometry *g, const kvf_plan *plan,
-                                const kvf_copy_request *r, int gather, const kvf_blob_opts *opts, void *out,
-                                const unsigned char *key, size_t key_size) {
-  uint64_t moving_groups = 0;
-  uint64_t tasks = blob_build(g, plan, r, gather, opts, out, &moving_groups);
-  const uint64_t size = ((const kvf_blob_header *)out)->size;
-  if (!key || size > KVF_BLOB_MEMO_MAX_BYTES) return tasks;
-  kvf_blob_memo_slot *s = &m->slots[m->next];
-  m->next = (m->next + 1) % KVF_BLOB_MEMO_SLOTS;
-  s->key_size = 0; /* matches nothing until filled */
-  if (s->key_cap < key_size) {
-    free(s->key);
-    s->key_cap = 0;
-    if (!(s->key = malloc(key_size))) return tasks;
-    s->key_cap = key_size;
-  }
-  if (s->blob_cap < size) {
-    free(s->blob);
-    s->blob_cap = 0;
-    if (!(s->blob = malloc((size_t)size))) return tasks;
-    s->blob_cap = (size_t)size;
-  }
-  memcpy(s->key, key, key_size);
-  memcpy(s->blob, out, (size_t)size);
-  s->key_size = key_size;
-  s->tasks = tasks;
-  s->moving_groups = moving_groups;
-  return tasks;
-}
-
-uint64_t kvf_blob_build_memo(kvf_blob_memo *m, const kvf_geometry *g, const kvf_plan *plan,
+uint64_t kvf_blob_build_memo(kvf_memo *m, const kvf_geometry *g, const kvf_plan *plan,
                              const kvf_copy_request *r, int gather, const kvf_blob_opts *opts, void *out) {
   const size_t size = memo_key_size(g, plan, opts);
-  if (m->scratch_cap < size) {
-    unsigned char *p = realloc(m->scratch, size);
-    if (!p) return kvf_blob_build(g, plan, r, gather, opts, out); /* a shortcut, never a reason to fail */
-    m->scratch = p;
-    m->scratch_cap = size;
-  }
+  unsigned char *key = kvf_memo_scratch(m, size);
+  if (!key) return kvf_blob_build(g, plan, r, gather, opts, out); /* a shortcut, never a reason to fail */
   /* What kvf_blob_build reads, with the request's place in its sequence
    * made relative: two requests of one key lie a whole number of chunks
    * apart (their first tokens agree modulo the chunk; a checked request
@@ -567,7 +529,7 @@ uint64_t kvf_blob_build_memo(kvf_blob_memo *m, const kvf_geometry *g, const kvf_
   const uint64_t lt_begin = kvf_local_token(g, r->token_begin), lt_end = kvf_local_token(g, r->token_end);
   const uint64_t chunk_begin = r->token_begin / c, num_chunks = kvf_copy_request_chunks(g, r);
   const uint64_t nobj = num_chunks * g->num_object_groups;
-  uint64_t *w = (uint64_t *)m->scratch;
+  uint64_t *w = (uint64_t *)key;
   size_t n = 0;
   w[n++] = (uint64_t)(uintptr_t)g;
   w[n++] = (uint64_t)(uintptr_t)plan;
@@ -608,41 +570,35 @@ uint64_t kvf_blob_build_memo(kvf_blob_memo *m, const kvf_geometry *g, const kvf_
   for (uint32_t og = 0; og < g->num_object_groups; og++) w[n++] = align_of(og_bits[og]);
   for (uint32_t i = 0; i < g->num_regions; i++) w[n++] = r->region_bases ? (uint64_t)(uintptr_t)r->region_bases[i] : 0;
   if (opts && opts->segments) memcpy(w + n, opts->segments, plan->num_segments);
-  for (uint32_t i = 0; i < KVF_BLOB_MEMO_SLOTS; i++) {
-    const kvf_blob_memo_slot *s = &m->slots[i];
-    if (s->key_size != size || memcmp(s->key, m->scratch, size)) continue;
-    m->hits++;
-    const kvf_blob_header *kept = s->blob;
-    memcpy(out, s->blob, (size_t)kept->size);
-    kvf_blob_header *h = out;
-    h->lt_begin = lt_begin;
-    h->lt_end = lt_end;
-    h->chunk_begin = chunk_begin;
-    kvf_blob_shape *shapes = (kvf_blob_shape *)((char *)out + h->off_shapes);
-    for (uint32_t i2 = 0; i2 < h->num_shapes; i2++)
-      if (!shapes[i2].recurrent) shapes[i2].first_block = lt_begin / shapes[i2].tokens;
-    uint32_t *id_out = (uint32_t *)((char *)out + h->off_ids);
-    for (uint32_t gi = 0, at = 0; gi < g->num_groups; gi++) {
-      if (!(s->moving_groups >> gi & 1)) continue;
-      const kvf_group_blocks *t = &r->groups[gi];
-      memcpy(id_out + at, t->block_ids + (b0s[gi] - t->first_block), (b1s[gi] - b0s[gi]) * sizeof(uint32_t));
-      at += (uint32_t)(b1s[gi] - b0s[gi]);
-    }
-    uint64_t *objects = (uint64_t *)((char *)out + h->off_objects);
-    for (uint64_t i2 = 0; i2 < nobj; i2++) objects[i2] = r->objects ? (uint64_t)(uintptr_t)r->objects[i2] : 0;
-    return s->tasks;
+  const kvf_memo_slot *s = kvf_memo_find(m, key, size);
+  if (!s) {
+    /* A miss: build, and keep the blob under its key when small enough. */
+    uint64_t moving_groups = 0;
+    const uint64_t tasks = blob_build(g, plan, r, gather, opts, out, &moving_groups);
+    const uint64_t built = ((const kvf_blob_header *)out)->size;
+    if (built <= KVF_BLOB_MEMO_MAX_BYTES) kvf_memo_keep(m, key, size, out, (size_t)built, tasks, moving_groups);
+    return tasks;
   }
-  m->misses++;
-  return memo_build_keep(m, g, plan, r, gather, opts, out, m->scratch, size);
-}
-
-void kvf_blob_memo_free(kvf_blob_memo *m) {
-  for (uint32_t i = 0; i < KVF_BLOB_MEMO_SLOTS; i++) {
-    free(m->slots[i].key);
-    free(m->slots[i].blob);
+  /* A hit: the kept blob (result[0] its tasks, result[1] the groups whose
+   * ids the build copied), with what changes from call to call written in. */
+  memcpy(out, s->value, s->value_size);
+  kvf_blob_header *h = out;
+  h->lt_begin = lt_begin;
+  h->lt_end = lt_end;
+  h->chunk_begin = chunk_begin;
+  kvf_blob_shape *shapes = (kvf_blob_shape *)((char *)out + h->off_shapes);
+  for (uint32_t i = 0; i < h->num_shapes; i++)
+    if (!shapes[i].recurrent) shapes[i].first_block = lt_begin / shapes[i].tokens;
+  uint32_t *id_out = (uint32_t *)((char *)out + h->off_ids);
+  for (uint32_t gi = 0, at = 0; gi < g->num_groups; gi++) {
+    if (!(s->result[1] >> gi & 1)) continue;
+    const kvf_group_blocks *t = &r->groups[gi];
+    memcpy(id_out + at, t->block_ids + (b0s[gi] - t->first_block), (b1s[gi] - b0s[gi]) * sizeof(uint32_t));
+    at += (uint32_t)(b1s[gi] - b0s[gi]);
   }
-  free(m->scratch);
-  memset(m, 0, sizeof *m);
+  uint64_t *objects = (uint64_t *)((char *)out + h->off_objects);
+  for (uint64_t i = 0; i < nobj; i++) objects[i] = r->objects ? (uint64_t)(uintptr_t)r->objects[i] : 0;
+  return s->result[0];
 }
 
 uint32_t kvf_blob_entry_segments(const kvf_geometry *g, const kvf_plan *plan, const kvf_copy_request *r,

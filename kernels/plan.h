@@ -31,6 +31,7 @@
 #include <stdint.h>
 
 #include <kvferry/copy.h>
+#include "common/memo.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -251,35 +252,16 @@ uint64_t kvf_blob_build(const kvf_geometry *geometry, const kvf_plan *plan, cons
  * 2026-12-05-cpu-blob-memo): one-chunk calls alone took 0.47-0.66x of their
  * host time on the kernel route (the tp4 slice 2.72 -> 1.28 us) and
  * 0.65-0.87x on the staged and batch routes. */
-#define KVF_BLOB_MEMO_SLOTS 12
 /* Larger blobs (requests of many chunks, whose copies dwarf their build)
  * are built and not kept. */
 #define KVF_BLOB_MEMO_MAX_BYTES (64u << 10)
 
-typedef struct kvf_blob_memo_slot {
-  unsigned char *key;
-  size_t key_size; /* 0: empty */
-  size_t key_cap;
-  void *blob; /* as built (h->size bytes) */
-  size_t blob_cap;
-  uint64_t tasks;
-  uint64_t moving_groups; /* bit gi: the build copied group gi's ids */
-} kvf_blob_memo_slot;
-
-typedef struct kvf_blob_memo {
-  kvf_blob_memo_slot slots[KVF_BLOB_MEMO_SLOTS];
-  uint32_t next; /* the slot a miss fills next (FIFO) */
-  unsigned char *scratch; /* the key being built */
-  size_t scratch_cap;
-  uint64_t hits, misses;
-} kvf_blob_memo;
-
-/* kvf_blob_build through the memo: the same bytes written, the same tasks
- * returned. Without memory for a key or a slot the blob is built and not
- * kept. */
-uint64_t kvf_blob_build_memo(kvf_blob_memo *memo, const kvf_geometry *geometry, const kvf_plan *plan,
+/* kvf_blob_build through the memo (common/memo.h: its last KVF_MEMO_SLOTS
+ * blobs; release it with kvf_memo_free): the same bytes written, the same
+ * tasks returned. Without memory for a key or a slot the blob is built and
+ * not kept. */
+uint64_t kvf_blob_build_memo(kvf_memo *memo, const kvf_geometry *geometry, const kvf_plan *plan,
                              const kvf_copy_request *request, int gather, const kvf_blob_opts *opts, void *out);
-void kvf_blob_memo_free(kvf_blob_memo *memo);
 
 /* The plan's segment of each of the entries a build of (request, opts)
  * gives, in entry order, into out[0 .. its entry count) (host tools: an

@@ -1586,7 +1586,7 @@ TEST(XferBlob, RunsOfARequestEndingInsideABlockMatchItsBlocks) {
   }
 }
 
-// The memo of built blobs (kvf_blob_memo) writes what kvf_blob_build
+// The memo of built blobs (kvf_blob_build_memo) writes what kvf_blob_build
 // writes, byte for byte, and returns its tasks, on every preset in both
 // formats. Hits: the same request again; other ids with the same blocks
 // skipped; an object moved keeping its alignment; the next chunk of the
@@ -1616,7 +1616,7 @@ TEST(XferBlob, MemoBuildsWhatTheBuildBuilds) {
         kvf_geometry_group(g, gi, &info);
         all_full = all_full && info.kind == KVF_GROUP_FULL;
       }
-      kvf_blob_memo memo{};
+      kvf_memo memo{};
       uint64_t hits = 0, misses = 0;
       // Tokens [from, to) of the three chunks, with their objects.
       auto request = [&](uint64_t from, uint64_t to) {
@@ -1720,7 +1720,7 @@ TEST(XferBlob, MemoBuildsWhatTheBuildBuilds) {
         }
       }
       // More shapes than slots: the first is gone.
-      for (uint32_t k = 0; k < KVF_BLOB_MEMO_SLOTS; k++) {
+      for (uint32_t k = 0; k < KVF_MEMO_SLOTS; k++) {
         kvf_blob_opts o = {(uint32_t)(2048 + 16 * k), nullptr, 0};
         ASSERT_NO_FATAL_FAILURE(expect_build(first, 1, &o, 0, "eviction"));
       }
@@ -1783,7 +1783,7 @@ TEST(XferBlob, MemoBuildsWhatTheBuildBuilds) {
             expect_build(r, (int)(rng() % 2), &o, -1, "random step " + std::to_string(step)));
       }
       EXPECT_GT(memo.hits, hits_before);
-      kvf_blob_memo_free(&memo);
+      kvf_memo_free(&memo);
     }
 }
 
@@ -1821,14 +1821,14 @@ TEST(XferBlob, MemoTakesAChunkShorterThanItsDcpWorld) {
   std::vector<uint8_t> built(size, 0xA5);
   const uint64_t tasks = kvf_blob_build(raw, &plan.p, &r, 1, nullptr, built.data());
   ASSERT_GT(tasks, 0u);
-  kvf_blob_memo memo{};
+  kvf_memo memo{};
   for (int time = 0; time < 2; time++) {
     std::vector<uint8_t> got(size, 0xA5);
     EXPECT_EQ(kvf_blob_build_memo(&memo, raw, &plan.p, &r, 1, nullptr, got.data()), tasks);
     EXPECT_TRUE(got == built) << "call " << time;
   }
   EXPECT_EQ(memo.hits, 1u);
-  kvf_blob_memo_free(&memo);
+  kvf_memo_free(&memo);
 }
 
 class XferPieces : public ::testing::TestWithParam<HostCase> {};
@@ -2600,7 +2600,7 @@ TEST(XferStraight, StagedRunsCacheAnswersAsTheListingDoes) {
     };
     std::vector<uint64_t> base;
     for (void *obj : objects) base.push_back(reinterpret_cast<uint64_t>(obj));
-    kvf_stage_runs_cache cache{};
+    kvf_memo cache{};
     uint64_t hits = 0, misses = 0;
     // One answer checked against the listing; want: 1 from a slot, 0 listed,
     // -1 either (the random walk).
@@ -2708,7 +2708,7 @@ TEST(XferStraight, StagedRunsCacheAnswersAsTheListingDoes) {
       ASSERT_NO_FATAL_FAILURE(expect_listing(b2, base, 1, "the next chunk"));
     }
     // More keys than slots: each answer still the listing's.
-    for (uint32_t k = 0; k < KVF_STAGE_RUNS_SLOTS + 2; k++) {
+    for (uint32_t k = 0; k < KVF_MEMO_SLOTS + 2; k++) {
       std::vector<uint64_t> other = base;
       other[0] += 8192 * (k + 2);
       ASSERT_NO_FATAL_FAILURE(expect_listing(whole, other, 0, "eviction"));
@@ -2731,7 +2731,7 @@ TEST(XferStraight, StagedRunsCacheAnswersAsTheListingDoes) {
       bb[rng() % bb.size()] += 256 * (rng() % 3);
       ASSERT_NO_FATAL_FAILURE(expect_listing(b, bb, -1, "random step " + std::to_string(step)));
     }
-    kvf_stage_runs_cache_free(&cache);
+    kvf_memo_free(&cache);
   }
 }
 
@@ -3226,7 +3226,7 @@ TEST(XferPieces, PiecesWeighTheBytesTheyMove) {
     }
 }
 
-// The memo of the piece split and the straight pick (kvf_stage_memo) answers
+// The memo of the piece split and the straight pick (kvf_stage_*_memo) answers
 // as the two steps do, byte for byte, on six presets (a sliding window,
 // recurrent states and a DCP rank among them). Hits: the same question again, and the next
 // chunk of a sequence where every group is full attention (another place and
@@ -3270,7 +3270,7 @@ TEST(XferPieces, PlanMemoAnswersAsTheStepsDo) {
       uint32_t pieces, growth;
       uint64_t target, limit;
     };
-    kvf_stage_memo memo{};
+    kvf_memo memo{};
     uint64_t hits = 0, misses = 0;
     // want: 1 a hit, 0 a miss, -1 either.
     auto expect_same = [&](const kvf_copy_request &r, const Ask &a, int want, const std::string &what) {
@@ -3334,7 +3334,7 @@ TEST(XferPieces, PlanMemoAnswersAsTheStepsDo) {
       }
     }
     // More questions than slots: the first one asked is gone.
-    for (uint32_t k = 0; k < KVF_STAGE_MEMO_SLOTS; k++) {
+    for (uint32_t k = 0; k < KVF_MEMO_SLOTS; k++) {
       Ask a = pick;
       a.target = (uint64_t)(k + 16) << 20; // targets asked nowhere else
       ASSERT_NO_FATAL_FAILURE(expect_same(first, a, 0, "eviction"));
@@ -3361,7 +3361,7 @@ TEST(XferPieces, PlanMemoAnswersAsTheStepsDo) {
       ASSERT_NO_FATAL_FAILURE(expect_same(r, a, -1, "random step " + std::to_string(step)));
     }
     EXPECT_GT(memo.hits, hits_before);
-    kvf_stage_memo_free(&memo);
+    kvf_memo_free(&memo);
   }
 }
 

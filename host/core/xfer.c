@@ -155,9 +155,9 @@ struct kvf_xfer {
    * bases are queried every call (host memory can be unregistered). */
   const void **region_seen; /* [num_regions] */
   unsigned char *region_kind;
-  kvf_stage_runs_cache runs_cache; /* staged pieces' copy-engine runs, by blob (under lock) */
-  kvf_stage_memo plan_memo;        /* staged calls' piece splits and straight picks (under lock) */
-  kvf_blob_memo blob_memo;         /* the routes' blobs, by shape (kvf_blob_build_memo; under lock) */
+  kvf_memo runs_cache; /* staged pieces' copy-engine runs, by blob (kvf_stage_blob_runs_cached; under lock) */
+  kvf_memo plan_memo;  /* staged calls' piece splits and straight picks (under lock) */
+  kvf_memo blob_memo;  /* the routes' blobs, by shape (kvf_blob_build_memo; under lock) */
   /* Deferred calls (KVF_XFER_DEFER): the caller's thread checks and copies
    * the request, records `start` on its stream and makes the stream wait
    * until *done reaches the call's number; the context's thread plans and
@@ -689,9 +689,9 @@ void kvf_xfer_destroy(kvf_xfer *x) {
   }
   free(x->region_seen);
   free(x->region_kind);
-  kvf_stage_runs_cache_free(&x->runs_cache);
-  kvf_stage_memo_free(&x->plan_memo);
-  kvf_blob_memo_free(&x->blob_memo);
+  kvf_memo_free(&x->runs_cache);
+  kvf_memo_free(&x->plan_memo);
+  kvf_memo_free(&x->blob_memo);
   pthread_mutex_destroy(&x->defer_post_mu);
   pthread_mutex_destroy(&x->defer_mu);
   pthread_cond_destroy(&x->defer_wake);

@@ -142,32 +142,16 @@ uint64_t kvf_stage_straight_pick(const kvf_geometry *geometry, const kvf_plan *p
  * 2026-12-05-cpu-plan-memo): the piece split was a quarter of the tp4
  * slice's one-chunk staged call and a sixth of Llama's; with the memo those
  * calls took 0.68-0.70x (tp4) and 0.77-0.90x (Llama) of their host time. */
-#define KVF_STAGE_MEMO_SLOTS 8
-
-typedef struct kvf_stage_memo_slot {
-  uint64_t *key; /* NULL: empty */
-  size_t key_words;
-  unsigned char *value;
-  size_t value_size;
-  uint64_t result;
-} kvf_stage_memo_slot;
-
-typedef struct kvf_stage_memo {
-  kvf_stage_memo_slot slots[KVF_STAGE_MEMO_SLOTS];
-  uint32_t next; /* the slot a miss fills next (FIFO) */
-  uint64_t hits, misses;
-} kvf_stage_memo;
-
 /* kvf_stage_piece_masks_growth and kvf_stage_straight_pick through the
- * memo: the same results and the same bytes written. Without memory for a
- * slot the answer is computed and not kept. */
-uint32_t kvf_stage_piece_masks_memo(kvf_stage_memo *memo, const kvf_geometry *geometry, const kvf_plan *plan,
+ * memo (common/memo.h: its last KVF_MEMO_SLOTS answers; release it with
+ * kvf_memo_free): the same results and the same bytes written. Without
+ * memory for a slot the answer is computed and not kept. */
+uint32_t kvf_stage_piece_masks_memo(kvf_memo *memo, const kvf_geometry *geometry, const kvf_plan *plan,
                                     const kvf_copy_request *request, int gather, uint32_t pieces, uint32_t growth,
                                     unsigned char *masks);
-uint64_t kvf_stage_straight_pick_memo(kvf_stage_memo *memo, const kvf_geometry *geometry, const kvf_plan *plan,
+uint64_t kvf_stage_straight_pick_memo(kvf_memo *memo, const kvf_geometry *geometry, const kvf_plan *plan,
                                       const kvf_copy_request *request, int from_end, uint64_t min_run,
                                       uint64_t target, uint64_t limit, uint64_t max_runs, unsigned char *pick);
-void kvf_stage_memo_free(kvf_stage_memo *memo);
 
 /* A contiguous byte range of one object. */
 typedef struct kvf_stage_run {
@@ -201,34 +185,15 @@ kvf_status kvf_stage_blob_runs(const void *blob, const uint64_t *object_base, kv
  * 6.3-6.9 us, Llama's layouts' 5.4-6.6 to 3.5-4.8 us, the glm-like and
  * gpt-oss-like hybrids' 4.6-5.9 to 3.7-5.1 us. A hit costs 0.25-0.5 us
  * where the listing took 1.2-5.1 us; a miss 12-15% more than the listing. */
-/* A slot a piece: up to KVF_STAGE_MAX_PIECES pieces of one batch (a context
- * that gathers and scatters one shape fills two sets; FIFO evicts). */
-#define KVF_STAGE_RUNS_SLOTS KVF_STAGE_MAX_PIECES
-
-typedef struct kvf_stage_runs_slot {
-  unsigned char *key; /* NULL: empty */
-  size_t key_size;
-  kvf_stage_run *runs;
-  uint64_t count;
-  int holes;
-} kvf_stage_runs_slot;
-
-typedef struct kvf_stage_runs_cache {
-  kvf_stage_runs_slot slots[KVF_STAGE_RUNS_SLOTS];
-  uint32_t next;          /* the slot a miss fills next */
-  unsigned char *scratch; /* the key being built */
-  size_t scratch_cap;
-  uint64_t hits, misses;
-} kvf_stage_runs_cache;
-
-/* kvf_stage_blob_runs(blob, object_base, ...) through the cache (zeroed
- * before its first use): *runs points into the cache, valid until its
- * next call or kvf_stage_runs_cache_free. Without memory for a key the blob
- * is listed uncached; KVF_ERR_OUT_OF_MEMORY only where the listing itself
- * fails (*runs NULL). */
-kvf_status kvf_stage_blob_runs_cached(kvf_stage_runs_cache *cache, const void *blob, const uint64_t *object_base,
+/* kvf_stage_blob_runs(blob, object_base, ...) through the cache
+ * (common/memo.h: its last KVF_MEMO_SLOTS listings, a slot a piece for up
+ * to KVF_STAGE_MAX_PIECES pieces of one batch; release it with
+ * kvf_memo_free): *runs points into the cache, valid until its next call.
+ * Without memory for a key the blob is listed and kept under none;
+ * KVF_ERR_OUT_OF_MEMORY only where the listing or its copy fails (*runs
+ * NULL). */
+kvf_status kvf_stage_blob_runs_cached(kvf_memo *cache, const void *blob, const uint64_t *object_base,
                                       const kvf_stage_run **runs, uint64_t *count, int *holes);
-void kvf_stage_runs_cache_free(kvf_stage_runs_cache *cache);
 
 /* The blob's runs for cudaMemcpyBatchAsync (the copy-batch route, a staged
  * call's straight part), when every block of every entry is one contiguous

@@ -313,39 +313,7 @@ static size_t memo_key_request(uint64_t *key, size_t n, const kvf_geometry *g, c
   return n;
 }
 
-static const kvf_stage_memo_slot *memo_find(kvf_stage_memo *m, const uint64_t *key, size_t words) {
-  for (uint32_t i = 0; i < KVF_STAGE_MEMO_SLOTS; i++) {
-    const kvf_stage_memo_slot *s = &m->slots[i];
-    if (s->key && s->key_words == words && memcmp(s->key, key, words * sizeof *key) == 0) {
-      m->hits++;
-      return s;
-    }
-  }
-  m->misses++;
-  return NULL;
-}
-
-/* Keeps an answer in the next slot; without memory, the slot is left empty. */
-static void memo_keep(kvf_stage_memo *m, const uint64_t *key, size_t words, const unsigned char *value, size_t size,
-                      uint64_t result) {
-  kvf_stage_memo_slot *s = &m->slots[m->next];
-  m->next = (m->next + 1) % KVF_STAGE_MEMO_SLOTS;
-  free(s->key);
-  free(s->value);
-  *s = (kvf_stage_memo_slot){0};
-  uint64_t *k = malloc(words * sizeof *k);
-  unsigned char *v = malloc(size ? size : 1);
-  if (!k || !v) {
-    free(k);
-    free(v);
-    return;
-  }
-  memcpy(k, key, words * sizeof *k);
-  memcpy(v, value, size);
-  *s = (kvf_stage_memo_slot){k, words, v, size, result};
-}
-
-uint32_t kvf_stage_piece_masks_memo(kvf_stage_memo *m, const kvf_geometry *g, const kvf_plan *plan,
+uint32_t kvf_stage_piece_masks_memo(kvf_memo *m, const kvf_geometry *g, const kvf_plan *plan,
                                     const kvf_copy_request *r, int gather, uint32_t pieces, uint32_t growth,
                                     unsigned char *masks) {
   if (g->num_groups > KVF_MAX_GROUPS) return kvf_stage_piece_masks_growth(g, plan, r, gather, pieces, growth, masks);
@@ -359,17 +327,17 @@ uint32_t kvf_stage_piece_masks_memo(kvf_stage_memo *m, const kvf_geometry *g, co
   key[n++] = pieces;
   key[n++] = growth;
   n = memo_key_request(key, n, g, plan, r);
-  const kvf_stage_memo_slot *s = memo_find(m, key, n);
-  if (s && s->value_size == size) {
-    memcpy(masks, s->value, size);
-    return (uint32_t)s->result;
+  const kvf_memo_slot *s = kvf_memo_find(m, key, n * sizeof *key);
+  if (s) {
+    memcpy(masks, s->value, size); /* the key holds the pieces and the segments: size bytes */
+    return (uint32_t)s->result[0];
   }
   uint32_t made = kvf_stage_piece_masks_growth(g, plan, r, gather, pieces, growth, masks);
-  memo_keep(m, key, n, masks, size, made);
+  kvf_memo_keep(m, key, n * sizeof *key, masks, size, made, 0);
   return made;
 }
 
-uint64_t kvf_stage_straight_pick_memo(kvf_stage_memo *m, const kvf_geometry *g, const kvf_plan *plan,
+uint64_t kvf_stage_straight_pick_memo(kvf_memo *m, const kvf_geometry *g, const kvf_plan *plan,
                                       const kvf_copy_request *r, int from_end, uint64_t min_run, uint64_t target,
                                       uint64_t limit, uint64_t max_runs, unsigned char *pick) {
   if (g->num_groups > KVF_MAX_GROUPS)
@@ -384,22 +352,14 @@ uint64_t kvf_stage_straight_pick_memo(kvf_stage_memo *m, const kvf_geometry *g, 
   key[n++] = limit;
   key[n++] = max_runs;
   n = memo_key_request(key, n, g, plan, r);
-  const kvf_stage_memo_slot *s = memo_find(m, key, n);
-  if (s && s->value_size == size) {
-    memcpy(pick, s->value, size);
-    return s->result;
+  const kvf_memo_slot *s = kvf_memo_find(m, key, n * sizeof *key);
+  if (s) {
+    memcpy(pick, s->value, size); /* the key holds the segments: size bytes */
+    return s->result[0];
   }
   uint64_t bytes = kvf_stage_straight_pick(g, plan, r, from_end, min_run, target, limit, max_runs, pick);
-  memo_keep(m, key, n, pick, size, bytes);
+  kvf_memo_keep(m, key, n * sizeof *key, pick, size, bytes, 0);
   return bytes;
-}
-
-void kvf_stage_memo_free(kvf_stage_memo *m) {
-  for (uint32_t i = 0; i < KVF_STAGE_MEMO_SLOTS; i++) {
-    free(m->slots[i].key);
-    free(m->slots[i].value);
-  }
-  memset(m, 0, sizeof *m);
 }
 
 typedef struct extent {
@@ -542,32 +502,26 @@ static size_t runs_key_size(const kvf_blob_header *h, uint64_t ids, uint64_t obj
   return (size_t)size;
 }
 
-/* A miss: list the blob into the next slot (FIFO), under a copy of `key`
- * when there is one and room for it (else the slot keeps the runs without
- * a key, which nothing matches, until it is reused). */
-static kvf_status list_into_slot(kvf_stage_runs_cache *cache, const void *blob, const uint64_t *object_base,
+/* A miss: list the blob and keep its runs under `key` (NULL: under none,
+ * which nothing finds, until the slot is reused). */
+static kvf_status list_into_slot(kvf_memo *cache, const void *blob, const uint64_t *object_base,
                                  const unsigned char *key, size_t key_size, const kvf_stage_run **runs,
                                  uint64_t *count, int *holes) {
-  kvf_stage_runs_slot *slot = &cache->slots[cache->next];
-  free(slot->key);
-  free(slot->runs);
-  *slot = (kvf_stage_runs_slot){0};
   kvf_stage_run *fresh = NULL;
   uint64_t n = 0;
   int hole = 0;
   kvf_status st = kvf_stage_blob_runs(blob, object_base, &fresh, &n, &hole);
   if (st) return st;
-  unsigned char *copy = key ? malloc(key_size) : NULL;
-  if (copy) memcpy(copy, key, key_size);
-  *slot = (kvf_stage_runs_slot){copy, copy ? key_size : 0, fresh, n, hole};
-  cache->next = (cache->next + 1) % KVF_STAGE_RUNS_SLOTS;
-  *runs = fresh;
+  const kvf_memo_slot *slot = kvf_memo_keep(cache, key, key ? key_size : 0, fresh, n * sizeof *fresh, (uint64_t)hole, 0);
+  free(fresh);
+  if (!slot) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
+  *runs = (const kvf_stage_run *)slot->value;
   *count = n;
   *holes = hole;
   return KVF_SUCCESS;
 }
 
-kvf_status kvf_stage_blob_runs_cached(kvf_stage_runs_cache *cache, const void *blob, const uint64_t *object_base,
+kvf_status kvf_stage_blob_runs_cached(kvf_memo *cache, const void *blob, const uint64_t *object_base,
                                       const kvf_stage_run **runs, uint64_t *count, int *holes) {
   const kvf_blob_header *h = blob;
   const kvf_blob_entry *entries = kvf_blob_entries(blob);
@@ -586,15 +540,8 @@ kvf_status kvf_stage_blob_runs_cached(kvf_stage_runs_cache *cache, const void *b
   /* Without room for a key the blob is listed as if uncached: the
    * cache is a shortcut, never a reason to fail. */
   size_t size = runs_key_size(h, num_ids, objects);
-  if (size > 0 && cache->scratch_cap < size) {
-    unsigned char *p = realloc(cache->scratch, size);
-    if (p) {
-      cache->scratch = p;
-      cache->scratch_cap = size;
-    }
-  }
-  if (size == 0 || cache->scratch_cap < size)
-    return list_into_slot(cache, blob, object_base, NULL, 0, runs, count, holes);
+  unsigned char *key = size ? kvf_memo_scratch(cache, size) : NULL;
+  if (!key) return list_into_slot(cache, blob, object_base, NULL, 0, runs, count, holes);
   /* The key: what kvf_stage_blob_runs reads, as it reads it, so that the
    * same shape elsewhere is the same key:
    * - an object as whether it is there and where it lies from its base (a
@@ -607,7 +554,7 @@ kvf_status kvf_stage_blob_runs_cached(kvf_stage_runs_cache *cache, const void *b
    * The parts that tell a context's keys apart come first, so that a
    * comparison with another key ends early: objects, header (pieces,
    * directions), shapes, entries, ids. */
-  unsigned char *k = cache->scratch;
+  unsigned char *k = key;
   const uint64_t *blob_objects = (const uint64_t *)((const char *)blob + h->off_objects);
   for (uint64_t i = 0; i < objects; i++) {
     uint64_t where[2] = {blob_objects[i] != 0, blob_objects[i] ? blob_objects[i] - object_base[i] : 0};
@@ -630,27 +577,12 @@ kvf_status kvf_stage_blob_runs_cached(kvf_stage_runs_cache *cache, const void *b
   memcpy(k, entries, h->num_entries * sizeof *entries);
   k += h->num_entries * sizeof *entries;
   for (uint64_t i = 0; i < num_ids; i++) k[i] = ids[i] < h->num_blocks_max;
-  for (uint32_t i = 0; i < KVF_STAGE_RUNS_SLOTS; i++) {
-    const kvf_stage_runs_slot *slot = &cache->slots[i];
-    if (slot->key && slot->key_size == size && memcmp(slot->key, cache->scratch, size) == 0) {
-      cache->hits++;
-      *runs = slot->runs;
-      *count = slot->count;
-      *holes = slot->holes;
-      return KVF_SUCCESS;
-    }
-  }
-  cache->misses++;
-  return list_into_slot(cache, blob, object_base, cache->scratch, size, runs, count, holes);
-}
-
-void kvf_stage_runs_cache_free(kvf_stage_runs_cache *cache) {
-  for (uint32_t i = 0; i < KVF_STAGE_RUNS_SLOTS; i++) {
-    free(cache->slots[i].key);
-    free(cache->slots[i].runs);
-  }
-  free(cache->scratch);
-  memset(cache, 0, sizeof *cache);
+  const kvf_memo_slot *slot = kvf_memo_find(cache, key, size);
+  if (!slot) return list_into_slot(cache, blob, object_base, key, size, runs, count, holes);
+  *runs = (const kvf_stage_run *)slot->value;
+  *count = slot->value_size / sizeof **runs;
+  *holes = (int)slot->result[0];
+  return KVF_SUCCESS;
 }
 
 /* ---- runs for the copy engine's batch API -------------------------------- */
