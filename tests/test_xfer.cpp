@@ -1792,17 +1792,49 @@ TEST(XferBlob, MemoBuildsWhatTheBuildBuilds) {
 // attention groups), so a rank holds no token of a chunk (chunk_local 0).
 // The blob memo answers such a request as the build does, and twice: it must
 // not divide by the chunk's local tokens (it did, and the process died).
-TEST(XferBlob, MemoTakesAChunkShorterThanItsDcpWorld) {
-  const std::string json = R"({"format": "kvferry-geometry", "version": 1, "name": "states-only-dcp",
+// Recurrent groups only, a chunk of one token on a DCP world of two: a chunk
+// holds no local token of any rank (chunk_local 0), which nothing may divide by.
+const char kStatesOnlyDcpJson[] = R"({"format": "kvferry-geometry", "version": 1, "name": "states-only-dcp",
     "regions": [{"name": "state", "count": 1, "size": 0}],
     "groups": [{"name": "linear", "kind": "recurrent", "num_blocks": 8,
                 "layers": [{"count": 1, "name": "layer", "region": "state", "offset": 0, "elem_bytes": 2,
                             "block_stride": 4096, "states": [{"offset": 0, "bytes": 4096}]}]}],
     "objects": {"chunk_tokens": 1, "format": "canonical"}, "dcp": {"world": 2, "rank": 1}})";
+
+// The two chunks [0, 2) of kStatesOnlyDcpJson: blocks 3 and 5.
+Plan states_only_dcp_plan() {
+  Plan p;
+  p.token_begin = 0;
+  p.token_end = 2;
+  p.ids = {{3, 5}};
+  p.first_block = {0};
+  return p;
+}
+
+GeometryPtr load_states_only_dcp() {
   kvf_geometry *raw = nullptr;
   kvf_geometry_error err;
-  ASSERT_EQ(kvf_geometry_load_buffer(json.data(), json.size(), nullptr, &raw, &err), KVF_SUCCESS) << kvf_last_error();
-  GeometryPtr geo(raw);
+  EXPECT_EQ(kvf_geometry_load_buffer(kStatesOnlyDcpJson, sizeof kStatesOnlyDcpJson - 1, nullptr, &raw, &err),
+            KVF_SUCCESS)
+      << kvf_last_error();
+  return GeometryPtr(raw);
+}
+
+TEST(XferHost, StatesOnlyChunkShorterThanItsDcpWorldMatchesTheReference) {
+  GeometryPtr g = load_states_only_dcp();
+  ASSERT_TRUE(g);
+  for (kvf_object_format f : {KVF_FORMAT_CANONICAL, KVF_FORMAT_NATIVE})
+    for (Dir d : {Dir::Gather, Dir::Scatter})
+      for (uint32_t threads : {1u, 4u}) {
+        SCOPED_TRACE(std::string(format_name(f)) + "/" + dir_name(d) + "/" + std::to_string(threads) + " threads");
+        run_host_case(g.get(), states_only_dcp_plan(), f, d, threads, 0, 71 + threads);
+      }
+}
+
+TEST(XferBlob, MemoTakesAChunkShorterThanItsDcpWorld) {
+  GeometryPtr geo = load_states_only_dcp();
+  ASSERT_TRUE(geo);
+  kvf_geometry *raw = geo.get();
   PlanHolder plan;
   ASSERT_EQ(kvf_plan_build(raw, KVF_FORMAT_CANONICAL, &plan.p), KVF_SUCCESS) << kvf_last_error();
   std::vector<uint32_t> ids{3, 5};
@@ -3751,6 +3783,24 @@ void run_param_case(const GpuCase &c, bool window, bool small) {
 TEST_P(XferGpuConformance, MatchesTheReferenceByteForByte) { run_param_case(GetParam(), false, true); }
 TEST_P(XferGpuMisaligned, UnalignedObjectsMatchTheReference) { run_param_case(GetParam(), false, false); }
 TEST_P(XferGpuWindow, WindowOnlyTablesMatchTheReference) { run_param_case(GetParam(), true, false); }
+
+// The kernels' and the staged route's side of chunk_local 0 (see
+// kStatesOnlyDcpJson): no division by a chunk's local tokens anywhere.
+TEST(XferGpu, StatesOnlyChunkShorterThanItsDcpWorldMatchesTheReference) {
+  REQUIRE_GPU();
+  GeometryPtr g = load_states_only_dcp();
+  ASSERT_TRUE(g);
+  for (kvf_object_format f : {KVF_FORMAT_CANONICAL, KVF_FORMAT_NATIVE})
+    for (Dir d : {Dir::Gather, Dir::Scatter})
+      for (Mem m : {Mem::Device, Mem::Pinned}) {
+        SCOPED_TRACE(std::string(format_name(f)) + "/" + dir_name(d) + (m == Mem::Device ? "/device" : "/pinned"));
+        GpuConfig cfg;
+        cfg.obj_kind = m;
+        cfg.route = expected_route(m, d);
+        cfg.calls = 2;  // the second call's blob comes from the memo
+        run_gpu_case(g.get(), states_only_dcp_plan(), f, d, 0, 81 + (uint64_t)d, cfg);
+      }
+}
 
 std::vector<GpuCase> gpu_cases() {
   std::vector<GpuCase> v;
