@@ -1792,6 +1792,59 @@ TEST(XferBlob, MemoBuildsWhatTheBuildBuilds) {
 // attention groups), so a rank holds no token of a chunk (chunk_local 0).
 // The blob memo answers such a request as the build does, and twice: it must
 // not divide by the chunk's local tokens (it did, and the process died).
+// The slot store under the memos: answers found by their keys' bytes, the
+// oldest evicted first, keyless answers never found, taken values owned
+// (ASan reports a leak or a double free otherwise).
+TEST(XferMemo, KeepsFindsEvictsAndTakes) {
+  kvf_memo memo{};
+  auto key_of = [](uint64_t k) { return std::vector<unsigned char>(reinterpret_cast<unsigned char *>(&k),
+                                                                  reinterpret_cast<unsigned char *>(&k) + sizeof k); };
+  for (uint64_t k = 0; k < KVF_MEMO_SLOTS; k++) {
+    const std::vector<unsigned char> key = key_of(k);
+    const uint64_t value = 100 + k;
+    if (k % 2) {
+      auto *taken = static_cast<uint64_t *>(malloc(sizeof value));
+      ASSERT_NE(taken, nullptr);
+      *taken = value;
+      ASSERT_NE(kvf_memo_keep_taking(&memo, key.data(), key.size(), taken, sizeof value, k, 2 * k), nullptr);
+    } else {
+      ASSERT_NE(kvf_memo_keep(&memo, key.data(), key.size(), &value, sizeof value, k, 2 * k), nullptr);
+    }
+  }
+  for (uint64_t k = 0; k < KVF_MEMO_SLOTS; k++) {
+    const std::vector<unsigned char> key = key_of(k);
+    const kvf_memo_slot *s = kvf_memo_find(&memo, key.data(), key.size());
+    ASSERT_NE(s, nullptr) << k;
+    ASSERT_EQ(s->value_size, sizeof(uint64_t));
+    uint64_t got = 0;
+    memcpy(&got, s->value, sizeof got);
+    EXPECT_EQ(got, 100 + k);
+    EXPECT_EQ(s->result[0], k);
+    EXPECT_EQ(s->result[1], 2 * k);
+  }
+  EXPECT_EQ(memo.hits, uint64_t{KVF_MEMO_SLOTS});
+  // One more evicts the oldest (key 0) and no other; an empty answer taken
+  // (no buffer) and a keyless one then take the next two slots.
+  const std::vector<unsigned char> newest = key_of(1000), none = key_of(1001);
+  const uint64_t v = 7;
+  ASSERT_NE(kvf_memo_keep(&memo, newest.data(), newest.size(), &v, sizeof v, 0, 0), nullptr);
+  EXPECT_EQ(kvf_memo_find(&memo, key_of(0).data(), sizeof(uint64_t)), nullptr);
+  EXPECT_NE(kvf_memo_find(&memo, key_of(2).data(), sizeof(uint64_t)), nullptr);
+  const kvf_memo_slot *empty = kvf_memo_keep_taking(&memo, none.data(), none.size(), nullptr, 0, 5, 0);
+  ASSERT_NE(empty, nullptr);
+  EXPECT_EQ(kvf_memo_find(&memo, none.data(), none.size()), empty);
+  EXPECT_EQ(empty->value_size, 0u);
+  ASSERT_NE(kvf_memo_keep(&memo, nullptr, 0, &v, sizeof v, 0, 0), nullptr);
+  EXPECT_EQ(kvf_memo_find(&memo, key_of(2).data(), sizeof(uint64_t)), nullptr);  // evicted by the keyless one
+  // The slot that held no buffer takes a copied answer on its next turn.
+  for (uint64_t k = 0; k < KVF_MEMO_SLOTS; k++) {
+    const std::vector<unsigned char> key = key_of(2000 + k);
+    ASSERT_NE(kvf_memo_keep(&memo, key.data(), key.size(), &v, sizeof v, 0, 0), nullptr);
+  }
+  for (const kvf_memo_slot &s : memo.slots) EXPECT_NE(s.value, nullptr);
+  kvf_memo_free(&memo);
+}
+
 // Recurrent groups only, a chunk of one token on a DCP world of two: a chunk
 // holds no local token of any rank (chunk_local 0), which nothing may divide by.
 const char kStatesOnlyDcpJson[] = R"({"format": "kvferry-geometry", "version": 1, "name": "states-only-dcp",

@@ -190,8 +190,7 @@ kvf_status kvf_stage_blob_runs(const void *blob, const uint64_t *object_base, kv
  * to KVF_STAGE_MAX_PIECES pieces of one batch; release it with
  * kvf_memo_free): *runs points into the cache, valid until its next call.
  * Without memory for a key the blob is listed and kept under none;
- * KVF_ERR_OUT_OF_MEMORY only where the listing or its copy fails (*runs
- * NULL). */
+ * KVF_ERR_OUT_OF_MEMORY only where the listing fails (*runs NULL). */
 kvf_status kvf_stage_blob_runs_cached(kvf_memo *cache, const void *blob, const uint64_t *object_base,
                                       const kvf_stage_run **runs, uint64_t *count, int *holes);
 

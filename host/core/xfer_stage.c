@@ -512,9 +512,10 @@ static kvf_status list_into_slot(kvf_memo *cache, const void *blob, const uint64
   int hole = 0;
   kvf_status st = kvf_stage_blob_runs(blob, object_base, &fresh, &n, &hole);
   if (st) return st;
-  const kvf_memo_slot *slot = kvf_memo_keep(cache, key, key ? key_size : 0, fresh, n * sizeof *fresh, (uint64_t)hole, 0);
-  free(fresh);
-  if (!slot) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "transfer: out of memory");
+  /* Taken, not copied: a miss costs the listing alone, and a listing that
+   * succeeded is never lost for want of a slot's memory. */
+  const kvf_memo_slot *slot =
+      kvf_memo_keep_taking(cache, key, key ? key_size : 0, fresh, n * sizeof *fresh, (uint64_t)hole, 0);
   *runs = (const kvf_stage_run *)slot->value;
   *count = n;
   *holes = hole;
