@@ -1,8 +1,8 @@
 /* Internal: a small memo of a pure step's answers, keyed by the bytes the
  * step reads (its key, which the caller builds), the oldest answer evicted
- * first. Keys and values are copied in (or a value taken, kvf_memo_keep_taking);
- * a slot keeps its buffers and reuses
- * them while they are large enough, so a memo that misses on every call
+ * first. Keys and values are copied in (or a value the step allocated
+ * taken, kvf_memo_keep_taking); a slot keeps its buffers and reuses them
+ * while they are large enough, so a memo that misses on every call
  * allocates nothing once its slots have grown. Its users: the staged runs
  * cache and the staged plan's memo (host/core/xfer_stage.c) and the memo of
  * built blobs (kernels/plan.c).
@@ -55,9 +55,9 @@ const kvf_memo_slot *kvf_memo_find(kvf_memo *memo, const void *key, size_t size)
 const kvf_memo_slot *kvf_memo_keep(kvf_memo *memo, const void *key, size_t key_size, const void *value,
                                    size_t value_size, uint64_t result0, uint64_t result1);
 
-/* As kvf_memo_keep, but the slot takes `value` (from malloc, NULL when
- * value_size is 0) rather than a copy of it, freeing its own buffer: for an
- * answer the step allocated anyway. Never fails; the key as there. */
+/* As kvf_memo_keep, but the slot takes `value` (from malloc; may be NULL
+ * when value_size is 0) rather than a copy of it, freeing its own buffer:
+ * for an answer the step allocated anyway. Never fails; the key as there. */
 const kvf_memo_slot *kvf_memo_keep_taking(kvf_memo *memo, const void *key, size_t key_size, void *value,
                                           size_t value_size, uint64_t result0, uint64_t result1);
 

@@ -515,7 +515,7 @@ static kvf_status list_into_slot(kvf_memo *cache, const void *blob, const uint64
   /* Taken, not copied: a miss costs the listing alone, and a listing that
    * succeeded is never lost for want of a slot's memory. */
   const kvf_memo_slot *slot =
-      kvf_memo_keep_taking(cache, key, key ? key_size : 0, fresh, n * sizeof *fresh, (uint64_t)hole, 0);
+      kvf_memo_keep_taking(cache, key, key_size, fresh, n * sizeof *fresh, (uint64_t)hole, 0);
   *runs = (const kvf_stage_run *)slot->value;
   *count = n;
   *holes = hole;
