@@ -12,7 +12,18 @@ target_compile_definitions(kvf_host_path PRIVATE KVF_WITH_CUDA=1
   KVF_PRESET_DIR_BUILD="${PROJECT_SOURCE_DIR}/geometry/presets")
 target_link_libraries(kvf_host_path PRIVATE kvferry_static Threads::Threads)
 kvf_target_defaults(kvf_host_path)
+# Deferred calls' bookkeeping (failures kept and reported once, the thread
+# started late, tickets) over the same stub: kvf_deferred_check.cpp.
+add_executable(kvf_deferred_check ${PROJECT_SOURCE_DIR}/perf/kvf_deferred_check.cpp
+               ${PROJECT_SOURCE_DIR}/perf/host_path_stub.c ${PROJECT_SOURCE_DIR}/perf/bench_plan.cpp)
+target_include_directories(kvf_deferred_check PRIVATE ${PROJECT_SOURCE_DIR} ${CUDAToolkit_INCLUDE_DIRS})
+target_compile_definitions(kvf_deferred_check PRIVATE KVF_WITH_CUDA=1
+  KVF_PRESET_DIR_BUILD="${PROJECT_SOURCE_DIR}/geometry/presets")
+target_link_libraries(kvf_deferred_check PRIVATE kvferry_static Threads::Threads)
+kvf_target_defaults(kvf_deferred_check)
 if(KVF_BUILD_TESTS)
+  add_test(NAME perf_deferred_check COMMAND $<TARGET_FILE:kvf_deferred_check>)
+  set_tests_properties(perf_deferred_check PROPERTIES LABELS unit TIMEOUT 120)
   # Each route the planner picks, byte for byte against the reference:
   # one chunk in four calls back to back with other block ids (staged, batch
   # and kernel routes as chosen by default, and as the rules that remember
@@ -24,17 +35,20 @@ if(KVF_BUILD_TESTS)
   # (holes: objects a gather writes in part); the native format with skips;
   # one-chunk staging batches (the two buffers' pipeline and its edge
   # batches); the direct kernel to host memory (staging and the batch route
-  # off).
+  # off); deferred calls, each joined after it (the context's thread plans
+  # and enqueues them, and no wait may be enqueued ahead of what it waits
+  # for).
   set(_kvf_hp $<TARGET_FILE:kvf_host_path> --verify-only)
   add_test(NAME perf_host_path_256 COMMAND ${_kvf_hp} --tokens 256 --calls 4 --expect-cached-runs --expect-cached-blobs)
   add_test(NAME perf_host_path_skips_256 COMMAND ${_kvf_hp} --tokens 256 --calls 4 --skip-every 5 --expect-cached-runs
            --expect-cached-blobs)
+  add_test(NAME perf_host_path_deferred_256 COMMAND ${_kvf_hp} --tokens 256 --calls 4 --deferred --expect-cached-blobs)
   add_test(NAME perf_host_path_1000 COMMAND ${_kvf_hp} --tokens 1000)
   add_test(NAME perf_host_path_skips_1000 COMMAND ${_kvf_hp} --tokens 1000 --skip-every 5)
   add_test(NAME perf_host_path_native_skips_1024 COMMAND ${_kvf_hp} --tokens 1024 --format native --skip-every 5)
   add_test(NAME perf_host_path_batches_1000 COMMAND ${_kvf_hp} --tokens 1000 --directions d2h,h2d)
   add_test(NAME perf_host_path_direct_1000 COMMAND ${_kvf_hp} --tokens 1000 --directions d2h,h2d)
-  set_tests_properties(perf_host_path_256 perf_host_path_skips_256 perf_host_path_1000 perf_host_path_skips_1000
+  set_tests_properties(perf_host_path_256 perf_host_path_skips_256 perf_host_path_deferred_256 perf_host_path_1000 perf_host_path_skips_1000
                        perf_host_path_native_skips_1024 perf_host_path_batches_1000 perf_host_path_direct_1000
                        PROPERTIES LABELS unit TIMEOUT 600)
   set_tests_properties(perf_host_path_batches_1000 PROPERTIES ENVIRONMENT KVF_XFER_STAGING_MB=1)

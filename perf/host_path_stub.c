@@ -19,9 +19,17 @@
  * does not model either: the driver's own time, concurrency, and any route
  * choice that follows measured device time (each call reports its path).
  *
+ * Stream memory operations (cuStreamWriteValue64, cuStreamWaitValue64) act
+ * on the word at once too; a wait whose value is not there when it is
+ * enqueued is counted as early and fails: in this schedule, as on a GPU
+ * whose streams share a hardware queue, it waits for work behind it and
+ * never ends (kvferry's deferred calls must never enqueue one).
+ *
  * kvf_host_stub_execute(0) makes the work a no-op, so that a timing loop
- * measures only kvferry's planning and the calls it makes. Single-threaded
- * use only (the harness's). */
+ * measures only kvferry's planning and the calls it makes. Calls from
+ * several threads must be ordered (one happens before the next), as the
+ * harness's deferred calls are: a call, then a join that waits for the
+ * context's thread to have enqueued it. */
 #define _GNU_SOURCE /* clock_gettime (common/clock.h) */
 #include <stdint.h>
 #include <stdio.h>
@@ -98,6 +106,8 @@ void *kvf_host_stub_pinned_alloc(size_t size) { return stub_alloc(size, 0); }
 void kvf_host_stub_free(void *p) { stub_free(p); }
 void kvf_host_stub_execute(int on) { g_execute = on; }
 void kvf_host_stub_counts_get(kvf_host_stub_counts *out) { *out = g_counts; }
+static int g_mem_ops = 1;
+void kvf_host_stub_mem_ops(int on) { g_mem_ops = on; }
 
 /* ---- streams and events -------------------------------------------------- */
 
@@ -285,8 +295,8 @@ cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t *config, const void *fu
 }
 
 /* The driver's entry points (host/core/cudawrap.c loads them all): those
- * that loading and its error messages call, typed as the driver's; the
- * rest (cuMem*, cuStream*: the memory providers, which the transfer
+ * that loading, its error messages and deferred calls call, typed as the
+ * driver's; the rest (cuMem*: the memory providers, which the transfer
  * routes never call) stop the process if called, rather than run through
  * a pointer of another type. */
 static CUresult CUDAAPI stub_cu_init(unsigned int flags) {
@@ -302,12 +312,44 @@ static CUresult CUDAAPI stub_cu_device_count(int *n) {
   return CUDA_SUCCESS;
 }
 static CUresult CUDAAPI stub_cu_error_string(CUresult r, const char **s) {
-  *s = r == CUDA_SUCCESS ? "no error" : "stub error";
+  *s = r == CUDA_SUCCESS             ? "no error"
+       : r == CUDA_ERROR_ILLEGAL_STATE ? "a wait enqueued ahead of the write it waits for (stub)"
+                                       : "stub error";
   return CUDA_SUCCESS;
 }
 static CUresult CUDAAPI stub_cu_error_name(CUresult r, const char **s) {
-  *s = r == CUDA_SUCCESS ? "CUDA_SUCCESS" : "CUDA_ERROR_STUB";
+  *s = r == CUDA_SUCCESS ? "CUDA_SUCCESS" : r == CUDA_ERROR_ILLEGAL_STATE ? "CUDA_ERROR_ILLEGAL_STATE" : "CUDA_ERROR_STUB";
   return CUDA_SUCCESS;
+}
+static CUresult CUDAAPI stub_cu_device_get(CUdevice *d, int ordinal) {
+  if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
+  *d = 0;
+  return CUDA_SUCCESS;
+}
+static CUresult CUDAAPI stub_cu_device_get_attribute(int *v, CUdevice_attribute attr, CUdevice d) {
+  (void)d;
+  *v = attr == CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS && g_mem_ops;
+  return CUDA_SUCCESS;
+}
+static CUresult CUDAAPI stub_cu_stream_write_value64(CUstream s, CUdeviceptr addr, cuuint64_t value,
+                                                     unsigned int flags) {
+  (void)s, (void)flags;
+  if (!stub_find_span((const void *)(uintptr_t)addr, sizeof(uint64_t))) return CUDA_ERROR_INVALID_VALUE;
+  __atomic_store_n((uint64_t *)(uintptr_t)addr, (uint64_t)value, __ATOMIC_RELEASE);
+  g_counts.value_writes++;
+  g_counts.last_value_written = (uint64_t)value;
+  return CUDA_SUCCESS;
+}
+static CUresult CUDAAPI stub_cu_stream_wait_value64(CUstream s, CUdeviceptr addr, cuuint64_t value,
+                                                    unsigned int flags) {
+  (void)s;
+  if (!stub_find_span((const void *)(uintptr_t)addr, sizeof(uint64_t)) || flags != CU_STREAM_WAIT_VALUE_GEQ)
+    return CUDA_ERROR_INVALID_VALUE;
+  g_counts.value_waits++;
+  g_counts.last_value_waited = (uint64_t)value;
+  if (__atomic_load_n((const uint64_t *)(uintptr_t)addr, __ATOMIC_ACQUIRE) >= (uint64_t)value) return CUDA_SUCCESS;
+  g_counts.early_waits++;
+  return CUDA_ERROR_ILLEGAL_STATE;
 }
 static void stub_cu_not_modelled(void) {
   fprintf(stderr, "host_path_stub: a CUDA driver entry point it does not model was called\n");
@@ -325,7 +367,11 @@ cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **fn, unsi
                {"cuDriverGetVersion", (void *)stub_cu_driver_version},
                {"cuDeviceGetCount", (void *)stub_cu_device_count},
                {"cuGetErrorString", (void *)stub_cu_error_string},
-               {"cuGetErrorName", (void *)stub_cu_error_name}};
+               {"cuGetErrorName", (void *)stub_cu_error_name},
+               {"cuDeviceGet", (void *)stub_cu_device_get},
+               {"cuDeviceGetAttribute", (void *)stub_cu_device_get_attribute},
+               {"cuStreamWriteValue64", (void *)stub_cu_stream_write_value64},
+               {"cuStreamWaitValue64", (void *)stub_cu_stream_wait_value64}};
   *fn = (void *)stub_cu_not_modelled;
   for (size_t i = 0; i < sizeof typed / sizeof *typed; i++)
     if (!strcmp(symbol, typed[i].symbol)) *fn = typed[i].fn;

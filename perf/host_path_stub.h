@@ -31,8 +31,17 @@ typedef struct kvf_host_stub_counts {
   uint64_t records;        /* cudaEventRecord */
   uint64_t waits;          /* cudaStreamWaitEvent */
   uint64_t pointer_queries;
+  uint64_t value_writes;   /* cuStreamWriteValue64 */
+  uint64_t value_waits;    /* cuStreamWaitValue64 */
+  uint64_t early_waits;    /* of which enqueued before the write they wait for: never ending
+                              where work runs in enqueue order (host_path_stub.c) */
+  uint64_t last_value_written; /* the value of the last cuStreamWriteValue64 */
+  uint64_t last_value_waited;  /* the value the last cuStreamWaitValue64 waited for */
 } kvf_host_stub_counts;
 void kvf_host_stub_counts_get(kvf_host_stub_counts *out);
+/* Whether the device answers that it can write and wait on 64-bit values
+ * from a stream (1, the default); 0 makes deferred calls fail to start. */
+void kvf_host_stub_mem_ops(int on);
 
 #ifdef __cplusplus
 }

@@ -44,6 +44,7 @@
 #include <ctime>
 #include <functional>
 #include <map>
+#include <set>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -188,7 +189,8 @@ void usage(FILE *f) {
           "                            batch_host_bound, batch_staged_cost,\n"
           "                            stage_sms, pcie_sms, staging_mb, kernel,\n"
           "                            small_stage_mb, small_stage_growth, small_stage_one_piece, edge_mb, multi_pieces,\n"
-          "                            straight_kb, straight_min_run, straight_alone, spread_kb, cache_order, overlap, defer\n"
+          "                            straight_kb, straight_min_run, straight_alone, spread_kb, cache_order, overlap,\n"
+          "                            defer (1: deferred calls, each joined into the stream after its post)\n"
           "                            (host/core/xfer_internal.h),\n"
           "                            cap (the context's max_sms). Variants are checked like every contender.\n"
           "  --enqueue-reps N          synchronized calls timing the host enqueue of each kvferry entry (default 15;\n"
@@ -708,9 +710,15 @@ struct Latency {
   double gpu_us = NAN, gpu_p90_us = NAN, enqueue_us = NAN, wall_us = NAN, wall_p90_us = NAN;
 };
 
-Latency measure_latency(const std::function<void(int)> &op, cudaStream_t s, int reps) {
+/* settle, when given, runs after the call's host time is taken and before
+ * the end event (a deferred call's join). */
+Latency measure_latency(const std::function<void(int)> &op, cudaStream_t s, int reps,
+                        const std::function<void()> &settle = {}) {
   Latency l;
-  for (int i = 0; i < g_opt.warmup; i++) op(i);
+  for (int i = 0; i < g_opt.warmup; i++) {
+    op(i);
+    if (settle) settle();
+  }
   CK(cudaStreamSynchronize(s));
   ensure_events(2);
   std::vector<double> gpu(reps), enq(reps), wall(reps);
@@ -719,8 +727,9 @@ Latency measure_latency(const std::function<void(int)> &op, cudaStream_t s, int 
     double a = now_s();
     CK(cudaEventRecord(g_gpu.ev[0], s));
     op(i);
-    CK(cudaEventRecord(g_gpu.ev[1], s));
     double b = now_s();
+    if (settle) settle();
+    CK(cudaEventRecord(g_gpu.ev[1], s));
     CK(cudaStreamSynchronize(s));
     double c = now_s();
     float ms;
@@ -957,9 +966,46 @@ Buffer &preset_arena(Preset &p, Mem kind) {
   return b;
 }
 
+/* Contexts of a variant with defer=1: their calls go through
+ * kvf_xfer_gather_deferred / kvf_xfer_scatter_deferred. */
+std::set<const kvf_xfer *> g_deferred_ctx;
+
+/* The ticket of each deferred context's last call not yet joined. */
+std::map<const kvf_xfer *, uint64_t> g_unjoined;
+
+/* One kvferry call on s. A deferred context's call is posted after s's
+ * work and joined back into s at once (later work on s then runs after it,
+ * as after a synchronous call), unless join is false: then its ticket
+ * waits in g_unjoined for join_deferred. */
+void kvferry_call(kvf_xfer *x, bool gather, const kvf_copy_request *r, cudaStream_t s, bool join = true) {
+  if (!g_deferred_ctx.count(x)) {
+    kvf_status st = gather ? kvf_xfer_gather(x, r, (kvf_stream)s) : kvf_xfer_scatter(x, r, (kvf_stream)s);
+    if (st) kvf_check(st, gather ? "kvf_xfer_gather" : "kvf_xfer_scatter");
+    return;
+  }
+  uint64_t ticket = 0;
+  kvf_status st = gather ? kvf_xfer_gather_deferred(x, r, (kvf_stream)s, &ticket)
+                         : kvf_xfer_scatter_deferred(x, r, (kvf_stream)s, &ticket);
+  if (st) kvf_check(st, gather ? "kvf_xfer_gather_deferred" : "kvf_xfer_scatter_deferred");
+  if (join)
+    kvf_check(kvf_xfer_join(x, ticket, (kvf_stream)s), "kvf_xfer_join");
+  else
+    g_unjoined[x] = ticket;
+}
+
+/* Join a deferred context's last unjoined call into s. */
+void join_deferred(kvf_xfer *x, cudaStream_t s) {
+  auto it = g_unjoined.find(x);
+  if (it == g_unjoined.end()) return;
+  uint64_t ticket = it->second;
+  g_unjoined.erase(it);
+  kvf_check(kvf_xfer_join(x, ticket, (kvf_stream)s), "kvf_xfer_join");
+}
+
 /* A tuning variant (--tune): key=value pairs over the context's tuning
- * (host/core/xfer_internal.h) and its SM cap. */
-void apply_tune(const std::string &spec, kvf_xfer_tuning *t, int *cap) {
+ * (host/core/xfer_internal.h) and its SM cap; defer=1 makes the variant's
+ * calls deferred (kvferry_call). */
+void apply_tune(const std::string &spec, kvf_xfer_tuning *t, int *cap, bool *deferred = nullptr) {
   for (const std::string &kv : split(spec)) {
     size_t eq = kv.find('=');
     if (eq == std::string::npos) throw BenchError("--tune: '" + kv + "' is not key=value");
@@ -994,8 +1040,10 @@ void apply_tune(const std::string &spec, kvf_xfer_tuning *t, int *cap) {
     else if (k == "spread_kb") t->spread_kb = v;
     else if (k == "cache_order") t->cache_order = v;
     else if (k == "overlap") t->overlap = v;
-    else if (k == "defer") t->defer = v;
-    else if (k == "cap") *cap = (int)v;
+    else if (k == "defer") {
+      if (v > 1) throw BenchError("--tune: defer must be 0 or 1");
+      if (deferred) *deferred = v == 1;
+    } else if (k == "cap") *cap = (int)v;
     else throw BenchError("--tune: unknown key '" + k + "'");
   }
 }
@@ -1016,8 +1064,10 @@ kvf_xfer *preset_ctx(Preset &p, int cap, const std::string &tune = "") {
     kvf_xfer_tuning t;
     kvf_xfer_get_tuning(x, &t);
     int ignored = 0;
-    apply_tune(tune, &t, &ignored);
+    bool deferred = false;
+    apply_tune(tune, &t, &ignored, &deferred);
     kvf_check(kvf_xfer_set_tuning(x, &t), "--tune " + tune);
+    if (deferred) g_deferred_ctx.insert(x);
   }
   return x;
 }
@@ -1117,11 +1167,7 @@ Verify verify(Config &c, std::function<void()> run0 = {}) {
   if (!run0) {
     kvf_xfer *x = preset_ctx(p, 0);
     bool gather = c.d.gather;
-    run0 = [x, &c, gather] {
-      kvf_status st = gather ? kvf_xfer_gather(x, &c.req[0], (kvf_stream)g_gpu.stream)
-                             : kvf_xfer_scatter(x, &c.req[0], (kvf_stream)g_gpu.stream);
-      kvf_check(st, gather ? "kvf_xfer_gather" : "kvf_xfer_scatter");
-    };
+    run0 = [x, &c, gather] { kvferry_call(x, gather, &c.req[0], g_gpu.stream); };
   }
   if (c.d.gather) {
     fill_random(c.arena->p, span, g_opt.seed ^ 0x9015011, c.arena->device()); /* poison */
@@ -1207,12 +1253,9 @@ Verify verify(Config &c, std::function<void()> run0 = {}) {
 
 /* ---- baselines -------------------------------------------------------------------------- */
 
-std::function<void(int)> op_kvferry(Config &c, kvf_xfer *x, cudaStream_t s) {
-  return [&c, x, s](int i) {
-    const kvf_copy_request &r = c.req[(size_t)i % c.req.size()];
-    kvf_status st = c.d.gather ? kvf_xfer_gather(x, &r, (kvf_stream)s) : kvf_xfer_scatter(x, &r, (kvf_stream)s);
-    if (st) kvf_check(st, c.d.gather ? "kvf_xfer_gather" : "kvf_xfer_scatter");
-  };
+/* join false: a deferred context's call is left for join_deferred. */
+std::function<void(int)> op_kvferry(Config &c, kvf_xfer *x, cudaStream_t s, bool join = true) {
+  return [&c, x, s, join](int i) { kvferry_call(x, c.d.gather, &c.req[(size_t)i % c.req.size()], s, join); };
 }
 
 /* The limit: one contiguous copy of the payload's bytes between the same two memories. */
@@ -1707,7 +1750,10 @@ void latency_config(Config &c) {
     auto kvferry = [&](const std::string &tune) {
       return try_latency([&] {
         kvf_xfer *x = preset_ctx(*c.p, tune.empty() ? 0 : tune_cap(tune), tune);
-        Latency l = measure_latency(op_kvferry(c, x, g_gpu.stream), g_gpu.stream, g_opt.latency_reps);
+        /* A deferred call's enqueue is its post; its join is part of its
+         * GPU and wall times. */
+        Latency l = measure_latency(op_kvferry(c, x, g_gpu.stream, false), g_gpu.stream, g_opt.latency_reps,
+                                    [x] { join_deferred(x, g_gpu.stream); });
         if (tune.empty()) stats_ok = kvf_xfer_last_stats(x, &stats) == KVF_SUCCESS;
         return l;
       });

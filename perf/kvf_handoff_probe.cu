@@ -1,9 +1,12 @@
 /* perf/kvf_handoff_probe.cu - what a deferred call's hand-offs cost the GPU.
  *
- * A deferred call (KVF_XFER_DEFER, host/core/xfer.c) runs its work on the
- * context's internal stream: the caller's stream records an event that the
- * internal stream waits for, and the internal stream writes a number that
- * the caller's stream waits for (cuStreamWaitValue64). This measures, on the
+ * A deferred call (kvf_xfer_gather_deferred, host/core/xfer.c) runs its
+ * work on the context's internal stream: the caller's stream records an
+ * event that the internal stream waits for, and the internal stream writes
+ * a number that a joined stream waits for (cuStreamWaitValue64). Written
+ * for the transparent mode it replaced (KVF_XFER_DEFER, where the caller's
+ * stream waited at the call), whose hand-offs were the same two. This
+ * measures, on the
  * GPU it runs on, the GPU time of one call of an empty kernel behind each
  * way of handing off between two streams, back to back behind a spin
  * kernel (the host's enqueue hidden), as the time between events on the

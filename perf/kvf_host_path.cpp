@@ -20,7 +20,7 @@
  *   kvf_host_path [--preset-dir DIR] [--presets a,b] [--tokens N] [--reps N]
  *                 [--directions d2d,d2h,h2d] [--format canonical|native]
  *                 [--skip-every K] [--calls N] [--expect-cached-runs]
- *                 [--expect-cached-blobs] [--verify-only] [--json FILE]
+ *                 [--expect-cached-blobs] [--deferred] [--verify-only] [--json FILE]
  *
  * --skip-every K makes every K-th id of each block table KVF_BLOCK_SKIP
  * (blocks that move nothing: holes in the objects). --calls N verifies N
@@ -31,6 +31,11 @@
  * --expect-cached-blobs one whose later calls never took a blob from the
  * context's memo (kernels/plan.h, kvf_blob_build_memo): the blobs those
  * calls launch are then the memo's, checked against the reference.
+ * --deferred makes every call a deferred one (kvf_xfer_gather_deferred),
+ * joined into the stream after it: the context's thread plans and enqueues
+ * it. A row then fails when a call did not run on that thread or when a
+ * wait was enqueued ahead of what it waits for (the stub's early waits);
+ * the time is the post's alone, the join left out.
  *
  * Exit status: 0 when every call succeeded and matched the reference. */
 #include <algorithm>
@@ -75,6 +80,7 @@ struct Options {
   int calls = 1;           /* verified calls per row */
   bool expect_cached_runs = false; /* fail a row whose later staged calls never took runs from the cache */
   bool expect_cached_blobs = false; /* fail a row whose later calls never took a blob from the memo */
+  bool deferred = false; /* every call deferred, then joined */
   bool verify_only = false;
   std::string json;
 };
@@ -196,9 +202,17 @@ Row run_one(const Options &o, const std::string &preset, const std::string &dire
    * neither the batch route nor a straight part. */
   cudaStream_t stream = nullptr;
   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  uint64_t ticket = 0;
+  /* A call; a deferred one is posted only (join_call joins it). */
   auto call = [&]() {
+    if (o.deferred)
+      return gather ? kvf_xfer_gather_deferred(x, &r, (kvf_stream)stream, &ticket)
+                    : kvf_xfer_scatter_deferred(x, &r, (kvf_stream)stream, &ticket);
     return gather ? kvf_xfer_gather(x, &r, (kvf_stream)stream) : kvf_xfer_scatter(x, &r, (kvf_stream)stream);
   };
+  auto join_call = [&]() { return o.deferred ? kvf_xfer_join(x, ticket, (kvf_stream)stream) : KVF_SUCCESS; };
+  kvf_host_stub_counts w0, w1;
+  kvf_host_stub_counts_get(&w0);
 
   for (uint32_t i = 0; i < nreg; i++) {
     kvf_region_info ri = KVF_REGION_INFO_INIT;
@@ -268,10 +282,22 @@ Row run_one(const Options &o, const std::string &preset, const std::string &dire
       fill(arena, layout.span, 77 + (uint64_t)ci);
       memcpy(ref_arena, arena, layout.span);
     }
-    if (call()) {
-      row.error = std::string(gather ? "kvf_xfer_gather: " : "kvf_xfer_scatter: ") + kvf_last_error() + " (call " +
-                  std::to_string(ci + 1) + ")";
+    if (call() || join_call()) {
+      row.error = std::string(gather ? "kvf_xfer_gather" : "kvf_xfer_scatter") + (o.deferred ? "_deferred: " : ": ") +
+                  kvf_last_error() + " (call " + std::to_string(ci + 1) + ")";
       goto out;
+    }
+    if (o.deferred) {
+      /* The join waits for exactly what the thread wrote for this call: a
+       * wait for less would end before the call's work. */
+      kvf_host_stub_counts now;
+      kvf_host_stub_counts_get(&now);
+      if (now.last_value_waited != now.last_value_written) {
+        row.error = "call " + std::to_string(ci + 1) + ": the join waited for " +
+                    std::to_string(now.last_value_waited) + ", the call wrote " +
+                    std::to_string(now.last_value_written);
+        goto out;
+      }
     }
     if (gather ? kvf_reference_gather(g, &ref) : kvf_reference_scatter(g, &ref)) {
       row.error = std::string("reference: ") + kvf_last_error();
@@ -291,6 +317,10 @@ Row run_one(const Options &o, const std::string &preset, const std::string &dire
       if (ci > 0 && pi.path == KVF_PATH_STAGED && pi.batches == 1) {
         row.staged_later++;
         row.cached_later += pi.runs_cached > 0;
+      }
+      if (o.deferred && !pi.deferred) {
+        row.error = "call " + std::to_string(ci + 1) + " was not planned by the context's thread";
+        goto out;
       }
       if (ci == 0) row.path = name;
       else if (("+" + row.path + "+").find("+" + name + "+") == std::string::npos) row.path += "+" + name;
@@ -316,6 +346,18 @@ Row run_one(const Options &o, const std::string &preset, const std::string &dire
     row.error = std::to_string(row.later) + " later calls, none took a blob from the memo";
     goto out;
   }
+  kvf_host_stub_counts_get(&w1);
+  if (w1.early_waits != w0.early_waits) {
+    row.error = std::to_string(w1.early_waits - w0.early_waits) + " of " +
+                std::to_string(w1.value_waits - w0.value_waits) +
+                " waits were enqueued ahead of the write they wait for";
+    goto out;
+  }
+  if (o.deferred && w1.value_waits - w0.value_waits != (uint64_t)o.calls) {
+    row.error = "the joins enqueued " + std::to_string(w1.value_waits - w0.value_waits) + " waits for " +
+                std::to_string(o.calls) + " calls";
+    goto out;
+  }
   if (o.verify_only) goto out;
 
   /* Time: each call alone, the work left out. */
@@ -328,6 +370,7 @@ Row run_one(const Options &o, const std::string &preset, const std::string &dire
     double a = now_us();
     kvf_status s = call();
     double b = now_us();
+    if (!s) s = join_call();
     if (s) {
       row.error = std::string("timed call: ") + kvf_last_error();
       goto out;
@@ -381,7 +424,7 @@ int usage(const char *argv0) {
   fprintf(stderr,
           "usage: %s [--preset-dir DIR] [--presets a,b] [--tokens N] [--reps N] [--directions d2d,d2h,h2d]\n"
           "          [--format canonical|native] [--skip-every K] [--calls N] [--expect-cached-runs]\n"
-          "          [--expect-cached-blobs]\n"
+          "          [--expect-cached-blobs] [--deferred]\n"
           "          [--verify-only] [--json FILE]\n",
           argv0);
   return 2;
@@ -408,6 +451,7 @@ int main(int argc, char **argv) {
     else if (a == "--calls") o.calls = atoi(value().c_str());
     else if (a == "--expect-cached-runs") o.expect_cached_runs = true;
     else if (a == "--expect-cached-blobs") o.expect_cached_blobs = true;
+    else if (a == "--deferred") o.deferred = true;
     else if (a == "--json") o.json = value();
     else return usage(argv[0]);
   }

@@ -215,14 +215,14 @@ if want conf; then
   # everything but the cases that check the tunables' defaults, which the
   # 1 MiB staging of conf_run changes (2026-12-04: XferTuning failed there,
   # and the fallback below then benchmarked the grid-stride walk).
-  # The deferred calls' concurrent case runs alone, in its own process: it
-  # deadlocks the GPU at times (a known defect of KVF_XFER_DEFER,
-  # include/kvferry/transfer.h; 1 in 10-90 runs on the H200), and a
-  # deadlocked process cannot run the cases after it.
+  # The deferred calls' concurrent case also runs alone, in its own process,
+  # with one hardware queue for every stream (CUDA_DEVICE_MAX_CONNECTIONS=1):
+  # the transparent mode it replaced (KVF_XFER_DEFER, removed 2026-12-05)
+  # hung there at once, and a hung process cannot run the cases after it.
   deferred_case=XferGpu.ConcurrentCallsFromThreadsOnOneContext
   conf_run plain $([[ $mode == explore ]] && echo 260 || echo 300) \
     "$([[ $mode == explore ]] && echo '*XferGpu*:*XferStage*' || echo '*')-XferTuning.*:$deferred_case"
-  conf_run deferred 30 "$deferred_case"
+  CUDA_DEVICE_MAX_CONNECTIONS=1 conf_run deferred 30 "$deferred_case"
   # The warp walk (KVF_XFER_KERNEL=2) is the default kernel: if its cases fail
   # and the grid-stride walk's do not, benchmark the grid-stride walk rather
   # than a kernel known to be wrong (every contender is still checked).

@@ -466,6 +466,13 @@ kvf_status call(kvf_xfer *x, Dir dir, const kvf_copy_request *r, kvf_stream s) {
   return dir == Dir::Gather ? kvf_xfer_gather(x, r, s) : kvf_xfer_scatter(x, r, s);
 }
 
+// A deferred call (kvf_xfer_gather_deferred or _scatter_deferred) after the
+// work on `after`.
+kvf_status call_deferred(kvf_xfer *x, Dir dir, const kvf_copy_request *r, kvf_stream after, uint64_t *ticket) {
+  return dir == Dir::Gather ? kvf_xfer_gather_deferred(x, r, after, ticket)
+                            : kvf_xfer_scatter_deferred(x, r, after, ticket);
+}
+
 kvf_xfer_stats stats_of(const kvf_xfer *x) {
   kvf_xfer_stats st = KVF_XFER_STATS_INIT;
   EXPECT_EQ(kvf_xfer_last_stats(x, &st), KVF_SUCCESS) << kvf_last_error();
@@ -475,14 +482,6 @@ kvf_xfer_stats stats_of(const kvf_xfer *x) {
 // ---- host backend ------------------------------------------------------------
 
 // Runs one host-backend case and compares it with the reference.
-// Turn deferred calls (KVF_XFER_DEFER) on or off for a context.
-void set_defer(kvf_xfer *x, int defer) {
-  kvf_xfer_tuning t;
-  kvf_xfer_get_tuning(x, &t);
-  t.defer = defer;
-  ASSERT_EQ(kvf_xfer_set_tuning(x, &t), KVF_SUCCESS) << kvf_last_error();
-}
-
 void run_host_case(const kvf_geometry *g, const Plan &p, kvf_object_format fmt, Dir dir, uint32_t threads,
                    size_t misalign, uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -892,10 +891,12 @@ TEST(XferHost, MoreThreadsThanWork) {
   }
 }
 
-// Deferred calls (KVF_XFER_DEFER) are a CUDA device's: the host backend's
-// calls stay synchronous (the bytes are there when the call returns), and
-// kvf_xfer_flush has nothing to wait for or report.
-TEST(XferHost, DeferredCallsStaySynchronousOnTheHostBackend) {
+// Deferred calls on the host backend run at once (the bytes are there when
+// the call returns) and take tickets counted from 1, each done at once;
+// joins, queries and flushes have nothing to wait for, and a ticket never
+// given is refused, naming the field. Bad requests fail as a synchronous
+// call's do, taking no ticket.
+TEST(XferHost, DeferredCallsRunAtOnceOnTheHostBackend) {
   GeometryPtr g = load_preset("llama-3.1-8b-fa-nhd", 8);
   ASSERT_TRUE(g);
   Plan p;
@@ -908,14 +909,49 @@ TEST(XferHost, DeferredCallsStaySynchronousOnTheHostBackend) {
   ASSERT_EQ(reference(g.get(), p, KVF_FORMAT_CANONICAL, Dir::Gather, want), KVF_SUCCESS) << kvf_last_error();
   XferPtr x = make_xfer(g.get(), KVF_DEVICE_HOST);
   ASSERT_TRUE(x);
-  ASSERT_NO_FATAL_FAILURE(set_defer(x.get(), 1));
+  auto refused = [](kvf_status st, kvf_status want, const char *named) {
+    std::string msg = kvf_last_error();
+    EXPECT_EQ(st, want) << msg;
+    EXPECT_NE(msg.find(named), std::string::npos) << msg;
+  };
+  int done = 0;
+  refused(kvf_xfer_query(x.get(), 1, &done), KVF_ERR_INVALID_ARGUMENT, "ticket 1");
+  refused(kvf_xfer_join(x.get(), 1, nullptr), KVF_ERR_INVALID_ARGUMENT, "ticket 1");
   Data got = clone(in);
   Req r(p, KVF_FORMAT_CANONICAL, payloads(got.cache), payloads(got.objs));
-  ASSERT_EQ(kvf_xfer_gather(x.get(), r.get(), nullptr), KVF_SUCCESS) << kvf_last_error();
+  uint64_t ticket = 0;
+  ASSERT_EQ(kvf_xfer_gather_deferred(x.get(), r.get(), nullptr, &ticket), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(ticket, 1u);
   EXPECT_EQ(diff("object", got.objs, want.objs), "");
+  EXPECT_EQ(kvf_xfer_query(x.get(), ticket, &done), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(done, 1);
+  EXPECT_EQ(kvf_xfer_join(x.get(), ticket, nullptr), KVF_SUCCESS) << kvf_last_error();
+  // A scatter of the gathered objects back into a zeroed cache.
+  Data back = clone(got);
+  for (GBuf &region : back.cache) std::memset(region.payload(), 0, region.size);
+  Req rs(p, KVF_FORMAT_CANONICAL, payloads(back.cache), payloads(back.objs));
+  ASSERT_EQ(kvf_xfer_scatter_deferred(x.get(), rs.get(), nullptr, &ticket), KVF_SUCCESS) << kvf_last_error();
+  EXPECT_EQ(ticket, 2u);
+  Data want_back = clone(back);
+  ASSERT_EQ(reference(g.get(), p, KVF_FORMAT_CANONICAL, Dir::Scatter, want_back), KVF_SUCCESS) << kvf_last_error();
+  // The reference scatters the same objects into the zeroed cache: equal.
+  EXPECT_EQ(diff("cache region", back.cache, want_back.cache), "");
   EXPECT_EQ(kvf_xfer_flush(x.get()), KVF_SUCCESS) << kvf_last_error();
-  EXPECT_EQ(kvf_xfer_flush(nullptr), KVF_ERR_INVALID_ARGUMENT);
-  EXPECT_NE(std::string(kvf_last_error()).find("kvf_xfer_flush"), std::string::npos) << kvf_last_error();
+  // A bad request: the check's error, no ticket taken.
+  Req bad(p, KVF_FORMAT_CANONICAL, payloads(got.cache), payloads(got.objs));
+  bad.req.token_end = bad.req.token_begin;
+  uint64_t untouched = 77;
+  EXPECT_NE(kvf_xfer_gather_deferred(x.get(), bad.get(), nullptr, &untouched), KVF_SUCCESS);
+  EXPECT_EQ(untouched, 77u);
+  refused(kvf_xfer_query(x.get(), 3, &done), KVF_ERR_INVALID_ARGUMENT, "ticket 3");
+  refused(kvf_xfer_query(x.get(), 0, &done), KVF_ERR_INVALID_ARGUMENT, "ticket 0");
+  refused(kvf_xfer_join(x.get(), 0, nullptr), KVF_ERR_INVALID_ARGUMENT, "ticket 0");
+  refused(kvf_xfer_gather_deferred(x.get(), r.get(), nullptr, nullptr), KVF_ERR_INVALID_ARGUMENT, "ticket");
+  refused(kvf_xfer_scatter_deferred(nullptr, r.get(), nullptr, &ticket), KVF_ERR_INVALID_ARGUMENT,
+          "kvf_xfer_scatter_deferred");
+  refused(kvf_xfer_query(x.get(), 1, nullptr), KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_query");
+  refused(kvf_xfer_join(nullptr, 1, nullptr), KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_join");
+  refused(kvf_xfer_flush(nullptr), KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_flush");
 }
 
 // Every block skipped: nothing moves, so no object is needed and `objects`
@@ -1191,7 +1227,6 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_EQ(t.batch_staged_cost, 0) << "measured on the context";
   EXPECT_EQ(t.small_stage_growth, 4);
   EXPECT_EQ(t.small_stage_one_piece, 1);
-  EXPECT_EQ(t.defer, 0);
   GeometryPtr g = load_preset("llama-3.1-8b-fa-nhd", 4);
   ASSERT_TRUE(g) << kvf_last_error();
   XferPtr x = make_xfer(g.get(), KVF_DEVICE_HOST);
@@ -1214,7 +1249,7 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
     KVF_CHANGED(spread_kb)
     KVF_CHANGED(cache_order) KVF_CHANGED(overlap) KVF_CHANGED(device_task_waves) KVF_CHANGED(kernel)
     KVF_CHANGED(batch_first_runs) KVF_CHANGED(small_stage_growth) KVF_CHANGED(small_stage_one_piece)
-    KVF_CHANGED(defer) KVF_CHANGED(batch_link_gbps) KVF_CHANGED(batch_back_to_back_us)
+    KVF_CHANGED(batch_link_gbps) KVF_CHANGED(batch_back_to_back_us)
     KVF_CHANGED(batch_host_bound) KVF_CHANGED(batch_staged_cost) KVF_CHANGED(task_bytes)
     KVF_CHANGED(stage_pieces) KVF_CHANGED(pcie_sms) KVF_CHANGED(stage_sms) KVF_CHANGED(stage_growth)
     KVF_CHANGED(param_bytes) KVF_CHANGED(task_waves) KVF_CHANGED(batch_min_run) KVF_CHANGED(batch_max_runs)
@@ -1246,8 +1281,6 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.small_stage_growth = 17; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.small_stage_one_piece = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.small_stage_one_piece = 2; }));
-  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.defer = 2; }));
-  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.defer = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_link_gbps = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_link_gbps = KVF_BATCH_MAX_LINK_GBPS + 1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.batch_back_to_back_us = -1; }));
@@ -1284,7 +1317,6 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   ok.batch_first_runs = 0;
   ok.small_stage_growth = 16;
   ok.small_stage_one_piece = 0;
-  ok.defer = 1;
   ok.batch_link_gbps = 0; // doubling
   EXPECT_EQ(kvf_xfer_set_tuning(x.get(), &ok), KVF_SUCCESS) << kvf_last_error();
 }
@@ -3652,6 +3684,7 @@ struct GpuConfig {
   double busy_ms = 0;          // a spin kernel this long on the stream before the call
   int calls = 1;               // the call this many times, each after the last one's stream sync
   bool sync_each = true;       // false: the calls back to back, one sync after the last
+  bool deferred = false;       // each call deferred (after the stream's work), then joined into the stream
   bool check_route = true;
   kvf_xfer_route route = KVF_ROUTE_D2D;
   // Applied to the context's tuning before the call (host/core/xfer_internal.h).
@@ -3755,10 +3788,14 @@ void run_gpu_case(const kvf_geometry *g, const Plan &p, kvf_object_format fmt, D
     }
     auto r = std::make_unique<Req>(call_plan ? *call_plan : p, fmt, dcache.payloads(), dobjs.payloads());
     if (before_call) CUDA_OK(cudaEventRecord(before_call, s));
-    kvf_status st = call(x.get(), dir, r->get(), s);
+    uint64_t ticket = 0;
+    kvf_status st = cfg.deferred ? call_deferred(x.get(), dir, r->get(), s, &ticket) : call(x.get(), dir, r->get(), s);
     r->scrub();
     r.reset();
     ASSERT_EQ(st, KVF_SUCCESS) << kvf_last_error();
+    if (cfg.deferred) {
+      ASSERT_EQ(kvf_xfer_join(x.get(), ticket, s), KVF_SUCCESS) << kvf_last_error();
+    }
     if (cfg.check_each) {
       kvf_xfer_path_info each;
       kvf_xfer_last_path(x.get(), &each);
@@ -3952,14 +3989,17 @@ struct RouteVariant {
   bool pinned_only;
   void (*tune)(kvf_xfer_tuning &);
   void (*check)(const kvf_xfer_path_info &, Mem);
+  bool deferred = false; // through kvf_xfer_gather_deferred (_scatter_deferred) and a join
 };
 
 const RouteVariant kRouteVariants[] = {
     // The default routes, each call planned and enqueued by the context's
-    // thread (KVF_XFER_DEFER); the request's arrays are scrubbed as soon as
-    // the call returns, before the thread reads them (it reads its copy).
-    {"deferred", false, [](kvf_xfer_tuning &t) { t.defer = 1; },
-     [](const kvf_xfer_path_info &p, Mem) { EXPECT_EQ(p.deferred, 1u) << "the call ran on the caller's thread"; }},
+    // thread (a deferred call, then joined into the stream); the request's
+    // arrays are scrubbed as soon as the call returns, before the thread
+    // reads them (it reads its copy).
+    {"deferred", false, [](kvf_xfer_tuning &) {},
+     [](const kvf_xfer_path_info &p, Mem) { EXPECT_EQ(p.deferred, 1u) << "the call ran on the caller's thread"; },
+     true},
     {"upload", false,
      [](kvf_xfer_tuning &t) {
        t.param_bytes = 0;
@@ -4182,6 +4222,7 @@ TEST_P(XferGpuRoutes, MatchesTheReferenceByteForByte) {
   cfg.obj_kind = c.obj_kind;
   cfg.route = expected_route(c.obj_kind, c.dir);
   cfg.tune = v.tune;
+  cfg.deferred = v.deferred;
   Mem m = c.obj_kind;
   cfg.check_path = [&v, m](const kvf_xfer_path_info &p) { v.check(p, m); };
   run_gpu_case(s.g(), s.plan, c.format, c.dir, 0, seed + 1, cfg);
@@ -5089,26 +5130,38 @@ TEST(XferGpu, PageableHostMemoryIsRefused) {
     Mem cache, objs;
     const char *field;
   };
-  // Deferred, the context's thread finds it: kvf_xfer_flush names the field.
+  // Deferred, the context's thread finds it: the join (gather) or the query
+  // (scatter) covering the call names the field, once.
   for (int defer : {0, 1})
   for (Variant v : {Variant{Mem::Device, Mem::Pageable, "objects"}, Variant{Mem::Pageable, Mem::Device, "region_bases"}})
     for (Dir d : {Dir::Gather, Dir::Scatter}) {
       SCOPED_TRACE(std::string(dir_name(d)) + ", pageable " + v.field + (defer ? ", deferred" : ""));
-      ASSERT_NO_FATAL_FAILURE(set_defer(x.get(), defer));
       Data live = make_inputs(s.g(), s.plan, d, 0, rng);
       DevSet dcache, dobjs;
       ASSERT_NO_FATAL_FAILURE(upload_new(live.cache, v.cache, 0, &dcache));
       ASSERT_NO_FATAL_FAILURE(upload_new(live.objs, v.objs, 0, &dobjs));
       Req r(s.plan, KVF_FORMAT_CANONICAL, dcache.payloads(), dobjs.payloads());
       ASSERT_EQ(kvf_copy_request_check(s.g(), r.get()), KVF_SUCCESS) << "the request is otherwise valid";
-      kvf_status st = call(x.get(), d, r.get(), stream.s);
+      uint64_t ticket = 0;
+      kvf_status st = defer ? call_deferred(x.get(), d, r.get(), stream.s, &ticket) : call(x.get(), d, r.get(), stream.s);
       if (defer) {
         EXPECT_EQ(st, KVF_SUCCESS) << kvf_last_error();
-        st = kvf_xfer_flush(x.get());
+        if (d == Dir::Gather) {
+          st = kvf_xfer_join(x.get(), ticket, stream.s);
+        } else {
+          int done = 0;
+          while ((st = kvf_xfer_query(x.get(), ticket, &done)) == KVF_SUCCESS && !done) std::this_thread::yield();
+        }
       }
       EXPECT_EQ(st, KVF_ERR_INVALID_ARGUMENT);
       std::string msg = kvf_last_error();
       EXPECT_NE(msg.find(v.field), std::string::npos) << "the message should name " << v.field << ": " << msg;
+      if (defer) {
+        EXPECT_NE(msg.find("(call " + std::to_string(ticket) + ")"), std::string::npos) << msg;
+        int done = 0;
+        EXPECT_EQ(kvf_xfer_query(x.get(), ticket, &done), KVF_SUCCESS) << "reported once: " << kvf_last_error();
+        EXPECT_EQ(kvf_xfer_flush(x.get()), KVF_SUCCESS) << "reported once: " << kvf_last_error();
+      }
       CUDA_OK(cudaStreamSynchronize(stream.s));
       Data got = clone(live);
       ASSERT_NO_FATAL_FAILURE(download(dcache, got.cache));
@@ -5128,11 +5181,12 @@ struct Graph {
   }
 };
 
-// With deferred calls on, a call on a capturing stream runs synchronously
-// (the context's thread is started by a call before the capture).
+// defer: the context's thread is started by a deferred call before the
+// capture, and a deferred call on the capturing stream is refused (naming
+// `after`), leaving the capture intact for the synchronous call.
 void graph_case(Dir dir, bool upload_tables, int defer) {
   SCOPED_TRACE(upload_tables ? "tables uploaded" : "tables in kernel parameters");
-  SCOPED_TRACE(defer ? "deferred calls on" : "deferred calls off");
+  SCOPED_TRACE(defer ? "a deferred call first" : "no deferred call");
   Prepared s;
   ASSERT_NO_FATAL_FAILURE(setup_standard("glm-like-hybrid", true, 71 + (uint64_t)dir, &s, true));
   const kvf_geometry *g = s.g();
@@ -5156,9 +5210,10 @@ void graph_case(Dir dir, bool upload_tables, int defer) {
   Stream stream;
   Graph graph;
   if (defer) {
-    ASSERT_NO_FATAL_FAILURE(set_defer(x.get(), 1));
     Req warm(s.plan, KVF_FORMAT_CANONICAL, dcache.payloads(), dobjs.payloads());
-    ASSERT_EQ(call(x.get(), dir, warm.get(), stream.s), KVF_SUCCESS) << kvf_last_error();
+    uint64_t ticket = 0;
+    ASSERT_EQ(call_deferred(x.get(), dir, warm.get(), stream.s, &ticket), KVF_SUCCESS) << kvf_last_error();
+    ASSERT_EQ(kvf_xfer_join(x.get(), ticket, stream.s), KVF_SUCCESS) << kvf_last_error();
     CUDA_OK(cudaStreamSynchronize(stream.s));
     ASSERT_NO_FATAL_FAILURE(upload(in1.cache, dcache));
     ASSERT_NO_FATAL_FAILURE(upload(in1.objs, dobjs));
@@ -5166,11 +5221,20 @@ void graph_case(Dir dir, bool upload_tables, int defer) {
 
   CUDA_OK(cudaStreamBeginCapture(stream.s, cudaStreamCaptureModeGlobal));
   auto r = std::make_unique<Req>(s.plan, KVF_FORMAT_CANONICAL, dcache.payloads(), dobjs.payloads());
+  kvf_status refused = KVF_ERR_INVALID_ARGUMENT;
+  std::string refusal = "after";
+  if (defer) {
+    uint64_t ticket = 0;
+    refused = call_deferred(x.get(), dir, r->get(), stream.s, &ticket);
+    refusal = kvf_last_error();
+  }
   kvf_status st = call(x.get(), dir, r->get(), stream.s);
   std::string msg = kvf_last_error();
   r->scrub();  // the captured work must not read these host arrays
   r.reset();
   cudaError_t end = cudaStreamEndCapture(stream.s, &graph.graph);  // end it before any assertion
+  EXPECT_EQ(refused, KVF_ERR_INVALID_ARGUMENT) << refusal;
+  EXPECT_EQ(refusal.rfind("after:", 0), 0u) << refusal;
   ASSERT_EQ(st, KVF_SUCCESS) << msg;
   CUDA_OK(end);
   CUDA_OK(cudaGraphInstantiate(&graph.exec, graph.graph, 0));
@@ -5259,8 +5323,9 @@ TEST(XferGpu, CallDoesNotSynchronize) {
   Prepared s;
   ASSERT_NO_FATAL_FAILURE(setup_standard("gpt-oss-20b-like", true, 81, &s, true));
   const kvf_geometry *g = s.g();
-  // Deferred calls (KVF_XFER_DEFER) too: the context's thread must wait for
-  // the spin and the copies behind it as the stream does.
+  // Deferred calls too: the context's thread must wait for the spin and the
+  // copies behind it as the stream does, and the join orders the stream
+  // after the call.
   for (int defer : {0, 1})
   for (Dir dir : {Dir::Gather, Dir::Scatter}) {
     SCOPED_TRACE(std::string(dir_name(dir)) + (defer ? ", deferred" : ""));
@@ -5275,12 +5340,17 @@ TEST(XferGpu, CallDoesNotSynchronize) {
     ASSERT_NO_FATAL_FAILURE(upload_new(in.objs, Mem::Device, 0, &staged_objs));
     XferPtr x = make_xfer(g, 0);
     ASSERT_TRUE(x);
-    ASSERT_NO_FATAL_FAILURE(set_defer(x.get(), defer));
     Stream stream;
+    uint64_t ticket = 0;
     // Warm up (module loading, first-call allocations), then start from old_in.
     {
       Req warm(s.plan, KVF_FORMAT_CANONICAL, dcache.payloads(), dobjs.payloads());
-      ASSERT_EQ(call(x.get(), dir, warm.get(), stream.s), KVF_SUCCESS) << kvf_last_error();
+      if (defer) {
+        ASSERT_EQ(call_deferred(x.get(), dir, warm.get(), stream.s, &ticket), KVF_SUCCESS) << kvf_last_error();
+        ASSERT_EQ(kvf_xfer_join(x.get(), ticket, stream.s), KVF_SUCCESS) << kvf_last_error();
+      } else {
+        ASSERT_EQ(call(x.get(), dir, warm.get(), stream.s), KVF_SUCCESS) << kvf_last_error();
+      }
       CUDA_OK(cudaStreamSynchronize(stream.s));
       ASSERT_NO_FATAL_FAILURE(upload(old_in.cache, dcache));
       ASSERT_NO_FATAL_FAILURE(upload(old_in.objs, dobjs));
@@ -5296,12 +5366,18 @@ TEST(XferGpu, CallDoesNotSynchronize) {
                                   cudaMemcpyDeviceToDevice, stream.s));
     auto r = std::make_unique<Req>(s.plan, KVF_FORMAT_CANONICAL, dcache.payloads(), dobjs.payloads());
     auto t0 = clock::now();
-    kvf_status st = call(x.get(), dir, r->get(), stream.s);
+    kvf_status st = defer ? call_deferred(x.get(), dir, r->get(), stream.s, &ticket) : call(x.get(), dir, r->get(), stream.s);
     auto t1 = clock::now();
     r->scrub();
     r.reset();
     cudaError_t q = cudaStreamQuery(stream.s);
     ASSERT_EQ(st, KVF_SUCCESS) << kvf_last_error();
+    if (defer) {
+      int done = 1;
+      EXPECT_EQ(kvf_xfer_query(x.get(), ticket, &done), KVF_SUCCESS) << kvf_last_error();
+      EXPECT_EQ(done, 0) << "the call's work was done while the stream still spun";
+      ASSERT_EQ(kvf_xfer_join(x.get(), ticket, stream.s), KVF_SUCCESS) << kvf_last_error();
+    }
     double call_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
     EXPECT_EQ(q, cudaErrorNotReady) << "the stream finished before the call returned: the call waited for it";
     EXPECT_LT(call_ms, kSpinMs / 4) << "the call took " << call_ms << " ms behind a " << kSpinMs << " ms kernel";
@@ -5441,11 +5517,16 @@ TEST(XferGpu, ConcurrentCallsFromThreadsOnOneContext) {
   constexpr int kThreads = 4;
   std::vector<DevSet> dobjs(kThreads);
   for (auto &d : dobjs) ASSERT_NO_FATAL_FAILURE(upload_new(in.objs, Mem::Device, 0, &d));
+  // Deferred: each thread posts on its own stream and joins the call back
+  // into it, kRounds times. The transparent mode this replaced hung here
+  // (its caller's stream waited for work not yet enqueued, on a hardware
+  // queue the internal stream could share): run this case with
+  // CUDA_DEVICE_MAX_CONNECTIONS=1 too, where every stream shares one.
+  constexpr int kRounds = 8;
   for (int defer : {0, 1}) {
   SCOPED_TRACE(defer ? "deferred calls" : "synchronous calls");
   XferPtr x = make_xfer(s.g(), 0);
   ASSERT_TRUE(x);
-  ASSERT_NO_FATAL_FAILURE(set_defer(x.get(), defer));
   for (auto &d : dobjs) ASSERT_NO_FATAL_FAILURE(upload(in.objs, d));
   std::vector<std::unique_ptr<Stream>> streams;
   for (int t = 0; t < kThreads; t++) streams.push_back(std::make_unique<Stream>());
@@ -5455,7 +5536,16 @@ TEST(XferGpu, ConcurrentCallsFromThreadsOnOneContext) {
     threads.emplace_back([&, t] {
       cudaSetDevice(0);
       Req r(s.plan, KVF_FORMAT_CANONICAL, dcache.payloads(), dobjs[t].payloads());
-      if (kvf_xfer_gather(x.get(), r.get(), streams[t]->s) != KVF_SUCCESS) failures++;
+      if (!defer) {
+        if (kvf_xfer_gather(x.get(), r.get(), streams[t]->s) != KVF_SUCCESS) failures++;
+        return;
+      }
+      for (int round = 0; round < kRounds; round++) {
+        uint64_t ticket = 0;
+        if (kvf_xfer_gather_deferred(x.get(), r.get(), streams[t]->s, &ticket) != KVF_SUCCESS ||
+            kvf_xfer_join(x.get(), ticket, streams[t]->s) != KVF_SUCCESS)
+          failures++;
+      }
     });
   for (auto &t : threads) t.join();
   EXPECT_EQ(failures.load(), 0);
@@ -5469,15 +5559,16 @@ TEST(XferGpu, ConcurrentCallsFromThreadsOnOneContext) {
   }
 }
 
-// Deferred calls (KVF_XFER_DEFER) made just before their context is
-// destroyed, queued behind a kernel and more of them than one context
-// queues before posting waits (KVF_DEFER_DEPTH): destroy lets its thread
-// enqueue every one, the caller's stream is released in order, and every
-// call's bytes arrive. A second context then takes the counter word the
-// first gave back, with its value: counting from zero again would release
-// its calls' waits at once, before their work (the stream synchronize
-// below would return early and the objects would hold their poison).
-TEST(XferGpu, DeferredCallsMadeJustBeforeDestroyComplete) {
+// Deferred calls queued behind a kernel, more of them than one context
+// queues before posting waits (KVF_DEFER_DEPTH). Contexts 1 and 2 join the
+// last call into the stream and the stream is synchronized before destroy:
+// every call's bytes must be there. Context 2 takes the counter word
+// context 1 gave back, with its value: counting from zero again would end
+// its join's wait at once, before the work (the synchronize would return
+// early and the objects would hold their poison). Context 3 is destroyed
+// right after its last call, unjoined: destroy lets its thread enqueue
+// every call and waits for their work.
+TEST(XferGpu, DeferredCallsCompleteJoinedOrDestroyed) {
   REQUIRE_GPU();
   Prepared s;
   ASSERT_NO_FATAL_FAILURE(setup_standard("glm-like-hybrid", true, 121, &s, true));
@@ -5490,16 +5581,24 @@ TEST(XferGpu, DeferredCallsMadeJustBeforeDestroyComplete) {
   std::vector<DevSet> dobjs(kCalls);
   for (auto &d : dobjs) ASSERT_NO_FATAL_FAILURE(upload_new(in.objs, Mem::Pinned, 0, &d));
   Stream stream;
-  for (int round = 0; round < 2; round++) {
+  for (int round = 0; round < 3; round++) {
     SCOPED_TRACE("context " + std::to_string(round + 1));
     for (auto &d : dobjs) ASSERT_NO_FATAL_FAILURE(upload(in.objs, d));
     XferPtr x = make_xfer(s.g(), 0);
     ASSERT_TRUE(x);
-    ASSERT_NO_FATAL_FAILURE(set_defer(x.get(), 1));
     CUDA_OK(kvf_test_spin(stream.s, 50));
+    uint64_t ticket = 0;
     for (int i = 0; i < kCalls; i++) {
       Req r(s.plan, KVF_FORMAT_CANONICAL, dcache.payloads(), dobjs[i].payloads());
-      ASSERT_EQ(kvf_xfer_gather(x.get(), r.get(), stream.s), KVF_SUCCESS) << kvf_last_error();
+      ASSERT_EQ(kvf_xfer_gather_deferred(x.get(), r.get(), stream.s, &ticket), KVF_SUCCESS) << kvf_last_error();
+    }
+    EXPECT_EQ(ticket, (uint64_t)kCalls);
+    if (round < 2) {
+      ASSERT_EQ(kvf_xfer_join(x.get(), ticket, stream.s), KVF_SUCCESS) << kvf_last_error();
+      CUDA_OK(cudaStreamSynchronize(stream.s));
+      int done = 0;
+      EXPECT_EQ(kvf_xfer_query(x.get(), ticket, &done), KVF_SUCCESS) << kvf_last_error();
+      EXPECT_EQ(done, 1) << "the joined stream finished before the calls' work";
     }
     x.reset();
     CUDA_OK(cudaStreamSynchronize(stream.s));
@@ -5572,8 +5671,8 @@ TEST(XferGpu, StagedCallRefusedAtABatchKeepsTheBatchesBeforeIt) {
   const std::pair<Dir, kvf_object_format> kCases[] = {{Dir::Gather, KVF_FORMAT_CANONICAL},
                                                       {Dir::Scatter, KVF_FORMAT_NATIVE},
                                                       {Dir::Gather, KVF_FORMAT_NATIVE}};
-  // Deferred (KVF_XFER_DEFER): the call returns KVF_SUCCESS, the context's
-  // thread meets the refusal, and kvf_xfer_flush reports it; the rest holds.
+  // Deferred: the call returns KVF_SUCCESS, the context's thread meets the
+  // refusal, and the join reports it (once); the rest holds.
   for (int defer : {0, 1})
   for (auto [dir, fmt] : kCases) {
     SCOPED_TRACE(std::string(dir_name(dir)) + ", " + format_name(fmt) + (defer ? ", deferred" : ""));
@@ -5591,7 +5690,6 @@ TEST(XferGpu, StagedCallRefusedAtABatchKeepsTheBatchesBeforeIt) {
       kvf_xfer_tuning t;  // the staged route, not the copy-engine batch API
       kvf_xfer_get_tuning(x.get(), &t);
       t.batch_max_runs = 0;
-      t.defer = defer;
       ASSERT_EQ(kvf_xfer_set_tuning(x.get(), &t), KVF_SUCCESS);
     }
     Stream stream;
@@ -5606,7 +5704,13 @@ TEST(XferGpu, StagedCallRefusedAtABatchKeepsTheBatchesBeforeIt) {
     // poisoned inputs.
     {
       Req r(s.plan, fmt, dcache.payloads(), dobjs.payloads());
-      ASSERT_EQ(call(x.get(), dir, r.get(), stream.s), KVF_SUCCESS) << kvf_last_error();
+      if (defer) {
+        uint64_t ticket = 0;
+        ASSERT_EQ(call_deferred(x.get(), dir, r.get(), stream.s, &ticket), KVF_SUCCESS) << kvf_last_error();
+        ASSERT_EQ(kvf_xfer_join(x.get(), ticket, stream.s), KVF_SUCCESS) << kvf_last_error();
+      } else {
+        ASSERT_EQ(call(x.get(), dir, r.get(), stream.s), KVF_SUCCESS) << kvf_last_error();
+      }
       CUDA_OK(cudaStreamSynchronize(stream.s));
       Data got;
       ASSERT_NO_FATAL_FAILURE(download_all(&got));
@@ -5639,17 +5743,19 @@ TEST(XferGpu, StagedCallRefusedAtABatchKeepsTheBatchesBeforeIt) {
     {
       FailAtBatch hook(kRefused);
       auto r = std::make_unique<Req>(s.plan, fmt, dcache.payloads(), dobjs.payloads());
-      st = call(x.get(), dir, r->get(), stream.s);
+      uint64_t ticket = 0;
+      st = defer ? call_deferred(x.get(), dir, r->get(), stream.s, &ticket) : call(x.get(), dir, r->get(), stream.s);
       msg = kvf_last_error();
       r->scrub();
       if (defer) {
         EXPECT_EQ(st, KVF_SUCCESS) << "a deferred call returns before it is planned: " << msg;
-        st = kvf_xfer_flush(x.get());  // inside the hook's scope: the thread may not have reached it yet
+        EXPECT_EQ(ticket, 2u) << "the context's second deferred call";
+        // Inside the hook's scope: the thread may not have reached it yet.
+        st = kvf_xfer_join(x.get(), ticket, stream.s);
         msg = kvf_last_error();
-        // The context's second call (the first was the good one above).
         std::string named = std::string("deferred ") + dir_name(dir) + " (call 2): staged ";
         EXPECT_NE(msg.find(named), std::string::npos) << "message '" << msg << "' should say '" << named << "'";
-        EXPECT_EQ(kvf_xfer_flush(x.get()), KVF_SUCCESS) << "a flush reports an error once";
+        EXPECT_EQ(kvf_xfer_flush(x.get()), KVF_SUCCESS) << "a failure is reported once";
       }
     }
     EXPECT_EQ(st, KVF_ERR_CUDA) << msg;

@@ -98,9 +98,7 @@ extern "C" {
   X(xfer_cache_order, "KVF_XFER_CACHE_ORDER", 1,                                         \
     "1: a device-to-device gather walks head-major (HND) blocks in the cache's address order; 0: in the object's") \
   X(xfer_kernel, "KVF_XFER_KERNEL", 2,                                                   \
-    "the transfer kernel's walk: 2 each warp a contiguous range of tasks, one decode per block, stepped addressing; 1 the grid-stride walk of one task per step") \
-  X(xfer_defer, "KVF_XFER_DEFER", 0,                                                     \
-    "1: a call on a CUDA device returns once it has checked and copied its request and put an event and a wait on the caller's stream; a thread of the context plans and enqueues it (errors found then are reported by kvf_xfer_flush). Known defect: the GPU can deadlock when the caller's stream shares a hardware work queue with the context's internal stream (include/kvferry/transfer.h); 0: the calling thread enqueues everything before returning")
+    "the transfer kernel's walk: 2 each warp a contiguous range of tasks, one decode per block, stepped addressing; 1 the grid-stride walk of one task per step")
 
 /* A value no parameter may take: marks "not read yet" in the caches. */
 #define KVF_PARAM_UNSET INT64_MIN

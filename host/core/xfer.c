@@ -53,6 +53,16 @@ typedef struct retired {
  * most (posting waits for one to be enqueued beyond that). */
 #define KVF_DEFER_DEPTH 32
 
+/* Failures of deferred calls kept until a join, query or flush reports
+ * them (include/kvferry/transfer.h); later ones are only logged. */
+#define KVF_DEFER_FAILURES 16
+
+typedef struct defer_failure {
+  uint64_t seq; /* the call's number on the word */
+  kvf_status status;
+  char message[512];
+} defer_failure;
+
 /* A deferred call: the request with its own copy of the caller's arrays
  * (the caller may reuse them once the call returns), which follow the
  * struct in the same allocation. */
@@ -158,20 +168,21 @@ struct kvf_xfer {
   kvf_memo runs_cache; /* staged pieces' copy-engine runs, by blob (kvf_stage_blob_runs_cached; under lock) */
   kvf_memo plan_memo;  /* staged calls' piece splits and straight picks (under lock) */
   kvf_memo blob_memo;  /* the routes' blobs, by shape (kvf_blob_build_memo; under lock) */
-  /* Deferred calls (KVF_XFER_DEFER): the caller's thread checks and copies
-   * the request, records `start` on its stream and makes the stream wait
-   * until *done reaches the call's number; the context's thread plans and
-   * enqueues the call on defer_stream after `start`, then writes the number
-   * there. defer_mu guards the fields below; the thread holds `lock` while
-   * it plans and enqueues, as a synchronous call does. Posting threads go
-   * one at a time (defer_post_mu) and make their CUDA calls without
-   * defer_mu, which the thread needs to take its next call. */
-  int defer_on;              /* atomic copy of tune.defer, read by calls without `lock` */
+  /* Deferred calls (kvf_xfer_gather_deferred): the caller's thread checks
+   * and copies the request and records `start` on its stream; the
+   * context's thread plans and enqueues the call on defer_stream after
+   * `start`, then writes the call's number to *done there. A join waits on
+   * the host until the thread has enqueued the call, then makes its stream
+   * wait until *done reaches the number: every wait is for work enqueued
+   * before it. defer_mu guards the fields below; the thread holds `lock`
+   * while it plans and enqueues, as a synchronous call does. Posting
+   * threads go one at a time (defer_post_mu) and make their CUDA call
+   * without defer_mu, which the thread needs to take its next call. */
   pthread_mutex_t defer_post_mu;
   pthread_mutex_t defer_mu;
   pthread_cond_t defer_wake; /* a call was posted, or the thread must stop */
   pthread_cond_t defer_room; /* a call was enqueued (its event came back), a post ended, or a hold ended */
-  int defer_state;           /* 0 not started, 1 running, -1 could not start (calls stay synchronous) */
+  int defer_state;           /* 0 not started (or could not start: the next post tries again), 1 running */
   int defer_stop;
   int defer_posting;         /* a post has its number and is putting its event and wait on its stream */
   uint32_t defer_holds;      /* synchronous calls waiting or running: posting waits for them */
@@ -186,9 +197,11 @@ struct kvf_xfer {
   uint64_t *defer_done;      /* mapped pinned word, the number of the last call whose work completed */
   CUdeviceptr defer_done_dev;
   cudaStream_t defer_stream;
-  kvf_status defer_status;   /* the first failure of a deferred call, until kvf_xfer_flush reports it */
-  char defer_message[512];
+  defer_failure defer_failures[KVF_DEFER_FAILURES]; /* in call order, until reported */
+  uint32_t defer_failure_count;
+  uint64_t defer_failures_dropped; /* failures met while every slot was taken */
 #endif
+  uint64_t host_tickets; /* the host backend's deferred calls, which run at once (atomic) */
 };
 
 #ifdef KVF_WITH_CUDA
@@ -277,8 +290,7 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
                          .overlap = kvf_param_xfer_overlap(),
                          .small_stage_mb = kvf_param_xfer_small_stage_mb(),
                          .small_stage_growth = kvf_param_xfer_small_stage_growth(),
-                         .small_stage_one_piece = kvf_param_xfer_small_stage_one_piece(),
-                         .defer = kvf_param_xfer_defer()};
+                         .small_stage_one_piece = kvf_param_xfer_small_stage_one_piece()};
   /* Out-of-range values from the environment fall back to the defaults'
    * behaviour rather than failing every call. */
   if (t->task_bytes < 16 || t->task_bytes > 65536 || t->task_bytes % 16) t->task_bytes = KVF_SLICE_BYTES;
@@ -303,7 +315,6 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
     t->batch_back_to_back_us = 20;
   if (t->batch_host_bound < 0 || t->batch_host_bound > 1) t->batch_host_bound = 1;
   if (t->batch_staged_cost < 0 || (uint64_t)t->batch_staged_cost > KVF_BATCH_MAX_STAGED_COST) t->batch_staged_cost = 0;
-  if (t->defer < 0 || t->defer > 1) t->defer = 0;
 }
 
 /* Each tunable's accepted range (kvf_xfer_set_tuning names the first one
@@ -343,7 +354,6 @@ static const struct {
     KVF_TUNING_RANGE(small_stage_mb, 0, INT64_MAX),
     KVF_TUNING_RANGE(small_stage_growth, 1, 16),
     KVF_TUNING_RANGE(small_stage_one_piece, 0, 1),
-    KVF_TUNING_RANGE(defer, 0, 1),
 #undef KVF_TUNING_RANGE
 };
 /* Every field has a range: the struct is all int64_t. */
@@ -371,9 +381,6 @@ kvf_status kvf_xfer_set_tuning(kvf_xfer *x, const kvf_xfer_tuning *t) {
 #endif
   x->tune = *t;
   x->listed.runs = 0; /* the runs' limits or the link rate may have changed */
-#ifdef KVF_WITH_CUDA
-  __atomic_store_n(&x->defer_on, (int)t->defer, __ATOMIC_RELAXED);
-#endif
   pthread_mutex_unlock(&x->lock);
   return KVF_SUCCESS;
 }
@@ -530,7 +537,6 @@ kvf_status kvf_xfer_create(const kvf_geometry *g, const kvf_xfer_options *option
   kvf_xfer_tuning_from_params(&x->tune);
   pthread_mutex_init(&x->lock, NULL);
 #ifdef KVF_WITH_CUDA
-  x->defer_on = (int)x->tune.defer;
   pthread_mutex_init(&x->defer_post_mu, NULL);
   pthread_mutex_init(&x->defer_mu, NULL);
   pthread_cond_init(&x->defer_wake, NULL);
@@ -2424,10 +2430,10 @@ static kvf_status launch_cuda(kvf_xfer *x, const kvf_copy_request *r, int gather
   return st;
 }
 
-/* ---- deferred calls (KVF_XFER_DEFER) ----------------------------------------- */
+/* ---- deferred calls (kvf_xfer_gather_deferred) ------------------------------- */
 
 /* The words deferred calls count in: 64-byte lines of mapped, portable
- * pinned memory that live as long as the process. A caller's stream may
+ * pinned memory that live as long as the process. A joined stream may
  * still be queued before its wait on a word when the context is destroyed;
  * the word must stay readable and never go back below a number it reached,
  * so a word is handed to a later context with its value, and that context
@@ -2513,10 +2519,42 @@ static deferred *copy_deferred(const kvf_geometry *g, const kvf_copy_request *r,
   return d;
 }
 
+/* Keep a deferred call's failure for the join, query or flush that
+ * reports it (under defer_mu). Past KVF_DEFER_FAILURES only count it, and
+ * keep none until the count is reported with the last kept one: every
+ * failure counted is then later than every one kept. */
+static void keep_failure(kvf_xfer *x, uint64_t seq, kvf_status st, const char *message) {
+  if (x->defer_failure_count == KVF_DEFER_FAILURES || x->defer_failures_dropped) {
+    x->defer_failures_dropped++;
+    return;
+  }
+  defer_failure *f = &x->defer_failures[x->defer_failure_count++];
+  f->seq = seq;
+  f->status = st;
+  snprintf(f->message, sizeof f->message, "%s", message);
+}
+
+/* Report and forget the first kept failure of a call numbered up to `seq`
+ * (under defer_mu; kvf_fail takes no lock). The last kept one's report
+ * counts those only logged. */
+static kvf_status report_failure(kvf_xfer *x, uint64_t seq) {
+  if (x->defer_failure_count == 0 || x->defer_failures[0].seq > seq) return KVF_SUCCESS;
+  defer_failure f = x->defer_failures[0];
+  x->defer_failure_count--;
+  memmove(&x->defer_failures[0], &x->defer_failures[1], x->defer_failure_count * sizeof f);
+  if (x->defer_failure_count == 0 && x->defer_failures_dropped) {
+    unsigned long long dropped = (unsigned long long)x->defer_failures_dropped;
+    x->defer_failures_dropped = 0;
+    return kvf_fail(f.status, "%s (and %llu later deferred call%s failed, only logged)", f.message, dropped,
+                    dropped == 1 ? "" : "s");
+  }
+  return kvf_fail(f.status, "%s", f.message);
+}
+
 /* Plan and enqueue one deferred call on defer_stream, after the caller's
- * stream reached the call, then mark it done there. The caller's stream
- * waits for that mark, so it is written even when planning or an enqueue
- * failed (after whatever was enqueued, as a synchronous call leaves it). */
+ * stream reached the call, then mark it done there. Joins and queries wait
+ * for that mark, so it is written even when planning or an enqueue failed
+ * (after whatever was enqueued, as a synchronous call leaves it). */
 static void run_deferred(kvf_xfer *x, deferred *d) {
   const char *dir = d->gather ? "gather" : "scatter";
   pthread_mutex_lock(&x->lock);
@@ -2536,8 +2574,8 @@ static void run_deferred(kvf_xfer *x, deferred *d) {
   CUresult cr = KVF_CU(cuStreamWriteValue64)((CUstream)x->defer_stream, x->defer_done_dev, d->seq,
                                              CU_STREAM_WRITE_VALUE_DEFAULT);
   if (cr != CUDA_SUCCESS) {
-    /* Release the caller's stream from here, once this stream's work (all
-     * of the call's) is done. */
+    /* Mark it from here, once this stream's work (all of the call's) is
+     * done. */
     cudaStreamSynchronize(x->defer_stream);
     cudaGetLastError();
     __atomic_store_n(x->defer_done, d->seq, __ATOMIC_RELEASE);
@@ -2555,13 +2593,12 @@ static void run_deferred(kvf_xfer *x, deferred *d) {
   }
   pthread_mutex_unlock(&x->lock);
   if (st) {
-    unsigned long long number = (unsigned long long)(d->seq - x->defer_base);
-    KVF_WARN(XFER, "deferred %s (call %llu): %s", dir, number, why);
+    char message[sizeof x->defer_failures[0].message];
+    snprintf(message, sizeof message, "deferred %s (call %llu): %s", dir,
+             (unsigned long long)(d->seq - x->defer_base), why);
+    KVF_WARN(XFER, "%s", message);
     pthread_mutex_lock(&x->defer_mu);
-    if (!x->defer_status) {
-      x->defer_status = st;
-      snprintf(x->defer_message, sizeof x->defer_message, "deferred %s (call %llu): %s", dir, number, why);
-    }
+    keep_failure(x, d->seq, st, message);
     pthread_mutex_unlock(&x->defer_mu);
   }
 }
@@ -2593,8 +2630,30 @@ static void *defer_main(void *arg) {
   return NULL;
 }
 
+/* Release what deferred calls use once nothing can use it any more (the
+ * thread stopped or never started; the context's device current). */
+static void defer_release_resources(kvf_xfer *x) {
+  if (x->defer_stream) {
+    /* Every number written: a joined stream's word is final. */
+    cudaStreamSynchronize(x->defer_stream);
+    cudaStreamDestroy(x->defer_stream);
+    x->defer_stream = NULL;
+  }
+  for (uint32_t i = 0; i < KVF_DEFER_DEPTH; i++)
+    if (x->defer_events[i]) {
+      cudaEventDestroy(x->defer_events[i]);
+      x->defer_events[i] = NULL;
+    }
+  x->defer_free = 0;
+  if (x->defer_word) give_done_word(x->defer_word);
+  x->defer_word = NULL;
+  x->defer_done = NULL;
+  x->defer_done_dev = 0;
+}
+
 /* Start the context's thread and what it needs (under defer_mu, the
- * context's device current). On failure, calls stay synchronous. */
+ * context's device current). On failure everything is released again, and
+ * the next deferred call tries anew. */
 static kvf_status defer_start(kvf_xfer *x) {
   CUdevice dev = 0;
   int mem_ops = 0;
@@ -2607,7 +2666,8 @@ static kvf_status defer_start(kvf_xfer *x) {
       char what[160];
       st = kvf_fail(KVF_ERR_CUDA, "device %d: %s", x->device, kvf_cu_describe(cr, what, sizeof what));
     } else if (!mem_ops) {
-      st = kvf_fail(KVF_ERR_UNSUPPORTED, "device %d cannot wait on 64-bit values in a stream", x->device);
+      st = kvf_fail(KVF_ERR_UNSUPPORTED, "device %d cannot write or wait on 64-bit values from a stream",
+                    x->device);
     }
   }
   if (!st) st = take_done_word(&x->defer_word);
@@ -2622,17 +2682,19 @@ static kvf_status defer_start(kvf_xfer *x) {
   }
   if (e != cudaSuccess) {
     cudaGetLastError();
-    return kvf_fail(KVF_ERR_CUDA, "deferred calls: %s", cudaGetErrorString(e));
+    st = kvf_fail(KVF_ERR_CUDA, "device %d: %s", x->device, cudaGetErrorString(e));
+    defer_release_resources(x);
+    return st;
   }
   x->defer_done_dev = (CUdeviceptr)(uintptr_t)dev_ptr;
   /* Count on from the word's value (a word comes back with its last one). */
   x->defer_seq = x->defer_finished = x->defer_base = __atomic_load_n(x->defer_done, __ATOMIC_ACQUIRE);
   int rc = pthread_create(&x->defer_thread, NULL, defer_main, x);
-  if (rc != 0) return kvf_fail(KVF_ERR_SYSTEM, "deferred calls: starting their thread: %s", strerror(rc));
-  KVF_WARN(XFER,
-           "deferred calls (KVF_XFER_DEFER=1) on device %d: the GPU can deadlock when a caller's stream shares a "
-           "hardware work queue with the context's internal stream (include/kvferry/transfer.h)",
-           x->device);
+  if (rc != 0) {
+    st = kvf_fail(KVF_ERR_SYSTEM, "starting the context's thread: %s", strerror(rc));
+    defer_release_resources(x);
+    return st;
+  }
   return KVF_SUCCESS;
 }
 
@@ -2658,65 +2720,58 @@ static void defer_release(kvf_xfer *x) {
   pthread_mutex_unlock(&x->defer_mu);
 }
 
-/* Post a checked request as a deferred call on `stream` (the context's
- * device current). *posted is 0 when the call must run synchronously: the
- * stream is being captured into a graph, or the thread could not start. */
-static kvf_status post_deferred(kvf_xfer *x, const kvf_copy_request *r, cudaStream_t stream, int gather,
-                                int *posted) {
+/* Post a checked request as a deferred call after the work on `after` (the
+ * context's device current): its ticket into *ticket. */
+static kvf_status post_deferred(kvf_xfer *x, const kvf_copy_request *r, cudaStream_t after, int gather,
+                                uint64_t *ticket) {
   const char *dir = gather ? "gather" : "scatter";
-  *posted = 0;
   enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  cudaError_t e = cudaStreamIsCapturing(stream, &capture);
+  cudaError_t e = cudaStreamIsCapturing(after, &capture);
   if (e != cudaSuccess) {
     cudaGetLastError();
-    return kvf_fail(KVF_ERR_CUDA, "stream: %s", cudaGetErrorString(e));
+    return kvf_fail(KVF_ERR_CUDA, "after: %s", cudaGetErrorString(e));
   }
-  if (capture != cudaStreamCaptureStatusNone) return KVF_SUCCESS;
+  if (capture != cudaStreamCaptureStatusNone)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT,
+                    "after: the stream is being captured into a graph, which cannot hold work the context's thread "
+                    "enqueues later (capture kvf_xfer_%s instead)",
+                    dir);
   deferred *d = copy_deferred(x->geometry, r, gather);
   if (!d) return kvf_fail(KVF_ERR_OUT_OF_MEMORY, "deferred %s: out of memory for the request's copy", dir);
   pthread_mutex_lock(&x->defer_post_mu);
   pthread_mutex_lock(&x->defer_mu);
   if (x->defer_state == 0) {
     kvf_status st = defer_start(x);
-    x->defer_state = st ? -1 : 1;
     if (st) {
-      /* Later calls go straight to the synchronous path (no copy first). */
-      __atomic_store_n(&x->defer_on, 0, __ATOMIC_RELAXED);
-      KVF_WARN(XFER, "deferred calls are off on device %d, calls stay synchronous: %s", x->device,
-               kvf_last_error());
+      pthread_mutex_unlock(&x->defer_mu);
+      pthread_mutex_unlock(&x->defer_post_mu);
+      free(d);
+      char why[sizeof x->defer_failures[0].message];
+      snprintf(why, sizeof why, "%s", kvf_last_error()); /* kvf_fail writes where kvf_last_error reads */
+      return kvf_fail(st, "deferred %s: starting the context's thread: %s; nothing was enqueued", dir, why);
     }
-  }
-  if (x->defer_state != 1) {
-    pthread_mutex_unlock(&x->defer_mu);
-    pthread_mutex_unlock(&x->defer_post_mu);
-    free(d);
-    return KVF_SUCCESS;
+    x->defer_state = 1;
   }
   while (x->defer_holds || x->defer_free == 0) pthread_cond_wait(&x->defer_room, &x->defer_mu);
   cudaEvent_t ev = x->defer_events[--x->defer_free];
   uint64_t seq = x->defer_seq + 1;
   x->defer_posting = 1;
   pthread_mutex_unlock(&x->defer_mu);
-  /* Without defer_mu: should these block (the driver may hold enqueues
-   * while another thread frees memory), the thread still takes and
-   * enqueues the calls posted before. */
-  char what[160] = "";
-  e = cudaEventRecord(ev, stream);
-  CUresult cr = e == cudaSuccess ? KVF_CU(cuStreamWaitValue64)((CUstream)stream, x->defer_done_dev, seq,
-                                                               CU_STREAM_WAIT_VALUE_GEQ)
-                                 : CUDA_SUCCESS;
+  /* Without defer_mu: should the record block (the driver may hold
+   * enqueues while another thread frees memory), the thread still takes
+   * and enqueues the calls posted before. */
+  e = cudaEventRecord(ev, after);
   pthread_mutex_lock(&x->defer_mu);
   x->defer_posting = 0;
-  if (e != cudaSuccess || cr != CUDA_SUCCESS) {
+  if (e != cudaSuccess) {
     x->defer_events[x->defer_free++] = ev;
     pthread_cond_broadcast(&x->defer_room);
     pthread_mutex_unlock(&x->defer_mu);
     pthread_mutex_unlock(&x->defer_post_mu);
     free(d);
     cudaGetLastError();
-    return kvf_fail(KVF_ERR_CUDA, "deferred %s: %s on the caller's stream: %s; nothing was enqueued", dir,
-                    e != cudaSuccess ? "recording the call's event" : "the wait for the call's end",
-                    e != cudaSuccess ? cudaGetErrorString(e) : kvf_cu_describe(cr, what, sizeof what));
+    return kvf_fail(KVF_ERR_CUDA, "after: recording deferred %s's event: %s; nothing was enqueued", dir,
+                    cudaGetErrorString(e));
   }
   x->defer_seq = seq;
   d->seq = seq;
@@ -2726,11 +2781,11 @@ static kvf_status post_deferred(kvf_xfer *x, const kvf_copy_request *r, cudaStre
   else
     x->defer_head = d;
   x->defer_tail = d;
+  *ticket = seq - x->defer_base;
   pthread_cond_signal(&x->defer_wake);
   pthread_cond_broadcast(&x->defer_room); /* waiters for the post to finish */
   pthread_mutex_unlock(&x->defer_mu);
   pthread_mutex_unlock(&x->defer_post_mu);
-  *posted = 1;
   return KVF_SUCCESS;
 }
 
@@ -2743,16 +2798,98 @@ static void defer_stop(kvf_xfer *x) {
   pthread_cond_broadcast(&x->defer_wake);
   pthread_mutex_unlock(&x->defer_mu);
   if (running) pthread_join(x->defer_thread, NULL);
-  if (x->defer_stream) {
-    /* Every number written: a waiting stream's word is final. */
-    cudaStreamSynchronize(x->defer_stream);
-    cudaStreamDestroy(x->defer_stream);
-  }
-  for (uint32_t i = 0; i < KVF_DEFER_DEPTH; i++)
-    if (x->defer_events[i]) cudaEventDestroy(x->defer_events[i]);
-  if (x->defer_word) give_done_word(x->defer_word);
+  defer_release_resources(x);
+}
+
+#endif
+
+/* Whether `ticket` names one of the `made` deferred calls of a context, or
+ * a failure naming the ticket. */
+static kvf_status check_ticket(const char *fn, uint64_t ticket, uint64_t made) {
+  if (ticket == 0 || ticket > made)
+    return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "ticket %llu: %s: the context has made %llu deferred call%s%s",
+                    (unsigned long long)ticket, fn, (unsigned long long)made, made == 1 ? "" : "s",
+                    ticket == 0 ? " (tickets count from 1)" : "");
+  return KVF_SUCCESS;
+}
+
+#ifdef KVF_WITH_CUDA
+/* The number on the word of the context's deferred call `ticket` (under
+ * defer_mu), or a failure naming the ticket. */
+static kvf_status ticket_seq(const kvf_xfer *x, const char *fn, uint64_t ticket, uint64_t *seq) {
+  kvf_status st = check_ticket(fn, ticket, x->defer_seq - x->defer_base);
+  if (!st) *seq = x->defer_base + ticket;
+  return st;
 }
 #endif
+
+/* The host backend's check of a ticket (its calls ran when they were made). */
+static kvf_status host_ticket(const kvf_xfer *x, const char *fn, uint64_t ticket) {
+  return check_ticket(fn, ticket, __atomic_load_n(&x->host_tickets, __ATOMIC_RELAXED));
+}
+
+kvf_status kvf_xfer_join(kvf_xfer *x, uint64_t ticket, kvf_stream stream) {
+  if (!x) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_join: the context is NULL");
+  if (x->device == KVF_DEVICE_HOST) return host_ticket(x, "kvf_xfer_join", ticket);
+#ifdef KVF_WITH_CUDA
+  uint64_t seq = 0;
+  pthread_mutex_lock(&x->defer_mu);
+  kvf_status st = ticket_seq(x, "kvf_xfer_join", ticket, &seq);
+  if (st) {
+    pthread_mutex_unlock(&x->defer_mu);
+    return st;
+  }
+  /* Enqueued first: the wait below then comes after the work it waits
+   * for on any hardware queue the streams share. */
+  while (x->defer_finished < seq) pthread_cond_wait(&x->defer_room, &x->defer_mu);
+  const CUdeviceptr word = x->defer_done_dev;
+  pthread_mutex_unlock(&x->defer_mu);
+  int prev = 0;
+  cudaGetDevice(&prev);
+  if (prev != x->device) cudaSetDevice(x->device);
+  CUresult cr = KVF_CU(cuStreamWaitValue64)((CUstream)stream, word, seq, CU_STREAM_WAIT_VALUE_GEQ);
+  if (prev != x->device) cudaSetDevice(prev);
+  if (cr != CUDA_SUCCESS) {
+    /* A kept failure stays for the next join, query or flush. */
+    char what[160];
+    return kvf_fail(KVF_ERR_CUDA, "stream: the wait for deferred call %llu: %s; nothing was enqueued",
+                    (unsigned long long)ticket, kvf_cu_describe(cr, what, sizeof what));
+  }
+  pthread_mutex_lock(&x->defer_mu);
+  st = report_failure(x, seq);
+  pthread_mutex_unlock(&x->defer_mu);
+  return st;
+#else
+  (void)stream;
+  return kvf_fail(KVF_ERR_NO_DRIVER, "this build of kvferry has no CUDA");
+#endif
+}
+
+kvf_status kvf_xfer_query(kvf_xfer *x, uint64_t ticket, int *done) {
+  if (!x) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_query: the context is NULL");
+  if (!done) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "done: kvf_xfer_query: NULL");
+  *done = 0;
+  if (x->device == KVF_DEVICE_HOST) {
+    kvf_status st = host_ticket(x, "kvf_xfer_query", ticket);
+    if (!st) *done = 1;
+    return st;
+  }
+#ifdef KVF_WITH_CUDA
+  uint64_t seq = 0;
+  pthread_mutex_lock(&x->defer_mu);
+  kvf_status st = ticket_seq(x, "kvf_xfer_query", ticket, &seq);
+  if (!st) {
+    /* Done only once the thread is through with the call: its failure is
+     * kept by then, so a query never answers done without it. */
+    *done = x->defer_finished >= seq && __atomic_load_n(x->defer_done, __ATOMIC_ACQUIRE) >= seq;
+    st = report_failure(x, seq);
+  }
+  pthread_mutex_unlock(&x->defer_mu);
+  return st;
+#else
+  return kvf_fail(KVF_ERR_NO_DRIVER, "this build of kvferry has no CUDA");
+#endif
+}
 
 kvf_status kvf_xfer_flush(kvf_xfer *x) {
   if (!x) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "kvf_xfer_flush: the context is NULL");
@@ -2760,15 +2897,12 @@ kvf_status kvf_xfer_flush(kvf_xfer *x) {
   if (x->device == KVF_DEVICE_HOST) return KVF_SUCCESS;
   pthread_mutex_lock(&x->defer_mu);
   if (x->defer_state == 1) defer_wait_posted(x);
-  kvf_status st = x->defer_status;
-  char message[sizeof x->defer_message];
-  memcpy(message, x->defer_message, sizeof message);
-  x->defer_status = KVF_SUCCESS;
-  x->defer_message[0] = 0;
+  kvf_status st = report_failure(x, UINT64_MAX);
   pthread_mutex_unlock(&x->defer_mu);
-  if (st) return kvf_fail(st, "%s", message);
-#endif
+  return st;
+#else
   return KVF_SUCCESS;
+#endif
 }
 
 /* ---- calls ------------------------------------------------------------------- */
@@ -2810,21 +2944,17 @@ static kvf_status transfer(kvf_xfer *x, const kvf_copy_request *request, kvf_str
     return st;
   }
 #ifdef KVF_WITH_CUDA
-  int prev = 0, posted = 0;
+  int prev = 0;
   cudaGetDevice(&prev);
   if (prev != x->device) cudaSetDevice(x->device);
-  if (__atomic_load_n(&x->defer_on, __ATOMIC_RELAXED))
-    st = post_deferred(x, r, (cudaStream_t)stream, gather, &posted);
-  if (st == KVF_SUCCESS && !posted) {
-    int held = defer_hold(x);
-    pthread_mutex_lock(&x->lock);
-    x->planned_ns = 0;
-    x->call_start_ns = kvf_now_ns(); /* after any wait for the lock, as the deferred thread takes it */
-    st = launch_cuda(x, r, gather, (cudaStream_t)stream);
-    if (st == KVF_SUCCESS) note_host_time(x, t0);
-    pthread_mutex_unlock(&x->lock);
-    if (held) defer_release(x);
-  }
+  int held = defer_hold(x);
+  pthread_mutex_lock(&x->lock);
+  x->planned_ns = 0;
+  x->call_start_ns = kvf_now_ns(); /* after any wait for the lock, as the deferred thread takes it */
+  st = launch_cuda(x, r, gather, (cudaStream_t)stream);
+  if (st == KVF_SUCCESS) note_host_time(x, t0);
+  pthread_mutex_unlock(&x->lock);
+  if (held) defer_release(x);
   if (prev != x->device) cudaSetDevice(prev);
   return st;
 #else
@@ -2862,4 +2992,39 @@ kvf_status kvf_xfer_gather(kvf_xfer *x, const kvf_copy_request *r, kvf_stream st
 
 kvf_status kvf_xfer_scatter(kvf_xfer *x, const kvf_copy_request *r, kvf_stream stream) {
   return transfer(x, r, stream, 0);
+}
+
+static kvf_status transfer_deferred(kvf_xfer *x, const kvf_copy_request *request, kvf_stream after, int gather,
+                                    uint64_t *ticket) {
+  const char *fn = gather ? "kvf_xfer_gather_deferred" : "kvf_xfer_scatter_deferred";
+  if (!x) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "%s: the context is NULL", fn);
+  if (!ticket) return kvf_fail(KVF_ERR_INVALID_ARGUMENT, "ticket: %s: NULL", fn);
+  if (x->device == KVF_DEVICE_HOST) {
+    /* Runs at once, as the host backend's synchronous call does. */
+    kvf_status st = transfer(x, request, after, gather);
+    if (st) return st;
+    *ticket = __atomic_add_fetch(&x->host_tickets, 1, __ATOMIC_RELAXED);
+    return KVF_SUCCESS;
+  }
+#ifdef KVF_WITH_CUDA
+  kvf_copy_request local;
+  kvf_status st = kvf_copy_request_check_local(x->geometry, request, &local);
+  if (st) return st;
+  int prev = 0;
+  cudaGetDevice(&prev);
+  if (prev != x->device) cudaSetDevice(x->device);
+  st = post_deferred(x, &local, (cudaStream_t)after, gather, ticket);
+  if (prev != x->device) cudaSetDevice(prev);
+  return st;
+#else
+  return kvf_fail(KVF_ERR_NO_DRIVER, "this build of kvferry has no CUDA");
+#endif
+}
+
+kvf_status kvf_xfer_gather_deferred(kvf_xfer *x, const kvf_copy_request *r, kvf_stream after, uint64_t *ticket) {
+  return transfer_deferred(x, r, after, 1, ticket);
+}
+
+kvf_status kvf_xfer_scatter_deferred(kvf_xfer *x, const kvf_copy_request *r, kvf_stream after, uint64_t *ticket) {
+  return transfer_deferred(x, r, after, 0, ticket);
 }

@@ -436,7 +436,6 @@ typedef struct kvf_xfer_tuning {
   int64_t small_stage_one_piece; /* KVF_XFER_SMALL_STAGE_ONE_PIECE: 1: such a request of one batch with a
                                     straight part is one piece, the straight part a tenth of it or more;
                                     0: 2 pieces all the same */
-  int64_t defer;           /* KVF_XFER_DEFER: 1: calls are planned and enqueued by the context's thread */
 } kvf_xfer_tuning;
 
 /* The staged route's kernels for a small request (KVF_XFER_SMALL_STAGE_MB). */
@@ -492,7 +491,7 @@ typedef struct kvf_xfer_path_info {
   uint32_t slice_bytes;    /* task size of the (last) launch */
   double host_us;          /* host time of the call, from entering to returning */
   double plan_us;          /* of host_us, the part before its first enqueue: checks, route, tables, runs */
-  uint32_t deferred;       /* 1: planned and enqueued by the context's thread (KVF_XFER_DEFER); host_us is its time */
+  uint32_t deferred;       /* 1: planned and enqueued by the context's thread (a deferred call); host_us is its time */
   uint32_t host_bound;     /* 1: staged although the batch route fits, for the batch route's host time
                               (KVF_XFER_BATCH_HOST_BOUND: alone, its modelled latency; back to back, the host
                               slower than the staged route's period) */

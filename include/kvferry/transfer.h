@@ -185,57 +185,96 @@ KVF_API kvf_status kvf_xfer_gather(kvf_xfer *xfer, const kvf_copy_request *reque
 /* Scatter: copy the request's objects into the cache blocks. Same rules. */
 KVF_API kvf_status kvf_xfer_scatter(kvf_xfer *xfer, const kvf_copy_request *request, kvf_stream stream);
 
-/* Deferred calls (KVF_XFER_DEFER=1; off by default). On a CUDA device a
- * call then checks its request (the errors above that name a field come
- * back from the call, nothing enqueued), copies it (the caller may reuse
- * its arrays once the call returns), records an event on the stream and
- * makes the stream wait until the call's work is done, and returns: a few
- * microseconds, against tens to hundreds for planning and enqueueing a call
- * on the calling thread. A thread of the context plans and enqueues the
- * call on an internal stream after that event, in the order calls were
- * made, and ends it there in the stream's order as a synchronous call
- * does: work enqueued on the stream after the call runs after all of it.
- * Errors found by the thread (memory a kernel cannot reach, an enqueue the
- * runtime refuses: "Failures" above says what is left enqueued) still end
- * the call in stream order, so the stream never waits forever, but the
- * call has already returned KVF_SUCCESS: kvf_xfer_flush reports them. A
- * call on a stream being captured into a graph, and every call of a
- * context whose device cannot wait on 64-bit values in a stream (logged
- * once per context), runs synchronously. Calls from one context go through
- * its one internal stream, so calls made on different streams run one
- * after another. Each call costs the GPU a few microseconds more (the
- * hand-offs between the caller's stream and the internal one).
+/* Deferred calls: the caller's thread hands the call to a thread of the
+ * context and returns: a few microseconds (7-10 on a 2-core virtual
+ * machine, most of it waking that thread), against tens to hundreds for
+ * planning and enqueueing a call on the calling thread.
  *
- * Hazard: until the thread has enqueued a call, the caller's stream waits
- * on the host. A call that waits for the whole device, made meanwhile from
- * any thread (cudaDeviceSynchronize, cudaFree, cudaFreeHost,
- * cudaHostUnregister, a synchronous copy on the legacy stream), waits for
- * that stream, and the driver may hold the thread's own enqueues behind it:
- * the process hangs. Call kvf_xfer_flush first (it returns once the thread
- * has enqueued every call made before it), or leave deferred calls off in a
- * process whose other code may free device or pinned memory at any time
- * (PyTorch's caching allocator calls cudaFree when it empties its cache).
- * The same holds for device-wide synchronization inside kvferry:
- * destroying another context on the device frees memory.
+ * kvf_xfer_gather_deferred and kvf_xfer_scatter_deferred check the request
+ * as kvf_xfer_gather does (those errors come back from the call, naming
+ * the field, and nothing is enqueued), copy it (the caller may reuse its
+ * arrays once the call returns), record an event on `after` and return the
+ * call's ticket in *ticket: the context's deferred calls count from 1. The
+ * context's thread plans and enqueues the calls in the order they were
+ * made, each on an internal stream after the work enqueued on `after`
+ * before the call. Work enqueued anywhere after the call, `after`
+ * included, is NOT ordered after the call's work: kvf_xfer_join orders a
+ * stream after it, and kvf_xfer_query tells the host when it is done. Until
+ * then the call's blocks and objects must be left alone, as for any copy
+ * in flight. The thread enqueues a context's deferred calls one after
+ * another on its internal stream, so they run in the order they were
+ * made, whatever streams they came from. A synchronous call on the context
+ * first waits until the thread has enqueued every deferred call made
+ * before it, so the context's tables and staging buffers are taken in call
+ * order; its GPU work is still not ordered after theirs without a join.
  *
- * Hazard, found 2026-12-04 and not yet fixed: the caller's stream waits on
- * a value in memory (cuStreamWaitValue64), which CUDA's scheduler does not
- * see as a dependency. When that stream and the context's internal stream
- * share one of the device's hardware work queues (CUDA_DEVICE_MAX_CONNECTIONS,
- * 8 by default, streams assigned to them as they are created), the
- * internal stream's work for the call queues behind the caller's wait for
- * it, and both streams stop for good. On an H200 the concurrent-threads
- * GPU test hung after 20 repetitions at the default, 10 at 32 connections,
- * and at once with one connection (perf/results/2026-12-04-h200-alone-
- * latency/NOTES.md). One caller stream is enough to meet it. */
+ * Errors the thread meets (memory a kernel cannot reach, an enqueue the
+ * runtime refuses: "Failures" above says what is left enqueued) are kept
+ * and returned once, by the first kvf_xfer_join or kvf_xfer_query whose
+ * ticket covers the call, or by kvf_xfer_flush, with kvf_last_error()
+ * naming the call ("deferred gather (call 12): ..."). A failed call still
+ * completes in order, so no join or query waits for it forever. Up to 16
+ * failures are kept; later ones are only logged (as warnings), and the
+ * report of the last kept one counts them.
+ *
+ * The calls also return KVF_ERR_INVALID_ARGUMENT for a NULL ticket and for
+ * `after` being captured into a graph (a graph cannot hold work another
+ * thread enqueues later: capture kvf_xfer_gather), KVF_ERR_UNSUPPORTED
+ * where the device cannot write or wait on 64-bit values from a stream
+ * (the calls count their completion in mapped memory), KVF_ERR_SYSTEM when
+ * the thread cannot start, KVF_ERR_CUDA and KVF_ERR_OUT_OF_MEMORY. On
+ * failure no ticket is taken and nothing is enqueued. On the host backend
+ * the call runs at once, as kvf_xfer_gather does there, and its ticket is
+ * done when the call returns.
+ *
+ * Why this cannot hang: every wait it enqueues is for work enqueued
+ * before it (the internal stream waits for an event the caller recorded;
+ * a join waits for work the thread has already enqueued), so the device's
+ * hardware queues, which run streams that share one in enqueue order,
+ * never hold a wait ahead of what it waits for. The former transparent
+ * mode (KVF_XFER_DEFER, removed on 2026-12-05) made the caller's stream
+ * wait for work not yet enqueued and could hang the GPU (docs/design.md).
+ * Nothing on the GPU waits for the host either, so a device-wide
+ * synchronization (cudaFree) from any thread is safe at any time. */
+KVF_API kvf_status kvf_xfer_gather_deferred(kvf_xfer *xfer, const kvf_copy_request *request, kvf_stream after,
+                                            uint64_t *ticket);
+
+/* Deferred scatter: copy the request's objects into the cache blocks. Same
+ * rules as kvf_xfer_gather_deferred. */
+KVF_API kvf_status kvf_xfer_scatter_deferred(kvf_xfer *xfer, const kvf_copy_request *request, kvf_stream after,
+                                             uint64_t *ticket);
+
+/* Order `stream` after the GPU work of the deferred calls up to `ticket`:
+ * waits on the host until the context's thread has enqueued them (their
+ * planning, which like a synchronous call's may wait for earlier calls'
+ * GPU work to free the context's tables or staging buffers; not their own
+ * GPU work), then enqueues on `stream` a wait that ends once their work is
+ * done. Work enqueued on `stream` after the join runs after all of it.
+ * Returns the first kept failure of a call up to `ticket` (see above; it
+ * is then forgotten; the wait is enqueued all the same), else
+ * KVF_SUCCESS. KVF_ERR_INVALID_ARGUMENT for a NULL context and for a
+ * ticket that is 0 or past the context's last deferred call (naming
+ * "ticket"); KVF_ERR_CUDA when the wait is refused (nothing enqueued, and
+ * a kept failure stays for the next join, query or flush). On the host
+ * backend there is nothing to wait for. */
+KVF_API kvf_status kvf_xfer_join(kvf_xfer *xfer, uint64_t ticket, kvf_stream stream);
+
+/* Whether the GPU work of the deferred calls up to `ticket` is done, into
+ * *done (1 done, 0 not yet), without waiting: once it is, what they
+ * gathered into host memory is visible to the host and what they read may
+ * be reused. Returns the first kept failure of a call up to `ticket` that
+ * the thread has met so far (it is then forgotten; *done is still set),
+ * else KVF_SUCCESS. KVF_ERR_INVALID_ARGUMENT for a NULL context, a NULL
+ * done (naming "done") and a ticket that is 0 or past the context's last
+ * deferred call (naming "ticket"). On the host backend every ticket is
+ * done. */
+KVF_API kvf_status kvf_xfer_query(kvf_xfer *xfer, uint64_t ticket, int *done);
 
 /* Wait until the context's thread has enqueued every deferred call made
- * before this one (not for their GPU work), and return the first error a
- * deferred call met since the last flush, with kvf_last_error() naming the
- * call by its number on this context, counted from 1 ("deferred gather
- * (call 12): ..."); the error is then cleared.
- * KVF_SUCCESS when none failed, when calls are not deferred, and on the
- * host backend. KVF_ERR_INVALID_ARGUMENT for a NULL context. */
+ * before this one (not for their GPU work), and return the first kept
+ * failure of any of them (see above; it is then forgotten). KVF_SUCCESS
+ * when none failed, when no call was deferred, and on the host backend.
+ * KVF_ERR_INVALID_ARGUMENT for a NULL context. */
 KVF_API kvf_status kvf_xfer_flush(kvf_xfer *xfer);
 
 /* What the most recent successful call on this context did, into *out

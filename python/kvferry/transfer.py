@@ -5,6 +5,13 @@ synchronizes the device or the stream. The block ids and object pointers are
 read before the call returns. On the host backend the call returns when the
 copy is done.
 
+Deferred calls (``gather_deferred``, ``scatter_deferred``): the calling
+thread checks and copies the request and returns a ticket after a few
+microseconds; a thread of the context plans and enqueues the call after the
+work already on the stream given. Later work is not ordered after it until
+``join`` (a stream waits for it) or ``query`` (the host asks whether it is
+done).
+
 Threading: one context may be used from several threads at once (the C
 library serializes the staging of tables); ``close()`` waits for calls in
 flight on other threads, then destroys the context, which waits for the GPU
@@ -14,7 +21,7 @@ work of its calls (their events, never a device synchronize).
 from __future__ import annotations
 
 import enum
-from ctypes import byref, c_void_p
+from ctypes import byref, c_int, c_uint64, c_void_p
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -98,16 +105,34 @@ class Transfer(HandleOwner):
 
         self._handle = Handle(out.value or 0, destroy, "transfer context")
 
-    def _run(self, fn: Any, direction: str, request: CopyRequest, stream: Any) -> None:
+    def _check_request(self, direction: str, request: CopyRequest) -> None:
         if not isinstance(request, CopyRequest):
             raise fail(Status.INVALID_ARGUMENT, "a kvferry.CopyRequest is required", "request")
         if request.geometry is not self.geometry:
             raise fail(Status.INVALID_ARGUMENT, "the request was built for another geometry "
                        "than this context's", "request")
         request._require(direction, host=self.device == DEVICE_HOST)
+
+    def _run(self, fn: Any, direction: str, request: CopyRequest, stream: Any) -> None:
+        self._check_request(direction, request)
         handle = stream_handle(stream)
         with self._handle.use() as x:
             fn(x, byref(request._c), handle or None)
+
+    def _post(self, fn: Any, direction: str, request: CopyRequest, after: Any) -> int:
+        self._check_request(direction, request)
+        handle = stream_handle(after)
+        ticket = c_uint64()
+        with self._handle.use() as x:
+            fn(x, byref(request._c), handle or None, byref(ticket))
+        return ticket.value
+
+    @staticmethod
+    def _ticket(ticket: int) -> int:
+        if isinstance(ticket, bool) or not isinstance(ticket, int) or not 0 < ticket < 1 << 64:
+            raise fail(Status.INVALID_ARGUMENT, "ticket %r: a ticket a deferred call returned "
+                       "is required" % (ticket,), "ticket")
+        return ticket
 
     def gather(self, request: CopyRequest, stream: Any = None) -> None:
         """Copy the request's blocks from the cache into the objects, on
@@ -120,19 +145,56 @@ class Transfer(HandleOwner):
         """Copy the request's objects into the cache blocks. Same rules as gather."""
         self._run(lib.kvf_xfer_scatter, "scatter", request, stream)
 
+    def gather_deferred(self, request: CopyRequest, after: Any = None) -> int:
+        """Hand a gather to the context's thread and return its ticket
+        (kvf_xfer_gather_deferred): the request is checked (errors naming a
+        field are raised here) and copied, so its arrays may be reused at
+        once. The thread plans and enqueues the call after the work already
+        on ``after`` (a stream, as for :meth:`gather`). Work enqueued later,
+        on any stream, is not ordered after it: :meth:`join` orders a stream
+        after it and :meth:`query` tells whether it is done; until then the
+        call's blocks and objects must be left alone. Errors the thread
+        meets are raised by the first join, query or flush covering the
+        call. On the host backend the call runs at once and its ticket is
+        already done. Raises INVALID_ARGUMENT (field ``after``) for a stream
+        being captured into a graph."""
+        return self._post(lib.kvf_xfer_gather_deferred, "gather", request, after)
+
+    def scatter_deferred(self, request: CopyRequest, after: Any = None) -> int:
+        """Hand a scatter to the context's thread and return its ticket
+        (kvf_xfer_scatter_deferred). Same rules as :meth:`gather_deferred`."""
+        return self._post(lib.kvf_xfer_scatter_deferred, "scatter", request, after)
+
+    def join(self, ticket: int, stream: Any = None) -> None:
+        """Order ``stream`` after the GPU work of the deferred calls up to
+        ``ticket`` (kvf_xfer_join): waits until the context's thread has
+        enqueued them, then enqueues on ``stream`` a wait for their work.
+        Raises the first error one of them met that was not raised yet (the
+        wait is enqueued all the same), and INVALID_ARGUMENT (field
+        ``ticket``) for a ticket this context never gave."""
+        t = self._ticket(ticket)
+        handle = stream_handle(stream)
+        with self._handle.use() as x:
+            lib.kvf_xfer_join(x, t, handle or None)
+
+    def query(self, ticket: int) -> bool:
+        """Whether the GPU work of the deferred calls up to ``ticket`` is
+        done (kvf_xfer_query), without waiting: once it is, what they
+        gathered into host memory may be read and what they read reused.
+        Raises the first error one of them met that was not raised yet, and
+        INVALID_ARGUMENT (field ``ticket``) for a ticket this context never
+        gave."""
+        t = self._ticket(ticket)
+        done = c_int(0)
+        with self._handle.use() as x:
+            lib.kvf_xfer_query(x, t, byref(done))
+        return bool(done.value)
+
     def flush(self) -> None:
-        """Wait until every call made so far is enqueued on the GPU and raise
-        the first error a deferred call met since the last flush
-        (kvf_xfer_flush). With ``KVF_XFER_DEFER=1`` a call on a CUDA device
-        returns once its request is checked and copied, and the context's
-        thread plans and enqueues it: errors found then are raised here, not
-        by the call. Returns at once otherwise (and on the host backend).
-        Flush before anything that waits for the whole device (a
-        ``cudaFree``, ``torch.cuda.empty_cache()``): a stream still waiting
-        for a call's enqueue would hang it (kvferry/transfer.h). Deferred
-        calls have a known defect: the GPU can deadlock when the caller's
-        stream shares a hardware work queue with the context's internal
-        stream, so leave ``KVF_XFER_DEFER`` off outside experiments."""
+        """Wait until the context's thread has enqueued every deferred call
+        made so far (not their GPU work) and raise the first error one of
+        them met that was not raised yet (kvf_xfer_flush). Returns at once
+        when no call was deferred, and on the host backend."""
         with self._handle.use() as x:
             lib.kvf_xfer_flush(x)
 

@@ -2,6 +2,7 @@
 CUDA backend where a GPU is visible (skipped with the reason otherwise)."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -52,6 +53,44 @@ def test_flush_on_the_host_backend_returns_at_once():
         assert xfer.flush() is None
     with pytest.raises(KvferryError) as e:
         xfer.flush()
+    assert e.value.status == Status.STATE and e.value.field == "transfer context"
+
+
+def test_deferred_calls_on_the_host_backend_run_at_once_with_tickets():
+    g, size = tiny_geometry()
+    cache = _cache(size)
+    ids = [6, 1, 3, 4]
+    with kvferry.Transfer(g) as xfer:
+        with pytest.raises(KvferryError) as e:
+            xfer.query(1)
+        assert e.value.status == Status.INVALID_ARGUMENT and e.value.field == "ticket"
+        objects = [np.zeros(g.object_size(0, k, 16), np.uint8) for k in range(2)]
+        req = kvferry.CopyRequest(g, 0, 16, blocks=[ids], objects=objects, region_bases=[cache])
+        ticket = xfer.gather_deferred(req)
+        assert ticket == 1
+        assert [o.tobytes() for o in objects] == tiny_expected(cache.tobytes(), 0, 16, ids)
+        assert xfer.query(ticket) is True
+        assert xfer.join(ticket) is None
+        back = np.zeros(size, np.uint8)
+        assert xfer.scatter_deferred(kvferry.CopyRequest(g, 0, 16, blocks=[ids], objects=objects,
+                                                         region_bases=[back]), 0) == 2
+        view = cache.reshape(2, 8, 256)
+        assert np.array_equal(back.reshape(2, 8, 256)[:, ids], view[:, ids])
+        xfer.flush()
+        for bad in (0, 3, -1, 1 << 64, 1.0, True, "1"):
+            with pytest.raises(KvferryError) as e:
+                xfer.join(bad)
+            assert e.value.status == Status.INVALID_ARGUMENT and e.value.field == "ticket", bad
+        # A bad request fails at the call, naming the field, and takes no ticket.
+        with pytest.raises(KvferryError) as e:
+            xfer.gather_deferred(kvferry.CopyRequest(g, 0, 16, blocks=[[6, 1, 3, 99]], objects=objects,
+                                                     region_bases=[cache]))
+        assert e.value.field is not None and e.value.field.startswith("groups[0]")
+        with pytest.raises(KvferryError) as e:
+            xfer.query(3)
+        assert e.value.field == "ticket"
+    with pytest.raises(KvferryError) as e:
+        xfer.gather_deferred(req)
     assert e.value.status == Status.STATE and e.value.field == "transfer context"
 
 
@@ -218,6 +257,58 @@ def test_gpu_gather_scatter_match_the_reference(gpu):
         for d in device:
             d.free()
         host_geometry.close()
+
+
+def test_gpu_deferred_gather_and_scatter_match_the_reference(gpu):
+    model = engines.build("glm-like-hybrid")
+    engines.fill(model, 13)
+    g = model.geometry()
+    req = engines.Request(model, g, seed=5)
+    og_of = [x.object_group for x in g.groups]
+    expected = req.expected(g.num_object_groups, og_of)
+    device = _device_cache(gpu, model)
+    stream = gpu.stream()
+    pinned = [gpu.pinned(max(e.size, 1)) for e in expected]
+    try:
+        with kvferry.Transfer(g, device=0) as xfer:
+            for p in pinned:
+                p.array[:] = bytes([engines.POISON]) * p.nbytes
+            ticket = xfer.gather_deferred(kvferry.CopyRequest(
+                g, req.token_begin, req.token_end, blocks=req.blocks(),
+                objects=[p.array for p in pinned], region_bases=device), stream)
+            assert ticket == 1
+            deadline = time.monotonic() + 30
+            while not xfer.query(ticket):  # the host polls; no stream waits
+                assert time.monotonic() < deadline, "deferred call 1 never completed"
+            for i, (p, e) in enumerate(zip(pinned, expected)):
+                assert np.frombuffer(p.array, np.uint8, e.size).tobytes() == e.tobytes(), i
+            # Back into a poisoned device cache, joined into the stream.
+            dst, want = engines.build("glm-like-hybrid"), engines.build("glm-like-hybrid")
+            engines.poison(dst, 0x5A)
+            engines.poison(want, 0x5A)
+            req.copy_moved_rows(model, want)
+            ddst = _device_cache(gpu, dst)
+            ticket = xfer.scatter_deferred(kvferry.CopyRequest(
+                g, req.token_begin, req.token_end, blocks=req.blocks(),
+                objects=[p.array for p in pinned], region_bases=ddst), stream)
+            assert ticket == 2
+            xfer.join(ticket, stream)
+            stream.synchronize()
+            for r, (d, w) in enumerate(zip(ddst, want.buffers)):
+                assert d.download() == w.tobytes(), "region %d" % r
+            xfer.flush()
+            with pytest.raises(KvferryError) as e:
+                xfer.join(3, stream)
+            assert e.value.field == "ticket"
+            for d in ddst:
+                d.free()
+    finally:
+        for p in pinned:
+            p.free()
+        stream.destroy()
+        for d in device:
+            d.free()
+        g.close()
 
 
 def test_gpu_geometry_from_device_tensors(gpu):
