@@ -554,6 +554,24 @@ def evaluate15(d):
         v.lines.append(f"slowest: {worst[0]}: {worst[2]}")
     vs.append(v)
 
+    v = Verdict(f"Host time to enqueue one chunk ≤ {I15_ENQUEUE_US:.0f} µs, deferred calls "
+                "(kvf_xfer_gather_deferred: the post, its join left out; each call alone)")
+    rows = []
+    for r in recs:
+        e = next((e for e in kvf_variants(r) if e.get("tune") == "defer=1" and ok(e)), None)
+        if is_one_chunk(r) and e and e.get("enqueue_alone_us") is not None:
+            rows.append((f"{r['preset']} {r['direction']}", I15_ENQUEUE_US / e["enqueue_alone_us"],
+                         f"{e['enqueue_alone_us']:.1f} µs"))
+    if rows:
+        miss = [x for x in rows if x[1] < 1]
+        v.met = not miss
+        v.lines.append(f"{len(rows) - len(miss)} of {len(rows)} rows meet it.")
+        for lab, val, det in sorted(miss, key=lambda x: x[1]):
+            v.lines.append(f"missed: {lab}: {det}")
+        worst = min(rows, key=lambda x: x[1])
+        v.lines.append(f"slowest: {worst[0]}: {worst[2]}")
+        vs.append(v)
+
     v = Verdict(f"Latency of one {I15_LAT_PRESET} chunk: D2H/H2D ≤ {I15_LAT_PCIE}x a memcpy of the same bytes, "
                 f"D2D ≤ {I15_LAT_D2D}x (wall time)")
     judged = []

@@ -309,8 +309,10 @@ fi
 
 if want chunk; then
   # One chunk on every preset (with every peer); 4096 tokens on all (full) or a few (explore).
-  step chunk-256 $([[ $mode == explore ]] && echo 100 || echo 160) --preset "$all" --tokens 256 \
-    --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all
+  # defer=1: the same calls deferred (kvf_xfer_gather_deferred, joined
+  # after each), for their enqueue (the post alone) and GPU time.
+  step chunk-256 $([[ $mode == explore ]] && echo 120 || echo 190) --preset "$all" --tokens 256 \
+    --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all --tune defer=1
   step chunk-4096 $([[ $mode == explore ]] && echo 60 || echo 120) --preset "${chunk_big:-$all}" --tokens 4096 \
     --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all
   # Device to device on every preset at one chunk and 4096 tokens, against
