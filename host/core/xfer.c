@@ -2782,10 +2782,12 @@ static kvf_status post_deferred(kvf_xfer *x, const kvf_copy_request *r, cudaStre
     x->defer_head = d;
   x->defer_tail = d;
   *ticket = seq - x->defer_base;
-  pthread_cond_signal(&x->defer_wake);
   pthread_cond_broadcast(&x->defer_room); /* waiters for the post to finish */
   pthread_mutex_unlock(&x->defer_mu);
   pthread_mutex_unlock(&x->defer_post_mu);
+  /* Woken after the unlocks, so that it does not wake into a held mutex.
+   * The context outlives this call (destroy must not race calls). */
+  pthread_cond_signal(&x->defer_wake);
   return KVF_SUCCESS;
 }
 
