@@ -186,7 +186,7 @@ KVF_API kvf_status kvf_xfer_gather(kvf_xfer *xfer, const kvf_copy_request *reque
 KVF_API kvf_status kvf_xfer_scatter(kvf_xfer *xfer, const kvf_copy_request *request, kvf_stream stream);
 
 /* Deferred calls: the caller's thread hands the call to a thread of the
- * context and returns: a few microseconds (7-10 on a 2-core virtual
+ * context and returns: a few microseconds (5-11 on a 2-core virtual
  * machine, most of it waking that thread), against tens to hundreds for
  * planning and enqueueing a call on the calling thread.
  *
