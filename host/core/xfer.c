@@ -184,7 +184,7 @@ struct kvf_xfer {
   pthread_cond_t defer_room; /* a call was enqueued (its event came back), a post ended, or a hold ended */
   int defer_state;           /* 0 not started (or could not start: the next post tries again), 1 running */
   int defer_stop;
-  int defer_posting;         /* a post has its number and is putting its event and wait on its stream */
+  int defer_posting;         /* a post has its number and is recording its event on the caller's stream */
   uint32_t defer_holds;      /* synchronous calls waiting or running: posting waits for them */
   pthread_t defer_thread;
   struct deferred *defer_head, *defer_tail;
