@@ -14,8 +14,10 @@
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 out=${OUT:-$PWD/out}
+# Unpacked in place, as run_issue15.sh unpacks bin/ and lib/ (it skips what
+# is unpacked already).
 for f in "$here"/pylib/*.xz "$here"/bin/kvferryd.xz "$here"/lib/*.xz; do
-  [[ -f $f && ! -f ${f%.xz} ]] && xz -d -k "$f"
+  [[ -f $f ]] && { xz -d -f "$f" || exit 2; }
 done
 chmod +x "$here/bin/kvferryd" "$here/pylib/layout_dump" 2>/dev/null
 export LD_LIBRARY_PATH=$here/lib:${LD_LIBRARY_PATH:-}
