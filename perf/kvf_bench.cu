@@ -57,6 +57,7 @@
 #include "bench_json.h"
 #include "bench_peers.h"
 #include "bench_plan.h"
+#include "host/core/param.h"
 #include "host/core/xfer_internal.h"
 
 #ifndef KVF_PRESET_DIR_BUILD
@@ -2305,6 +2306,17 @@ void build_meta() {
   j.kv("max_memcpy_runs", (uint64_t)g_opt.max_memcpy_runs).kv("max_batch_runs", (uint64_t)g_opt.max_batch_runs);
   j.kv("verify", g_opt.verify).kv("prime", g_opt.prime).kv("sustained", g_opt.sustained).kv("seed", g_opt.seed);
   j.kv("preset_dir", preset_dir());
+  j.end_object();
+  // The library's KVF_* parameters this run set: a run on anything but the
+  // defaults (a harness's kernel fallback, a hand-set crossover) must say so,
+  // or its figures read as kvferry's (perf/report.py warns).
+  j.key("library_env").begin_object();
+  size_t num_params = 0;
+  const kvf_param_info *params = kvf_param_table(&num_params);
+  for (size_t i = 0; i < num_params; i++) {
+    const char *set = getenv(params[i].env);
+    if (set) j.kv(params[i].env, std::string(set));
+  }
   j.end_object();
   j.kv("timing", "CUDA events around each call on one non-blocking stream; median over reps; payload bytes only; "
                  "GB/s = 1e9 bytes/s; sustained_us: wall time per call of calls back to back from one host thread, "

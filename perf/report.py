@@ -764,6 +764,8 @@ def brief(d, verdicts15):
                      + (f" sus/batch x{sus_vs_batch:.2f}" if sus_vs_batch is not None else "")
                      + (f" | {best[0][:18]} {fg(best[1])} x{ratio(gbps(e), best[1]):.2f}" if best and e else ""))
     lines.append("")
+    for setting in library_settings(d):
+        lines.append(f"{'settings':>12}  not kvferry's defaults, the verdicts below describe them: {setting}")
     for v in verdicts15:
         lines.append(f"{v.status().replace('*', ''):>12}  {v.name}")
         shown = 0
@@ -787,6 +789,16 @@ def md_table(header, rows):
     return "\n".join(out)
 
 
+def library_settings(d):
+    """The library's KVF_* parameters the runs set (kvf_bench's meta.library_env), one 'KVF_X=value (files)'
+    line each; empty where every file ran on the defaults, or predates the record."""
+    files_of = {}
+    for name, meta, _, _ in d.files:
+        for var, value in sorted((meta.get("library_env") or {}).items()):
+            files_of.setdefault(f"{var}={value}", []).append(name)
+    return [f"{setting} ({', '.join(names)})" for setting, names in sorted(files_of.items())]
+
+
 def render_markdown(d, verdicts, pngs, verdicts15=()):
     m = d.meta
     out = [f"# kvferry transfer benchmark: {m.get('gpu', '?')}, {(m.get('date') or '?')[:10]}", ""]
@@ -802,6 +814,14 @@ def render_markdown(d, verdicts, pngs, verdicts15=()):
                             for n, _, c, s in d.files)],
     ]))
     out.append("")
+
+    settings = library_settings(d)
+    if settings:
+        out.append("## ⚠ Not kvferry's defaults")
+        out.append("These runs set the library's parameters below: every figure and verdict here describes them, "
+                   "not kvferry as built.")
+        out.extend(f"- {line}" for line in settings)
+        out.append("")
 
     bad = [r for r in d.transfers + d.latency if r.get("verify", {}).get("ran") and not r["verify"].get("ok")]
     if bad:

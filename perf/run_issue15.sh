@@ -501,7 +501,7 @@ if want summary; then
     {
       echo "== short table (full: issue15.log, results.md, served.md in the archive)"
       grep -E '^(conf |== .*: exit|conf: FALLBACK)' "$log"
-      grep -E '^ +(met|missed|MISSED|not measured|partly met)  ' "$work/brief.txt"
+      grep -E '^ +(settings|met|missed|MISSED|not measured|partly met)  ' "$work/brief.txt"
       grep -E '^ +(missed|behind|MISSED): ' "$work/brief.txt" | head -n 40
       [[ -s $work/served.md ]] && grep -E '^\| (0|-1) \|' "$work/served.md"
       echo "KVF_XFER_KERNEL=${KVF_XFER_KERNEL:-2 (default)}; bundle commit ${KVF_GIT_COMMIT:-?}; $((SECONDS - t_all)) s"

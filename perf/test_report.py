@@ -310,6 +310,30 @@ def main():
         b = report.brief(d, v15)
         check("llama-hnd" in b and "missed" in b and len(b) < 12000, "brief summary")
         check(report.GPU_TIME in b and report.SUSTAINED in b and "sus/batch x2.50" in b, "brief: both verdicts")
+    # A run that set the library's parameters (run_issue15.sh's kernel fallback
+    # sets KVF_XFER_KERNEL=1) says so above its verdicts, in results.md and in
+    # the brief summary whose lines the harness's short table keeps.
+    with tempfile.TemporaryDirectory() as tmp:
+        doc = issue15_doc()
+        doc["meta"]["library_env"] = {"KVF_XFER_KERNEL": "1"}
+        with open(os.path.join(tmp, "fallback.json"), "w") as f:
+            json.dump(doc, f)
+        with open(os.path.join(tmp, "plain.json"), "w") as f:
+            json.dump(dict(issue15_doc(), results=[]), f)
+        report.main([tmp])
+        md = open(os.path.join(tmp, "results.md")).read()
+        check("## ⚠ Not kvferry's defaults" in md and "- KVF_XFER_KERNEL=1 (fallback.json)" in md,
+              "a run on set parameters is flagged, naming the setting and its file")
+        check(-1 < md.find("Not kvferry's defaults") < md.find("## Issue 15 targets"), "the flag comes before the verdicts")
+        d = report.load(tmp)
+        b = report.brief(d, report.evaluate15(d))
+        check(any(line.startswith("    settings  not kvferry's defaults") and "KVF_XFER_KERNEL=1 (fallback.json)" in line
+                  for line in b.splitlines()), "the brief summary flags it in a line the short table keeps: " + b[-600:])
+    with tempfile.TemporaryDirectory() as tmp:
+        synthetic(tmp)
+        report.main([tmp])
+        check("Not kvferry's defaults" not in open(os.path.join(tmp, "results.md")).read(),
+              "runs without library_env (the defaults, or older JSON) are not flagged")
     # Committed results keep their raw JSON gzip-compressed: the same files
     # compressed render the same tables.
     with tempfile.TemporaryDirectory() as tmp:
