@@ -49,9 +49,17 @@ cudaError_t kvf_kernel_preload(void);
 enum {
   KVF_KERNEL_GRID_STRIDE = 0, /* one task per step, every warp striding the tasks */
   KVF_KERNEL_WALK = 1,        /* the warp walk (kernels/walk.h), one CTA of kvf_kernel_threads() per SM */
-  KVF_KERNEL_WALK_SPREAD = 2  /* the warp walk in small CTAs, several per SM and several rounds of them,
-                                 scheduled by the hardware: only for launches that may use every SM */
+  KVF_KERNEL_WALK_SPREAD = 2, /* the warp walk in small CTAs, several per SM and several rounds of them,
+                                 scheduled by the hardware, each lane with twice the loads in flight: only
+                                 for launches that may use every SM */
+  KVF_KERNEL_WALK_SPREAD_SHALLOW = 3 /* the same with the walk's usual loads in flight and more CTAs an SM
+                                        (a spread outside KVF_XFER_SPREAD_DEEP_KB's sizes) */
 };
+
+/* Whether `kernel` is one of the spread walks. */
+static inline int kvf_kernel_is_spread(int kernel) {
+  return kernel == KVF_KERNEL_WALK_SPREAD || kernel == KVF_KERNEL_WALK_SPREAD_SHALLOW;
+}
 
 /* Launch the kernel on `stream` over the launch blob at `device_blob`
  * (kernels/plan.h, already in device memory in stream order) on at most

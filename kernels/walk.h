@@ -179,7 +179,9 @@ struct Strides {
 };
 
 // Loads in flight per lane before its stores: 8 of 16 bytes (128 bytes a
-// lane, 4 KiB a warp), 16 of narrower units (rows like 132 or 656 bytes).
+// lane, 4 KiB a warp), 16 of narrower units (rows like 132 or 656 bytes),
+// times a launch shape's Deep (a spread launch's 2: one 8 KiB task a round;
+// kernels/xfer_kernel.cu, WalkShape, says why).
 KVF_WALK_FN constexpr uint32_t depth_of(uint32_t vec) { return vec >= 16 ? 8 : 16; }
 template <int V> struct Depth { static constexpr int n = (int)depth_of(V); };
 
@@ -187,11 +189,11 @@ template <int V> struct Depth { static constexpr int n = (int)depth_of(V); };
 // both sides. Slots past the end are predicated off, not broken out of: a
 // `break` in the unrolled loop made ptxas keep the narrow units' values in
 // local memory, each load waited for by its spill store.
-template <int V>
+template <int V, int Deep>
 KVF_WALK_FN void copy_units(Strides st, bool linear, const char *src, char *dst, bool gather, uint32_t ub,
                               uint32_t ue, uint32_t lane) {
   using T = typename Unit<V>::T;
-  constexpr int U = Depth<V>::n;
+  constexpr int U = Depth<V>::n * Deep;
   const uint32_t first = ub + lane;
   if (first >= ue) return;
   if (linear) {
@@ -360,10 +362,10 @@ KVF_WALK_FN Strides strides_of(const kvf_blob_header *h, const kvf_blob_shape *s
 // lane i asks for the line of the unit 128*i bytes into the round, in the
 // walk's order (copy_units' addressing), so that the lines come from memory
 // while the walk still decodes the object's side. Units [ub, ue) of a block
-// whose offsets fit 32 bits (Shape).
+// whose offsets fit 32 bits (Shape); deep: the launch shape's (depth_of).
 KVF_WALK_FN void prefetch_first_round(const Strides &st, bool linear, const char *cache, uint32_t vec, uint64_t ub,
-                                      uint64_t ue, uint32_t lane) {
-  const uint64_t round = (uint64_t)kLanes * depth_of(vec);
+                                      uint64_t ue, uint32_t lane, uint32_t deep) {
+  const uint64_t round = (uint64_t)kLanes * depth_of(vec) * deep;
   if (linear) {
     // The round's bytes are one range: no division on the way (a per-lane
     // 128 / vec here cost the linear gathers about a point).
@@ -397,6 +399,7 @@ KVF_WALK_FN void prefetch_first_round(const Strides &st, bool linear, const char
 // +1.8 points of memcpy on every preset, mean +0.97 (three runs of each
 // build, alternating); 4096 tokens within half a point but the
 // gpt-oss-like +1.4 (one run against two).
+template <int Deep>
 KVF_WALK_FN void copy_block(const kvf_blob_header *h, const char *blob, const kvf_blob_entry *x, uint64_t j,
                             uint64_t s0, uint64_t s1, uint32_t lane, bool *waited) {
   const uint32_t ids_offset = x->ids_offset, shape = x->shape, group = x->object_group;
@@ -442,7 +445,7 @@ KVF_WALK_FN void copy_block(const kvf_blob_header *h, const char *blob, const kv
     *waited = true;
   }
   // A gather's first lines, asked for before the object's side is decoded.
-  if (gather) prefetch_first_round(st, linear, cache, f.vec, ub, ue, lane);
+  if (gather) prefetch_first_round(st, linear, cache, f.vec, ub, ue, lane, Deep);
   // An object left out of this blob (another leg of the call moves it).
   uint64_t object = k == 0 ? first_object : objects[k * num_object_groups + group];
   if (object == 0) return;
@@ -451,16 +454,18 @@ KVF_WALK_FN void copy_block(const kvf_blob_header *h, const char *blob, const kv
   char *dst = gather ? obj : cache;
   const uint32_t b = (uint32_t)ub, e = (uint32_t)ue;
   switch (f.vec) {
-    case 16: copy_units<16>(st, linear, src, dst, gather, b, e, lane); break;
-    case 8: copy_units<8>(st, linear, src, dst, gather, b, e, lane); break;
-    case 4: copy_units<4>(st, linear, src, dst, gather, b, e, lane); break;
-    case 2: copy_units<2>(st, linear, src, dst, gather, b, e, lane); break;
-    default: copy_units<1>(st, linear, src, dst, gather, b, e, lane); break;
+    case 16: copy_units<16, Deep>(st, linear, src, dst, gather, b, e, lane); break;
+    case 8: copy_units<8, Deep>(st, linear, src, dst, gather, b, e, lane); break;
+    case 4: copy_units<4, Deep>(st, linear, src, dst, gather, b, e, lane); break;
+    case 2: copy_units<2, Deep>(st, linear, src, dst, gather, b, e, lane); break;
+    default: copy_units<1, Deep>(st, linear, src, dst, gather, b, e, lane); break;
   }
 }
 
 // Warp `warp` of `warps`: its contiguous range of the blob's tasks, block by
-// block. `lane` is this thread's lane (0..31).
+// block. `lane` is this thread's lane (0..31); Deep: the launch shape's
+// loads in flight (depth_of).
+template <int Deep = 1>
 KVF_WALK_FN void run_warp(const char *blob, uint64_t warp, uint64_t warps, uint32_t lane) {
   const kvf_blob_header *h = reinterpret_cast<const kvf_blob_header *>(blob);
   const uint64_t total = h->total_tasks;
@@ -504,7 +509,7 @@ KVF_WALK_FN void run_warp(const char *blob, uint64_t warp, uint64_t warps, uint3
     const uint64_t s = local - j * slices;
     // This block's remaining slices, up to the warp's last task.
     const uint64_t next = min64(t1, first_task + (j + 1) * slices);
-    copy_block(h, blob, x, j, s, s + (next - t), lane, &waited);
+    copy_block<Deep>(h, blob, x, j, s, s + (next - t), lane, &waited);
     t = next;
   }
 }

@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvf_xfer_kernel_p(const __grid_co
 // Two shapes. Most launches run one CTA of kThreads per SM, so an SM cap
 // is the CTA count. A *spread* launch (device to device or peers, every SM,
 // enough bytes: host/core/xfer.c decides) runs CTAs of kSpreadThreads, at
-// least kThreads / kSpreadThreads resident per SM, one task per warp until
+// least 3 or 4 resident per SM (WalkShape), one task per warp until
 // the tasks run out (a one-chunk request: 2-4 rounds of the SMs' slots) and
 // at most kSpreadWaves rounds: the hardware hands a finished CTA's slot to
 // the next, so fast warps end up moving more than slow ones where a static
@@ -198,12 +198,31 @@ __global__ void __launch_bounds__(kThreads, 1) kvf_xfer_kernel_p(const __grid_co
 // the DCP rank's chunk gained from spreading instead: 83.0 -> 84.9% (three
 // runs each, perf/results/2026-12-02-h200-entry48/probes), so the
 // threshold is 4 MiB; smaller requests were not measured.
+//
+// A deep spread lane keeps twice the loads in flight (16 of 16 bytes, so a
+// warp moves its 8 KiB task in one round, not two), which takes 166
+// registers a thread and leaves 3 CTAs an SM where the shallow shape runs 5
+// at 96: fewer warps, more bytes in flight (96 KiB an SM against 80).
+// Measured on an H100 (perf/results/2026-12-05-h100-spread-depth, d2d of
+// memcpy per call, every preset, three runs of 2-3 rounds): from 8 to 387
+// MiB deep was ahead in 63 of 67 run means (-0.24 to +1.86 points; back to
+// back more, up to +8), at 4.3 MiB (the MLA DCP rank's chunk, one CTA an SM
+// either way) behind by 0.9-1.2, and at 512 MiB and more behind in 17 of 28
+// (-0.88 to +0.18; the Llama rows at 4096 tokens): hence
+// KVF_XFER_SPREAD_DEEP_KB (8 MiB) and KVF_XFER_SPREAD_DEEP_MAX_MB (512).
+// More warps with fewer loads each lost (8 CTAs of 64 registers at half the
+// loads: -1.9 at one chunk, -0.5 at 4096 tokens), and so did registers
+// capped into spills. Not yet measured on an H200.
 constexpr int kSpreadThreads = 128;
 constexpr int kSpreadWaves = 16;
 
-template <bool Spread> struct WalkShape {
-  static constexpr int threads = Spread ? kSpreadThreads : kThreads;
-  static constexpr int per_sm = kThreads / threads;
+// Launch shapes by kernel (launch.h's KVF_KERNEL_WALK*): threads a CTA, the
+// CTAs an SM must hold at once (the register bound), loads in flight a lane
+// (walk.h's depth_of times deep).
+template <int K> struct WalkShape {
+  static constexpr int threads = K == KVF_KERNEL_WALK ? kThreads : kSpreadThreads;
+  static constexpr int per_sm = K == KVF_KERNEL_WALK_SPREAD ? 3 : kThreads / threads;
+  static constexpr int deep = K == KVF_KERNEL_WALK_SPREAD ? 2 : 1;
 };
 
 // An overlapped launch (header overlap: a programmatic dependent launch,
@@ -219,10 +238,11 @@ __device__ __forceinline__ void allow_next_launch(const kvf_blob_header *h) {
 #endif
 }
 
+template <int Deep>
 __device__ __forceinline__ void walk_blob(const char *blob) {
   allow_next_launch(reinterpret_cast<const kvf_blob_header *>(blob));
   const uint32_t warps = blockDim.x / 32;
-  kvf_walk::run_warp(blob, (uint64_t)blockIdx.x * warps + (threadIdx.x >> 5), (uint64_t)gridDim.x * warps,
+  kvf_walk::run_warp<Deep>(blob, (uint64_t)blockIdx.x * warps + (threadIdx.x >> 5), (uint64_t)gridDim.x * warps,
                      threadIdx.x & 31);
   // A warp that moved nothing waits too: the grid then completes only after
   // the one it overlapped, as a grid that did not overlap it would (PTX does
@@ -230,19 +250,18 @@ __device__ __forceinline__ void walk_blob(const char *blob) {
   kvf_walk::wait_previous_grid();
 }
 
-template <bool Spread>
-__global__ void __launch_bounds__(WalkShape<Spread>::threads, WalkShape<Spread>::per_sm)
-    kvf_walk_kernel(const char *blob) {
+template <int K>
+__global__ void __launch_bounds__(WalkShape<K>::threads, WalkShape<K>::per_sm) kvf_walk_kernel(const char *blob) {
   // The blob is in device memory: nothing is read before the wait (a no-op
   // unless the launch overlaps, which only the parameter variants do).
   kvf_walk::wait_previous_grid();
-  walk_blob(blob);
+  walk_blob<WalkShape<K>::deep>(blob);
 }
 
-template <int N, bool Spread>
-__global__ void __launch_bounds__(WalkShape<Spread>::threads, WalkShape<Spread>::per_sm)
+template <int N, int K>
+__global__ void __launch_bounds__(WalkShape<K>::threads, WalkShape<K>::per_sm)
     kvf_walk_kernel_p(const __grid_constant__ ParamBlob<N> p) {
-  walk_blob(p.bytes);
+  walk_blob<WalkShape<K>::deep>(p.bytes);
 }
 
 // 4, 6 and 8 KiB: a one-chunk blob of the 32- and 61-layer presets is
@@ -263,9 +282,11 @@ uint32_t lower_ctas(uint64_t total_tasks, uint32_t ctas) {
 
 // A spread launch's grid on `sms` SMs: kSpreadWaves rounds of every SM's
 // slots, cut to one task per warp.
-uint32_t spread_grid(uint64_t total_tasks, uint32_t sms) {
+uint32_t spread_grid(uint64_t total_tasks, uint32_t sms, int kernel) {
   constexpr int warps = kSpreadThreads / 32;
-  uint64_t want = (uint64_t)sms * WalkShape<true>::per_sm * kSpreadWaves;
+  const int per_sm = kernel == KVF_KERNEL_WALK_SPREAD ? WalkShape<KVF_KERNEL_WALK_SPREAD>::per_sm
+                                                      : WalkShape<KVF_KERNEL_WALK_SPREAD_SHALLOW>::per_sm;
+  uint64_t want = (uint64_t)sms * per_sm * kSpreadWaves;
   uint64_t useful = (total_tasks + warps - 1) / warps;
   return (uint32_t)(useful < want ? (useful ? useful : 1) : want);
 }
@@ -273,8 +294,8 @@ uint32_t spread_grid(uint64_t total_tasks, uint32_t sms) {
 // The CTAs of a launch on at most *ctas SMs, and *ctas lowered to the SMs
 // it can occupy.
 uint32_t grid_of(uint64_t total_tasks, uint32_t *ctas, int kernel) {
-  if (kernel != KVF_KERNEL_WALK_SPREAD) return *ctas = lower_ctas(total_tasks, *ctas);
-  uint32_t grid = spread_grid(total_tasks, *ctas);
+  if (!kvf_kernel_is_spread(kernel)) return *ctas = lower_ctas(total_tasks, *ctas);
+  uint32_t grid = spread_grid(total_tasks, *ctas, kernel);
   if (grid < *ctas) *ctas = grid;
   return grid;
 }
@@ -291,18 +312,18 @@ cudaError_t finish_launch(cudaStream_t stream) {
 
 // A warp walk over a parameter blob as a programmatic dependent of the
 // stream's previous kernel (launch.h: overlap).
-template <int N, bool Spread>
+template <int N, int K>
 cudaError_t launch_overlapped(const ParamBlob<N> &pb, uint32_t grid, cudaStream_t stream) {
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(WalkShape<Spread>::threads);
+  cfg.blockDim = dim3(WalkShape<K>::threads);
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kvf_walk_kernel_p<N, Spread>, pb);
+  return cudaLaunchKernelEx(&cfg, kvf_walk_kernel_p<N, K>, pb);
 }
 
 template <int N>
@@ -311,15 +332,19 @@ cudaError_t launch_p(const void *blob, uint32_t grid, int kernel, int overlap, c
   // at once. Bytes past the blob are copied too and never read.
   const ParamBlob<N> *pb = static_cast<const ParamBlob<N> *>(blob);
   if (overlap && kernel != KVF_KERNEL_GRID_STRIDE) {
-    cudaError_t e = kernel == KVF_KERNEL_WALK_SPREAD ? launch_overlapped<N, true>(*pb, grid, stream)
-                                                     : launch_overlapped<N, false>(*pb, grid, stream);
+    cudaError_t e = kernel == KVF_KERNEL_WALK_SPREAD ? launch_overlapped<N, KVF_KERNEL_WALK_SPREAD>(*pb, grid, stream)
+                    : kernel == KVF_KERNEL_WALK_SPREAD_SHALLOW
+                        ? launch_overlapped<N, KVF_KERNEL_WALK_SPREAD_SHALLOW>(*pb, grid, stream)
+                        : launch_overlapped<N, KVF_KERNEL_WALK>(*pb, grid, stream);
     if (e != cudaSuccess) return e;
     return finish_launch(stream);
   }
   if (kernel == KVF_KERNEL_WALK_SPREAD)
-    kvf_walk_kernel_p<N, true><<<grid, kSpreadThreads, 0, stream>>>(*pb);
+    kvf_walk_kernel_p<N, KVF_KERNEL_WALK_SPREAD><<<grid, kSpreadThreads, 0, stream>>>(*pb);
+  else if (kernel == KVF_KERNEL_WALK_SPREAD_SHALLOW)
+    kvf_walk_kernel_p<N, KVF_KERNEL_WALK_SPREAD_SHALLOW><<<grid, kSpreadThreads, 0, stream>>>(*pb);
   else if (kernel == KVF_KERNEL_WALK)
-    kvf_walk_kernel_p<N, false><<<grid, kThreads, 0, stream>>>(*pb);
+    kvf_walk_kernel_p<N, KVF_KERNEL_WALK><<<grid, kThreads, 0, stream>>>(*pb);
   else
     kvf_xfer_kernel_p<N><<<grid, kThreads, 0, stream>>>(*pb);
   return finish_launch(stream);
@@ -334,7 +359,7 @@ extern "C" int kvf_kernel_threads(void) { return kThreads; }
 // GPUs run on a newer one through PTX must not overlap its launches.
 extern "C" int kvf_kernel_can_overlap(void) {
   cudaFuncAttributes a;
-  if (cudaFuncGetAttributes(&a, kvf_walk_kernel_p<kParamSizes[0], true>) != cudaSuccess) {
+  if (cudaFuncGetAttributes(&a, kvf_walk_kernel_p<kParamSizes[0], KVF_KERNEL_WALK_SPREAD>) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
@@ -347,9 +372,11 @@ extern "C" cudaError_t kvf_kernel_launch(const void *device_blob, uint64_t total
   const uint32_t grid = grid_of(total_tasks, ctas, kernel);
   const char *blob = static_cast<const char *>(device_blob);
   if (kernel == KVF_KERNEL_WALK_SPREAD)
-    kvf_walk_kernel<true><<<grid, kSpreadThreads, 0, stream>>>(blob);
+    kvf_walk_kernel<KVF_KERNEL_WALK_SPREAD><<<grid, kSpreadThreads, 0, stream>>>(blob);
+  else if (kernel == KVF_KERNEL_WALK_SPREAD_SHALLOW)
+    kvf_walk_kernel<KVF_KERNEL_WALK_SPREAD_SHALLOW><<<grid, kSpreadThreads, 0, stream>>>(blob);
   else if (kernel == KVF_KERNEL_WALK)
-    kvf_walk_kernel<false><<<grid, kThreads, 0, stream>>>(blob);
+    kvf_walk_kernel<KVF_KERNEL_WALK><<<grid, kThreads, 0, stream>>>(blob);
   else
     kvf_xfer_kernel<<<grid, kThreads, 0, stream>>>(blob);
   return finish_launch(stream);
@@ -382,8 +409,9 @@ namespace {
 template <int N> cudaError_t preload_size() {
   cudaFuncAttributes a;
   cudaError_t e = cudaFuncGetAttributes(&a, kvf_xfer_kernel_p<N>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel_p<N, false>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel_p<N, true>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel_p<N, KVF_KERNEL_WALK>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel_p<N, KVF_KERNEL_WALK_SPREAD>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel_p<N, KVF_KERNEL_WALK_SPREAD_SHALLOW>);
   return e;
 }
 
@@ -394,8 +422,9 @@ extern "C" cudaError_t kvf_kernel_preload(void) {
   // each variant's attributes loads it now rather than at a first call.
   cudaFuncAttributes a;
   cudaError_t e = cudaFuncGetAttributes(&a, kvf_xfer_kernel);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel<false>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel<true>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel<KVF_KERNEL_WALK>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel<KVF_KERNEL_WALK_SPREAD>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kvf_walk_kernel<KVF_KERNEL_WALK_SPREAD_SHALLOW>);
   if (e == cudaSuccess) e = preload_size<kParamSizes[0]>();
   if (e == cudaSuccess) e = preload_size<kParamSizes[1]>();
   if (e == cudaSuccess) e = preload_size<kParamSizes[2]>();

@@ -1039,6 +1039,8 @@ void apply_tune(const std::string &spec, kvf_xfer_tuning *t, int *cap, bool *def
     else if (k == "small_stage_growth") t->small_stage_growth = v;
     else if (k == "small_stage_one_piece") t->small_stage_one_piece = v;
     else if (k == "spread_kb") t->spread_kb = v;
+    else if (k == "spread_deep_kb") t->spread_deep_kb = v;
+    else if (k == "spread_deep_max_mb") t->spread_deep_max_mb = v;
     else if (k == "cache_order") t->cache_order = v;
     else if (k == "overlap") t->overlap = v;
     else if (k == "defer") {
@@ -1352,7 +1354,7 @@ void write_kvf(JsonWriter &j, const std::vector<KvfResult> &kr, uint64_t payload
     if (r.path_ok) {
       j.key("path").begin_object().kv("name", kvf_xfer_path_name(r.path.path)).kv("launches", r.path.launches);
       j.kv("param_launches", r.path.param_launches).kv("spread_launches", r.path.spread_launches)
-          .kv("overlap_launches", r.path.overlap_launches)
+          .kv("deep_launches", r.path.deep_launches).kv("overlap_launches", r.path.overlap_launches)
           .kv("cache_order", r.path.cache_order).kv("uploads", r.path.uploads).kv("batches", r.path.batches);
       j.kv("pieces", r.path.pieces).kv("dma_ops", r.path.dma_ops).kv("dma_runs", r.path.dma_runs);
       j.kv("straight_runs", r.path.straight_runs).kv("straight_bytes", r.path.straight_bytes);

@@ -1207,6 +1207,32 @@ TEST(XferStagePlan, EdgeBatchOnChunksOfDifferentSizes) {
   EXPECT_EQ(batches_of({}, 4, 2, 1), B{});
 }
 
+// A spread launch is deep from KVF_XFER_SPREAD_DEEP_KB up to, not
+// including, KVF_XFER_SPREAD_DEEP_MAX_MB: at the defaults the MLA DCP
+// rank's 4.3 MiB chunk is not, one chunk of the others (8-32 MiB) and 4096
+// tokens of the hybrids and MLA (60-275 MiB) are, Llama's 512 MiB are not;
+// 0 turns either bound off.
+TEST(XferTuning, SpreadIsDeepFromItsLowerBoundToBelowItsUpper) {
+  kvf_xfer_tuning t;
+  kvf_xfer_tuning_from_params(&t);
+  const uint64_t kib = 1024, mib = kib * kib;
+  EXPECT_FALSE(kvf_spread_is_deep(&t, 4497408)) << "the MLA DCP rank's chunk";
+  EXPECT_FALSE(kvf_spread_is_deep(&t, 8192 * kib - 1));
+  EXPECT_TRUE(kvf_spread_is_deep(&t, 8192 * kib));
+  EXPECT_TRUE(kvf_spread_is_deep(&t, 17989632)) << "the MLA chunk";
+  EXPECT_TRUE(kvf_spread_is_deep(&t, 512 * mib - 1));
+  EXPECT_FALSE(kvf_spread_is_deep(&t, 512 * mib)) << "4096 tokens of Llama 8B";
+  EXPECT_FALSE(kvf_spread_is_deep(&t, UINT64_MAX));
+  t.spread_deep_max_mb = 0;
+  EXPECT_TRUE(kvf_spread_is_deep(&t, UINT64_MAX)) << "no upper bound";
+  t.spread_deep_kb = 0;
+  EXPECT_FALSE(kvf_spread_is_deep(&t, 64 * mib)) << "never deep";
+  t.spread_deep_kb = KVF_SPREAD_MAX_KB;
+  t.spread_deep_max_mb = KVF_SPREAD_MAX_KB >> 10;
+  EXPECT_FALSE(kvf_spread_is_deep(&t, ((uint64_t)KVF_SPREAD_MAX_KB << 10) - 1));
+  EXPECT_FALSE(kvf_spread_is_deep(&t, (uint64_t)KVF_SPREAD_MAX_KB << 10)) << "an empty window at the top";
+}
+
 // The staging tunables: defaults as documented, out-of-range values refused
 // by kvf_xfer_set_tuning with nothing changed and the field named.
 TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
@@ -1219,6 +1245,8 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_EQ(t.stage_straight_min_run, 16384);
   EXPECT_EQ(t.stage_straight_alone, 0);
   EXPECT_EQ(t.spread_kb, 4096);
+  EXPECT_EQ(t.spread_deep_kb, 8192);
+  EXPECT_EQ(t.spread_deep_max_mb, 512);
   EXPECT_EQ(t.cache_order, 1);
   EXPECT_EQ(t.overlap, 1);
   EXPECT_EQ(t.device_task_waves, 1);
@@ -1246,7 +1274,7 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   if (bad.f != base.f) field = #f;
     KVF_CHANGED(stage_edge_mb) KVF_CHANGED(staging_mb) KVF_CHANGED(stage_multi_pieces)
     KVF_CHANGED(stage_straight_kb) KVF_CHANGED(stage_straight_min_run) KVF_CHANGED(stage_straight_alone)
-    KVF_CHANGED(spread_kb)
+    KVF_CHANGED(spread_kb) KVF_CHANGED(spread_deep_kb) KVF_CHANGED(spread_deep_max_mb)
     KVF_CHANGED(cache_order) KVF_CHANGED(overlap) KVF_CHANGED(device_task_waves) KVF_CHANGED(kernel)
     KVF_CHANGED(batch_first_runs) KVF_CHANGED(small_stage_growth) KVF_CHANGED(small_stage_one_piece)
     KVF_CHANGED(batch_link_gbps) KVF_CHANGED(batch_back_to_back_us)
@@ -1271,6 +1299,10 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.stage_straight_alone = 2; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.spread_kb = -1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.spread_kb = (int64_t)KVF_SPREAD_MAX_KB + 1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.spread_deep_kb = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.spread_deep_kb = (int64_t)KVF_SPREAD_MAX_KB + 1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.spread_deep_max_mb = -1; }));
+  EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.spread_deep_max_mb = ((int64_t)KVF_SPREAD_MAX_KB >> 10) + 1; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.cache_order = 2; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.overlap = 2; }));
   EXPECT_TRUE(refused([](kvf_xfer_tuning &v) { v.overlap = -1; }));
@@ -2152,10 +2184,17 @@ INSTANTIATE_TEST_SUITE_P(Presets, XferPieces, ::testing::ValuesIn(host_cases(fal
 // Every lane of `warps` warps runs kernels/walk.h's warp walk over the blob,
 // one after another: the kernel's exact code for the host (lanes share no
 // registers, sources and destinations never overlap, so the order is free).
-void run_walk(const std::vector<uint8_t> &blob, uint64_t warps) {
+// deep: a spread launch's twice the loads in flight a lane (kernels/
+// xfer_kernel.cu, WalkShape), 1 otherwise.
+void run_walk(const std::vector<uint8_t> &blob, uint64_t warps, int deep = 1) {
+  const char *b = reinterpret_cast<const char *>(blob.data());
   for (uint64_t w = 0; w < warps; w++)
-    for (uint32_t lane = 0; lane < kvf_walk::kLanes; lane++)
-      kvf_walk::run_warp(reinterpret_cast<const char *>(blob.data()), w, warps, lane);
+    for (uint32_t lane = 0; lane < kvf_walk::kLanes; lane++) {
+      if (deep == 2)
+        kvf_walk::run_warp<2>(b, w, warps, lane);
+      else
+        kvf_walk::run_warp<1>(b, w, warps, lane);
+    }
 }
 
 // The warp walk against the reference: every preset, format, direction,
@@ -2182,22 +2221,25 @@ TEST_P(XferWalk, WarpWalkMatchesTheReference) {
     ASSERT_EQ(reference(g, s.plan, c.format, c.dir, want), KVF_SUCCESS) << kvf_last_error();
     // Grids: one warp; a prime; a full H200 at 512 threads (2112 warps); far
     // more warps than tasks (a spread launch's 16 rounds of 128-thread
-    // CTAs, 33792 warps). cache_order: the header's flag (a gather's
-    // head-major blocks in the cache's order; the walk ignores it elsewhere,
+    // CTAs, 33792 warps, or 25344 at 3 CTAs an SM). deep: the deep spread's
+    // twice the loads in flight a lane, on a few of them. cache_order: the
+    // header's flag (a gather's head-major blocks in the cache's order; the walk ignores it elsewhere,
     // XferWalk.CacheOrderTakesHeadMajorGathersInAddressOrder checks where).
     struct Shape {
       uint32_t slice, pieces;
       uint64_t warps;
       uint32_t cache_order;
+      int deep;
     };
-    std::vector<Shape> shapes = {{0, 1, 2112, 0},   {512, 1, 2112, 0}, {512, 4, 7, 1},      {65536, 1, 1, 0},
-                                 {1040, 1, 64, 1},  {8192, 4, 132, 0}, {0, 1, 33792, 1}};
-    if (misalign) shapes = {{0, 1, 2112, 0}, {512, 4, 5, 0}, {512, 1, 33, 1}};
+    std::vector<Shape> shapes = {{0, 1, 2112, 0, 1},  {512, 1, 2112, 0, 1}, {512, 4, 7, 1, 1},
+                                 {65536, 1, 1, 0, 1}, {1040, 1, 64, 1, 1},  {8192, 4, 132, 0, 1},
+                                 {0, 1, 33792, 1, 1}, {0, 1, 25344, 1, 2},  {1040, 1, 7, 0, 2}};
+    if (misalign) shapes = {{0, 1, 2112, 0, 1}, {512, 4, 5, 0, 2}, {512, 1, 33, 1, 1}};
     Data got = clone(in);
     for (const Shape &sh : shapes) {
       SCOPED_TRACE("misalign " + std::to_string(misalign) + ", slice " + std::to_string(sh.slice) + ", pieces " +
                    std::to_string(sh.pieces) + ", warps " + std::to_string(sh.warps) + ", cache order " +
-                   std::to_string(sh.cache_order));
+                   std::to_string(sh.cache_order) + ", deep " + std::to_string(sh.deep));
       refill(got, in);
       Req r(s.plan, c.format, payloads(got.cache), payloads(got.objs));
       std::vector<unsigned char> masks((size_t)sh.pieces * ns);
@@ -2206,7 +2248,7 @@ TEST_P(XferWalk, WarpWalkMatchesTheReference) {
         kvf_blob_opts o = {sh.slice, made > 1 ? masks.data() + (size_t)p * ns : nullptr, 0};
         std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, &o);
         reinterpret_cast<kvf_blob_header *>(blob.data())->cache_order = sh.cache_order;
-        run_walk(blob, sh.warps);
+        run_walk(blob, sh.warps, sh.deep);
       }
       EXPECT_EQ(diff("cache region", got.cache, want.cache), "");
       EXPECT_EQ(diff("object", got.objs, want.objs), "");
@@ -2256,6 +2298,7 @@ TEST_P(XferWalk, GatherPrefetchesOnlyCacheBytes) {
       std::vector<uint8_t> blob = build_blob(g, plan.p, r.get(), gather, &o);
       reinterpret_cast<kvf_blob_header *>(blob.data())->cache_order = cache_order;
       run_walk(blob, 33792);
+      run_walk(blob, 25344, 2);  // the spread's deep lanes ask for a longer first round
     }
   kvf_walk::prefetch_hook = nullptr;
   if (!gather) {
@@ -4125,7 +4168,8 @@ const RouteVariant kRouteVariants[] = {
      [](const kvf_xfer_path_info &p, Mem) { EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path); }},
     {"spread", false,
      [](kvf_xfer_tuning &t) {
-       t.spread_kb = 1;     // every device-to-device launch of a KiB or more spreads over small CTAs;
+       t.spread_kb = 1;     // every device-to-device launch of a KiB or more spreads over small CTAs,
+       t.spread_deep_kb = 1; // deep ones (a conformance case moves less than the default's 8 MiB);
        t.staging_mb = 0;    // host objects take the direct kernel,
        t.pcie_sms = 0;      // uncapped, and still one CTA per SM
        t.batch_max_runs = 0;
@@ -4135,12 +4179,14 @@ const RouteVariant kRouteVariants[] = {
        EXPECT_EQ(p.launches, 1u);
        EXPECT_EQ(p.param_launches, 1u);
        EXPECT_EQ(p.spread_launches, m == Mem::Device ? 1u : 0u) << "only device-to-device launches spread";
+       EXPECT_EQ(p.deep_launches, m == Mem::Device ? 1u : 0u);
        EXPECT_EQ(p.overlap_launches, m == Mem::Device && overlap_expected() ? 1u : 0u)
            << "only device-to-device launches overlap";
      }},
     {"spread_no_overlap", false,
      [](kvf_xfer_tuning &t) {
        t.spread_kb = 1;
+       t.spread_deep_kb = 1;
        t.overlap = 0;       // each launch starts after the stream's previous kernel
        t.staging_mb = 0;
        t.pcie_sms = 0;
@@ -4151,10 +4197,39 @@ const RouteVariant kRouteVariants[] = {
        EXPECT_EQ(p.spread_launches, m == Mem::Device ? 1u : 0u);
        EXPECT_EQ(p.overlap_launches, 0u);
      }},
+    {"spread_shallow", false,
+     [](kvf_xfer_tuning &t) {
+       t.spread_kb = 1;
+       t.spread_deep_kb = 0;  // the shallow spread (more CTAs, fewer loads a lane)
+       t.staging_mb = 0;
+       t.pcie_sms = 0;
+       t.batch_max_runs = 0;
+     },
+     [](const kvf_xfer_path_info &p, Mem m) {
+       EXPECT_EQ(p.path, KVF_PATH_KERNEL) << kvf_xfer_path_name(p.path);
+       EXPECT_EQ(p.spread_launches, m == Mem::Device ? 1u : 0u);
+       EXPECT_EQ(p.deep_launches, 0u);
+     }},
+    {"spread_shallow_uploaded", false,
+     [](kvf_xfer_tuning &t) {
+       t.spread_kb = 1;
+       t.spread_deep_kb = 0;
+       t.param_bytes = 0;  // its device-memory tables' kernel
+       t.staging_mb = 0;
+       t.pcie_sms = 0;
+       t.batch_max_runs = 0;
+     },
+     [](const kvf_xfer_path_info &p, Mem m) {
+       EXPECT_EQ(p.path, KVF_PATH_KERNEL) << kvf_xfer_path_name(p.path);
+       EXPECT_EQ(p.uploads, 1u);
+       EXPECT_EQ(p.spread_launches, m == Mem::Device ? 1u : 0u);
+       EXPECT_EQ(p.deep_launches, 0u);
+     }},
     {"spread_uploaded_object_order", false,
      [](kvf_xfer_tuning &t) {
        t.spread_kb = 1;
-       t.param_bytes = 0;  // the device-memory tables' spread kernel
+       t.spread_deep_kb = 1;
+       t.param_bytes = 0;  // the device-memory tables' deep spread kernel
        t.cache_order = 0;  // and device-to-device gathers in the object's order
        t.staging_mb = 0;
        t.pcie_sms = 0;
@@ -4164,6 +4239,7 @@ const RouteVariant kRouteVariants[] = {
        EXPECT_EQ(p.path, KVF_PATH_KERNEL) << kvf_xfer_path_name(p.path);
        EXPECT_EQ(p.uploads, 1u);
        EXPECT_EQ(p.spread_launches, m == Mem::Device ? 1u : 0u);
+       EXPECT_EQ(p.deep_launches, m == Mem::Device ? 1u : 0u);
        EXPECT_EQ(p.overlap_launches, 0u) << "only launches with their tables in parameters overlap";
      }},
     {"grid_stride_walk", false, [](kvf_xfer_tuning &t) { t.kernel = 1; },
@@ -4310,6 +4386,7 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
         }
         if (want == KVF_PATH_KERNEL) {
           EXPECT_EQ(p.spread_launches, 1u) << "a one-chunk device-to-device launch spreads";
+          EXPECT_EQ(p.deep_launches, 1u) << "deep: the MLA chunk's 17 MB are inside KVF_XFER_SPREAD_DEEP_KB's sizes";
           EXPECT_EQ(p.overlap_launches, overlap_expected() ? 1u : 0u) << "and overlaps the stream's previous kernel";
           EXPECT_EQ(p.slice_bytes, device_slice) << "a device-to-device launch aims at 2 tasks per warp";
           EXPECT_EQ(p.cache_order, cache_order ? 1u : 0u);

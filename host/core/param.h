@@ -93,6 +93,10 @@ extern "C" {
     "the staged route's cost the KVF_XFER_BATCH_HOST_BOUND rule weighs a batch call's host time against, in thousandths of its copies' time at KVF_XFER_BATCH_LINK_GBPS (1125: an eighth more), alone and back to back; 0: on an idle stream the batch route's latency alone (its ramp at the last two calls' host time, 2.5 us a call) against the staged route's (its copies at 1.01x plus 30 us for a gather, 10 for a scatter), and behind the previous call the median of the last 4 measured spans on the stream of staged host-bound calls made there (1000 until there are 4: such calls take the staged route and are measured; every 32nd call the measures keep batched is measured again)") \
   X(xfer_spread_kb, "KVF_XFER_SPREAD_KB", 4096,                                          \
     "a device-to-device or peer launch that may use every SM and moves at least this many KiB runs small CTAs, several rounds of them, that the GPU hands out as SMs free up (0: never; one CTA per SM then)") \
+  X(xfer_spread_deep_kb, "KVF_XFER_SPREAD_DEEP_KB", 8192,                                \
+    "a spread launch of at least this many KiB (and under KVF_XFER_SPREAD_DEEP_MAX_MB) is deep: each lane keeps 16 loads of 16 bytes (32 narrower) in flight, at least 3 CTAs an SM, where the others keep 8 (16) at 5; 0: never") \
+  X(xfer_spread_deep_max_mb, "KVF_XFER_SPREAD_DEEP_MAX_MB", 512,                         \
+    "a spread launch of this many MiB or more is not deep (0: no limit)") \
   X(xfer_overlap, "KVF_XFER_OVERLAP", 1,                                                 \
     "1: a device-to-device or peer launch that may use every SM (tables in its parameters, compute capability 9.0 and later) is a programmatic dependent launch: it may start while the stream's previous kernel drains and waits for it before touching memory, and lets a next kernel launched the same way start early; 0: neither") \
   X(xfer_cache_order, "KVF_XFER_CACHE_ORDER", 1,                                         \

@@ -261,6 +261,13 @@ kvf_stream kvf_xfer_test_ce_stream(const kvf_xfer *x) {
 
 /* ---- tuning (host/core/xfer_internal.h) ------------------------------------ */
 
+/* Declared in xfer_internal.h. Both bounds fit 64 bits shifted (their
+ * ranges stop at 2^30 KiB). */
+int kvf_spread_is_deep(const kvf_xfer_tuning *t, uint64_t payload) {
+  if (t->spread_deep_kb <= 0 || payload < ((uint64_t)t->spread_deep_kb << 10)) return 0;
+  return t->spread_deep_max_mb <= 0 || payload < ((uint64_t)t->spread_deep_max_mb << 20);
+}
+
 void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
   *t = (kvf_xfer_tuning){.pcie_sms = kvf_param_xfer_pcie_sms(),
                          .staging_mb = kvf_param_xfer_staging_mb(),
@@ -286,6 +293,8 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
                          .batch_staged_cost = kvf_param_xfer_batch_staged_cost(),
                          .kernel = kvf_param_xfer_kernel(),
                          .spread_kb = kvf_param_xfer_spread_kb(),
+                         .spread_deep_kb = kvf_param_xfer_spread_deep_kb(),
+                         .spread_deep_max_mb = kvf_param_xfer_spread_deep_max_mb(),
                          .cache_order = kvf_param_xfer_cache_order(),
                          .overlap = kvf_param_xfer_overlap(),
                          .small_stage_mb = kvf_param_xfer_small_stage_mb(),
@@ -307,6 +316,8 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
     t->stage_straight_min_run = 16384;
   if (t->stage_straight_alone < 0 || t->stage_straight_alone > 1) t->stage_straight_alone = 0;
   if (t->spread_kb < 0 || t->spread_kb > KVF_SPREAD_MAX_KB) t->spread_kb = 4096;
+  if (t->spread_deep_kb < 0 || t->spread_deep_kb > KVF_SPREAD_MAX_KB) t->spread_deep_kb = 8192;
+  if (t->spread_deep_max_mb < 0 || t->spread_deep_max_mb > KVF_SPREAD_MAX_KB >> 10) t->spread_deep_max_mb = 512;
   if (t->cache_order < 0 || t->cache_order > 1) t->cache_order = 1;
   if (t->overlap < 0 || t->overlap > 1) t->overlap = 1;
   if (t->batch_first_runs < 0) t->batch_first_runs = 8;
@@ -349,6 +360,8 @@ static const struct {
     KVF_TUNING_RANGE(batch_staged_cost, 0, (int64_t)KVF_BATCH_MAX_STAGED_COST),
     KVF_TUNING_RANGE(kernel, 0, 2),
     KVF_TUNING_RANGE(spread_kb, 0, KVF_SPREAD_MAX_KB),
+    KVF_TUNING_RANGE(spread_deep_kb, 0, KVF_SPREAD_MAX_KB),
+    KVF_TUNING_RANGE(spread_deep_max_mb, 0, KVF_SPREAD_MAX_KB >> 10),
     KVF_TUNING_RANGE(cache_order, 0, 1),
     KVF_TUNING_RANGE(overlap, 0, 1),
     KVF_TUNING_RANGE(small_stage_mb, 0, INT64_MAX),
@@ -865,13 +878,14 @@ static int uncapped_device(const kvf_xfer *x, kvf_xfer_route route, uint32_t cta
  * segment's in-block offsets need 64 bits; else the warp walk, spread over
  * small CTAs when the launch is device to device or between peers (where it
  * was measured), may use every SM and moves at least KVF_XFER_SPREAD_KB
- * (xfer_kernel.cu has the measurement). Launches that touch host memory
+ * (xfer_kernel.cu has the measurement), in the deep shape when
+ * kvf_spread_is_deep. Launches that touch host memory
  * and the staging kernels keep one CTA per SM: their cap is what leaves the
  * engine's SMs alone. */
 static int kernel_of(const kvf_xfer *x, kvf_xfer_route route, uint32_t ctas, uint64_t payload) {
   if (x->tune.kernel == 1 || x->plan[0].wide || x->plan[1].wide) return KVF_KERNEL_GRID_STRIDE;
   if (uncapped_device(x, route, ctas) && x->tune.spread_kb > 0 && payload >= ((uint64_t)x->tune.spread_kb << 10))
-    return KVF_KERNEL_WALK_SPREAD;
+    return kvf_spread_is_deep(&x->tune, payload) ? KVF_KERNEL_WALK_SPREAD : KVF_KERNEL_WALK_SPREAD_SHALLOW;
   return KVF_KERNEL_WALK;
 }
 
@@ -2203,7 +2217,8 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
                         gather ? "gather" : "scatter", cudaGetErrorString(e));
       }
       x->path.launches = x->path.param_launches = 1;
-      x->path.spread_launches = kernel == KVF_KERNEL_WALK_SPREAD;
+      x->path.spread_launches = kvf_kernel_is_spread(kernel);
+      x->path.deep_launches = kernel == KVF_KERNEL_WALK_SPREAD;
       x->path.overlap_launches = (uint32_t)overlap;
     } else {
       ctas = 0;
@@ -2243,7 +2258,10 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
     e = cudaMemcpyAsync(s->device, s->pinned, h->size, cudaMemcpyHostToDevice, stream);
     int uploaded = e == cudaSuccess, launched = 0;
     if (e == cudaSuccess) launched = (e = kvf_kernel_launch(s->device, tasks, &ctas, kernel, stream)) == cudaSuccess;
-    if (launched) x->path.spread_launches = kernel == KVF_KERNEL_WALK_SPREAD;
+    if (launched) {
+      x->path.spread_launches = kvf_kernel_is_spread(kernel);
+      x->path.deep_launches = kernel == KVF_KERNEL_WALK_SPREAD;
+    }
     if (uploaded && s != &captured) {
       /* Also after a refused launch: the upload is enqueued and reads the
        * slot's tables, so the slot is free only after it. */

@@ -427,6 +427,8 @@ typedef struct kvf_xfer_tuning {
                                 thousandths of the copies' time (0: modelled alone, measured back to back) */
   int64_t kernel;          /* KVF_XFER_KERNEL: 1 the grid-stride walk, 2 (or 0) the warp walk (kernels/walk.h) */
   int64_t spread_kb;       /* KVF_XFER_SPREAD_KB: uncapped launches of at least this payload spread (0: never) */
+  int64_t spread_deep_kb;  /* KVF_XFER_SPREAD_DEEP_KB: spread launches of at least this payload are deep (0: never) */
+  int64_t spread_deep_max_mb; /* KVF_XFER_SPREAD_DEEP_MAX_MB: ... and of less than this one (0: no limit) */
   int64_t cache_order;     /* KVF_XFER_CACHE_ORDER: 1: d2d gathers walk HND blocks in cache order */
   int64_t overlap;         /* KVF_XFER_OVERLAP: 1: uncapped d2d/peer launches overlap the previous kernel */
   int64_t small_stage_mb;  /* KVF_XFER_SMALL_STAGE_MB: staged requests of at most this payload use 2 pieces
@@ -445,6 +447,12 @@ typedef struct kvf_xfer_tuning {
 #define KVF_SMALL_STAGE_STRAIGHT_SHARE 10
 
 void kvf_xfer_tuning_from_params(kvf_xfer_tuning *out);
+
+/* Whether a spread launch moving `payload` bytes is deep under tuning t:
+ * at least spread_deep_kb KiB (not 0) and, where spread_deep_max_mb is not
+ * 0, under that many MiB (kernels/xfer_kernel.cu, WalkShape, has the
+ * measurements). */
+int kvf_spread_is_deep(const kvf_xfer_tuning *t, uint64_t payload);
 
 /* Replace a context's tuning (not while calls run on it; KVF_ERR_INVALID_ARGUMENT
  * for values out of range: negative, or task_bytes not 16..65536). */
@@ -478,6 +486,7 @@ typedef struct kvf_xfer_path_info {
   uint32_t launches;       /* kernel launches */
   uint32_t param_launches; /* of those, with their tables in the kernel parameters */
   uint32_t spread_launches; /* of those, spread over every SM in small CTAs (KVF_XFER_SPREAD_KB; d2d, peers) */
+  uint32_t deep_launches;  /* of those, deep: twice the loads in flight a lane (KVF_XFER_SPREAD_DEEP_KB) */
   uint32_t overlap_launches; /* of those, programmatic dependents of the stream's previous kernel (KVF_XFER_OVERLAP) */
   uint32_t cache_order;    /* 1: the (last) launch asked its warp walk for the cache's order on head-major
                               blocks (a d2d gather; other blocks keep the object's) */
