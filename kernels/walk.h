@@ -188,7 +188,9 @@ template <int V> struct Depth { static constexpr int n = (int)depth_of(V); };
 // Units [ub, ue) of one block, this lane's share; linear: unit u at u*V on
 // both sides. Slots past the end are predicated off, not broken out of: a
 // `break` in the unrolled loop made ptxas keep the narrow units' values in
-// local memory, each load waited for by its spill store.
+// local memory, each load waited for by its spill store. The 32-bit unit
+// indices do not wrap: a round is at most 1024 units past ue, and
+// kvf_plan_build refuses blocks of 2 GiB or more.
 template <int V, int Deep>
 KVF_WALK_FN void copy_units(Strides st, bool linear, const char *src, char *dst, bool gather, uint32_t ub,
                               uint32_t ue, uint32_t lane) {

@@ -200,9 +200,10 @@ __global__ void __launch_bounds__(kThreads, 1) kvf_xfer_kernel_p(const __grid_co
 // threshold is 4 MiB; smaller requests were not measured.
 //
 // A deep spread lane keeps twice the loads in flight (16 of 16 bytes, so a
-// warp moves its 8 KiB task in one round, not two), which takes 166
+// warp moves its 8 KiB task in one round, not two), which takes 166-167
 // registers a thread and leaves 3 CTAs an SM where the shallow shape runs 5
-// at 96: fewer warps, more bytes in flight (96 KiB an SM against 80).
+// at 96 (4 at 108 with uploaded tables): fewer warps, more bytes in flight
+// (96 KiB an SM against 80).
 // Measured on an H100 (perf/results/2026-12-05-h100-spread-depth, d2d of
 // memcpy per call, every preset, three runs of 2-3 rounds): from 8 to 387
 // MiB deep was ahead in 63 of 67 run means (-0.24 to +1.86 points; back to
@@ -220,6 +221,8 @@ constexpr int kSpreadWaves = 16;
 // CTAs an SM must hold at once (the register bound), loads in flight a lane
 // (walk.h's depth_of times deep).
 template <int K> struct WalkShape {
+  static_assert(K == KVF_KERNEL_WALK || K == KVF_KERNEL_WALK_SPREAD || K == KVF_KERNEL_WALK_SPREAD_SHALLOW,
+                "a warp walk's kernel");
   static constexpr int threads = K == KVF_KERNEL_WALK ? kThreads : kSpreadThreads;
   static constexpr int per_sm = K == KVF_KERNEL_WALK_SPREAD ? 3 : kThreads / threads;
   static constexpr int deep = K == KVF_KERNEL_WALK_SPREAD ? 2 : 1;

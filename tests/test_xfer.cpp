@@ -4195,6 +4195,7 @@ const RouteVariant kRouteVariants[] = {
      [](const kvf_xfer_path_info &p, Mem m) {
        EXPECT_EQ(p.path, KVF_PATH_KERNEL) << kvf_xfer_path_name(p.path);
        EXPECT_EQ(p.spread_launches, m == Mem::Device ? 1u : 0u);
+       EXPECT_EQ(p.deep_launches, m == Mem::Device ? 1u : 0u);
        EXPECT_EQ(p.overlap_launches, 0u);
      }},
     {"spread_shallow", false,
@@ -4209,6 +4210,22 @@ const RouteVariant kRouteVariants[] = {
        EXPECT_EQ(p.path, KVF_PATH_KERNEL) << kvf_xfer_path_name(p.path);
        EXPECT_EQ(p.spread_launches, m == Mem::Device ? 1u : 0u);
        EXPECT_EQ(p.deep_launches, 0u);
+       EXPECT_EQ(p.overlap_launches, m == Mem::Device && overlap_expected() ? 1u : 0u);
+     }},
+    {"spread_shallow_no_overlap", false,
+     [](kvf_xfer_tuning &t) {
+       t.spread_kb = 1;
+       t.spread_deep_kb = 0;
+       t.overlap = 0;  // the shallow kernel's plain launch
+       t.staging_mb = 0;
+       t.pcie_sms = 0;
+       t.batch_max_runs = 0;
+     },
+     [](const kvf_xfer_path_info &p, Mem m) {
+       EXPECT_EQ(p.path, KVF_PATH_KERNEL) << kvf_xfer_path_name(p.path);
+       EXPECT_EQ(p.spread_launches, m == Mem::Device ? 1u : 0u);
+       EXPECT_EQ(p.deep_launches, 0u);
+       EXPECT_EQ(p.overlap_launches, 0u);
      }},
     {"spread_shallow_uploaded", false,
      [](kvf_xfer_tuning &t) {
