@@ -18,7 +18,8 @@
 #             process, since it can deadlock), then compute-sanitizer memcheck and
 #             racecheck on the new routes' cases for three presets
 #   chunk     every preset at one chunk (256 tokens; whole chunks) and 4096 tokens,
-#             d2h h2d d2d, SM caps default and 4, every baseline and every peer
+#             d2h h2d d2d, SM caps default and 4, every baseline and every peer; then
+#             d2d on every preset against two tunings (d2d-ab: the shallow spread)
 #   cross     crossover sweeps on llama nhd / hnd and the 61-layer MLA cache at one
 #             chunk and 4096 tokens: pieces per staged batch, tables in kernel
 #             parameters or uploaded, task sizes, the batch-API route on/off and
@@ -320,11 +321,12 @@ if want chunk; then
   step chunk-4096 $([[ $mode == explore ]] && echo 60 || echo 120) --preset "${chunk_big:-$all}" --tokens 4096 \
     --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all
   # Device to device on every preset at one chunk and 4096 tokens, against
-  # the previous KVF_XFER_DEVICE_TASK_WAVES (2) and a lower
-  # KVF_XFER_SPREAD_KB (2 MiB: the MLA DCP rank's 4.3 MiB spread too).
+  # the previous KVF_XFER_DEVICE_TASK_WAVES (2) and the shallow spread
+  # everywhere (KVF_XFER_SPREAD_DEEP_KB=0: its window was measured on an H100
+  # only, perf/results/2026-12-05-h100-spread-depth).
   step d2d-ab $([[ $mode == explore ]] && echo 60 || echo 100) --preset "$all" --tokens 256,4096 \
     --directions d2d --sms-device 0 --baselines limit --peers none \
-    --tune device_task_waves=2 --tune spread_kb=2048
+    --tune device_task_waves=2 --tune spread_deep_kb=0
 fi
 
 if want d2dtask; then
