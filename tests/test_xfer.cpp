@@ -4035,6 +4035,19 @@ struct RouteVariant {
   bool deferred = false; // through kvf_xfer_gather_deferred (_scatter_deferred) and a join
 };
 
+// The spread variants' common tuning: every device-to-device launch of a
+// KiB or more spreads over small CTAs, deep ones from a KiB when `deep` (a
+// conformance case moves less than the default's 8 MiB) and shallow ones
+// otherwise; host objects take the direct kernel, uncapped, and still one
+// CTA per SM.
+void spread_everywhere(kvf_xfer_tuning &t, bool deep) {
+  t.spread_kb = 1;
+  t.spread_deep_kb = deep ? 1 : 0;
+  t.staging_mb = 0;
+  t.pcie_sms = 0;
+  t.batch_max_runs = 0;
+}
+
 const RouteVariant kRouteVariants[] = {
     // The default routes, each call planned and enqueued by the context's
     // thread (a deferred call, then joined into the stream); the request's
@@ -4167,13 +4180,7 @@ const RouteVariant kRouteVariants[] = {
      },
      [](const kvf_xfer_path_info &p, Mem) { EXPECT_EQ(p.path, KVF_PATH_STAGED) << kvf_xfer_path_name(p.path); }},
     {"spread", false,
-     [](kvf_xfer_tuning &t) {
-       t.spread_kb = 1;     // every device-to-device launch of a KiB or more spreads over small CTAs,
-       t.spread_deep_kb = 1; // deep ones (a conformance case moves less than the default's 8 MiB);
-       t.staging_mb = 0;    // host objects take the direct kernel,
-       t.pcie_sms = 0;      // uncapped, and still one CTA per SM
-       t.batch_max_runs = 0;
-     },
+     [](kvf_xfer_tuning &t) { spread_everywhere(t, true); },
      [](const kvf_xfer_path_info &p, Mem m) {
        EXPECT_EQ(p.path, KVF_PATH_KERNEL) << kvf_xfer_path_name(p.path);
        EXPECT_EQ(p.launches, 1u);
@@ -4185,12 +4192,8 @@ const RouteVariant kRouteVariants[] = {
      }},
     {"spread_no_overlap", false,
      [](kvf_xfer_tuning &t) {
-       t.spread_kb = 1;
-       t.spread_deep_kb = 1;
-       t.overlap = 0;       // each launch starts after the stream's previous kernel
-       t.staging_mb = 0;
-       t.pcie_sms = 0;
-       t.batch_max_runs = 0;
+       spread_everywhere(t, true);
+       t.overlap = 0;  // each launch starts after the stream's previous kernel
      },
      [](const kvf_xfer_path_info &p, Mem m) {
        EXPECT_EQ(p.path, KVF_PATH_KERNEL) << kvf_xfer_path_name(p.path);
@@ -4199,13 +4202,7 @@ const RouteVariant kRouteVariants[] = {
        EXPECT_EQ(p.overlap_launches, 0u);
      }},
     {"spread_shallow", false,
-     [](kvf_xfer_tuning &t) {
-       t.spread_kb = 1;
-       t.spread_deep_kb = 0;  // the shallow spread (more CTAs, fewer loads a lane)
-       t.staging_mb = 0;
-       t.pcie_sms = 0;
-       t.batch_max_runs = 0;
-     },
+     [](kvf_xfer_tuning &t) { spread_everywhere(t, false); },  // more CTAs, fewer loads a lane
      [](const kvf_xfer_path_info &p, Mem m) {
        EXPECT_EQ(p.path, KVF_PATH_KERNEL) << kvf_xfer_path_name(p.path);
        EXPECT_EQ(p.spread_launches, m == Mem::Device ? 1u : 0u);
@@ -4214,12 +4211,8 @@ const RouteVariant kRouteVariants[] = {
      }},
     {"spread_shallow_no_overlap", false,
      [](kvf_xfer_tuning &t) {
-       t.spread_kb = 1;
-       t.spread_deep_kb = 0;
+       spread_everywhere(t, false);
        t.overlap = 0;  // the shallow kernel's plain launch
-       t.staging_mb = 0;
-       t.pcie_sms = 0;
-       t.batch_max_runs = 0;
      },
      [](const kvf_xfer_path_info &p, Mem m) {
        EXPECT_EQ(p.path, KVF_PATH_KERNEL) << kvf_xfer_path_name(p.path);
@@ -4229,12 +4222,8 @@ const RouteVariant kRouteVariants[] = {
      }},
     {"spread_shallow_uploaded", false,
      [](kvf_xfer_tuning &t) {
-       t.spread_kb = 1;
-       t.spread_deep_kb = 0;
+       spread_everywhere(t, false);
        t.param_bytes = 0;  // its device-memory tables' kernel
-       t.staging_mb = 0;
-       t.pcie_sms = 0;
-       t.batch_max_runs = 0;
      },
      [](const kvf_xfer_path_info &p, Mem m) {
        EXPECT_EQ(p.path, KVF_PATH_KERNEL) << kvf_xfer_path_name(p.path);
@@ -4244,13 +4233,9 @@ const RouteVariant kRouteVariants[] = {
      }},
     {"spread_uploaded_object_order", false,
      [](kvf_xfer_tuning &t) {
-       t.spread_kb = 1;
-       t.spread_deep_kb = 1;
+       spread_everywhere(t, true);
        t.param_bytes = 0;  // the device-memory tables' deep spread kernel
        t.cache_order = 0;  // and device-to-device gathers in the object's order
-       t.staging_mb = 0;
-       t.pcie_sms = 0;
-       t.batch_max_runs = 0;
      },
      [](const kvf_xfer_path_info &p, Mem m) {
        EXPECT_EQ(p.path, KVF_PATH_KERNEL) << kvf_xfer_path_name(p.path);
