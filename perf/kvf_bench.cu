@@ -799,6 +799,15 @@ struct SizePlan {
   std::string skip;             /* why this size is not measured ("" = measured) */
 };
 
+/* Contexts of a variant with defer=1: their calls go through
+ * kvf_xfer_gather_deferred / kvf_xfer_scatter_deferred. Keyed by address,
+ * so a context leaves both maps when it is destroyed: a later preset's
+ * context at the same address must not inherit its mode. */
+std::set<const kvf_xfer *> g_deferred_ctx;
+
+/* The ticket of each deferred context's last call not yet joined. */
+std::map<const kvf_xfer *, uint64_t> g_unjoined;
+
 struct Preset {
   std::string name, path;
   kvf_geometry *g = nullptr;
@@ -816,7 +825,11 @@ struct Preset {
   std::map<std::string, kvf_xfer *> ctx; /* by SM cap and tuning variant */
   double setup_s = 0;
   ~Preset() {
-    for (auto &c : ctx) kvf_xfer_destroy(c.second);
+    for (auto &c : ctx) {
+      g_deferred_ctx.erase(c.second);
+      g_unjoined.erase(c.second);
+      kvf_xfer_destroy(c.second);
+    }
     kvf_geometry_destroy(g);
   }
 };
@@ -967,13 +980,6 @@ Buffer &preset_arena(Preset &p, Mem kind) {
   }
   return b;
 }
-
-/* Contexts of a variant with defer=1: their calls go through
- * kvf_xfer_gather_deferred / kvf_xfer_scatter_deferred. */
-std::set<const kvf_xfer *> g_deferred_ctx;
-
-/* The ticket of each deferred context's last call not yet joined. */
-std::map<const kvf_xfer *, uint64_t> g_unjoined;
 
 /* One kvferry call on s. A deferred context's call is posted after s's
  * work and joined back into s at once (later work on s then runs after it,
@@ -1446,6 +1452,20 @@ std::vector<KvfResult> run_kvferry(Config &c, const std::vector<int> &caps, cons
                       &r.enqueue_alone_p90_us, [x] { join_deferred(x, g_gpu.stream); });
       kvf_xfer_last_path(x, &r.path);
       r.path_ok = true;
+      /* The library says whether it ran the call deferred: a variant timed in
+       * the other mode than it asked for measured the wrong thing. */
+      bool asked_deferred = false;
+      if (!tune.empty()) {
+        kvf_xfer_tuning scratch{};
+        int ignored = 0;
+        apply_tune(tune, &scratch, &ignored, &asked_deferred);
+      }
+      if (r.t.ok && (r.path.deferred != 0) != asked_deferred) {
+        r.t.ok = false;
+        r.t.error = fmt("at SM cap %s%s the calls ran %s, the variant asked for %s calls", cap_label(cap).c_str(),
+                        tune.empty() ? "" : (" tune " + tune).c_str(), r.path.deferred ? "deferred" : "directly",
+                        asked_deferred ? "deferred" : "direct");
+      }
     } catch (const std::exception &e) {
       if (!cuda_healthy()) throw;
       r.t.ok = false;
