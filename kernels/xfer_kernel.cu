@@ -210,10 +210,18 @@ __global__ void __launch_bounds__(kThreads, 1) kvf_xfer_kernel_p(const __grid_co
 // back more, up to +8), at 4.3 MiB (the MLA DCP rank's chunk, one CTA an SM
 // either way) behind by 0.9-1.2, and at 512 MiB and more behind in 17 of 28
 // (-0.88 to +0.18; the Llama rows at 4096 tokens): hence
-// KVF_XFER_SPREAD_DEEP_KB (8 MiB) and KVF_XFER_SPREAD_DEEP_MAX_MB (512).
-// More warps with fewer loads each lost (8 CTAs of 64 registers at half the
-// loads: -1.9 at one chunk, -0.5 at 4096 tokens), and so did registers
-// capped into spills. Not yet measured on an H200.
+// KVF_XFER_SPREAD_DEEP_KB (8 MiB). More warps with fewer loads each lost
+// (8 CTAs of 64 registers at half the loads: -1.9 at one chunk, -0.5 at
+// 4096 tokens), and so did registers capped into spills.
+// The H200 disagrees above about 10 MiB (perf/results/2026-12-05-h200-deep-
+// window, one run of three rounds, every preset at one chunk and 4096
+// tokens): deep was ahead at 8.3-9.8 MiB (+1.1 to +1.8 points) and at 16.5
+// MiB on one preset (+1.4), behind on the other 17 rows from 15.8 to 320
+// MiB (by 0.03 to 2.1; qwen3-like's 15.8 MiB chunk 2.0, the tp4 slice's 20
+// MiB 1.4, the 32 MiB Llama chunks 0.7-2.1). A second H100 sweep of 8-192
+// MiB had deep ahead or level on all 43 rows. The targets are the H200's,
+// so deep stops at KVF_XFER_SPREAD_DEEP_MAX_MB, 12 MiB, inside the gap the
+// H200 left unmeasured (9.8 to 15.8 MiB); an H100 does better at 512.
 constexpr int kSpreadThreads = 128;
 constexpr int kSpreadWaves = 16;
 

@@ -1209,9 +1209,9 @@ TEST(XferStagePlan, EdgeBatchOnChunksOfDifferentSizes) {
 
 // A spread launch is deep from KVF_XFER_SPREAD_DEEP_KB up to, not
 // including, KVF_XFER_SPREAD_DEEP_MAX_MB: at the defaults the MLA DCP
-// rank's 4.3 MiB chunk is not, one chunk of the others (8-32 MiB) and 4096
-// tokens of the hybrids and MLA (60-275 MiB) are, Llama's 512 MiB are not;
-// 0 turns either bound off.
+// rank's 4.3 MiB chunk is not, the 8.3-9.8 MiB chunks (GLM-like, gpt-oss,
+// fp8 MLA) are, the qwen3-like and MLA chunks (15.8, 17.2 MiB) and larger
+// are not; 0 turns either bound off.
 TEST(XferTuning, SpreadIsDeepFromItsLowerBoundToBelowItsUpper) {
   kvf_xfer_tuning t;
   kvf_xfer_tuning_from_params(&t);
@@ -1219,10 +1219,14 @@ TEST(XferTuning, SpreadIsDeepFromItsLowerBoundToBelowItsUpper) {
   EXPECT_FALSE(kvf_spread_is_deep(&t, 4497408)) << "the MLA DCP rank's chunk";
   EXPECT_FALSE(kvf_spread_is_deep(&t, 8192 * kib - 1));
   EXPECT_TRUE(kvf_spread_is_deep(&t, 8192 * kib));
-  EXPECT_TRUE(kvf_spread_is_deep(&t, 17989632)) << "the MLA chunk";
-  EXPECT_TRUE(kvf_spread_is_deep(&t, 512 * mib - 1));
-  EXPECT_FALSE(kvf_spread_is_deep(&t, 512 * mib)) << "4096 tokens of Llama 8B";
+  EXPECT_TRUE(kvf_spread_is_deep(&t, 9 * mib)) << "the gpt-oss-like chunk";
+  EXPECT_TRUE(kvf_spread_is_deep(&t, 12 * mib - 1));
+  EXPECT_FALSE(kvf_spread_is_deep(&t, 12 * mib));
+  EXPECT_FALSE(kvf_spread_is_deep(&t, 17989632)) << "the MLA chunk";
   EXPECT_FALSE(kvf_spread_is_deep(&t, UINT64_MAX));
+  t.spread_deep_max_mb = 512;
+  EXPECT_TRUE(kvf_spread_is_deep(&t, 17989632)) << "an H100's better bound";
+  EXPECT_FALSE(kvf_spread_is_deep(&t, 512 * mib)) << "4096 tokens of Llama 8B";
   t.spread_deep_max_mb = 0;
   EXPECT_TRUE(kvf_spread_is_deep(&t, UINT64_MAX)) << "no upper bound";
   t.spread_deep_kb = 0;
@@ -1246,7 +1250,7 @@ TEST(XferTuning, StagingValuesAreCheckedAndDefaulted) {
   EXPECT_EQ(t.stage_straight_alone, 0);
   EXPECT_EQ(t.spread_kb, 4096);
   EXPECT_EQ(t.spread_deep_kb, 8192);
-  EXPECT_EQ(t.spread_deep_max_mb, 512);
+  EXPECT_EQ(t.spread_deep_max_mb, 12);
   EXPECT_EQ(t.cache_order, 1);
   EXPECT_EQ(t.overlap, 1);
   EXPECT_EQ(t.device_task_waves, 1);
@@ -4043,6 +4047,7 @@ struct RouteVariant {
 void spread_everywhere(kvf_xfer_tuning &t, bool deep) {
   t.spread_kb = 1;
   t.spread_deep_kb = deep ? 1 : 0;
+  t.spread_deep_max_mb = 0;  // deep at any size
   t.staging_mb = 0;
   t.pcie_sms = 0;
   t.batch_max_runs = 0;
@@ -4388,7 +4393,7 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
         }
         if (want == KVF_PATH_KERNEL) {
           EXPECT_EQ(p.spread_launches, 1u) << "a one-chunk device-to-device launch spreads";
-          EXPECT_EQ(p.deep_launches, 1u) << "deep: the MLA chunk's 17 MB are inside KVF_XFER_SPREAD_DEEP_KB's sizes";
+          EXPECT_EQ(p.deep_launches, 0u) << "shallow: the MLA chunk's 17 MiB are past KVF_XFER_SPREAD_DEEP_MAX_MB";
           EXPECT_EQ(p.overlap_launches, overlap_expected() ? 1u : 0u) << "and overlaps the stream's previous kernel";
           EXPECT_EQ(p.slice_bytes, device_slice) << "a device-to-device launch aims at 2 tasks per warp";
           EXPECT_EQ(p.cache_order, cache_order ? 1u : 0u);

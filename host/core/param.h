@@ -95,8 +95,8 @@ extern "C" {
     "a device-to-device or peer launch that may use every SM and moves at least this many KiB runs small CTAs, several rounds of them, that the GPU hands out as SMs free up (0: never; one CTA per SM then)") \
   X(xfer_spread_deep_kb, "KVF_XFER_SPREAD_DEEP_KB", 8192,                                \
     "a spread launch of at least this many KiB (and under KVF_XFER_SPREAD_DEEP_MAX_MB) is deep: each lane keeps 16 loads of 16 bytes (32 narrower) in flight, at least 3 CTAs an SM, where the others keep 8 (16) at 4-5; 0: never") \
-  X(xfer_spread_deep_max_mb, "KVF_XFER_SPREAD_DEEP_MAX_MB", 512,                         \
-    "a spread launch of this many MiB or more is not deep (0: no limit)") \
+  X(xfer_spread_deep_max_mb, "KVF_XFER_SPREAD_DEEP_MAX_MB", 12,                          \
+    "a spread launch of this many MiB or more is not deep (0: no limit; on an H100, where deep was ahead up to 387 MiB, 512 suits better)") \
   X(xfer_overlap, "KVF_XFER_OVERLAP", 1,                                                 \
     "1: a device-to-device or peer launch that may use every SM (tables in its parameters, compute capability 9.0 and later) is a programmatic dependent launch: it may start while the stream's previous kernel drains and waits for it before touching memory, and lets a next kernel launched the same way start early; 0: neither") \
   X(xfer_cache_order, "KVF_XFER_CACHE_ORDER", 1,                                         \

@@ -317,7 +317,7 @@ void kvf_xfer_tuning_from_params(kvf_xfer_tuning *t) {
   if (t->stage_straight_alone < 0 || t->stage_straight_alone > 1) t->stage_straight_alone = 0;
   if (t->spread_kb < 0 || t->spread_kb > KVF_SPREAD_MAX_KB) t->spread_kb = 4096;
   if (t->spread_deep_kb < 0 || t->spread_deep_kb > KVF_SPREAD_MAX_KB) t->spread_deep_kb = 8192;
-  if (t->spread_deep_max_mb < 0 || t->spread_deep_max_mb > KVF_SPREAD_MAX_KB >> 10) t->spread_deep_max_mb = 512;
+  if (t->spread_deep_max_mb < 0 || t->spread_deep_max_mb > KVF_SPREAD_MAX_KB >> 10) t->spread_deep_max_mb = 12;
   if (t->cache_order < 0 || t->cache_order > 1) t->cache_order = 1;
   if (t->overlap < 0 || t->overlap > 1) t->overlap = 1;
   if (t->batch_first_runs < 0) t->batch_first_runs = 8;
