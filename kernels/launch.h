@@ -53,7 +53,8 @@ enum {
                                  scheduled by the hardware, each lane with twice the loads in flight: only
                                  for launches that may use every SM */
   KVF_KERNEL_WALK_SPREAD_SHALLOW = 3 /* the same with the walk's usual loads in flight and more CTAs an SM
-                                        (a spread outside KVF_XFER_SPREAD_DEEP_KB's sizes) */
+                                        (a spread outside the deep window, KVF_XFER_SPREAD_DEEP_KB up to
+                                        KVF_XFER_SPREAD_DEEP_MAX_MB) */
 };
 
 /* Whether `kernel` is one of the spread walks. */

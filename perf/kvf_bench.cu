@@ -1069,16 +1069,23 @@ kvf_xfer *preset_ctx(Preset &p, int cap, const std::string &tune = "") {
   xo.max_sms = cap < 0 ? (uint32_t)g_gpu.prop.multiProcessorCount : (uint32_t)cap;
   kvf_xfer *x = nullptr;
   kvf_check(kvf_xfer_create(p.g, &xo, &x), "kvf_xfer_create");
-  p.ctx[key] = x;
+  /* Kept only once its tuning is in: a context whose tuning was refused
+   * would otherwise serve the variant's later configurations untuned. */
   if (!tune.empty()) {
-    kvf_xfer_tuning t;
-    kvf_xfer_get_tuning(x, &t);
-    int ignored = 0;
-    bool deferred = false;
-    apply_tune(tune, &t, &ignored, &deferred);
-    kvf_check(kvf_xfer_set_tuning(x, &t), "--tune " + tune);
-    if (deferred) g_deferred_ctx.insert(x);
+    try {
+      kvf_xfer_tuning t;
+      kvf_xfer_get_tuning(x, &t);
+      int ignored = 0;
+      bool deferred = false;
+      apply_tune(tune, &t, &ignored, &deferred);
+      kvf_check(kvf_xfer_set_tuning(x, &t), "--tune " + tune);
+      if (deferred) g_deferred_ctx.insert(x);
+    } catch (...) {
+      kvf_xfer_destroy(x);
+      throw;
+    }
   }
+  p.ctx[key] = x;
   return x;
 }
 

@@ -19,7 +19,8 @@
 #             racecheck on the new routes' cases for three presets
 #   chunk     every preset at one chunk (256 tokens; whole chunks) and 4096 tokens,
 #             d2h h2d d2d, SM caps default and 4, every baseline and every peer; then
-#             d2d on every preset against two tunings (d2d-ab: the shallow spread)
+#             d2d on every preset against two tunings (d2d-ab: the deep spread's
+#             window: up to 512 MiB, and shallow everywhere)
 #   cross     crossover sweeps on llama nhd / hnd and the 61-layer MLA cache at one
 #             chunk and 4096 tokens: pieces per staged batch, tables in kernel
 #             parameters or uploaded, task sizes, the batch-API route on/off and
@@ -321,12 +322,12 @@ if want chunk; then
   step chunk-4096 $([[ $mode == explore ]] && echo 60 || echo 120) --preset "${chunk_big:-$all}" --tokens 4096 \
     --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all
   # Device to device on every preset at one chunk and 4096 tokens, against
-  # the previous KVF_XFER_DEVICE_TASK_WAVES (2) and the shallow spread
-  # everywhere (KVF_XFER_SPREAD_DEEP_KB=0: its window was measured on an H100
-  # only, perf/results/2026-12-05-h100-spread-depth).
+  # the deep spread's window as an H100 would have it (up to 512 MiB) and
+  # the shallow spread everywhere: the 12 MiB bound rests on one H200 run
+  # (perf/results/2026-12-05-h200-deep-window).
   step d2d-ab $([[ $mode == explore ]] && echo 60 || echo 100) --preset "$all" --tokens 256,4096 \
     --directions d2d --sms-device 0 --baselines limit --peers none \
-    --tune device_task_waves=2 --tune spread_deep_kb=0
+    --tune spread_deep_max_mb=512 --tune spread_deep_kb=0
 fi
 
 if want d2dtask; then

@@ -4393,7 +4393,7 @@ TEST(XferGpu, DefaultRoutesForOneChunk) {
         }
         if (want == KVF_PATH_KERNEL) {
           EXPECT_EQ(p.spread_launches, 1u) << "a one-chunk device-to-device launch spreads";
-          EXPECT_EQ(p.deep_launches, 0u) << "shallow: the MLA chunk's 17 MiB are past KVF_XFER_SPREAD_DEEP_MAX_MB";
+          EXPECT_EQ(p.deep_launches, 0u) << "shallow: the MLA (17 MiB) and Llama (32 MiB) chunks are past KVF_XFER_SPREAD_DEEP_MAX_MB";
           EXPECT_EQ(p.overlap_launches, overlap_expected() ? 1u : 0u) << "and overlaps the stream's previous kernel";
           EXPECT_EQ(p.slice_bytes, device_slice) << "a device-to-device launch aims at 2 tasks per warp";
           EXPECT_EQ(p.cache_order, cache_order ? 1u : 0u);
