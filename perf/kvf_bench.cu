@@ -1097,6 +1097,15 @@ int tune_cap(const std::string &spec) {
   return cap;
 }
 
+/* Whether a variant asks for deferred calls (defer=1 in its spec). */
+bool tune_defers(const std::string &spec) {
+  kvf_xfer_tuning t{};
+  int cap = 0;
+  bool deferred = false;
+  apply_tune(spec, &t, &cap, &deferred);
+  return deferred;
+}
+
 void refresh_mirror(Preset &p) {
   if (p.mirror_valid) return;
   CK(cudaMemcpy(p.mirror.get(), p.cache.p, p.cache.bytes, cudaMemcpyDeviceToHost));
@@ -1461,12 +1470,7 @@ std::vector<KvfResult> run_kvferry(Config &c, const std::vector<int> &caps, cons
       r.path_ok = true;
       /* The library says whether it ran the call deferred: a variant timed in
        * the other mode than it asked for measured the wrong thing. */
-      bool asked_deferred = false;
-      if (!tune.empty()) {
-        kvf_xfer_tuning scratch{};
-        int ignored = 0;
-        apply_tune(tune, &scratch, &ignored, &asked_deferred);
-      }
+      const bool asked_deferred = tune_defers(tune);
       if (r.t.ok && (r.path.deferred != 0) != asked_deferred) {
         r.t.ok = false;
         r.t.error = fmt("at SM cap %s%s the calls ran %s, the variant asked for %s calls", cap_label(cap).c_str(),
