@@ -2182,6 +2182,12 @@ static void keep_captured(kvf_xfer *x, retired *node, const staging *captured) {
   x->retired = node;
 }
 
+/* Record a launched kernel's shape in the call's path info. */
+static void note_launch_shape(kvf_xfer *x, int kernel) {
+  x->path.spread_launches = kvf_kernel_is_spread(kernel);
+  x->path.deep_launches = kernel == KVF_KERNEL_WALK_SPREAD;
+}
+
 /* One kernel launch moves the whole request. Tables that fit the kernel's
  * parameters (KVF_XFER_PARAM_TABLE_BYTES) ride with the launch: no upload
  * before it, no slot, and a captured launch keeps its own copy. Larger ones
@@ -2217,8 +2223,7 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
                         gather ? "gather" : "scatter", cudaGetErrorString(e));
       }
       x->path.launches = x->path.param_launches = 1;
-      x->path.spread_launches = kvf_kernel_is_spread(kernel);
-      x->path.deep_launches = kernel == KVF_KERNEL_WALK_SPREAD;
+      note_launch_shape(x, kernel);
       x->path.overlap_launches = (uint32_t)overlap;
     } else {
       ctas = 0;
@@ -2258,10 +2263,7 @@ static kvf_status launch_one(kvf_xfer *x, const kvf_copy_request *r, int gather,
     e = cudaMemcpyAsync(s->device, s->pinned, h->size, cudaMemcpyHostToDevice, stream);
     int uploaded = e == cudaSuccess, launched = 0;
     if (e == cudaSuccess) launched = (e = kvf_kernel_launch(s->device, tasks, &ctas, kernel, stream)) == cudaSuccess;
-    if (launched) {
-      x->path.spread_launches = kvf_kernel_is_spread(kernel);
-      x->path.deep_launches = kernel == KVF_KERNEL_WALK_SPREAD;
-    }
+    if (launched) note_launch_shape(x, kernel);
     if (uploaded && s != &captured) {
       /* Also after a refused launch: the upload is enqueued and reads the
        * slot's tables, so the slot is free only after it. */
