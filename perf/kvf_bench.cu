@@ -1106,6 +1106,19 @@ bool tune_defers(const std::string &spec) {
   return deferred;
 }
 
+/* Why a variant's last call measured the wrong thing, or "": the library
+ * says whether it ran the call deferred, and a variant timed in the other
+ * mode than its spec asked for (a stale context, 5683951) would be recorded
+ * as what it asked for. Every mode checks it after timing. */
+std::string call_mode_mismatch(const kvf_xfer *x, const std::string &tune) {
+  kvf_xfer_path_info path{};
+  kvf_xfer_last_path(x, &path);
+  const bool asked_deferred = tune_defers(tune);
+  if ((path.deferred != 0) == asked_deferred) return "";
+  return fmt("the calls ran %s, the variant asked for %s calls", path.deferred ? "deferred" : "directly",
+             asked_deferred ? "deferred" : "direct");
+}
+
 void refresh_mirror(Preset &p) {
   if (p.mirror_valid) return;
   CK(cudaMemcpy(p.mirror.get(), p.cache.p, p.cache.bytes, cudaMemcpyDeviceToHost));
@@ -1468,14 +1481,11 @@ std::vector<KvfResult> run_kvferry(Config &c, const std::vector<int> &caps, cons
                       &r.enqueue_alone_p90_us, [x] { join_deferred(x, g_gpu.stream); });
       kvf_xfer_last_path(x, &r.path);
       r.path_ok = true;
-      /* The library says whether it ran the call deferred: a variant timed in
-       * the other mode than it asked for measured the wrong thing. */
-      const bool asked_deferred = tune_defers(tune);
-      if (r.t.ok && (r.path.deferred != 0) != asked_deferred) {
+      const std::string mismatch = call_mode_mismatch(x, tune);
+      if (r.t.ok && !mismatch.empty()) {
         r.t.ok = false;
-        r.t.error = fmt("at SM cap %s%s the calls ran %s, the variant asked for %s calls", cap_label(cap).c_str(),
-                        tune.empty() ? "" : (" tune " + tune).c_str(), r.path.deferred ? "deferred" : "directly",
-                        asked_deferred ? "deferred" : "direct");
+        r.t.error = fmt("at SM cap %s%s %s", cap_label(cap).c_str(), tune.empty() ? "" : (" tune " + tune).c_str(),
+                        mismatch.c_str());
       }
     } catch (const std::exception &e) {
       if (!cuda_healthy()) throw;
@@ -1795,6 +1805,8 @@ void latency_config(Config &c) {
          * GPU and wall times. */
         Latency l = measure_latency(op_kvferry(c, x, g_gpu.stream, false), g_gpu.stream, g_opt.latency_reps,
                                     [x] { join_deferred(x, g_gpu.stream); });
+        const std::string mismatch = call_mode_mismatch(x, tune);
+        if (!mismatch.empty()) throw BenchError(mismatch);
         if (tune.empty()) stats_ok = kvf_xfer_last_stats(x, &stats) == KVF_SUCCESS;
         return l;
       });
@@ -2078,6 +2090,8 @@ void interference_run(Preset &p, SizePlan &s, const std::vector<Direction> &dirs
       try {
         kvf_xfer *x = preset_ctx(p, cap, tune);
         r = interfere(c, w, alone, op_kvferry(c, x, g_gpu.stream), S);
+        const std::string mismatch = call_mode_mismatch(x, tune);
+        if (!mismatch.empty()) throw BenchError(mismatch);
         kvf_xfer_stats st = KVF_XFER_STATS_INIT;
         if (kvf_xfer_last_stats(x, &st) == KVF_SUCCESS) r.sms_used = st.sms;
       } catch (const BenchError &e) {
