@@ -220,8 +220,12 @@ __global__ void __launch_bounds__(kThreads, 1) kvf_xfer_kernel_p(const __grid_co
 // MiB (by 0.03 to 2.1; qwen3-like's 15.8 MiB chunk 2.0, the tp4 slice's 20
 // MiB 1.4, the 32 MiB Llama chunks 0.7-2.1). A second H100 sweep of 8-192
 // MiB had deep ahead or level on all 43 rows. The targets are the H200's,
-// so deep stops at KVF_XFER_SPREAD_DEEP_MAX_MB, 12 MiB, inside the gap the
-// H200 left unmeasured (9.8 to 15.8 MiB); an H100 does better at 512.
+// so deep stops at KVF_XFER_SPREAD_DEEP_MAX_MB, 12 MiB, in the H200's gap
+// between 9.8 and 15.8 MiB; an H100 does better at 512. Three rounds on
+// two later H200 leases with the bound in place (perf/results/2026-12-05-
+// h200-window-check) agreed: the 512 MiB window behind by 0.80 points
+// below 4096 tokens and 0.23 at 4096 (only the fp8-inline chunk ahead,
+// +1.5), shallow everywhere behind by 1.0-1.3 on the 8.3-9.8 MiB chunks.
 constexpr int kSpreadThreads = 128;
 constexpr int kSpreadWaves = 16;
 
