@@ -279,13 +279,16 @@ else
 fi
 curve=llama-3.1-8b-fa-nhd,llama-3.1-8b-fa-hnd,deepseek-v3-mla-bf16
 all=$("$bench" --list | paste -sd, -)
+# A step's own options come after the mode's (kvf_bench takes an option's
+# last value), so a step may ask for more reps or a smaller cap than the mode;
+# KVF_BENCH_EXTRA comes last of all.
 step() { # NAME LIMIT ARGS...
   local name=$1 limit t0=$SECONDS rc
   limit=$(limit_for "$2")
   shift 2
   if ((limit == 0)); then say "== $name: skipped (time budget spent)"; failed=1; return; fi
-  say "== $name: kvf_bench $* ${common[*]} ${extra[*]}"
-  timeout --signal=INT --kill-after=15 "$limit" "$bench" "$@" "${common[@]}" "${extra[@]}" \
+  say "== $name: kvf_bench ${common[*]} $* ${extra[*]}"
+  timeout --signal=INT --kill-after=15 "$limit" "$bench" "${common[@]}" "$@" "${extra[@]}" \
     --out "$work/$name.json" --label "run_issue15.sh $mode $name" > "$work/$name.log" 2>&1
   rc=$?
   grep -E '^kvf_bench|ERROR|FAIL|differ|kvf_bench: ' "$work/$name.log" | head -n 12 | tee -a "$log"
@@ -319,8 +322,11 @@ if want chunk; then
   # after each), for their enqueue (the post alone) and GPU time.
   step chunk-256 $([[ $mode == explore ]] && echo 120 || echo 190) --preset "$all" --tokens 256 \
     --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all --tune defer=1
+  # At least 5 reps: a 4096-token call takes about 10 ms, so the mode's 12 ms
+  # target gave 3, and one slow rep of 3 moved a d2h row from 99.4% to 97.7%
+  # of memcpy (perf/results/2026-12-05-h200-window-check).
   step chunk-4096 $([[ $mode == explore ]] && echo 60 || echo 120) --preset "${chunk_big:-$all}" --tokens 4096 \
-    --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all
+    --directions d2h,h2d,d2d --sms-pcie 0,4 --sms-device 0 --baselines all --peers all --min-reps 5
   # Device to device on every preset at one chunk and 4096 tokens, against
   # the deep spread's window as an H100 would have it (up to 512 MiB) and
   # the shallow spread everywhere: the 12 MiB bound rests on one H200 run
