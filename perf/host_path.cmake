@@ -43,12 +43,22 @@ if(KVF_BUILD_TESTS)
   add_test(NAME perf_host_path_skips_256 COMMAND ${_kvf_hp} --tokens 256 --calls 4 --skip-every 5 --expect-cached-runs
            --expect-cached-blobs)
   add_test(NAME perf_host_path_deferred_256 COMMAND ${_kvf_hp} --tokens 256 --calls 4 --deferred --expect-cached-blobs)
+  # The batch route behind an event the caller recorded just before the
+  # call (the stream busy to the first query): its calls still ramp; behind
+  # longer work (busy to every query within KVF_IDLE_WAIT_NS) one call.
+  add_test(NAME perf_host_path_ramp_behind_event COMMAND ${_kvf_hp} --tokens 256 --calls 3 --directions d2h,h2d
+           --presets deepseek-v3-mla-bf16,deepseek-v3-mla-fp8-656,qwen3-next-like-hybrid --busy-queries 1
+           --expect-batch-calls ramp)
+  add_test(NAME perf_host_path_one_call_behind_work COMMAND ${_kvf_hp} --tokens 256 --calls 3 --directions d2h,h2d
+           --presets deepseek-v3-mla-bf16,deepseek-v3-mla-fp8-656,qwen3-next-like-hybrid --busy-queries 1000000
+           --expect-batch-calls one)
   add_test(NAME perf_host_path_1000 COMMAND ${_kvf_hp} --tokens 1000)
   add_test(NAME perf_host_path_skips_1000 COMMAND ${_kvf_hp} --tokens 1000 --skip-every 5)
   add_test(NAME perf_host_path_native_skips_1024 COMMAND ${_kvf_hp} --tokens 1024 --format native --skip-every 5)
   add_test(NAME perf_host_path_batches_1000 COMMAND ${_kvf_hp} --tokens 1000 --directions d2h,h2d)
   add_test(NAME perf_host_path_direct_1000 COMMAND ${_kvf_hp} --tokens 1000 --directions d2h,h2d)
-  set_tests_properties(perf_host_path_256 perf_host_path_skips_256 perf_host_path_deferred_256 perf_host_path_1000 perf_host_path_skips_1000
+  set_tests_properties(perf_host_path_256 perf_host_path_skips_256 perf_host_path_deferred_256 perf_host_path_ramp_behind_event
+                       perf_host_path_one_call_behind_work perf_host_path_1000 perf_host_path_skips_1000
                        perf_host_path_native_skips_1024 perf_host_path_batches_1000 perf_host_path_direct_1000
                        PROPERTIES LABELS unit TIMEOUT 600)
   set_tests_properties(perf_host_path_batches_1000 PROPERTIES ENVIRONMENT KVF_XFER_STAGING_MB=1)

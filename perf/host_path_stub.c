@@ -15,7 +15,10 @@
  * wait between streams (a staging buffer reused too early, the straight
  * part against the kernels) still moves the right bytes here. Events
  * complete at once and time the host between their records; streams are
- * always idle, so the branches for a busy stream are not taken. What this
+ * idle, so the branches for a busy stream are not taken, unless the harness
+ * makes a stream answer "not ready" to its next few queries
+ * (kvf_host_stub_stream_busy: the event a caller records just before a
+ * call, which a GPU completes a few us later). What this
  * does not model either: the driver's own time, concurrency, and any route
  * choice that follows measured device time (each call reports its path).
  *
@@ -113,6 +116,7 @@ void kvf_host_stub_mem_ops(int on) { g_mem_ops = on; }
 
 struct CUstream_st {
   unsigned long long id;
+  unsigned busy_queries; /* cudaStreamQuery answers not ready this many more times */
 };
 struct CUevent_st {
   uint64_t recorded_ns;
@@ -122,7 +126,7 @@ static unsigned long long g_next_stream_id = 100;
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int flags) {
   (void)flags;
-  struct CUstream_st *p = malloc(sizeof *p);
+  struct CUstream_st *p = calloc(1, sizeof *p);
   if (!p) return cudaErrorMemoryAllocation;
   p->id = g_next_stream_id++;
   *s = p;
@@ -143,8 +147,15 @@ cudaError_t cudaStreamIsCapturing(cudaStream_t s, enum cudaStreamCaptureStatus *
   return cudaSuccess;
 }
 cudaError_t cudaStreamQuery(cudaStream_t s) {
-  (void)s;
+  if ((uintptr_t)s >= 4096 && s->busy_queries > 0) {
+    s->busy_queries--;
+    return cudaErrorNotReady;
+  }
   return cudaSuccess;
+}
+
+void kvf_host_stub_stream_busy(cudaStream_t s, unsigned queries) {
+  if ((uintptr_t)s >= 4096) s->busy_queries = queries;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   (void)s;

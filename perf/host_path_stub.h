@@ -39,6 +39,10 @@ typedef struct kvf_host_stub_counts {
   uint64_t last_value_waited;  /* the value the last cuStreamWaitValue64 waited for */
 } kvf_host_stub_counts;
 void kvf_host_stub_counts_get(kvf_host_stub_counts *out);
+/* Stream s (one the stub created) answers cudaErrorNotReady to its next
+ * `queries` cudaStreamQuery calls, then idle again: work the GPU completes
+ * soon, such as an event the caller recorded just before a call. */
+void kvf_host_stub_stream_busy(struct CUstream_st *s, unsigned queries);
 /* Whether the device answers that it can write and wait on 64-bit values
  * from a stream (1, the default); 0 makes deferred calls fail to start. */
 void kvf_host_stub_mem_ops(int on);

@@ -20,7 +20,8 @@
  *   kvf_host_path [--preset-dir DIR] [--presets a,b] [--tokens N] [--reps N]
  *                 [--directions d2d,d2h,h2d] [--format canonical|native]
  *                 [--skip-every K] [--calls N] [--expect-cached-runs]
- *                 [--expect-cached-blobs] [--deferred] [--verify-only] [--json FILE]
+ *                 [--expect-cached-blobs] [--deferred] [--busy-queries N]
+ *                 [--expect-batch-calls ramp|one] [--verify-only] [--json FILE]
  *
  * --skip-every K makes every K-th id of each block table KVF_BLOCK_SKIP
  * (blocks that move nothing: holes in the objects). --calls N verifies N
@@ -36,6 +37,13 @@
  * it. A row then fails when a call did not run on that thread or when a
  * wait was enqueued ahead of what it waits for (the stub's early waits);
  * the time is the post's alone, the join left out.
+ * --busy-queries N makes the call's stream answer "not ready" to its next N
+ * queries before each verified call, as an event the caller records just
+ * before a call keeps a GPU's stream busy for a few us;
+ * --expect-batch-calls then fails a row whose batch-API calls (the copy
+ * engine's route) did not ramp (ramp: more than one cudaMemcpyBatchAsync
+ * call where the runs pass KVF_XFER_BATCH_FIRST_RUNS) or did not make one
+ * call (one).
  *
  * Exit status: 0 when every call succeeded and matched the reference. */
 #include <algorithm>
@@ -81,6 +89,8 @@ struct Options {
   bool expect_cached_runs = false; /* fail a row whose later staged calls never took runs from the cache */
   bool expect_cached_blobs = false; /* fail a row whose later calls never took a blob from the memo */
   bool deferred = false; /* every call deferred, then joined */
+  unsigned busy_queries = 0; /* the stream answers "not ready" to this many queries after each call starts */
+  std::string expect_batch_calls; /* "ramp" or "one": what a batch-route call must have made */
   bool verify_only = false;
   std::string json;
 };
@@ -282,6 +292,7 @@ Row run_one(const Options &o, const std::string &preset, const std::string &dire
       fill(arena, layout.span, 77 + (uint64_t)ci);
       memcpy(ref_arena, arena, layout.span);
     }
+    if (o.busy_queries) kvf_host_stub_stream_busy(stream, o.busy_queries);
     if (call() || join_call()) {
       row.error = std::string(gather ? "kvf_xfer_gather" : "kvf_xfer_scatter") + (o.deferred ? "_deferred: " : ": ") +
                   kvf_last_error() + " (call " + std::to_string(ci + 1) + ")";
@@ -321,6 +332,17 @@ Row run_one(const Options &o, const std::string &preset, const std::string &dire
       if (o.deferred && !pi.deferred) {
         row.error = "call " + std::to_string(ci + 1) + " was not planned by the context's thread";
         goto out;
+      }
+      if (!o.expect_batch_calls.empty() && pi.path == KVF_PATH_COPY_BATCH) {
+        kvf_xfer_tuning tn;
+        kvf_xfer_get_tuning(x, &tn);
+        const bool ramp = o.expect_batch_calls == "ramp";
+        const uint64_t first = (uint64_t)tn.batch_first_runs;
+        if (ramp ? first > 0 && pi.dma_runs > first && pi.dma_ops < 2 : pi.dma_ops != 1) {
+          row.error = "call " + std::to_string(ci + 1) + ": " + std::to_string(pi.dma_ops) + " batch calls for " +
+                      std::to_string(pi.dma_runs) + " runs, want " + (ramp ? "a ramp" : "one");
+          goto out;
+        }
       }
       if (ci == 0) row.path = name;
       else if (("+" + row.path + "+").find("+" + name + "+") == std::string::npos) row.path += "+" + name;
@@ -424,7 +446,8 @@ int usage(const char *argv0) {
   fprintf(stderr,
           "usage: %s [--preset-dir DIR] [--presets a,b] [--tokens N] [--reps N] [--directions d2d,d2h,h2d]\n"
           "          [--format canonical|native] [--skip-every K] [--calls N] [--expect-cached-runs]\n"
-          "          [--expect-cached-blobs] [--deferred]\n"
+          "          [--expect-cached-blobs] [--deferred] [--busy-queries N]\n"
+          "          [--expect-batch-calls ramp|one]\n"
           "          [--verify-only] [--json FILE]\n",
           argv0);
   return 2;
@@ -452,6 +475,11 @@ int main(int argc, char **argv) {
     else if (a == "--expect-cached-runs") o.expect_cached_runs = true;
     else if (a == "--expect-cached-blobs") o.expect_cached_blobs = true;
     else if (a == "--deferred") o.deferred = true;
+    else if (a == "--busy-queries") o.busy_queries = (unsigned)strtoul(value().c_str(), nullptr, 10);
+    else if (a == "--expect-batch-calls") {
+      o.expect_batch_calls = value();
+      if (o.expect_batch_calls != "ramp" && o.expect_batch_calls != "one") return usage(argv[0]);
+    }
     else if (a == "--json") o.json = value();
     else return usage(argv[0]);
   }

@@ -4579,6 +4579,37 @@ TEST(XferGpu, BatchCallsRampOnlyOnAnIdleStream) {
     }
 }
 
+// A caller that records an event right before the call (to time it, or to
+// mark its stream) leaves the stream busy for the few us the GPU takes to
+// reach the event. The batch route still ramps there: it waits up to
+// KVF_IDLE_WAIT_NS for the stream to go idle before its first call. One ask
+// made one call of all 244 runs, its copies starting only after the host
+// had enqueued them all (an H100 timed the chunk d2h alone at 1.21x a
+// memcpy that way). Twenty calls each way, each behind its own event.
+TEST(XferGpu, BatchCallsRampBehindAnEventJustRecorded) {
+  REQUIRE_GPU();
+  for (Dir d : {Dir::Gather, Dir::Scatter}) {
+    SCOPED_TRACE(dir_name(d));
+    Prepared s;
+    ASSERT_NO_FATAL_FAILURE(setup_chunks("deepseek-v3-mla-bf16", 1, 0, 29, &s));
+    GpuConfig cfg;
+    cfg.obj_kind = Mem::Pinned;
+    cfg.route = expected_route(Mem::Pinned, d);
+    cfg.event_before_call = true;
+    cfg.calls = 20;
+    cfg.tune = [](kvf_xfer_tuning &t) {
+      t.batch_first_runs = 8;
+      t.batch_link_gbps = 0;  // doubling, so the calls are known; no host-bound rule
+    };
+    cfg.check_each = [](int i, const kvf_xfer_path_info &p) {
+      SCOPED_TRACE("call " + std::to_string(i));
+      ASSERT_EQ(p.path, KVF_PATH_COPY_BATCH) << kvf_xfer_path_name(p.path);
+      EXPECT_EQ(p.dma_ops, 5u) << "the ramp's calls of 8, 16, 32, 64 and 124 runs";
+    };
+    run_gpu_case(s.g(), s.plan, KVF_FORMAT_CANONICAL, d, 0, 40 + (uint64_t)d, cfg);
+  }
+}
+
 // A batch call that comes right after a host-bound one (its host time
 // outlasted its copies at KVF_XFER_BATCH_LINK_GBPS, here set so high that
 // every call is) makes one call on an idle stream: back to back, the ramp's

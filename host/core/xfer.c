@@ -1242,7 +1242,7 @@ static cudaError_t batch_copy(void **dst, const void **src, size_t *size, size_t
  * second stream, which the driver may give to another of the H200's three
  * async engines, every MLA row was slower (perf/results/
  * 2026-12-03-h200-batch-engines: GPU time of the ramp 340 -> 345-352 us). */
-static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void **src, size_t *size, size_t n,
+static cudaError_t ramped_batch_copy(kvf_xfer *x, void **dst, const void **src, size_t *size, size_t n,
                                      uint64_t all_engine_ns, cudaStream_t stream, int stream_idle, uint64_t *calls,
                                      size_t *enqueued) {
   uint64_t first = (uint64_t)x->tune.batch_first_runs;
@@ -1254,8 +1254,15 @@ static cudaError_t ramped_batch_copy(const kvf_xfer *x, void **dst, const void *
     first = 0;
   /* cudaErrorNotReady (work queued) is not an error the runtime keeps;
    * another answer leaves one call, which reports a broken stream.
-   * stream_idle: the answer asked earlier in this call (-1: none). */
-  if (first > 0 && first < n && stream_idle < 0) stream_idle = query_relaxed(stream, NULL) == cudaSuccess;
+   * stream_idle: the answer asked earlier in this call (-1: none). Asked as
+   * the host-bound rule asks (stream_idle_soon): an event the caller
+   * recorded just before the call keeps the stream busy for a few us, and
+   * one ask then made one call, whose copies start only once the host has
+   * enqueued them all. Measured on an H100 behind such an event (kvf_bench's
+   * latency mode): the bf16 MLA chunk d2h alone took 397 us of GPU time
+   * against 327 for a memcpy, its 72 us of enqueue plus the copy
+   * (perf/results/2026-12-05-h100-ramp-behind-event). */
+  if (first > 0 && first < n && stream_idle < 0) stream_idle = stream_idle_soon(x, stream);
   if (first > 0 && first < n && !stream_idle) first = 0;
   cudaError_t e = cudaSuccess;
   *enqueued = 0;
