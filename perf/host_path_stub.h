@@ -10,6 +10,8 @@
 extern "C" {
 #endif
 
+struct CUstream_st; /* cudaStream_t's target */
+
 /* Memory that cudaPointerGetAttributes reports as this device's (device)
  * or as pinned host memory (pinned); 256-byte aligned; NULL when out of
  * memory. */

@@ -1014,11 +1014,12 @@ static int call_stream_id(kvf_xfer *x, cudaStream_t stream, unsigned long long *
  * calls, and then took the batch route where the rule said staged (the
  * bf16 and fp8 MLA chunks h2d alone at 1.08-1.12x a memcpy where the
  * staged route took 1.04-1.06x; perf/results/2026-12-04-h200-straight-
- * alone, d4). Asked only where idleness decides the route (a call alone
- * the host-bound rule would stage, a small gather's straight part), so a
- * stream busy with other work costs such a call at most this much host
- * time (KVF_IDLE_WAIT_NS), which x->idle_wait_ns keeps out of the batch
- * calls' host time. */
+ * alone, d4). Asked only where idleness decides the route or its shape (a
+ * call alone the host-bound rule would stage, a small gather's straight
+ * part, the batch route's ramp: ramped_batch_copy), so a stream busy with
+ * other work costs such a call at most this much host time
+ * (KVF_IDLE_WAIT_NS), which x->idle_wait_ns keeps out of the batch calls'
+ * host time. */
 static int stream_idle_soon(kvf_xfer *x, cudaStream_t stream) {
   if (query_relaxed(stream, NULL) == cudaSuccess) return 1;
   /* A call that came within KVF_XFER_BATCH_BACK_TO_BACK_US of the
@@ -1261,9 +1262,16 @@ static cudaError_t ramped_batch_copy(kvf_xfer *x, void **dst, const void **src, 
    * enqueued them all. Measured on an H100 behind such an event (kvf_bench's
    * latency mode): the bf16 MLA chunk d2h alone took 397 us of GPU time
    * against 327 for a memcpy, its 72 us of enqueue plus the copy
-   * (perf/results/2026-12-05-h100-ramp-behind-event). */
-  if (first > 0 && first < n && stream_idle < 0) stream_idle = stream_idle_soon(x, stream);
-  if (first > 0 && first < n && !stream_idle) first = 0;
+   * (perf/results/2026-12-05-h100-ramp-behind-event). Asked only where the
+   * first call would leave runs for a second (up to twice `first` it takes
+   * them all), and the wait counts in the call's planning (planned_ns),
+   * which ends at its first enqueue, as the rule's does. */
+  const int can_ramp = first > 0 && kvf_batch_ramp_runs(0, first, n) < n;
+  if (can_ramp && stream_idle < 0) {
+    stream_idle = stream_idle_soon(x, stream);
+    x->planned_ns = kvf_now_ns();
+  }
+  if (can_ramp && !stream_idle) first = 0;
   cudaError_t e = cudaSuccess;
   *enqueued = 0;
   size_t m = 0;

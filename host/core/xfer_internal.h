@@ -237,7 +237,8 @@ uint64_t kvf_batch_ramp_next(uint64_t prev, uint64_t left, uint64_t prev_host_ns
 #define KVF_BATCH_MAX_BACK_TO_BACK_US 1000000
 
 /* How long a call waits for its busy stream where idleness decides its
- * route (host/core/xfer.c, stream_idle_soon, says why). */
+ * route or the batch route's ramp (host/core/xfer.c, stream_idle_soon,
+ * says why). */
 #define KVF_IDLE_WAIT_NS 5000
 
 /* Whether a batch-API call of `runs` runs, whose copies take engine_ns at
@@ -513,7 +514,8 @@ typedef struct kvf_xfer_path_info {
   uint32_t batch_listed;   /* 1: the call built its request's batch-API runs (KVF_PATH_COPY_BATCH, or refused
                               there: too many runs, too short, or staged by the host-bound rule once listed) */
   double idle_wait_us;     /* of host_us, the time the call waited for its stream to become idle (a call alone
-                              the host-bound rule weighs, a small gather's straight part: stream_idle_soon) */
+                              the host-bound rule weighs, a small gather's straight part, the batch route's
+                              ramp: stream_idle_soon) */
   uint32_t runs_cached;    /* staged pieces whose copy-engine runs came from the context's cache
                               (kvf_stage_blob_runs_cached) */
   uint32_t blobs_cached;   /* the call's blobs that came from the context's memo (kvf_blob_build_memo) */
