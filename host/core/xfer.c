@@ -1015,8 +1015,8 @@ static int call_stream_id(kvf_xfer *x, cudaStream_t stream, unsigned long long *
  * bf16 and fp8 MLA chunks h2d alone at 1.08-1.12x a memcpy where the
  * staged route took 1.04-1.06x; perf/results/2026-12-04-h200-straight-
  * alone, d4). Asked only where idleness decides the route or its shape (a
- * call alone the host-bound rule would stage, a small gather's straight
- * part, the batch route's ramp: ramped_batch_copy), so a stream busy with
+ * call the host-bound rule could stage, a small gather's straight part,
+ * the batch route's ramp: ramped_batch_copy), so a stream busy with
  * other work costs such a call at most this much host time
  * (KVF_IDLE_WAIT_NS), which x->idle_wait_ns keeps out of the batch calls'
  * host time. */
@@ -1156,8 +1156,12 @@ static int host_bound_goes_staged(kvf_xfer *x, uint64_t runs, uint64_t engine_ns
    * ahead work is queued. Work the caller queued behind that call leaves
    * its end mark reached once it is done, and while it is not, only time
    * tells: a call back to back (within the window) has had no time to
-   * queue much. */
-  int idle = alone ? stream_idle_soon(x, stream) : query_relaxed(stream, NULL) == cudaSuccess;
+   * queue much. Asked as the ramp asks (stream_idle_soon) for a call weighed
+   * back to back too: one ask behind an event the caller had just recorded
+   * left such a call batched in one call, where the event completes within
+   * the wait and the ramp pays; back to back on its stream it waits for
+   * nothing there either. */
+  int idle = stream_idle_soon(x, stream);
   *stream_idle = idle;
   /* Only a call alone could go staged (the latency model can send a call
    * staged whose host time is under its copy time): behind other work it
